@@ -1,0 +1,446 @@
+//! Reading a model directory's JSON files: the Qwen dimensions (`ModelConfig`) and the block-diffusion
+//! family profile (`Profile`) that says how the checkpoint must be decoded.
+
+use crate::error::{Error, Result};
+use crate::mask::{Alignment, AttentionKind};
+use serde_json::{Map, Value};
+use std::path::Path;
+
+/// Read and parse a JSON object file, naming the file in every error.
+pub fn read_json(path: &Path) -> Result<Map<String, Value>> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::NotFound {
+            Error::FileNotFound { path: path.to_path_buf(), what: "required by the model directory".into() }
+        } else {
+            Error::load(format!("{}: cannot read: {e}", path.display()))
+        }
+    })?;
+    let v: Value = serde_json::from_str(&text)
+        .map_err(|e| Error::config(format!("{}: malformed JSON: {e}", path.display())))?;
+    match v {
+        Value::Object(m) => Ok(m),
+        other => Err(Error::config(format!(
+            "{}: expected a JSON object at the top level, found {}",
+            path.display(),
+            type_name(&other)
+        ))),
+    }
+}
+
+pub fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Typed access to a JSON object with errors that name the file and the field.
+pub struct Fields<'a> {
+    pub file: &'a str,
+    pub map: &'a Map<String, Value>,
+}
+
+impl<'a> Fields<'a> {
+    fn get(&self, key: &str) -> Option<&'a Value> {
+        match self.map.get(key) {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(v),
+        }
+    }
+    fn wrong(&self, key: &str, expected: &str, v: &Value) -> Error {
+        Error::config(format!("{}: field '{key}' must be {expected}, found {} ({v})", self.file, type_name(v)))
+    }
+    fn missing(&self, key: &str, expected: &str) -> Error {
+        Error::config(format!("{}: field '{key}' is missing (expected {expected})", self.file))
+    }
+    pub fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v.as_u64().map(|x| Some(x as usize)).ok_or_else(|| self.wrong(key, "a non-negative integer", v)),
+        }
+    }
+    pub fn usize(&self, key: &str) -> Result<usize> {
+        self.opt_usize(key)?.ok_or_else(|| self.missing(key, "a non-negative integer"))
+    }
+    pub fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| self.wrong(key, "a number", v)),
+        }
+    }
+    pub fn f64_or(&self, key: &str, default: f64) -> Result<f64> {
+        Ok(self.opt_f64(key)?.unwrap_or(default))
+    }
+    pub fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v.as_bool().map(Some).ok_or_else(|| self.wrong(key, "true or false", v)),
+        }
+    }
+    pub fn opt_str(&self, key: &str) -> Result<Option<&'a str>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v.as_str().map(Some).ok_or_else(|| self.wrong(key, "a string", v)),
+        }
+    }
+    /// An id field that may be one integer or a list of integers (eos_token_id).
+    pub fn ids(&self, key: &str) -> Result<Vec<u32>> {
+        match self.get(key) {
+            None => Ok(vec![]),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|x| x.as_u64().map(|i| i as u32).ok_or_else(|| self.wrong(key, "an integer or a list of integers", x)))
+                .collect(),
+            Some(v) => v.as_u64().map(|i| vec![i as u32]).ok_or_else(|| self.wrong(key, "an integer or a list of integers", v)),
+        }
+    }
+    pub fn opt_usize_list(&self, key: &str) -> Result<Vec<usize>> {
+        match self.get(key) {
+            None => Ok(vec![]),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|x| x.as_u64().map(|i| i as usize).ok_or_else(|| self.wrong(key, "a list of integers", x)))
+                .collect(),
+            Some(v) => Err(self.wrong(key, "a list of integers", v)),
+        }
+    }
+}
+
+/// Which weight layout the checkpoint uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    Qwen2,
+    Qwen3,
+    Qwen3Moe,
+}
+
+impl Arch {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+            Arch::Qwen3Moe => "qwen3_moe",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    pub num_experts_per_tok: usize,
+    pub moe_intermediate_size: usize,
+    pub norm_topk_prob: bool,
+    pub decoder_sparse_step: usize,
+    pub mlp_only_layers: Vec<usize>,
+}
+
+/// The transformer's dimensions, read from config.json.
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    /// q/k/v projections carry a bias (Qwen2 always; Qwen3 when `attention_bias`).
+    pub qkv_bias: bool,
+    /// Per-head RMSNorm on q and k before RoPE (Qwen3).
+    pub qk_norm: bool,
+    pub moe: Option<MoeConfig>,
+}
+
+impl ModelConfig {
+    pub fn from_json(f: &Fields, arch: Arch) -> Result<Self> {
+        let hidden_size = f.usize("hidden_size")?;
+        let num_attention_heads = f.usize("num_attention_heads")?;
+        if num_attention_heads == 0 {
+            return Err(Error::config(format!("{}: field 'num_attention_heads' must be at least 1", f.file)));
+        }
+        let num_key_value_heads = f.opt_usize("num_key_value_heads")?.unwrap_or(num_attention_heads);
+        if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
+            return Err(Error::config(format!(
+                "{}: num_attention_heads ({num_attention_heads}) must be a multiple of num_key_value_heads ({num_key_value_heads})",
+                f.file
+            )));
+        }
+        let head_dim = match f.opt_usize("head_dim")? {
+            Some(d) => d,
+            None => hidden_size / num_attention_heads,
+        };
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(Error::config(format!("{}: head_dim must be a positive even number, found {head_dim}", f.file)));
+        }
+        for key in ["rope_scaling", "rope_parameters"] {
+            let Some(scaling) = f.map.get(key) else { continue };
+            if !scaling.is_null() {
+                // rope_type "default" is plain RoPE; everything else changes the frequencies.
+                let kind = scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(|v| v.as_str());
+                if !matches!(kind, None | Some("default")) {
+                    return Err(Error::Unsupported(format!(
+                        "{}: {key} {scaling} is not supported yet (only plain RoPE: rope_type 'default')",
+                        f.file
+                    )));
+                }
+            }
+        }
+        if f.opt_bool("use_sliding_window")? == Some(true) {
+            return Err(Error::Unsupported(format!(
+                "{}: use_sliding_window=true is not supported (block-diffusion decoding needs full-context attention)",
+                f.file
+            )));
+        }
+        let rope_theta = match f.opt_f64("rope_theta")? {
+            Some(t) => t,
+            // transformers >= 5 may keep rope_theta inside rope_parameters.
+            None => f
+                .map
+                .get("rope_parameters")
+                .and_then(|p| p.get("rope_theta"))
+                .and_then(|v| v.as_f64())
+                .unwrap_or(10000.0),
+        };
+        let moe = if arch == Arch::Qwen3Moe {
+            Some(MoeConfig {
+                // transformers >= 5 writes `num_local_experts`; earlier versions `num_experts`.
+                num_experts: match f.opt_usize("num_experts")? {
+                    Some(n) => n,
+                    None => f.usize("num_local_experts")?,
+                },
+                num_experts_per_tok: f.usize("num_experts_per_tok")?,
+                moe_intermediate_size: f.usize("moe_intermediate_size")?,
+                norm_topk_prob: f.opt_bool("norm_topk_prob")?.unwrap_or(false),
+                decoder_sparse_step: f.opt_usize("decoder_sparse_step")?.unwrap_or(1).max(1),
+                mlp_only_layers: f.opt_usize_list("mlp_only_layers")?,
+            })
+        } else {
+            None
+        };
+        if let Some(m) = &moe {
+            if m.num_experts_per_tok == 0 || m.num_experts_per_tok > m.num_experts {
+                return Err(Error::config(format!(
+                    "{}: num_experts_per_tok ({}) must be between 1 and num_experts ({})",
+                    f.file, m.num_experts_per_tok, m.num_experts
+                )));
+            }
+        }
+        let (qkv_bias, qk_norm) = match arch {
+            Arch::Qwen2 => (true, false),
+            _ => (f.opt_bool("attention_bias")?.unwrap_or(false), true),
+        };
+        Ok(ModelConfig {
+            arch,
+            vocab_size: f.usize("vocab_size")?,
+            hidden_size,
+            intermediate_size: f.usize("intermediate_size")?,
+            num_hidden_layers: f.usize("num_hidden_layers")?,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rms_norm_eps: f.f64_or("rms_norm_eps", 1e-6)?,
+            rope_theta,
+            max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(32768),
+            tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
+            qkv_bias,
+            qk_norm,
+            moe,
+        })
+    }
+}
+
+/// The block-diffusion families we recognise, keyed by `architectures[0]` or `model_type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    Qwen2,
+    Qwen3,
+    Qwen3Moe,
+    Dream,
+    Sdar,
+    SdarMoe,
+    FastDllmV2,
+}
+
+pub const SUPPORTED_ARCHITECTURES: &[(&str, &str, Family)] = &[
+    ("Qwen2ForCausalLM", "qwen2", Family::Qwen2),
+    ("Qwen3ForCausalLM", "qwen3", Family::Qwen3),
+    ("Qwen3MoeForCausalLM", "qwen3_moe", Family::Qwen3Moe),
+    ("DreamModel", "Dream", Family::Dream),
+    ("SDARForCausalLM", "sdar", Family::Sdar),
+    ("SDARMoeForCausalLM", "sdar_moe", Family::SdarMoe),
+    ("Fast_dLLM_QwenForCausalLM", "Fast_dLLM_Qwen", Family::FastDllmV2),
+];
+
+impl Family {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
+            Family::Qwen3Moe => "qwen3_moe",
+            Family::Dream => "dream",
+            Family::Sdar => "sdar",
+            Family::SdarMoe => "sdar_moe",
+            Family::FastDllmV2 => "fast_dllm_v2",
+        }
+    }
+    pub fn arch(&self) -> Arch {
+        match self {
+            Family::Qwen2 | Family::Dream | Family::FastDllmV2 => Arch::Qwen2,
+            Family::Qwen3 | Family::Sdar => Arch::Qwen3,
+            Family::Qwen3Moe | Family::SdarMoe => Arch::Qwen3Moe,
+        }
+    }
+}
+
+/// Everything the decoder needs to know about how this checkpoint was trained.
+#[derive(Debug, Clone)]
+pub struct Profile {
+    pub family: Family,
+    /// The architecture string as written in config.json.
+    pub architecture: String,
+    pub attention: AttentionKind,
+    pub alignment: Alignment,
+    /// true: the logit at position i-1 predicts token i (Dream, Fast-dLLM v2, plain causal LMs).
+    pub logits_shift: bool,
+    pub mask_token_id: Option<u32>,
+    pub block_size: usize,
+    pub eos_token_ids: Vec<u32>,
+    /// Data type of the weights on disk (`torch_dtype` / `dtype`), informational.
+    pub stored_dtype: Option<String>,
+}
+
+/// User overrides of profile fields at load time (all optional).
+#[derive(Debug, Clone, Default)]
+pub struct ProfileOverrides {
+    pub mask_token_id: Option<u32>,
+    pub block_size: Option<usize>,
+    pub attention: Option<AttentionKind>,
+    pub alignment: Option<Alignment>,
+    pub logits_shift: Option<bool>,
+    pub eos_token_ids: Option<Vec<u32>>,
+}
+
+pub fn detect_family(f: &Fields) -> Result<(Family, String)> {
+    let arch0 = match f.map.get("architectures") {
+        Some(Value::Array(a)) => a.first().and_then(|v| v.as_str()).map(|s| s.to_string()),
+        _ => None,
+    };
+    let model_type = f.opt_str("model_type")?.map(|s| s.to_string());
+    if let Some(a) = &arch0 {
+        if let Some((_, _, fam)) = SUPPORTED_ARCHITECTURES.iter().find(|(n, _, _)| n == a) {
+            return Ok((*fam, a.clone()));
+        }
+    }
+    if let Some(t) = &model_type {
+        if let Some((n, _, fam)) = SUPPORTED_ARCHITECTURES.iter().find(|(_, m, _)| m == t) {
+            return Ok((*fam, arch0.unwrap_or_else(|| n.to_string())));
+        }
+    }
+    if arch0.is_none() && model_type.is_none() {
+        return Err(Error::config(format!(
+            "{}: neither 'architectures' nor 'model_type' is set; cannot tell which model this is",
+            f.file
+        )));
+    }
+    let supported: Vec<String> =
+        SUPPORTED_ARCHITECTURES.iter().map(|(a, m, _)| format!("{a} ({m})")).collect();
+    Err(Error::Unsupported(format!(
+        "{}: architecture {} (model_type {}) is not supported; supported: {}",
+        f.file,
+        arch0.as_deref().map(|s| format!("'{s}'")).unwrap_or_else(|| "unset".into()),
+        model_type.as_deref().map(|s| format!("'{s}'")).unwrap_or_else(|| "unset".into()),
+        supported.join(", ")
+    )))
+}
+
+impl Profile {
+    /// Build the profile from config.json, generation_config.json (may be absent) and a mask id found in the
+    /// tokenizer (for families that keep it there), then apply user overrides.
+    pub fn resolve(
+        family: Family,
+        architecture: String,
+        cfg: &Fields,
+        gen: Option<&Fields>,
+        tokenizer_mask_id: Option<u32>,
+        ov: &ProfileOverrides,
+    ) -> Result<Profile> {
+        let cfg_block = match cfg.opt_usize("block_size")? {
+            Some(b) => Some(b),
+            None => cfg.opt_usize("bd_size")?,
+        };
+        let cfg_mask = cfg.opt_usize("mask_token_id")?.map(|m| m as u32);
+        let (attention, alignment, logits_shift, mask, block) = match family {
+            // Plain checkpoints: causal LMs unless config.json carries diffusion fields.
+            Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe => {
+                let attn = if cfg_block.is_some() { AttentionKind::BlockCausal } else { AttentionKind::Causal };
+                let shift = cfg.opt_bool("logits_shift")?.unwrap_or(cfg_block.is_none());
+                (attn, Alignment::Absolute, shift, cfg_mask, cfg_block.unwrap_or(32))
+            }
+            Family::Dream => (AttentionKind::Full, Alignment::Absolute, true, cfg_mask.or(Some(151666)), cfg_block.unwrap_or(32)),
+            Family::Sdar | Family::SdarMoe => {
+                (AttentionKind::BlockCausal, Alignment::Absolute, false, cfg_mask.or(tokenizer_mask_id), cfg_block.unwrap_or(4))
+            }
+            Family::FastDllmV2 => (
+                AttentionKind::BlockCausal,
+                Alignment::Absolute,
+                true,
+                cfg_mask.or(tokenizer_mask_id).or(Some(151665)),
+                cfg_block.unwrap_or(32),
+            ),
+        };
+        let mut eos = cfg.ids("eos_token_id")?;
+        if let Some(g) = gen {
+            for id in g.ids("eos_token_id")? {
+                if !eos.contains(&id) {
+                    eos.push(id);
+                }
+            }
+        }
+        let stored_dtype = match cfg.opt_str("torch_dtype")? {
+            Some(s) => Some(s.to_string()),
+            None => cfg.opt_str("dtype")?.map(|s| s.to_string()),
+        };
+        let mut p = Profile {
+            family,
+            architecture,
+            attention,
+            alignment,
+            logits_shift,
+            mask_token_id: mask,
+            block_size: block,
+            eos_token_ids: eos,
+            stored_dtype,
+        };
+        if let Some(m) = ov.mask_token_id {
+            p.mask_token_id = Some(m);
+        }
+        if let Some(b) = ov.block_size {
+            if b == 0 {
+                return Err(Error::invalid("block_size must be >= 1, got 0"));
+            }
+            p.block_size = b;
+        }
+        if let Some(a) = ov.attention {
+            p.attention = a;
+        }
+        if let Some(a) = ov.alignment {
+            p.alignment = a;
+        }
+        if let Some(s) = ov.logits_shift {
+            p.logits_shift = s;
+        }
+        if let Some(e) = &ov.eos_token_ids {
+            p.eos_token_ids = e.clone();
+        }
+        Ok(p)
+    }
+}

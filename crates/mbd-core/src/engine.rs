@@ -1,0 +1,203 @@
+//! A loaded model directory: weights, tokenizer, profile. Stateless between calls: each sequence owns
+//! its own `KvCache`, so one `Model` serves any number of sequences.
+
+use crate::config::{detect_family, read_json, Fields, ModelConfig, Profile, ProfileOverrides};
+use crate::error::{Error, Result};
+use crate::kv_cache::KvCache;
+use crate::mask::BlockGrid;
+use crate::models::qwen::QwenModel;
+use crate::weights::{checkpoint_files, Weights};
+use candle_core::{DType, Device};
+use std::path::{Path, PathBuf};
+
+pub struct Model {
+    pub dir: PathBuf,
+    pub config: ModelConfig,
+    pub profile: Profile,
+    pub net: QwenModel,
+    pub tokenizer: tokenizers::Tokenizer,
+    pub num_parameters: usize,
+}
+
+/// Parse a device string: "auto", "cpu", "cuda", "cuda:N", "metal".
+pub fn parse_device(s: &str) -> Result<Device> {
+    let (kind, ordinal) = match s.split_once(':') {
+        Some((k, n)) => {
+            let n: usize = n.parse().map_err(|_| Error::invalid(format!("device '{s}': '{n}' is not a device number")))?;
+            (k, n)
+        }
+        None => (s, 0),
+    };
+    match kind {
+        "cpu" => Ok(Device::Cpu),
+        "auto" => {
+            if candle_core::utils::cuda_is_available() {
+                if let Ok(d) = Device::new_cuda(0) {
+                    return Ok(d);
+                }
+            }
+            if candle_core::utils::metal_is_available() {
+                if let Ok(d) = Device::new_metal(0) {
+                    return Ok(d);
+                }
+            }
+            Ok(Device::Cpu)
+        }
+        "cuda" => {
+            if !candle_core::utils::cuda_is_available() {
+                return Err(Error::Unsupported(
+                    "device 'cuda': this build of mbd-rs has no CUDA support (install the CUDA wheel)".into(),
+                ));
+            }
+            Device::new_cuda(ordinal).map_err(|e| Error::Unsupported(format!("device '{s}': no usable CUDA device or driver: {e}")))
+        }
+        "metal" => {
+            if !candle_core::utils::metal_is_available() {
+                return Err(Error::Unsupported("device 'metal': this build of mbd-rs has no Metal support".into()));
+            }
+            Device::new_metal(ordinal).map_err(|e| Error::Unsupported(format!("device '{s}': no usable Metal device: {e}")))
+        }
+        _ => Err(Error::invalid(format!("device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'metal', got '{s}'"))),
+    }
+}
+
+pub fn device_name(d: &Device) -> String {
+    match d {
+        Device::Cpu => "cpu".into(),
+        Device::Cuda(_) => "cuda".into(),
+        Device::Metal(_) => "metal".into(),
+    }
+}
+
+/// Parse a dtype string; CPU computes in f32 only (candle has no fast half-precision matmul there).
+pub fn parse_dtype(s: Option<&str>, device: &Device) -> Result<DType> {
+    let dt = match s {
+        None | Some("auto") => {
+            if device.is_cpu() {
+                DType::F32
+            } else {
+                DType::BF16
+            }
+        }
+        Some("float32") | Some("f32") => DType::F32,
+        Some("bfloat16") | Some("bf16") => DType::BF16,
+        Some("float16") | Some("f16") => DType::F16,
+        Some(o) => {
+            return Err(Error::invalid(format!("dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got '{o}'")))
+        }
+    };
+    if device.is_cpu() && dt != DType::F32 {
+        return Err(Error::invalid(format!(
+            "dtype '{}' is not supported on the CPU, which computes in float32",
+            s.unwrap_or("")
+        )));
+    }
+    Ok(dt)
+}
+
+pub fn dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "float32",
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        _ => "other",
+    }
+}
+
+fn load_tokenizer(dir: &Path) -> Result<tokenizers::Tokenizer> {
+    let p = dir.join("tokenizer.json");
+    if !p.exists() {
+        return Err(Error::FileNotFound { path: p, what: "the tokenizer (tokenizer.json)".into() });
+    }
+    tokenizers::Tokenizer::from_file(&p).map_err(|e| Error::load(format!("{}: not a valid tokenizer: {e}", p.display())))
+}
+
+/// A mask token named in the tokenizer's added tokens (spellings differ between families' files).
+fn tokenizer_mask_id(tok: &tokenizers::Tokenizer) -> Option<u32> {
+    ["<|mask|>", "<|MASK|>", "|<MASK>|", "<MASK>", "<mask>"].iter().find_map(|s| tok.token_to_id(s))
+}
+
+impl Model {
+    pub fn load(dir: &Path, device: &Device, dtype: DType, ov: &ProfileOverrides) -> Result<Model> {
+        if !dir.is_dir() {
+            return Err(Error::FileNotFound {
+                path: dir.to_path_buf(),
+                what: "no such model directory (expected config.json, tokenizer.json and *.safetensors)".into(),
+            });
+        }
+        let cfg_path = dir.join("config.json");
+        let cfg_map = read_json(&cfg_path)?;
+        let cfg_file = cfg_path.display().to_string();
+        let cfg_fields = Fields { file: &cfg_file, map: &cfg_map };
+        let (family, architecture) = detect_family(&cfg_fields)?;
+        let config = ModelConfig::from_json(&cfg_fields, family.arch())?;
+        let gen_path = dir.join("generation_config.json");
+        let gen_file = gen_path.display().to_string();
+        let gen_map = if gen_path.exists() { Some(read_json(&gen_path)?) } else { None };
+        let gen_fields = gen_map.as_ref().map(|m| Fields { file: &gen_file, map: m });
+        let tokenizer = load_tokenizer(dir)?;
+        let profile = Profile::resolve(family, architecture, &cfg_fields, gen_fields.as_ref(), tokenizer_mask_id(&tokenizer), ov)?;
+        if let Some(m) = profile.mask_token_id {
+            if m as usize >= config.vocab_size {
+                return Err(Error::config(format!(
+                    "mask_token_id {m} is outside the vocabulary of {} tokens",
+                    config.vocab_size
+                )));
+            }
+        }
+        let files = checkpoint_files(dir)?;
+        let ws = Weights::open(&files, device, dtype)?;
+        let num_parameters = ws.num_parameters();
+        let net = QwenModel::load(&config, &ws, device, dtype)?;
+        Ok(Model { dir: dir.to_path_buf(), config, profile, net, tokenizer, num_parameters })
+    }
+
+    pub fn new_cache(&self) -> KvCache {
+        self.net.new_cache()
+    }
+
+    pub fn check_ids(&self, ids: &[u32]) -> Result<()> {
+        if let Some((i, &t)) = ids.iter().enumerate().find(|(_, &t)| t as usize >= self.config.vocab_size) {
+            return Err(Error::invalid(format!(
+                "token id {t} at index {i} is out of range: the vocabulary has {} tokens (ids 0..{})",
+                self.config.vocab_size,
+                self.config.vocab_size - 1
+            )));
+        }
+        Ok(())
+    }
+
+    /// Logits for every position of `ids` under the attention grid `grid`. With `prefix_len > 0` the first
+    /// `prefix_len` tokens go through the cache (forward + commit) and the rest are forwarded as a window
+    /// over the cached prefix; the result equals the no-cache one. Returns row-major (len, vocab) f32.
+    pub fn logits(&self, ids: &[u32], grid: &BlockGrid, prefix_len: usize) -> Result<Vec<f32>> {
+        if ids.is_empty() {
+            return Err(Error::invalid("ids is empty: need at least one token"));
+        }
+        self.check_ids(ids)?;
+        if prefix_len > ids.len() {
+            return Err(Error::invalid(format!("prefix_len {prefix_len} is longer than ids ({} tokens)", ids.len())));
+        }
+        if prefix_len > 0 && prefix_len < ids.len() && !grid.is_boundary(prefix_len) {
+            return Err(Error::invalid(format!(
+                "prefix_len {prefix_len} splits an attention block ({} attention, block_size {}): cached keys would need \
+                 to see later tokens; use a block boundary",
+                grid.kind.name(),
+                grid.block_size
+            )));
+        }
+        let mut cache = self.new_cache();
+        let v = self.config.vocab_size;
+        let mut out = Vec::with_capacity(ids.len() * v);
+        for (start, end) in [(0, prefix_len), (prefix_len, ids.len())] {
+            if start == end {
+                continue;
+            }
+            let mask = grid.additive_mask(start, end - start);
+            let l = self.net.forward(&mut cache, &ids[start..end], mask.as_deref(), None)?;
+            out.extend(l.flatten_all()?.to_vec1::<f32>()?);
+            cache.commit(end - start)?;
+        }
+        Ok(out)
+    }
+}

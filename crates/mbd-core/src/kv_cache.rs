@@ -1,0 +1,94 @@
+//! A preallocated per-layer KV cache for one sequence: `len` committed positions, followed by a scratch
+//! window that each forward overwrites. Committing n window positions only advances `len`: no copy.
+
+use crate::error::{Error, Result};
+use candle_core::{DType, Device, Tensor};
+
+pub struct KvCache {
+    /// Per layer (K, V), each (n_kv, capacity, head_dim), contiguous.
+    layers: Vec<(Tensor, Tensor)>,
+    n_layers: usize,
+    n_kv: usize,
+    head_dim: usize,
+    dtype: DType,
+    device: Device,
+    len: usize,
+    capacity: usize,
+    /// Length of the window written by the last forward (committable), 0 when none.
+    window: usize,
+}
+
+impl KvCache {
+    pub fn new(n_layers: usize, n_kv: usize, head_dim: usize, dtype: DType, device: &Device) -> Self {
+        KvCache { layers: vec![], n_layers, n_kv, head_dim, dtype, device: device.clone(), len: 0, capacity: 0, window: 0 }
+    }
+
+    /// Number of committed positions.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Make room for `extra` positions past the committed prefix, growing geometrically when needed.
+    pub fn reserve(&mut self, extra: usize) -> Result<()> {
+        let need = self.len + extra;
+        if need <= self.capacity {
+            return Ok(());
+        }
+        let cap = need.max(self.capacity * 2).max(64);
+        let mut layers = Vec::with_capacity(self.n_layers);
+        for l in 0..self.n_layers {
+            let k = Tensor::zeros((self.n_kv, cap, self.head_dim), self.dtype, &self.device)?;
+            let v = Tensor::zeros((self.n_kv, cap, self.head_dim), self.dtype, &self.device)?;
+            if self.len > 0 {
+                let (ok, ov) = &self.layers[l];
+                k.slice_set(&ok.narrow(1, 0, self.len)?.contiguous()?, 1, 0)?;
+                v.slice_set(&ov.narrow(1, 0, self.len)?.contiguous()?, 1, 0)?;
+            }
+            layers.push((k, v));
+        }
+        self.layers = layers;
+        self.capacity = cap;
+        Ok(())
+    }
+
+    pub(crate) fn begin_window(&mut self, w: usize) -> Result<()> {
+        self.reserve(w)?;
+        self.window = w;
+        Ok(())
+    }
+
+    /// Store a window's K/V (n_kv, w, d) at position p (= len) of `layer`; return views over [0, p + w).
+    pub(crate) fn write_window(&mut self, layer: usize, k: &Tensor, v: &Tensor, p: usize) -> Result<(Tensor, Tensor)> {
+        let w = k.dim(1)?;
+        debug_assert_eq!(p, self.len);
+        let (ck, cv) = &self.layers[layer];
+        ck.slice_set(k, 1, p)?;
+        cv.slice_set(v, 1, p)?;
+        Ok((ck.narrow(1, 0, p + w)?, cv.narrow(1, 0, p + w)?))
+    }
+
+    /// Keep the K/V of the first `n` positions of the last forward's window.
+    pub fn commit(&mut self, n: usize) -> Result<()> {
+        if n > self.window {
+            return Err(Error::Internal(format!(
+                "cannot commit {n} positions: the last forward wrote a window of {}",
+                self.window
+            )));
+        }
+        self.len += n;
+        self.window = 0;
+        Ok(())
+    }
+
+    /// Drop committed positions past `n`.
+    pub fn truncate(&mut self, n: usize) {
+        self.len = self.len.min(n);
+        self.window = 0;
+    }
+}

@@ -1,0 +1,185 @@
+//! Attention masks as a function of a block id per position: query p sees key q iff blk(q) <= blk(p).
+//! Causal attention is blocks of size 1, full attention is one block.
+
+use crate::error::{Error, Result};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionKind {
+    Causal,
+    BlockCausal,
+    Full,
+}
+
+impl AttentionKind {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "causal" => Ok(AttentionKind::Causal),
+            "block_causal" => Ok(AttentionKind::BlockCausal),
+            "full" => Ok(AttentionKind::Full),
+            _ => Err(Error::invalid(format!("attention must be 'causal', 'block_causal' or 'full', got '{s}'"))),
+        }
+    }
+    pub fn name(&self) -> &'static str {
+        match self {
+            AttentionKind::Causal => "causal",
+            AttentionKind::BlockCausal => "block_causal",
+            AttentionKind::Full => "full",
+        }
+    }
+}
+
+/// How block-causal blocks are laid over positions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Alignment {
+    /// blk(p) = floor(p / B): SDAR, Fast-dLLM v2 (the prompt is block-causal too).
+    Absolute,
+    /// The whole prompt is block 0, then blocks of B from the prompt's end (Open-dLLM / D2F).
+    Prompt,
+}
+
+impl Alignment {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "absolute" => Ok(Alignment::Absolute),
+            "prompt" => Ok(Alignment::Prompt),
+            _ => Err(Error::invalid(format!("alignment must be 'absolute' or 'prompt', got '{s}'"))),
+        }
+    }
+    pub fn name(&self) -> &'static str {
+        match self {
+            Alignment::Absolute => "absolute",
+            Alignment::Prompt => "prompt",
+        }
+    }
+}
+
+/// A concrete block grid over absolute positions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockGrid {
+    pub kind: AttentionKind,
+    pub block_size: usize,
+    pub alignment: Alignment,
+    /// End of the prompt block (only used with `Alignment::Prompt`).
+    pub prompt_len: usize,
+}
+
+impl BlockGrid {
+    pub fn new(kind: AttentionKind, block_size: usize, alignment: Alignment, prompt_len: usize) -> Result<Self> {
+        if kind == AttentionKind::BlockCausal && block_size == 0 {
+            return Err(Error::invalid("block_size must be >= 1, got 0"));
+        }
+        Ok(BlockGrid { kind, block_size, alignment, prompt_len })
+    }
+
+    pub fn causal() -> Self {
+        BlockGrid { kind: AttentionKind::Causal, block_size: 1, alignment: Alignment::Absolute, prompt_len: 0 }
+    }
+
+    /// Block id of absolute position `p`.
+    pub fn block_of(&self, p: usize) -> usize {
+        match self.kind {
+            AttentionKind::Causal => p,
+            AttentionKind::Full => 0,
+            AttentionKind::BlockCausal => match self.alignment {
+                Alignment::Absolute => p / self.block_size,
+                Alignment::Prompt => {
+                    if p < self.prompt_len {
+                        0
+                    } else {
+                        1 + (p - self.prompt_len) / self.block_size
+                    }
+                }
+            },
+        }
+    }
+
+    /// Whether keys before `p` never attend to keys at or after `p`, i.e. whether K/V of [0, p) can be
+    /// computed (and cached) without knowing anything at positions >= p.
+    pub fn is_boundary(&self, p: usize) -> bool {
+        p == 0 || self.block_of(p - 1) < self.block_of(p)
+    }
+
+    /// Additive mask (row-major W x (start+W)) for queries [start, start+W) over keys [0, start+W):
+    /// 0 where visible, -inf where not. `None` when every query sees every key.
+    pub fn additive_mask(&self, start: usize, w: usize) -> Option<Vec<f32>> {
+        let s = start + w;
+        if w == 0 {
+            return None;
+        }
+        // Keys are visible iff blk(key) <= blk(query); block ids are non-decreasing in position, so the
+        // smallest query block deciding visibility is the first query's.
+        if self.block_of(s - 1) <= self.block_of(start) {
+            return None;
+        }
+        let mut m = vec![0f32; w * s];
+        for i in 0..w {
+            let bq = self.block_of(start + i);
+            let row = &mut m[i * s..(i + 1) * s];
+            // Keys in blocks <= bq form a prefix [0, end) because block ids are monotone.
+            let mut end = start + i + 1;
+            while end < s && self.block_of(end) <= bq {
+                end += 1;
+            }
+            for x in row[end..].iter_mut() {
+                *x = f32::NEG_INFINITY;
+            }
+        }
+        Some(m)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn visible(g: &BlockGrid, start: usize, w: usize) -> Vec<Vec<bool>> {
+        let s = start + w;
+        match g.additive_mask(start, w) {
+            None => vec![vec![true; s]; w],
+            Some(m) => (0..w).map(|i| (0..s).map(|j| m[i * s + j] == 0.0).collect()).collect(),
+        }
+    }
+
+    #[test]
+    fn causal_is_lower_triangular() {
+        let g = BlockGrid::causal();
+        let v = visible(&g, 2, 3);
+        for i in 0..3 {
+            for j in 0..5 {
+                assert_eq!(v[i][j], j <= 2 + i, "q{i} k{j}");
+            }
+        }
+    }
+
+    #[test]
+    fn block_causal_absolute_matches_definition() {
+        let g = BlockGrid::new(AttentionKind::BlockCausal, 4, Alignment::Absolute, 0).unwrap();
+        let (start, w) = (3, 9);
+        let v = visible(&g, start, w);
+        for i in 0..w {
+            for j in 0..start + w {
+                assert_eq!(v[i][j], j / 4 <= (start + i) / 4, "q{} k{j}", start + i);
+            }
+        }
+        assert!(g.is_boundary(8) && !g.is_boundary(9));
+    }
+
+    #[test]
+    fn block_causal_prompt_grid() {
+        let g = BlockGrid::new(AttentionKind::BlockCausal, 3, Alignment::Prompt, 5).unwrap();
+        assert_eq!((0..12).map(|p| g.block_of(p)).collect::<Vec<_>>(), vec![0, 0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 3]);
+        let v = visible(&g, 0, 12);
+        assert!(v[0][4] && !v[0][5] && v[5][7] && !v[5][8]);
+        assert!(g.is_boundary(5) && !g.is_boundary(4));
+    }
+
+    #[test]
+    fn full_needs_no_mask() {
+        let g = BlockGrid::new(AttentionKind::Full, 1, Alignment::Absolute, 0).unwrap();
+        assert!(g.additive_mask(0, 7).is_none());
+        // One block in the window over a prefix needs no mask either.
+        let b = BlockGrid::new(AttentionKind::BlockCausal, 4, Alignment::Absolute, 0).unwrap();
+        assert!(b.additive_mask(8, 4).is_none());
+        assert!(b.additive_mask(8, 5).is_some());
+    }
+}

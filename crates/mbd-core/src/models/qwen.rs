@@ -1,0 +1,367 @@
+//! Qwen2 / Qwen3 / Qwen3-MoE decoder, batch 1, written for block-diffusion decoding:
+//! a forward takes a window of W tokens at absolute positions [P, P+W) over a KV cache holding P committed
+//! tokens, an explicit additive attention mask, and the rows whose logits are wanted.
+//! The window's own K/V are written after the committed prefix (scratch); `KvCache::commit` keeps them.
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::kv_cache::KvCache;
+use crate::weights::Weights;
+use candle_core::{DType, Device, Tensor};
+
+struct Linear {
+    w: Tensor,
+    b: Option<Tensor>,
+}
+
+impl Linear {
+    fn load(ws: &Weights, prefix: &str, out_f: usize, in_f: usize, bias: bool) -> Result<Self> {
+        let w = ws.get(&format!("{prefix}.weight"), &[out_f, in_f])?;
+        let b = if bias { Some(ws.get(&format!("{prefix}.bias"), &[out_f])?) } else { None };
+        Ok(Linear { w, b })
+    }
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = x.matmul(&self.w.t()?)?;
+        Ok(match &self.b {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+}
+
+struct RmsNorm {
+    w: Tensor,
+    eps: f32,
+}
+
+impl RmsNorm {
+    fn load(ws: &Weights, name: &str, dim: usize, eps: f64) -> Result<Self> {
+        Ok(RmsNorm { w: ws.get(name, &[dim])?, eps: eps as f32 })
+    }
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = if x.is_contiguous() { x.clone() } else { x.contiguous()? };
+        Ok(candle_nn::ops::rms_norm(&x, &self.w, self.eps)?)
+    }
+}
+
+struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+impl Mlp {
+    fn load(ws: &Weights, prefix: &str, hidden: usize, inter: usize) -> Result<Self> {
+        Ok(Mlp {
+            gate: Linear::load(ws, &format!("{prefix}.gate_proj"), inter, hidden, false)?,
+            up: Linear::load(ws, &format!("{prefix}.up_proj"), inter, hidden, false)?,
+            down: Linear::load(ws, &format!("{prefix}.down_proj"), hidden, inter, false)?,
+        })
+    }
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let g = self.gate.forward(x)?.silu()?;
+        let u = self.up.forward(x)?;
+        self.down.forward(&(g * u)?)
+    }
+}
+
+/// Sparse mixture of experts (Qwen3-MoE): softmax router in f32, top-k, optional renormalisation.
+struct Moe {
+    router: Linear,
+    experts: Vec<Mlp>,
+    top_k: usize,
+    norm_topk_prob: bool,
+}
+
+impl Moe {
+    fn load(ws: &Weights, prefix: &str, hidden: usize, m: &crate::config::MoeConfig) -> Result<Self> {
+        let router = Linear::load(ws, &format!("{prefix}.gate"), m.num_experts, hidden, false)?;
+        let inter = m.moe_intermediate_size;
+        let fused = format!("{prefix}.experts.gate_up_proj");
+        let experts = if ws.contains(&fused) {
+            // transformers >= 5 layout: gate_up_proj (E, 2I, H) and down_proj (E, H, I).
+            let gu = ws.get(&fused, &[m.num_experts, 2 * inter, hidden])?;
+            let dn = ws.get(&format!("{prefix}.experts.down_proj"), &[m.num_experts, hidden, inter])?;
+            (0..m.num_experts)
+                .map(|e| {
+                    let gue = gu.get(e)?;
+                    Ok(Mlp {
+                        gate: Linear { w: gue.narrow(0, 0, inter)?.contiguous()?, b: None },
+                        up: Linear { w: gue.narrow(0, inter, inter)?.contiguous()?, b: None },
+                        down: Linear { w: dn.get(e)?.contiguous()?, b: None },
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            (0..m.num_experts)
+                .map(|e| Mlp::load(ws, &format!("{prefix}.experts.{e}"), hidden, inter))
+                .collect::<Result<Vec<_>>>()?
+        };
+        Ok(Moe { router, experts, top_k: m.num_experts_per_tok, norm_topk_prob: m.norm_topk_prob })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let probs = candle_nn::ops::softmax_last_dim(&self.router.forward(x)?.to_dtype(DType::F32)?)?;
+        let probs: Vec<Vec<f32>> = probs.to_vec2()?;
+        let mut per_expert: Vec<(Vec<u32>, Vec<f32>)> = vec![(vec![], vec![]); self.experts.len()];
+        for (t, p) in probs.iter().enumerate() {
+            let mut order: Vec<usize> = (0..p.len()).collect();
+            // Highest probability first; ties go to the lower expert id, as torch.topk does on CPU.
+            order.sort_by(|&a, &b| p[b].partial_cmp(&p[a]).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(&b)));
+            let chosen = &order[..self.top_k];
+            let norm: f32 = if self.norm_topk_prob { chosen.iter().map(|&e| p[e]).sum() } else { 1.0 };
+            for &e in chosen {
+                per_expert[e].0.push(t as u32);
+                per_expert[e].1.push(p[e] / norm);
+            }
+        }
+        let mut out = x.zeros_like()?;
+        for (e, (toks, w)) in per_expert.iter().enumerate() {
+            if toks.is_empty() {
+                continue;
+            }
+            let idx = Tensor::new(toks.as_slice(), x.device())?;
+            let xs = x.index_select(&idx, 0)?;
+            let w = Tensor::new(w.as_slice(), x.device())?.to_dtype(x.dtype())?.unsqueeze(1)?;
+            let y = self.experts[e].forward(&xs)?.broadcast_mul(&w)?;
+            out = out.index_add(&idx, &y, 0)?;
+        }
+        Ok(out)
+    }
+}
+
+enum Ffn {
+    Dense(Mlp),
+    Sparse(Moe),
+}
+
+struct Attention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    n_heads: usize,
+    n_kv: usize,
+    head_dim: usize,
+}
+
+struct Layer {
+    attn: Attention,
+    ffn: Ffn,
+    ln1: RmsNorm,
+    ln2: RmsNorm,
+}
+
+pub struct QwenModel {
+    pub cfg: ModelConfig,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    lm_head: Tensor,
+    inv_freq: Tensor,
+    device: Device,
+    dtype: DType,
+}
+
+impl QwenModel {
+    pub fn load(cfg: &ModelConfig, ws: &Weights, device: &Device, dtype: DType) -> Result<Self> {
+        let (h, d) = (cfg.hidden_size, cfg.head_dim);
+        let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+        let embed = ws.get("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let attn = Attention {
+                q: Linear::load(ws, &format!("{p}.self_attn.q_proj"), nh * d, h, cfg.qkv_bias)?,
+                k: Linear::load(ws, &format!("{p}.self_attn.k_proj"), nkv * d, h, cfg.qkv_bias)?,
+                v: Linear::load(ws, &format!("{p}.self_attn.v_proj"), nkv * d, h, cfg.qkv_bias)?,
+                o: Linear::load(ws, &format!("{p}.self_attn.o_proj"), h, nh * d, false)?,
+                q_norm: if cfg.qk_norm {
+                    Some(RmsNorm::load(ws, &format!("{p}.self_attn.q_norm.weight"), d, cfg.rms_norm_eps)?)
+                } else {
+                    None
+                },
+                k_norm: if cfg.qk_norm {
+                    Some(RmsNorm::load(ws, &format!("{p}.self_attn.k_norm.weight"), d, cfg.rms_norm_eps)?)
+                } else {
+                    None
+                },
+                n_heads: nh,
+                n_kv: nkv,
+                head_dim: d,
+            };
+            let sparse = match &cfg.moe {
+                Some(m) => {
+                    m.num_experts > 0 && !m.mlp_only_layers.contains(&i) && (i + 1) % m.decoder_sparse_step == 0
+                }
+                None => false,
+            };
+            let ffn = if sparse {
+                Ffn::Sparse(Moe::load(ws, &format!("{p}.mlp"), h, cfg.moe.as_ref().unwrap())?)
+            } else {
+                Ffn::Dense(Mlp::load(ws, &format!("{p}.mlp"), h, cfg.intermediate_size)?)
+            };
+            layers.push(Layer {
+                attn,
+                ffn,
+                ln1: RmsNorm::load(ws, &format!("{p}.input_layernorm.weight"), h, cfg.rms_norm_eps)?,
+                ln2: RmsNorm::load(ws, &format!("{p}.post_attention_layernorm.weight"), h, cfg.rms_norm_eps)?,
+            });
+        }
+        let norm = RmsNorm::load(ws, "model.norm.weight", h, cfg.rms_norm_eps)?;
+        let lm_head = if ws.contains("lm_head.weight") && !cfg.tie_word_embeddings {
+            ws.get("lm_head.weight", &[cfg.vocab_size, h])?
+        } else if ws.contains("lm_head.weight") {
+            // Tied checkpoints may still store the (identical) head; prefer the stored tensor.
+            ws.get("lm_head.weight", &[cfg.vocab_size, h])?
+        } else if cfg.tie_word_embeddings {
+            embed.clone()
+        } else {
+            return Err(Error::load(
+                "tensor 'lm_head.weight' is missing and config.json has tie_word_embeddings=false".to_string(),
+            ));
+        };
+        let half = d / 2;
+        let inv: Vec<f32> =
+            (0..half).map(|i| (1.0 / cfg.rope_theta.powf((2 * i) as f64 / d as f64)) as f32).collect();
+        let inv_freq = Tensor::from_vec(inv, (1, half), device)?;
+        Ok(QwenModel { cfg: cfg.clone(), embed, layers, norm, lm_head, inv_freq, device: device.clone(), dtype })
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// A fresh, empty cache for one sequence.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(
+            self.cfg.num_hidden_layers,
+            self.cfg.num_key_value_heads,
+            self.cfg.head_dim,
+            self.dtype,
+            &self.device,
+        )
+    }
+
+    /// Forward a window of tokens at positions [cache.len(), cache.len() + ids.len()).
+    /// `mask`: optional additive mask, row-major (W, P + W), f32 (None = every query sees every key).
+    /// `rows`: window rows whose logits are returned (None = all). Returns (rows, vocab) f32 logits.
+    /// The window's K/V are left in the cache's scratch area; `cache.commit(n)` keeps the first n.
+    pub fn forward(&self, cache: &mut KvCache, ids: &[u32], mask: Option<&[f32]>, rows: Option<&[usize]>) -> Result<Tensor> {
+        let w = ids.len();
+        if w == 0 {
+            return Err(Error::invalid("empty window"));
+        }
+        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+            return Err(Error::invalid(format!(
+                "token id {bad} is out of range for a vocabulary of {} tokens",
+                self.cfg.vocab_size
+            )));
+        }
+        let p = cache.len();
+        let s = p + w;
+        if let Some(m) = mask {
+            if m.len() != w * s {
+                return Err(Error::Internal(format!("mask has {} entries, expected {w}x{s}", m.len())));
+            }
+        }
+        if let Some(r) = rows {
+            if let Some(&bad) = r.iter().find(|&&i| i >= w) {
+                return Err(Error::invalid(format!("logits row {bad} is outside the window of {w} tokens")));
+            }
+        }
+        cache.begin_window(w)?;
+        let dev = &self.device;
+        // RoPE tables in f32 for positions [p, p + w), cast to the compute dtype afterwards.
+        let pos: Vec<f32> = (p..s).map(|x| x as f32).collect();
+        let freqs = Tensor::from_vec(pos, (w, 1), dev)?.broadcast_mul(&self.inv_freq)?;
+        let cos = freqs.cos()?.to_dtype(self.dtype)?;
+        let sin = freqs.sin()?.to_dtype(self.dtype)?;
+        let mask = match mask {
+            Some(m) => Some(Tensor::from_slice(m, (w, s), dev)?),
+            None => None,
+        };
+        let ids_t = Tensor::new(ids, dev)?;
+        let mut x = self.embed.index_select(&ids_t, 0)?;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let hn = layer.ln1.forward(&x)?;
+            let a = layer.attn.forward(&hn, &cos, &sin, mask.as_ref(), cache, li, p)?;
+            x = (x + a)?;
+            let hn = layer.ln2.forward(&x)?;
+            let f = match &layer.ffn {
+                Ffn::Dense(m) => m.forward(&hn)?,
+                Ffn::Sparse(m) => m.forward(&hn)?,
+            };
+            x = (x + f)?;
+        }
+        let x = match rows {
+            Some(r) => {
+                let idx: Vec<u32> = r.iter().map(|&i| i as u32).collect();
+                x.index_select(&Tensor::new(idx.as_slice(), dev)?, 0)?
+            }
+            None => x,
+        };
+        let x = self.norm.forward(&x)?;
+        Ok(x.matmul(&self.lm_head.t()?)?.to_dtype(DType::F32)?)
+    }
+}
+
+impl Attention {
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+        cache: &mut KvCache,
+        layer: usize,
+        p: usize,
+    ) -> Result<Tensor> {
+        let w = x.dim(0)?;
+        let (nh, nkv, d) = (self.n_heads, self.n_kv, self.head_dim);
+        let q = self.q.forward(x)?.reshape((w, nh, d))?;
+        let k = self.k.forward(x)?.reshape((w, nkv, d))?;
+        let v = self.v.forward(x)?.reshape((w, nkv, d))?;
+        let q = match &self.q_norm {
+            Some(n) => n.forward(&q)?,
+            None => q,
+        };
+        let k = match &self.k_norm {
+            Some(n) => n.forward(&k)?,
+            None => k,
+        };
+        // (W, H, D) -> (1, H, W, D) for the fused rope kernel.
+        let q = candle_nn::rotary_emb::rope(&q.transpose(0, 1)?.contiguous()?.unsqueeze(0)?, cos, sin)?.squeeze(0)?;
+        let k = candle_nn::rotary_emb::rope(&k.transpose(0, 1)?.contiguous()?.unsqueeze(0)?, cos, sin)?.squeeze(0)?;
+        let v = v.transpose(0, 1)?.contiguous()?;
+        // Write the window's K/V after the committed prefix and attend over [0, p + w).
+        let (kk, vv) = cache.write_window(layer, &k, &v, p)?;
+        let s = p + w;
+        let n_rep = nh / nkv;
+        // GQA without repeating K/V: the n_rep query heads of a group are adjacent, so fold them into rows.
+        let q = q.reshape((nkv, n_rep * w, d))?;
+        let scale = 1.0 / (d as f64).sqrt();
+        let att = q.to_dtype(DType::F32)?.matmul(&kk.to_dtype(DType::F32)?.t()?)?.affine(scale, 0.0)?;
+        let att = att.reshape((nkv, n_rep, w, s))?;
+        let att = match mask {
+            Some(m) => att.broadcast_add(m)?,
+            None => att,
+        };
+        let att = candle_nn::ops::softmax_last_dim(&att)?.to_dtype(vv.dtype())?;
+        let y = att.reshape((nkv, n_rep * w, s))?.matmul(&vv)?; // (nkv, n_rep*w, d)
+        let y = y.reshape((nh, w, d))?.transpose(0, 1)?.reshape((w, nh * d))?;
+        self.o.forward(&y)
+    }
+}
+
+#[allow(dead_code)]
+fn assert_send_sync() {
+    fn f<T: Send + Sync>() {}
+    f::<QwenModel>();
+}
