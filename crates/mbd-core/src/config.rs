@@ -155,6 +155,8 @@ pub struct ModelConfig {
     pub tie_word_embeddings: bool,
     /// q/k/v projections carry a bias (Qwen2 always; Qwen3 when `attention_bias`).
     pub qkv_bias: bool,
+    /// o_proj carries a bias (Qwen3 with `attention_bias`; never Qwen2).
+    pub o_bias: bool,
     /// Per-head RMSNorm on q and k before RoPE (Qwen3).
     pub qk_norm: bool,
     pub moe: Option<MoeConfig>,
@@ -234,9 +236,12 @@ impl ModelConfig {
                 )));
             }
         }
-        let (qkv_bias, qk_norm) = match arch {
-            Arch::Qwen2 => (true, false),
-            _ => (f.opt_bool("attention_bias")?.unwrap_or(false), true),
+        let (qkv_bias, o_bias, qk_norm) = match arch {
+            Arch::Qwen2 => (true, false, false),
+            _ => {
+                let b = f.opt_bool("attention_bias")?.unwrap_or(false);
+                (b, b, true)
+            }
         };
         Ok(ModelConfig {
             arch,
@@ -252,6 +257,7 @@ impl ModelConfig {
             max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(32768),
             tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
             qkv_bias,
+            o_bias,
             qk_norm,
             moe,
         })

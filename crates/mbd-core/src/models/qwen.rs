@@ -177,7 +177,7 @@ impl QwenModel {
                 q: Linear::load(ws, &format!("{p}.self_attn.q_proj"), nh * d, h, cfg.qkv_bias)?,
                 k: Linear::load(ws, &format!("{p}.self_attn.k_proj"), nkv * d, h, cfg.qkv_bias)?,
                 v: Linear::load(ws, &format!("{p}.self_attn.v_proj"), nkv * d, h, cfg.qkv_bias)?,
-                o: Linear::load(ws, &format!("{p}.self_attn.o_proj"), h, nh * d, false)?,
+                o: Linear::load(ws, &format!("{p}.self_attn.o_proj"), h, nh * d, cfg.o_bias)?,
                 q_norm: if cfg.qk_norm {
                     Some(RmsNorm::load(ws, &format!("{p}.self_attn.q_norm.weight"), d, cfg.rms_norm_eps)?)
                 } else {

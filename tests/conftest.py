@@ -1,0 +1,34 @@
+import json
+import os
+import shutil
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PARITY = os.path.join(HERE, "fixtures", "parity")
+
+
+def parity_dir(name):
+    return os.path.join(PARITY, name)
+
+
+def load_cases():
+    with open(os.path.join(PARITY, "cases.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture
+def model_copy(tmp_path):
+    """Copy a parity fixture into a temp dir so a test can edit or break it."""
+
+    def make(name="qwen3_headdim_gqa", edit_config=None):
+        dst = tmp_path / name
+        shutil.copytree(parity_dir(name), dst)
+        if edit_config is not None:
+            p = dst / "config.json"
+            cfg = json.loads(p.read_text())
+            edit_config(cfg)
+            p.write_text(json.dumps(cfg))
+        return dst
+
+    return make
