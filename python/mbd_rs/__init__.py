@@ -1,6 +1,7 @@
 """mbd-rs: fast, exact inference for block-diffusion LLMs on the Qwen2/Qwen3 architectures."""
 from ._core import __version__
-from .engine import Engine, ModelInfo
+from .engine import GENERATION_PARAMS, Engine, ModelInfo, Stream
+from .types import Completion, StepEvent, StreamChunk, Usage
 from .errors import (
     ConfigError,
     ContextLengthError,
@@ -15,6 +16,12 @@ from .errors import (
 __all__ = [
     "Engine",
     "ModelInfo",
+    "Stream",
+    "StreamChunk",
+    "StepEvent",
+    "Completion",
+    "Usage",
+    "GENERATION_PARAMS",
     "MbdError",
     "ModelLoadError",
     "ModelFileNotFoundError",

@@ -11,6 +11,7 @@ import numpy as np
 
 from . import _core
 from .errors import InvalidRequestError
+from .types import Completion, StepEvent, StreamChunk, Usage
 
 PROFILE_OVERRIDES = ("mask_token_id", "block_size", "attention", "alignment", "logits_shift", "eos_token_ids")
 
@@ -100,3 +101,178 @@ class Engine:
         rest are forwarded as a window over that cache (the result is the same; prefix_len must sit on a block
         boundary of the chosen attention)."""
         return self._core.logits(_token_ids(ids), attention, block_size, alignment, prompt_len, prefix_len)
+
+
+# Request parameters: name -> (kind, checker description). Values are converted and range-checked here;
+# the Rust core checks them again.
+_INT, _FLOAT, _BOOL, _STR = "int", "float", "bool", "str"
+GENERATION_PARAMS = {
+    "max_tokens": _INT, "temperature": _FLOAT, "top_k": _INT, "top_p": _FLOAT, "seed": _INT,
+    "stop": "stop", "stop_token_ids": "ids", "block_size": _INT, "threshold": _FLOAT, "acceptance": _STR,
+    "block_add_threshold": _FLOAT, "decoded_token_threshold": _FLOAT, "forced_progress": _STR,
+    "early_stop": _BOOL, "use_cache": _BOOL, "max_forward_passes": _INT, "trace": "trace",
+}
+_MIN = {"max_tokens": 1, "top_k": 0, "seed": 0, "block_size": 1, "max_forward_passes": 1}
+
+
+def _check_params(params: dict) -> dict:
+    unknown = sorted(set(params) - set(GENERATION_PARAMS))
+    if unknown:
+        raise TypeError(f"unexpected generation parameter(s) {unknown}; valid parameters: {sorted(GENERATION_PARAMS)}")
+    out = {}
+    for k, v in params.items():
+        kind = GENERATION_PARAMS[k]
+        if v is None:
+            continue
+        if kind == _INT:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise InvalidRequestError(f"{k} must be an integer, got {v!r}")
+            if v < _MIN[k]:
+                raise InvalidRequestError(f"{k} must be >= {_MIN[k]}, got {v}")
+        elif kind == _FLOAT:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise InvalidRequestError(f"{k} must be a number, got {v!r}")
+            v = float(v)
+            if v != v or v in (float("inf"), float("-inf")):
+                raise InvalidRequestError(f"{k} must be finite, got {v}")
+            if k == "threshold" and v < 0:
+                raise InvalidRequestError(f"threshold must be >= 0, got {v}")
+            if k in ("block_add_threshold", "decoded_token_threshold") and not 0 <= v <= 1:
+                raise InvalidRequestError(f"{k} must be in [0, 1], got {v}")
+            if k == "top_p" and not 0 < v <= 1:
+                raise InvalidRequestError(f"top_p must be in (0, 1], got {v}")
+            if k == "temperature" and v < 0:
+                raise InvalidRequestError(f"temperature must be >= 0, got {v}")
+        elif kind == _BOOL:
+            if not isinstance(v, bool):
+                raise InvalidRequestError(f"{k} must be True or False, got {v!r}")
+        elif kind == _STR:
+            if not isinstance(v, str):
+                raise InvalidRequestError(f"{k} must be a string, got {v!r}")
+        elif kind == "stop":
+            v = [v] if isinstance(v, str) else list(v)
+            if not all(isinstance(s, str) for s in v):
+                raise InvalidRequestError(f"stop must be a string or a list of strings, got {params[k]!r}")
+        elif kind == "ids":
+            v = _token_ids(v, k)
+        elif kind == "trace":
+            if v not in (True, False, "steps", "canvas"):
+                raise InvalidRequestError(f"trace must be True, False, 'steps' or 'canvas', got {v!r}")
+            out["trace_canvas"] = v == "canvas"
+            v = bool(v)
+        out[k] = v
+    return out
+
+
+def _usage(d: Optional[dict]) -> Optional[Usage]:
+    return None if d is None else Usage(**d)
+
+
+def _step(d: Optional[dict]) -> Optional[StepEvent]:
+    return None if d is None else StepEvent(**d)
+
+
+class Stream:
+    """Iterator of StreamChunk: text streams token by token as the left-to-right prefix becomes stable.
+    The last chunk has finish_reason and usage. Thread-safe cancel(); close() frees the KV cache now."""
+
+    def __init__(self, core_stream, trace: bool):
+        self._s = core_stream
+        self._trace = trace
+        self._done = False
+        self.text = ""
+        self.token_ids: list = []
+        self.finish_reason: Optional[str] = None
+        self.usage: Optional[Usage] = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> StreamChunk:
+        while not self._done:
+            d = self._s.step()
+            if d is None:
+                self._done = True
+                break
+            fin = d["finish_reason"]
+            if fin is not None:
+                self._done = True
+                self.finish_reason = fin
+                self.usage = _usage(d["usage"])
+            if d["text"] or d["token_ids"] or fin is not None or (self._trace and d["step"] is not None):
+                self.text += d["text"]
+                self.token_ids.extend(d["token_ids"])
+                return StreamChunk(d["text"], d["token_ids"], fin, _usage(d["usage"]), _step(d["step"]))
+        raise StopIteration
+
+    def cancel(self) -> None:
+        self._s.cancel()
+
+    def close(self) -> None:
+        self._done = True
+        self._s.close()
+
+    def result(self) -> Completion:
+        """Drain the stream and return the Completion."""
+        for _ in self:
+            pass
+        if self.finish_reason is None:
+            raise InvalidRequestError("stream was closed before it finished")
+        return Completion(self.text, list(self.token_ids), self.finish_reason, self.usage)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            self._s.close()
+        except Exception:
+            pass
+
+
+def _engine_methods():
+    def _prompt_ids(self, prompt, add_special_tokens=True):
+        if isinstance(prompt, str):
+            ids = self._core.tokenize(prompt, add_special_tokens)
+        else:
+            ids = _token_ids(prompt, "prompt")
+        if not ids:
+            raise InvalidRequestError("prompt is empty (0 tokens); give at least one token")
+        return ids
+
+    def stream(self, prompt, **params) -> Stream:
+        """Stream a completion of `prompt` (a str or a list of token ids). See GENERATION_PARAMS."""
+        p = _check_params(params)
+        return Stream(self._core.start(self._prompt_ids(prompt), **p), p.get("trace", False))
+
+    def generate(self, prompt, **params) -> Completion:
+        """Generate a completion of `prompt` (a str or a list of token ids)."""
+        return self.stream(prompt, **params).result()
+
+    def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, **template_kwargs) -> str:
+        """Render `messages` ([{"role": ..., "content": ...}, ...]) with the model's chat template."""
+        import json
+        try:
+            msgs = json.dumps(list(messages))
+            extra = json.dumps(template_kwargs) if template_kwargs else None
+        except (TypeError, ValueError) as e:
+            raise InvalidRequestError(f"messages must be JSON-serialisable dicts: {e}") from None
+        return self._core.apply_chat_template(msgs, add_generation_prompt, extra)
+
+    def stream_chat(self, messages, **params) -> Stream:
+        text = self.apply_chat_template(messages)
+        p = _check_params(params)
+        return Stream(self._core.start(self._prompt_ids(text, add_special_tokens=False), **p), p.get("trace", False))
+
+    def chat(self, messages, **params) -> Completion:
+        return self.stream_chat(messages, **params).result()
+
+    for f in (_prompt_ids, stream, generate, apply_chat_template, stream_chat, chat):
+        setattr(Engine, f.__name__, f)
+
+
+_engine_methods()

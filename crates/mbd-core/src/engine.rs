@@ -17,6 +17,7 @@ pub struct Model {
     pub net: QwenModel,
     pub tokenizer: tokenizers::Tokenizer,
     pub num_parameters: usize,
+    pub chat_template: Option<crate::chat::ChatTemplate>,
 }
 
 /// Parse a device string: "auto", "cpu", "cuda", "cuda:N", "metal".
@@ -149,7 +150,8 @@ impl Model {
         let ws = Weights::open(&files, device, dtype)?;
         let num_parameters = ws.num_parameters();
         let net = QwenModel::load(&config, &ws, device, dtype)?;
-        Ok(Model { dir: dir.to_path_buf(), config, profile, net, tokenizer, num_parameters })
+        let chat_template = crate::chat::ChatTemplate::from_dir(dir)?;
+        Ok(Model { dir: dir.to_path_buf(), config, profile, net, tokenizer, num_parameters, chat_template })
     }
 
     pub fn new_cache(&self) -> KvCache {

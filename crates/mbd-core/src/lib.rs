@@ -19,3 +19,8 @@ pub use config::{Profile, ProfileOverrides};
 pub use engine::Model;
 pub use error::{Error, Result};
 pub use mask::{Alignment, AttentionKind, BlockGrid};
+pub mod decoder;
+pub mod generate;
+pub mod sampling;
+pub mod text;
+pub mod chat;

@@ -9,8 +9,11 @@ use numpy::{PyArray1, PyArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use mbd_core::decoder::{Acceptance, ForcedProgress};
+use mbd_core::generate::{GenRequest, Generation, StepOutput};
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 pyo3::import_exception!(mbd_rs.errors, MbdError);
 pyo3::import_exception!(mbd_rs.errors, ModelLoadError);
@@ -195,11 +198,161 @@ impl CoreModel {
         let arr = PyArray1::from_vec(py, out).reshape([n, v]).map_err(|e| PyValueError::new_err(e.to_string()))?;
         Ok(arr.into_any())
     }
+    #[pyo3(signature = (messages_json, add_generation_prompt=true, extra_json=None))]
+    fn apply_chat_template(&self, messages_json: &str, add_generation_prompt: bool, extra_json: Option<&str>) -> PyResult<String> {
+        let tmpl = self.inner.chat_template.as_ref().ok_or_else(|| {
+            InvalidRequestError::new_err(format!(
+                "{}: this model has no chat template (no chat_template.jinja and no 'chat_template' in tokenizer_config.json)",
+                self.inner.dir.display()
+            ))
+        })?;
+        let msgs: serde_json::Value = serde_json::from_str(messages_json).map_err(|e| InvalidRequestError::new_err(e.to_string()))?;
+        let extra: serde_json::Value = match extra_json {
+            Some(e) => serde_json::from_str(e).map_err(|e| InvalidRequestError::new_err(e.to_string()))?,
+            None => serde_json::Value::Null,
+        };
+        tmpl.render(&msgs, add_generation_prompt, &extra).map_err(to_py)
+    }
+
+    #[pyo3(signature = (prompt_ids, max_tokens=None, temperature=None, top_k=None, top_p=None, seed=None, stop=None,
+                        stop_token_ids=None, block_size=None, threshold=None, acceptance=None, block_add_threshold=None,
+                        decoded_token_threshold=None, forced_progress=None, early_stop=None, use_cache=None,
+                        max_forward_passes=None, trace=false, trace_canvas=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn start(
+        &self,
+        py: Python<'_>,
+        prompt_ids: Vec<i64>,
+        max_tokens: Option<usize>,
+        temperature: Option<f64>,
+        top_k: Option<usize>,
+        top_p: Option<f64>,
+        seed: Option<u64>,
+        stop: Option<Vec<String>>,
+        stop_token_ids: Option<Vec<i64>>,
+        block_size: Option<usize>,
+        threshold: Option<f64>,
+        acceptance: Option<String>,
+        block_add_threshold: Option<f64>,
+        decoded_token_threshold: Option<f64>,
+        forced_progress: Option<String>,
+        early_stop: Option<bool>,
+        use_cache: Option<bool>,
+        max_forward_passes: Option<usize>,
+        trace: bool,
+        trace_canvas: bool,
+    ) -> PyResult<CoreStream> {
+        let prompt = ids_u32(prompt_ids)?;
+        let req = GenRequest {
+            max_tokens,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            stop: stop.unwrap_or_default(),
+            stop_token_ids: stop_token_ids.map(ids_u32).transpose()?.unwrap_or_default(),
+            block_size,
+            threshold,
+            acceptance: acceptance.as_deref().map(Acceptance::parse).transpose().map_err(to_py)?,
+            block_add_threshold,
+            decoded_token_threshold,
+            forced_progress: forced_progress.as_deref().map(ForcedProgress::parse).transpose().map_err(to_py)?,
+            early_stop,
+            use_cache,
+            max_forward_passes,
+            trace,
+            trace_canvas,
+        };
+        let m = self.inner.clone();
+        let g = run(py, move || Generation::new(m, prompt, &req))?;
+        Ok(CoreStream { generation: Mutex::new(Some(g)), cancelled: AtomicBool::new(false) })
+    }
+}
+
+/// One generation in progress. `step()` advances it by one forward with the GIL released.
+#[pyclass(frozen, module = "mbd_rs._core")]
+struct CoreStream {
+    generation: Mutex<Option<Generation>>,
+    cancelled: AtomicBool,
+}
+
+fn output_dict<'py>(py: Python<'py>, o: StepOutput) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("token_ids", o.token_ids)?;
+    d.set_item("text", o.text)?;
+    d.set_item("finish_reason", o.finish_reason.map(|f| f.name()))?;
+    if let Some(u) = o.usage {
+        let ud = PyDict::new(py);
+        ud.set_item("prompt_tokens", u.prompt_tokens)?;
+        ud.set_item("completion_tokens", u.completion_tokens)?;
+        ud.set_item("forward_passes", u.forward_passes)?;
+        ud.set_item("tokens_per_forward", u.tokens_per_forward)?;
+        ud.set_item("ttft_ms", u.ttft_ms)?;
+        ud.set_item("prefill_ms", u.prefill_ms)?;
+        ud.set_item("decode_ms", u.decode_ms)?;
+        ud.set_item("tokens_per_second", u.tokens_per_second)?;
+        d.set_item("usage", ud)?;
+    } else {
+        d.set_item("usage", py.None())?;
+    }
+    if let Some(e) = o.event {
+        let ed = PyDict::new(py);
+        ed.set_item("index", e.index)?;
+        ed.set_item("decoded", e.decoded)?;
+        ed.set_item("tokens", e.tokens)?;
+        let blocks: Vec<(usize, usize, &str)> = e.blocks.iter().map(|(a, b, s)| (*a, *b, s.name())).collect();
+        ed.set_item("blocks", blocks)?;
+        ed.set_item("tokens_per_forward", e.tokens_per_forward)?;
+        ed.set_item("canvas", e.canvas)?;
+        d.set_item("step", ed)?;
+    } else {
+        d.set_item("step", py.None())?;
+    }
+    Ok(d)
+}
+
+#[pymethods]
+impl CoreStream {
+    /// Advance by one forward. Returns a dict (token_ids, text, finish_reason, usage, step), or None when
+    /// the generation has finished or was closed.
+    fn step<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let out = py.detach(|| {
+            catch_panic(|| {
+                let mut guard = self.generation.lock().map_err(|_| Error::Internal("stream lock poisoned".into()))?;
+                let Some(g) = guard.as_mut() else { return Ok(None) };
+                if self.cancelled.load(Ordering::SeqCst) {
+                    let o = g.cancel();
+                    return Ok(if o.finish_reason.is_some() { Some(o) } else { None });
+                }
+                g.step()
+            })
+        });
+        match out.map_err(to_py)? {
+            Some(o) => Ok(Some(output_dict(py, o)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Ask the generation to stop; thread-safe. The next step returns finish_reason "cancelled".
+    fn cancel(&self) {
+        self.cancelled.store(true, Ordering::SeqCst);
+    }
+
+    /// Free the generation's state (KV cache) now.
+    fn close(&self, py: Python<'_>) {
+        self.cancelled.store(true, Ordering::SeqCst);
+        py.detach(|| {
+            if let Ok(mut g) = self.generation.lock() {
+                *g = None;
+            }
+        });
+    }
 }
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<CoreModel>()?;
+    m.add_class::<CoreStream>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("cuda_available", cfg!(feature = "cuda"))?;
     Ok(())

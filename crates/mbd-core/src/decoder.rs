@@ -1,0 +1,527 @@
+//! The multi-block decoding state machine (D2F / d3LLM / Open-dLLM), as pure logic: no tensors.
+//!
+//! Canvas = prompt (Lp) ++ N masked positions, split into generation blocks. Each iteration:
+//!   1. EOS fill (early_stop): after the first decoded EOS e, every position becomes that EOS.
+//!   2. stop when no masks remain;
+//!   3. block k >= 2 becomes fully active once progress(k-1) >= beta;
+//!   4. add at most one block when progress(last) >= alpha (or last complete) and no EOS fill happened;
+//!   5. one forward pass (done by the caller between `plan` and `apply`);
+//!   6-7. accept predictions by the acceptance policy;
+//!   8. forced progress in fully-active blocks that accepted nothing;
+//!   9. write accepted tokens; stop at the forward-pass cap.
+
+use crate::error::{Error, Result};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Acceptance {
+    /// accept H < tau
+    Entropy,
+    /// accept max-probability > tau
+    Confidence,
+    /// EB-sampler per block: sort by H ascending, accept the i-th while the sum of the earlier ones <= gamma
+    Eb,
+}
+
+impl Acceptance {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "entropy" => Ok(Acceptance::Entropy),
+            "confidence" => Ok(Acceptance::Confidence),
+            "eb" => Ok(Acceptance::Eb),
+            _ => Err(Error::invalid(format!("acceptance must be 'entropy', 'confidence' or 'eb', got '{s}'"))),
+        }
+    }
+    pub fn name(&self) -> &'static str {
+        match self {
+            Acceptance::Entropy => "entropy",
+            Acceptance::Confidence => "confidence",
+            Acceptance::Eb => "eb",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ForcedProgress {
+    /// only the lowest fully-active block with masks (d3LLM)
+    First,
+    /// every fully-active block with masks (D2F)
+    Every,
+}
+
+impl ForcedProgress {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "first" => Ok(ForcedProgress::First),
+            "every" => Ok(ForcedProgress::Every),
+            _ => Err(Error::invalid(format!("forced_progress must be 'first' or 'every', got '{s}'"))),
+        }
+    }
+    pub fn name(&self) -> &'static str {
+        match self {
+            ForcedProgress::First => "first",
+            ForcedProgress::Every => "every",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct DecodeParams {
+    pub threshold: f64,
+    pub acceptance: Acceptance,
+    /// alpha: add a block when the last one is at least this decoded
+    pub block_add_threshold: f64,
+    /// beta: a block becomes fully active when its predecessor is at least this decoded
+    pub decoded_token_threshold: f64,
+    pub forced_progress: ForcedProgress,
+    pub early_stop: bool,
+    pub max_forward_passes: usize,
+    /// EOS ids for the EOS fill (the profile's plus any stop token ids)
+    pub eos_ids: Vec<u32>,
+}
+
+impl DecodeParams {
+    pub fn validate(&self) -> Result<()> {
+        if !(self.threshold >= 0.0) || !self.threshold.is_finite() {
+            return Err(Error::invalid(format!("threshold must be a finite number >= 0, got {}", self.threshold)));
+        }
+        for (name, v) in [("block_add_threshold", self.block_add_threshold), ("decoded_token_threshold", self.decoded_token_threshold)] {
+            if !(0.0..=1.0).contains(&v) {
+                return Err(Error::invalid(format!("{name} must be in [0, 1], got {v}")));
+            }
+        }
+        if self.max_forward_passes == 0 {
+            return Err(Error::invalid("max_forward_passes must be >= 1, got 0"));
+        }
+        Ok(())
+    }
+}
+
+/// A generation block: absolute positions [start, end).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Block {
+    pub start: usize,
+    pub end: usize,
+    pub created: bool,
+    pub fully_active: bool,
+}
+
+/// The state of a block, as reported to visualisers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockState {
+    Inactive,
+    Activated,
+    FullyActivated,
+    Completed,
+}
+
+impl BlockState {
+    pub fn name(&self) -> &'static str {
+        match self {
+            BlockState::Inactive => "inactive",
+            BlockState::Activated => "activated",
+            BlockState::FullyActivated => "fully_activated",
+            BlockState::Completed => "completed",
+        }
+    }
+}
+
+/// What the model predicted for one masked position.
+#[derive(Debug, Clone, Copy)]
+pub struct Prediction {
+    pub token: u32,
+    pub entropy: f64,
+    pub max_prob: f64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopCause {
+    /// no masks left
+    Complete,
+    /// the forward-pass cap was reached with masks left
+    ForwardCap,
+}
+
+/// Generation block layout. `absolute_grid`: blocks follow floor(p / B) (the first one is the rest of the
+/// prompt's last grid block); otherwise blocks of B start at the prompt's end.
+pub fn block_layout(prompt_len: usize, n: usize, b: usize, absolute_grid: bool) -> Vec<(usize, usize)> {
+    let end = prompt_len + n;
+    let mut out = Vec::new();
+    let mut s = prompt_len;
+    while s < end {
+        let e = if absolute_grid { (s / b + 1) * b } else { s + b };
+        out.push((s, e.min(end)));
+        s = e.min(end);
+    }
+    out
+}
+
+pub struct Decoder {
+    pub params: DecodeParams,
+    pub prompt_len: usize,
+    pub n: usize,
+    /// Generated tokens (index i = absolute position prompt_len + i); meaningful where decoded.
+    pub tokens: Vec<u32>,
+    pub decoded: Vec<bool>,
+    pub blocks: Vec<Block>,
+    pub forward_passes: usize,
+    pub eos_filled: bool,
+    pub stopped: Option<StopCause>,
+    /// Positions (absolute) decoded by the last `apply`.
+    pub last_decoded: Vec<usize>,
+    planned: bool,
+}
+
+impl Decoder {
+    pub fn new(prompt_len: usize, n: usize, layout: Vec<(usize, usize)>, params: DecodeParams) -> Result<Self> {
+        params.validate()?;
+        if n == 0 || layout.is_empty() {
+            return Err(Error::invalid("max_tokens must be >= 1"));
+        }
+        let mut blocks: Vec<Block> =
+            layout.into_iter().map(|(start, end)| Block { start, end, created: false, fully_active: false }).collect();
+        blocks[0].created = true;
+        blocks[0].fully_active = true;
+        Ok(Decoder {
+            params,
+            prompt_len,
+            n,
+            tokens: vec![0; n],
+            decoded: vec![false; n],
+            blocks,
+            forward_passes: 0,
+            eos_filled: false,
+            stopped: None,
+            last_decoded: vec![],
+            planned: false,
+        })
+    }
+
+    fn is_decoded(&self, p: usize) -> bool {
+        self.decoded[p - self.prompt_len]
+    }
+
+    pub fn decoded_in(&self, k: usize) -> usize {
+        let b = &self.blocks[k];
+        (b.start..b.end).filter(|&p| self.is_decoded(p)).count()
+    }
+
+    pub fn progress(&self, k: usize) -> f64 {
+        let b = &self.blocks[k];
+        self.decoded_in(k) as f64 / (b.end - b.start) as f64
+    }
+
+    pub fn is_complete(&self, k: usize) -> bool {
+        let b = &self.blocks[k];
+        (b.start..b.end).all(|p| self.is_decoded(p))
+    }
+
+    pub fn num_created(&self) -> usize {
+        self.blocks.iter().filter(|b| b.created).count()
+    }
+
+    /// End (exclusive, absolute) of the last created block.
+    pub fn created_end(&self) -> usize {
+        self.blocks.iter().filter(|b| b.created).map(|b| b.end).max().unwrap_or(self.prompt_len)
+    }
+
+    pub fn block_state(&self, k: usize) -> BlockState {
+        let b = &self.blocks[k];
+        if self.is_complete(k) {
+            BlockState::Completed
+        } else if !b.created {
+            BlockState::Inactive
+        } else if b.fully_active {
+            BlockState::FullyActivated
+        } else {
+            BlockState::Activated
+        }
+    }
+
+    /// Number of leading generated positions that are decoded (the stable prefix).
+    pub fn stable_len(&self) -> usize {
+        self.decoded.iter().take_while(|&&d| d).count()
+    }
+
+    pub fn masks_left(&self) -> usize {
+        self.decoded.iter().filter(|&&d| !d).count()
+    }
+
+    /// Steps 1-4. Returns the masked positions (absolute, ascending) of created blocks that the next
+    /// forward must predict, or None when decoding has stopped.
+    pub fn plan(&mut self) -> Option<Vec<usize>> {
+        if self.stopped.is_some() {
+            return None;
+        }
+        // 1. EOS fill
+        if self.params.early_stop {
+            let first_eos = (0..self.n).find(|&i| self.decoded[i] && self.params.eos_ids.contains(&self.tokens[i]));
+            if let Some(e) = first_eos {
+                self.eos_filled = true;
+                let t = self.tokens[e];
+                for i in e + 1..self.n {
+                    self.tokens[i] = t;
+                    self.decoded[i] = true;
+                }
+            }
+        }
+        // 2. stop when nothing is masked
+        if self.masks_left() == 0 {
+            self.stopped = Some(StopCause::Complete);
+            return None;
+        }
+        // 3. activation
+        for k in 1..self.blocks.len() {
+            if self.blocks[k].created && self.progress(k - 1) >= self.params.decoded_token_threshold {
+                self.blocks[k].fully_active = true;
+            }
+        }
+        // 4. add at most one block
+        let created = self.num_created();
+        if created < self.blocks.len() && !self.eos_filled {
+            let last = created - 1;
+            if self.progress(last) >= self.params.block_add_threshold || self.is_complete(last) {
+                let fa = self.progress(last) >= self.params.decoded_token_threshold;
+                self.blocks[created].created = true;
+                self.blocks[created].fully_active = fa;
+            }
+        }
+        self.planned = true;
+        Some(self.candidates())
+    }
+
+    fn candidates(&self) -> Vec<usize> {
+        let mut c = Vec::new();
+        for b in self.blocks.iter().filter(|b| b.created) {
+            for p in b.start..b.end {
+                if !self.is_decoded(p) {
+                    c.push(p);
+                }
+            }
+        }
+        c
+    }
+
+    /// Steps 6-9, given one prediction per position returned by `plan` (same order).
+    pub fn apply(&mut self, positions: &[usize], preds: &[Prediction]) -> Result<()> {
+        if !self.planned {
+            return Err(Error::Internal("Decoder::apply called without plan".into()));
+        }
+        if positions.len() != preds.len() {
+            return Err(Error::Internal(format!("{} predictions for {} positions", preds.len(), positions.len())));
+        }
+        self.planned = false;
+        self.forward_passes += 1;
+        let tau = self.params.threshold;
+        let mut accept = vec![false; positions.len()];
+        // group candidates by block
+        let block_of = |p: usize| self.blocks.iter().position(|b| b.start <= p && p < b.end).unwrap();
+        let groups: Vec<(usize, Vec<usize>)> = {
+            let mut g: Vec<(usize, Vec<usize>)> = Vec::new();
+            for (i, &p) in positions.iter().enumerate() {
+                let k = block_of(p);
+                match g.last_mut() {
+                    Some((kk, v)) if *kk == k => v.push(i),
+                    _ => g.push((k, vec![i])),
+                }
+            }
+            g
+        };
+        // 7. acceptance policy
+        match self.params.acceptance {
+            Acceptance::Entropy => {
+                for (i, pr) in preds.iter().enumerate() {
+                    accept[i] = pr.entropy < tau;
+                }
+            }
+            Acceptance::Confidence => {
+                for (i, pr) in preds.iter().enumerate() {
+                    accept[i] = pr.max_prob > tau;
+                }
+            }
+            Acceptance::Eb => {
+                for (_, idx) in &groups {
+                    let mut order = idx.clone();
+                    order.sort_by(|&a, &b| {
+                        preds[a].entropy.partial_cmp(&preds[b].entropy).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(&b))
+                    });
+                    let mut sum = 0.0;
+                    for &i in &order {
+                        if sum <= tau {
+                            accept[i] = true;
+                            sum += preds[i].entropy;
+                        } else {
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        // 8. forced progress
+        let mut forced_done = false;
+        for (k, idx) in &groups {
+            if !self.blocks[*k].fully_active {
+                continue;
+            }
+            if self.params.forced_progress == ForcedProgress::First && forced_done {
+                break;
+            }
+            forced_done = true;
+            if !idx.iter().any(|&i| accept[i]) {
+                let best = idx
+                    .iter()
+                    .copied()
+                    .min_by(|&a, &b| {
+                        preds[a].entropy.partial_cmp(&preds[b].entropy).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(&b))
+                    })
+                    .unwrap();
+                accept[best] = true;
+            }
+        }
+        // 9. write
+        self.last_decoded.clear();
+        for (i, &p) in positions.iter().enumerate() {
+            if accept[i] {
+                let j = p - self.prompt_len;
+                self.tokens[j] = preds[i].token;
+                self.decoded[j] = true;
+                self.last_decoded.push(p);
+            }
+        }
+        if self.forward_passes >= self.params.max_forward_passes && self.masks_left() > 0 {
+            self.stopped = Some(StopCause::ForwardCap);
+        }
+        Ok(())
+    }
+
+    /// Generation blocks from the first uncommitted one whose positions are all decoded, contiguous from
+    /// `from` (absolute). Returns the end of that run (== `from` when none).
+    pub fn complete_run_end(&self, from: usize) -> usize {
+        let mut end = from;
+        for (k, b) in self.blocks.iter().enumerate() {
+            if b.end <= from {
+                continue;
+            }
+            if b.created && self.is_complete(k) {
+                end = b.end;
+            } else {
+                break;
+            }
+        }
+        end
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn params(acc: Acceptance, forced: ForcedProgress, tau: f64, alpha: f64, beta: f64, eos: Vec<u32>) -> DecodeParams {
+        DecodeParams {
+            threshold: tau,
+            acceptance: acc,
+            block_add_threshold: alpha,
+            decoded_token_threshold: beta,
+            forced_progress: forced,
+            early_stop: true,
+            max_forward_passes: 10_000,
+            eos_ids: eos,
+        }
+    }
+
+    #[test]
+    fn layouts() {
+        assert_eq!(block_layout(5, 10, 4, true), vec![(5, 8), (8, 12), (12, 15)]);
+        assert_eq!(block_layout(8, 8, 4, true), vec![(8, 12), (12, 16)]);
+        assert_eq!(block_layout(5, 10, 4, false), vec![(5, 9), (9, 13), (13, 15)]);
+    }
+
+    /// Random predictions drive the state machine; invariants checked at every step.
+    #[test]
+    fn property_invariants_under_random_predictions() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        for trial in 0..400 {
+            let lp = rng.random_range(1..20);
+            let n = rng.random_range(1..40);
+            let b = rng.random_range(1..9);
+            let abs = rng.random_bool(0.5);
+            let acc = [Acceptance::Entropy, Acceptance::Confidence, Acceptance::Eb][trial % 3];
+            let forced = if rng.random_bool(0.5) { ForcedProgress::First } else { ForcedProgress::Every };
+            let p = params(acc, forced, rng.random_range(0.0..1.5), rng.random_range(0.0..1.0), rng.random_range(0.0..1.0), vec![1]);
+            let mut d = Decoder::new(lp, n, block_layout(lp, n, b, abs), p).unwrap();
+            let mut steps = 0;
+            while let Some(pos) = d.plan() {
+                steps += 1;
+                assert!(steps <= n, "must terminate within n forwards (one forced token per step)");
+                let before: Vec<(bool, u32)> = d.decoded.iter().copied().zip(d.tokens.iter().copied()).collect();
+                let fully: Vec<usize> = (0..d.blocks.len())
+                    .filter(|&k| d.blocks[k].created && d.blocks[k].fully_active && !d.is_complete(k))
+                    .collect();
+                let preds: Vec<Prediction> = pos
+                    .iter()
+                    .map(|_| Prediction {
+                        token: rng.random_range(0..6),
+                        entropy: rng.random_range(0.0..3.0),
+                        max_prob: rng.random_range(0.0..1.0),
+                    })
+                    .collect();
+                let eos_before = d.eos_filled;
+                d.apply(&pos, &preds).unwrap();
+                // never un-decodes a token, never changes a decoded one
+                for (i, &(dec, tok)) in before.iter().enumerate() {
+                    if dec {
+                        assert!(d.decoded[i] && d.tokens[i] == tok);
+                    }
+                }
+                // only planned positions change
+                for i in 0..n {
+                    if !before[i].0 && d.decoded[i] {
+                        assert!(pos.contains(&(lp + i)));
+                    }
+                }
+                // a fully active block with masks gains >= 1 token (the first one at least, for `first`)
+                let gained = |k: usize| (d.blocks[k].start..d.blocks[k].end).any(|p| d.last_decoded.contains(&p));
+                match forced {
+                    ForcedProgress::Every => assert!(fully.iter().all(|&k| gained(k))),
+                    ForcedProgress::First => assert!(fully.first().map_or(true, |&k| gained(k))),
+                }
+                // no block is created after the EOS fill
+                if eos_before {
+                    assert!(d.eos_filled);
+                }
+            }
+            // EOS invariants: after the first EOS every position is that EOS
+            if let Some(e) = (0..n).find(|&i| d.tokens[i] == 1 && d.decoded[i]) {
+                assert!((e..n).all(|i| d.decoded[i] && d.tokens[i] == 1));
+            }
+            assert_eq!(d.stopped, Some(StopCause::Complete));
+            assert_eq!(d.masks_left(), 0);
+        }
+    }
+
+    #[test]
+    fn forward_cap_stops() {
+        let mut p = params(Acceptance::Entropy, ForcedProgress::First, 0.0, 0.1, 0.95, vec![]);
+        p.max_forward_passes = 3;
+        let mut d = Decoder::new(4, 16, block_layout(4, 16, 4, false), p).unwrap();
+        while let Some(pos) = d.plan() {
+            let preds: Vec<_> = pos.iter().map(|_| Prediction { token: 5, entropy: 1.0, max_prob: 0.5 }).collect();
+            d.apply(&pos, &preds).unwrap();
+        }
+        assert_eq!(d.forward_passes, 3);
+        assert_eq!(d.stopped, Some(StopCause::ForwardCap));
+        assert_eq!(d.stable_len(), 3);
+    }
+
+    #[test]
+    fn eb_accepts_by_cumulative_entropy() {
+        let p = params(Acceptance::Eb, ForcedProgress::First, 0.5, 1.0, 1.0, vec![]);
+        let mut d = Decoder::new(1, 4, block_layout(1, 4, 4, false), p).unwrap();
+        let pos = d.plan().unwrap();
+        let ent = [0.3, 0.1, 0.4, 0.05];
+        let preds: Vec<_> = ent.iter().map(|&e| Prediction { token: 9, entropy: e, max_prob: 0.5 }).collect();
+        d.apply(&pos, &preds).unwrap();
+        // sorted: .05 (sum before 0), .1 (0.05), .3 (0.15), .4 (0.45 <= .5) -> all four accepted
+        assert_eq!(d.last_decoded.len(), 4);
+    }
+}

@@ -1,0 +1,105 @@
+//! Incremental detokenisation of the stable prefix: emits text left to right, holding back an incomplete
+//! UTF-8 sequence and any suffix that could be the start of a stop string.
+
+pub struct TextStream {
+    stop: Vec<String>,
+    emitted: usize,
+    text: String,
+}
+
+pub struct TextUpdate {
+    pub new_text: String,
+    /// A stop string was found; `new_text` ends right before it.
+    pub stopped: Option<String>,
+}
+
+impl TextStream {
+    pub fn new(stop: Vec<String>) -> Self {
+        TextStream { stop: stop.into_iter().filter(|s| !s.is_empty()).collect(), emitted: 0, text: String::new() }
+    }
+
+    /// All text emitted so far.
+    pub fn emitted_text(&self) -> &str {
+        &self.text[..self.emitted]
+    }
+
+    /// `text`: the decoding of every stable completion token so far; `is_final`: no more tokens will come.
+    pub fn update(&mut self, text: String, is_final: bool) -> TextUpdate {
+        if !text.starts_with(&self.text[..self.emitted]) {
+            // The tokenizer re-rendered earlier text (rare); wait for the final flush to emit the rest.
+            if !is_final {
+                return TextUpdate { new_text: String::new(), stopped: None };
+            }
+        }
+        self.text = text;
+        let start = self.emitted.min(self.text.len());
+        // Stop strings may straddle what was already emitted: search from the earliest place they could begin.
+        let max_stop = self.stop.iter().map(|s| s.len()).max().unwrap_or(0);
+        let mut search_from = start.saturating_sub(max_stop.saturating_sub(1));
+        while !self.text.is_char_boundary(search_from) {
+            search_from -= 1;
+        }
+        let hit = self
+            .stop
+            .iter()
+            .filter_map(|s| self.text[search_from..].find(s.as_str()).map(|i| (search_from + i, s.clone())))
+            .min_by_key(|(i, _)| *i);
+        if let Some((at, s)) = hit {
+            let at = at.max(start);
+            let new_text = self.text[start..at].to_string();
+            self.emitted = at;
+            return TextUpdate { new_text, stopped: Some(s) };
+        }
+        let mut end = self.text.len();
+        if !is_final {
+            // incomplete UTF-8 at the end decodes to U+FFFD
+            while self.text[..end].ends_with('\u{FFFD}') {
+                end -= '\u{FFFD}'.len_utf8();
+            }
+            // a possible stop-string prefix
+            let mut hold = end;
+            for s in &self.stop {
+                for (k, _) in s.char_indices().skip(1) {
+                    let pre = &s[..k];
+                    if self.text[..end].ends_with(pre) {
+                        hold = hold.min(end - pre.len());
+                    }
+                }
+            }
+            end = hold;
+        }
+        let end = end.max(start);
+        let new_text = self.text[start..end].to_string();
+        self.emitted = end;
+        TextUpdate { new_text, stopped: None }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn holds_back_stop_prefix_and_stops() {
+        let mut t = TextStream::new(vec!["END".into()]);
+        assert_eq!(t.update("hello E".into(), false).new_text, "hello ");
+        assert_eq!(t.update("hello EN".into(), false).new_text, "");
+        let u = t.update("hello ENDx".into(), false);
+        assert_eq!((u.new_text.as_str(), u.stopped.as_deref()), ("", Some("END")));
+        assert_eq!(t.emitted_text(), "hello ");
+    }
+
+    #[test]
+    fn false_alarm_is_released() {
+        let mut t = TextStream::new(vec!["END".into()]);
+        assert_eq!(t.update("a E".into(), false).new_text, "a ");
+        assert_eq!(t.update("a Ex".into(), false).new_text, "Ex");
+    }
+
+    #[test]
+    fn holds_incomplete_utf8() {
+        let mut t = TextStream::new(vec![]);
+        assert_eq!(t.update("ab\u{FFFD}".into(), false).new_text, "ab");
+        assert_eq!(t.update("abé".into(), false).new_text, "é");
+    }
+}

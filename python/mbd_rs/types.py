@@ -1,0 +1,50 @@
+"""Result types returned by the engine (frozen dataclasses)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    forward_passes: int
+    tokens_per_forward: float  # completion tokens / decode forward passes
+    ttft_ms: float  # time to the first stable token, prefill included
+    prefill_ms: float
+    decode_ms: float  # wall time of the whole generation
+    tokens_per_second: float
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """One forward pass of the decoder (trace=True)."""
+
+    index: int  # forward pass number (1-based)
+    decoded: List[int]  # offsets from the prompt's end decoded by this step
+    tokens: List[int]  # the tokens written at those offsets
+    blocks: List[Tuple[int, int, str]]  # (start, end, state) per block; state: inactive|activated|fully_activated|completed
+    tokens_per_forward: float  # stable tokens / forward passes so far
+    canvas: Optional[List[int]]  # the generated region, -1 for masks (trace="canvas")
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    text: str  # newly stable text
+    token_ids: List[int]  # newly stable token ids
+    finish_reason: Optional[str]  # "stop" | "length" | "cancelled" on the last chunk
+    usage: Optional[Usage]  # on the last chunk
+    step: Optional[StepEvent]  # with trace=True
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: List[int]
+    finish_reason: str
+    usage: Usage
