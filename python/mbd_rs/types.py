@@ -15,6 +15,7 @@ class Usage:
     prefill_ms: float
     decode_ms: float  # wall time of the whole generation
     tokens_per_second: float
+    positions_forwarded: int  # token positions run through the model by decode steps (prefill excluded)
 
     @property
     def total_tokens(self) -> int:

@@ -389,7 +389,7 @@ impl Profile {
             Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe => {
                 let attn = if cfg_block.is_some() { AttentionKind::BlockCausal } else { AttentionKind::Causal };
                 let shift = cfg.opt_bool("logits_shift")?.unwrap_or(cfg_block.is_none());
-                (attn, Alignment::Absolute, shift, cfg_mask, cfg_block.unwrap_or(32))
+                (attn, Alignment::Absolute, shift, cfg_mask.or(tokenizer_mask_id), cfg_block.unwrap_or(32))
             }
             Family::Dream => (AttentionKind::Full, Alignment::Absolute, true, cfg_mask.or(Some(151666)), cfg_block.unwrap_or(32)),
             Family::Sdar | Family::SdarMoe => {

@@ -76,6 +76,8 @@ pub struct Usage {
     pub prefill_ms: f64,
     pub decode_ms: f64,
     pub tokens_per_second: f64,
+    /// Token positions run through the model by decode steps (window lengths summed; excludes prefill).
+    pub positions_forwarded: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -105,6 +107,7 @@ pub struct Generation {
     dec: Decoder,
     prompt_len: usize,
     canvas: Vec<u32>,
+    mask_id: u32,
     grid: BlockGrid,
     use_cache: bool,
     full: bool,
@@ -124,6 +127,7 @@ pub struct Generation {
     t0: Instant,
     prefill_ms: f64,
     ttft_ms: Option<f64>,
+    positions_forwarded: usize,
 }
 
 impl Generation {
@@ -202,6 +206,7 @@ impl Generation {
             dec,
             prompt_len: lp,
             canvas,
+            mask_id,
             grid,
             use_cache: req.use_cache.unwrap_or(true) && !full,
             full,
@@ -218,6 +223,7 @@ impl Generation {
             t0: Instant::now(),
             prefill_ms: 0.0,
             ttft_ms: None,
+            positions_forwarded: 0,
         })
     }
 
@@ -265,6 +271,11 @@ impl Generation {
 
     /// One forward for the planned positions; returns their (C, V) logits.
     fn forward(&mut self, positions: &[usize]) -> Result<Tensor> {
+        // The model reads the decoder's current canvas (decoded tokens and the EOS fill; masks elsewhere).
+        let lp = self.prompt_len;
+        for i in 0..self.dec.n {
+            self.canvas[lp + i] = if self.dec.decoded[i] { self.dec.tokens[i] } else { self.mask_id };
+        }
         let (ws, we) = if self.full {
             (0, self.canvas.len())
         } else if self.use_cache {
@@ -290,6 +301,7 @@ impl Generation {
         };
         let mask = self.grid.additive_mask(ws, we - ws);
         let logits = self.model.net.forward(cache, &self.canvas[ws..we], mask.as_deref(), Some(&rows))?;
+        self.positions_forwarded += we - ws;
         drop(fresh);
         // gather candidates' rows (the carry row sits after the window rows)
         let n_rows = rows.len();
@@ -332,6 +344,7 @@ impl Generation {
             prefill_ms: self.prefill_ms,
             decode_ms: total_ms,
             tokens_per_second: if total_ms > 0.0 { ct as f64 * 1e3 / total_ms } else { 0.0 },
+            positions_forwarded: self.positions_forwarded,
         }
     }
 

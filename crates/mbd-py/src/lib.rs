@@ -291,6 +291,7 @@ fn output_dict<'py>(py: Python<'py>, o: StepOutput) -> PyResult<Bound<'py, PyDic
         ud.set_item("prefill_ms", u.prefill_ms)?;
         ud.set_item("decode_ms", u.decode_ms)?;
         ud.set_item("tokens_per_second", u.tokens_per_second)?;
+        ud.set_item("positions_forwarded", u.positions_forwarded)?;
         d.set_item("usage", ud)?;
     } else {
         d.set_item("usage", py.None())?;

@@ -1,0 +1,91 @@
+"""Record greedy decoding fixtures with the reference decoder (tests/reference/decoder.py) over HF
+transformers, on the parity checkpoints. Developer tool (needs torch + transformers, see
+scripts/make_parity_fixtures.py for the install line). Run from the repository root:
+    /tmp/devenv/bin/python scripts/make_decode_fixtures.py
+Writes tests/fixtures/decode/cases.json.
+"""
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+import transformers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from reference.decoder import attention_mask, completion_tokens, reference_decode  # noqa: E402
+
+PARITY = os.path.join(ROOT, "tests", "fixtures", "parity")
+OUT = os.path.join(ROOT, "tests", "fixtures", "decode")
+MASK_ID = 3
+
+
+def load(name):
+    cfg = json.load(open(os.path.join(PARITY, name, "config.json")))
+    cls = getattr(transformers, cfg["architectures"][0])
+    return cls.from_pretrained(os.path.join(PARITY, name), attn_implementation="eager").eval()
+
+
+def entropy_quantiles(model, prompt, n, b):
+    x = list(prompt) + [MASK_ID] * n
+    with torch.no_grad():
+        lg = model(torch.tensor([x]), attention_mask=attention_mask(len(x), "block_causal", b, "absolute", len(prompt), torch)).logits[0].double()
+    p = torch.softmax(lg[len(prompt):], -1)
+    h = -(p * torch.log(p)).sum(-1).numpy()
+    mp = p.max(-1).values.numpy()
+    return np.quantile(h, [0.25, 0.5, 0.75]), np.quantile(mp, [0.25, 0.5, 0.75])
+
+
+BASE = dict(block_size=4, attention="block_causal", alignment="absolute", logits_shift=False, acceptance="entropy",
+            alpha=0.1, beta=0.95, forced="first", early_stop=True)
+
+
+def main():
+    os.makedirs(OUT, exist_ok=True)
+    rng = np.random.default_rng(0)
+    cases = []
+    for name in ["qwen3_headdim_gqa", "qwen2_gqa_tied", "qwen3moe_top2_norm"]:
+        model = load(name)
+        for lp in (6, 8):
+            prompt = [int(t) for t in rng.integers(4, 300, lp)]
+            n = 19
+            hq, pq = entropy_quantiles(model, prompt, n, 4)
+            h50 = round(float(hq[1]), 3)
+            # An EOS id that the model does produce: the middle token of an EOS-free greedy run.
+            probe, _ = reference_decode(model, prompt, n=n, mask_id=MASK_ID, threshold=h50, eos_ids=[],
+                                        **{**BASE, "early_stop": False})
+            eos = int(probe[n // 2])
+            variants = {
+                "entropy_q50": dict(threshold=h50),
+                "entropy_q25_every": dict(threshold=round(float(hq[0]), 3), forced="every"),
+                "entropy_q75_alpha05_beta05": dict(threshold=round(float(hq[2]), 3), alpha=0.5, beta=0.5),
+                "entropy_alpha0": dict(threshold=h50, alpha=0.0, beta=0.3),
+                "prompt_grid_b5": dict(threshold=h50, alignment="prompt", block_size=5),
+                "shifted": dict(threshold=h50, logits_shift=True),
+                "shifted_prompt_grid": dict(threshold=h50, logits_shift=True, alignment="prompt", block_size=3),
+                "confidence_q50": dict(acceptance="confidence", threshold=round(float(pq[1]), 3)),
+                "eb": dict(acceptance="eb", threshold=round(float(hq[1]) * 1.5, 3)),
+                "single_block": dict(acceptance="confidence", threshold=round(float(pq[1]), 3), alpha=1.0),
+                "ar_b1": dict(block_size=1, alpha=1.0, threshold=h50),
+                "eos_fill": dict(threshold=h50, eos=[0, eos]),
+                "eos_no_early_stop": dict(threshold=h50, eos=[0, eos], early_stop=False),
+                "eos_every_shifted": dict(threshold=h50, eos=[0, eos], forced="every", logits_shift=True),
+                "full_attention": dict(attention="full", threshold=h50, logits_shift=True, block_size=5),
+                "causal_attention": dict(attention="causal", threshold=h50, logits_shift=True, block_size=4),
+            }
+            for vname, v in variants.items():
+                p = {**BASE, **v}
+                eos_ids = p.pop("eos", [0])
+                gen, nfe = reference_decode(model, prompt, n=n, mask_id=MASK_ID, eos_ids=eos_ids, **p)
+                comp = completion_tokens(gen, eos_ids)
+                finish = "stop" if any(t in eos_ids for t in gen if t is not None) else "length"
+                cases.append(dict(model=name, variant=vname, prompt=prompt, max_tokens=n, mask_token_id=MASK_ID,
+                                  eos_token_ids=eos_ids, params=p, generated=gen, completion=comp,
+                                  forward_passes=nfe, finish_reason=finish))
+                print(f"{name} lp={lp} {vname:28s} nfe={nfe:2d} tokens={len(comp):2d} tpf={len(comp) / nfe:.2f} {finish}")
+    json.dump({"cases": cases}, open(os.path.join(OUT, "cases.json"), "w"), indent=0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Greedy decoding parity with the reference decoder (tests/reference/decoder.py, written from the
+specification over HF transformers). Fixtures recorded by scripts/make_decode_fixtures.py: identical
+tokens and identical forward counts, with and without the KV cache."""
+import functools
+import json
+import os
+
+import pytest
+
+import mbd_rs
+from conftest import HERE, parity_dir
+
+CASES = json.load(open(os.path.join(HERE, "fixtures", "decode", "cases.json")))["cases"]
+
+
+@functools.lru_cache(maxsize=None)
+def engine(model, attention, alignment, shift, eos):
+    return mbd_rs.Engine.load(parity_dir(model), device="cpu", mask_token_id=3, attention=attention,
+                              alignment=alignment, logits_shift=shift, eos_token_ids=list(eos))
+
+
+def run(case, use_cache):
+    p = case["params"]
+    eng = engine(case["model"], p["attention"], p["alignment"], p["logits_shift"], tuple(case["eos_token_ids"]))
+    return eng.generate(case["prompt"], max_tokens=case["max_tokens"], block_size=p["block_size"],
+                        threshold=p["threshold"], acceptance=p["acceptance"], block_add_threshold=p["alpha"],
+                        decoded_token_threshold=p["beta"], forced_progress=p["forced"], early_stop=p["early_stop"],
+                        use_cache=use_cache)
+
+
+IDS = [f"{c['model']}-lp{len(c['prompt'])}-{c['variant']}" for c in CASES]
+
+
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "nocache"])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_matches_reference_decoder(case, use_cache):
+    out = run(case, use_cache)
+    assert out.token_ids == case["completion"]
+    assert out.usage.forward_passes == case["forward_passes"]
+    assert out.finish_reason == case["finish_reason"]
+    assert out.usage.completion_tokens == len(case["completion"])
+
+
+def test_fixtures_exercise_the_features():
+    # The fixture set must contain partial acceptance (several tokens in a forward), EOS stops, and AR.
+    tpf = [len(c["completion"]) / c["forward_passes"] for c in CASES]
+    assert max(tpf) >= 3.0
+    assert any(c["finish_reason"] == "stop" for c in CASES)
+    assert all(c["forward_passes"] == c["max_tokens"] for c in CASES if c["variant"] == "ar_b1")

@@ -1,0 +1,166 @@
+"""The generation API: streaming semantics, parameters, cancellation, threads, chat templates."""
+import threading
+
+import pytest
+
+import mbd_rs
+from conftest import parity_dir
+
+
+@pytest.fixture(scope="module")
+def eng():
+    # SDAR-like: block-causal, unshifted, mask id 3 (the fixture tokenizer's <|mask|>).
+    return mbd_rs.Engine.load(parity_dir("qwen3_headdim_gqa"), mask_token_id=3, attention="block_causal",
+                              logits_shift=False, block_size=4)
+
+
+PROMPT = [255, 192, 155, 83, 95, 16]
+KW = dict(max_tokens=24, threshold=3.0, acceptance="entropy", block_add_threshold=0.1)
+
+
+def test_stream_concatenation_equals_generate(eng):
+    chunks = list(eng.stream(PROMPT, **KW))
+    done = eng.generate(PROMPT, **KW)
+    assert "".join(c.text for c in chunks) == done.text
+    assert [t for c in chunks for t in c.token_ids] == done.token_ids
+    assert done.text == eng.detokenize(done.token_ids)
+    assert chunks[-1].finish_reason == done.finish_reason == "length"
+    assert chunks[-1].usage is not None and all(c.usage is None for c in chunks[:-1])
+    # streaming is token by token: more chunks than blocks' worth would give
+    assert len([c for c in chunks if c.token_ids]) > 24 // 4
+
+
+def test_cache_is_used_and_exact(eng):
+    a = eng.generate(PROMPT, **KW)
+    b = eng.generate(PROMPT, use_cache=False, **KW)
+    assert a.token_ids == b.token_ids and a.usage.forward_passes == b.usage.forward_passes
+    assert a.usage.positions_forwarded < b.usage.positions_forwarded / 2
+
+
+def test_usage_numbers(eng):
+    u = eng.generate(PROMPT, **KW).usage
+    assert u.prompt_tokens == len(PROMPT) and u.completion_tokens == 24
+    assert u.tokens_per_forward == pytest.approx(24 / u.forward_passes)
+    assert 0 < u.ttft_ms <= u.decode_ms and u.tokens_per_second > 0
+
+
+def test_trace_events(eng):
+    steps = [c.step for c in eng.stream(PROMPT, trace="canvas", **KW) if c.step]
+    assert [s.index for s in steps] == list(range(1, len(steps) + 1))
+    assert sum(len(s.decoded) for s in steps) == 24
+    assert steps[0].blocks[0][2] in ("fully_activated", "completed") and steps[-1].blocks[-1][2] == "completed"
+    assert steps[0].canvas.count(-1) == 24 - len(steps[0].decoded) and -1 not in steps[-1].canvas
+
+
+def test_stop_string_and_stop_tokens(eng):
+    full = eng.generate(PROMPT, **KW)
+    stop = full.text[5:8]
+    cut = eng.generate(PROMPT, stop=[stop], **KW)
+    assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.index(stop)]
+    chunks = list(eng.stream(PROMPT, stop=stop, **KW))
+    assert "".join(c.text for c in chunks) == cut.text
+    tok = full.token_ids[3]
+    st = eng.generate(PROMPT, stop_token_ids=[tok], **KW)
+    assert st.finish_reason == "stop" and st.token_ids == full.token_ids[: full.token_ids.index(tok)]
+
+
+def test_sampling_is_seeded(eng):
+    a = eng.generate(PROMPT, temperature=0.8, top_p=0.9, top_k=20, seed=7, **KW)
+    b = eng.generate(PROMPT, temperature=0.8, top_p=0.9, top_k=20, seed=7, **KW)
+    c = eng.generate(PROMPT, temperature=0.8, top_p=0.9, top_k=20, seed=8, **KW)
+    assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
+
+
+def test_cancel_and_close(eng):
+    s = eng.stream(PROMPT, max_tokens=64, threshold=0.0)
+    first = next(s)
+    s.cancel()
+    rest = list(s)
+    assert rest[-1].finish_reason == "cancelled" and len(s.token_ids) < 64
+    with eng.stream(PROMPT, max_tokens=64) as s2:
+        next(s2)
+    assert list(s2) == []
+
+
+def test_threads_give_same_outputs(eng):
+    want = eng.generate(PROMPT, **KW).token_ids
+    got = [None] * 4
+
+    def work(i):
+        got[i] = eng.generate(PROMPT, **KW).token_ids
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    assert got == [want] * 4
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(threshold=-1), "threshold must be >= 0, got -1"),
+    (dict(block_add_threshold=1.5), r"block_add_threshold must be in \[0, 1\], got 1.5"),
+    (dict(decoded_token_threshold=-0.1), r"decoded_token_threshold must be in \[0, 1\]"),
+    (dict(block_size=0), "block_size must be >= 1, got 0"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
+    (dict(top_p=0), r"top_p must be in \(0, 1\]"),
+    (dict(temperature=-1), "temperature must be >= 0, got -1"),
+    (dict(max_tokens=0), "max_tokens must be >= 1, got 0"),
+    (dict(acceptance="greedy"), "acceptance must be 'entropy', 'confidence' or 'eb', got 'greedy'"),
+    (dict(forced_progress="all"), "forced_progress must be 'first' or 'every'"),
+    (dict(max_tokens=1000), r"maximum context is 256 tokens; requested 1006 \(6 prompt \+ 1000 completion\)"),
+])
+def test_invalid_parameters(eng, kw, msg):
+    with pytest.raises(mbd_rs.InvalidRequestError, match=msg):
+        eng.generate(PROMPT, **kw)
+
+
+def test_context_length_is_its_own_error(eng):
+    with pytest.raises(mbd_rs.ContextLengthError):
+        eng.generate(PROMPT, max_tokens=1000)
+
+
+def test_unknown_parameter_is_type_error(eng):
+    with pytest.raises(TypeError, match="valid parameters"):
+        eng.generate(PROMPT, max_new_tokens=3)
+
+
+def test_empty_prompt_and_bad_ids(eng):
+    with pytest.raises(mbd_rs.InvalidRequestError, match="prompt is empty"):
+        eng.generate("")
+    with pytest.raises(mbd_rs.InvalidRequestError, match="out of range"):
+        eng.generate([1, 99999])
+
+
+def test_mask_token_from_tokenizer_or_refused(model_copy):
+    assert mbd_rs.Engine.load(parity_dir("qwen2_gqa_tied")).info.mask_token_id == 3  # <|mask|> in tokenizer.json
+    d = model_copy("qwen2_gqa_tied")
+    tj = d / "tokenizer.json"
+    tj.write_text(tj.read_text().replace("<|mask|>", "<|msk|>"))
+    eng = mbd_rs.Engine.load(d)
+    assert eng.info.mask_token_id is None
+    with pytest.raises(mbd_rs.InvalidRequestError, match="has no mask token id; pass mask_token_id"):
+        eng.generate([5, 6, 7], max_tokens=3)
+    assert mbd_rs.Engine.load(d, mask_token_id=3).generate([5, 6, 7], max_tokens=3).usage.completion_tokens <= 3
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_chat_template(model_copy):
+    d = model_copy()
+    (d / "chat_template.jinja").write_text(CHATML)
+    eng = mbd_rs.Engine.load(d, mask_token_id=3, attention="block_causal", logits_shift=False, block_size=4)
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "sort 3 1 2"}]
+    text = eng.apply_chat_template(msgs)
+    assert text == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nsort 3 1 2<|im_end|>\n<|im_start|>assistant\n"
+    ids = eng.tokenize(text, add_special_tokens=False)
+    assert ids.count(eng.tokenize("<|im_start|>", add_special_tokens=False)[0]) == 3  # special tokens parsed
+    c = eng.chat(msgs, max_tokens=8)
+    assert c.usage.prompt_tokens == len(ids)
+    with pytest.raises(mbd_rs.InvalidRequestError, match="messes|messages"):
+        eng.chat([{"role": "user"}])
+
+
+def test_no_chat_template_is_clear(eng):
+    with pytest.raises(mbd_rs.InvalidRequestError, match="has no chat template"):
+        eng.chat([{"role": "user", "content": "hi"}])
