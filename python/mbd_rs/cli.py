@@ -1,28 +1,258 @@
-"""`mbd-rs` command line."""
+"""`mbd-rs` command line: generate, chat, info, bench, serve.
+
+Exit codes: 0 success, 1 runtime error, 2 usage error (bad flags, bad input, unsupported model)."""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
+
+EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
+
+
+def _add_model_flags(p):
+    p.add_argument("--model", "-m", default=None, help="model directory (default: the embedded mbd-tiny model)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | metal")
+    p.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
+    p.add_argument("-v", "--verbose", action="store_true", help="show tracebacks on errors")
+
+
+def _add_gen_flags(p):
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=None)
+    g.add_argument("--temperature", type=float, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    d = p.add_argument_group("block diffusion")
+    d.add_argument("--block-size", type=int, default=None)
+    d.add_argument("--threshold", type=float, default=None, help="entropy bound, probability or EB gamma")
+    d.add_argument("--acceptance", choices=["entropy", "confidence", "eb"], default=None)
+    d.add_argument("--block-add-threshold", type=float, default=None, help="alpha: add a block at this progress")
+    d.add_argument("--decoded-token-threshold", type=float, default=None, help="beta: fully activate at this progress")
+    d.add_argument("--forced-progress", choices=["first", "every"], default=None)
+    d.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step")
+    d.add_argument("--no-early-stop", action="store_true")
+    p.add_argument("--stats", action="store_true", help="print usage (tokens per forward, tokens/s) to stderr")
+    p.add_argument("--json", action="store_true", help="print the completion as JSON")
+
+
+def _gen_params(a) -> dict:
+    p = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed, stop=a.stop,
+             block_size=a.block_size, threshold=a.threshold, acceptance=a.acceptance,
+             block_add_threshold=a.block_add_threshold, decoded_token_threshold=a.decoded_token_threshold,
+             forced_progress=a.forced_progress)
+    if a.no_cache:
+        p["use_cache"] = False
+    if a.no_early_stop:
+        p["early_stop"] = False
+    return {k: v for k, v in p.items() if v is not None}
+
+
+def _load(a):
+    from . import Engine
+    return Engine.load(a.model, device=a.device, dtype=a.dtype)
+
+
+def _print_stats(u):
+    print(f"[{u.completion_tokens} tokens, {u.forward_passes} forwards, {u.tokens_per_forward:.2f} tokens/forward, "
+          f"{u.tokens_per_second:.1f} tokens/s, ttft {u.ttft_ms:.1f} ms]", file=sys.stderr)
+
+
+class Visual:
+    """Draws each forward: the generated region per block, new tokens highlighted, masks as '·'."""
+
+    def __init__(self, eng, out):
+        self.eng, self.out = eng, out
+        self.tty = out.isatty()
+        self.canvas = None
+
+    def piece(self, t):
+        s = self.eng.detokenize([t], skip_special_tokens=False)
+        return s.replace("\n", "⏎") if s else "?"
+
+    def step(self, ev):
+        c = lambda code, s: f"\x1b[{code}m{s}\x1b[0m" if self.tty else s  # noqa: E731
+        new = set(ev.decoded)
+        parts = []
+        for (s, e, state) in ev.blocks:
+            cells = []
+            for i in range(s, e):
+                t = ev.canvas[i]
+                if t < 0:
+                    cells.append(c("2", "·") if state != "inactive" else " ")
+                else:
+                    p = self.piece(t)
+                    cells.append(c("1;32", p) if i in new else p)
+            mark = {"inactive": " ", "activated": "~", "fully_activated": "*", "completed": "="}[state]
+            parts.append(mark + "".join(cells))
+        self.out.write(f"step {ev.index:3d} +{len(ev.decoded)} |" + "|".join(parts) + "|\n")
+        self.out.flush()
+
+
+def cmd_generate(a) -> int:
+    eng = _load(a)
+    if a.file:
+        prompt = open(a.file, encoding="utf-8").read()
+    elif a.prompt is not None and a.prompt != "-":
+        prompt = a.prompt
+    else:
+        prompt = sys.stdin.read()
+    params = _gen_params(a)
+    if a.visual:
+        params["trace"] = "canvas"
+    if a.chat:
+        stream = eng.stream_chat([{"role": "user", "content": prompt}], **params)
+    else:
+        stream = eng.stream(prompt, **params)
+    vis = Visual(eng, sys.stdout) if a.visual else None
+    for ch in stream:
+        if vis and ch.step:
+            vis.step(ch.step)
+        elif not a.json and not vis:
+            sys.stdout.write(ch.text)
+            sys.stdout.flush()
+    comp = stream.result()
+    if a.json:
+        print(json.dumps({"text": comp.text, "token_ids": comp.token_ids, "finish_reason": comp.finish_reason,
+                          "usage": comp.usage.__dict__}))
+    elif vis:
+        print(f"\n{comp.text}")
+    else:
+        print()
+    if a.stats or vis:
+        _print_stats(comp.usage)
+    return EXIT_OK
+
+
+def cmd_chat(a) -> int:
+    eng = _load(a)
+    history = []
+    params = _gen_params(a)
+    print("mbd-rs chat — empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        history.append({"role": "user", "content": line})
+        stream = eng.stream_chat(history, **params)
+        for ch in stream:
+            sys.stdout.write(ch.text)
+            sys.stdout.flush()
+        comp = stream.result()
+        print()
+        if a.stats:
+            _print_stats(comp.usage)
+        history.append({"role": "assistant", "content": comp.text})
+    return EXIT_OK
+
+
+def cmd_info(a) -> int:
+    from . import MbdError
+    try:
+        eng = _load(a)
+    except (MbdError, FileNotFoundError) as e:
+        print(f"mbd-rs: not supported: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(json.dumps(eng.info.__dict__, indent=1))
+    return EXIT_OK
+
+
+def cmd_bench(a) -> int:
+    eng = _load(a)
+    vocab = eng.info.vocab_size
+    import random
+    r = random.Random(0)
+    special = set(eng.info.eos_token_ids) | {eng.info.mask_token_id}
+    prompt = [t for t in (r.randrange(vocab) for _ in range(a.prompt_len * 2)) if t not in special][: a.prompt_len]
+    params = _gen_params(a)
+    params.setdefault("max_tokens", 64)
+    rows = []
+    for i in range(a.repeats + 1):
+        t = time.perf_counter()
+        c = eng.generate(prompt, **params)
+        dt = time.perf_counter() - t
+        if i > 0:  # the first run warms up
+            rows.append((c.usage, dt))
+    import statistics
+    tps = statistics.median(u.completion_tokens / dt for u, dt in rows)
+    u = rows[-1][0]
+    res = {"model": eng.info.path, "prompt_tokens": a.prompt_len, "completion_tokens": u.completion_tokens,
+           "forward_passes": u.forward_passes, "tokens_per_forward": u.tokens_per_forward,
+           "tokens_per_second_median": tps, "ms_per_forward": 1e3 * statistics.median(dt / uu.forward_passes for uu, dt in rows),
+           "repeats": a.repeats}
+    print(json.dumps(res, indent=1) if a.json else "\n".join(f"{k:26s} {v}" for k, v in res.items()))
+    return EXIT_OK
+
+
+def cmd_serve(a) -> int:
+    try:
+        from .server import serve
+    except ImportError as e:
+        print(f"mbd-rs: the server needs the [server] extra: pip install 'mbd-rs[server]' ({e})", file=sys.stderr)
+        return EXIT_USAGE
+    return serve(a)
+
+
+def build_parser():
+    ap = argparse.ArgumentParser(prog="mbd-rs", description="Block-diffusion LLM inference (SDAR, TraDo, Fast-dLLM v2, Dream) on Qwen2/Qwen3")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="complete a prompt, streaming to stdout")
+    g.add_argument("prompt", nargs="?", help="the prompt ('-' or absent: read stdin)")
+    g.add_argument("--file", "-f", help="read the prompt from a file")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
+    g.add_argument("--visual", action="store_true", help="draw every forward: blocks and the tokens each one decodes")
+    _add_model_flags(g)
+    _add_gen_flags(g)
+    c = sub.add_parser("chat", help="interactive chat keeping history")
+    _add_model_flags(c)
+    _add_gen_flags(c)
+    i = sub.add_parser("info", help="describe a model directory and whether it is supported (exit 2 if not)")
+    i.add_argument("model_path", nargs="?", default=None)
+    _add_model_flags(i)
+    b = sub.add_parser("bench", help="time generation on a model")
+    b.add_argument("--prompt-len", type=int, default=32)
+    b.add_argument("--repeats", type=int, default=3)
+    _add_model_flags(b)
+    _add_gen_flags(b)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--max-concurrency", type=int, default=4)
+    s.add_argument("--model-name", default=None)
+    _add_model_flags(s)
+    return ap
 
 
 def main(argv=None) -> int:
-    from . import Engine, MbdError
-
-    ap = argparse.ArgumentParser(prog="mbd-rs", description="Block-diffusion LLM inference engine")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    p_info = sub.add_parser("info", help="describe a model directory and whether it is supported")
-    p_info.add_argument("model")
-    p_info.add_argument("--device", default="cpu")
-    args = ap.parse_args(argv)
-    if args.cmd == "info":
-        try:
-            eng = Engine.load(args.model, device=args.device)
-        except (MbdError, FileNotFoundError) as e:
-            print(f"mbd-rs: not supported: {e}", file=sys.stderr)
-            return 2
-        print(json.dumps(eng.info.__dict__, indent=1))
-    return 0
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    if a.cmd == "info" and a.model_path:
+        a.model = a.model_path
+    from . import ContextLengthError, InvalidRequestError, MbdError
+    try:
+        return {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info, "bench": cmd_bench, "serve": cmd_serve}[a.cmd](a)
+    except (InvalidRequestError, ContextLengthError, TypeError, FileNotFoundError, ValueError) as e:
+        if a.verbose:
+            raise
+        print(f"mbd-rs: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except MbdError as e:
+        if a.verbose:
+            raise
+        print(f"mbd-rs: error: {e}", file=sys.stderr)
+        return EXIT_RUNTIME
+    except KeyboardInterrupt:
+        return EXIT_RUNTIME
+    except BrokenPipeError:
+        return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ from . import _core
 from .errors import InvalidRequestError
 from .types import Completion, StepEvent, StreamChunk, Usage
 
+#: The model shipped inside the package (trained here by training/train_tiny.py): used when no path is given.
+DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "mbd-tiny")
+
 PROFILE_OVERRIDES = ("mask_token_id", "block_size", "attention", "alignment", "logits_shift", "eos_token_ids")
 
 
@@ -61,9 +64,9 @@ class Engine:
         self.info = ModelInfo(**core.info())
 
     @classmethod
-    def load(cls, path: "str | os.PathLike[str]", *, device: str = "auto", dtype: Optional[str] = None,
+    def load(cls, path: "Optional[str | os.PathLike[str]]" = None, *, device: str = "auto", dtype: Optional[str] = None,
              **profile_overrides: Any) -> "Engine":
-        """Load an HF-format model directory.
+        """Load an HF-format model directory (default: the embedded mbd-tiny model).
 
         device: "auto" (CUDA/Metal when this build has it and a device answers, else CPU), "cpu", "cuda[:N]", "metal".
         dtype: None/"auto" (float32 on CPU, bfloat16 on GPUs), "float32", "bfloat16", "float16".
@@ -77,6 +80,8 @@ class Engine:
         ov = dict(profile_overrides)
         if ov.get("eos_token_ids") is not None:
             ov["eos_token_ids"] = _token_ids(ov["eos_token_ids"], "eos_token_ids")
+        if path is None:
+            path = DEFAULT_MODEL
         return cls(_core.CoreModel.load(os.fspath(path), device, dtype, **ov))
 
     def __repr__(self) -> str:

@@ -274,6 +274,8 @@ pub enum Family {
     Sdar,
     SdarMoe,
     FastDllmV2,
+    /// mbd-rs' own tiny trained model: a Qwen3 checkpoint with `"mbd_family": "mbd-tiny"` (SDAR-style).
+    MbdTiny,
 }
 
 pub const SUPPORTED_ARCHITECTURES: &[(&str, &str, Family)] = &[
@@ -296,12 +298,13 @@ impl Family {
             Family::Sdar => "sdar",
             Family::SdarMoe => "sdar_moe",
             Family::FastDllmV2 => "fast_dllm_v2",
+            Family::MbdTiny => "mbd-tiny",
         }
     }
     pub fn arch(&self) -> Arch {
         match self {
             Family::Qwen2 | Family::Dream | Family::FastDllmV2 => Arch::Qwen2,
-            Family::Qwen3 | Family::Sdar => Arch::Qwen3,
+            Family::Qwen3 | Family::Sdar | Family::MbdTiny => Arch::Qwen3,
             Family::Qwen3Moe | Family::SdarMoe => Arch::Qwen3Moe,
         }
     }
@@ -336,6 +339,14 @@ pub struct ProfileOverrides {
 }
 
 pub fn detect_family(f: &Fields) -> Result<(Family, String)> {
+    let (fam, arch) = detect_architecture(f)?;
+    if fam == Family::Qwen3 && f.opt_str("mbd_family")? == Some("mbd-tiny") {
+        return Ok((Family::MbdTiny, arch));
+    }
+    Ok((fam, arch))
+}
+
+fn detect_architecture(f: &Fields) -> Result<(Family, String)> {
     let arch0 = match f.map.get("architectures") {
         Some(Value::Array(a)) => a.first().and_then(|v| v.as_str()).map(|s| s.to_string()),
         _ => None,
@@ -392,7 +403,7 @@ impl Profile {
                 (attn, Alignment::Absolute, shift, cfg_mask.or(tokenizer_mask_id), cfg_block.unwrap_or(32))
             }
             Family::Dream => (AttentionKind::Full, Alignment::Absolute, true, cfg_mask.or(Some(151666)), cfg_block.unwrap_or(32)),
-            Family::Sdar | Family::SdarMoe => {
+            Family::Sdar | Family::SdarMoe | Family::MbdTiny => {
                 (AttentionKind::BlockCausal, Alignment::Absolute, false, cfg_mask.or(tokenizer_mask_id), cfg_block.unwrap_or(4))
             }
             Family::FastDllmV2 => (

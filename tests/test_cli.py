@@ -1,0 +1,69 @@
+"""The `mbd-rs` command line, run as a subprocess on the embedded model."""
+import json
+import subprocess
+import sys
+
+import mbd_rs
+from conftest import parity_dir
+
+
+def cli(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "mbd_rs", *args], input=stdin, capture_output=True, text=True, timeout=120)
+
+
+def test_generate_json_matches_api():
+    want = mbd_rs.Engine.load().chat([{"role": "user", "content": "sort 3 1 2"}], max_tokens=16)
+    r = cli("generate", "--chat", "sort 3 1 2", "--max-tokens", "16", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["text"] == want.text and out["token_ids"] == want.token_ids and out["finish_reason"] == want.finish_reason
+
+
+def test_generate_streams_text_and_stats():
+    want = mbd_rs.Engine.load().generate("hello", max_tokens=12)
+    r = cli("generate", "hello", "--max-tokens", "12", "--stats")
+    assert r.returncode == 0 and r.stdout == want.text + "\n"
+    assert "tokens/forward" in r.stderr
+
+
+def test_prompt_from_stdin_and_file(tmp_path):
+    want = mbd_rs.Engine.load().generate("add 1+2", max_tokens=8).text
+    assert cli("generate", "--max-tokens", "8", stdin="add 1+2").stdout == want + "\n"
+    f = tmp_path / "p.txt"
+    f.write_text("add 1+2")
+    assert cli("generate", "--file", str(f), "--max-tokens", "8").stdout == want + "\n"
+
+
+def test_visual_trace_shows_blocks():
+    r = cli("generate", "--chat", "hello Ada", "--visual", "--max-tokens", "16")
+    assert r.returncode == 0
+    steps = [l for l in r.stdout.splitlines() if l.startswith("step")]
+    assert steps and all("|" in l for l in steps)
+    assert "tokens/forward" in r.stderr
+
+
+def test_usage_errors_exit_2(tmp_path):
+    r = cli("generate", "hi", "--threshold", "-1")
+    assert r.returncode == 2 and r.stderr.startswith("mbd-rs: error:") and "threshold" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert cli("generate", "hi", "--block-size", "nope").returncode == 2  # argparse
+    assert cli("info", str(tmp_path / "missing")).returncode == 2
+
+
+def test_info(tmp_path):
+    r = cli("info", parity_dir("qwen3moe_top1"))
+    assert r.returncode == 0 and json.loads(r.stdout)["arch"] == "qwen3_moe"
+    cfg = json.loads(open(parity_dir("qwen2_gqa_tied") + "/config.json").read())
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    cfg["model_type"] = "llama"
+    d = tmp_path / "llama"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    r = cli("info", str(d))
+    assert r.returncode == 2 and "not supported" in r.stderr
+
+
+def test_bench_runs():
+    r = cli("bench", "--max-tokens", "16", "--repeats", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["tokens_per_forward"] > 0

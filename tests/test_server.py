@@ -1,0 +1,185 @@
+"""The OpenAI-compatible server, run for real on 127.0.0.1 with uvicorn and driven by the official openai
+client, on the embedded mbd-tiny model."""
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+import mbd_rs
+
+openai = pytest.importorskip("openai", reason="openai client not installed (pip install openai)")
+uvicorn = pytest.importorskip("uvicorn", reason="server extra not installed (pip install 'mbd-rs[server]')")
+httpx = pytest.importorskip("httpx")
+from mbd_rs.server import create_app  # noqa: E402
+
+KEY = "sk-test-123"
+MSG = [{"role": "user", "content": "reverse a b c d e"}]
+GREEDY = dict(max_tokens=24)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, engine, **kw):
+        self.port = free_port()
+        self.app = create_app(engine, **kw)
+        cfg = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error")
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.02)
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return mbd_rs.Engine.load()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    s = Server(engine, api_key=KEY, max_concurrency=2)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == ["mbd-tiny"]
+    r = httpx.get(server.base + "/health", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.json()["status"] == "ok" and r.json()["capacity"] == 2
+
+
+def test_chat_non_streaming_matches_engine(client, engine):
+    want = engine.chat(MSG, **GREEDY)
+    r = client.chat.completions.create(model="mbd-tiny", messages=MSG, max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == want.finish_reason
+    assert r.usage.completion_tokens == want.usage.completion_tokens
+    assert r.usage.prompt_tokens == want.usage.prompt_tokens
+    assert r.usage.total_tokens == want.usage.prompt_tokens + want.usage.completion_tokens
+
+
+def test_chat_streaming(client, engine):
+    want = engine.chat(MSG, **GREEDY)
+    chunks = list(client.chat.completions.create(model="mbd-tiny", messages=MSG, max_tokens=24, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+    fins = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert fins == [want.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == want.usage.completion_tokens
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1  # streamed in pieces
+
+
+def test_completion_streaming_and_not(client, engine):
+    prompt = engine.apply_chat_template([{"role": "user", "content": "sort 4 1 3"}])
+    want = engine.generate(prompt, **GREEDY)
+    r = client.completions.create(model="mbd-tiny", prompt=prompt, max_tokens=24)
+    assert r.choices[0].text == want.text
+    s = client.completions.create(model="mbd-tiny", prompt=prompt, max_tokens=24, stream=True)
+    assert "".join(c.choices[0].text for c in s) == want.text
+
+
+def test_stop_strings_and_extensions(client, engine):
+    full = engine.chat([{"role": "user", "content": "hello Ada"}], max_tokens=40)
+    stop = full.text[3:5]
+    r = client.chat.completions.create(model="mbd-tiny", messages=[{"role": "user", "content": "hello Ada"}],
+                                       max_tokens=40, stop=[stop], extra_body={"block_size": 4, "threshold": 0.5})
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == full.text[: full.text.index(stop)]
+
+
+def test_invalid_requests(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="mbd-tiny", messages=MSG, temperature=-1)
+    assert e.value.status_code == 400 and e.value.body["type"] == "invalid_request_error"
+    assert "temperature" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="mbd-tiny", messages=MSG, max_tokens=100000)
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="mbd-tiny", messages=MSG, extra_body={"threshold": -2})
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4", messages=MSG)
+    assert e.value.body["code"] == "model_not_found"
+
+
+def test_api_key_required(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(server.base + "/v1/chat/completions", json={"messages": MSG}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def _active(server):
+    return httpx.get(server.base + "/health", headers={"Authorization": f"Bearer {KEY}"}).json()["active"]
+
+
+def test_busy_then_disconnect_frees_slot(server):
+    hdr = {"Authorization": f"Bearer {KEY}"}
+    body = {"messages": MSG, "stream": True, "max_tokens": 200, "extra": None}
+    body.pop("extra")
+    long_body = dict(body, threshold=0.0, block_add_threshold=1.0, block_size=1)  # one token per forward: slow
+    clients = [httpx.Client(timeout=30) for _ in range(2)]
+    streams = []
+    try:
+        for c in clients:
+            cm = c.stream("POST", server.base + "/v1/chat/completions", json=long_body, headers=hdr)
+            resp = cm.__enter__()
+            assert resp.status_code == 200
+            next(resp.iter_lines())  # the role chunk: the generation holds its slot
+            streams.append((cm, resp))
+        r = httpx.post(server.base + "/v1/chat/completions", json={"messages": MSG}, headers=hdr)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy"
+    finally:
+        for cm, resp in streams:
+            resp.close()
+            cm.__exit__(None, None, None)
+        for c in clients:
+            c.close()
+    deadline = time.time() + 20
+    while _active(server) != 0:
+        assert time.time() < deadline, "disconnected streams did not free their slots"
+        time.sleep(0.05)
+    r = httpx.post(server.base + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 8}, headers=hdr)
+    assert r.status_code == 200
+
+
+def test_eight_concurrent_clients_match_one(engine):
+    s = Server(engine, max_concurrency=8)
+    try:
+        c = openai.OpenAI(base_url=s.base + "/v1", api_key="none", max_retries=0, timeout=60)
+        prompts = [[{"role": "user", "content": p}] for p in
+                   ["sort 3 1 2", "reverse x y z", "add 12+30", "repeat ab 3", "count a in abcab", "hello Ada",
+                    "sort 9 8 7 1", "reverse q w e r"]]
+        alone = [c.chat.completions.create(model="mbd-tiny", messages=m, max_tokens=24).choices[0].message.content
+                 for m in prompts]
+        got = [None] * 8
+
+        def work(i):
+            got[i] = c.chat.completions.create(model="mbd-tiny", messages=prompts[i], max_tokens=24).choices[0].message.content
+
+        ts = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        assert got == alone
+    finally:
+        s.stop()

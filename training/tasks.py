@@ -1,0 +1,67 @@
+"""Task families for the tiny block-diffusion model: each instance has exactly one right answer.
+Held-out instances are chosen by a property of the input (the sum of its character codes is a multiple
+of 7), so they never occur in training data."""
+import random
+
+NAMES = ["Ada", "Alan", "Grace", "Linus", "Ken", "Dennis", "Barbara", "Edsger", "Donald", "Margaret", "John",
+         "Frances", "Tim", "Guido", "Bjarne", "Anders", "Radia", "Leslie", "Niklaus", "Robin", "Shafi", "Judea",
+         "Yann", "Fei", "Andrew", "Ilya", "Sam", "Mira", "Jeff", "Sanjay", "Hal", "Ivan", "Carl", "Emma", "Noah",
+         "Olga", "Pavel", "Quinn", "Rosa", "Tara", "Uma", "Vera", "Walt", "Xena", "Yuki", "Zoe"]
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def sort_task(r):
+    xs = [r.randint(0, 9) for _ in range(r.randint(3, 7))]
+    return "sort " + " ".join(map(str, xs)), " ".join(map(str, sorted(xs)))
+
+
+def reverse_task(r):
+    xs = [r.choice(LETTERS) for _ in range(r.randint(3, 7))]
+    return "reverse " + " ".join(xs), " ".join(reversed(xs))
+
+
+def add_task(r):
+    a, b = r.randint(0, 999), r.randint(0, 999)
+    return f"add {a}+{b}", str(a + b)
+
+
+def repeat_task(r):
+    w = "".join(r.choice(LETTERS) for _ in range(r.randint(2, 4)))
+    n = r.randint(2, 4)
+    return f"repeat {w} {n}", " ".join([w] * n)
+
+
+def count_task(r):
+    c = r.choice("abcde")
+    s = "".join(r.choice("abcde") for _ in range(r.randint(5, 10)))
+    return f"count {c} in {s}", str(s.count(c))
+
+
+def hello_task(r):
+    n = r.choice(NAMES)
+    return f"hello {n}", f"Hello, {n}! Nice to meet you."
+
+
+TASKS = {"sort": sort_task, "reverse": reverse_task, "add": add_task, "repeat": repeat_task, "count": count_task,
+         "hello": hello_task}
+
+
+def is_held_out(prompt: str) -> bool:
+    return sum(map(ord, prompt)) % 7 == 0
+
+
+def sample(r: random.Random, held_out: bool, task=None):
+    """One (task, prompt, answer) from the training (held_out=False) or held-out split."""
+    while True:
+        name = task or r.choice(list(TASKS))
+        p, a = TASKS[name](r)
+        if is_held_out(p) == held_out:
+            return name, p, a
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def render(prompt: str) -> str:
+    return f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
