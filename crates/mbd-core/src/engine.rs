@@ -203,3 +203,41 @@ impl Model {
         Ok(out)
     }
 }
+
+impl Model {
+    /// Time `reps` decode forwards of a `window`-token block over a committed prefix of `prefix` tokens
+    /// (block-causal: one block, no mask; logits for every window row). Returns seconds per forward.
+    /// Used by the benchmarks to compare with other engines on the same computation.
+    pub fn bench_forward(&self, prefix: usize, window: usize, reps: usize) -> Result<Vec<f64>> {
+        let v = self.config.vocab_size as u64;
+        let mut x: u64 = 0x9E3779B97F4A7C15;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % v) as u32
+        };
+        let pre: Vec<u32> = (0..prefix).map(|_| next()).collect();
+        let win: Vec<u32> = (0..window).map(|_| next()).collect();
+        let mut cache = self.new_cache();
+        cache.reserve(prefix + window)?;
+        if prefix > 0 {
+            // causal prefill in chunks keeps peak memory bounded
+            for s in (0..prefix).step_by(512) {
+                let e = (s + 512).min(prefix);
+                let mask = BlockGrid::causal().additive_mask(s, e - s);
+                self.net.forward(&mut cache, &pre[s..e], mask.as_deref(), Some(&[e - s - 1]))?;
+                cache.commit(e - s)?;
+            }
+        }
+        let mut out = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            let t = std::time::Instant::now();
+            let l = self.net.forward(&mut cache, &win, None, None)?;
+            // make sure the work is done (device sync) before stopping the clock
+            let _ = l.narrow(0, 0, 1)?.narrow(1, 0, 1)?.flatten_all()?.to_vec1::<f32>()?;
+            out.push(t.elapsed().as_secs_f64());
+        }
+        Ok(out)
+    }
+}

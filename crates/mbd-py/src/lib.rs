@@ -198,6 +198,12 @@ impl CoreModel {
         let arr = PyArray1::from_vec(py, out).reshape([n, v]).map_err(|e| PyValueError::new_err(e.to_string()))?;
         Ok(arr.into_any())
     }
+    /// Seconds per decode forward of `window` tokens over a `prefix`-token cache (benchmarks).
+    fn bench_forward(&self, py: Python<'_>, prefix: usize, window: usize, reps: usize) -> PyResult<Vec<f64>> {
+        let m = self.inner.clone();
+        run(py, move || m.bench_forward(prefix, window, reps))
+    }
+
     #[pyo3(signature = (messages_json, add_generation_prompt=true, extra_json=None))]
     fn apply_chat_template(&self, messages_json: &str, add_generation_prompt: bool, extra_json: Option<&str>) -> PyResult<String> {
         let tmpl = self.inner.chat_template.as_ref().ok_or_else(|| {
