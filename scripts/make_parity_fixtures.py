@@ -29,6 +29,9 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from reference.decoder import block_of  # noqa: E402  (the mask definition, shared with the reference decoder)
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "parity")
 SEQ_LEN = 19
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
@@ -79,16 +82,6 @@ CASES = {
     "block5_prompt3": ("block_causal", 5, "prompt", 3),
     "full": ("full", 1, "absolute", 0),
 }
-
-
-def block_of(p, attention, b, alignment, prompt_len):
-    if attention == "causal":
-        return p
-    if attention == "full":
-        return 0
-    if alignment == "absolute":
-        return p // b
-    return 0 if p < prompt_len else 1 + (p - prompt_len) // b
 
 
 def mask_4d(n, case):

@@ -1,34 +1,9 @@
 """mbd-rs: fast, exact inference for block-diffusion LLMs on the Qwen2/Qwen3 architectures."""
+from . import errors
 from ._core import __version__
-from .engine import GENERATION_PARAMS, Engine, ModelInfo, Stream
+from .engine import DEFAULT_MODEL, GENERATION_PARAMS, Engine, ModelInfo, Stream
+from .errors import *  # noqa: F401,F403  (the exception hierarchy)
 from .types import Completion, StepEvent, StreamChunk, Usage
-from .errors import (
-    ConfigError,
-    ContextLengthError,
-    InternalError,
-    InvalidRequestError,
-    MbdError,
-    ModelFileNotFoundError,
-    ModelLoadError,
-    UnsupportedArchitectureError,
-)
 
-__all__ = [
-    "Engine",
-    "ModelInfo",
-    "Stream",
-    "StreamChunk",
-    "StepEvent",
-    "Completion",
-    "Usage",
-    "GENERATION_PARAMS",
-    "MbdError",
-    "ModelLoadError",
-    "ModelFileNotFoundError",
-    "ConfigError",
-    "UnsupportedArchitectureError",
-    "InvalidRequestError",
-    "ContextLengthError",
-    "InternalError",
-    "__version__",
-]
+__all__ = ["Engine", "ModelInfo", "Stream", "StreamChunk", "StepEvent", "Completion", "Usage", "GENERATION_PARAMS",
+           "DEFAULT_MODEL", "__version__"] + errors.__all__
