@@ -34,8 +34,9 @@ def held_out_set(per_task):
     r = random.Random(1234)
     seen, out = set(), []
     for task in TASKS:
-        n = 0
-        while n < per_task:
+        n = tries = 0
+        while n < per_task and tries < 50 * per_task:  # some families have few distinct held-out inputs
+            tries += 1
             _, p, a = sample(r, held_out=True, task=task)
             if p in seen:
                 continue

@@ -78,7 +78,9 @@ class Visual:
         c = lambda code, s: f"\x1b[{code}m{s}\x1b[0m" if self.tty else s  # noqa: E731
         new = set(ev.decoded)
         parts = []
-        for (s, e, state) in ev.blocks:
+        live = [i for i, b in enumerate(ev.blocks) if b[2] != "inactive"]
+        shown = ev.blocks[: (live[-1] + 2) if live else 1]  # created blocks and the next one
+        for (s, e, state) in shown:
             cells = []
             for i in range(s, e):
                 t = ev.canvas[i]
@@ -89,7 +91,8 @@ class Visual:
                     cells.append(c("1;32", p) if i in new else p)
             mark = {"inactive": " ", "activated": "~", "fully_activated": "*", "completed": "="}[state]
             parts.append(mark + "".join(cells))
-        self.out.write(f"step {ev.index:3d} +{len(ev.decoded)} |" + "|".join(parts) + "|\n")
+        more = " …" if len(shown) < len(ev.blocks) else ""
+        self.out.write(f"step {ev.index:3d} +{len(ev.decoded)} |" + "|".join(parts) + "|" + more + "\n")
         self.out.flush()
 
 

@@ -30,7 +30,7 @@ class StepEvent:
     decoded: List[int]  # offsets from the prompt's end decoded by this step
     tokens: List[int]  # the tokens written at those offsets
     blocks: List[Tuple[int, int, str]]  # (start, end, state) per block; state: inactive|activated|fully_activated|completed
-    tokens_per_forward: float  # stable tokens / forward passes so far
+    tokens_per_forward: float  # tokens decoded by acceptance / forced progress per forward so far
     canvas: Optional[List[int]]  # the generated region, -1 for masks (trace="canvas")
 
 

@@ -168,6 +168,8 @@ pub struct Decoder {
     pub stopped: Option<StopCause>,
     /// Positions (absolute) decoded by the last `apply`.
     pub last_decoded: Vec<usize>,
+    /// Positions decoded by acceptance or forced progress so far (EOS fill not counted).
+    pub accepted: usize,
     planned: bool,
 }
 
@@ -192,6 +194,7 @@ impl Decoder {
             eos_filled: false,
             stopped: None,
             last_decoded: vec![],
+            accepted: 0,
             planned: false,
         })
     }
@@ -387,6 +390,7 @@ impl Decoder {
                 self.last_decoded.push(p);
             }
         }
+        self.accepted += self.last_decoded.len();
         if self.forward_passes >= self.params.max_forward_passes && self.masks_left() > 0 {
             self.stopped = Some(StopCause::ForwardCap);
         }

@@ -143,7 +143,10 @@ impl Generation {
                 p.architecture
             ))
         })?;
-        let n = req.max_tokens.unwrap_or(256);
+        let lp = prompt.len();
+        let max_ctx = model.config.max_position_embeddings;
+        // Default: 256 tokens, or what is left of the context.
+        let n = req.max_tokens.unwrap_or_else(|| 256.min(max_ctx.saturating_sub(lp)).max(1));
         if n < 1 {
             return Err(Error::invalid(format!("max_tokens must be >= 1, got {n}")));
         }
@@ -151,8 +154,6 @@ impl Generation {
         if b < 1 {
             return Err(Error::invalid(format!("block_size must be >= 1, got {b}")));
         }
-        let lp = prompt.len();
-        let max_ctx = model.config.max_position_embeddings;
         if lp + n > max_ctx {
             return Err(Error::ContextLength(format!(
                 "maximum context is {max_ctx} tokens; requested {} ({lp} prompt + {n} completion)",
@@ -378,6 +379,9 @@ impl Generation {
         // another forward, so finish now. Without it, the loop decodes every position (the output is final).
         let eos_final = hit_eos && (self.early_stop || is_final);
         let done = is_final || eos_final;
+        if new_ids.is_empty() && !done {
+            return Ok((new_ids, String::new(), None));
+        }
         let upd = self.text.update(self.detok()?, done);
         let finish = if upd.stopped.is_some() || eos_final {
             Some(FinishReason::Stop)
@@ -399,7 +403,7 @@ impl Generation {
                 .map(|k| (self.dec.blocks[k].start - lp, self.dec.blocks[k].end - lp, self.dec.block_state(k)))
                 .collect(),
             tokens_per_forward: if self.dec.forward_passes > 0 {
-                self.dec.stable_len().min(self.completion.len() + 1) as f64 / self.dec.forward_passes as f64
+                self.dec.accepted as f64 / self.dec.forward_passes as f64
             } else {
                 0.0
             },

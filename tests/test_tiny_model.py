@@ -1,0 +1,66 @@
+"""The embedded mbd-tiny model (trained here by training/train_tiny.py): it loads, solves held-out
+instances of the task families it learned, and decodes several tokens per forward in multi-block mode.
+Bars are set from benches/RESULTS.md with margin."""
+import os
+import random
+import sys
+
+import pytest
+
+import mbd_rs
+from conftest import HERE
+
+sys.path.insert(0, os.path.join(HERE, "..", "training"))
+from tasks import TASKS, is_held_out, sample  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def eng():
+    return mbd_rs.Engine.load()
+
+
+def held_out(task, n, seed=7):
+    r = random.Random(seed)
+    return [sample(r, True, task)[1:] for _ in range(n)]
+
+
+def test_embedded_model_is_a_real_hf_checkpoint(eng):
+    i = eng.info
+    assert (i.family, i.arch, i.attention, i.alignment, i.logits_shift) == ("mbd-tiny", "qwen3", "block_causal", "absolute", False)
+    assert 2_000_000 < i.num_parameters < 5_000_000 and i.stored_dtype == "bfloat16"
+    files = set(os.listdir(mbd_rs.DEFAULT_MODEL))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= files
+    assert sum(os.path.getsize(os.path.join(mbd_rs.DEFAULT_MODEL, f)) for f in files) < 10 * 2**20
+
+
+def test_split_is_by_property():
+    r = random.Random(0)
+    train = {sample(r, False)[1] for _ in range(2000)}
+    test = {sample(r, True)[1] for _ in range(500)}
+    assert not train & test and all(is_held_out(p) for p in test) and not any(is_held_out(p) for p in train)
+
+
+@pytest.mark.parametrize("task", ["sort", "reverse", "repeat"])
+def test_solves_held_out_instances(eng, task):
+    data = held_out(task, 10)
+    ok = sum(eng.chat([{"role": "user", "content": p}], max_tokens=40).text == a for p, a in data)
+    assert ok >= 9, f"{task}: {ok}/10"
+
+
+def test_multi_block_decodes_several_tokens_per_forward(eng):
+    toks = fwd = 0
+    for task in TASKS:
+        for p, _ in held_out(task, 5):
+            u = eng.chat([{"role": "user", "content": p}], max_tokens=40).usage
+            toks += u.completion_tokens
+            fwd += u.forward_passes
+    assert toks / fwd >= 2.0, toks / fwd
+
+
+def test_multi_block_agrees_with_ar(eng):
+    same = 0
+    data = [x for t in ("sort", "reverse", "repeat") for x in held_out(t, 5, seed=11)]
+    for p, _ in data:
+        m = [{"role": "user", "content": p}]
+        same += eng.chat(m, max_tokens=40).text == eng.chat(m, max_tokens=40, block_size=1, block_add_threshold=1.0).text
+    assert same >= len(data) - 1
