@@ -135,9 +135,9 @@ def _active(server):
 
 def test_busy_then_disconnect_frees_slot(server):
     hdr = {"Authorization": f"Bearer {KEY}"}
-    body = {"messages": MSG, "stream": True, "max_tokens": 200, "extra": None}
-    body.pop("extra")
-    long_body = dict(body, threshold=0.0, block_add_threshold=1.0, block_size=1)  # one token per forward: slow
+    # One token per forward over the whole budget (no EOS early stop): each generation lasts ~200 forwards.
+    long_body = {"messages": MSG, "stream": True, "max_tokens": 200, "threshold": 0.0, "block_add_threshold": 1.0,
+                 "block_size": 1, "early_stop": False}
     clients = [httpx.Client(timeout=30) for _ in range(2)]
     streams = []
     try:
@@ -145,12 +145,13 @@ def test_busy_then_disconnect_frees_slot(server):
             cm = c.stream("POST", server.base + "/v1/chat/completions", json=long_body, headers=hdr)
             resp = cm.__enter__()
             assert resp.status_code == 200
-            next(resp.iter_lines())  # the role chunk: the generation holds its slot
-            streams.append((cm, resp))
+            lines = resp.iter_lines()  # keep the iterator: dropping it closes the connection
+            next(lines)  # the role chunk: the generation holds its slot
+            streams.append((cm, resp, lines))
         r = httpx.post(server.base + "/v1/chat/completions", json={"messages": MSG}, headers=hdr)
         assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy"
     finally:
-        for cm, resp in streams:
+        for cm, resp, _ in streams:
             resp.close()
             cm.__exit__(None, None, None)
         for c in clients:
