@@ -228,23 +228,6 @@ impl Generation {
         })
     }
 
-    pub fn is_finished(&self) -> bool {
-        self.finish.is_some()
-    }
-    pub fn forward_passes(&self) -> usize {
-        self.dec.forward_passes
-    }
-    /// All generated tokens (absolute positions prompt_len..), u32::MAX for masks. For tests/visualisers.
-    pub fn generated(&self) -> Vec<Option<u32>> {
-        (0..self.dec.n).map(|i| if self.dec.decoded[i] { Some(self.dec.tokens[i]) } else { None }).collect()
-    }
-    pub fn completion_ids(&self) -> &[u32] {
-        &self.completion
-    }
-    pub fn text_so_far(&self) -> &str {
-        self.text.emitted_text()
-    }
-
     fn prefill(&mut self) -> Result<()> {
         self.prefilled = true;
         if !self.use_cache {

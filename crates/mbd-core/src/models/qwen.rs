@@ -211,10 +211,8 @@ impl QwenModel {
             });
         }
         let norm = RmsNorm::load(ws, "model.norm.weight", h, cfg.rms_norm_eps)?;
-        let lm_head = if ws.contains("lm_head.weight") && !cfg.tie_word_embeddings {
-            ws.get("lm_head.weight", &[cfg.vocab_size, h])?
-        } else if ws.contains("lm_head.weight") {
-            // Tied checkpoints may still store the (identical) head; prefer the stored tensor.
+        // Tied checkpoints may still store the (identical) head; prefer a stored tensor whenever there is one.
+        let lm_head = if ws.contains("lm_head.weight") {
             ws.get("lm_head.weight", &[cfg.vocab_size, h])?
         } else if cfg.tie_word_embeddings {
             embed.clone()
