@@ -9,6 +9,7 @@ use mbd_core::Model;
 fn main() {
     let dir = std::env::var("MBD_BENCH_MODEL").unwrap_or_else(|_| "/tmp/mbd-bench/qwen2.5-0.5b-shape".into());
     let reps: usize = std::env::var("MBD_BENCH_REPS").ok().and_then(|s| s.parse().ok()).unwrap_or(5);
+    mbd_core::pin_thread_count();
     let dev = candle_core::Device::Cpu;
     let model = match Model::load(std::path::Path::new(&dir), &dev, candle_core::DType::F32, &ProfileOverrides::default()) {
         Ok(m) => m,

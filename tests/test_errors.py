@@ -91,6 +91,30 @@ def test_truncated_safetensors(model_copy):
         mbd_rs.Engine.load(d)
 
 
+def test_integer_weight_dtype_is_refused(model_copy):
+    d = model_copy()
+    _rewrite_weights(d, lambda t: t.__setitem__("model.norm.weight", np.ones((64,), np.int32)))
+    with pytest.raises(ModelLoadError, match=r"tensor 'model.norm.weight' has dtype I32; supported weight dtypes"):
+        mbd_rs.Engine.load(d)
+
+
+def test_header_offsets_past_the_data_are_refused(model_copy):
+    """A header that claims more bytes than the file holds is caught before any read, naming the tensor."""
+    d = model_copy()
+    p = d / "model.safetensors"
+    data = bytearray(p.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    name = "model.layers.0.mlp.down_proj.weight"
+    s, e = header[name]["data_offsets"]
+    header[name]["data_offsets"] = [s, e + 4]  # one element too many for its shape
+    raw = json.dumps(header).encode()
+    raw += b" " * ((8 - len(raw) % 8) % 8)
+    p.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(data[8 + n:]))
+    with pytest.raises(ModelLoadError, match=r"tensor 'model.layers.0.mlp.down_proj.weight' .* has byte range"):
+        mbd_rs.Engine.load(d)
+
+
 def test_token_ids_out_of_range():
     eng = mbd_rs.Engine.load(parity_dir("qwen2_gqa_tied"), device="cpu")
     with pytest.raises(InvalidRequestError, match=r"token id 320 at index 2 is out of range.*320 tokens"):

@@ -167,8 +167,22 @@ def cmd_info(a) -> int:
     return EXIT_OK
 
 
+_DTYPE_BYTES = {"f32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "f16": 2, "float16": 2, "f64": 8, "float64": 8}
+
+
+def _peak_rss_bytes():
+    """Peak resident set size of this process so far, or None where the OS does not say."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
 def cmd_bench(a) -> int:
     eng = _load(a)
+    peak_after_load = _peak_rss_bytes()
     vocab = eng.info.vocab_size
     import random
     r = random.Random(0)
@@ -190,6 +204,13 @@ def cmd_bench(a) -> int:
            "forward_passes": u.forward_passes, "tokens_per_forward": u.tokens_per_forward,
            "tokens_per_second_median": tps, "ms_per_forward": 1e3 * statistics.median(dt / uu.forward_passes for uu, dt in rows),
            "repeats": a.repeats}
+    # Memory: the weights as held for compute (parameters x compute dtype) against the process's peak RSS.
+    weights = eng.info.num_parameters * _DTYPE_BYTES.get(eng.info.dtype, 4)
+    res["weights_mb"] = round(weights / 2**20, 1)
+    if peak_after_load is not None:
+        res["peak_rss_after_load_mb"] = round(peak_after_load / 2**20, 1)
+        res["peak_rss_after_load_over_weights"] = round(peak_after_load / weights, 3)
+        res["peak_rss_end_mb"] = round(_peak_rss_bytes() / 2**20, 1)
     print(json.dumps(res, indent=1) if a.json else "\n".join(f"{k:26s} {v}" for k, v in res.items()))
     return EXIT_OK
 

@@ -1,14 +1,31 @@
-//! Memory-mapped safetensors checkpoints (single file or sharded with an index), with errors that name the
-//! file, the tensor, the expected and the found shape.
+//! Safetensors checkpoints (single file or sharded with an index), read tensor by tensor straight into the
+//! buffers the model keeps. Only the JSON headers are parsed up front; each tensor's bytes are read with one
+//! positioned read into an owned, typed buffer, so loading never holds a second copy of the checkpoint
+//! (no file mapping is resident, no intermediate byte buffer): peak memory is the model's own weights plus
+//! at most one tensor in the checkpoint's dtype when it differs from the compute dtype.
+//! Errors name the file, the tensor, and what was expected and found.
 
 use crate::error::{Error, Result};
-use candle_core::safetensors::MmapedSafetensors;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, WithDType};
+use safetensors::tensor::{Dtype, TensorInfo};
 use std::collections::HashMap;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
+/// Largest header the safetensors format allows (100 MB).
+const MAX_HEADER: u64 = 100_000_000;
+
+struct Shard {
+    path: PathBuf,
+    file: File,
+    /// Offset of the data section (8 + header length).
+    data_start: u64,
+    tensors: HashMap<String, TensorInfo>,
+}
+
 pub struct Weights {
-    files: Vec<(PathBuf, MmapedSafetensors)>,
+    shards: Vec<Shard>,
     index: HashMap<String, usize>,
     device: Device,
     dtype: DType,
@@ -45,23 +62,86 @@ pub fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>> {
     })
 }
 
+fn element_dtype(d: Dtype) -> Option<DType> {
+    Some(match d {
+        Dtype::F32 => DType::F32,
+        Dtype::F16 => DType::F16,
+        Dtype::BF16 => DType::BF16,
+        Dtype::F64 => DType::F64,
+        _ => return None,
+    })
+}
+
+/// Parse and check a shard's header: every tensor's byte range lies in the data section and matches its
+/// shape and dtype.
+fn open_shard(path: &Path) -> Result<Shard> {
+    let bad = |what: String| Error::load(format!("{}: not a readable safetensors file: {what}", path.display()));
+    let mut file = File::open(path).map_err(|e| bad(e.to_string()))?;
+    let file_len = file.metadata().map_err(|e| bad(e.to_string()))?.len();
+    let mut n = [0u8; 8];
+    file.read_exact(&mut n).map_err(|_| bad(format!("{file_len} bytes is too short for a header")))?;
+    let n = u64::from_le_bytes(n);
+    if n > MAX_HEADER || 8 + n > file_len {
+        return Err(bad(format!("header length {n} does not fit the file ({file_len} bytes)")));
+    }
+    let mut header = vec![0u8; n as usize];
+    file.read_exact(&mut header).map_err(|e| bad(e.to_string()))?;
+    let json: HashMap<String, serde_json::Value> =
+        serde_json::from_slice(&header).map_err(|e| bad(format!("header is not a JSON object: {e}")))?;
+    let data_start = 8 + n;
+    let data_len = file_len - data_start;
+    let mut tensors = HashMap::new();
+    for (name, v) in json {
+        if name == "__metadata__" {
+            continue;
+        }
+        let info: TensorInfo =
+            serde_json::from_value(v).map_err(|e| bad(format!("header entry '{name}': {e}")))?;
+        let (s, e) = info.data_offsets;
+        let numel: usize = info.shape.iter().product();
+        let want = (numel * info.dtype.bitsize()).div_ceil(8);
+        if s > e || e as u64 > data_len || e - s != want {
+            return Err(bad(format!(
+                "tensor '{name}' ({:?}, shape {:?}) has byte range {s}..{e}, expected {want} bytes within {data_len}",
+                info.dtype, info.shape
+            )));
+        }
+        tensors.insert(name, info);
+    }
+    Ok(Shard { path: path.to_path_buf(), file, data_start, tensors })
+}
+
+/// One positioned read of `numel` little-endian elements into a freshly allocated typed buffer.
+fn read_typed<T: WithDType>(file: &File, offset: u64, numel: usize, shape: &[usize]) -> std::io::Result<Tensor> {
+    let mut buf: Vec<T> = vec![T::zero(); numel];
+    // SAFETY: T is a plain numeric type (f32/f64/f16/bf16) for which every bit pattern is a valid value; the
+    // byte view covers exactly the vector's initialised elements and is dropped before the vector is moved.
+    let bytes =
+        unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr() as *mut u8, numel * std::mem::size_of::<T>()) };
+    let mut f = file;
+    f.seek(SeekFrom::Start(offset))?;
+    f.read_exact(bytes)?;
+    Tensor::from_vec(buf, shape, &Device::Cpu).map_err(std::io::Error::other)
+}
+
 impl Weights {
     pub fn open(paths: &[PathBuf], device: &Device, dtype: DType) -> Result<Self> {
-        let mut files = Vec::new();
+        if cfg!(target_endian = "big") {
+            return Err(Error::load("safetensors files are little-endian; big-endian hosts are not supported"));
+        }
+        let mut shards = Vec::new();
         let mut index = HashMap::new();
         for (i, p) in paths.iter().enumerate() {
             if !p.exists() {
                 return Err(Error::FileNotFound { path: p.clone(), what: "a weights shard named by the index".into() });
             }
-            // SAFETY: the file is mapped read-only; we never hand out references past the map's lifetime.
-            let st = unsafe { MmapedSafetensors::new(p) }
-                .map_err(|e| Error::load(format!("{}: not a readable safetensors file: {e}", p.display())))?;
-            for (name, _) in st.tensors() {
-                index.insert(name, i);
+            let shard = open_shard(p)?;
+            for name in shard.tensors.keys() {
+                index.insert(name.clone(), i);
             }
-            files.push((p.clone(), st));
+            shards.push(shard);
         }
-        Ok(Weights { files, index, device: device.clone(), dtype })
+        Ok(Weights { shards, index, device: device.clone(), dtype })
     }
 
     pub fn contains(&self, name: &str) -> bool {
@@ -70,18 +150,18 @@ impl Weights {
 
     pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
         let i = *self.index.get(name)?;
-        self.files[i].1.get(name).ok().map(|v| v.shape().to_vec())
+        self.shards[i].tensors.get(name).map(|t| t.shape.clone())
     }
 
     /// Total number of parameters stored.
     pub fn num_parameters(&self) -> usize {
-        self.files.iter().flat_map(|(_, st)| st.tensors()).map(|(_, v)| v.shape().iter().product::<usize>()).sum()
+        self.shards.iter().flat_map(|s| s.tensors.values()).map(|t| t.shape.iter().product::<usize>()).sum()
     }
 
     fn where_(&self) -> String {
-        match self.files.len() {
-            1 => self.files[0].0.display().to_string(),
-            n => format!("{} (and {} more shards)", self.files[0].0.display(), n - 1),
+        match self.shards.len() {
+            1 => self.shards[0].path.display().to_string(),
+            n => format!("{} (and {} more shards)", self.shards[0].path.display(), n - 1),
         }
     }
 
@@ -91,18 +171,27 @@ impl Weights {
             .index
             .get(name)
             .ok_or_else(|| Error::load(format!("{}: tensor '{name}' is missing (expected shape {shape:?})", self.where_())))?;
-        let (path, st) = &self.files[i];
-        let found = st.get(name).map_err(|e| Error::load(format!("{}: tensor '{name}': {e}", path.display())))?;
-        if found.shape() != shape {
-            return Err(Error::load(format!(
-                "{}: tensor '{name}' has shape {:?}, expected {shape:?}",
-                path.display(),
-                found.shape()
-            )));
+        let shard = &self.shards[i];
+        let path = shard.path.display();
+        let info = &shard.tensors[name];
+        if info.shape != shape {
+            return Err(Error::load(format!("{path}: tensor '{name}' has shape {:?}, expected {shape:?}", info.shape)));
         }
-        let t = st
-            .load(name, &Device::Cpu)
-            .map_err(|e| Error::load(format!("{}: tensor '{name}': {e}", path.display())))?;
+        let file_dtype = element_dtype(info.dtype).ok_or_else(|| {
+            Error::load(format!(
+                "{path}: tensor '{name}' has dtype {:?}; supported weight dtypes are F32, F16, BF16 and F64",
+                info.dtype
+            ))
+        })?;
+        let numel: usize = shape.iter().product();
+        let offset = shard.data_start + info.data_offsets.0 as u64;
+        let t = match file_dtype {
+            DType::F32 => read_typed::<f32>(&shard.file, offset, numel, shape),
+            DType::F16 => read_typed::<half::f16>(&shard.file, offset, numel, shape),
+            DType::BF16 => read_typed::<half::bf16>(&shard.file, offset, numel, shape),
+            _ => read_typed::<f64>(&shard.file, offset, numel, shape),
+        }
+        .map_err(|e| Error::load(format!("{path}: tensor '{name}': cannot read its data: {e}")))?;
         Ok(t.to_dtype(self.dtype)?.to_device(&self.device)?)
     }
 

@@ -362,5 +362,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<CoreStream>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("cuda_available", cfg!(feature = "cuda"))?;
+    // At import, before any stream runs: pin the CPU thread count once (see mbd_core::pin_thread_count).
+    m.add("cpu_threads", mbd_core::pin_thread_count())?;
     Ok(())
 }
