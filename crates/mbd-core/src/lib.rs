@@ -10,6 +10,7 @@ pub mod engine;
 pub mod error;
 pub mod kv_cache;
 pub mod mask;
+pub mod skinny;
 pub mod weights;
 pub mod models {
     pub mod qwen;

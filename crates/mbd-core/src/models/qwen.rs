@@ -21,7 +21,7 @@ impl Linear {
         Ok(Linear { w, b })
     }
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = x.matmul(&self.w.t()?)?;
+        let y = crate::skinny::linear(x, &self.w)?;
         Ok(match &self.b {
             Some(b) => y.broadcast_add(b)?,
             None => y,
@@ -305,7 +305,7 @@ impl QwenModel {
             None => x,
         };
         let x = self.norm.forward(&x)?;
-        Ok(x.matmul(&self.lm_head.t()?)?.to_dtype(DType::F32)?)
+        Ok(crate::skinny::linear(&x, &self.lm_head)?.to_dtype(DType::F32)?)
     }
 }
 

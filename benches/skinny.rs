@@ -1,0 +1,40 @@
+//! x · Wᵀ for few-row x on the CPU, f32: candle's matmul (gemm) against the skinny kernel
+//! (`mbd_core::skinny`), side by side on the Qwen2.5-0.5B shapes, for the row counts a decode window has.
+//! Prints the median of repeated runs and the ratio; the weights are 4x the size of the last-level cache
+//! apart for the head, so the MLP shapes show cache-warm speed and the head shows memory-bound speed.
+//!
+//!     cargo bench -p mbd-core --bench skinny
+
+use candle_core::{Device, Tensor};
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn main() {
+    let threads = mbd_core::pin_thread_count();
+    let dev = Device::Cpu;
+    println!("{threads} threads; times in ms (median)");
+    println!("{:>22} {:>4} {:>10} {:>10} {:>7}", "W (n x k)", "rows", "gemm", "skinny", "ratio");
+    for (n, k, name) in [(4864usize, 896usize, "gate/up 4864x896"), (896, 4864, "down 896x4864"), (151936, 896, "head 151936x896")] {
+        let w = Tensor::randn(0f32, 0.02, (n, k), &dev).unwrap();
+        for m in [1usize, 2, 4, 8, 16, 32, 64] {
+            let x = Tensor::randn(0f32, 1.0, (m, k), &dev).unwrap();
+            let reps = if n > 100_000 { 7 } else { 41 };
+            let (mut a, mut b) = (vec![], vec![]);
+            for _ in 0..reps {
+                let t = std::time::Instant::now();
+                let y1 = x.matmul(&w.t().unwrap()).unwrap();
+                a.push(t.elapsed().as_secs_f64() * 1e3);
+                let t = std::time::Instant::now();
+                let y2 = x.apply_op2_no_bwd(&w, &mbd_core::skinny::SkinnyMatmulT).unwrap();
+                b.push(t.elapsed().as_secs_f64() * 1e3);
+                let d = (y1 - y2).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                assert!(d < 1e-3, "results differ by {d}");
+            }
+            let (ga, sb) = (median(a), median(b));
+            println!("{name:>22} {m:>4} {ga:>10.3} {sb:>10.3} {:>7.2}", sb / ga);
+        }
+    }
+}

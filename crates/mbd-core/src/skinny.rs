@@ -1,0 +1,363 @@
+//! `x · Wᵀ` on the CPU in f32 for windows of few rows (a decode window: 1 to a few dozen tokens).
+//!
+//! candle's CPU matmul (the `gemm` crate) packs the weight matrix into panels on every call; when x has a
+//! handful of rows that repacking costs more than the arithmetic (measured on the 0.5B shape: a 4-row
+//! product took 4.8x the time of a 1-row one, where streaming the weight once should make them about equal).
+//! This kernel streams each weight row once from memory and keeps a small tile of x and accumulators in
+//! registers: 4 weight rows × 2 x rows per tile, `L` f32 lanes each. It is split over output columns on
+//! rayon's pool (the pool candle's matmul uses too) and picks AVX-512 / AVX2+FMA at run time.
+//!
+//! Numerics: each output is one f32 dot product summed in `L` lane-wise partial sums then reduced; the
+//! result differs from gemm's only by summation order.
+
+use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
+use rayon::prelude::*;
+
+/// Windows of at most this many rows take the skinny kernel; longer ones (prefill) go to gemm.
+/// benches/skinny.rs measures both sides of this choice.
+pub const MAX_ROWS: usize = 32;
+
+/// One row over a larger weight (a vocabulary head) is memory-bound and gemm's matrix-vector path streams it
+/// as fast or faster; smaller weights are faster here (benches/skinny.rs).
+const ONE_ROW_MAX_N: usize = 65_536;
+
+/// Weight rows per parallel task (a multiple of the 4-row tile).
+const ROWS_PER_TASK: usize = 64;
+
+/// Portable tile (other CPUs): dot products of x rows `xs` (each `k` long) with 4 weight rows, `L` lane sums.
+/// Returns acc[r][c] = <xs[r], w_c>.
+#[inline(always)]
+fn tile<const L: usize, const R: usize>(xs: [&[f32]; R], ws: [&[f32]; 4], k: usize) -> [[f32; 4]; R] {
+    let mut acc = [[[0f32; L]; 4]; R];
+    let body = k / L * L;
+    let mut i = 0;
+    while i < body {
+        for r in 0..R {
+            let xv: &[f32; L] = xs[r][i..i + L].try_into().unwrap();
+            for c in 0..4 {
+                let wv: &[f32; L] = ws[c][i..i + L].try_into().unwrap();
+                for l in 0..L {
+                    acc[r][c][l] += xv[l] * wv[l];
+                }
+            }
+        }
+        i += L;
+    }
+    let mut out = [[0f32; 4]; R];
+    for r in 0..R {
+        for c in 0..4 {
+            let mut s = acc[r][c].iter().sum::<f32>();
+            for j in body..k {
+                s += xs[r][j] * ws[c][j];
+            }
+            out[r][c] = s;
+        }
+    }
+    out
+}
+
+/// Columns [n0, n0 + nw) of y = x · Wᵀ, written into `y` (row-major m × n, full width `n`).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn columns(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    w: &[f32],
+    n0: usize,
+    nw: usize,
+    n: usize,
+    y: Out,
+    tile4: impl Fn([&[f32]; 4], [&[f32]; 4], usize) -> [[f32; 4]; 4],
+    tile2: impl Fn([&[f32]; 2], [&[f32]; 4], usize) -> [[f32; 4]; 2],
+    tile1: impl Fn([&[f32]; 1], [&[f32]; 4], usize) -> [[f32; 4]; 1],
+) {
+    let wrow = |j: usize| &w[j * k..(j + 1) * k];
+    let xrow = |r: usize| &x[r * k..(r + 1) * k];
+    let mut j = n0;
+    let end = n0 + nw;
+    while j < end {
+        // a 4-row weight tile; the tail reuses the last row (its results are not stored)
+        let idx = [j, (j + 1).min(end - 1), (j + 2).min(end - 1), (j + 3).min(end - 1)];
+        let ws = [wrow(idx[0]), wrow(idx[1]), wrow(idx[2]), wrow(idx[3])];
+        let valid = (end - j).min(4);
+        let mut r = 0;
+        while r + 4 <= m {
+            let acc = tile4([xrow(r), xrow(r + 1), xrow(r + 2), xrow(r + 3)], ws, k);
+            for (dr, row) in acc.iter().enumerate() {
+                for c in 0..valid {
+                    // SAFETY: as below.
+                    unsafe { y.write((r + dr) * n + j + c, row[c]) };
+                }
+            }
+            r += 4;
+        }
+        while r + 2 <= m {
+            let acc = tile2([xrow(r), xrow(r + 1)], ws, k);
+            for (dr, row) in acc.iter().enumerate() {
+                for c in 0..valid {
+                    // SAFETY: (r + dr, j + c) is inside y and only this task writes columns [n0, n0 + nw).
+                    unsafe { y.write((r + dr) * n + j + c, row[c]) };
+                }
+            }
+            r += 2;
+        }
+        if r < m {
+            let acc = tile1([xrow(r)], ws, k);
+            for c in 0..valid {
+                unsafe { y.write(r * n + j + c, acc[0][c]) };
+            }
+        }
+        j += 4;
+    }
+}
+
+/// The output buffer shared by the tasks, each writing its own columns.
+#[derive(Clone, Copy)]
+struct Out(*mut f32);
+unsafe impl Send for Out {}
+unsafe impl Sync for Out {}
+impl Out {
+    #[inline(always)]
+    unsafe fn write(self, i: usize, v: f32) {
+        *self.0.add(i) = v;
+    }
+}
+
+/// The tile of `tile` with AVX-512 (16 lanes) or AVX2+FMA (8 lanes) intrinsics: the x rows' loads are
+/// shared by the 4 weight rows and each weight load by the R x rows.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn tile_avx512<const R: usize>(xs: [&[f32]; R], ws: [&[f32]; 4], k: usize) -> [[f32; 4]; R] {
+        let mut acc = [[_mm512_setzero_ps(); 4]; R];
+        let mut i = 0;
+        while i + 16 <= k {
+            let mut xv = [_mm512_setzero_ps(); R];
+            for r in 0..R {
+                xv[r] = _mm512_loadu_ps(xs[r].as_ptr().add(i));
+            }
+            for c in 0..4 {
+                let wv = _mm512_loadu_ps(ws[c].as_ptr().add(i));
+                for r in 0..R {
+                    acc[r][c] = _mm512_fmadd_ps(xv[r], wv, acc[r][c]);
+                }
+            }
+            i += 16;
+        }
+        let mut out = [[0f32; 4]; R];
+        for r in 0..R {
+            for c in 0..4 {
+                let mut s = _mm512_reduce_add_ps(acc[r][c]);
+                for j in i..k {
+                    s += xs[r][j] * ws[c][j];
+                }
+                out[r][c] = s;
+            }
+        }
+        out
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn hsum256(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps::<0b01>(s, s));
+        _mm_cvtss_f32(s)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn tile_avx2<const R: usize>(xs: [&[f32]; R], ws: [&[f32]; 4], k: usize) -> [[f32; 4]; R] {
+        let mut acc = [[_mm256_setzero_ps(); 4]; R];
+        let mut i = 0;
+        while i + 8 <= k {
+            let mut xv = [_mm256_setzero_ps(); R];
+            for r in 0..R {
+                xv[r] = _mm256_loadu_ps(xs[r].as_ptr().add(i));
+            }
+            for c in 0..4 {
+                let wv = _mm256_loadu_ps(ws[c].as_ptr().add(i));
+                for r in 0..R {
+                    acc[r][c] = _mm256_fmadd_ps(xv[r], wv, acc[r][c]);
+                }
+            }
+            i += 8;
+        }
+        let mut out = [[0f32; 4]; R];
+        for r in 0..R {
+            for c in 0..4 {
+                let mut s = hsum256(acc[r][c]);
+                for j in i..k {
+                    s += xs[r][j] * ws[c][j];
+                }
+                out[r][c] = s;
+            }
+        }
+        out
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn columns_avx512(x: &[f32], m: usize, k: usize, w: &[f32], n0: usize, nw: usize, n: usize, y: super::Out) {
+        super::columns(x, m, k, w, n0, nw, n, y, |a, b, k| tile_avx512::<4>(a, b, k), |a, b, k| tile_avx512::<2>(a, b, k), |a, b, k| tile_avx512::<1>(a, b, k))
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn columns_avx2(x: &[f32], m: usize, k: usize, w: &[f32], n0: usize, nw: usize, n: usize, y: super::Out) {
+        // 16 ymm registers hold a 2 x 4 tile of accumulators; 4 rows are two such tiles.
+        let tile4 = |a: [&[f32]; 4], b: [&[f32]; 4], k: usize| {
+            let (p, q) = (tile_avx2::<2>([a[0], a[1]], b, k), tile_avx2::<2>([a[2], a[3]], b, k));
+            [p[0], p[1], q[0], q[1]]
+        };
+        super::columns(x, m, k, w, n0, nw, n, y, tile4, |a, b, k| tile_avx2::<2>(a, b, k), |a, b, k| tile_avx2::<1>(a, b, k))
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Isa {
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    /// aarch64 (NEON has fused multiply-add) or plain SSE2.
+    Baseline,
+}
+
+fn isa() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return Isa::Avx512;
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            return Isa::Avx2;
+        }
+    }
+    Isa::Baseline
+}
+
+/// y (m × n) = x (m × k) · Wᵀ, W (n × k), all row-major.
+pub fn matmul_t(x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> {
+    assert_eq!(x.len(), m * k);
+    assert_eq!(w.len(), n * k);
+    let mut y = vec![0f32; m * n];
+    let out = Out(y.as_mut_ptr());
+    let isa = isa();
+    let tasks = n.div_ceil(ROWS_PER_TASK);
+    let run = |t: usize| {
+        let n0 = t * ROWS_PER_TASK;
+        let nw = ROWS_PER_TASK.min(n - n0);
+        match isa {
+            // SAFETY: the CPU has the features these variants were compiled for (checked above).
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { x86::columns_avx512(x, m, k, w, n0, nw, n, out) },
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { x86::columns_avx2(x, m, k, w, n0, nw, n, out) },
+            Isa::Baseline => columns(x, m, k, w, n0, nw, n, out, tile::<8, 4>, tile::<8, 2>, tile::<8, 1>),
+        }
+    };
+    if rayon::current_num_threads() > 1 && m * n * k >= 1 << 18 {
+        (0..tasks).into_par_iter().for_each(run);
+    } else {
+        (0..tasks).for_each(run);
+    }
+    y
+}
+
+/// The candle op: (x: (m, k), w: (n, k)) -> (m, n), both contiguous f32 on the CPU.
+pub struct SkinnyMatmulT;
+
+impl CustomOp2 for SkinnyMatmulT {
+    fn name(&self) -> &'static str {
+        "skinny-matmul-t"
+    }
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (x, w) = match (s1, s2) {
+            (CpuStorage::F32(x), CpuStorage::F32(w)) => (x, w),
+            _ => candle_core::bail!("skinny-matmul-t: f32 only"),
+        };
+        let ((m, k), (n, k2)) = (l1.shape().dims2()?, l2.shape().dims2()?);
+        if k != k2 {
+            candle_core::bail!("skinny-matmul-t: inner dimensions differ ({k} vs {k2})");
+        }
+        let (Some((a0, a1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
+            candle_core::bail!("skinny-matmul-t: operands must be contiguous");
+        };
+        let y = matmul_t(&x[a0..a1], m, k, &w[b0..b1], n);
+        Ok((CpuStorage::F32(y), Shape::from((m, n))))
+    }
+}
+
+/// Whether `x · wᵀ` takes the skinny kernel: CPU, f32, a 2-D contiguous x of at most `MAX_ROWS` rows (one row
+/// only when w is not a vocabulary-sized head).
+pub fn applies(x: &Tensor, w: &Tensor) -> bool {
+    x.device().is_cpu()
+        && x.dtype() == candle_core::DType::F32
+        && w.dtype() == candle_core::DType::F32
+        && x.rank() == 2
+        && w.rank() == 2
+        && x.dim(0).is_ok_and(|m| (2..=MAX_ROWS).contains(&m) || (m == 1 && w.dim(0).is_ok_and(|n| n <= ONE_ROW_MAX_N)))
+        && x.is_contiguous()
+        && w.is_contiguous()
+}
+
+/// `x · wᵀ` for x (m, k) and w (n, k): the skinny kernel where it applies, candle's matmul otherwise.
+pub fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    if applies(x, w) {
+        x.apply_op2_no_bwd(w, &SkinnyMatmulT)
+    } else {
+        x.matmul(&w.t()?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reference(x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f64> {
+        let mut y = vec![0f64; m * n];
+        for r in 0..m {
+            for c in 0..n {
+                y[r * n + c] = (0..k).map(|i| x[r * k + i] as f64 * w[c * k + i] as f64).sum();
+            }
+        }
+        y
+    }
+
+    #[test]
+    fn matches_f64_reference_on_odd_shapes() {
+        let mut s: u64 = 7;
+        let mut rnd = || {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+        };
+        // odd k (lane tails), odd n (4-row tile tails, task tails), odd m (2-row tails), big enough to go parallel
+        for &(m, k, n) in &[(1, 1, 1), (1, 17, 5), (2, 16, 4), (3, 33, 7), (5, 100, 131), (7, 333, 259), (32, 896, 200), (13, 64, 1000)] {
+            let x: Vec<f32> = (0..m * k).map(|_| rnd()).collect();
+            let w: Vec<f32> = (0..n * k).map(|_| rnd()).collect();
+            let y = matmul_t(&x, m, k, &w, n);
+            let r = reference(&x, m, k, &w, n);
+            for (i, (a, b)) in y.iter().zip(&r).enumerate() {
+                assert!((*a as f64 - b).abs() <= 1e-5 * (1.0 + b.abs()) * (k as f64).sqrt(), "m{m} k{k} n{n} at {i}: {a} vs {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn op_agrees_with_candle_matmul() {
+        let dev = candle_core::Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (6, 40), &dev).unwrap();
+        let w = Tensor::randn(0f32, 1.0, (30, 40), &dev).unwrap();
+        assert!(applies(&x, &w));
+        let a = linear(&x, &w).unwrap();
+        let b = x.matmul(&w.t().unwrap()).unwrap();
+        assert_eq!(a.dims(), &[6, 30]);
+        let d = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert!(d < 1e-4, "{d}");
+        // a transposed (non-contiguous) x falls back to candle's matmul
+        let xt = Tensor::randn(0f32, 1.0, (40, 6), &dev).unwrap().t().unwrap();
+        assert!(!applies(&xt, &w));
+        assert_eq!(linear(&xt, &w).unwrap().dims(), &[6, 30]);
+    }
+}
