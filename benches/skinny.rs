@@ -17,11 +17,18 @@ fn main() {
     let dev = Device::Cpu;
     println!("{threads} threads; times in ms (median)");
     println!("{:>22} {:>4} {:>10} {:>10} {:>7}", "W (n x k)", "rows", "gemm", "skinny", "ratio");
-    for (n, k, name) in [(4864usize, 896usize, "gate/up 4864x896"), (896, 4864, "down 896x4864"), (151936, 896, "head 151936x896")] {
+    let shapes = [
+        (576usize, 192usize, "tiny gate/up 576x192"),
+        (192, 192, "tiny q/o 192x192"),
+        (4864, 896, "gate/up 4864x896"),
+        (896, 4864, "down 896x4864"),
+        (151936, 896, "head 151936x896"),
+    ];
+    for (n, k, name) in shapes {
         let w = Tensor::randn(0f32, 0.02, (n, k), &dev).unwrap();
-        for m in [1usize, 2, 4, 8, 16, 32, 64] {
+        for m in [1usize, 2, 4, 8, 12, 16, 32, 64] {
             let x = Tensor::randn(0f32, 1.0, (m, k), &dev).unwrap();
-            let reps = if n > 100_000 { 7 } else { 41 };
+            let reps = if n > 100_000 { 7 } else if n * k < 1 << 20 { 401 } else { 41 };
             let (mut a, mut b) = (vec![], vec![]);
             for _ in 0..reps {
                 let t = std::time::Instant::now();

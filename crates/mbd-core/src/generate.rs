@@ -409,6 +409,14 @@ impl Generation {
 
     /// One decoding step (one forward). Returns None once the generation has finished.
     pub fn step(&mut self) -> Result<Option<StepOutput>> {
+        if self.model.net.device().is_cpu() {
+            crate::on_cpu_pool(|| self.step_impl())
+        } else {
+            self.step_impl()
+        }
+    }
+
+    fn step_impl(&mut self) -> Result<Option<StepOutput>> {
         if self.finish.is_some() {
             return Ok(None);
         }

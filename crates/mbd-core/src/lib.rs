@@ -39,3 +39,23 @@ pub fn pin_thread_count() -> usize {
     std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     n
 }
+
+static CPU_POOL: std::sync::OnceLock<rayon::ThreadPool> = std::sync::OnceLock::new();
+
+/// Run `f` on the engine's CPU thread pool (`pin_thread_count()` threads), the calling thread waiting.
+/// Forwards and decoding steps run this way so that the caller (a Python thread) sleeps while the pool
+/// works: the pool's threads are then the only runnable ones, instead of the caller's serial work
+/// competing with idle workers that spin for jobs (oversubscription on small machines). candle's matmul
+/// (gemm) and the skinny kernel parallelise on the pool they are called from, so they use this one.
+/// Re-entrant: called from one of the pool's threads, `f` runs in place.
+pub fn on_cpu_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    let pool = CPU_POOL.get_or_init(|| {
+        let n = pin_thread_count();
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .thread_name(|i| format!("mbd-cpu-{i}"))
+            .build()
+            .expect("cannot start the CPU thread pool")
+    });
+    pool.install(f)
+}

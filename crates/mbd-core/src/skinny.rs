@@ -21,6 +21,11 @@ pub const MAX_ROWS: usize = 32;
 /// as fast or faster; smaller weights are faster here (benches/skinny.rs).
 const ONE_ROW_MAX_N: usize = 65_536;
 
+/// Products smaller than this many multiply-adds run on the calling thread: one thread does ~30 G/s here,
+/// so below ~4 M the ~30 µs it takes to wake the pool's other threads costs more than it saves
+/// (benches/skinny.rs, the tiny-model shapes).
+const PAR_MIN_MACS: usize = 1 << 22;
+
 /// Weight rows per parallel task (a multiple of the 4-row tile).
 const ROWS_PER_TASK: usize = 64;
 
@@ -81,32 +86,26 @@ fn columns(
         let idx = [j, (j + 1).min(end - 1), (j + 2).min(end - 1), (j + 3).min(end - 1)];
         let ws = [wrow(idx[0]), wrow(idx[1]), wrow(idx[2]), wrow(idx[3])];
         let valid = (end - j).min(4);
+        // Store a tile's results for x rows r0.. (only the valid weight rows).
+        let store = |r0: usize, acc: &[[f32; 4]]| {
+            for (dr, row) in acc.iter().enumerate() {
+                for (c, &v) in row.iter().take(valid).enumerate() {
+                    // SAFETY: (r0 + dr, j + c) is inside y, and only this task writes columns [n0, n0 + nw).
+                    unsafe { y.write((r0 + dr) * n + j + c, v) };
+                }
+            }
+        };
         let mut r = 0;
         while r + 4 <= m {
-            let acc = tile4([xrow(r), xrow(r + 1), xrow(r + 2), xrow(r + 3)], ws, k);
-            for (dr, row) in acc.iter().enumerate() {
-                for c in 0..valid {
-                    // SAFETY: as below.
-                    unsafe { y.write((r + dr) * n + j + c, row[c]) };
-                }
-            }
+            store(r, &tile4([xrow(r), xrow(r + 1), xrow(r + 2), xrow(r + 3)], ws, k));
             r += 4;
         }
-        while r + 2 <= m {
-            let acc = tile2([xrow(r), xrow(r + 1)], ws, k);
-            for (dr, row) in acc.iter().enumerate() {
-                for c in 0..valid {
-                    // SAFETY: (r + dr, j + c) is inside y and only this task writes columns [n0, n0 + nw).
-                    unsafe { y.write((r + dr) * n + j + c, row[c]) };
-                }
-            }
+        if r + 2 <= m {
+            store(r, &tile2([xrow(r), xrow(r + 1)], ws, k));
             r += 2;
         }
         if r < m {
-            let acc = tile1([xrow(r)], ws, k);
-            for c in 0..valid {
-                unsafe { y.write(r * n + j + c, acc[0][c]) };
-            }
+            store(r, &tile1([xrow(r)], ws, k));
         }
         j += 4;
     }
@@ -127,6 +126,7 @@ impl Out {
 /// The tile of `tile` with AVX-512 (16 lanes) or AVX2+FMA (8 lanes) intrinsics: the x rows' loads are
 /// shared by the 4 weight rows and each weight load by the R x rows.
 #[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
 mod x86 {
     use std::arch::x86_64::*;
 
@@ -239,11 +239,14 @@ fn isa() -> Isa {
 
 /// y (m × n) = x (m × k) · Wᵀ, W (n × k), all row-major.
 pub fn matmul_t(x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> {
+    matmul_t_with(isa(), x, m, k, w, n)
+}
+
+fn matmul_t_with(isa: Isa, x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> {
     assert_eq!(x.len(), m * k);
     assert_eq!(w.len(), n * k);
     let mut y = vec![0f32; m * n];
     let out = Out(y.as_mut_ptr());
-    let isa = isa();
     let tasks = n.div_ceil(ROWS_PER_TASK);
     let run = |t: usize| {
         let n0 = t * ROWS_PER_TASK;
@@ -257,7 +260,7 @@ pub fn matmul_t(x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> 
             Isa::Baseline => columns(x, m, k, w, n0, nw, n, out, tile::<8, 4>, tile::<8, 2>, tile::<8, 1>),
         }
     };
-    if rayon::current_num_threads() > 1 && m * n * k >= 1 << 18 {
+    if rayon::current_num_threads() > 1 && m * n * k >= PAR_MIN_MACS {
         (0..tasks).into_par_iter().for_each(run);
     } else {
         (0..tasks).for_each(run);
@@ -333,13 +336,27 @@ mod tests {
             ((s >> 33) as f32 / (1u64 << 31) as f32) - 0.5
         };
         // odd k (lane tails), odd n (4-row tile tails, task tails), odd m (2-row tails), big enough to go parallel
-        for &(m, k, n) in &[(1, 1, 1), (1, 17, 5), (2, 16, 4), (3, 33, 7), (5, 100, 131), (7, 333, 259), (32, 896, 200), (13, 64, 1000)] {
+        // every instruction set this CPU has, not only the one picked at run time
+        let mut isas = vec![Isa::Baseline];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                isas.push(Isa::Avx2);
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                isas.push(Isa::Avx512);
+            }
+        }
+        for &(m, k, n) in &[(1, 1, 1), (1, 17, 5), (2, 16, 4), (3, 33, 7), (5, 100, 131), (7, 333, 259), (32, 896, 200), (13, 64, 6000)] {
             let x: Vec<f32> = (0..m * k).map(|_| rnd()).collect();
             let w: Vec<f32> = (0..n * k).map(|_| rnd()).collect();
-            let y = matmul_t(&x, m, k, &w, n);
             let r = reference(&x, m, k, &w, n);
-            for (i, (a, b)) in y.iter().zip(&r).enumerate() {
-                assert!((*a as f64 - b).abs() <= 1e-5 * (1.0 + b.abs()) * (k as f64).sqrt(), "m{m} k{k} n{n} at {i}: {a} vs {b}");
+            for &isa in &isas {
+                let y = matmul_t_with(isa, &x, m, k, &w, n);
+                for (i, (a, b)) in y.iter().zip(&r).enumerate() {
+                    let tol = 1e-5 * (1.0 + b.abs()) * (k as f64).sqrt();
+                    assert!((*a as f64 - b).abs() <= tol, "{isa:?} m{m} k{k} n{n} at {i}: {a} vs {b}");
+                }
             }
         }
     }

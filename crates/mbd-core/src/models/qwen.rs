@@ -251,6 +251,14 @@ impl QwenModel {
     /// `rows`: window rows whose logits are returned (None = all). Returns (rows, vocab) f32 logits.
     /// The window's K/V are left in the cache's scratch area; `cache.commit(n)` keeps the first n.
     pub fn forward(&self, cache: &mut KvCache, ids: &[u32], mask: Option<&[f32]>, rows: Option<&[usize]>) -> Result<Tensor> {
+        if self.device.is_cpu() {
+            crate::on_cpu_pool(|| self.forward_impl(cache, ids, mask, rows))
+        } else {
+            self.forward_impl(cache, ids, mask, rows)
+        }
+    }
+
+    fn forward_impl(&self, cache: &mut KvCache, ids: &[u32], mask: Option<&[f32]>, rows: Option<&[usize]>) -> Result<Tensor> {
         let w = ids.len();
         if w == 0 {
             return Err(Error::invalid("empty window"));
