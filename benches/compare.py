@@ -1,10 +1,15 @@
 """End to end, side by side in one process, on the same model and prompts: mbd-rs multi-block, mbd-rs AR
 (block_size 1), the PyTorch reference decoder (tests/reference/decoder.py: whole-sequence recompute, as the
 authors' code does) with the same decoding parameters, and transformers' generate (AR with its KV cache, greedy).
-Prints one table (tokens/s, forward passes, tokens per forward, ms per forward, peak RSS during the run, whether
-outputs match the reference decoder) and writes benches/compare.json.
+Prints one table (tokens/s, forward passes, tokens per forward, ms per forward, peak RSS, whether outputs match
+the reference decoder) and writes benches/compare.json.
 
-    python benches/compare.py [--model DIR] [--prompts 12] [--max-tokens 40]
+Timing: the mbd-rs rows are the median over --repeats rounds, the two mbd-rs methods alternating within each round
+(the machine is shared and noisy); the PyTorch rows run once (they are 20-40x slower). Peak RSS: each method runs
+once more in a fresh child process that imports only what it needs, so the numbers are per method (in the timing
+process torch is loaded next to mbd-rs).
+
+    python benches/compare.py [--model DIR] [--prompts 12] [--max-tokens 40] [--repeats 5]
 Needs torch + transformers next to mbd_rs (developer tools).
 """
 import argparse
@@ -12,11 +17,9 @@ import json
 import os
 import random
 import sys
-import threading
+import statistics
+import subprocess
 import time
-
-import torch
-import transformers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -26,26 +29,14 @@ from reference.decoder import completion_tokens, reference_decode  # noqa: E402
 from tasks import TASKS, sample  # noqa: E402
 
 
-def rss_mb():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+def peak_rss_mb():
+    """This process's peak RSS (VmHWM: per address space, so not inherited from the parent across exec, unlike
+    getrusage's ru_maxrss)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 
 
-class PeakRss:
-    def __enter__(self):
-        self.peak, self.stop = rss_mb(), False
-        self.t = threading.Thread(target=self.loop, daemon=True)
-        self.t.start()
-        return self
-
-    def loop(self):
-        while not self.stop:
-            self.peak = max(self.peak, rss_mb())
-            time.sleep(0.005)
-
-    def __exit__(self, *a):
-        self.stop = True
-        self.t.join()
+METHODS = ["mbd-rs multi-block", "mbd-rs AR (block 1)", "PyTorch reference decoder", "transformers generate (AR, KV cache)"]
 
 
 def main():
@@ -53,14 +44,21 @@ def main():
     ap.add_argument("--model", default=None)
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=40)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--child", choices=range(len(METHODS)), type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    torch.set_num_threads(os.cpu_count())
+    if args.child is None or args.child >= 2:
+        import torch
+        import transformers
+        torch.set_num_threads(os.cpu_count())
     eng = mbd_rs.Engine.load(args.model, device="cpu")
     info = eng.info
     r = random.Random(99)
     prompts = [eng.tokenize(eng.apply_chat_template([{"role": "user", "content": sample(r, True, t)[1]}]), add_special_tokens=False)
                for t in list(TASKS) * (args.prompts // len(TASKS) + 1)][: args.prompts]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(info.path, dtype=torch.float32, attn_implementation="eager").eval()
+    hf = None
+    if args.child is None or args.child >= 2:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(info.path, dtype=torch.float32, attn_implementation="eager").eval()
     eos = info.eos_token_ids
     multi = dict(block_size=info.block_size, threshold=0.5, acceptance="entropy", block_add_threshold=0.1,
                  decoded_token_threshold=0.95, forced_progress="first", early_stop=True)
@@ -95,35 +93,52 @@ def main():
             fwd += len(new)
         return outs, fwd
 
-    methods = [("mbd-rs multi-block", lambda: run_mbd(**multi)),
-               ("mbd-rs AR (block 1)", lambda: run_mbd(block_size=1, block_add_threshold=1.0, acceptance="confidence", threshold=1.0)),
-               ("PyTorch reference decoder", run_ref),
-               ("transformers generate (AR, KV cache)", run_hf_generate)]
-    run_mbd(**multi)  # warm-up
-    results, ref_out = [], None
-    for name, fn in methods:
-        with PeakRss() as m:
+    ar = dict(block_size=1, block_add_threshold=1.0, acceptance="confidence", threshold=1.0)
+    fns = [lambda: run_mbd(**multi), lambda: run_mbd(**ar), run_ref, run_hf_generate]
+    if args.child is not None:  # one method, once, in a fresh process: report its peak RSS
+        outs, _ = fns[args.child]()
+        print(json.dumps(dict(peak_rss_mb=peak_rss_mb(), tokens=sum(len(o) for o in outs))))
+        return
+    run_mbd(**multi), run_mbd(**ar)  # warm-up
+    timings = {0: [], 1: []}
+    outputs, forwards = {}, {}
+    for rnd in range(args.repeats):
+        for i in ((0, 1) if rnd % 2 == 0 else (1, 0)):
             t = time.perf_counter()
-            outs, fwd = fn()
-            dt = time.perf_counter() - t
-        toks = sum(len(o) for o in outs)
-        results.append(dict(method=name, tokens=toks, seconds=dt, tokens_per_second=toks / dt, forward_passes=fwd,
-                            tokens_per_forward=toks / fwd, ms_per_forward=1e3 * dt / fwd, peak_rss_mb=m.peak, outputs=outs))
-        if name.startswith("PyTorch reference"):
-            ref_out = outs
-    for row in results:
-        row["matches_reference"] = row["outputs"] == ref_out
-    base = next(r for r in results if r["method"].startswith("PyTorch reference"))
+            outputs[i], forwards[i] = fns[i]()
+            timings[i].append(time.perf_counter() - t)
+    for i in (2, 3):
+        t = time.perf_counter()
+        outputs[i], forwards[i] = fns[i]()
+        timings[i] = [time.perf_counter() - t]
+    rss = {}
+    for i in range(len(METHODS)):
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", str(i), "--prompts", str(args.prompts),
+               "--max-tokens", str(args.max_tokens)] + (["--model", args.model] if args.model else [])
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        rss[i] = json.loads(out.strip().splitlines()[-1])["peak_rss_mb"]
+    results = []
+    for i, name in enumerate(METHODS):
+        dt = statistics.median(timings[i])
+        toks = sum(len(o) for o in outputs[i])
+        fwd = forwards[i]
+        results.append(dict(method=name, tokens=toks, seconds=dt, runs=len(timings[i]), tokens_per_second=toks / dt,
+                            forward_passes=fwd, tokens_per_forward=toks / fwd, ms_per_forward=1e3 * dt / fwd,
+                            peak_rss_mb=rss[i], matches_reference=outputs[i] == outputs[2]))
+    base = results[2]
     print(f"model {info.path} ({info.num_parameters / 1e6:.2f}M params), {len(prompts)} prompts, max_tokens {args.max_tokens}, "
-          f"{os.cpu_count()} threads")
+          f"{os.cpu_count()} threads, mbd-rs median of {args.repeats} runs")
     print(f"{'method':38s} {'tok/s':>9s} {'x ref':>6s} {'forwards':>8s} {'tok/fwd':>7s} {'ms/fwd':>7s} {'peak RSS MB':>11s} {'= ref':>5s}")
     for row in results:
         print(f"{row['method']:38s} {row['tokens_per_second']:9.1f} {row['tokens_per_second'] / base['tokens_per_second']:6.2f} "
               f"{row['forward_passes']:8d} {row['tokens_per_forward']:7.2f} {row['ms_per_forward']:7.2f} {row['peak_rss_mb']:11.0f} "
               f"{'yes' if row['matches_reference'] else 'no':>5s}")
-    for row in results:
-        row.pop("outputs")
-    json.dump(dict(model=info.path, prompts=len(prompts), max_tokens=args.max_tokens, results=results),
+    speedup = results[0]["tokens_per_second"] / results[1]["tokens_per_second"]
+    tpf_ratio = results[0]["tokens_per_forward"] / results[1]["tokens_per_forward"]
+    print(f"multi-block over AR: speedup {speedup:.2f} for a tokens-per-forward ratio of {tpf_ratio:.2f} -> "
+          f"{speedup / tpf_ratio:.2f} (target >= 0.8)")
+    json.dump(dict(model=info.path, prompts=len(prompts), max_tokens=args.max_tokens, repeats=args.repeats,
+                   multi_over_ar=dict(speedup=speedup, tpf_ratio=tpf_ratio, ratio=speedup / tpf_ratio), results=results),
               open(os.path.join(ROOT, "benches", "compare.json"), "w"), indent=1)
 
 

@@ -12,22 +12,44 @@
 
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 use rayon::prelude::*;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// Windows of at most this many rows take the skinny kernel; longer ones (prefill) go to gemm.
-/// benches/skinny.rs measures both sides of this choice.
-pub const MAX_ROWS: usize = 32;
+/// (64: on the tiny model the kernel is faster up to ~64 rows and even with gemm at 100; on the 0.5B shapes
+/// it is 0.7-1.15x gemm's time at 64 rows.)
+/// benches/skinny.rs and benches/ab_kernels.py measure both sides of this choice.
+static MAX_ROWS: AtomicUsize = AtomicUsize::new(64);
 
 /// One row over a larger weight (a vocabulary head) is memory-bound and gemm's matrix-vector path streams it
 /// as fast or faster; smaller weights are faster here (benches/skinny.rs).
 const ONE_ROW_MAX_N: usize = 65_536;
 
-/// Products smaller than this many multiply-adds run on the calling thread: one thread does ~30 G/s here,
-/// so below ~4 M the ~30 µs it takes to wake the pool's other threads costs more than it saves
-/// (benches/skinny.rs, the tiny-model shapes).
-const PAR_MIN_MACS: usize = 1 << 22;
+/// Products smaller than this many multiply-adds run on the calling thread. Called from the engine's pool
+/// (forwards run there) splitting costs a few µs, so only the smallest products stay serial; called from
+/// outside a pool (benches/skinny.rs) waking the workers costs ~30 µs. Chosen with benches/ab_kernels.py.
+static PAR_MIN_MACS: AtomicUsize = AtomicUsize::new(1 << 14);
 
-/// Weight rows per parallel task (a multiple of the 4-row tile).
-const ROWS_PER_TASK: usize = 64;
+static ENABLED: AtomicBool = AtomicBool::new(true);
+
+/// Benchmarks' switches (A/B runs in one process): use the kernel at all; the parallel threshold.
+pub fn set_tuning(enabled: Option<bool>, par_min_macs: Option<usize>, max_rows: Option<usize>) -> (bool, usize, usize) {
+    if let Some(r) = max_rows {
+        MAX_ROWS.store(r, Ordering::Relaxed);
+    }
+    if let Some(e) = enabled {
+        ENABLED.store(e, Ordering::Relaxed);
+    }
+    if let Some(p) = par_min_macs {
+        PAR_MIN_MACS.store(p, Ordering::Relaxed);
+    }
+    (ENABLED.load(Ordering::Relaxed), PAR_MIN_MACS.load(Ordering::Relaxed), MAX_ROWS.load(Ordering::Relaxed))
+}
+
+/// Weight rows per parallel task: about 2 tasks per thread for small matrices (4-row multiples, at least 16),
+/// at most 256 rows for large ones so that work stays balanced.
+fn rows_per_task(n: usize, threads: usize) -> usize {
+    (n.div_ceil(2 * threads).div_ceil(4) * 4).clamp(16, 256)
+}
 
 /// Portable tile (other CPUs): dot products of x rows `xs` (each `k` long) with 4 weight rows, `L` lane sums.
 /// Returns acc[r][c] = <xs[r], w_c>.
@@ -247,10 +269,13 @@ fn matmul_t_with(isa: Isa, x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -
     assert_eq!(w.len(), n * k);
     let mut y = vec![0f32; m * n];
     let out = Out(y.as_mut_ptr());
-    let tasks = n.div_ceil(ROWS_PER_TASK);
+    let threads = rayon::current_num_threads();
+    let parallel = threads > 1 && m * n * k >= PAR_MIN_MACS.load(Ordering::Relaxed);
+    let per_task = if parallel { rows_per_task(n, threads) } else { n.max(1) };
+    let tasks = n.div_ceil(per_task);
     let run = |t: usize| {
-        let n0 = t * ROWS_PER_TASK;
-        let nw = ROWS_PER_TASK.min(n - n0);
+        let n0 = t * per_task;
+        let nw = per_task.min(n - n0);
         match isa {
             // SAFETY: the CPU has the features these variants were compiled for (checked above).
             #[cfg(target_arch = "x86_64")]
@@ -260,7 +285,7 @@ fn matmul_t_with(isa: Isa, x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -
             Isa::Baseline => columns(x, m, k, w, n0, nw, n, out, tile::<8, 4>, tile::<8, 2>, tile::<8, 1>),
         }
     };
-    if rayon::current_num_threads() > 1 && m * n * k >= PAR_MIN_MACS {
+    if parallel {
         (0..tasks).into_par_iter().for_each(run);
     } else {
         (0..tasks).for_each(run);
@@ -295,12 +320,13 @@ impl CustomOp2 for SkinnyMatmulT {
 /// Whether `x · wᵀ` takes the skinny kernel: CPU, f32, a 2-D contiguous x of at most `MAX_ROWS` rows (one row
 /// only when w is not a vocabulary-sized head).
 pub fn applies(x: &Tensor, w: &Tensor) -> bool {
-    x.device().is_cpu()
+    ENABLED.load(Ordering::Relaxed)
+        && x.device().is_cpu()
         && x.dtype() == candle_core::DType::F32
         && w.dtype() == candle_core::DType::F32
         && x.rank() == 2
         && w.rank() == 2
-        && x.dim(0).is_ok_and(|m| (2..=MAX_ROWS).contains(&m) || (m == 1 && w.dim(0).is_ok_and(|n| n <= ONE_ROW_MAX_N)))
+        && x.dim(0).is_ok_and(|m| (2..=MAX_ROWS.load(Ordering::Relaxed)).contains(&m) || (m == 1 && w.dim(0).is_ok_and(|n| n <= ONE_ROW_MAX_N)))
         && x.is_contiguous()
         && w.is_contiguous()
 }

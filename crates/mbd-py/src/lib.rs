@@ -356,10 +356,19 @@ impl CoreStream {
     }
 }
 
+/// Benchmark switches for A/B runs in one process (not public API): the skinny kernel on/off and its
+/// parallel threshold in multiply-adds. Returns the settings now in force.
+#[pyfunction]
+#[pyo3(signature = (skinny=None, par_min_macs=None, max_rows=None))]
+fn _tuning(skinny: Option<bool>, par_min_macs: Option<usize>, max_rows: Option<usize>) -> (bool, usize, usize) {
+    mbd_core::skinny::set_tuning(skinny, par_min_macs, max_rows)
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<CoreModel>()?;
     m.add_class::<CoreStream>()?;
+    m.add_function(wrap_pyfunction!(_tuning, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("cuda_available", cfg!(feature = "cuda"))?;
     // At import, before any stream runs: pin the CPU thread count once (see mbd_core::pin_thread_count).
