@@ -1,5 +1,7 @@
 """One decode forward, side by side in one process: mbd-rs against PyTorch eager (HF transformers, same
-computation: a W-token window over a P-token KV cache, logits for every window row, same thread count).
+computation: a W-token window over a P-token KV cache, logits for every window row, same thread count), and
+mbd-rs with its skinny kernel switched off (candle's matmul everywhere) as an A/B of that kernel. The three
+alternate over --rounds rounds (the machine is shared and noisy); each number is the median of all repetitions.
 
     python scripts/make_bench_model.py /tmp/mbd-bench/qwen2.5-0.5b-shape     # once, numpy + safetensors
     python benches/compare_forward.py [--model DIR] [--reps 7]
@@ -22,7 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="/tmp/mbd-bench/qwen2.5-0.5b-shape")
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--cases", default="512:32,512:4,2048:32,0:32")
     args = ap.parse_args()
     threads = os.cpu_count()
@@ -37,19 +40,26 @@ def main():
             cache = transformers.DynamicCache(config=hf.config)
             if p:
                 hf(ids[:, :p], past_key_values=cache, use_cache=True)
-            times = []
-            for _ in range(args.reps + 1):
-                t = time.perf_counter()
-                hf(ids[:, p:], past_key_values=cache, use_cache=True,
-                   position_ids=torch.arange(p, p + w)[None], attention_mask=torch.ones(1, p + w, dtype=torch.long))
-                times.append(time.perf_counter() - t)
-                cache.crop(-w)  # drop the window again (transformers >= 5: negative = tokens to remove)
-        torch_ms = 1e3 * statistics.median(times[1:])
-        ours = eng._core.bench_forward(p, w, args.reps + 1)[1:]
-        ours_ms = 1e3 * statistics.median(ours)
-        rows.append(dict(prefix=p, window=w, mbd_rs_ms=ours_ms, torch_eager_ms=torch_ms, ratio=ours_ms / torch_ms))
-        print(f"prefix {p:5d} W {w:3d}: mbd-rs {ours_ms:8.1f} ms  torch eager {torch_ms:8.1f} ms  ratio {ours_ms / torch_ms:.2f}", flush=True)
-    out = dict(model=args.model, threads=threads, torch=torch.__version__, transformers=transformers.__version__, rows=rows)
+            times, ours, gemm = [], [], []
+            for _ in range(args.rounds):
+                for i in range(args.reps + 1):
+                    t = time.perf_counter()
+                    hf(ids[:, p:], past_key_values=cache, use_cache=True,
+                       position_ids=torch.arange(p, p + w)[None], attention_mask=torch.ones(1, p + w, dtype=torch.long))
+                    if i:  # the first is a warm-up
+                        times.append(time.perf_counter() - t)
+                    cache.crop(-w)  # drop the window again (transformers >= 5: negative = tokens to remove)
+                ours += eng._core.bench_forward(p, w, args.reps + 1)[1:]
+                default = mbd_rs._core._tuning()
+                mbd_rs._core._tuning(skinny=False)
+                gemm += eng._core.bench_forward(p, w, args.reps + 1)[1:]
+                mbd_rs._core._tuning(*default)
+        torch_ms, ours_ms, gemm_ms = (1e3 * statistics.median(x) for x in (times, ours, gemm))
+        rows.append(dict(prefix=p, window=w, mbd_rs_ms=ours_ms, mbd_rs_gemm_only_ms=gemm_ms, torch_eager_ms=torch_ms,
+                         ratio=ours_ms / torch_ms, ratio_gemm_only=gemm_ms / torch_ms))
+        print(f"prefix {p:5d} W {w:3d}: mbd-rs {ours_ms:8.1f} ms  (gemm only {gemm_ms:8.1f})  torch eager {torch_ms:8.1f} ms  "
+              f"ratio {ours_ms / torch_ms:.2f} (gemm only {gemm_ms / torch_ms:.2f})", flush=True)
+    out = dict(model=args.model, threads=threads, rounds=args.rounds, reps=args.reps, torch=torch.__version__, transformers=transformers.__version__, rows=rows)
     json.dump(out, open(os.path.join(ROOT, "benches", "compare_forward.json"), "w"), indent=1)
 
 

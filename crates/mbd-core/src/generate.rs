@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::mask::{Alignment, AttentionKind, BlockGrid};
 use crate::sampling::{Sampler, SamplingParams};
-use crate::text::TextStream;
+use crate::text::{Detok, TextStream};
 use candle_core::Tensor;
 use std::sync::Arc;
 use std::time::Instant;
@@ -118,6 +118,7 @@ pub struct Generation {
     prefilled: bool,
     sampler: Sampler,
     text: TextStream,
+    detok: Detok,
     stop_ids: Vec<u32>,
     early_stop: bool,
     completion: Vec<u32>,
@@ -215,6 +216,7 @@ impl Generation {
             prefilled: false,
             sampler,
             text: TextStream::new(req.stop.clone()),
+            detok: Detok::default(),
             stop_ids,
             early_stop,
             completion: vec![],
@@ -332,8 +334,11 @@ impl Generation {
         }
     }
 
-    fn detok(&self) -> Result<String> {
-        self.model.tokenizer.decode(&self.completion, true).map_err(|e| Error::Internal(format!("detokenize: {e}")))
+    /// The completion's text so far (incrementally; exact one-shot decoding when `is_final`).
+    fn detok(&mut self, is_final: bool) -> Result<String> {
+        let tok = &self.model.tokenizer;
+        self.detok.text(&self.completion, is_final, |ids| tok.decode(ids, true))
+            .map_err(|e| Error::Internal(format!("detokenize: {e}")))
     }
 
     /// Move newly stable tokens to the completion and text; returns (new ids, new text, finish).
@@ -365,7 +370,8 @@ impl Generation {
         if new_ids.is_empty() && !done {
             return Ok((new_ids, String::new(), None));
         }
-        let upd = self.text.update(self.detok()?, done);
+        let text = self.detok(done)?;
+        let upd = self.text.update(text, done);
         let finish = if upd.stopped.is_some() || eos_final {
             Some(FinishReason::Stop)
         } else if is_final {
