@@ -13,6 +13,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() {
+    // on the engine's pool, as in a forward (calling into a pool from outside costs a cross-thread wake-up)
+    mbd_core::on_cpu_pool(run)
+}
+
+fn run() {
     let threads = mbd_core::pin_thread_count();
     let dev = Device::Cpu;
     println!("{threads} threads; times in ms (median)");

@@ -20,18 +20,14 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 /// benches/skinny.rs and benches/ab_kernels.py measure both sides of this choice.
 static MAX_ROWS: AtomicUsize = AtomicUsize::new(64);
 
-/// One row over a larger weight (a vocabulary head) is memory-bound and gemm's matrix-vector path streams it
-/// as fast or faster; smaller weights are faster here (benches/skinny.rs).
-const ONE_ROW_MAX_N: usize = 65_536;
-
 /// Products smaller than this many multiply-adds run on the calling thread. Called from the engine's pool
 /// (forwards run there) splitting costs a few µs, so only the smallest products stay serial; called from
-/// outside a pool (benches/skinny.rs) waking the workers costs ~30 µs. Chosen with benches/ab_kernels.py.
+/// outside a pool waking the workers costs ~30 µs. Chosen with benches/ab_kernels.py.
 static PAR_MIN_MACS: AtomicUsize = AtomicUsize::new(1 << 14);
 
 static ENABLED: AtomicBool = AtomicBool::new(true);
 
-/// Benchmarks' switches (A/B runs in one process): use the kernel at all; the parallel threshold.
+/// Benchmarks' switches (A/B runs in one process): use the kernel at all, the parallel threshold, the row limit.
 pub fn set_tuning(enabled: Option<bool>, par_min_macs: Option<usize>, max_rows: Option<usize>) -> (bool, usize, usize) {
     if let Some(r) = max_rows {
         MAX_ROWS.store(r, Ordering::Relaxed);
@@ -317,8 +313,9 @@ impl CustomOp2 for SkinnyMatmulT {
     }
 }
 
-/// Whether `x · wᵀ` takes the skinny kernel: CPU, f32, a 2-D contiguous x of at most `MAX_ROWS` rows (one row
-/// only when w is not a vocabulary-sized head).
+/// Whether `x · wᵀ` takes the skinny kernel: CPU, f32, a 2-D contiguous x of 2 to `MAX_ROWS` rows. One row is
+/// left to gemm's matrix-vector path: in whole 0.5B forwards (weights streamed from memory) it was as fast or
+/// faster (benches/forward.rs, W = 1).
 pub fn applies(x: &Tensor, w: &Tensor) -> bool {
     ENABLED.load(Ordering::Relaxed)
         && x.device().is_cpu()
@@ -326,7 +323,7 @@ pub fn applies(x: &Tensor, w: &Tensor) -> bool {
         && w.dtype() == candle_core::DType::F32
         && x.rank() == 2
         && w.rank() == 2
-        && x.dim(0).is_ok_and(|m| (2..=MAX_ROWS.load(Ordering::Relaxed)).contains(&m) || (m == 1 && w.dim(0).is_ok_and(|n| n <= ONE_ROW_MAX_N)))
+        && x.dim(0).is_ok_and(|m| (2..=MAX_ROWS.load(Ordering::Relaxed)).contains(&m))
         && x.is_contiguous()
         && w.is_contiguous()
 }
@@ -393,6 +390,7 @@ mod tests {
         let x = Tensor::randn(0f32, 1.0, (6, 40), &dev).unwrap();
         let w = Tensor::randn(0f32, 1.0, (30, 40), &dev).unwrap();
         assert!(applies(&x, &w));
+        assert!(!applies(&x.narrow(0, 0, 1).unwrap(), &w)); // one row: gemm
         let a = linear(&x, &w).unwrap();
         let b = x.matmul(&w.t().unwrap()).unwrap();
         assert_eq!(a.dims(), &[6, 30]);
