@@ -1,6 +1,6 @@
 """A/B of the CPU kernel settings in one process, configurations interleaved round by round (the machine is shared
 and noisy, so only same-run ratios mean anything): candle's matmul everywhere vs the skinny kernel at several
-parallel thresholds. Reports the median over rounds of (a) one forward of a W-token window over a P-token prefix
+parallel thresholds and row limits (* = the defaults). Reports the median over rounds of (a) one forward of a W-token window over a P-token prefix
 and (b) end-to-end chat requests with multi-block and AR decoding.
 
     python benches/ab_kernels.py [--model DIR] [--rounds 15]
@@ -13,10 +13,10 @@ import time
 import mbd_rs
 from mbd_rs import _core
 
-CONFIGS = {"gemm only": dict(skinny=False, par_min_macs=1 << 14, max_rows=32),
-           "skinny <=32, par 2^22": dict(skinny=True, par_min_macs=1 << 22, max_rows=32),
+CONFIGS = {"gemm only": dict(skinny=False, par_min_macs=1 << 14, max_rows=64),
+           "skinny <=64, par 2^22": dict(skinny=True, par_min_macs=1 << 22, max_rows=64),
            "skinny <=32, par 2^14": dict(skinny=True, par_min_macs=1 << 14, max_rows=32),
-           "skinny <=64, par 2^14": dict(skinny=True, par_min_macs=1 << 14, max_rows=64),
+           "skinny <=64, par 2^14 *": dict(skinny=True, par_min_macs=1 << 14, max_rows=64),
            "skinny <=128, par 2^14": dict(skinny=True, par_min_macs=1 << 14, max_rows=128)}
 
 
