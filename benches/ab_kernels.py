@@ -1,6 +1,6 @@
 """A/B of the CPU kernel settings in one process, configurations interleaved round by round (the machine is shared
 and noisy, so only same-run ratios mean anything): candle's matmul everywhere vs the skinny kernel at several
-parallel thresholds and row limits (* = the defaults). Reports the median over rounds of (a) one forward of a W-token window over a P-token prefix
+parallel thresholds and row limits, with a bf16 checkpoint's weights held as f32 or as bf16 (* = the defaults). Reports the median over rounds of (a) one forward of a W-token window over a P-token prefix
 and (b) end-to-end chat requests with multi-block and AR decoding.
 
     python benches/ab_kernels.py [--model DIR] [--rounds 15]
@@ -13,11 +13,14 @@ import time
 import mbd_rs
 from mbd_rs import _core
 
-CONFIGS = {"gemm only": dict(skinny=False, par_min_macs=1 << 14, max_rows=64),
-           "skinny <=64, par 2^22": dict(skinny=True, par_min_macs=1 << 22, max_rows=64),
-           "skinny <=32, par 2^14": dict(skinny=True, par_min_macs=1 << 14, max_rows=32),
-           "skinny <=64, par 2^14 *": dict(skinny=True, par_min_macs=1 << 14, max_rows=64),
-           "skinny <=128, par 2^14": dict(skinny=True, par_min_macs=1 << 14, max_rows=128)}
+# (weights held as, kernel settings); a bf16 checkpoint's matrices stay bf16 by default ("bf16"), or are widened
+# to f32 at load ("f32", the state before that change).
+CONFIGS = {"f32 w, gemm only": ("f32", dict(skinny=False, par_min_macs=1 << 14, max_rows=64)),
+           "f32 w, skinny <=64, par 2^22": ("f32", dict(skinny=True, par_min_macs=1 << 22, max_rows=64)),
+           "f32 w, skinny <=32, par 2^14": ("f32", dict(skinny=True, par_min_macs=1 << 14, max_rows=32)),
+           "f32 w, skinny <=64, par 2^14": ("f32", dict(skinny=True, par_min_macs=1 << 14, max_rows=64)),
+           "f32 w, skinny <=128, par 2^14": ("f32", dict(skinny=True, par_min_macs=1 << 14, max_rows=128)),
+           "bf16 w, skinny <=64, par 2^14 *": ("bf16", dict(skinny=True, par_min_macs=1 << 14, max_rows=64))}
 
 
 def main():
@@ -26,17 +29,24 @@ def main():
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--forward", default="0:1,16:2,16:4,16:12,16:35,0:64,0:100", help="P:W pairs")
     args = ap.parse_args()
-    eng = mbd_rs.Engine.load(args.model, device="cpu")
+    default = _core._tuning()
+    engines = {}
+    for held in ("f32", "bf16"):
+        _core._tuning(bf16_weights=held == "bf16")
+        engines[held] = mbd_rs.Engine.load(args.model, device="cpu")
+    _core._tuning(bf16_weights=default[3])
+    eng = engines["bf16"]
     pw = [tuple(map(int, x.split(":"))) for x in args.forward.split(",")]
     prompts = ["sort 5 3 8 1 9 2", "reverse hello world", "repeat ab 3", "add 12+30"]
     modes = {"multi-block": {}, "AR": dict(block_size=1, block_add_threshold=1.0, acceptance="confidence", threshold=1.0)}
     fwd = {(c, p, w): [] for c in CONFIGS for p, w in pw}
     e2e = {(c, m): [] for c in CONFIGS for m in modes}
-    default = _core._tuning()
     for r in range(args.rounds):
         order = list(CONFIGS) if r % 2 == 0 else list(reversed(CONFIGS))
         for c in order:
-            _core._tuning(**CONFIGS[c])
+            held, tuning = CONFIGS[c]
+            eng = engines[held]
+            _core._tuning(**tuning)
             for p, w in pw:
                 fwd[(c, p, w)].append(statistics.median(eng._core.bench_forward(p, w, 6)[1:]))
             for m, kw in modes.items():
@@ -46,13 +56,14 @@ def main():
                     toks += eng.chat([{"role": "user", "content": q}], max_tokens=40, **kw).usage.completion_tokens
                 e2e[(c, m)].append(toks / (time.perf_counter() - t))
     _core._tuning(*default)
-    print(f"model {eng.info.path}, {_core.cpu_threads} threads, median of {args.rounds} interleaved rounds")
-    print(f"{'config':22s} " + " ".join(f"{f'P{p} W{w}':>9s}" for p, w in pw) + "  (ms per forward)  "
+    print(f"model {eng.info.path}, {_core.cpu_threads} threads, median of {args.rounds} interleaved rounds; weights "
+          f"held: {engines['f32'].info.weight_bytes / 2**20:.1f} MiB as f32, {engines['bf16'].info.weight_bytes / 2**20:.1f} MiB as bf16")
+    print(f"{'config':32s} " + " ".join(f"{f'P{p} W{w}':>9s}" for p, w in pw) + "  (ms per forward)  "
           + " ".join(f"{m + ' tok/s':>17s}" for m in modes) + "  multi/AR")
     for c in CONFIGS:
         ms = [1e3 * statistics.median(fwd[(c, p, w)]) for p, w in pw]
         tps = [statistics.median(e2e[(c, m)]) for m in modes]
-        print(f"{c:22s} " + " ".join(f"{x:9.3f}" for x in ms) + " " * 19 + " ".join(f"{x:17.1f}" for x in tps)
+        print(f"{c:32s} " + " ".join(f"{x:9.3f}" for x in ms) + " " * 19 + " ".join(f"{x:17.1f}" for x in tps)
               + f"  {tps[0] / tps[1]:8.2f}")
 
 

@@ -1,7 +1,8 @@
 """Write a random-weight checkpoint with the Qwen2.5-0.5B shape (hidden 896, 24 layers, 14 heads, 2 KV heads,
 intermediate 4864, vocab 151936, tied embeddings) for the benchmarks. Not committed (about 2 GB in f32).
 Needs only numpy + safetensors:
-    python scripts/make_bench_model.py [/tmp/mbd-bench/qwen2.5-0.5b-shape]
+    python scripts/make_bench_model.py [/tmp/mbd-bench/qwen2.5-0.5b-shape] [--bf16]
+--bf16 stores the same weights rounded to bfloat16 (1 GB), as real checkpoints ship.
 """
 import json
 import os
@@ -11,9 +12,29 @@ import sys
 import numpy as np
 from safetensors.numpy import save_file
 
-OUT = sys.argv[1] if len(sys.argv) > 1 else "/tmp/mbd-bench/qwen2.5-0.5b-shape"
+ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
+BF16 = "--bf16" in sys.argv[1:]
+OUT = ARGS[0] if ARGS else "/tmp/mbd-bench/qwen2.5-0.5b-shape" + ("-bf16" if BF16 else "")
 H, L, NH, NKV, I, V = 896, 24, 14, 2, 4864, 151936
 D = H // NH
+
+
+def save_bf16(tensors, path):
+    """A safetensors file of bfloat16 tensors (numpy has no bfloat16: round-to-nearest-even on the f32 bits)."""
+    header, blobs, off = {}, [], 0
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name], np.float32)
+        bits = a.view(np.uint32)
+        b = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2").tobytes()
+        header[name] = {"dtype": "BF16", "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    raw = json.dumps(header).encode()
+    raw += b" " * ((8 - len(raw) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for b in blobs:
+            f.write(b)
 
 
 def main():
@@ -35,11 +56,14 @@ def main():
         t[f"{p}.mlp.gate_proj.weight"] = w(I, H)
         t[f"{p}.mlp.up_proj.weight"] = w(I, H)
         t[f"{p}.mlp.down_proj.weight"] = w(H, I)
-    save_file(t, os.path.join(OUT, "model.safetensors"))
+    if BF16:
+        save_bf16(t, os.path.join(OUT, "model.safetensors"))
+    else:
+        save_file(t, os.path.join(OUT, "model.safetensors"))
     cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": H, "num_hidden_layers": L,
            "num_attention_heads": NH, "num_key_value_heads": NKV, "intermediate_size": I, "vocab_size": V,
            "tie_word_embeddings": True, "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-           "hidden_act": "silu", "torch_dtype": "float32", "use_sliding_window": False, "sliding_window": None,
+           "hidden_act": "silu", "torch_dtype": "bfloat16" if BF16 else "float32", "use_sliding_window": False, "sliding_window": None,
            "eos_token_id": 151643, "bos_token_id": 151643, "block_size": 32, "mask_token_id": 151665}
     json.dump(cfg, open(os.path.join(OUT, "config.json"), "w"), indent=1)
     here = os.path.dirname(os.path.abspath(__file__))

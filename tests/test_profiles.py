@@ -12,6 +12,7 @@ def test_plain_qwen_is_a_causal_lm():
     assert (i.family, i.arch, i.attention, i.logits_shift) == ("qwen2", "qwen2", "causal", True)
     assert i.eos_token_ids == [0] and i.vocab_size == 320 and i.num_layers == 2
     assert i.num_parameters == 82496  # transformers' own count for this checkpoint (tied head stored once)
+    assert i.weight_bytes == 4 * 82496  # an f32 checkpoint is held as f32, the tied head once
 
 
 def test_moe_info():

@@ -28,6 +28,10 @@ def test_embedded_model_is_a_real_hf_checkpoint(eng):
     i = eng.info
     assert (i.family, i.arch, i.attention, i.alignment, i.logits_shift) == ("mbd-tiny", "qwen3", "block_causal", "absolute", False)
     assert 2_000_000 < i.num_parameters < 5_000_000 and i.stored_dtype == "bfloat16"
+    # computed in f32 on the CPU, but the bf16 matrices are held as bf16: only the norm vectors are widened
+    norms = i.hidden_size * (2 * i.num_layers + 1) + 2 * i.head_dim * i.num_layers
+    assert (i.dtype, i.device) == ("float32", "cpu")
+    assert i.weight_bytes == 2 * (i.num_parameters - norms) + 4 * norms
     files = set(os.listdir(mbd_rs.DEFAULT_MODEL))
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= files
     assert sum(os.path.getsize(os.path.join(mbd_rs.DEFAULT_MODEL, f)) for f in files) < 10 * 2**20

@@ -167,9 +167,6 @@ def cmd_info(a) -> int:
     return EXIT_OK
 
 
-_DTYPE_BYTES = {"f32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "f16": 2, "float16": 2, "f64": 8, "float64": 8}
-
-
 def _peak_rss_bytes():
     """Peak resident set size of this process so far, or None where the OS does not say."""
     try:
@@ -204,8 +201,8 @@ def cmd_bench(a) -> int:
            "forward_passes": u.forward_passes, "tokens_per_forward": u.tokens_per_forward,
            "tokens_per_second_median": tps, "ms_per_forward": 1e3 * statistics.median(dt / uu.forward_passes for uu, dt in rows),
            "repeats": a.repeats}
-    # Memory: the weights as held for compute (parameters x compute dtype) against the process's peak RSS.
-    weights = eng.info.num_parameters * _DTYPE_BYTES.get(eng.info.dtype, 4)
+    # Memory: the weights as held in memory against the process's peak RSS.
+    weights = eng.info.weight_bytes
     res["weights_mb"] = round(weights / 2**20, 1)
     if peak_after_load is not None:
         res["peak_rss_after_load_mb"] = round(peak_after_load / 2**20, 1)

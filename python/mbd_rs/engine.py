@@ -26,6 +26,7 @@ class ModelInfo:
     architecture: str
     arch: str
     num_parameters: int
+    weight_bytes: int  # the weights as held in memory
     vocab_size: int
     hidden_size: int
     intermediate_size: int

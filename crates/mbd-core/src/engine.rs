@@ -17,6 +17,8 @@ pub struct Model {
     pub net: QwenModel,
     pub tokenizer: tokenizers::Tokenizer,
     pub num_parameters: usize,
+    /// Bytes of the weights as held in memory (a bf16 checkpoint's matrices stay bf16 on the CPU).
+    pub weight_bytes: usize,
     pub chat_template: Option<crate::chat::ChatTemplate>,
 }
 
@@ -150,8 +152,9 @@ impl Model {
         let ws = Weights::open(&files, device, dtype)?;
         let num_parameters = ws.num_parameters();
         let net = QwenModel::load(&config, &ws, device, dtype)?;
+        let weight_bytes = ws.loaded_bytes();
         let chat_template = crate::chat::ChatTemplate::from_dir(dir)?;
-        Ok(Model { dir: dir.to_path_buf(), config, profile, net, tokenizer, num_parameters, chat_template })
+        Ok(Model { dir: dir.to_path_buf(), config, profile, net, tokenizer, num_parameters, weight_bytes, chat_template })
     }
 
     pub fn new_cache(&self) -> KvCache {

@@ -10,7 +10,7 @@
 //! Numerics: each output is one f32 dot product summed in `L` lane-wise partial sums then reduced; the
 //! result differs from gemm's only by summation order.
 
-use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
@@ -47,10 +47,33 @@ fn rows_per_task(n: usize, threads: usize) -> usize {
     (n.div_ceil(2 * threads).div_ceil(4) * 4).clamp(16, 256)
 }
 
+/// Element type of a weight matrix the kernel reads: f32, or bf16 widened to f32 as it is loaded (exact: a bf16
+/// is the top half of an f32), so a bf16 checkpoint computes exactly as its f32 conversion would, from half the bytes.
+pub trait WeightElem: Copy + Send + Sync + 'static {
+    const BF16: bool;
+    fn to_f32(self) -> f32;
+}
+
+impl WeightElem for f32 {
+    const BF16: bool = false;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl WeightElem for half::bf16 {
+    const BF16: bool = true;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
+}
+
 /// Portable tile (other CPUs): dot products of x rows `xs` (each `k` long) with 4 weight rows, `L` lane sums.
 /// Returns acc[r][c] = <xs[r], w_c>.
 #[inline(always)]
-fn tile<const L: usize, const R: usize>(xs: [&[f32]; R], ws: [&[f32]; 4], k: usize) -> [[f32; 4]; R] {
+fn tile<E: WeightElem, const L: usize, const R: usize>(xs: [&[f32]; R], ws: [&[E]; 4], k: usize) -> [[f32; 4]; R] {
     let mut acc = [[[0f32; L]; 4]; R];
     let body = k / L * L;
     let mut i = 0;
@@ -58,9 +81,9 @@ fn tile<const L: usize, const R: usize>(xs: [&[f32]; R], ws: [&[f32]; 4], k: usi
         for r in 0..R {
             let xv: &[f32; L] = xs[r][i..i + L].try_into().unwrap();
             for c in 0..4 {
-                let wv: &[f32; L] = ws[c][i..i + L].try_into().unwrap();
+                let wv: &[E; L] = ws[c][i..i + L].try_into().unwrap();
                 for l in 0..L {
-                    acc[r][c][l] += xv[l] * wv[l];
+                    acc[r][c][l] += xv[l] * wv[l].to_f32();
                 }
             }
         }
@@ -71,7 +94,7 @@ fn tile<const L: usize, const R: usize>(xs: [&[f32]; R], ws: [&[f32]; 4], k: usi
         for c in 0..4 {
             let mut s = acc[r][c].iter().sum::<f32>();
             for j in body..k {
-                s += xs[r][j] * ws[c][j];
+                s += xs[r][j] * ws[c][j].to_f32();
             }
             out[r][c] = s;
         }
@@ -82,18 +105,18 @@ fn tile<const L: usize, const R: usize>(xs: [&[f32]; R], ws: [&[f32]; 4], k: usi
 /// Columns [n0, n0 + nw) of y = x · Wᵀ, written into `y` (row-major m × n, full width `n`).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn columns(
+fn columns<E: WeightElem>(
     x: &[f32],
     m: usize,
     k: usize,
-    w: &[f32],
+    w: &[E],
     n0: usize,
     nw: usize,
     n: usize,
     y: Out,
-    tile4: impl Fn([&[f32]; 4], [&[f32]; 4], usize) -> [[f32; 4]; 4],
-    tile2: impl Fn([&[f32]; 2], [&[f32]; 4], usize) -> [[f32; 4]; 2],
-    tile1: impl Fn([&[f32]; 1], [&[f32]; 4], usize) -> [[f32; 4]; 1],
+    tile4: impl Fn([&[f32]; 4], [&[E]; 4], usize) -> [[f32; 4]; 4],
+    tile2: impl Fn([&[f32]; 2], [&[E]; 4], usize) -> [[f32; 4]; 2],
+    tile1: impl Fn([&[f32]; 1], [&[E]; 4], usize) -> [[f32; 4]; 1],
 ) {
     let wrow = |j: usize| &w[j * k..(j + 1) * k];
     let xrow = |r: usize| &x[r * k..(r + 1) * k];
@@ -146,10 +169,11 @@ impl Out {
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 mod x86 {
+    use super::WeightElem;
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn tile_avx512<const R: usize>(xs: [&[f32]; R], ws: [&[f32]; 4], k: usize) -> [[f32; 4]; R] {
+    pub unsafe fn tile_avx512<E: WeightElem, const R: usize>(xs: [&[f32]; R], ws: [&[E]; 4], k: usize) -> [[f32; 4]; R] {
         let mut acc = [[_mm512_setzero_ps(); 4]; R];
         let mut i = 0;
         while i + 16 <= k {
@@ -158,7 +182,7 @@ mod x86 {
                 xv[r] = _mm512_loadu_ps(xs[r].as_ptr().add(i));
             }
             for c in 0..4 {
-                let wv = _mm512_loadu_ps(ws[c].as_ptr().add(i));
+                let wv = load16(ws[c].as_ptr().add(i));
                 for r in 0..R {
                     acc[r][c] = _mm512_fmadd_ps(xv[r], wv, acc[r][c]);
                 }
@@ -170,12 +194,36 @@ mod x86 {
             for c in 0..4 {
                 let mut s = _mm512_reduce_add_ps(acc[r][c]);
                 for j in i..k {
-                    s += xs[r][j] * ws[c][j];
+                    s += xs[r][j] * ws[c][j].to_f32();
                 }
                 out[r][c] = s;
             }
         }
         out
+    }
+
+    /// 16 weights as f32 lanes (bf16: zero-extend to 32 bits and shift into the high half).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load16<E: WeightElem>(p: *const E) -> __m512 {
+        if E::BF16 {
+            let h = _mm256_loadu_si256(p as *const __m256i);
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+        } else {
+            _mm512_loadu_ps(p as *const f32)
+        }
+    }
+
+    /// 8 weights as f32 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn load8<E: WeightElem>(p: *const E) -> __m256 {
+        if E::BF16 {
+            let h = _mm_loadu_si128(p as *const __m128i);
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        } else {
+            _mm256_loadu_ps(p as *const f32)
+        }
     }
 
     #[target_feature(enable = "avx2,fma")]
@@ -187,7 +235,7 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn tile_avx2<const R: usize>(xs: [&[f32]; R], ws: [&[f32]; 4], k: usize) -> [[f32; 4]; R] {
+    pub unsafe fn tile_avx2<E: WeightElem, const R: usize>(xs: [&[f32]; R], ws: [&[E]; 4], k: usize) -> [[f32; 4]; R] {
         let mut acc = [[_mm256_setzero_ps(); 4]; R];
         let mut i = 0;
         while i + 8 <= k {
@@ -196,7 +244,7 @@ mod x86 {
                 xv[r] = _mm256_loadu_ps(xs[r].as_ptr().add(i));
             }
             for c in 0..4 {
-                let wv = _mm256_loadu_ps(ws[c].as_ptr().add(i));
+                let wv = load8(ws[c].as_ptr().add(i));
                 for r in 0..R {
                     acc[r][c] = _mm256_fmadd_ps(xv[r], wv, acc[r][c]);
                 }
@@ -208,7 +256,7 @@ mod x86 {
             for c in 0..4 {
                 let mut s = hsum256(acc[r][c]);
                 for j in i..k {
-                    s += xs[r][j] * ws[c][j];
+                    s += xs[r][j] * ws[c][j].to_f32();
                 }
                 out[r][c] = s;
             }
@@ -217,18 +265,30 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn columns_avx512(x: &[f32], m: usize, k: usize, w: &[f32], n0: usize, nw: usize, n: usize, y: super::Out) {
-        super::columns(x, m, k, w, n0, nw, n, y, |a, b, k| tile_avx512::<4>(a, b, k), |a, b, k| tile_avx512::<2>(a, b, k), |a, b, k| tile_avx512::<1>(a, b, k))
+    pub unsafe fn columns_avx512<E: WeightElem>(x: &[f32], m: usize, k: usize, w: &[E], n0: usize, nw: usize, n: usize, y: super::Out) {
+        super::columns(
+            x,
+            m,
+            k,
+            w,
+            n0,
+            nw,
+            n,
+            y,
+            |a, b, k| tile_avx512::<E, 4>(a, b, k),
+            |a, b, k| tile_avx512::<E, 2>(a, b, k),
+            |a, b, k| tile_avx512::<E, 1>(a, b, k),
+        )
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn columns_avx2(x: &[f32], m: usize, k: usize, w: &[f32], n0: usize, nw: usize, n: usize, y: super::Out) {
+    pub unsafe fn columns_avx2<E: WeightElem>(x: &[f32], m: usize, k: usize, w: &[E], n0: usize, nw: usize, n: usize, y: super::Out) {
         // 16 ymm registers hold a 2 x 4 tile of accumulators; 4 rows are two such tiles.
-        let tile4 = |a: [&[f32]; 4], b: [&[f32]; 4], k: usize| {
-            let (p, q) = (tile_avx2::<2>([a[0], a[1]], b, k), tile_avx2::<2>([a[2], a[3]], b, k));
+        let tile4 = |a: [&[f32]; 4], b: [&[E]; 4], k: usize| {
+            let (p, q) = (tile_avx2::<E, 2>([a[0], a[1]], b, k), tile_avx2::<E, 2>([a[2], a[3]], b, k));
             [p[0], p[1], q[0], q[1]]
         };
-        super::columns(x, m, k, w, n0, nw, n, y, tile4, |a, b, k| tile_avx2::<2>(a, b, k), |a, b, k| tile_avx2::<1>(a, b, k))
+        super::columns(x, m, k, w, n0, nw, n, y, tile4, |a, b, k| tile_avx2::<E, 2>(a, b, k), |a, b, k| tile_avx2::<E, 1>(a, b, k))
     }
 }
 
@@ -256,11 +316,11 @@ fn isa() -> Isa {
 }
 
 /// y (m × n) = x (m × k) · Wᵀ, W (n × k), all row-major.
-pub fn matmul_t(x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> {
+pub fn matmul_t<E: WeightElem>(x: &[f32], m: usize, k: usize, w: &[E], n: usize) -> Vec<f32> {
     matmul_t_with(isa(), x, m, k, w, n)
 }
 
-fn matmul_t_with(isa: Isa, x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> {
+fn matmul_t_with<E: WeightElem>(isa: Isa, x: &[f32], m: usize, k: usize, w: &[E], n: usize) -> Vec<f32> {
     assert_eq!(x.len(), m * k);
     assert_eq!(w.len(), n * k);
     let mut y = vec![0f32; m * n];
@@ -278,7 +338,7 @@ fn matmul_t_with(isa: Isa, x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -
             Isa::Avx512 => unsafe { x86::columns_avx512(x, m, k, w, n0, nw, n, out) },
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => unsafe { x86::columns_avx2(x, m, k, w, n0, nw, n, out) },
-            Isa::Baseline => columns(x, m, k, w, n0, nw, n, out, tile::<8, 4>, tile::<8, 2>, tile::<8, 1>),
+            Isa::Baseline => columns(x, m, k, w, n0, nw, n, out, tile::<E, 8, 4>, tile::<E, 8, 2>, tile::<E, 8, 1>),
         }
     };
     if parallel {
@@ -297,10 +357,6 @@ impl CustomOp2 for SkinnyMatmulT {
         "skinny-matmul-t"
     }
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (x, w) = match (s1, s2) {
-            (CpuStorage::F32(x), CpuStorage::F32(w)) => (x, w),
-            _ => candle_core::bail!("skinny-matmul-t: f32 only"),
-        };
         let ((m, k), (n, k2)) = (l1.shape().dims2()?, l2.shape().dims2()?);
         if k != k2 {
             candle_core::bail!("skinny-matmul-t: inner dimensions differ ({k} vs {k2})");
@@ -308,33 +364,60 @@ impl CustomOp2 for SkinnyMatmulT {
         let (Some((a0, a1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
             candle_core::bail!("skinny-matmul-t: operands must be contiguous");
         };
-        let y = matmul_t(&x[a0..a1], m, k, &w[b0..b1], n);
+        let y = match (s1, s2) {
+            (CpuStorage::F32(x), CpuStorage::F32(w)) => matmul_t(&x[a0..a1], m, k, &w[b0..b1], n),
+            (CpuStorage::F32(x), CpuStorage::BF16(w)) => matmul_t(&x[a0..a1], m, k, &w[b0..b1], n),
+            _ => candle_core::bail!("skinny-matmul-t: x must be f32 and w f32 or bf16"),
+        };
         Ok((CpuStorage::F32(y), Shape::from((m, n))))
     }
 }
 
-/// Whether `x · wᵀ` takes the skinny kernel: CPU, f32, a 2-D contiguous x of 2 to `MAX_ROWS` rows. One row is
-/// left to gemm's matrix-vector path: in whole 0.5B forwards (weights streamed from memory) it was as fast or
-/// faster (benches/forward.rs, W = 1).
+static KEEP_BF16: AtomicBool = AtomicBool::new(true);
+
+/// Whether a bf16 checkpoint's matrices stay in bf16 on the CPU (computed in f32 by this kernel), read at load.
+/// A switch for benchmarks (A/B against f32 storage); on by default.
+pub fn keep_bf16_weights() -> bool {
+    KEEP_BF16.load(Ordering::Relaxed)
+}
+
+pub fn set_keep_bf16_weights(on: bool) {
+    KEEP_BF16.store(on, Ordering::Relaxed)
+}
+
+/// Whether `x · wᵀ` takes the skinny kernel: CPU, x f32 2-D contiguous; w f32 with x of 2 to `MAX_ROWS` rows, or
+/// w bf16 with x of 1 to `MAX_ROWS` rows. One row over f32 weights is left to gemm's matrix-vector path: in
+/// whole 0.5B forwards (weights streamed from memory) it was as fast or faster (benches/forward.rs, W = 1).
 pub fn applies(x: &Tensor, w: &Tensor) -> bool {
+    let min_rows = match w.dtype() {
+        DType::F32 => 2,
+        DType::BF16 => 1,
+        _ => return false,
+    };
     ENABLED.load(Ordering::Relaxed)
         && x.device().is_cpu()
-        && x.dtype() == candle_core::DType::F32
-        && w.dtype() == candle_core::DType::F32
+        && x.dtype() == DType::F32
         && x.rank() == 2
         && w.rank() == 2
-        && x.dim(0).is_ok_and(|m| (2..=MAX_ROWS.load(Ordering::Relaxed)).contains(&m))
+        && x.dim(0).is_ok_and(|m| (min_rows..=MAX_ROWS.load(Ordering::Relaxed)).contains(&m))
         && x.is_contiguous()
         && w.is_contiguous()
 }
 
-/// `x · wᵀ` for x (m, k) and w (n, k): the skinny kernel where it applies, candle's matmul otherwise.
+/// `x · wᵀ` for x (m, k) and w (n, k): the skinny kernel where it applies, candle's matmul otherwise (a bf16 w
+/// is then widened to f32 for the call: long windows, where the product costs far more than the conversion).
 pub fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     if applies(x, w) {
-        x.apply_op2_no_bwd(w, &SkinnyMatmulT)
-    } else {
-        x.matmul(&w.t()?)
+        return x.apply_op2_no_bwd(w, &SkinnyMatmulT);
     }
+    if w.dtype() == DType::BF16 && x.device().is_cpu() && x.dtype() == DType::F32 {
+        let x = if x.is_contiguous() { x.clone() } else { x.contiguous()? };
+        if applies(&x, w) {
+            return x.apply_op2_no_bwd(w, &SkinnyMatmulT);
+        }
+        return x.matmul(&w.to_dtype(DType::F32)?.t()?);
+    }
+    x.matmul(&w.t()?)
 }
 
 #[cfg(test)]
@@ -381,6 +464,47 @@ mod tests {
                     assert!((*a as f64 - b).abs() <= tol, "{isa:?} m{m} k{k} n{n} at {i}: {a} vs {b}");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn bf16_weights_compute_as_their_f32_widening() {
+        // bf16 storage must give what the f32 kernel gives on the widened weights (same products, same order)
+        let mut s: u64 = 11;
+        let mut rnd = || {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+        };
+        let mut isas = vec![Isa::Baseline];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                isas.push(Isa::Avx2);
+            }
+            if isa() == Isa::Avx512 {
+                isas.push(Isa::Avx512);
+            }
+        }
+        for &(m, k, n) in &[(1, 19, 9), (4, 192, 100), (9, 896, 70), (64, 40, 300)] {
+            let x: Vec<f32> = (0..m * k).map(|_| rnd()).collect();
+            let wb: Vec<half::bf16> = (0..n * k).map(|_| half::bf16::from_f32(rnd())).collect();
+            let wf: Vec<f32> = wb.iter().map(|v| v.to_f32()).collect();
+            for &isa in &isas {
+                let a = matmul_t_with(isa, &x, m, k, &wb, n);
+                let b = matmul_t_with(isa, &x, m, k, &wf, n);
+                assert_eq!(a, b, "{isa:?} m{m} k{k} n{n}");
+            }
+        }
+        // through candle: one row and many rows (the latter widens w and uses candle's matmul)
+        let dev = candle_core::Device::Cpu;
+        let w = Tensor::randn(0f32, 1.0, (50, 24), &dev).unwrap().to_dtype(DType::BF16).unwrap();
+        let wf = w.to_dtype(DType::F32).unwrap();
+        for m in [1usize, 3, 64, 65, 200] {
+            let x = Tensor::randn(0f32, 1.0, (m, 24), &dev).unwrap();
+            let a = linear(&x, &w).unwrap();
+            let b = x.matmul(&wf.t().unwrap()).unwrap();
+            let d = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            assert!(d < 1e-4, "m{m}: {d}");
         }
     }
 

@@ -29,6 +29,8 @@ pub struct Weights {
     index: HashMap<String, usize>,
     device: Device,
     dtype: DType,
+    /// Bytes of the tensors handed out so far (as held in memory).
+    loaded: std::cell::Cell<usize>,
 }
 
 /// The safetensors files of a model directory: `model.safetensors`, or the shards listed by
@@ -141,7 +143,7 @@ impl Weights {
             }
             shards.push(shard);
         }
-        Ok(Weights { shards, index, device: device.clone(), dtype })
+        Ok(Weights { shards, index, device: device.clone(), dtype, loaded: std::cell::Cell::new(0) })
     }
 
     pub fn contains(&self, name: &str) -> bool {
@@ -165,8 +167,24 @@ impl Weights {
         }
     }
 
+    /// Bytes of all tensors loaded so far, in the dtype they are held in.
+    pub fn loaded_bytes(&self) -> usize {
+        self.loaded.get()
+    }
+
     /// Load a tensor, checking its shape, in the compute dtype on the compute device.
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        self.load(name, shape, false)
+    }
+
+    /// Load a weight matrix that only the skinny kernel (`crate::skinny::linear`) and row lookups read: like
+    /// `get`, except that on the CPU a bf16 checkpoint's matrix stays bf16 (half the memory and traffic; the
+    /// kernel widens it to f32 exactly as a conversion at load would).
+    pub fn get_matrix(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        self.load(name, shape, true)
+    }
+
+    fn load(&self, name: &str, shape: &[usize], matrix: bool) -> Result<Tensor> {
         let i = *self
             .index
             .get(name)
@@ -192,7 +210,14 @@ impl Weights {
             _ => read_typed::<f64>(&shard.file, offset, numel, shape),
         }
         .map_err(|e| Error::load(format!("{path}: tensor '{name}': cannot read its data: {e}")))?;
-        Ok(t.to_dtype(self.dtype)?.to_device(&self.device)?)
+        let keep_bf16 = matrix
+            && file_dtype == DType::BF16
+            && self.dtype == DType::F32
+            && self.device.is_cpu()
+            && crate::skinny::keep_bf16_weights();
+        let t = if keep_bf16 { t } else { t.to_dtype(self.dtype)?.to_device(&self.device)? };
+        self.loaded.set(self.loaded.get() + t.elem_count() * t.dtype().size_in_bytes());
+        Ok(t)
     }
 
     pub fn get_opt(&self, name: &str, shape: &[usize]) -> Result<Option<Tensor>> {

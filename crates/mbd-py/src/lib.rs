@@ -106,6 +106,7 @@ impl CoreModel {
         d.set_item("architecture", &p.architecture)?;
         d.set_item("arch", c.arch.name())?;
         d.set_item("num_parameters", m.num_parameters)?;
+        d.set_item("weight_bytes", m.weight_bytes)?;
         d.set_item("vocab_size", c.vocab_size)?;
         d.set_item("hidden_size", c.hidden_size)?;
         d.set_item("intermediate_size", c.intermediate_size)?;
@@ -357,11 +358,16 @@ impl CoreStream {
 }
 
 /// Benchmark switches for A/B runs in one process (not public API): the skinny kernel on/off and its
-/// parallel threshold in multiply-adds. Returns the settings now in force.
+/// parallel threshold in multiply-adds, the row limit, bf16 weight storage on the CPU. Returns the settings now
+/// in force; `bf16_weights` applies to models loaded afterwards.
 #[pyfunction]
-#[pyo3(signature = (skinny=None, par_min_macs=None, max_rows=None))]
-fn _tuning(skinny: Option<bool>, par_min_macs: Option<usize>, max_rows: Option<usize>) -> (bool, usize, usize) {
-    mbd_core::skinny::set_tuning(skinny, par_min_macs, max_rows)
+#[pyo3(signature = (skinny=None, par_min_macs=None, max_rows=None, bf16_weights=None))]
+fn _tuning(skinny: Option<bool>, par_min_macs: Option<usize>, max_rows: Option<usize>, bf16_weights: Option<bool>) -> (bool, usize, usize, bool) {
+    if let Some(b) = bf16_weights {
+        mbd_core::skinny::set_keep_bf16_weights(b);
+    }
+    let (a, b, c) = mbd_core::skinny::set_tuning(skinny, par_min_macs, max_rows);
+    (a, b, c, mbd_core::skinny::keep_bf16_weights())
 }
 
 #[pymodule]

@@ -16,7 +16,7 @@ struct Linear {
 
 impl Linear {
     fn load(ws: &Weights, prefix: &str, out_f: usize, in_f: usize, bias: bool) -> Result<Self> {
-        let w = ws.get(&format!("{prefix}.weight"), &[out_f, in_f])?;
+        let w = ws.get_matrix(&format!("{prefix}.weight"), &[out_f, in_f])?;
         let b = if bias { Some(ws.get(&format!("{prefix}.bias"), &[out_f])?) } else { None };
         Ok(Linear { w, b })
     }
@@ -169,7 +169,7 @@ impl QwenModel {
     pub fn load(cfg: &ModelConfig, ws: &Weights, device: &Device, dtype: DType) -> Result<Self> {
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
         let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
-        let embed = ws.get("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let embed = ws.get_matrix("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
@@ -213,7 +213,7 @@ impl QwenModel {
         let norm = RmsNorm::load(ws, "model.norm.weight", h, cfg.rms_norm_eps)?;
         // Tied checkpoints may still store the (identical) head; prefer a stored tensor whenever there is one.
         let lm_head = if ws.contains("lm_head.weight") {
-            ws.get("lm_head.weight", &[cfg.vocab_size, h])?
+            ws.get_matrix("lm_head.weight", &[cfg.vocab_size, h])?
         } else if cfg.tie_word_embeddings {
             embed.clone()
         } else {
@@ -293,7 +293,7 @@ impl QwenModel {
             None => None,
         };
         let ids_t = Tensor::new(ids, dev)?;
-        let mut x = self.embed.index_select(&ids_t, 0)?;
+        let mut x = self.embed.index_select(&ids_t, 0)?.to_dtype(self.dtype)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let hn = layer.ln1.forward(&x)?;
             let a = layer.attn.forward(&hn, &cos, &sin, mask.as_ref(), cache, li, p)?;
