@@ -1,26 +1,46 @@
 //! One decode forward of a W-token block over a committed prefix, on a Qwen2.5-0.5B-shaped random checkpoint
-//! (make it with `python scripts/make_bench_model.py`), f32 on CPU. Median of repeated runs, no extra crates.
-//! Each case runs with the skinny kernel and with candle's matmul only (A/B in one run); ratio = skinny / gemm.
+//! (make it with `python scripts/make_bench_model.py`, add `--bf16` for a bf16 one), on the CPU. Median of
+//! repeated runs, no extra crates. Side by side in one run (interleaved per case):
+//! - the default engine (skinny kernel; a bf16 checkpoint's matrices held as bf16),
+//! - for a bf16 checkpoint, the same with the matrices widened to f32 at load,
+//! - candle's matmul only, on f32-held weights (the engine before the skinny kernel).
 //!
 //!     MBD_BENCH_MODEL=/tmp/mbd-bench/qwen2.5-0.5b-shape cargo bench -p mbd-core --bench forward
 
 use mbd_core::config::ProfileOverrides;
+use mbd_core::skinny::{set_keep_bf16_weights, set_tuning};
 use mbd_core::Model;
 
-fn main() {
-    let dir = std::env::var("MBD_BENCH_MODEL").unwrap_or_else(|_| "/tmp/mbd-bench/qwen2.5-0.5b-shape".into());
-    let reps: usize = std::env::var("MBD_BENCH_REPS").ok().and_then(|s| s.parse().ok()).unwrap_or(5);
-    mbd_core::pin_thread_count();
+fn load(dir: &str) -> Model {
     let dev = candle_core::Device::Cpu;
-    let model = match Model::load(std::path::Path::new(&dir), &dev, candle_core::DType::F32, &ProfileOverrides::default()) {
+    match Model::load(std::path::Path::new(dir), &dev, candle_core::DType::F32, &ProfileOverrides::default()) {
         Ok(m) => m,
         Err(e) => {
             eprintln!("cannot load {dir}: {e}\nrun: python scripts/make_bench_model.py {dir}");
             std::process::exit(1);
         }
-    };
-    println!("model {dir}: {} parameters, {} threads", model.num_parameters, candle_core::utils::get_num_threads());
-    println!("{:>7} {:>4} {:>10} {:>10} {:>14} {:>7}", "prefix", "W", "median ms", "min ms", "gemm-only ms", "ratio");
+    }
+}
+
+fn main() {
+    mbd_core::pin_thread_count();
+    let dir = std::env::var("MBD_BENCH_MODEL").unwrap_or_else(|_| "/tmp/mbd-bench/qwen2.5-0.5b-shape".into());
+    let reps: usize = std::env::var("MBD_BENCH_REPS").ok().and_then(|s| s.parse().ok()).unwrap_or(5);
+    let model = load(&dir);
+    set_keep_bf16_weights(false);
+    let f32_twin = if model.profile.stored_dtype.as_deref() == Some("bfloat16") { Some(load(&dir)) } else { None };
+    set_keep_bf16_weights(true);
+    let f32_held = f32_twin.as_ref().unwrap_or(&model);
+    println!(
+        "model {dir}: {} parameters, weights held {:.1} MiB, {} threads",
+        model.num_parameters,
+        model.weight_bytes as f64 / 1048576.0,
+        candle_core::utils::get_num_threads()
+    );
+    println!(
+        "{:>7} {:>4} {:>10} {:>10} {:>14} {:>14} {:>7}",
+        "prefix", "W", "median ms", "min ms", "f32-held ms", "gemm-only ms", "ratio"
+    );
     let median = |mut t: Vec<f64>| {
         t.remove(0); // warm-up
         t.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -29,10 +49,14 @@ fn main() {
     for prefix in [0usize, 512, 2048] {
         for w in [1usize, 4, 16, 32, 64] {
             let (med, min) = median(model.bench_forward(prefix, w, reps + 1).expect("forward"));
-            mbd_core::skinny::set_tuning(Some(false), None, None);
-            let (gemm, _) = median(model.bench_forward(prefix, w, reps + 1).expect("forward"));
-            mbd_core::skinny::set_tuning(Some(true), None, None);
-            println!("{prefix:>7} {w:>4} {med:>10.2} {min:>10.2} {gemm:>14.2} {:>7.2}", med / gemm);
+            let held = match &f32_twin {
+                Some(m) => format!("{:.2}", median(m.bench_forward(prefix, w, reps + 1).expect("forward")).0),
+                None => "-".into(),
+            };
+            set_tuning(Some(false), None, None);
+            let (gemm, _) = median(f32_held.bench_forward(prefix, w, reps + 1).expect("forward"));
+            set_tuning(Some(true), None, None);
+            println!("{prefix:>7} {w:>4} {med:>10.2} {min:>10.2} {held:>14} {gemm:>14.2} {:>7.2}", med / gemm);
         }
     }
 }
