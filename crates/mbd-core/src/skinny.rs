@@ -172,36 +172,6 @@ mod x86 {
     use super::WeightElem;
     use std::arch::x86_64::*;
 
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn tile_avx512<E: WeightElem, const R: usize>(xs: [&[f32]; R], ws: [&[E]; 4], k: usize) -> [[f32; 4]; R] {
-        let mut acc = [[_mm512_setzero_ps(); 4]; R];
-        let mut i = 0;
-        while i + 16 <= k {
-            let mut xv = [_mm512_setzero_ps(); R];
-            for r in 0..R {
-                xv[r] = _mm512_loadu_ps(xs[r].as_ptr().add(i));
-            }
-            for c in 0..4 {
-                let wv = load16(ws[c].as_ptr().add(i));
-                for r in 0..R {
-                    acc[r][c] = _mm512_fmadd_ps(xv[r], wv, acc[r][c]);
-                }
-            }
-            i += 16;
-        }
-        let mut out = [[0f32; 4]; R];
-        for r in 0..R {
-            for c in 0..4 {
-                let mut s = _mm512_reduce_add_ps(acc[r][c]);
-                for j in i..k {
-                    s += xs[r][j] * ws[c][j].to_f32();
-                }
-                out[r][c] = s;
-            }
-        }
-        out
-    }
-
     /// 16 weights as f32 lanes (bf16: zero-extend to 32 bits and shift into the high half).
     #[inline]
     #[target_feature(enable = "avx512f")]
@@ -234,35 +204,44 @@ mod x86 {
         _mm_cvtss_f32(s)
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn tile_avx2<E: WeightElem, const R: usize>(xs: [&[f32]; R], ws: [&[E]; 4], k: usize) -> [[f32; 4]; R] {
-        let mut acc = [[_mm256_setzero_ps(); 4]; R];
-        let mut i = 0;
-        while i + 8 <= k {
-            let mut xv = [_mm256_setzero_ps(); R];
-            for r in 0..R {
-                xv[r] = _mm256_loadu_ps(xs[r].as_ptr().add(i));
-            }
-            for c in 0..4 {
-                let wv = load8(ws[c].as_ptr().add(i));
+    /// One tile function per instruction set: `$lanes` f32 lanes per register, x loads shared by the 4 weight
+    /// rows, each weight load shared by the R x rows, one reduction per accumulator at the end.
+    macro_rules! tile_fn {
+        ($name:ident, $feature:literal, $lanes:literal, $zero:ident, $loadx:ident, $loadw:ident, $fma:ident, $sum:ident) => {
+            #[target_feature(enable = $feature)]
+            pub unsafe fn $name<E: WeightElem, const R: usize>(xs: [&[f32]; R], ws: [&[E]; 4], k: usize) -> [[f32; 4]; R] {
+                let mut acc = [[$zero(); 4]; R];
+                let mut i = 0;
+                while i + $lanes <= k {
+                    let mut xv = [$zero(); R];
+                    for r in 0..R {
+                        xv[r] = $loadx(xs[r].as_ptr().add(i));
+                    }
+                    for c in 0..4 {
+                        let wv = $loadw(ws[c].as_ptr().add(i));
+                        for r in 0..R {
+                            acc[r][c] = $fma(xv[r], wv, acc[r][c]);
+                        }
+                    }
+                    i += $lanes;
+                }
+                let mut out = [[0f32; 4]; R];
                 for r in 0..R {
-                    acc[r][c] = _mm256_fmadd_ps(xv[r], wv, acc[r][c]);
+                    for c in 0..4 {
+                        let mut s = $sum(acc[r][c]);
+                        for j in i..k {
+                            s += xs[r][j] * ws[c][j].to_f32();
+                        }
+                        out[r][c] = s;
+                    }
                 }
+                out
             }
-            i += 8;
-        }
-        let mut out = [[0f32; 4]; R];
-        for r in 0..R {
-            for c in 0..4 {
-                let mut s = hsum256(acc[r][c]);
-                for j in i..k {
-                    s += xs[r][j] * ws[c][j].to_f32();
-                }
-                out[r][c] = s;
-            }
-        }
-        out
+        };
     }
+
+    tile_fn!(tile_avx512, "avx512f", 16, _mm512_setzero_ps, _mm512_loadu_ps, load16, _mm512_fmadd_ps, _mm512_reduce_add_ps);
+    tile_fn!(tile_avx2, "avx2,fma", 8, _mm256_setzero_ps, _mm256_loadu_ps, load8, _mm256_fmadd_ps, hsum256);
 
     #[target_feature(enable = "avx512f")]
     pub unsafe fn columns_avx512<E: WeightElem>(x: &[f32], m: usize, k: usize, w: &[E], n0: usize, nw: usize, n: usize, y: super::Out) {
@@ -424,6 +403,30 @@ pub fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
 mod tests {
     use super::*;
 
+    /// Every instruction set this CPU has, not only the one picked at run time.
+    fn available_isas() -> Vec<Isa> {
+        let mut isas = vec![Isa::Baseline];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                isas.push(Isa::Avx2);
+            }
+            if isa() == Isa::Avx512 {
+                isas.push(Isa::Avx512);
+            }
+        }
+        isas
+    }
+
+    /// Seeded uniform values in [-0.5, 0.5).
+    fn uniform(seed: u64) -> impl FnMut() -> f32 {
+        let mut s = seed;
+        move || {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+        }
+    }
+
     fn reference(x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f64> {
         let mut y = vec![0f64; m * n];
         for r in 0..m {
@@ -436,23 +439,9 @@ mod tests {
 
     #[test]
     fn matches_f64_reference_on_odd_shapes() {
-        let mut s: u64 = 7;
-        let mut rnd = || {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 33) as f32 / (1u64 << 31) as f32) - 0.5
-        };
+        let mut rnd = uniform(7);
         // odd k (lane tails), odd n (4-row tile tails, task tails), odd m (2-row tails), big enough to go parallel
-        // every instruction set this CPU has, not only the one picked at run time
-        let mut isas = vec![Isa::Baseline];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-                isas.push(Isa::Avx2);
-            }
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                isas.push(Isa::Avx512);
-            }
-        }
+        let isas = available_isas();
         for &(m, k, n) in &[(1, 1, 1), (1, 17, 5), (2, 16, 4), (3, 33, 7), (5, 100, 131), (7, 333, 259), (32, 896, 200), (13, 64, 6000)] {
             let x: Vec<f32> = (0..m * k).map(|_| rnd()).collect();
             let w: Vec<f32> = (0..n * k).map(|_| rnd()).collect();
@@ -470,21 +459,8 @@ mod tests {
     #[test]
     fn bf16_weights_compute_as_their_f32_widening() {
         // bf16 storage must give what the f32 kernel gives on the widened weights (same products, same order)
-        let mut s: u64 = 11;
-        let mut rnd = || {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 33) as f32 / (1u64 << 31) as f32) - 0.5
-        };
-        let mut isas = vec![Isa::Baseline];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-                isas.push(Isa::Avx2);
-            }
-            if isa() == Isa::Avx512 {
-                isas.push(Isa::Avx512);
-            }
-        }
+        let mut rnd = uniform(11);
+        let isas = available_isas();
         for &(m, k, n) in &[(1, 19, 9), (4, 192, 100), (9, 896, 70), (64, 40, 300)] {
             let x: Vec<f32> = (0..m * k).map(|_| rnd()).collect();
             let wb: Vec<half::bf16> = (0..n * k).map(|_| half::bf16::from_f32(rnd())).collect();
