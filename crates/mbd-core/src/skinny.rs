@@ -4,8 +4,9 @@
 //! handful of rows that repacking costs more than the arithmetic (measured on the 0.5B shape: a 4-row
 //! product took 4.8x the time of a 1-row one, where streaming the weight once should make them about equal).
 //! This kernel streams each weight row once from memory and keeps a small tile of x and accumulators in
-//! registers: 4 weight rows × 2 x rows per tile, `L` f32 lanes each. It is split over output columns on
-//! rayon's pool (the pool candle's matmul uses too) and picks AVX-512 / AVX2+FMA at run time.
+//! registers: 4 weight rows × up to 4 x rows per tile, `L` f32 lanes each. It is split over output columns on
+//! the rayon pool it is called from (the engine's, see `on_cpu_pool`; candle's matmul parallelises on it too)
+//! and picks AVX-512 / AVX2+FMA at run time. Weights may be f32 or bf16 (widened in registers).
 //!
 //! Numerics: each output is one f32 dot product summed in `L` lane-wise partial sums then reduced; the
 //! result differs from gemm's only by summation order.
@@ -15,9 +16,9 @@ use rayon::prelude::*;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// Windows of at most this many rows take the skinny kernel; longer ones (prefill) go to gemm.
-/// (64: on the tiny model the kernel is faster up to ~64 rows and even with gemm at 100; on the 0.5B shapes
-/// it is 0.7-1.15x gemm's time at 64 rows.)
-/// benches/skinny.rs and benches/ab_kernels.py measure both sides of this choice.
+/// (64: on the tiny model the kernel is faster up to ~64 rows and about even with gemm at 100; on the 0.5B
+/// shapes it is 0.8-1.0x gemm's time at 64 rows. benches/forward.rs and benches/ab_kernels.py measure both
+/// sides of this choice.)
 static MAX_ROWS: AtomicUsize = AtomicUsize::new(64);
 
 /// Products smaller than this many multiply-adds run on the calling thread. Called from the engine's pool
