@@ -47,3 +47,22 @@ def test_fixtures_exercise_the_features():
     assert max(tpf) >= 3.0
     assert any(c["finish_reason"] == "stop" for c in CASES)
     assert all(c["forward_passes"] == c["max_tokens"] for c in CASES if c["variant"] == "ar_b1")
+
+
+@pytest.mark.parametrize("attention,alignment,block_size,shift", [
+    ("causal", "absolute", 1, True),
+    ("block_causal", "absolute", 4, False),
+    ("block_causal", "absolute", 5, True),  # 512 is not a multiple of 5: the chunk grows to the block's end
+    ("block_causal", "prompt", 4, False),  # the prompt is one block: it cannot be split
+])
+def test_long_prompt_prefill_in_chunks_matches_recompute(model_copy, attention, alignment, block_size, shift):
+    """Prompts longer than the prefill chunk (512) fill the cache in several forwards; decoding must be the
+    same as with no cache at all (every forward recomputes the whole sequence)."""
+    d = model_copy(edit_config=lambda c: c.update(max_position_embeddings=2048))
+    eng = mbd_rs.Engine.load(d, device="cpu", mask_token_id=3, attention=attention, alignment=alignment,
+                             logits_shift=shift, eos_token_ids=[0])
+    prompt = [(7 * i + 11) % 300 + 4 for i in range(1100)]
+    kw = dict(max_tokens=12, block_size=block_size, early_stop=False, threshold=0.9, acceptance="confidence")
+    cached, recomputed = eng.generate(prompt, **kw), eng.generate(prompt, use_cache=False, **kw)
+    assert cached.token_ids == recomputed.token_ids and len(cached.token_ids) > 0
+    assert cached.usage.forward_passes == recomputed.usage.forward_passes
