@@ -7,7 +7,7 @@ use crate::kv_cache::KvCache;
 use crate::mask::BlockGrid;
 use crate::models::qwen::QwenModel;
 use crate::weights::{checkpoint_files, Weights};
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use std::path::{Path, PathBuf};
 
 pub struct Model {
@@ -120,6 +120,11 @@ fn tokenizer_mask_id(tok: &tokenizers::Tokenizer) -> Option<u32> {
     ["<|mask|>", "<|MASK|>", "|<MASK>|", "<MASK>", "<mask>"].iter().find_map(|s| tok.token_to_id(s))
 }
 
+/// Positions forwarded at once when filling a cache with a prompt (more when a block is longer). Bounds the
+/// transient memory: a chunk's attention scores are heads x chunk x prefix floats (for a 0.5B model and an 8K
+/// prompt: 0.23 GB per chunk of 512 against 3.8 GB for the whole prompt at once).
+pub const PREFILL_CHUNK: usize = 512;
+
 impl Model {
     pub fn load(dir: &Path, device: &Device, dtype: DType, ov: &ProfileOverrides) -> Result<Model> {
         if !dir.is_dir() {
@@ -159,6 +164,30 @@ impl Model {
 
     pub fn new_cache(&self) -> KvCache {
         self.net.new_cache()
+    }
+
+    /// Forward `ids` (at positions `cache.len()..`) under `grid` into the cache and commit them, in chunks of
+    /// about `PREFILL_CHUNK` positions that end on block boundaries (a block's positions see each other, so a
+    /// block is never split). Returns the logits of the last position, (1, V) f32.
+    pub fn fill_cache(&self, cache: &mut KvCache, ids: &[u32], grid: &BlockGrid) -> Result<Tensor> {
+        if ids.is_empty() {
+            return Err(Error::Internal("fill_cache: no tokens".into()));
+        }
+        let (base, stop) = (cache.len(), cache.len() + ids.len());
+        let mut start = base;
+        loop {
+            let mut end = (start + PREFILL_CHUNK).min(stop);
+            while end < stop && !grid.is_boundary(end) {
+                end += 1;
+            }
+            let mask = grid.additive_mask(start, end - start);
+            let logits = self.net.forward(cache, &ids[start - base..end - base], mask.as_deref(), Some(&[end - start - 1]))?;
+            cache.commit(end - start)?;
+            if end == stop {
+                return Ok(logits);
+            }
+            start = end;
+        }
     }
 
     pub fn check_ids(&self, ids: &[u32]) -> Result<()> {
@@ -225,13 +254,7 @@ impl Model {
         let mut cache = self.new_cache();
         cache.reserve(prefix + window)?;
         if prefix > 0 {
-            // causal prefill in chunks keeps peak memory bounded
-            for s in (0..prefix).step_by(512) {
-                let e = (s + 512).min(prefix);
-                let mask = BlockGrid::causal().additive_mask(s, e - s);
-                self.net.forward(&mut cache, &pre[s..e], mask.as_deref(), Some(&[e - s - 1]))?;
-                cache.commit(e - s)?;
-            }
+            self.fill_cache(&mut cache, &pre, &BlockGrid::causal())?;
         }
         let mut out = Vec::with_capacity(reps);
         for _ in 0..reps {

@@ -15,11 +15,6 @@ use candle_core::Tensor;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Prompt positions forwarded at once when filling the cache (more when a block is longer). Bounds the
-/// prefill's transient memory: the scores of a chunk are heads x chunk x prefix floats (for a 0.5B model and an
-/// 8K prompt: 0.23 GB per chunk of 512 against 3.8 GB for the whole prompt at once).
-pub const PREFILL_CHUNK: usize = 512;
-
 /// A request's parameters; `None` = the model profile's default.
 #[derive(Debug, Clone, Default)]
 pub struct GenRequest {
@@ -250,22 +245,9 @@ impl Generation {
             return Ok(());
         }
         let t = Instant::now();
-        // In chunks that end on block boundaries (a block's positions see each other, so a block is never
-        // split): the attention scores and mask of a chunk are chunk x prefix instead of prompt x prompt.
-        let mut start = 0;
-        while start < pe {
-            let mut end = (start + PREFILL_CHUNK).min(pe);
-            while end < pe && self.grid.block_of(end - 1) == self.grid.block_of(end) {
-                end += 1;
-            }
-            let mask = self.grid.additive_mask(start, end - start);
-            let logits =
-                self.model.net.forward(&mut self.cache, &self.canvas[start..end], mask.as_deref(), Some(&[end - start - 1]))?;
-            self.cache.commit(end - start)?;
-            if self.shift && end == pe {
-                self.carry = Some(logits);
-            }
-            start = end;
+        let logits = self.model.fill_cache(&mut self.cache, &self.canvas[..pe], &self.grid)?;
+        if self.shift {
+            self.carry = Some(logits);
         }
         self.prefill_ms = t.elapsed().as_secs_f64() * 1e3;
         Ok(())

@@ -387,17 +387,15 @@ pub fn applies(x: &Tensor, w: &Tensor) -> bool {
 /// `x · wᵀ` for x (m, k) and w (n, k): the skinny kernel where it applies, candle's matmul otherwise (a bf16 w
 /// is then widened to f32 for the call: long windows, where the product costs far more than the conversion).
 pub fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
-    if applies(x, w) {
-        return x.apply_op2_no_bwd(w, &SkinnyMatmulT);
+    // bf16 weights exist only on the CPU and only this kernel reads them: give it a contiguous x
+    let x = if w.dtype() == DType::BF16 && !x.is_contiguous() { x.contiguous()? } else { x.clone() };
+    if applies(&x, w) {
+        x.apply_op2_no_bwd(w, &SkinnyMatmulT)
+    } else if w.dtype() == DType::BF16 {
+        x.matmul(&w.to_dtype(x.dtype())?.t()?)
+    } else {
+        x.matmul(&w.t()?)
     }
-    if w.dtype() == DType::BF16 && x.device().is_cpu() && x.dtype() == DType::F32 {
-        let x = if x.is_contiguous() { x.clone() } else { x.contiguous()? };
-        if applies(&x, w) {
-            return x.apply_op2_no_bwd(w, &SkinnyMatmulT);
-        }
-        return x.matmul(&w.to_dtype(DType::F32)?.t()?);
-    }
-    x.matmul(&w.t()?)
 }
 
 #[cfg(test)]
