@@ -29,13 +29,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--forward", default="0:1,16:2,16:4,16:12,16:35,0:64,0:100", help="P:W pairs")
     args = ap.parse_args()
-    default = _core._tuning()
-    engines = {}
-    for held in ("f32", "bf16"):
-        _core._tuning(bf16_weights=held == "bf16")
-        engines[held] = mbd_rs.Engine.load(args.model, device="cpu")
-    _core._tuning(bf16_weights=default[3])
-    eng = engines["bf16"]
+    # one engine per configuration: kernel choices are load options (the tiny model loads in milliseconds)
+    engines = {c: mbd_rs.Engine.load(args.model, device="cpu", _kernels=dict(keep_bf16_weights=held == "bf16", **tuning))
+               for c, (held, tuning) in CONFIGS.items()}
+    held_bytes = {held: engines[c].info.weight_bytes for c, (held, _) in CONFIGS.items()}
     pw = [tuple(map(int, x.split(":"))) for x in args.forward.split(",")]
     prompts = ["sort 5 3 8 1 9 2", "reverse hello world", "repeat ab 3", "add 12+30"]
     modes = {"multi-block": {}, "AR": dict(block_size=1, block_add_threshold=1.0, acceptance="confidence", threshold=1.0)}
@@ -44,9 +41,7 @@ def main():
     for r in range(args.rounds):
         order = list(CONFIGS) if r % 2 == 0 else list(reversed(CONFIGS))
         for c in order:
-            held, tuning = CONFIGS[c]
-            eng = engines[held]
-            _core._tuning(**tuning)
+            eng = engines[c]
             for p, w in pw:
                 fwd[(c, p, w)].append(statistics.median(eng._core.bench_forward(p, w, 6)[1:]))
             for m, kw in modes.items():
@@ -55,9 +50,8 @@ def main():
                 for q in prompts:
                     toks += eng.chat([{"role": "user", "content": q}], max_tokens=40, **kw).usage.completion_tokens
                 e2e[(c, m)].append(toks / (time.perf_counter() - t))
-    _core._tuning(*default)
     print(f"model {eng.info.path}, {_core.cpu_threads} threads, median of {args.rounds} interleaved rounds; weights "
-          f"held: {engines['f32'].info.weight_bytes / 2**20:.1f} MiB as f32, {engines['bf16'].info.weight_bytes / 2**20:.1f} MiB as bf16")
+          f"held: {held_bytes['f32'] / 2**20:.1f} MiB as f32, {held_bytes['bf16'] / 2**20:.1f} MiB as bf16")
     print(f"{'config':32s} " + " ".join(f"{f'P{p} W{w}':>9s}" for p, w in pw) + "  (ms per forward)  "
           + " ".join(f"{m + ' tok/s':>17s}" for m in modes) + "  multi/AR")
     for c in CONFIGS:

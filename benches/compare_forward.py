@@ -31,6 +31,8 @@ def main():
     threads = os.cpu_count()
     torch.set_num_threads(threads)
     eng = mbd_rs.Engine.load(args.model, device="cpu")
+    # candle's matmul only, on f32-held weights (the engine before the skinny kernel): a second load
+    gemm_eng = mbd_rs.Engine.load(args.model, device="cpu", _kernels=dict(skinny=False, keep_bf16_weights=False))
     hf = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="eager").eval()
     rows = []
     for case in args.cases.split(","):
@@ -50,10 +52,7 @@ def main():
                         times.append(time.perf_counter() - t)
                     cache.crop(-w)  # drop the window again (transformers >= 5: negative = tokens to remove)
                 ours += eng._core.bench_forward(p, w, args.reps + 1)[1:]
-                default = mbd_rs._core._tuning()
-                mbd_rs._core._tuning(skinny=False)
-                gemm += eng._core.bench_forward(p, w, args.reps + 1)[1:]
-                mbd_rs._core._tuning(*default)
+                gemm += gemm_eng._core.bench_forward(p, w, args.reps + 1)[1:]
         torch_ms, ours_ms, gemm_ms = (1e3 * statistics.median(x) for x in (times, ours, gemm))
         rows.append(dict(prefix=p, window=w, mbd_rs_ms=ours_ms, mbd_rs_gemm_only_ms=gemm_ms, torch_eager_ms=torch_ms,
                          ratio=ours_ms / torch_ms, ratio_gemm_only=gemm_ms / torch_ms))

@@ -7,13 +7,11 @@
 //!
 //!     MBD_BENCH_MODEL=/tmp/mbd-bench/qwen2.5-0.5b-shape cargo bench -p mbd-core --bench forward
 
-use mbd_core::config::ProfileOverrides;
-use mbd_core::skinny::{set_keep_bf16_weights, set_tuning};
-use mbd_core::Model;
+use mbd_core::skinny::Kernels;
+use mbd_core::{LoadOptions, Model};
 
-fn load(dir: &str) -> Model {
-    let dev = candle_core::Device::Cpu;
-    match Model::load(std::path::Path::new(dir), &dev, candle_core::DType::F32, &ProfileOverrides::default()) {
+fn load(dir: &str, opts: LoadOptions) -> Model {
+    match Model::load(std::path::Path::new(dir), &opts) {
         Ok(m) => m,
         Err(e) => {
             eprintln!("cannot load {dir}: {e}\nrun: python scripts/make_bench_model.py {dir}");
@@ -23,14 +21,15 @@ fn load(dir: &str) -> Model {
 }
 
 fn main() {
-    mbd_core::pin_thread_count();
+    mbd_core::cpu_pool::pin_thread_count();
     let dir = std::env::var("MBD_BENCH_MODEL").unwrap_or_else(|_| "/tmp/mbd-bench/qwen2.5-0.5b-shape".into());
     let reps: usize = std::env::var("MBD_BENCH_REPS").ok().and_then(|s| s.parse().ok()).unwrap_or(5);
-    let model = load(&dir);
-    set_keep_bf16_weights(false);
-    let f32_twin = if model.profile.stored_dtype.as_deref() == Some("bfloat16") { Some(load(&dir)) } else { None };
-    set_keep_bf16_weights(true);
-    let f32_held = f32_twin.as_ref().unwrap_or(&model);
+    let model = load(&dir, LoadOptions::default());
+    let f32_held_opts = LoadOptions { keep_bf16_weights: false, ..Default::default() };
+    let bf16 = model.profile.stored_dtype.as_deref() == Some("bfloat16");
+    let f32_twin = bf16.then(|| load(&dir, f32_held_opts.clone()));
+    // candle's matmul only, on f32-held weights (the weights are loaded once more with the kernel off)
+    let gemm_only = load(&dir, LoadOptions { kernels: Kernels { skinny: false, ..Default::default() }, ..f32_held_opts });
     println!(
         "model {dir}: {} parameters, weights held {:.1} MiB, {} threads",
         model.num_parameters,
@@ -53,9 +52,7 @@ fn main() {
                 Some(m) => format!("{:.2}", median(m.bench_forward(prefix, w, reps + 1).expect("forward")).0),
                 None => "-".into(),
             };
-            set_tuning(Some(false), None, None);
-            let (gemm, _) = median(f32_held.bench_forward(prefix, w, reps + 1).expect("forward"));
-            set_tuning(Some(true), None, None);
+            let (gemm, _) = median(gemm_only.bench_forward(prefix, w, reps + 1).expect("forward"));
             println!("{prefix:>7} {w:>4} {med:>10.2} {min:>10.2} {held:>14} {gemm:>14.2} {:>7.2}", med / gemm);
         }
     }

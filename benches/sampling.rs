@@ -12,8 +12,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() {
-    mbd_core::pin_thread_count();
-    let mut s = Sampler::new(SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, seed: Some(0) }).unwrap();
+    mbd_core::cpu_pool::pin_thread_count();
+    let mut s = Sampler::new(SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, seed: Some(0) });
     println!("{:>6} {:>7} {:>12} {:>14} {:>7}", "rows", "vocab", "host ms", "tensor-op ms", "ratio");
     for (r, v) in [(2usize, 100usize), (8, 100), (2, 151936), (8, 151936), (32, 151936)] {
         let logits = Tensor::randn(0f32, 3.0, (r, v), &Device::Cpu).unwrap();
@@ -21,10 +21,10 @@ fn main() {
         let (mut a, mut b) = (vec![], vec![]);
         for _ in 0..reps {
             let t = std::time::Instant::now();
-            let p = mbd_core::on_cpu_pool(|| s.predict(&logits)).unwrap();
+            let p = mbd_core::cpu_pool::on_cpu_pool(|| s.predict(&logits)).unwrap();
             a.push(t.elapsed().as_secs_f64() * 1e3);
             let t = std::time::Instant::now();
-            let q = mbd_core::on_cpu_pool(|| s.predict_on_device(&logits)).unwrap();
+            let q = mbd_core::cpu_pool::on_cpu_pool(|| s.predict_on_device(&logits)).unwrap();
             b.push(t.elapsed().as_secs_f64() * 1e3);
             for (x, y) in p.iter().zip(&q) {
                 assert_eq!(x.token, y.token);

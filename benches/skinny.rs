@@ -14,11 +14,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() {
     // on the engine's pool, as in a forward (calling into a pool from outside costs a cross-thread wake-up)
-    mbd_core::on_cpu_pool(run)
+    mbd_core::cpu_pool::on_cpu_pool(run)
 }
 
 fn run() {
-    let threads = mbd_core::pin_thread_count();
+    let threads = mbd_core::cpu_pool::pin_thread_count();
     let dev = Device::Cpu;
     println!("{threads} threads; times in ms (median)");
     println!("{:>22} {:>4} {:>10} {:>10} {:>7}", "W (n x k)", "rows", "gemm", "skinny", "ratio");
@@ -40,7 +40,7 @@ fn run() {
                 let y1 = x.matmul(&w.t().unwrap()).unwrap();
                 a.push(t.elapsed().as_secs_f64() * 1e3);
                 let t = std::time::Instant::now();
-                let y2 = x.apply_op2_no_bwd(&w, &mbd_core::skinny::SkinnyMatmulT).unwrap();
+                let y2 = x.apply_op2_no_bwd(&w, &mbd_core::skinny::SkinnyMatmulT { par_min_macs: mbd_core::skinny::Kernels::default().par_min_macs }).unwrap();
                 b.push(t.elapsed().as_secs_f64() * 1e3);
                 let d = (y1 - y2).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
                 assert!(d < 1e-3, "results differ by {d}");

@@ -13,9 +13,11 @@ except ImportError as _e:  # a CUDA build whose libraries come from pip's nvidia
                           "(pip install nvidia-cuda-runtime nvidia-cublas nvidia-curand nvidia-cuda-nvrtc, or torch "
                           "with CUDA 13) or use the CPU wheel") from None
     from ._core import __version__
-from .engine import DEFAULT_MODEL, GENERATION_PARAMS, Engine, ModelInfo, Stream
+from .engine import (DEFAULT_MODEL, GENERATION_PARAMS, LOGITS_PARAMS, PARAMS, PROFILE_OVERRIDES, Engine, ModelInfo,
+                     Stream)
 from .errors import *  # noqa: F401,F403  (the exception hierarchy)
 from .types import Completion, StepEvent, StreamChunk, Usage
 
 __all__ = ["Engine", "ModelInfo", "Stream", "StreamChunk", "StepEvent", "Completion", "Usage", "GENERATION_PARAMS",
+           "PROFILE_OVERRIDES", "LOGITS_PARAMS", "PARAMS",
            "DEFAULT_MODEL", "__version__"] + errors.__all__

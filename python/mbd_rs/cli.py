@@ -19,37 +19,35 @@ def _add_model_flags(p):
     p.add_argument("-v", "--verbose", action="store_true", help="show tracebacks on errors")
 
 
+# Generation flags come from the core's parameter table (mbd_rs.PARAMS): --max-tokens for max_tokens, and so on.
+# Booleans default to true in the core and get a --no-... flag; a few parameters are not CLI flags.
+_NOT_FLAGS = {"trace", "stop_token_ids"}  # --visual traces; token ids are an API matter
+_NEGATED = {"use_cache": "--no-cache", "early_stop": "--no-early-stop"}
+_TYPES = {"int": int, "float": float, "str": str}
+
+
 def _add_gen_flags(p):
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=None)
-    g.add_argument("--temperature", type=float, default=None)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    d = p.add_argument_group("block diffusion")
-    d.add_argument("--block-size", type=int, default=None)
-    d.add_argument("--threshold", type=float, default=None, help="entropy bound, probability or EB gamma")
-    d.add_argument("--acceptance", choices=["entropy", "confidence", "eb"], default=None)
-    d.add_argument("--block-add-threshold", type=float, default=None, help="alpha: add a block at this progress")
-    d.add_argument("--decoded-token-threshold", type=float, default=None, help="beta: fully activate at this progress")
-    d.add_argument("--forced-progress", choices=["first", "every"], default=None)
-    d.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step")
-    d.add_argument("--no-early-stop", action="store_true")
+    from .engine import GENERATION_PARAMS, PARAMS
+    g = p.add_argument_group("generation (defaults: the model family's)")
+    for name in GENERATION_PARAMS:
+        if name in _NOT_FLAGS:
+            continue
+        kind, help_ = PARAMS[name]["kind"], PARAMS[name]["help"]
+        if kind == "bool":
+            g.add_argument(_NEGATED.get(name, "--no-" + name.replace("_", "-")), dest=name, action="store_false",
+                           default=None, help=f"turn off: {help_}")
+        elif kind == "strings":
+            g.add_argument("--" + name.replace("_", "-"), dest=name, action="append", default=None,
+                           help=f"{help_} (repeatable)")
+        else:
+            g.add_argument("--" + name.replace("_", "-"), dest=name, type=_TYPES[kind], default=None, help=help_)
     p.add_argument("--stats", action="store_true", help="print usage (tokens per forward, tokens/s) to stderr")
     p.add_argument("--json", action="store_true", help="print the completion as JSON")
 
 
 def _gen_params(a) -> dict:
-    p = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed, stop=a.stop,
-             block_size=a.block_size, threshold=a.threshold, acceptance=a.acceptance,
-             block_add_threshold=a.block_add_threshold, decoded_token_threshold=a.decoded_token_threshold,
-             forced_progress=a.forced_progress)
-    if a.no_cache:
-        p["use_cache"] = False
-    if a.no_early_stop:
-        p["early_stop"] = False
-    return {k: v for k, v in p.items() if v is not None}
+    from .engine import GENERATION_PARAMS
+    return {k: getattr(a, k) for k in GENERATION_PARAMS if getattr(a, k, None) is not None}
 
 
 def _load(a):

@@ -1,11 +1,11 @@
-"""The Python face of the engine: `Engine.load(path)` and its methods. Argument checking and type
-conversion only; the work happens in the Rust core (`mbd_rs._core`)."""
+"""The Python face of the engine: `Engine.load(path)` and its methods. The Rust core (`mbd_rs._core`) owns
+every parameter's name, kind and range and does the work; this module only shapes calls and results."""
 from __future__ import annotations
 
-import operator
+import json
 import os
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -16,7 +16,15 @@ from .types import Completion, StepEvent, StreamChunk, Usage
 #: The model shipped inside the package (trained here by training/train_tiny.py): used when no path is given.
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "mbd-tiny")
 
-PROFILE_OVERRIDES = ("mask_token_id", "block_size", "attention", "alignment", "logits_shift", "eos_token_ids")
+#: Parameter names, from the core: generation parameters, load-time profile overrides, logits options.
+GENERATION_PARAMS: "tuple[str, ...]" = _core.GENERATION_PARAMS
+PROFILE_OVERRIDES: "tuple[str, ...]" = _core.PROFILE_OVERRIDES
+LOGITS_PARAMS: "tuple[str, ...]" = _core.LOGITS_PARAMS
+#: name -> {"kind": ..., "help": ...} for every parameter above.
+PARAMS: "dict[str, dict[str, str]]" = _core.PARAMS
+
+Prompt = Union[str, Sequence[int]]
+Message = Mapping[str, Any]
 
 
 @dataclass(frozen=True)
@@ -39,22 +47,13 @@ class ModelInfo:
     num_experts_per_tok: Optional[int]
     mask_token_id: Optional[int]
     block_size: int
-    eos_token_ids: list
+    eos_token_ids: List[int]
     attention: str
     alignment: str
     logits_shift: bool
     dtype: str
     stored_dtype: Optional[str]
     device: str
-
-
-def _token_ids(ids: Any, name: str = "ids") -> list:
-    if isinstance(ids, (str, bytes)):
-        raise InvalidRequestError(f"{name} must be a sequence of token ids (ints), got a {type(ids).__name__}")
-    try:
-        return [operator.index(t) for t in ids]
-    except TypeError as e:
-        raise InvalidRequestError(f"{name} must be a sequence of token ids (ints): {e}") from None
 
 
 class Engine:
@@ -66,115 +65,77 @@ class Engine:
 
     @classmethod
     def load(cls, path: "Optional[str | os.PathLike[str]]" = None, *, device: str = "auto", dtype: Optional[str] = None,
-             **profile_overrides: Any) -> "Engine":
+             _kernels: Optional[Dict[str, Any]] = None, **profile_overrides: Any) -> "Engine":
         """Load an HF-format model directory (default: the embedded mbd-tiny model).
 
         device: "auto" (CUDA/Metal when this build has it and a device answers, else CPU), "cpu", "cuda[:N]", "metal".
         dtype: None/"auto" (float32 on CPU, bfloat16 on GPUs), "float32", "bfloat16", "float16".
-        profile_overrides: any of mask_token_id, block_size, attention ("causal"|"block_causal"|"full"),
-        alignment ("absolute"|"prompt"), logits_shift (bool), eos_token_ids (list of ints).
+        profile_overrides: any of PROFILE_OVERRIDES: mask_token_id, block_size, attention
+        ("causal"|"block_causal"|"full"), alignment ("absolute"|"prompt"), logits_shift (bool), eos_token_ids.
+        _kernels: benchmark switches (keep_bf16_weights, skinny, par_min_macs, max_rows), not a stable API.
         """
-        unknown = sorted(set(profile_overrides) - set(PROFILE_OVERRIDES))
-        if unknown:
-            raise TypeError(f"Engine.load() got unexpected keyword argument(s) {unknown}; "
-                            f"valid profile overrides: {list(PROFILE_OVERRIDES)}")
-        ov = dict(profile_overrides)
-        if ov.get("eos_token_ids") is not None:
-            ov["eos_token_ids"] = _token_ids(ov["eos_token_ids"], "eos_token_ids")
         if path is None:
             path = DEFAULT_MODEL
-        return cls(_core.CoreModel.load(os.fspath(path), device, dtype, **ov))
+        return cls(_core.CoreModel.load(os.fspath(path), device, dtype, profile_overrides, **(_kernels or {})))
 
     def __repr__(self) -> str:
         i = self.info
         return (f"Engine({i.family}, {i.num_parameters / 1e6:.2f}M params, {i.attention} attention, "
                 f"block {i.block_size}, {i.dtype} on {i.device}, path={i.path!r})")
 
-    def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list:
-        if not isinstance(text, str):
-            raise InvalidRequestError(f"text must be a str, got {type(text).__name__}")
+    def tokenize(self, text: str, *, add_special_tokens: bool = True) -> List[int]:
         return self._core.tokenize(text, add_special_tokens)
 
     def detokenize(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        return self._core.detokenize(_token_ids(ids), skip_special_tokens)
+        return self._core.detokenize(ids, skip_special_tokens)
 
-    def logits(self, ids: Sequence[int], *, attention: Optional[str] = None, block_size: Optional[int] = None,
-               alignment: Optional[str] = None, prompt_len: Optional[int] = None, prefix_len: int = 0) -> np.ndarray:
-        """Logits (len(ids) x vocab, float32) for every position of `ids`.
+    def logits(self, ids: Sequence[int], **params: Any) -> np.ndarray:
+        """Logits (len(ids) x vocab, float32) for every position of `ids`. Parameters (LOGITS_PARAMS):
 
         attention/block_size/alignment default to the model's profile; `prompt_len` ends the prompt block for
         alignment="prompt". With prefix_len > 0 the first prefix_len tokens go through the KV-cache path and the
         rest are forwarded as a window over that cache (the result is the same; prefix_len must sit on a block
         boundary of the chosen attention)."""
-        return self._core.logits(_token_ids(ids), attention, block_size, alignment, prompt_len, prefix_len)
+        return self._core.logits(ids, params)
+
+    def stream(self, prompt: Prompt, **params: Any) -> "Stream":
+        """Stream a completion of `prompt` (a str or a list of token ids). Parameters: GENERATION_PARAMS."""
+        return self._start(self._prompt_ids(prompt), params)
+
+    def generate(self, prompt: Prompt, **params: Any) -> Completion:
+        """Generate a completion of `prompt` (a str or a list of token ids)."""
+        return self.stream(prompt, **params).result()
+
+    def apply_chat_template(self, messages: Sequence[Message], *, add_generation_prompt: bool = True,
+                            **template_kwargs: Any) -> str:
+        """Render `messages` ([{"role": ..., "content": ...}, ...]) with the model's chat template."""
+        try:
+            msgs = json.dumps(list(messages))
+            extra = json.dumps(template_kwargs) if template_kwargs else None
+        except (TypeError, ValueError) as e:
+            raise InvalidRequestError(f"messages must be JSON-serialisable dicts: {e}") from None
+        return self._core.apply_chat_template(msgs, add_generation_prompt, extra)
+
+    def stream_chat(self, messages: Sequence[Message], **params: Any) -> "Stream":
+        """Stream the assistant's reply to `messages` (rendered with the chat template)."""
+        text = self.apply_chat_template(messages)
+        return self._start(self._prompt_ids(text, add_special_tokens=False), params)
+
+    def chat(self, messages: Sequence[Message], **params: Any) -> Completion:
+        return self.stream_chat(messages, **params).result()
+
+    def _prompt_ids(self, prompt: Prompt, add_special_tokens: bool = True) -> Sequence[int]:
+        return self._core.tokenize(prompt, add_special_tokens) if isinstance(prompt, str) else prompt
+
+    def _start(self, ids: Sequence[int], params: Dict[str, Any]) -> "Stream":
+        return Stream(self._core.start(ids, params), trace=bool(params.get("trace")))
 
 
-# Request parameters: name -> (kind, checker description). Values are converted and range-checked here;
-# the Rust core checks them again.
-_INT, _FLOAT, _BOOL, _STR = "int", "float", "bool", "str"
-GENERATION_PARAMS = {
-    "max_tokens": _INT, "temperature": _FLOAT, "top_k": _INT, "top_p": _FLOAT, "seed": _INT,
-    "stop": "stop", "stop_token_ids": "ids", "block_size": _INT, "threshold": _FLOAT, "acceptance": _STR,
-    "block_add_threshold": _FLOAT, "decoded_token_threshold": _FLOAT, "forced_progress": _STR,
-    "early_stop": _BOOL, "use_cache": _BOOL, "max_forward_passes": _INT, "trace": "trace",
-}
-_MIN = {"max_tokens": 1, "top_k": 0, "seed": 0, "block_size": 1, "max_forward_passes": 1}
-
-
-def _check_params(params: dict) -> dict:
-    unknown = sorted(set(params) - set(GENERATION_PARAMS))
-    if unknown:
-        raise TypeError(f"unexpected generation parameter(s) {unknown}; valid parameters: {sorted(GENERATION_PARAMS)}")
-    out = {}
-    for k, v in params.items():
-        kind = GENERATION_PARAMS[k]
-        if v is None:
-            continue
-        if kind == _INT:
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise InvalidRequestError(f"{k} must be an integer, got {v!r}")
-            if v < _MIN[k]:
-                raise InvalidRequestError(f"{k} must be >= {_MIN[k]}, got {v}")
-        elif kind == _FLOAT:
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise InvalidRequestError(f"{k} must be a number, got {v!r}")
-            v = float(v)
-            if v != v or v in (float("inf"), float("-inf")):
-                raise InvalidRequestError(f"{k} must be finite, got {v}")
-            if k == "threshold" and v < 0:
-                raise InvalidRequestError(f"threshold must be >= 0, got {v}")
-            if k in ("block_add_threshold", "decoded_token_threshold") and not 0 <= v <= 1:
-                raise InvalidRequestError(f"{k} must be in [0, 1], got {v}")
-            if k == "top_p" and not 0 < v <= 1:
-                raise InvalidRequestError(f"top_p must be in (0, 1], got {v}")
-            if k == "temperature" and v < 0:
-                raise InvalidRequestError(f"temperature must be >= 0, got {v}")
-        elif kind == _BOOL:
-            if not isinstance(v, bool):
-                raise InvalidRequestError(f"{k} must be True or False, got {v!r}")
-        elif kind == _STR:
-            if not isinstance(v, str):
-                raise InvalidRequestError(f"{k} must be a string, got {v!r}")
-        elif kind == "stop":
-            v = [v] if isinstance(v, str) else list(v)
-            if not all(isinstance(s, str) for s in v):
-                raise InvalidRequestError(f"stop must be a string or a list of strings, got {params[k]!r}")
-        elif kind == "ids":
-            v = _token_ids(v, k)
-        elif kind == "trace":
-            if v not in (True, False, "steps", "canvas"):
-                raise InvalidRequestError(f"trace must be True, False, 'steps' or 'canvas', got {v!r}")
-            out["trace_canvas"] = v == "canvas"
-            v = bool(v)
-        out[k] = v
-    return out
-
-
-def _usage(d: Optional[dict]) -> Optional[Usage]:
+def _usage(d: Optional[Dict[str, Any]]) -> Optional[Usage]:
     return None if d is None else Usage(**d)
 
 
-def _step(d: Optional[dict]) -> Optional[StepEvent]:
+def _step(d: Optional[Dict[str, Any]]) -> Optional[StepEvent]:
     return None if d is None else StepEvent(**d)
 
 
@@ -182,16 +143,16 @@ class Stream:
     """Iterator of StreamChunk: text streams token by token as the left-to-right prefix becomes stable.
     The last chunk has finish_reason and usage. Thread-safe cancel(); close() frees the KV cache now."""
 
-    def __init__(self, core_stream, trace: bool):
+    def __init__(self, core_stream: "_core.CoreStream", trace: bool):
         self._s = core_stream
         self._trace = trace
         self._done = False
         self.text = ""
-        self.token_ids: list = []
+        self.token_ids: List[int] = []
         self.finish_reason: Optional[str] = None
         self.usage: Optional[Usage] = None
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[StreamChunk]:
         return self
 
     def __next__(self) -> StreamChunk:
@@ -222,63 +183,19 @@ class Stream:
         """Drain the stream and return the Completion."""
         for _ in self:
             pass
-        if self.finish_reason is None:
+        if self.finish_reason is None or self.usage is None:
             raise InvalidRequestError("stream was closed before it finished")
         return Completion(self.text, list(self.token_ids), self.finish_reason, self.usage)
 
-    def __enter__(self):
+    def __enter__(self) -> "Stream":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> bool:
         self.close()
         return False
 
-    def __del__(self):
+    def __del__(self) -> None:
         try:
             self._s.close()
         except Exception:
             pass
-
-
-def _engine_methods():
-    def _prompt_ids(self, prompt, add_special_tokens=True):
-        if isinstance(prompt, str):
-            ids = self._core.tokenize(prompt, add_special_tokens)
-        else:
-            ids = _token_ids(prompt, "prompt")
-        if not ids:
-            raise InvalidRequestError("prompt is empty (0 tokens); give at least one token")
-        return ids
-
-    def stream(self, prompt, **params) -> Stream:
-        """Stream a completion of `prompt` (a str or a list of token ids). See GENERATION_PARAMS."""
-        p = _check_params(params)
-        return Stream(self._core.start(self._prompt_ids(prompt), **p), p.get("trace", False))
-
-    def generate(self, prompt, **params) -> Completion:
-        """Generate a completion of `prompt` (a str or a list of token ids)."""
-        return self.stream(prompt, **params).result()
-
-    def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, **template_kwargs) -> str:
-        """Render `messages` ([{"role": ..., "content": ...}, ...]) with the model's chat template."""
-        import json
-        try:
-            msgs = json.dumps(list(messages))
-            extra = json.dumps(template_kwargs) if template_kwargs else None
-        except (TypeError, ValueError) as e:
-            raise InvalidRequestError(f"messages must be JSON-serialisable dicts: {e}") from None
-        return self._core.apply_chat_template(msgs, add_generation_prompt, extra)
-
-    def stream_chat(self, messages, **params) -> Stream:
-        text = self.apply_chat_template(messages)
-        p = _check_params(params)
-        return Stream(self._core.start(self._prompt_ids(text, add_special_tokens=False), **p), p.get("trace", False))
-
-    def chat(self, messages, **params) -> Completion:
-        return self.stream_chat(messages, **params).result()
-
-    for f in (_prompt_ids, stream, generate, apply_chat_template, stream_chat, chat):
-        setattr(Engine, f.__name__, f)
-
-
-_engine_methods()

@@ -1,8 +1,10 @@
 //! Reading a model directory's JSON files: the Qwen dimensions (`ModelConfig`) and the block-diffusion
 //! family profile (`Profile`) that says how the checkpoint must be decoded.
 
+use crate::decoder::{Acceptance, ForcedProgress};
 use crate::error::{Error, Result};
 use crate::mask::{Alignment, AttentionKind};
+use crate::request::ProfileOverrides;
 use serde_json::{Map, Value};
 use std::path::Path;
 
@@ -110,22 +112,9 @@ impl<'a> Fields<'a> {
     }
 }
 
-/// Which weight layout the checkpoint uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Arch {
-    Qwen2,
-    Qwen3,
-    Qwen3Moe,
-}
-
-impl Arch {
-    pub fn name(&self) -> &'static str {
-        match self {
-            Arch::Qwen2 => "qwen2",
-            Arch::Qwen3 => "qwen3",
-            Arch::Qwen3Moe => "qwen3_moe",
-        }
-    }
+crate::string_enum! {
+    /// Which weight layout the checkpoint uses.
+    pub enum Arch ("arch") { Qwen2 = "qwen2", Qwen3 = "qwen3", Qwen3Moe = "qwen3_moe" }
 }
 
 #[derive(Debug, Clone)]
@@ -264,18 +253,19 @@ impl ModelConfig {
     }
 }
 
-/// The block-diffusion families we recognise, keyed by `architectures[0]` or `model_type`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Family {
-    Qwen2,
-    Qwen3,
-    Qwen3Moe,
-    Dream,
-    Sdar,
-    SdarMoe,
-    FastDllmV2,
-    /// mbd-rs' own tiny trained model: a Qwen3 checkpoint with `"mbd_family": "mbd-tiny"` (SDAR-style).
-    MbdTiny,
+crate::string_enum! {
+    /// The block-diffusion families we recognise, keyed by `architectures[0]` or `model_type`.
+    pub enum Family ("family") {
+        Qwen2 = "qwen2",
+        Qwen3 = "qwen3",
+        Qwen3Moe = "qwen3_moe",
+        Dream = "dream",
+        Sdar = "sdar",
+        SdarMoe = "sdar_moe",
+        FastDllmV2 = "fast_dllm_v2",
+        /// mbd-rs' own tiny trained model: a Qwen3 checkpoint with `"mbd_family": "mbd-tiny"` (SDAR-style).
+        MbdTiny = "mbd-tiny",
+    }
 }
 
 pub const SUPPORTED_ARCHITECTURES: &[(&str, &str, Family)] = &[
@@ -289,18 +279,6 @@ pub const SUPPORTED_ARCHITECTURES: &[(&str, &str, Family)] = &[
 ];
 
 impl Family {
-    pub fn name(&self) -> &'static str {
-        match self {
-            Family::Qwen2 => "qwen2",
-            Family::Qwen3 => "qwen3",
-            Family::Qwen3Moe => "qwen3_moe",
-            Family::Dream => "dream",
-            Family::Sdar => "sdar",
-            Family::SdarMoe => "sdar_moe",
-            Family::FastDllmV2 => "fast_dllm_v2",
-            Family::MbdTiny => "mbd-tiny",
-        }
-    }
     pub fn arch(&self) -> Arch {
         match self {
             Family::Qwen2 | Family::Dream | Family::FastDllmV2 => Arch::Qwen2,
@@ -327,15 +305,46 @@ pub struct Profile {
     pub stored_dtype: Option<String>,
 }
 
-/// User overrides of profile fields at load time (all optional).
-#[derive(Debug, Clone, Default)]
-pub struct ProfileOverrides {
-    pub mask_token_id: Option<u32>,
-    pub block_size: Option<usize>,
-    pub attention: Option<AttentionKind>,
-    pub alignment: Option<Alignment>,
-    pub logits_shift: Option<bool>,
-    pub eos_token_ids: Option<Vec<u32>>,
+/// A family's decoding defaults (from the authors' scripts), used where a request leaves them unset.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DecodeDefaults {
+    pub acceptance: Acceptance,
+    /// tau
+    pub threshold: f64,
+    /// alpha
+    pub block_add_threshold: f64,
+    /// beta
+    pub decoded_token_threshold: f64,
+    pub forced_progress: ForcedProgress,
+}
+
+impl DecodeDefaults {
+    /// Single-block semi-AR with a confidence threshold (SDAR/TraDo: 0.9; Fast-dLLM v2: 0.9); plain causal LMs.
+    pub const SEMI_AR: DecodeDefaults = DecodeDefaults {
+        acceptance: Acceptance::Confidence,
+        threshold: 0.9,
+        block_add_threshold: 1.0,
+        decoded_token_threshold: 0.95,
+        forced_progress: ForcedProgress::First,
+    };
+    /// d3LLM multi-block: entropy 0.5, alpha 0.1, beta 0.95, forced progress in the first block.
+    pub const MULTI_BLOCK: DecodeDefaults = DecodeDefaults {
+        acceptance: Acceptance::Entropy,
+        threshold: 0.5,
+        block_add_threshold: 0.1,
+        decoded_token_threshold: 0.95,
+        forced_progress: ForcedProgress::First,
+    };
+}
+
+impl Profile {
+    pub fn decode_defaults(&self) -> DecodeDefaults {
+        match self.family {
+            Family::Sdar | Family::SdarMoe | Family::FastDllmV2 => DecodeDefaults::SEMI_AR,
+            _ if self.attention == AttentionKind::Causal => DecodeDefaults::SEMI_AR,
+            _ => DecodeDefaults::MULTI_BLOCK,
+        }
+    }
 }
 
 pub fn detect_family(f: &Fields) -> Result<(Family, String)> {
@@ -441,9 +450,6 @@ impl Profile {
             p.mask_token_id = Some(m);
         }
         if let Some(b) = ov.block_size {
-            if b == 0 {
-                return Err(Error::invalid("block_size must be >= 1, got 0"));
-            }
             p.block_size = b;
         }
         if let Some(a) = ov.attention {

@@ -11,56 +11,27 @@
 //!   9. write accepted tokens; stop at the forward-pass cap.
 
 use crate::error::{Error, Result};
+use crate::util::by_score_then_index;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Acceptance {
-    /// accept H < tau
-    Entropy,
-    /// accept max-probability > tau
-    Confidence,
-    /// EB-sampler per block: sort by H ascending, accept the i-th while the sum of the earlier ones <= gamma
-    Eb,
-}
-
-impl Acceptance {
-    pub fn parse(s: &str) -> Result<Self> {
-        match s {
-            "entropy" => Ok(Acceptance::Entropy),
-            "confidence" => Ok(Acceptance::Confidence),
-            "eb" => Ok(Acceptance::Eb),
-            _ => Err(Error::invalid(format!("acceptance must be 'entropy', 'confidence' or 'eb', got '{s}'"))),
-        }
-    }
-    pub fn name(&self) -> &'static str {
-        match self {
-            Acceptance::Entropy => "entropy",
-            Acceptance::Confidence => "confidence",
-            Acceptance::Eb => "eb",
-        }
+crate::string_enum! {
+    /// Which predictions a step accepts.
+    pub enum Acceptance ("acceptance") {
+        /// accept H < tau
+        Entropy = "entropy",
+        /// accept max-probability > tau
+        Confidence = "confidence",
+        /// EB-sampler per block: sort by H ascending, accept the i-th while the sum of the earlier ones <= gamma
+        Eb = "eb",
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ForcedProgress {
-    /// only the lowest fully-active block with masks (d3LLM)
-    First,
-    /// every fully-active block with masks (D2F)
-    Every,
-}
-
-impl ForcedProgress {
-    pub fn parse(s: &str) -> Result<Self> {
-        match s {
-            "first" => Ok(ForcedProgress::First),
-            "every" => Ok(ForcedProgress::Every),
-            _ => Err(Error::invalid(format!("forced_progress must be 'first' or 'every', got '{s}'"))),
-        }
-    }
-    pub fn name(&self) -> &'static str {
-        match self {
-            ForcedProgress::First => "first",
-            ForcedProgress::Every => "every",
-        }
+crate::string_enum! {
+    /// Which fully active blocks must decode at least one token per step.
+    pub enum ForcedProgress ("forced_progress") {
+        /// only the lowest fully-active block with masks (d3LLM)
+        First = "first",
+        /// every fully-active block with masks (D2F)
+        Every = "every",
     }
 }
 
@@ -79,23 +50,6 @@ pub struct DecodeParams {
     pub eos_ids: Vec<u32>,
 }
 
-impl DecodeParams {
-    pub fn validate(&self) -> Result<()> {
-        if !(self.threshold >= 0.0) || !self.threshold.is_finite() {
-            return Err(Error::invalid(format!("threshold must be a finite number >= 0, got {}", self.threshold)));
-        }
-        for (name, v) in [("block_add_threshold", self.block_add_threshold), ("decoded_token_threshold", self.decoded_token_threshold)] {
-            if !(0.0..=1.0).contains(&v) {
-                return Err(Error::invalid(format!("{name} must be in [0, 1], got {v}")));
-            }
-        }
-        if self.max_forward_passes == 0 {
-            return Err(Error::invalid("max_forward_passes must be >= 1, got 0"));
-        }
-        Ok(())
-    }
-}
-
 /// A generation block: absolute positions [start, end).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Block {
@@ -105,23 +59,13 @@ pub struct Block {
     pub fully_active: bool,
 }
 
-/// The state of a block, as reported to visualisers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BlockState {
-    Inactive,
-    Activated,
-    FullyActivated,
-    Completed,
-}
-
-impl BlockState {
-    pub fn name(&self) -> &'static str {
-        match self {
-            BlockState::Inactive => "inactive",
-            BlockState::Activated => "activated",
-            BlockState::FullyActivated => "fully_activated",
-            BlockState::Completed => "completed",
-        }
+crate::string_enum! {
+    /// The state of a block, as reported to visualisers.
+    pub enum BlockState ("block state") {
+        Inactive = "inactive",
+        Activated = "activated",
+        FullyActivated = "fully_activated",
+        Completed = "completed",
     }
 }
 
@@ -175,9 +119,8 @@ pub struct Decoder {
 
 impl Decoder {
     pub fn new(prompt_len: usize, n: usize, layout: Vec<(usize, usize)>, params: DecodeParams) -> Result<Self> {
-        params.validate()?;
         if n == 0 || layout.is_empty() {
-            return Err(Error::invalid("max_tokens must be >= 1"));
+            return Err(Error::Internal("the decoder needs at least one generated position".into()));
         }
         let mut blocks: Vec<Block> =
             layout.into_iter().map(|(start, end)| Block { start, end, created: false, fully_active: false }).collect();
@@ -345,7 +288,7 @@ impl Decoder {
                 for (_, idx) in &groups {
                     let mut order = idx.clone();
                     order.sort_by(|&a, &b| {
-                        preds[a].entropy.partial_cmp(&preds[b].entropy).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(&b))
+                        by_score_then_index(preds[a].entropy, preds[b].entropy, a, b)
                     });
                     let mut sum = 0.0;
                     for &i in &order {
@@ -374,7 +317,7 @@ impl Decoder {
                     .iter()
                     .copied()
                     .min_by(|&a, &b| {
-                        preds[a].entropy.partial_cmp(&preds[b].entropy).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(&b))
+                        by_score_then_index(preds[a].entropy, preds[b].entropy, a, b)
                     })
                     .unwrap();
                 accept[best] = true;

@@ -1,11 +1,14 @@
 //! A loaded model directory: weights, tokenizer, profile. Stateless between calls: each sequence owns
 //! its own `KvCache`, so one `Model` serves any number of sequences.
 
-use crate::config::{detect_family, read_json, Fields, ModelConfig, Profile, ProfileOverrides};
+use crate::config::{detect_family, read_json, Fields, ModelConfig, Profile};
+use crate::cpu_pool::on_device_pool;
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
-use crate::mask::BlockGrid;
+use crate::mask::{Alignment, AttentionKind, BlockGrid};
 use crate::models::qwen::QwenModel;
+use crate::request::{token_ids, LogitsRequest, ProfileOverrides};
+use crate::skinny::Kernels;
 use crate::weights::{checkpoint_files, Weights};
 use candle_core::{DType, Device, Tensor};
 use std::path::{Path, PathBuf};
@@ -20,6 +23,31 @@ pub struct Model {
     /// Bytes of the weights as held in memory (a bf16 checkpoint's matrices stay bf16 on the CPU).
     pub weight_bytes: usize,
     pub chat_template: Option<crate::chat::ChatTemplate>,
+}
+
+/// How to load a model: where, in which precision, with which profile overrides and kernel choices.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    pub device: Device,
+    pub dtype: DType,
+    pub overrides: ProfileOverrides,
+    /// CPU, f32 compute: a bf16 checkpoint's matrices stay bf16 in memory and are widened exactly inside the
+    /// skinny kernel (half the memory and weight traffic). On by default; benchmarks turn it off for A/B runs.
+    pub keep_bf16_weights: bool,
+    pub kernels: Kernels,
+}
+
+impl Default for LoadOptions {
+    /// CPU, f32, the checkpoint's own profile, default kernels.
+    fn default() -> Self {
+        LoadOptions {
+            device: Device::Cpu,
+            dtype: DType::F32,
+            overrides: ProfileOverrides::default(),
+            keep_bf16_weights: true,
+            kernels: Kernels::default(),
+        }
+    }
 }
 
 /// Parse a device string: "auto", "cpu", "cuda", "cuda:N", "metal".
@@ -126,7 +154,8 @@ fn tokenizer_mask_id(tok: &tokenizers::Tokenizer) -> Option<u32> {
 pub const PREFILL_CHUNK: usize = 512;
 
 impl Model {
-    pub fn load(dir: &Path, device: &Device, dtype: DType, ov: &ProfileOverrides) -> Result<Model> {
+    pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Model> {
+        let (device, dtype, ov) = (&opts.device, opts.dtype, &opts.overrides);
         if !dir.is_dir() {
             return Err(Error::FileNotFound {
                 path: dir.to_path_buf(),
@@ -154,9 +183,9 @@ impl Model {
             }
         }
         let files = checkpoint_files(dir)?;
-        let ws = Weights::open(&files, device, dtype)?;
+        let ws = Weights::open(&files, device, dtype, opts.keep_bf16_weights)?;
         let num_parameters = ws.num_parameters();
-        let net = QwenModel::load(&config, &ws, device, dtype)?;
+        let net = QwenModel::load(&config, &ws, device, dtype, opts.kernels)?;
         let weight_bytes = ws.loaded_bytes();
         let chat_template = crate::chat::ChatTemplate::from_dir(dir)?;
         Ok(Model { dir: dir.to_path_buf(), config, profile, net, tokenizer, num_parameters, weight_bytes, chat_template })
@@ -166,7 +195,8 @@ impl Model {
         self.net.new_cache()
     }
 
-    /// Forward `ids` (at positions `cache.len()..`) under `grid` into the cache and commit them, in chunks of
+    /// Forward `ids` (at positions `cache.len()..`) under `grid` into the cache and commit them (on the caller's
+    /// thread: run it on the engine's pool, as `Generation::step` does), in chunks of
     /// about `PREFILL_CHUNK` positions that end on block boundaries (a block's positions see each other, so a
     /// block is never split). Returns the logits of the last position, (1, V) f32.
     pub fn fill_cache(&self, cache: &mut KvCache, ids: &[u32], grid: &BlockGrid) -> Result<Tensor> {
@@ -190,25 +220,70 @@ impl Model {
         }
     }
 
-    pub fn check_ids(&self, ids: &[u32]) -> Result<()> {
-        if let Some((i, &t)) = ids.iter().enumerate().find(|(_, &t)| t as usize >= self.config.vocab_size) {
-            return Err(Error::invalid(format!(
-                "token id {t} at index {i} is out of range: the vocabulary has {} tokens (ids 0..{})",
-                self.config.vocab_size,
-                self.config.vocab_size - 1
-            )));
-        }
-        Ok(())
+    /// Token ids from a caller, checked against the vocabulary (`request::token_ids` owns the rule).
+    pub fn token_ids(&self, name: &str, ids: &[i64]) -> Result<Vec<u32>> {
+        token_ids(name, ids, self.config.vocab_size)
     }
 
-    /// Logits for every position of `ids` under the attention grid `grid`. With `prefix_len > 0` the first
+    /// Check ids that are already u32 (e.g. from a Rust caller) against the vocabulary.
+    pub fn check_ids(&self, name: &str, ids: &[u32]) -> Result<()> {
+        let wide: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
+        self.token_ids(name, &wide).map(|_| ())
+    }
+
+    pub fn tokenize(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let enc = self.tokenizer.encode(text, add_special_tokens).map_err(|e| Error::invalid(format!("cannot tokenize: {e}")))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    pub fn detokenize(&self, ids: &[i64], skip_special_tokens: bool) -> Result<String> {
+        let ids = self.token_ids("ids", ids)?;
+        self.tokenizer.decode(&ids, skip_special_tokens).map_err(|e| Error::invalid(format!("cannot detokenize: {e}")))
+    }
+
+    /// Render chat `messages` (a JSON list of {role, content}) with the model's template; `extra` are more
+    /// template variables (a JSON object or null).
+    pub fn render_chat(&self, messages: &serde_json::Value, add_generation_prompt: bool, extra: &serde_json::Value) -> Result<String> {
+        let tmpl = self.chat_template.as_ref().ok_or_else(|| {
+            Error::invalid(format!(
+                "{}: this model has no chat template (no chat_template.jinja and no 'chat_template' in tokenizer_config.json)",
+                self.dir.display()
+            ))
+        })?;
+        tmpl.render(messages, add_generation_prompt, extra)
+    }
+
+    /// The attention grid of a logits call: the request's choices over the profile's defaults.
+    pub fn grid_for(&self, req: &LogitsRequest, len: usize) -> Result<BlockGrid> {
+        let p = &self.profile;
+        let kind = req.attention.unwrap_or(p.attention);
+        let align = req.alignment.unwrap_or(p.alignment);
+        let plen = match (align, kind, req.prompt_len) {
+            (_, _, Some(l)) if l > len => {
+                return Err(Error::invalid(format!("prompt_len must be between 0 and len(ids) = {len}, got {l}")))
+            }
+            (Alignment::Prompt, AttentionKind::BlockCausal, None) => {
+                return Err(Error::invalid("prompt_len is required with alignment='prompt'"))
+            }
+            (_, _, l) => l.unwrap_or(0),
+        };
+        BlockGrid::new(kind, req.block_size.unwrap_or(p.block_size), align, plen)
+    }
+
+    /// Logits for every position of `ids` under the request's attention grid. With `prefix_len > 0` the first
     /// `prefix_len` tokens go through the cache (forward + commit) and the rest are forwarded as a window
     /// over the cached prefix; the result equals the no-cache one. Returns row-major (len, vocab) f32.
-    pub fn logits(&self, ids: &[u32], grid: &BlockGrid, prefix_len: usize) -> Result<Vec<f32>> {
+    pub fn logits(&self, ids: &[u32], req: &LogitsRequest) -> Result<Vec<f32>> {
         if ids.is_empty() {
             return Err(Error::invalid("ids is empty: need at least one token"));
         }
-        self.check_ids(ids)?;
+        self.check_ids("ids", ids)?;
+        let max_ctx = self.config.max_position_embeddings;
+        if ids.len() > max_ctx {
+            return Err(Error::ContextLength(format!("maximum context is {max_ctx} tokens; ids has {}", ids.len())));
+        }
+        let grid = self.grid_for(req, ids.len())?;
+        let prefix_len = req.prefix_len.unwrap_or(0);
         if prefix_len > ids.len() {
             return Err(Error::invalid(format!("prefix_len {prefix_len} is longer than ids ({} tokens)", ids.len())));
         }
@@ -220,19 +295,21 @@ impl Model {
                 grid.block_size
             )));
         }
-        let mut cache = self.new_cache();
-        let v = self.config.vocab_size;
-        let mut out = Vec::with_capacity(ids.len() * v);
-        for (start, end) in [(0, prefix_len), (prefix_len, ids.len())] {
-            if start == end {
-                continue;
+        on_device_pool(self.net.device(), || {
+            let mut cache = self.new_cache();
+            let v = self.config.vocab_size;
+            let mut out = Vec::with_capacity(ids.len() * v);
+            for (start, end) in [(0, prefix_len), (prefix_len, ids.len())] {
+                if start == end {
+                    continue;
+                }
+                let mask = grid.additive_mask(start, end - start);
+                let l = self.net.forward(&mut cache, &ids[start..end], mask.as_deref(), None)?;
+                out.extend(l.flatten_all()?.to_vec1::<f32>()?);
+                cache.commit(end - start)?;
             }
-            let mask = grid.additive_mask(start, end - start);
-            let l = self.net.forward(&mut cache, &ids[start..end], mask.as_deref(), None)?;
-            out.extend(l.flatten_all()?.to_vec1::<f32>()?);
-            cache.commit(end - start)?;
-        }
-        Ok(out)
+            Ok(out)
+        })
     }
 }
 
@@ -251,19 +328,21 @@ impl Model {
         };
         let pre: Vec<u32> = (0..prefix).map(|_| next()).collect();
         let win: Vec<u32> = (0..window).map(|_| next()).collect();
-        let mut cache = self.new_cache();
-        cache.reserve(prefix + window)?;
-        if prefix > 0 {
-            self.fill_cache(&mut cache, &pre, &BlockGrid::causal())?;
-        }
-        let mut out = Vec::with_capacity(reps);
-        for _ in 0..reps {
-            let t = std::time::Instant::now();
-            let l = self.net.forward(&mut cache, &win, None, None)?;
-            // make sure the work is done (device sync) before stopping the clock
-            let _ = l.narrow(0, 0, 1)?.narrow(1, 0, 1)?.flatten_all()?.to_vec1::<f32>()?;
-            out.push(t.elapsed().as_secs_f64());
-        }
-        Ok(out)
+        on_device_pool(self.net.device(), || {
+            let mut cache = self.new_cache();
+            cache.reserve(prefix + window)?;
+            if prefix > 0 {
+                self.fill_cache(&mut cache, &pre, &BlockGrid::causal())?;
+            }
+            let mut out = Vec::with_capacity(reps);
+            for _ in 0..reps {
+                let t = std::time::Instant::now();
+                let l = self.net.forward(&mut cache, &win, None, None)?;
+                // make sure the work is done (device sync) before stopping the clock
+                let _ = l.narrow(0, 0, 1)?.narrow(1, 0, 1)?.flatten_all()?.to_vec1::<f32>()?;
+                out.push(t.elapsed().as_secs_f64());
+            }
+            Ok(out)
+        })
     }
 }

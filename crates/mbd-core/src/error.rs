@@ -24,6 +24,10 @@ pub enum Error {
     #[error("{0}")]
     InvalidRequest(String),
 
+    /// A parameter name that the request does not take (a `TypeError` in Python).
+    #[error("{0}")]
+    UnknownParameter(String),
+
     /// prompt + completion does not fit the model's context.
     #[error("{0}")]
     ContextLength(String),

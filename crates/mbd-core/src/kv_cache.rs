@@ -30,10 +30,6 @@ impl KvCache {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
-
     /// Make room for `extra` positions past the committed prefix, growing geometrically when needed.
     pub fn reserve(&mut self, extra: usize) -> Result<()> {
         let need = self.len + extra;
@@ -86,9 +82,42 @@ impl KvCache {
         Ok(())
     }
 
-    /// Drop committed positions past `n`.
+    /// Drop committed positions past `n` (the refresh primitive of approximate caches: the next forward
+    /// writes its window from position n on).
     pub fn truncate(&mut self, n: usize) {
         self.len = self.len.min(n);
         self.window = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn window(c: &mut KvCache, vals: &[f32]) -> Tensor {
+        let w = vals.len();
+        c.begin_window(w).unwrap();
+        let p = c.len();
+        let k = Tensor::from_slice(vals, (1, w, 1), &Device::Cpu).unwrap();
+        c.write_window(0, &k, &k, p).unwrap().0
+    }
+
+    #[test]
+    fn commit_keeps_a_prefix_and_truncate_rewinds() {
+        let mut c = KvCache::new(1, 1, 1, DType::F32, &Device::Cpu);
+        window(&mut c, &[1.0, 2.0, 3.0]);
+        assert!(c.commit(4).is_err()); // more than the window
+        c.commit(2).unwrap();
+        assert_eq!(c.len(), 2);
+        assert!(c.commit(1).is_err()); // the window was consumed
+        let seen = window(&mut c, &[7.0, 8.0]);
+        assert_eq!(seen.flatten_all().unwrap().to_vec1::<f32>().unwrap(), [1.0, 2.0, 7.0, 8.0]);
+        c.commit(2).unwrap();
+        c.truncate(1);
+        assert_eq!(c.len(), 1);
+        let seen = window(&mut c, &[9.0]);
+        assert_eq!(seen.flatten_all().unwrap().to_vec1::<f32>().unwrap(), [1.0, 9.0]);
+        c.truncate(5); // never grows
+        assert_eq!(c.len(), 1);
     }
 }

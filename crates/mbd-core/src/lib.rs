@@ -1,61 +1,49 @@
-//! mbd-core: block-diffusion LLM inference on candle.
+//! mbd-core: block-diffusion LLM inference on candle. The path of a request, top to bottom
+//! (docs/architecture.md has the page):
 //!
-//! - `config`: model directory JSON → dimensions (`ModelConfig`) and decoding profile (`Profile`).
-//! - `mask`: block ids per position and the additive attention masks built from them.
+//! - `generate`: one generation — plan (decoder) → window (`window`) → forward → predict (`sampling`) →
+//!   apply (decoder) → emit (`output`).
+//! - `request`: every request parameter (name, kind, range, help), written once; `GenRequest` and friends.
+//! - `engine`: a loaded model directory (`Model`: weights, tokenizer, profile, chat template) and its calls.
 //! - `models::qwen`: the Qwen2/Qwen3/Qwen3-MoE forward over a prefix KV cache (`kv_cache`).
-//! - `engine`: a loaded model directory (weights + tokenizer + profile).
+//! - `weights`: safetensors checkpoints, read tensor by tensor into the model's buffers.
+//! - `config`: model directory JSON → dimensions (`ModelConfig`), decoding profile (`Profile`), family defaults.
+//! - `chat`: the model's chat template (minijinja).
+//! - `window`: which positions a step forwards and which K/V it commits (exact prefix cache or recompute).
+//! - `output`: the completion a generation emits: stable tokens, streamed text, finish reason, usage.
+//! - `decoder`: the multi-block decoding state machine, pure logic.
+//! - `sampling`: logits rows → predictions (token, entropy, max probability).
+//! - `mask`: block ids per position and the attention masks built from them.
+//! - `kv_cache`: the per-sequence K/V buffers.
+//! - `text`: incremental detokenisation and stop strings.
+//! - `skinny`: the CPU few-row matmul kernel.
+//! - `cpu_pool`: the engine's CPU thread pool.
+//! - `util`, `error`: string-named enums, shared ordering; the one error type.
 
-pub mod config;
-pub mod engine;
+pub mod util;
 pub mod error;
-pub mod kv_cache;
-pub mod mask;
-pub mod skinny;
-pub mod weights;
+
+pub mod generate;
+pub mod request;
+pub mod engine;
 pub mod models {
     pub mod qwen;
 }
+pub mod weights;
+pub mod config;
+pub mod chat;
+pub mod window;
+pub mod output;
+pub mod decoder;
+pub mod sampling;
+pub mod mask;
+pub mod kv_cache;
+pub mod text;
+pub mod skinny;
+pub mod cpu_pool;
 
-pub use config::{Profile, ProfileOverrides};
-pub use engine::Model;
+pub use config::Profile;
+pub use engine::{LoadOptions, Model};
 pub use error::{Error, Result};
 pub use mask::{Alignment, AttentionKind, BlockGrid};
-pub mod decoder;
-pub mod generate;
-pub mod sampling;
-pub mod text;
-pub mod chat;
-
-/// Pin candle's CPU thread count for the process (`RAYON_NUM_THREADS`, when the user has not set it) to the
-/// number it would detect, and return it. candle looks the count up on every CPU matmul; unset, that
-/// re-detects the physical cores each time (on Linux by parsing /proc/cpuinfo), which costs more than a
-/// small model's whole matmul (measured: one forward of the 2.6M-parameter default model went from 3.4 ms to
-/// 0.9 ms). Call it once at start-up, before other threads run.
-pub fn pin_thread_count() -> usize {
-    if let Some(n) = std::env::var("RAYON_NUM_THREADS").ok().and_then(|s| s.parse::<usize>().ok()).filter(|&n| n > 0) {
-        return n;
-    }
-    let n = candle_core::utils::get_num_threads();
-    std::env::set_var("RAYON_NUM_THREADS", n.to_string());
-    n
-}
-
-static CPU_POOL: std::sync::OnceLock<rayon::ThreadPool> = std::sync::OnceLock::new();
-
-/// Run `f` on the engine's CPU thread pool (`pin_thread_count()` threads), the calling thread waiting.
-/// Forwards and decoding steps run this way so that the caller (a Python thread) sleeps while the pool
-/// works: the pool's threads are then the only runnable ones, instead of the caller's serial work
-/// competing with idle workers that spin for jobs (oversubscription on small machines). candle's matmul
-/// (gemm) and the skinny kernel parallelise on the pool they are called from, so they use this one.
-/// Re-entrant: called from one of the pool's threads, `f` runs in place.
-pub fn on_cpu_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    let pool = CPU_POOL.get_or_init(|| {
-        let n = pin_thread_count();
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .thread_name(|i| format!("mbd-cpu-{i}"))
-            .build()
-            .expect("cannot start the CPU thread pool")
-    });
-    pool.install(f)
-}
+pub use request::{GenRequest, LogitsRequest, ProfileOverrides};

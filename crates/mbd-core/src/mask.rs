@@ -3,53 +3,22 @@
 
 use crate::error::{Error, Result};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AttentionKind {
-    Causal,
-    BlockCausal,
-    Full,
-}
-
-impl AttentionKind {
-    pub fn parse(s: &str) -> Result<Self> {
-        match s {
-            "causal" => Ok(AttentionKind::Causal),
-            "block_causal" => Ok(AttentionKind::BlockCausal),
-            "full" => Ok(AttentionKind::Full),
-            _ => Err(Error::invalid(format!("attention must be 'causal', 'block_causal' or 'full', got '{s}'"))),
-        }
-    }
-    pub fn name(&self) -> &'static str {
-        match self {
-            AttentionKind::Causal => "causal",
-            AttentionKind::BlockCausal => "block_causal",
-            AttentionKind::Full => "full",
-        }
+crate::string_enum! {
+    /// Which keys a query sees.
+    pub enum AttentionKind ("attention") {
+        Causal = "causal",
+        BlockCausal = "block_causal",
+        Full = "full",
     }
 }
 
-/// How block-causal blocks are laid over positions.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Alignment {
-    /// blk(p) = floor(p / B): SDAR, Fast-dLLM v2 (the prompt is block-causal too).
-    Absolute,
-    /// The whole prompt is block 0, then blocks of B from the prompt's end (Open-dLLM / D2F).
-    Prompt,
-}
-
-impl Alignment {
-    pub fn parse(s: &str) -> Result<Self> {
-        match s {
-            "absolute" => Ok(Alignment::Absolute),
-            "prompt" => Ok(Alignment::Prompt),
-            _ => Err(Error::invalid(format!("alignment must be 'absolute' or 'prompt', got '{s}'"))),
-        }
-    }
-    pub fn name(&self) -> &'static str {
-        match self {
-            Alignment::Absolute => "absolute",
-            Alignment::Prompt => "prompt",
-        }
+crate::string_enum! {
+    /// How block-causal blocks are laid over positions.
+    pub enum Alignment ("alignment") {
+        /// blk(p) = floor(p / B): SDAR, Fast-dLLM v2 (the prompt is block-causal too).
+        Absolute = "absolute",
+        /// The whole prompt is block 0, then blocks of B from the prompt's end (Open-dLLM / D2F).
+        Prompt = "prompt",
     }
 }
 
@@ -66,7 +35,7 @@ pub struct BlockGrid {
 impl BlockGrid {
     pub fn new(kind: AttentionKind, block_size: usize, alignment: Alignment, prompt_len: usize) -> Result<Self> {
         if kind == AttentionKind::BlockCausal && block_size == 0 {
-            return Err(Error::invalid("block_size must be >= 1, got 0"));
+            return Err(Error::Internal("a block-causal grid needs blocks of at least one position".into()));
         }
         Ok(BlockGrid { kind, block_size, alignment, prompt_len })
     }

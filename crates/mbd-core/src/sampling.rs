@@ -3,7 +3,8 @@
 //! seeded sample from softmax(logits / T) restricted by top-k / top-p.
 
 use crate::decoder::Prediction;
-use crate::error::{Error, Result};
+use crate::error::Result;
+use crate::util::by_score_then_index;
 use candle_core::{DType, Tensor, D};
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
@@ -15,18 +16,6 @@ pub struct SamplingParams {
     pub top_k: usize,
     pub top_p: f64,
     pub seed: Option<u64>,
-}
-
-impl SamplingParams {
-    pub fn validate(&self) -> Result<()> {
-        if !(self.temperature >= 0.0) || !self.temperature.is_finite() {
-            return Err(Error::invalid(format!("temperature must be a finite number >= 0, got {}", self.temperature)));
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(Error::invalid(format!("top_p must be in (0, 1], got {}", self.top_p)));
-        }
-        Ok(())
-    }
 }
 
 /// One row's argmax (ties -> lowest id), entropy and max probability of softmax(row), in two passes: the max,
@@ -56,13 +45,13 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    pub fn new(params: SamplingParams) -> Result<Self> {
-        params.validate()?;
+    /// `params` are in range (`request::PARAMS` owns the rules).
+    pub fn new(params: SamplingParams) -> Self {
         let rng = match params.seed {
             Some(s) => rand::rngs::StdRng::seed_from_u64(s),
             None => rand::rngs::StdRng::from_os_rng(),
         };
-        Ok(Sampler { params, rng })
+        Sampler { params, rng }
     }
 
     /// `logits`: (R, V) f32 on any device. On a GPU only R * 3 scalars come back to the host when greedy.
@@ -113,7 +102,7 @@ impl Sampler {
         let t = self.params.temperature;
         let mut idx: Vec<usize> = (0..row.len()).collect();
         // Highest logit first; ties -> lowest id.
-        idx.sort_by(|&a, &b| row[b].partial_cmp(&row[a]).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(&b)));
+        idx.sort_by(|&a, &b| by_score_then_index(row[b], row[a], a, b));
         if self.params.top_k > 0 && self.params.top_k < idx.len() {
             idx.truncate(self.params.top_k);
         }
@@ -167,7 +156,7 @@ mod tests {
         }
         // through the sampler: greedy rows of a (2, 3) tensor
         let t = Tensor::new(&[[1f32, 3.0, 2.0], [0.0, 0.0, 0.0]], &candle_core::Device::Cpu).unwrap();
-        let mut s = Sampler::new(SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, seed: Some(0) }).unwrap();
+        let mut s = Sampler::new(SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, seed: Some(0) });
         let p = s.predict(&t).unwrap();
         assert_eq!((p[0].token, p[1].token), (1, 0));
         assert!((p[1].entropy - 3f64.ln()).abs() < 1e-6 && (p[1].max_prob - 1.0 / 3.0).abs() < 1e-6);

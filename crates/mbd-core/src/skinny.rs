@@ -13,33 +13,26 @@
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-/// Windows of at most this many rows take the skinny kernel; longer ones (prefill) go to gemm.
-/// (64: on the tiny model the kernel is faster up to ~64 rows and about even with gemm at 100; on the 0.5B
-/// shapes it is 0.8-1.0x gemm's time at 64 rows. benches/forward.rs and benches/ab_kernels.py measure both
-/// sides of this choice.)
-static MAX_ROWS: AtomicUsize = AtomicUsize::new(64);
+/// Kernel choices of a loaded model (load options; benchmarks load with other values for A/B runs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Kernels {
+    /// Use this kernel at all (false: candle's matmul everywhere).
+    pub skinny: bool,
+    /// Products smaller than this many multiply-adds run on the calling thread. Called from the engine's pool
+    /// (forwards run there) splitting costs a few µs, so only the smallest products stay serial; called from
+    /// outside a pool waking the workers costs ~30 µs. Chosen with benches/ab_kernels.py.
+    pub par_min_macs: usize,
+    /// Windows of at most this many rows take the kernel; longer ones (prefill) go to gemm. (64: on the tiny
+    /// model the kernel is faster up to ~64 rows and about even with gemm at 100; on the 0.5B shapes it is
+    /// 0.8-1.0x gemm's time at 64 rows. benches/forward.rs and benches/ab_kernels.py measure both sides.)
+    pub max_rows: usize,
+}
 
-/// Products smaller than this many multiply-adds run on the calling thread. Called from the engine's pool
-/// (forwards run there) splitting costs a few µs, so only the smallest products stay serial; called from
-/// outside a pool waking the workers costs ~30 µs. Chosen with benches/ab_kernels.py.
-static PAR_MIN_MACS: AtomicUsize = AtomicUsize::new(1 << 14);
-
-static ENABLED: AtomicBool = AtomicBool::new(true);
-
-/// Benchmarks' switches (A/B runs in one process): use the kernel at all, the parallel threshold, the row limit.
-pub fn set_tuning(enabled: Option<bool>, par_min_macs: Option<usize>, max_rows: Option<usize>) -> (bool, usize, usize) {
-    if let Some(r) = max_rows {
-        MAX_ROWS.store(r, Ordering::Relaxed);
+impl Default for Kernels {
+    fn default() -> Self {
+        Kernels { skinny: true, par_min_macs: 1 << 14, max_rows: 64 }
     }
-    if let Some(e) = enabled {
-        ENABLED.store(e, Ordering::Relaxed);
-    }
-    if let Some(p) = par_min_macs {
-        PAR_MIN_MACS.store(p, Ordering::Relaxed);
-    }
-    (ENABLED.load(Ordering::Relaxed), PAR_MIN_MACS.load(Ordering::Relaxed), MAX_ROWS.load(Ordering::Relaxed))
 }
 
 /// Weight rows per parallel task: about 2 tasks per thread for small matrices (4-row multiples, at least 16),
@@ -295,18 +288,19 @@ fn isa() -> Isa {
     Isa::Baseline
 }
 
-/// y (m × n) = x (m × k) · Wᵀ, W (n × k), all row-major.
-pub fn matmul_t<E: WeightElem>(x: &[f32], m: usize, k: usize, w: &[E], n: usize) -> Vec<f32> {
-    matmul_t_with(isa(), x, m, k, w, n)
+/// y (m × n) = x (m × k) · Wᵀ, W (n × k), all row-major; parallel on the calling pool from `par_min_macs`
+/// multiply-adds.
+pub fn matmul_t<E: WeightElem>(x: &[f32], m: usize, k: usize, w: &[E], n: usize, par_min_macs: usize) -> Vec<f32> {
+    matmul_t_with(isa(), x, m, k, w, n, par_min_macs)
 }
 
-fn matmul_t_with<E: WeightElem>(isa: Isa, x: &[f32], m: usize, k: usize, w: &[E], n: usize) -> Vec<f32> {
+fn matmul_t_with<E: WeightElem>(isa: Isa, x: &[f32], m: usize, k: usize, w: &[E], n: usize, par_min_macs: usize) -> Vec<f32> {
     assert_eq!(x.len(), m * k);
     assert_eq!(w.len(), n * k);
     let mut y = vec![0f32; m * n];
     let out = Out(y.as_mut_ptr());
     let threads = rayon::current_num_threads();
-    let parallel = threads > 1 && m * n * k >= PAR_MIN_MACS.load(Ordering::Relaxed);
+    let parallel = threads > 1 && m * n * k >= par_min_macs;
     let per_task = if parallel { rows_per_task(n, threads) } else { n.max(1) };
     let tasks = n.div_ceil(per_task);
     let run = |t: usize| {
@@ -330,7 +324,9 @@ fn matmul_t_with<E: WeightElem>(isa: Isa, x: &[f32], m: usize, k: usize, w: &[E]
 }
 
 /// The candle op: (x: (m, k), w: (n, k)) -> (m, n), both contiguous f32 on the CPU.
-pub struct SkinnyMatmulT;
+pub struct SkinnyMatmulT {
+    pub par_min_macs: usize,
+}
 
 impl CustomOp2 for SkinnyMatmulT {
     fn name(&self) -> &'static str {
@@ -345,52 +341,40 @@ impl CustomOp2 for SkinnyMatmulT {
             candle_core::bail!("skinny-matmul-t: operands must be contiguous");
         };
         let y = match (s1, s2) {
-            (CpuStorage::F32(x), CpuStorage::F32(w)) => matmul_t(&x[a0..a1], m, k, &w[b0..b1], n),
-            (CpuStorage::F32(x), CpuStorage::BF16(w)) => matmul_t(&x[a0..a1], m, k, &w[b0..b1], n),
+            (CpuStorage::F32(x), CpuStorage::F32(w)) => matmul_t(&x[a0..a1], m, k, &w[b0..b1], n, self.par_min_macs),
+            (CpuStorage::F32(x), CpuStorage::BF16(w)) => matmul_t(&x[a0..a1], m, k, &w[b0..b1], n, self.par_min_macs),
             _ => candle_core::bail!("skinny-matmul-t: x must be f32 and w f32 or bf16"),
         };
         Ok((CpuStorage::F32(y), Shape::from((m, n))))
     }
 }
 
-static KEEP_BF16: AtomicBool = AtomicBool::new(true);
-
-/// Whether a bf16 checkpoint's matrices stay in bf16 on the CPU (computed in f32 by this kernel), read at load.
-/// A switch for benchmarks (A/B against f32 storage); on by default.
-pub fn keep_bf16_weights() -> bool {
-    KEEP_BF16.load(Ordering::Relaxed)
-}
-
-pub fn set_keep_bf16_weights(on: bool) {
-    KEEP_BF16.store(on, Ordering::Relaxed)
-}
-
-/// Whether `x · wᵀ` takes the skinny kernel: CPU, x f32 2-D contiguous; w f32 with x of 2 to `MAX_ROWS` rows, or
-/// w bf16 with x of 1 to `MAX_ROWS` rows. One row over f32 weights is left to gemm's matrix-vector path: in
+/// Whether `x · wᵀ` takes the skinny kernel: CPU, x f32 2-D contiguous; w f32 with x of 2 to `max_rows` rows, or
+/// w bf16 with x of 1 to `max_rows` rows. One row over f32 weights is left to gemm's matrix-vector path: in
 /// whole 0.5B forwards (weights streamed from memory) it was as fast or faster (benches/forward.rs, W = 1).
-pub fn applies(x: &Tensor, w: &Tensor) -> bool {
+pub fn applies(x: &Tensor, w: &Tensor, k: &Kernels) -> bool {
     let min_rows = match w.dtype() {
         DType::F32 => 2,
         DType::BF16 => 1,
         _ => return false,
     };
-    ENABLED.load(Ordering::Relaxed)
+    k.skinny
         && x.device().is_cpu()
         && x.dtype() == DType::F32
         && x.rank() == 2
         && w.rank() == 2
-        && x.dim(0).is_ok_and(|m| (min_rows..=MAX_ROWS.load(Ordering::Relaxed)).contains(&m))
+        && x.dim(0).is_ok_and(|m| (min_rows..=k.max_rows).contains(&m))
         && x.is_contiguous()
         && w.is_contiguous()
 }
 
 /// `x · wᵀ` for x (m, k) and w (n, k): the skinny kernel where it applies, candle's matmul otherwise (a bf16 w
 /// is then widened to f32 for the call: long windows, where the product costs far more than the conversion).
-pub fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+pub fn linear(x: &Tensor, w: &Tensor, k: &Kernels) -> candle_core::Result<Tensor> {
     // bf16 weights exist only on the CPU and only this kernel reads them: give it a contiguous x
     let x = if w.dtype() == DType::BF16 && !x.is_contiguous() { x.contiguous()? } else { x.clone() };
-    if applies(&x, w) {
-        x.apply_op2_no_bwd(w, &SkinnyMatmulT)
+    if applies(&x, w, k) {
+        x.apply_op2_no_bwd(w, &SkinnyMatmulT { par_min_macs: k.par_min_macs })
     } else if w.dtype() == DType::BF16 {
         x.matmul(&w.to_dtype(x.dtype())?.t()?)
     } else {
@@ -446,7 +430,7 @@ mod tests {
             let w: Vec<f32> = (0..n * k).map(|_| rnd()).collect();
             let r = reference(&x, m, k, &w, n);
             for &isa in &isas {
-                let y = matmul_t_with(isa, &x, m, k, &w, n);
+                let y = matmul_t_with(isa, &x, m, k, &w, n, 1 << 14);
                 for (i, (a, b)) in y.iter().zip(&r).enumerate() {
                     let tol = 1e-5 * (1.0 + b.abs()) * (k as f64).sqrt();
                     assert!((*a as f64 - b).abs() <= tol, "{isa:?} m{m} k{k} n{n} at {i}: {a} vs {b}");
@@ -465,8 +449,8 @@ mod tests {
             let wb: Vec<half::bf16> = (0..n * k).map(|_| half::bf16::from_f32(rnd())).collect();
             let wf: Vec<f32> = wb.iter().map(|v| v.to_f32()).collect();
             for &isa in &isas {
-                let a = matmul_t_with(isa, &x, m, k, &wb, n);
-                let b = matmul_t_with(isa, &x, m, k, &wf, n);
+                let a = matmul_t_with(isa, &x, m, k, &wb, n, 1 << 14);
+                let b = matmul_t_with(isa, &x, m, k, &wf, n, 1 << 14);
                 assert_eq!(a, b, "{isa:?} m{m} k{k} n{n}");
             }
         }
@@ -476,7 +460,7 @@ mod tests {
         let wf = w.to_dtype(DType::F32).unwrap();
         for m in [1usize, 3, 64, 65, 200] {
             let x = Tensor::randn(0f32, 1.0, (m, 24), &dev).unwrap();
-            let a = linear(&x, &w).unwrap();
+            let a = linear(&x, &w, &Kernels::default()).unwrap();
             let b = x.matmul(&wf.t().unwrap()).unwrap();
             let d = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
             assert!(d < 1e-4, "m{m}: {d}");
@@ -488,16 +472,16 @@ mod tests {
         let dev = candle_core::Device::Cpu;
         let x = Tensor::randn(0f32, 1.0, (6, 40), &dev).unwrap();
         let w = Tensor::randn(0f32, 1.0, (30, 40), &dev).unwrap();
-        assert!(applies(&x, &w));
-        assert!(!applies(&x.narrow(0, 0, 1).unwrap(), &w)); // one row: gemm
-        let a = linear(&x, &w).unwrap();
+        assert!(applies(&x, &w, &Kernels::default()));
+        assert!(!applies(&x.narrow(0, 0, 1).unwrap(), &w, &Kernels::default())); // one row: gemm
+        let a = linear(&x, &w, &Kernels::default()).unwrap();
         let b = x.matmul(&w.t().unwrap()).unwrap();
         assert_eq!(a.dims(), &[6, 30]);
         let d = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
         assert!(d < 1e-4, "{d}");
         // a transposed (non-contiguous) x falls back to candle's matmul
         let xt = Tensor::randn(0f32, 1.0, (40, 6), &dev).unwrap().t().unwrap();
-        assert!(!applies(&xt, &w));
-        assert_eq!(linear(&xt, &w).unwrap().dims(), &[6, 30]);
+        assert!(!applies(&xt, &w, &Kernels::default()));
+        assert_eq!(linear(&xt, &w, &Kernels::default()).unwrap().dims(), &[6, 30]);
     }
 }

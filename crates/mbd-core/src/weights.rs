@@ -29,6 +29,7 @@ pub struct Weights {
     index: HashMap<String, usize>,
     device: Device,
     dtype: DType,
+    keep_bf16: bool,
     /// Bytes of the tensors handed out so far (as held in memory).
     loaded: std::cell::Cell<usize>,
 }
@@ -127,7 +128,8 @@ fn read_typed<T: WithDType>(file: &File, offset: u64, numel: usize, shape: &[usi
 }
 
 impl Weights {
-    pub fn open(paths: &[PathBuf], device: &Device, dtype: DType) -> Result<Self> {
+    /// `keep_bf16`: on the CPU with f32 compute, a bf16 checkpoint's matrices (`get_matrix`) stay bf16.
+    pub fn open(paths: &[PathBuf], device: &Device, dtype: DType, keep_bf16: bool) -> Result<Self> {
         if cfg!(target_endian = "big") {
             return Err(Error::load("safetensors files are little-endian; big-endian hosts are not supported"));
         }
@@ -143,7 +145,7 @@ impl Weights {
             }
             shards.push(shard);
         }
-        Ok(Weights { shards, index, device: device.clone(), dtype, loaded: std::cell::Cell::new(0) })
+        Ok(Weights { shards, index, device: device.clone(), dtype, keep_bf16, loaded: std::cell::Cell::new(0) })
     }
 
     pub fn contains(&self, name: &str) -> bool {
@@ -214,7 +216,7 @@ impl Weights {
             && file_dtype == DType::BF16
             && self.dtype == DType::F32
             && self.device.is_cpu()
-            && crate::skinny::keep_bf16_weights();
+            && self.keep_bf16;
         let t = if keep_bf16 { t } else { t.to_dtype(self.dtype)?.to_device(&self.device)? };
         self.loaded.set(self.loaded.get() + t.elem_count() * t.dtype().size_in_bytes());
         Ok(t)

@@ -1,16 +1,20 @@
 //! Thin PyO3 binding: converts Python values to mbd-core calls and core errors to the Python exception
-//! hierarchy defined in `mbd_rs.errors`. No engine logic lives here.
+//! hierarchy defined in `mbd_rs.errors`. No engine logic lives here: parameter names, kinds and ranges come
+//! from `mbd_core::request`; this file only converts each Python value to the kind its spec names.
 
-use mbd_core::config::ProfileOverrides;
 use mbd_core::engine::{device_name, dtype_name, parse_device, parse_dtype};
 use mbd_core::error::catch_panic;
-use mbd_core::{Alignment, AttentionKind, BlockGrid, Error, Model};
+use mbd_core::generate::{Generation, StepOutput};
+use mbd_core::request::{
+    self, GenRequest, LogitsRequest, ParamKind, Params, ProfileOverrides, Value, GENERATION_PARAMS, LOGITS_PARAMS,
+    PROFILE_OVERRIDES,
+};
+use mbd_core::skinny::Kernels;
+use mbd_core::{Error, LoadOptions, Model};
 use numpy::{PyArray1, PyArrayMethods};
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
-use mbd_core::decoder::{Acceptance, ForcedProgress};
-use mbd_core::generate::{GenRequest, Generation, StepOutput};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString, PyTuple};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -33,6 +37,7 @@ fn to_py(e: Error) -> PyErr {
         Error::Config(m) => ConfigError::new_err(m),
         Error::Unsupported(m) => UnsupportedArchitectureError::new_err(m),
         Error::InvalidRequest(m) => InvalidRequestError::new_err(m),
+        Error::UnknownParameter(m) => PyTypeError::new_err(m),
         Error::ContextLength(m) => ContextLengthError::new_err(m),
         Error::Backend(b) => MbdError::new_err(format!("tensor backend error: {b}")),
         Error::Internal(m) => InternalError::new_err(format!("internal error (please report): {m}")),
@@ -44,13 +49,121 @@ fn run<T: Send>(py: Python<'_>, f: impl FnOnce() -> mbd_core::Result<T> + Send) 
     py.detach(|| catch_panic(f)).map_err(to_py)
 }
 
-fn ids_u32(ids: Vec<i64>) -> PyResult<Vec<u32>> {
-    ids.iter()
+fn invalid(msg: String) -> PyErr {
+    InvalidRequestError::new_err(msg)
+}
+
+/// A short repr of a value for error messages.
+fn show(v: &Bound<'_, PyAny>) -> String {
+    let r = v.repr().map(|r| r.to_string()).unwrap_or_else(|_| format!("a {}", type_name(v)));
+    if r.chars().count() > 80 {
+        format!("{}...", r.chars().take(77).collect::<String>())
+    } else {
+        r
+    }
+}
+
+fn type_name(v: &Bound<'_, PyAny>) -> String {
+    v.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "object".into())
+}
+
+fn int(name: &str, v: &Bound<'_, PyAny>) -> PyResult<i64> {
+    if v.is_instance_of::<PyBool>() {
+        return Err(invalid(format!("{name} must be an integer, got {}", show(v))));
+    }
+    v.extract::<i64>().map_err(|e| {
+        if e.is_instance_of::<PyOverflowError>(v.py()) {
+            invalid(format!("{name} must be an integer that fits in 64 bits, got {}", show(v)))
+        } else {
+            invalid(format!("{name} must be an integer, got {}", show(v)))
+        }
+    })
+}
+
+fn string(name: &str, v: &Bound<'_, PyAny>) -> PyResult<String> {
+    let s = v.cast::<PyString>().map_err(|_| invalid(format!("{name} must be a string, got {}", show(v))))?;
+    s.to_str()
+        .map(|s| s.to_string())
+        .map_err(|_| invalid(format!("{name} must be valid text: it contains characters that are not Unicode scalar values (lone surrogates)")))
+}
+
+fn ids(name: &str, v: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    if v.is_instance_of::<PyString>() || v.is_instance_of::<PyBytes>() {
+        return Err(invalid(format!("{name} must be a sequence of token ids (ints), got a {}", type_name(v))));
+    }
+    let items = v.try_iter().map_err(|_| invalid(format!("{name} must be a sequence of token ids (ints), got {}", show(v))))?;
+    items
         .enumerate()
-        .map(|(i, &t)| {
-            u32::try_from(t).map_err(|_| InvalidRequestError::new_err(format!("token id {t} at index {i} is not a valid id (must be >= 0)")))
+        .map(|(i, t)| {
+            let t = t?;
+            if t.is_instance_of::<PyBool>() || t.is_instance_of::<PyString>() {
+                return Err(invalid(format!("{name} must be a sequence of token ids (ints): item {i} is {}", show(&t))));
+            }
+            t.extract::<i64>().map_err(|_| invalid(format!("{name}: item {i} is not a token id: {}", show(&t))))
         })
         .collect()
+}
+
+/// Convert a Python value to the kind of `Value` a parameter takes (type conversion only).
+fn to_value(name: &str, kind: ParamKind, v: &Bound<'_, PyAny>) -> PyResult<Value> {
+    Ok(match kind {
+        ParamKind::Int => Value::Int(int(name, v)?),
+        ParamKind::Float => {
+            if v.is_instance_of::<PyBool>() || v.is_instance_of::<PyString>() {
+                return Err(invalid(format!("{name} must be a number, got {}", show(v))));
+            }
+            Value::Float(v.extract::<f64>().map_err(|_| invalid(format!("{name} must be a finite number, got {}", show(v))))?)
+        }
+        ParamKind::Bool => {
+            if !v.is_instance_of::<PyBool>() {
+                return Err(invalid(format!("{name} must be True or False, got {}", show(v))));
+            }
+            Value::Bool(v.extract()?)
+        }
+        ParamKind::Str => Value::Str(string(name, v)?),
+        ParamKind::Strings => {
+            if v.is_instance_of::<PyString>() {
+                Value::Str(string(name, v)?)
+            } else if v.is_instance_of::<PyList>() || v.is_instance_of::<PyTuple>() {
+                let items: PyResult<Vec<String>> = v
+                    .try_iter()?
+                    .map(|s| {
+                        let s = s?;
+                        if !s.is_instance_of::<PyString>() {
+                            return Err(invalid(format!("{name} must be a string or a list of strings, got {}", show(v))));
+                        }
+                        string(name, &s)
+                    })
+                    .collect();
+                Value::Strings(items?)
+            } else {
+                return Err(invalid(format!("{name} must be a string or a list of strings, got {}", show(v))));
+            }
+        }
+        ParamKind::Ids => Value::Ids(ids(name, v)?),
+        ParamKind::BoolOrStr => {
+            if v.is_instance_of::<PyBool>() {
+                Value::Bool(v.extract()?)
+            } else if v.is_instance_of::<PyString>() {
+                Value::Str(string(name, v)?)
+            } else {
+                return Err(invalid(format!("{name} must be True, False or a string, got {}", show(v))));
+            }
+        }
+    })
+}
+
+/// Build a request from a dict of Python values (None = the default).
+fn request<R: Params>(params: Option<&Bound<'_, PyDict>>) -> PyResult<R> {
+    let mut r = R::default();
+    for (k, v) in params.map(|d| d.iter().collect::<Vec<_>>()).unwrap_or_default() {
+        let name = string("parameter name", &k)?;
+        let spec = R::param(&name).map_err(to_py)?;
+        if !v.is_none() {
+            r.set(&name, to_value(&name, spec.kind, &v)?).map_err(to_py)?;
+        }
+    }
+    Ok(r)
 }
 
 #[pyclass(frozen, module = "mbd_rs._core")]
@@ -60,38 +173,32 @@ struct CoreModel {
 
 #[pymethods]
 impl CoreModel {
+    /// Load a model directory. `overrides`: profile overrides (`PROFILE_OVERRIDES`); the kernel arguments are
+    /// load options for benchmarks' A/B runs.
     #[staticmethod]
-    #[pyo3(signature = (path, device="auto", dtype=None, mask_token_id=None, block_size=None, attention=None,
-                        alignment=None, logits_shift=None, eos_token_ids=None))]
+    #[pyo3(signature = (path, device="auto", dtype=None, overrides=None, keep_bf16_weights=true, skinny=true,
+                        par_min_macs=None, max_rows=None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
         py: Python<'_>,
         path: PathBuf,
         device: &str,
         dtype: Option<String>,
-        mask_token_id: Option<i64>,
-        block_size: Option<i64>,
-        attention: Option<String>,
-        alignment: Option<String>,
-        logits_shift: Option<bool>,
-        eos_token_ids: Option<Vec<i64>>,
+        overrides: Option<&Bound<'_, PyDict>>,
+        keep_bf16_weights: bool,
+        skinny: bool,
+        par_min_macs: Option<usize>,
+        max_rows: Option<usize>,
     ) -> PyResult<Self> {
         let device = device.to_string();
-        let ov = ProfileOverrides {
-            mask_token_id: mask_token_id.map(|m| ids_u32(vec![m]).map(|v| v[0])).transpose()?,
-            block_size: match block_size {
-                Some(b) if b < 1 => return Err(InvalidRequestError::new_err(format!("block_size must be >= 1, got {b}"))),
-                b => b.map(|b| b as usize),
-            },
-            attention: attention.as_deref().map(AttentionKind::parse).transpose().map_err(to_py)?,
-            alignment: alignment.as_deref().map(Alignment::parse).transpose().map_err(to_py)?,
-            logits_shift,
-            eos_token_ids: eos_token_ids.map(ids_u32).transpose()?,
-        };
+        let overrides: ProfileOverrides = request(overrides)?;
+        let d = Kernels::default();
+        let kernels =
+            Kernels { skinny, par_min_macs: par_min_macs.unwrap_or(d.par_min_macs), max_rows: max_rows.unwrap_or(d.max_rows) };
         let model = run(py, || {
             let dev = parse_device(&device)?;
-            let dt = parse_dtype(dtype.as_deref(), &dev)?;
-            Model::load(&path, &dev, dt, &ov)
+            let dtype = parse_dtype(dtype.as_deref(), &dev)?;
+            Model::load(&path, &LoadOptions { device: dev, dtype, overrides, keep_bf16_weights, kernels })
         })?;
         Ok(CoreModel { inner: Arc::new(model) })
     }
@@ -130,148 +237,61 @@ impl CoreModel {
     }
 
     #[pyo3(signature = (text, add_special_tokens=true))]
-    fn tokenize(&self, py: Python<'_>, text: String, add_special_tokens: bool) -> PyResult<Vec<u32>> {
+    fn tokenize(&self, py: Python<'_>, text: &Bound<'_, PyAny>, add_special_tokens: bool) -> PyResult<Vec<u32>> {
+        let text = string("text", text)?;
         let m = self.inner.clone();
-        run(py, move || {
-            let enc = m.tokenizer.encode(text, add_special_tokens).map_err(|e| Error::invalid(format!("cannot tokenize: {e}")))?;
-            Ok(enc.get_ids().to_vec())
-        })
+        run(py, move || m.tokenize(&text, add_special_tokens))
     }
 
     #[pyo3(signature = (ids, skip_special_tokens=true))]
-    fn detokenize(&self, py: Python<'_>, ids: Vec<i64>, skip_special_tokens: bool) -> PyResult<String> {
-        let ids = ids_u32(ids)?;
+    fn detokenize(&self, py: Python<'_>, ids: &Bound<'_, PyAny>, skip_special_tokens: bool) -> PyResult<String> {
+        let ids = self::ids("ids", ids)?;
         let m = self.inner.clone();
-        run(py, move || {
-            m.check_ids(&ids)?;
-            m.tokenizer.decode(&ids, skip_special_tokens).map_err(|e| Error::invalid(format!("cannot detokenize: {e}")))
-        })
+        run(py, move || m.detokenize(&ids, skip_special_tokens))
     }
 
-    #[pyo3(signature = (ids, attention=None, block_size=None, alignment=None, prompt_len=None, prefix_len=0))]
-    #[allow(clippy::too_many_arguments)]
-    fn logits<'py>(
-        &self,
-        py: Python<'py>,
-        ids: Vec<i64>,
-        attention: Option<String>,
-        block_size: Option<i64>,
-        alignment: Option<String>,
-        prompt_len: Option<i64>,
-        prefix_len: i64,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let ids = ids_u32(ids)?;
-        let p = &self.inner.profile;
-        let kind = match attention.as_deref() {
-            Some(a) => AttentionKind::parse(a).map_err(to_py)?,
-            None => p.attention,
-        };
-        let align = match alignment.as_deref() {
-            Some(a) => Alignment::parse(a).map_err(to_py)?,
-            None => p.alignment,
-        };
-        let bs = match block_size {
-            Some(b) if b < 1 => return Err(InvalidRequestError::new_err(format!("block_size must be >= 1, got {b}"))),
-            Some(b) => b as usize,
-            None => p.block_size,
-        };
-        if prefix_len < 0 {
-            return Err(InvalidRequestError::new_err(format!("prefix_len must be >= 0, got {prefix_len}")));
-        }
-        let plen = match (align, kind, prompt_len) {
-            (_, _, Some(l)) if l < 0 || l as usize > ids.len() => {
-                return Err(InvalidRequestError::new_err(format!(
-                    "prompt_len must be between 0 and len(ids) = {}, got {l}",
-                    ids.len()
-                )))
-            }
-            (Alignment::Prompt, AttentionKind::BlockCausal, None) => {
-                return Err(InvalidRequestError::new_err("prompt_len is required with alignment='prompt'"))
-            }
-            (_, _, l) => l.unwrap_or(0) as usize,
-        };
-        let grid = BlockGrid::new(kind, bs, align, plen).map_err(to_py)?;
-        let n = ids.len();
+    /// Logits (len(ids), vocab) f32 as numpy; `params`: `LOGITS_PARAMS`.
+    #[pyo3(signature = (ids, params=None))]
+    fn logits<'py>(&self, py: Python<'py>, ids: &Bound<'py, PyAny>, params: Option<&Bound<'py, PyDict>>) -> PyResult<Bound<'py, PyAny>> {
+        let ids = self::ids("ids", ids)?;
+        let req: LogitsRequest = request(params)?;
         let m = self.inner.clone();
-        let v = m.config.vocab_size;
-        let prefix = prefix_len as usize;
-        let out = run(py, move || m.logits(&ids, &grid, prefix))?;
+        let (n, v) = (ids.len(), m.config.vocab_size);
+        let out = run(py, move || m.logits(&m.token_ids("ids", &ids)?, &req))?;
         let arr = PyArray1::from_vec(py, out).reshape([n, v]).map_err(|e| PyValueError::new_err(e.to_string()))?;
         Ok(arr.into_any())
     }
+
     /// Seconds per decode forward of `window` tokens over a `prefix`-token cache (benchmarks).
     fn bench_forward(&self, py: Python<'_>, prefix: usize, window: usize, reps: usize) -> PyResult<Vec<f64>> {
         let m = self.inner.clone();
         run(py, move || m.bench_forward(prefix, window, reps))
     }
 
+    /// Render chat messages (JSON text of a list of {role, content}) with the model's template.
     #[pyo3(signature = (messages_json, add_generation_prompt=true, extra_json=None))]
-    fn apply_chat_template(&self, messages_json: &str, add_generation_prompt: bool, extra_json: Option<&str>) -> PyResult<String> {
-        let tmpl = self.inner.chat_template.as_ref().ok_or_else(|| {
-            InvalidRequestError::new_err(format!(
-                "{}: this model has no chat template (no chat_template.jinja and no 'chat_template' in tokenizer_config.json)",
-                self.inner.dir.display()
-            ))
-        })?;
-        let msgs: serde_json::Value = serde_json::from_str(messages_json).map_err(|e| InvalidRequestError::new_err(e.to_string()))?;
-        let extra: serde_json::Value = match extra_json {
-            Some(e) => serde_json::from_str(e).map_err(|e| InvalidRequestError::new_err(e.to_string()))?,
-            None => serde_json::Value::Null,
-        };
-        tmpl.render(&msgs, add_generation_prompt, &extra).map_err(to_py)
+    fn apply_chat_template(&self, py: Python<'_>, messages_json: String, add_generation_prompt: bool, extra_json: Option<String>) -> PyResult<String> {
+        let m = self.inner.clone();
+        run(py, move || {
+            let msgs: serde_json::Value = serde_json::from_str(&messages_json).map_err(|e| Error::invalid(e.to_string()))?;
+            let extra = match extra_json {
+                Some(e) => serde_json::from_str(&e).map_err(|e| Error::invalid(e.to_string()))?,
+                None => serde_json::Value::Null,
+            };
+            m.render_chat(&msgs, add_generation_prompt, &extra)
+        })
     }
 
-    #[pyo3(signature = (prompt_ids, max_tokens=None, temperature=None, top_k=None, top_p=None, seed=None, stop=None,
-                        stop_token_ids=None, block_size=None, threshold=None, acceptance=None, block_add_threshold=None,
-                        decoded_token_threshold=None, forced_progress=None, early_stop=None, use_cache=None,
-                        max_forward_passes=None, trace=false, trace_canvas=false))]
-    #[allow(clippy::too_many_arguments)]
-    fn start(
-        &self,
-        py: Python<'_>,
-        prompt_ids: Vec<i64>,
-        max_tokens: Option<usize>,
-        temperature: Option<f64>,
-        top_k: Option<usize>,
-        top_p: Option<f64>,
-        seed: Option<u64>,
-        stop: Option<Vec<String>>,
-        stop_token_ids: Option<Vec<i64>>,
-        block_size: Option<usize>,
-        threshold: Option<f64>,
-        acceptance: Option<String>,
-        block_add_threshold: Option<f64>,
-        decoded_token_threshold: Option<f64>,
-        forced_progress: Option<String>,
-        early_stop: Option<bool>,
-        use_cache: Option<bool>,
-        max_forward_passes: Option<usize>,
-        trace: bool,
-        trace_canvas: bool,
-    ) -> PyResult<CoreStream> {
-        let prompt = ids_u32(prompt_ids)?;
-        let req = GenRequest {
-            max_tokens,
-            temperature,
-            top_k,
-            top_p,
-            seed,
-            stop: stop.unwrap_or_default(),
-            stop_token_ids: stop_token_ids.map(ids_u32).transpose()?.unwrap_or_default(),
-            block_size,
-            threshold,
-            acceptance: acceptance.as_deref().map(Acceptance::parse).transpose().map_err(to_py)?,
-            block_add_threshold,
-            decoded_token_threshold,
-            forced_progress: forced_progress.as_deref().map(ForcedProgress::parse).transpose().map_err(to_py)?,
-            early_stop,
-            use_cache,
-            max_forward_passes,
-            trace,
-            trace_canvas,
-        };
+    /// Start a generation of `prompt_ids`; `params`: `GENERATION_PARAMS` (None values = defaults).
+    #[pyo3(signature = (prompt_ids, params=None))]
+    fn start(&self, py: Python<'_>, prompt_ids: &Bound<'_, PyAny>, params: Option<&Bound<'_, PyDict>>) -> PyResult<CoreStream> {
+        let prompt = ids("prompt", prompt_ids)?;
+        let req: GenRequest = request(params)?;
         let m = self.inner.clone();
-        let g = run(py, move || Generation::new(m, prompt, &req))?;
+        let g = run(py, move || {
+            let prompt = m.token_ids("prompt", &prompt)?;
+            Generation::new(m, prompt, &req)
+        })?;
         Ok(CoreStream { generation: Mutex::new(Some(g)), cancelled: AtomicBool::new(false) })
     }
 }
@@ -357,27 +377,29 @@ impl CoreStream {
     }
 }
 
-/// Benchmark switches for A/B runs in one process (not public API): the skinny kernel on/off and its
-/// parallel threshold in multiply-adds, the row limit, bf16 weight storage on the CPU. Returns the settings now
-/// in force; `bf16_weights` applies to models loaded afterwards.
-#[pyfunction]
-#[pyo3(signature = (skinny=None, par_min_macs=None, max_rows=None, bf16_weights=None))]
-fn _tuning(skinny: Option<bool>, par_min_macs: Option<usize>, max_rows: Option<usize>, bf16_weights: Option<bool>) -> (bool, usize, usize, bool) {
-    if let Some(b) = bf16_weights {
-        mbd_core::skinny::set_keep_bf16_weights(b);
+/// name -> {"kind", "help"} for every parameter (`mbd_core::request::PARAMS`).
+fn params_dict<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for s in request::PARAMS {
+        let e = PyDict::new(py);
+        e.set_item("kind", s.kind.name())?;
+        e.set_item("help", s.help)?;
+        d.set_item(s.name, e)?;
     }
-    let (a, b, c) = mbd_core::skinny::set_tuning(skinny, par_min_macs, max_rows);
-    (a, b, c, mbd_core::skinny::keep_bf16_weights())
+    Ok(d)
 }
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<CoreModel>()?;
     m.add_class::<CoreStream>()?;
-    m.add_function(wrap_pyfunction!(_tuning, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("cuda_available", cfg!(feature = "cuda"))?;
-    // At import, before any stream runs: pin the CPU thread count once (see mbd_core::pin_thread_count).
-    m.add("cpu_threads", mbd_core::pin_thread_count())?;
+    m.add("PARAMS", params_dict(m.py())?)?;
+    m.add("GENERATION_PARAMS", PyTuple::new(m.py(), GENERATION_PARAMS)?)?;
+    m.add("PROFILE_OVERRIDES", PyTuple::new(m.py(), PROFILE_OVERRIDES)?)?;
+    m.add("LOGITS_PARAMS", PyTuple::new(m.py(), LOGITS_PARAMS)?)?;
+    // At import, before any stream runs: pin the CPU thread count once (see mbd_core::cpu_pool).
+    m.add("cpu_threads", mbd_core::cpu_pool::pin_thread_count())?;
     Ok(())
 }

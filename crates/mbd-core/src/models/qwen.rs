@@ -6,6 +6,7 @@
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
+use crate::skinny::Kernels;
 use crate::weights::Weights;
 use candle_core::{DType, Device, Tensor};
 
@@ -20,8 +21,8 @@ impl Linear {
         let b = if bias { Some(ws.get(&format!("{prefix}.bias"), &[out_f])?) } else { None };
         Ok(Linear { w, b })
     }
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = crate::skinny::linear(x, &self.w)?;
+    fn forward(&self, x: &Tensor, k: &Kernels) -> Result<Tensor> {
+        let y = crate::skinny::linear(x, &self.w, k)?;
         Ok(match &self.b {
             Some(b) => y.broadcast_add(b)?,
             None => y,
@@ -58,10 +59,10 @@ impl Mlp {
             down: Linear::load(ws, &format!("{prefix}.down_proj"), hidden, inter, false)?,
         })
     }
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let g = self.gate.forward(x)?.silu()?;
-        let u = self.up.forward(x)?;
-        self.down.forward(&(g * u)?)
+    fn forward(&self, x: &Tensor, k: &Kernels) -> Result<Tensor> {
+        let g = self.gate.forward(x, k)?.silu()?;
+        let u = self.up.forward(x, k)?;
+        self.down.forward(&(g * u)?, k)
     }
 }
 
@@ -100,14 +101,14 @@ impl Moe {
         Ok(Moe { router, experts, top_k: m.num_experts_per_tok, norm_topk_prob: m.norm_topk_prob })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let probs = candle_nn::ops::softmax_last_dim(&self.router.forward(x)?.to_dtype(DType::F32)?)?;
+    fn forward(&self, x: &Tensor, k: &Kernels) -> Result<Tensor> {
+        let probs = candle_nn::ops::softmax_last_dim(&self.router.forward(x, k)?.to_dtype(DType::F32)?)?;
         let probs: Vec<Vec<f32>> = probs.to_vec2()?;
         let mut per_expert: Vec<(Vec<u32>, Vec<f32>)> = vec![(vec![], vec![]); self.experts.len()];
         for (t, p) in probs.iter().enumerate() {
             let mut order: Vec<usize> = (0..p.len()).collect();
             // Highest probability first; ties go to the lower expert id, as torch.topk does on CPU.
-            order.sort_by(|&a, &b| p[b].partial_cmp(&p[a]).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(&b)));
+            order.sort_by(|&a, &b| crate::util::by_score_then_index(p[b], p[a], a, b));
             let chosen = &order[..self.top_k];
             let norm: f32 = if self.norm_topk_prob { chosen.iter().map(|&e| p[e]).sum() } else { 1.0 };
             for &e in chosen {
@@ -123,7 +124,7 @@ impl Moe {
             let idx = Tensor::new(toks.as_slice(), x.device())?;
             let xs = x.index_select(&idx, 0)?;
             let w = Tensor::new(w.as_slice(), x.device())?.to_dtype(x.dtype())?.unsqueeze(1)?;
-            let y = self.experts[e].forward(&xs)?.broadcast_mul(&w)?;
+            let y = self.experts[e].forward(&xs, k)?.broadcast_mul(&w)?;
             out = out.index_add(&idx, &y, 0)?;
         }
         Ok(out)
@@ -163,10 +164,11 @@ pub struct QwenModel {
     inv_freq: Tensor,
     device: Device,
     dtype: DType,
+    kernels: Kernels,
 }
 
 impl QwenModel {
-    pub fn load(cfg: &ModelConfig, ws: &Weights, device: &Device, dtype: DType) -> Result<Self> {
+    pub fn load(cfg: &ModelConfig, ws: &Weights, device: &Device, dtype: DType, kernels: Kernels) -> Result<Self> {
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
         let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
         let embed = ws.get_matrix("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
@@ -225,7 +227,7 @@ impl QwenModel {
         let inv: Vec<f32> =
             (0..half).map(|i| (1.0 / cfg.rope_theta.powf((2 * i) as f64 / d as f64)) as f32).collect();
         let inv_freq = Tensor::from_vec(inv, (1, half), device)?;
-        Ok(QwenModel { cfg: cfg.clone(), embed, layers, norm, lm_head, inv_freq, device: device.clone(), dtype })
+        Ok(QwenModel { cfg: cfg.clone(), embed, layers, norm, lm_head, inv_freq, device: device.clone(), dtype, kernels })
     }
 
     pub fn device(&self) -> &Device {
@@ -250,25 +252,14 @@ impl QwenModel {
     /// `mask`: optional additive mask, row-major (W, P + W), f32 (None = every query sees every key).
     /// `rows`: window rows whose logits are returned (None = all). Returns (rows, vocab) f32 logits.
     /// The window's K/V are left in the cache's scratch area; `cache.commit(n)` keeps the first n.
+    /// Run it on the engine's CPU pool on the CPU (`cpu_pool::on_device_pool`); ids are in the vocabulary
+    /// (the caller checked them: `request::token_ids`).
     pub fn forward(&self, cache: &mut KvCache, ids: &[u32], mask: Option<&[f32]>, rows: Option<&[usize]>) -> Result<Tensor> {
-        if self.device.is_cpu() {
-            crate::on_cpu_pool(|| self.forward_impl(cache, ids, mask, rows))
-        } else {
-            self.forward_impl(cache, ids, mask, rows)
-        }
-    }
-
-    fn forward_impl(&self, cache: &mut KvCache, ids: &[u32], mask: Option<&[f32]>, rows: Option<&[usize]>) -> Result<Tensor> {
         let w = ids.len();
         if w == 0 {
-            return Err(Error::invalid("empty window"));
+            return Err(Error::Internal("empty window".into()));
         }
-        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
-            return Err(Error::invalid(format!(
-                "token id {bad} is out of range for a vocabulary of {} tokens",
-                self.cfg.vocab_size
-            )));
-        }
+        debug_assert!(ids.iter().all(|&t| (t as usize) < self.cfg.vocab_size));
         let p = cache.len();
         let s = p + w;
         if let Some(m) = mask {
@@ -278,7 +269,7 @@ impl QwenModel {
         }
         if let Some(r) = rows {
             if let Some(&bad) = r.iter().find(|&&i| i >= w) {
-                return Err(Error::invalid(format!("logits row {bad} is outside the window of {w} tokens")));
+                return Err(Error::Internal(format!("logits row {bad} is outside the window of {w} tokens")));
             }
         }
         cache.begin_window(w)?;
@@ -296,12 +287,12 @@ impl QwenModel {
         let mut x = self.embed.index_select(&ids_t, 0)?.to_dtype(self.dtype)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let hn = layer.ln1.forward(&x)?;
-            let a = layer.attn.forward(&hn, &cos, &sin, mask.as_ref(), cache, li, p)?;
+            let a = layer.attn.forward(&hn, &cos, &sin, mask.as_ref(), cache, li, p, &self.kernels)?;
             x = (x + a)?;
             let hn = layer.ln2.forward(&x)?;
             let f = match &layer.ffn {
-                Ffn::Dense(m) => m.forward(&hn)?,
-                Ffn::Sparse(m) => m.forward(&hn)?,
+                Ffn::Dense(m) => m.forward(&hn, &self.kernels)?,
+                Ffn::Sparse(m) => m.forward(&hn, &self.kernels)?,
             };
             x = (x + f)?;
         }
@@ -313,7 +304,7 @@ impl QwenModel {
             None => x,
         };
         let x = self.norm.forward(&x)?;
-        Ok(crate::skinny::linear(&x, &self.lm_head)?.to_dtype(DType::F32)?)
+        Ok(crate::skinny::linear(&x, &self.lm_head, &self.kernels)?.to_dtype(DType::F32)?)
     }
 }
 
@@ -328,12 +319,13 @@ impl Attention {
         cache: &mut KvCache,
         layer: usize,
         p: usize,
+        kn: &Kernels,
     ) -> Result<Tensor> {
         let w = x.dim(0)?;
         let (nh, nkv, d) = (self.n_heads, self.n_kv, self.head_dim);
-        let q = self.q.forward(x)?.reshape((w, nh, d))?;
-        let k = self.k.forward(x)?.reshape((w, nkv, d))?;
-        let v = self.v.forward(x)?.reshape((w, nkv, d))?;
+        let q = self.q.forward(x, kn)?.reshape((w, nh, d))?;
+        let k = self.k.forward(x, kn)?.reshape((w, nkv, d))?;
+        let v = self.v.forward(x, kn)?.reshape((w, nkv, d))?;
         let q = match &self.q_norm {
             Some(n) => n.forward(&q)?,
             None => q,
@@ -362,12 +354,12 @@ impl Attention {
         let att = candle_nn::ops::softmax_last_dim(&att)?.to_dtype(vv.dtype())?;
         let y = att.reshape((nkv, n_rep * w, s))?.matmul(&vv)?; // (nkv, n_rep*w, d)
         let y = y.reshape((nh, w, d))?.transpose(0, 1)?.reshape((w, nh * d))?;
-        self.o.forward(&y)
+        self.o.forward(&y, kn)
     }
 }
 
-#[allow(dead_code)]
-fn assert_send_sync() {
+/// One model serves every thread: it must stay Send + Sync.
+const _: fn() = || {
     fn f<T: Send + Sync>() {}
     f::<QwenModel>();
-}
+};

@@ -1,0 +1,75 @@
+//! Small shared helpers: string-named enums and the one ordering used for "best first, ties to the lower
+//! index" everywhere (sampling, acceptance, MoE routing).
+
+use std::cmp::Ordering;
+
+/// An enum whose variants have fixed external names (API values, config values, report strings).
+/// Generates `name()`, `parse()` (an `InvalidRequest` error that lists the valid names, under `$what`),
+/// and `NAMES`.
+#[macro_export]
+macro_rules! string_enum {
+    ($(#[$m:meta])* $vis:vis enum $ty:ident ($what:literal) { $($(#[$vm:meta])* $v:ident = $s:literal),+ $(,)? }) => {
+        $(#[$m])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        $vis enum $ty { $($(#[$vm])* $v),+ }
+
+        impl $ty {
+            /// Every variant's external name, in declaration order.
+            pub const NAMES: &'static [&'static str] = &[$($s),+];
+            pub fn name(&self) -> &'static str {
+                match self { $($ty::$v => $s),+ }
+            }
+            pub fn parse(s: &str) -> $crate::error::Result<Self> {
+                match s {
+                    $($s => Ok($ty::$v),)+
+                    _ => Err($crate::error::Error::invalid(format!(
+                        "{} must be {}, got '{s}'", $what, $crate::util::one_of(Self::NAMES)
+                    ))),
+                }
+            }
+        }
+    };
+}
+
+/// "'a'", "'a' or 'b'", "'a', 'b' or 'c'".
+pub fn one_of(names: &[&str]) -> String {
+    let q: Vec<String> = names.iter().map(|n| format!("'{n}'")).collect();
+    match q.split_last() {
+        None => String::new(),
+        Some((last, [])) => last.clone(),
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+    }
+}
+
+/// Order indices by a score, lowest score first, ties (and NaNs) by the lower index. Sort with
+/// `|&a, &b| by_score_then_index(s[a], s[b], a, b)`; for highest first, swap the scores.
+pub fn by_score_then_index<S: PartialOrd>(sa: S, sb: S, a: usize, b: usize) -> Ordering {
+    sa.partial_cmp(&sb).unwrap_or(Ordering::Equal).then(a.cmp(&b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    string_enum! {
+        enum Colour ("colour") { Red = "red", Dark = "dark_blue" }
+    }
+
+    #[test]
+    fn names_round_trip_and_errors_list_choices() {
+        for n in Colour::NAMES {
+            assert_eq!(Colour::parse(n).unwrap().name(), *n);
+        }
+        let e = Colour::parse("green").unwrap_err().to_string();
+        assert_eq!(e, "colour must be 'red' or 'dark_blue', got 'green'");
+        assert_eq!(one_of(&["a", "b", "c"]), "'a', 'b' or 'c'");
+    }
+
+    #[test]
+    fn ties_go_to_the_lower_index() {
+        let s = [0.5, 0.1, 0.5];
+        let mut idx: Vec<usize> = (0..3).collect();
+        idx.sort_by(|&a, &b| by_score_then_index(s[a], s[b], a, b));
+        assert_eq!(idx, [1, 0, 2]);
+    }
+}
