@@ -72,7 +72,7 @@ impl ChatTemplate {
             return Err(Error::invalid("messages is empty"));
         }
         for (i, m) in list.iter().enumerate() {
-            let ok = m.get("role").map_or(false, |r| r.is_string()) && m.get("content").map_or(false, |c| c.is_string());
+            let ok = m.get("role").is_some_and(|r| r.is_string()) && m.get("content").is_some_and(|c| c.is_string());
             if !ok {
                 return Err(Error::invalid(format!("messages[{i}] must have string 'role' and 'content' fields, got {m}")));
             }

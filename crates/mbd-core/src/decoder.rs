@@ -6,7 +6,7 @@
 //!   3. block k >= 2 becomes fully active once progress(k-1) >= beta;
 //!   4. add at most one block when progress(last) >= alpha (or last complete) and no EOS fill happened;
 //!   5. one forward pass (done by the caller between `plan` and `apply`);
-//!   6-7. accept predictions by the acceptance policy;
+//!   6. (with 7) accept predictions by the acceptance policy;
 //!   8. forced progress in fully-active blocks that accepted nothing;
 //!   9. write accepted tokens; stop at the forward-pass cap.
 
@@ -421,8 +421,8 @@ mod tests {
                     }
                 }
                 // only planned positions change
-                for i in 0..n {
-                    if !before[i].0 && d.decoded[i] {
+                for (i, &(was, _)) in before.iter().enumerate() {
+                    if !was && d.decoded[i] {
                         assert!(pos.contains(&(lp + i)));
                     }
                 }
@@ -430,7 +430,7 @@ mod tests {
                 let gained = |k: usize| (d.blocks[k].start..d.blocks[k].end).any(|p| d.last_decoded.contains(&p));
                 match forced {
                     ForcedProgress::Every => assert!(fully.iter().all(|&k| gained(k))),
-                    ForcedProgress::First => assert!(fully.first().map_or(true, |&k| gained(k))),
+                    ForcedProgress::First => assert!(fully.first().is_none_or(|&k| gained(k))),
                 }
                 // no block is created after the EOS fill
                 if eos_before {

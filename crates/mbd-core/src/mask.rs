@@ -98,6 +98,7 @@ impl BlockGrid {
 }
 
 #[cfg(test)]
+#[allow(clippy::needless_range_loop)] // indices mirror the visibility rule being tested
 mod tests {
     use super::*;
 
