@@ -20,4 +20,5 @@ from .types import Completion, StepEvent, StreamChunk, Usage
 
 __all__ = ["Engine", "ModelInfo", "Stream", "StreamChunk", "StepEvent", "Completion", "Usage", "GENERATION_PARAMS",
            "PROFILE_OVERRIDES", "LOGITS_PARAMS", "PARAMS",
-           "DEFAULT_MODEL", "__version__"] + errors.__all__
+           "DEFAULT_MODEL", "__version__"]
+__all__ += errors.__all__

@@ -9,7 +9,7 @@ _LIBS = ["libcudart.so.13", "libcublasLt.so.13", "libcublas.so.13", "libcurand.s
 _SUBDIRS = ["cu13/lib", "cuda_runtime/lib", "cublas/lib", "curand/lib", "cuda_nvrtc/lib"]
 
 
-def preload() -> list:
+def preload() -> list[str]:
     spec = importlib.util.find_spec("nvidia")
     roots = list(spec.submodule_search_locations or []) if spec else []
     loaded = []

@@ -8,11 +8,17 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .types import StepEvent, Usage
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 
 
-def _add_model_flags(p):
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None, help="model directory (default: the embedded mbd-tiny model)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | metal")
     p.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
@@ -26,7 +32,7 @@ _NEGATED = {"use_cache": "--no-cache", "early_stop": "--no-early-stop"}
 _TYPES = {"int": int, "float": float, "str": str}
 
 
-def _add_gen_flags(p):
+def _add_gen_flags(p: argparse.ArgumentParser) -> None:
     from .engine import GENERATION_PARAMS, PARAMS
     g = p.add_argument_group("generation (defaults: the model family's)")
     for name in GENERATION_PARAMS:
@@ -45,17 +51,17 @@ def _add_gen_flags(p):
     p.add_argument("--json", action="store_true", help="print the completion as JSON")
 
 
-def _gen_params(a) -> dict:
+def _gen_params(a: argparse.Namespace) -> dict[str, Any]:
     from .engine import GENERATION_PARAMS
     return {k: getattr(a, k) for k in GENERATION_PARAMS if getattr(a, k, None) is not None}
 
 
-def _load(a):
-    from . import Engine
+def _load(a: argparse.Namespace) -> Engine:
+    from .engine import Engine
     return Engine.load(a.model, device=a.device, dtype=a.dtype)
 
 
-def _print_stats(u):
+def _print_stats(u: Usage) -> None:
     print(f"[{u.completion_tokens} tokens, {u.forward_passes} forwards, {u.tokens_per_forward:.2f} tokens/forward, "
           f"{u.tokens_per_second:.1f} tokens/s, ttft {u.ttft_ms:.1f} ms]", file=sys.stderr)
 
@@ -63,17 +69,20 @@ def _print_stats(u):
 class Visual:
     """Draws each forward: the generated region per block, new tokens highlighted, masks as '·'."""
 
-    def __init__(self, eng, out):
+    def __init__(self, eng: Engine, out: TextIO) -> None:
         self.eng, self.out = eng, out
         self.tty = out.isatty()
         self.canvas = None
 
-    def piece(self, t):
+    def piece(self, t: int) -> str:
         s = self.eng.detokenize([t], skip_special_tokens=False)
         return s.replace("\n", "⏎") if s else "?"
 
-    def step(self, ev):
-        c = lambda code, s: f"\x1b[{code}m{s}\x1b[0m" if self.tty else s  # noqa: E731
+    def step(self, ev: StepEvent) -> None:
+        def c(code: str, s: str) -> str:
+            return f"\x1b[{code}m{s}\x1b[0m" if self.tty else s
+
+        assert ev.canvas is not None  # trace="canvas"
         new = set(ev.decoded)
         parts = []
         live = [i for i, b in enumerate(ev.blocks) if b[2] != "inactive"]
@@ -94,7 +103,7 @@ class Visual:
         self.out.flush()
 
 
-def cmd_generate(a) -> int:
+def cmd_generate(a: argparse.Namespace) -> int:
     eng = _load(a)
     if a.file:
         prompt = open(a.file, encoding="utf-8").read()
@@ -129,9 +138,9 @@ def cmd_generate(a) -> int:
     return EXIT_OK
 
 
-def cmd_chat(a) -> int:
+def cmd_chat(a: argparse.Namespace) -> int:
     eng = _load(a)
-    history = []
+    history: list[dict[str, str]] = []
     params = _gen_params(a)
     print("mbd-rs chat — empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
@@ -154,7 +163,7 @@ def cmd_chat(a) -> int:
     return EXIT_OK
 
 
-def cmd_info(a) -> int:
+def cmd_info(a: argparse.Namespace) -> int:
     from . import MbdError
     try:
         eng = _load(a)
@@ -165,7 +174,7 @@ def cmd_info(a) -> int:
     return EXIT_OK
 
 
-def _peak_rss_bytes():
+def _peak_rss_bytes() -> int | None:
     """Peak resident set size of this process so far, or None where the OS does not say."""
     try:
         import resource
@@ -175,7 +184,7 @@ def _peak_rss_bytes():
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def cmd_bench(a) -> int:
+def cmd_bench(a: argparse.Namespace) -> int:
     eng = _load(a)
     peak_after_load = _peak_rss_bytes()
     vocab = eng.info.vocab_size
@@ -185,7 +194,7 @@ def cmd_bench(a) -> int:
     prompt = [t for t in (r.randrange(vocab) for _ in range(a.prompt_len * 2)) if t not in special][: a.prompt_len]
     params = _gen_params(a)
     params.setdefault("max_tokens", 64)
-    rows = []
+    rows: list[tuple[Usage, float]] = []
     for i in range(a.repeats + 1):
         t = time.perf_counter()
         c = eng.generate(prompt, **params)
@@ -205,12 +214,12 @@ def cmd_bench(a) -> int:
     if peak_after_load is not None:
         res["peak_rss_after_load_mb"] = round(peak_after_load / 2**20, 1)
         res["peak_rss_after_load_over_weights"] = round(peak_after_load / weights, 3)
-        res["peak_rss_end_mb"] = round(_peak_rss_bytes() / 2**20, 1)
+        res["peak_rss_end_mb"] = round((_peak_rss_bytes() or 0) / 2**20, 1)  # not None, as after load
     print(json.dumps(res, indent=1) if a.json else "\n".join(f"{k:26s} {v}" for k, v in res.items()))
     return EXIT_OK
 
 
-def cmd_serve(a) -> int:
+def cmd_serve(a: argparse.Namespace) -> int:
     try:
         from .server import serve
     except ImportError as e:
@@ -219,7 +228,7 @@ def cmd_serve(a) -> int:
     return serve(a)
 
 
-def build_parser():
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mbd-rs", description="Block-diffusion LLM inference (SDAR, TraDo, Fast-dLLM v2, Dream) on Qwen2/Qwen3")
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="complete a prompt, streaming to stdout")
@@ -250,7 +259,7 @@ def build_parser():
     return ap
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     ap = build_parser()
     a = ap.parse_args(argv)
     if a.cmd == "info" and a.model_path:

@@ -7,20 +7,24 @@ cancels its generation and frees its slot; at `max_concurrency` live generations
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .engine import GENERATION_PARAMS
+from .engine import GENERATION_PARAMS, Engine, Stream
 from .errors import ContextLengthError, InvalidRequestError, MbdError
+from .types import Usage
 
 # OpenAI body fields we read (besides model / prompt / messages / stream).
 _STANDARD = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options",
@@ -29,7 +33,8 @@ _STANDARD = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "sto
 _EXTENSIONS = set(GENERATION_PARAMS) - {"trace", "max_tokens", "temperature", "top_p", "stop", "seed"}
 
 
-def _error(status: int, message: str, type_: str = "invalid_request_error", code=None, param=None) -> JSONResponse:
+def _error(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+           param: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
 
 
@@ -51,19 +56,20 @@ class _Slots:
             self.active -= 1
 
 
-def create_app(engine, *, model_name: str | None = None, api_key: str | None = None, max_concurrency: int = 4) -> Starlette:
+def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | None = None,
+               max_concurrency: int = 4) -> Starlette:
     name = model_name or os.path.basename(os.path.normpath(engine.info.path))
     slots = _Slots(max_concurrency)
     created = int(time.time())
 
-    def check_auth(request: Request):
+    def check_auth(request: Request) -> JSONResponse | None:
         if api_key is None:
             return None
         if request.headers.get("authorization", "") != f"Bearer {api_key}":
             return _error(401, "invalid or missing API key", "invalid_request_error", code="invalid_api_key")
         return None
 
-    def params_from(body: dict) -> dict:
+    def params_from(body: dict[str, Any]) -> dict[str, Any]:
         unknown = sorted(set(body) - _STANDARD - _EXTENSIONS)
         if unknown:
             raise InvalidRequestError(f"unknown request field(s) {unknown}")
@@ -78,17 +84,17 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                 p[k] = body[k]
         return p
 
-    async def health(request: Request):
+    async def health(request: Request) -> JSONResponse:
         if (r := check_auth(request)) is not None:
             return r
         return JSONResponse({"status": "ok", "model": name, "active": slots.active, "capacity": slots.capacity})
 
-    async def models(request: Request):
+    async def models(request: Request) -> JSONResponse:
         if (r := check_auth(request)) is not None:
             return r
         return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "mbd-rs"}]})
 
-    async def handle(request: Request, chat: bool):
+    async def handle(request: Request, chat: bool) -> Response:
         if (r := check_auth(request)) is not None:
             return r
         try:
@@ -147,21 +153,21 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": name, "choices": [choice],
                              "usage": usage})
 
-    def usage_json(u):
+    def usage_json(u: Usage) -> dict[str, int | float]:
         return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens,
                 "forward_passes": u.forward_passes, "tokens_per_forward": u.tokens_per_forward}
 
-    async def sse(stream, rid, chat, include_usage):
+    async def sse(stream: Stream, rid: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         now = int(time.time())
 
-        def event(choices, usage=None):
+        def event(choices: list[dict[str, Any]], usage: dict[str, int | float] | None = None) -> str:
             d = {"id": rid, "object": obj, "created": now, "model": name, "choices": choices}
             if usage is not None:
                 d["usage"] = usage
             return f"data: {json.dumps(d)}\n\n"
 
-        def choice(text, finish=None, role=False):
+        def choice(text: str, finish: str | None = None, role: bool = False) -> dict[str, Any]:
             if chat:
                 delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
                 return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
@@ -180,6 +186,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                 if ch.finish_reason:
                     finished = True
                     if include_usage:
+                        assert ch.usage is not None  # the last chunk carries usage
                         yield event([], usage_json(ch.usage))
             yield "data: [DONE]\n\n"
         finally:
@@ -187,10 +194,10 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                 stream.cancel()  # client went away: stop decoding at the next step
             slots.release()
 
-    async def completions(request: Request):
+    async def completions(request: Request) -> Response:
         return await handle(request, chat=False)
 
-    async def chat_completions(request: Request):
+    async def chat_completions(request: Request) -> Response:
         return await handle(request, chat=True)
 
     app = Starlette(routes=[
@@ -203,10 +210,8 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     return app
 
 
-def serve(args) -> int:
+def serve(args: argparse.Namespace) -> int:
     import uvicorn
-
-    from . import Engine
 
     eng = Engine.load(args.model, device=args.device, dtype=args.dtype)
     app = create_app(eng, model_name=args.model_name, api_key=args.api_key, max_concurrency=args.max_concurrency)
