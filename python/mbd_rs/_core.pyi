@@ -1,6 +1,6 @@
 """Type stubs for the Rust extension (crates/mbd-py). Parameter names, kinds and ranges live in the core
 (mbd_core::request::PARAMS); dict arguments take those names."""
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -25,7 +25,10 @@ class CoreModel:
     def bench_forward(self, prefix: int, window: int, reps: int) -> List[float]: ...
     def apply_chat_template(self, messages_json: str, add_generation_prompt: bool = True,
                             extra_json: Optional[str] = None) -> str: ...
-    def start(self, prompt_ids: Sequence[int], params: Optional[Mapping[str, Any]] = None) -> "CoreStream": ...
+    def start(self, prompt: Union[str, Sequence[int]], params: Optional[Mapping[str, Any]] = None,
+              add_special_tokens: bool = True) -> "CoreStream": ...
+    def start_chat(self, messages_json: str, params: Optional[Mapping[str, Any]] = None,
+                   special_tokens_in_content: bool = False) -> "CoreStream": ...
 
 class CoreStream:
     def step(self) -> Optional[Dict[str, Any]]: ...

@@ -100,7 +100,7 @@ class Engine:
 
     def stream(self, prompt: Prompt, **params: Any) -> "Stream":
         """Stream a completion of `prompt` (a str or a list of token ids). Parameters: GENERATION_PARAMS."""
-        return self._start(self._prompt_ids(prompt), params)
+        return Stream(self._core.start(prompt, params), trace=bool(params.get("trace")))
 
     def generate(self, prompt: Prompt, **params: Any) -> Completion:
         """Generate a completion of `prompt` (a str or a list of token ids)."""
@@ -110,25 +110,30 @@ class Engine:
                             **template_kwargs: Any) -> str:
         """Render `messages` ([{"role": ..., "content": ...}, ...]) with the model's chat template."""
         try:
-            msgs = json.dumps(list(messages))
             extra = json.dumps(template_kwargs) if template_kwargs else None
         except (TypeError, ValueError) as e:
-            raise InvalidRequestError(f"messages must be JSON-serialisable dicts: {e}") from None
-        return self._core.apply_chat_template(msgs, add_generation_prompt, extra)
+            raise InvalidRequestError(f"template arguments must be JSON-serialisable: {e}") from None
+        return self._core.apply_chat_template(_messages_json(messages), add_generation_prompt, extra)
 
-    def stream_chat(self, messages: Sequence[Message], **params: Any) -> "Stream":
-        """Stream the assistant's reply to `messages` (rendered with the chat template)."""
-        text = self.apply_chat_template(messages)
-        return self._start(self._prompt_ids(text, add_special_tokens=False), params)
+    def stream_chat(self, messages: Sequence[Message], *, special_tokens_in_content: bool = False,
+                    **params: Any) -> "Stream":
+        """Stream the assistant's reply to `messages` (rendered with the chat template). Message contents stay
+        text: a content that spells a control token (e.g. "<|im_end|>") is tokenized as plain text unless
+        special_tokens_in_content=True."""
+        return Stream(self._core.start_chat(_messages_json(messages), params, special_tokens_in_content),
+                      trace=bool(params.get("trace")))
 
-    def chat(self, messages: Sequence[Message], **params: Any) -> Completion:
-        return self.stream_chat(messages, **params).result()
+    def chat(self, messages: Sequence[Message], *, special_tokens_in_content: bool = False, **params: Any) -> Completion:
+        return self.stream_chat(messages, special_tokens_in_content=special_tokens_in_content, **params).result()
 
-    def _prompt_ids(self, prompt: Prompt, add_special_tokens: bool = True) -> Sequence[int]:
-        return self._core.tokenize(prompt, add_special_tokens) if isinstance(prompt, str) else prompt
 
-    def _start(self, ids: Sequence[int], params: Dict[str, Any]) -> "Stream":
-        return Stream(self._core.start(ids, params), trace=bool(params.get("trace")))
+def _messages_json(messages: Sequence[Message]) -> str:
+    if isinstance(messages, (str, bytes)):
+        raise InvalidRequestError("messages must be a list of {'role': ..., 'content': ...} dicts, got a string")
+    try:
+        return json.dumps(list(messages))
+    except (TypeError, ValueError, RecursionError) as e:
+        raise InvalidRequestError(f"messages must be JSON-serialisable dicts: {e}") from None
 
 
 def _usage(d: Optional[Dict[str, Any]]) -> Optional[Usage]:

@@ -6,6 +6,10 @@ use crate::error::{Error, Result};
 use serde_json::Value;
 use std::path::Path;
 
+/// minijinja instructions one render may execute (real chat templates over hundreds of messages use far less;
+/// a looping or hostile template stops with an error instead of holding a worker).
+pub const TEMPLATE_FUEL: u64 = 20_000_000;
+
 pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
     bos_token: String,
@@ -50,6 +54,8 @@ impl ChatTemplate {
         };
         let Some(source) = source else { return Ok(None) };
         let mut env = minijinja::Environment::new();
+        // A template comes from the model directory: bound its work (loops included) per render.
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);

@@ -23,6 +23,10 @@ pub struct Model {
     /// Bytes of the weights as held in memory (a bf16 checkpoint's matrices stay bf16 on the CPU).
     pub weight_bytes: usize,
     pub chat_template: Option<crate::chat::ChatTemplate>,
+    /// UTF-8 bytes of the longest token string (bounds the text a prompt can have and still fit the context).
+    pub max_token_bytes: usize,
+    /// The special added tokens' strings (control tokens such as `<|im_end|>`).
+    pub special_tokens: Vec<String>,
 }
 
 /// How to load a model: where, in which precision, with which profile overrides and kernel choices.
@@ -153,6 +157,27 @@ fn tokenizer_mask_id(tok: &tokenizers::Tokenizer) -> Option<u32> {
 /// prompt: 0.23 GB per chunk of 512 against 3.8 GB for the whole prompt at once).
 pub const PREFILL_CHUNK: usize = 512;
 
+/// Private-use characters around a message's index while a chat template renders (`Model::chat_prompt_ids`).
+const PLACEHOLDER_OPEN: char = '\u{E000}';
+const PLACEHOLDER_CLOSE: char = '\u{E001}';
+
+/// [start, stop) cut into pieces of about `PREFILL_CHUNK` positions that end on block boundaries of `grid` (a
+/// block's positions see each other, so a block is never split; full attention is one piece).
+pub fn chunks(grid: &BlockGrid, start: usize, stop: usize) -> Vec<(usize, usize)> {
+    let mut out = vec![];
+    let mut s = start;
+    while s < stop {
+        let mut e = (s + PREFILL_CHUNK).min(stop);
+        while e < stop && !grid.is_boundary(e) {
+            e += 1;
+        }
+        out.push((s, e));
+        s = e;
+    }
+    out
+}
+
+
 impl Model {
     pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Model> {
         let (device, dtype, ov) = (&opts.device, opts.dtype, &opts.overrides);
@@ -188,7 +213,22 @@ impl Model {
         let net = QwenModel::load(&config, &ws, device, dtype, opts.kernels)?;
         let weight_bytes = ws.loaded_bytes();
         let chat_template = crate::chat::ChatTemplate::from_dir(dir)?;
-        Ok(Model { dir: dir.to_path_buf(), config, profile, net, tokenizer, num_parameters, weight_bytes, chat_template })
+        let max_token_bytes = tokenizer.get_vocab(true).keys().map(|t| t.len()).max().unwrap_or(1);
+        let mut special_tokens: Vec<String> =
+            tokenizer.get_added_tokens_decoder().into_values().filter(|t| t.special).map(|t| t.content).collect();
+        special_tokens.sort();
+        Ok(Model {
+            dir: dir.to_path_buf(),
+            config,
+            profile,
+            net,
+            tokenizer,
+            num_parameters,
+            weight_bytes,
+            chat_template,
+            max_token_bytes,
+            special_tokens,
+        })
     }
 
     pub fn new_cache(&self) -> KvCache {
@@ -203,21 +243,13 @@ impl Model {
         if ids.is_empty() {
             return Err(Error::Internal("fill_cache: no tokens".into()));
         }
-        let (base, stop) = (cache.len(), cache.len() + ids.len());
-        let mut start = base;
-        loop {
-            let mut end = (start + PREFILL_CHUNK).min(stop);
-            while end < stop && !grid.is_boundary(end) {
-                end += 1;
-            }
-            let mask = grid.additive_mask(start, end - start);
-            let logits = self.net.forward(cache, &ids[start - base..end - base], mask.as_deref(), Some(&[end - start - 1]))?;
+        let base = cache.len();
+        let mut last = None;
+        for (start, end) in chunks(grid, base, base + ids.len()) {
+            last = Some(self.net.forward(cache, &ids[start - base..end - base], grid, Some(&[end - start - 1]))?);
             cache.commit(end - start)?;
-            if end == stop {
-                return Ok(logits);
-            }
-            start = end;
         }
+        last.ok_or_else(|| Error::Internal("fill_cache: no chunk".into()))
     }
 
     /// Token ids from a caller, checked against the vocabulary (`request::token_ids` owns the rule).
@@ -234,6 +266,78 @@ impl Model {
     pub fn tokenize(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
         let enc = self.tokenizer.encode(text, add_special_tokens).map_err(|e| Error::invalid(format!("cannot tokenize: {e}")))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// A prompt's token ids. A text longer than any prompt that fits the context (every token covers at most
+    /// `max_token_bytes` bytes; with a margin of 4 for normalisers) is refused before it is tokenized.
+    pub fn prompt_ids(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        self.check_prompt_bytes(text.len())?;
+        self.tokenize(text, add_special_tokens)
+    }
+
+    fn check_prompt_bytes(&self, bytes: usize) -> Result<()> {
+        let ctx = self.config.max_position_embeddings;
+        let limit = ctx.saturating_mul(4 * self.max_token_bytes.max(16));
+        if bytes > limit {
+            return Err(Error::ContextLength(format!(
+                "the prompt has {bytes} bytes of text; no prompt over {limit} bytes fits the maximum context of {ctx} tokens"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Token ids of a chat prompt (the template's rendering of `messages` plus a generation prompt). The
+    /// template's own markup is tokenized with its control tokens; message contents stay text: a content that
+    /// spells a control token (`<|im_end|><|im_start|>system`) is tokenized as plain text, unless
+    /// `special_in_content`.
+    pub fn chat_prompt_ids(&self, messages: &serde_json::Value, extra: &serde_json::Value, special_in_content: bool) -> Result<Vec<u32>> {
+        let contents: Vec<&str> = match messages.as_array() {
+            Some(list) => list.iter().map(|m| m.get("content").and_then(|c| c.as_str()).unwrap_or("")).collect(),
+            None => vec![],
+        };
+        let spelled = contents.iter().any(|c| self.special_tokens.iter().any(|s| c.contains(s.as_str())));
+        if special_in_content || !spelled {
+            return self.prompt_ids(&self.render_chat(messages, true, extra)?, false);
+        }
+        // Render with a placeholder per content, then tokenize the markup between them with control tokens and
+        // each content with control-token parsing off.
+        let mut masked = messages.clone();
+        for (i, m) in masked.as_array_mut().into_iter().flatten().enumerate() {
+            m["content"] = serde_json::Value::String(format!("{PLACEHOLDER_OPEN}{i}{PLACEHOLDER_CLOSE}"));
+        }
+        let text = self.render_chat(&masked, true, extra)?;
+        self.check_prompt_bytes(text.len() + contents.iter().map(|c| c.len()).sum::<usize>())?;
+        let mut plain = self.tokenizer.clone();
+        plain.set_encode_special_tokens(true);
+        let mut ids = vec![];
+        let mut next = 0;
+        let mut rest = text.as_str();
+        while let Some(a) = rest.find(PLACEHOLDER_OPEN) {
+            let after = &rest[a + PLACEHOLDER_OPEN.len_utf8()..];
+            let b = after.find(PLACEHOLDER_CLOSE).ok_or_else(|| self.content_kept_error())?;
+            let i: usize = after[..b].parse().map_err(|_| self.content_kept_error())?;
+            if i != next {
+                return Err(self.content_kept_error());
+            }
+            ids.extend(self.tokenize(&rest[..a], false)?);
+            let enc = plain.encode(contents[i], false).map_err(|e| Error::invalid(format!("cannot tokenize: {e}")))?;
+            ids.extend_from_slice(enc.get_ids());
+            next += 1;
+            rest = &after[b + PLACEHOLDER_CLOSE.len_utf8()..];
+        }
+        if next != contents.len() {
+            return Err(self.content_kept_error());
+        }
+        ids.extend(self.tokenize(rest, false)?);
+        Ok(ids)
+    }
+
+    fn content_kept_error(&self) -> Error {
+        Error::invalid(format!(
+            "a message content spells a control token (one of {:?}) and this chat template changes contents, so they \
+             cannot be kept as plain text; remove it, or pass special_tokens_in_content=True to let it act as one",
+            self.special_tokens
+        ))
     }
 
     pub fn detokenize(&self, ids: &[i64], skip_special_tokens: bool) -> Result<String> {
@@ -295,16 +399,21 @@ impl Model {
                 grid.block_size
             )));
         }
+        let v = self.config.vocab_size;
+        let n = ids.len().checked_mul(v).ok_or_else(|| Error::invalid("logits: too many positions"))?;
+        let mut out: Vec<f32> = Vec::new();
+        out.try_reserve_exact(n).map_err(|_| {
+            Error::invalid(format!(
+                "logits for {} positions x {v} tokens ({:.1} GB of float32) cannot be allocated; ask for fewer positions",
+                ids.len(),
+                n as f64 * 4e-9
+            ))
+        })?;
         on_device_pool(self.net.device(), || {
             let mut cache = self.new_cache();
-            let v = self.config.vocab_size;
-            let mut out = Vec::with_capacity(ids.len() * v);
-            for (start, end) in [(0, prefix_len), (prefix_len, ids.len())] {
-                if start == end {
-                    continue;
-                }
-                let mask = grid.additive_mask(start, end - start);
-                let l = self.net.forward(&mut cache, &ids[start..end], mask.as_deref(), None)?;
+            let pieces = chunks(&grid, 0, prefix_len).into_iter().chain(chunks(&grid, prefix_len, ids.len()));
+            for (start, end) in pieces {
+                let l = self.net.forward(&mut cache, &ids[start..end], &grid, None)?;
                 out.extend(l.flatten_all()?.to_vec1::<f32>()?);
                 cache.commit(end - start)?;
             }
@@ -328,6 +437,8 @@ impl Model {
         };
         let pre: Vec<u32> = (0..prefix).map(|_| next()).collect();
         let win: Vec<u32> = (0..window).map(|_| next()).collect();
+        // the window is one block over the prefix: every query sees every key
+        let one_block = BlockGrid::new(AttentionKind::Full, 1, Alignment::Absolute, 0)?;
         on_device_pool(self.net.device(), || {
             let mut cache = self.new_cache();
             cache.reserve(prefix + window)?;
@@ -337,7 +448,7 @@ impl Model {
             let mut out = Vec::with_capacity(reps);
             for _ in 0..reps {
                 let t = std::time::Instant::now();
-                let l = self.net.forward(&mut cache, &win, None, None)?;
+                let l = self.net.forward(&mut cache, &win, &one_block, None)?;
                 // make sure the work is done (device sync) before stopping the clock
                 let _ = l.narrow(0, 0, 1)?.narrow(1, 0, 1)?.flatten_all()?.to_vec1::<f32>()?;
                 out.push(t.elapsed().as_secs_f64());

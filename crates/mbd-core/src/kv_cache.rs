@@ -37,6 +37,8 @@ impl KvCache {
             return Ok(());
         }
         let cap = need.max(self.capacity * 2).max(64);
+        let bytes = (2 * self.n_layers * self.n_kv * self.head_dim * self.dtype.size_in_bytes()).saturating_mul(cap);
+        crate::util::check_alloc(bytes, || format!("a KV cache for {need} positions"))?;
         let mut layers = Vec::with_capacity(self.n_layers);
         for l in 0..self.n_layers {
             let k = Tensor::zeros((self.n_kv, cap, self.head_dim), self.dtype, &self.device)?;

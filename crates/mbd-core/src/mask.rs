@@ -71,25 +71,30 @@ impl BlockGrid {
     /// Additive mask (row-major W x (start+W)) for queries [start, start+W) over keys [0, start+W):
     /// 0 where visible, -inf where not. `None` when every query sees every key.
     pub fn additive_mask(&self, start: usize, w: usize) -> Option<Vec<f32>> {
-        let s = start + w;
-        if w == 0 {
+        self.additive_mask_rows(start, w, start + w)
+    }
+
+    /// Additive mask (row-major n x s) for queries [q0, q0 + n) over keys [0, s) (s >= q0 + n): the rows of a
+    /// query chunk. `None` when every query sees every key.
+    pub fn additive_mask_rows(&self, q0: usize, n: usize, s: usize) -> Option<Vec<f32>> {
+        if n == 0 || s == 0 {
             return None;
         }
         // Keys are visible iff blk(key) <= blk(query); block ids are non-decreasing in position, so the
         // smallest query block deciding visibility is the first query's.
-        if self.block_of(s - 1) <= self.block_of(start) {
+        if self.block_of(s - 1) <= self.block_of(q0) {
             return None;
         }
-        let mut m = vec![0f32; w * s];
-        for i in 0..w {
-            let bq = self.block_of(start + i);
-            let row = &mut m[i * s..(i + 1) * s];
-            // Keys in blocks <= bq form a prefix [0, end) because block ids are monotone.
-            let mut end = start + i + 1;
+        let mut m = vec![0f32; n * s];
+        let mut end = q0 + 1;
+        for i in 0..n {
+            let bq = self.block_of(q0 + i);
+            // Keys in blocks <= bq form a prefix [0, end) because block ids are monotone (and end only grows).
+            end = end.max(q0 + i + 1);
             while end < s && self.block_of(end) <= bq {
                 end += 1;
             }
-            for x in row[end..].iter_mut() {
+            for x in m[i * s + end..(i + 1) * s].iter_mut() {
                 *x = f32::NEG_INFINITY;
             }
         }
@@ -141,6 +146,23 @@ mod tests {
         let v = visible(&g, 0, 12);
         assert!(v[0][4] && !v[0][5] && v[5][7] && !v[5][8]);
         assert!(g.is_boundary(5) && !g.is_boundary(4));
+    }
+
+    #[test]
+    fn row_chunks_are_the_rows_of_the_whole_mask() {
+        for g in [
+            BlockGrid::causal(),
+            BlockGrid::new(AttentionKind::BlockCausal, 3, Alignment::Prompt, 5).unwrap(),
+            BlockGrid::new(AttentionKind::BlockCausal, 4, Alignment::Absolute, 0).unwrap(),
+        ] {
+            let (start, w) = (2, 11);
+            let s = start + w;
+            let whole = g.additive_mask(start, w).unwrap();
+            for (q0, n) in [(2, 4), (6, 5), (11, 2)] {
+                let rows = g.additive_mask_rows(q0, n, s).unwrap_or_else(|| vec![0.0; n * s]);
+                assert_eq!(rows, whole[(q0 - start) * s..(q0 - start + n) * s], "{g:?} rows {q0}..{}", q0 + n);
+            }
+        }
     }
 
     #[test]

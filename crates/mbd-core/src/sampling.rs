@@ -3,7 +3,7 @@
 //! seeded sample from softmax(logits / T) restricted by top-k / top-p.
 
 use crate::decoder::Prediction;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::util::by_score_then_index;
 use candle_core::{DType, Tensor, D};
 use rand::{Rng, SeedableRng};
@@ -55,7 +55,20 @@ impl Sampler {
     }
 
     /// `logits`: (R, V) f32 on any device. On a GPU only R * 3 scalars come back to the host when greedy.
+    /// Non-finite logits (a broken checkpoint: NaN weights, a bad rms_norm_eps or rope_theta) are an error,
+    /// not garbage tokens.
     pub fn predict(&mut self, logits: &Tensor) -> Result<Vec<Prediction>> {
+        let preds = self.predict_any(logits)?;
+        if preds.iter().any(|p| !p.entropy.is_finite() || !p.max_prob.is_finite()) {
+            return Err(Error::load(
+                "the model computed non-finite logits (NaN or infinity): its weights or config.json are broken \
+                 (NaN/Inf weights, rms_norm_eps <= 0, rope_theta <= 0, ...)",
+            ));
+        }
+        Ok(preds)
+    }
+
+    fn predict_any(&mut self, logits: &Tensor) -> Result<Vec<Prediction>> {
         let logits = logits.to_dtype(DType::F32)?;
         if logits.device().is_cpu() {
             // On the CPU: two passes per row over the logits in place, instead of ~8 tensor ops and buffers.
@@ -140,6 +153,14 @@ impl Sampler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nan_logits_are_an_error() {
+        let mut s = Sampler::new(SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, seed: Some(0) });
+        let l = Tensor::new(&[[0.5f32, f32::NAN, 1.0], [0.0, 1.0, 2.0]], &candle_core::Device::Cpu).unwrap();
+        let e = s.predict(&l).unwrap_err().to_string();
+        assert!(e.contains("non-finite logits"), "{e}");
+    }
 
     #[test]
     fn cpu_row_stats_match_the_definition() {

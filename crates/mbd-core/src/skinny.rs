@@ -14,7 +14,7 @@
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-/// Kernel choices of a loaded model (load options; benchmarks load with other values for A/B runs).
+/// Kernel choices of a loaded model (load options; benchmarks and tests load with other values for A/B runs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Kernels {
     /// Use this kernel at all (false: candle's matmul everywhere).
@@ -27,11 +27,15 @@ pub struct Kernels {
     /// model the kernel is faster up to ~64 rows and about even with gemm at 100; on the 0.5B shapes it is
     /// 0.8-1.0x gemm's time at 64 rows. benches/forward.rs and benches/ab_kernels.py measure both sides.)
     pub max_rows: usize,
+    /// Bytes of f32 attention scores (heads x query rows x keys) one query chunk may take: a long window (a
+    /// recompute without cache, a full-attention canvas, a logits call) is attended in query chunks so that no
+    /// forward allocates scores for every row at once (a 100k-token window would need 100k x 100k per head).
+    pub attention_score_bytes: usize,
 }
 
 impl Default for Kernels {
     fn default() -> Self {
-        Kernels { skinny: true, par_min_macs: 1 << 14, max_rows: 64 }
+        Kernels { skinny: true, par_min_macs: 1 << 14, max_rows: 64, attention_score_bytes: 256 << 20 }
     }
 }
 

@@ -41,6 +41,16 @@ pub fn one_of(names: &[&str]) -> String {
     }
 }
 
+/// Allocate nothing, but check that `bytes` more could be allocated now: a request whose buffers cannot exist
+/// gets an error instead of aborting the process (Rust aborts on allocation failure, which no panic guard
+/// catches).
+pub fn check_alloc(bytes: usize, what: impl FnOnce() -> String) -> crate::error::Result<()> {
+    let mut probe: Vec<u8> = Vec::new();
+    probe.try_reserve_exact(bytes).map_err(|_| {
+        crate::error::Error::invalid(format!("{}: {:.1} GB cannot be allocated on this machine", what(), bytes as f64 / 1e9))
+    })
+}
+
 /// Order indices by a score, lowest score first, ties (and NaNs) by the lower index. Sort with
 /// `|&a, &b| by_score_then_index(s[a], s[b], a, b)`; for highest first, swap the scores.
 pub fn by_score_then_index<S: PartialOrd>(sa: S, sb: S, a: usize, b: usize) -> Ordering {
@@ -63,6 +73,13 @@ mod tests {
         let e = Colour::parse("green").unwrap_err().to_string();
         assert_eq!(e, "colour must be 'red' or 'dark_blue', got 'green'");
         assert_eq!(one_of(&["a", "b", "c"]), "'a', 'b' or 'c'");
+    }
+
+    #[test]
+    fn impossible_allocations_are_errors() {
+        assert!(check_alloc(1 << 20, || "a megabyte".into()).is_ok());
+        let e = check_alloc(usize::MAX / 2, || "the KV cache".into()).unwrap_err().to_string();
+        assert!(e.starts_with("the KV cache: ") && e.ends_with("cannot be allocated on this machine"), "{e}");
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! where no K/V is ever final) every step recomputes from position 0.
 
 use crate::decoder::Decoder;
-use crate::engine::Model;
+use crate::engine::{Model, PREFILL_CHUNK};
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::mask::{Alignment, AttentionKind, BlockGrid};
@@ -88,29 +88,38 @@ impl Window {
             self.prefill(model, canvas)?;
         }
         let exact = self.policy == CachePolicy::Exact;
+        let src = |p: usize| if self.shift { p - 1 } else { p };
+        let mut fresh = model.new_cache();
         let (ws, we) = match (self.grid.kind, self.policy) {
             (AttentionKind::Full, _) => (0, canvas.len()),
             (_, CachePolicy::Exact) => (self.cache.len(), dec.created_end()),
-            (_, CachePolicy::Recompute) => (0, dec.created_end()),
+            (_, CachePolicy::Recompute) => {
+                // A long canvas is recomputed in prefill-sized chunks up to the last block boundary before the
+                // first row whose logits are needed, so that no forward spans all of it (short ones: one forward).
+                let first = positions.iter().map(|&p| src(p)).min().unwrap_or(0);
+                let mut b = first;
+                while b > 0 && !self.grid.is_boundary(b) {
+                    b -= 1;
+                }
+                if b >= PREFILL_CHUNK {
+                    model.fill_cache(&mut fresh, &canvas[..b], &self.grid)?;
+                    self.positions_forwarded += b;
+                } else {
+                    b = 0;
+                }
+                (b, dec.created_end())
+            }
         };
         let commit_end = if exact { dec.complete_run_end(ws).max(ws) } else { ws };
         // rows of the window whose logits are needed
-        let src = |p: usize| if self.shift { p - 1 } else { p };
         let mut rows: Vec<usize> = positions.iter().map(|&p| src(p)).filter(|&r| r >= ws).map(|r| r - ws).collect();
         if exact && self.shift && commit_end > ws {
             rows.push(commit_end - 1 - ws);
         }
         rows.sort_unstable();
         rows.dedup();
-        let mut fresh;
-        let cache = if exact {
-            &mut self.cache
-        } else {
-            fresh = model.new_cache();
-            &mut fresh
-        };
-        let mask = self.grid.additive_mask(ws, we - ws);
-        let logits = model.net.forward(cache, &canvas[ws..we], mask.as_deref(), Some(&rows))?;
+        let cache = if exact { &mut self.cache } else { &mut fresh };
+        let logits = model.net.forward(cache, &canvas[ws..we], &self.grid, Some(&rows))?;
         self.positions_forwarded += we - ws;
         // gather the positions' rows (the carry row sits after the window rows)
         let n_rows = rows.len();

@@ -6,7 +6,8 @@
 
 use mbd_core::decoder::{Acceptance, ForcedProgress};
 use mbd_core::generate::Generation;
-use mbd_core::request::{GenRequest, ProfileOverrides};
+use mbd_core::request::{GenRequest, LogitsRequest, ProfileOverrides};
+use mbd_core::skinny::Kernels;
 use mbd_core::{Alignment, AttentionKind, Error, LoadOptions, Model};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -73,6 +74,26 @@ fn cache_gives_the_same_tokens_and_forwards() {
         }
     }
     assert_eq!(cases, 18);
+}
+
+#[test]
+fn attention_in_query_chunks_equals_one_piece() {
+    let ids: Vec<u32> = (0..40u32).map(|i| (i * 37 + 11) % 320).collect();
+    for attention in [AttentionKind::Causal, AttentionKind::BlockCausal, AttentionKind::Full] {
+        let overrides = ProfileOverrides { attention: Some(attention), block_size: Some(4), ..Default::default() };
+        let whole = Model::load(&fixture(), &LoadOptions { overrides: overrides.clone(), ..Default::default() }).unwrap();
+        // a budget of one score row: every query row is its own chunk
+        let kernels = Kernels { attention_score_bytes: 1, ..Default::default() };
+        let chunked = Model::load(&fixture(), &LoadOptions { overrides, kernels, ..Default::default() }).unwrap();
+        let prefixes: &[usize] = if attention == AttentionKind::Full { &[0] } else { &[0, 8] };
+        for &prefix_len in prefixes {
+            let req = LogitsRequest { prefix_len: Some(prefix_len), ..Default::default() };
+            let (a, b) = (whole.logits(&ids, &req).unwrap(), chunked.logits(&ids, &req).unwrap());
+            let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let err = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(err <= 1e-5 * scale, "{attention:?} prefix {prefix_len}: max error {err} (scale {scale})");
+        }
+    }
 }
 
 #[test]

@@ -193,8 +193,12 @@ impl CoreModel {
         let device = device.to_string();
         let overrides: ProfileOverrides = request(overrides)?;
         let d = Kernels::default();
-        let kernels =
-            Kernels { skinny, par_min_macs: par_min_macs.unwrap_or(d.par_min_macs), max_rows: max_rows.unwrap_or(d.max_rows) };
+        let kernels = Kernels {
+            skinny,
+            par_min_macs: par_min_macs.unwrap_or(d.par_min_macs),
+            max_rows: max_rows.unwrap_or(d.max_rows),
+            ..d
+        };
         let model = run(py, || {
             let dev = parse_device(&device)?;
             let dtype = parse_dtype(dtype.as_deref(), &dev)?;
@@ -282,17 +286,39 @@ impl CoreModel {
         })
     }
 
-    /// Start a generation of `prompt_ids`; `params`: `GENERATION_PARAMS` (None values = defaults).
-    #[pyo3(signature = (prompt_ids, params=None))]
-    fn start(&self, py: Python<'_>, prompt_ids: &Bound<'_, PyAny>, params: Option<&Bound<'_, PyDict>>) -> PyResult<CoreStream> {
-        let prompt = ids("prompt", prompt_ids)?;
+    /// Start a generation of `prompt` (a str, tokenized here, or token ids); `params`: `GENERATION_PARAMS`
+    /// (None values = defaults).
+    #[pyo3(signature = (prompt, params=None, add_special_tokens=true))]
+    fn start(&self, py: Python<'_>, prompt: &Bound<'_, PyAny>, params: Option<&Bound<'_, PyDict>>, add_special_tokens: bool) -> PyResult<CoreStream> {
+        enum Prompt {
+            Text(String),
+            Ids(Vec<i64>),
+        }
+        let prompt = if prompt.is_instance_of::<PyString>() { Prompt::Text(string("prompt", prompt)?) } else { Prompt::Ids(ids("prompt", prompt)?) };
         let req: GenRequest = request(params)?;
         let m = self.inner.clone();
-        let g = run(py, move || {
-            let prompt = m.token_ids("prompt", &prompt)?;
-            Generation::new(m, prompt, &req)
-        })?;
-        Ok(CoreStream { generation: Mutex::new(Some(g)), cancelled: AtomicBool::new(false) })
+        run(py, move || {
+            let ids = match prompt {
+                Prompt::Text(t) => m.prompt_ids(&t, add_special_tokens)?,
+                Prompt::Ids(ids) => m.token_ids("prompt", &ids)?,
+            };
+            Generation::new(m, ids, &req)
+        })
+        .map(CoreStream::new)
+    }
+
+    /// Start a generation answering chat `messages` (JSON text of a list of {role, content}), rendered with the
+    /// model's template; contents stay text unless `special_tokens_in_content`.
+    #[pyo3(signature = (messages_json, params=None, special_tokens_in_content=false))]
+    fn start_chat(&self, py: Python<'_>, messages_json: String, params: Option<&Bound<'_, PyDict>>, special_tokens_in_content: bool) -> PyResult<CoreStream> {
+        let req: GenRequest = request(params)?;
+        let m = self.inner.clone();
+        run(py, move || {
+            let msgs: serde_json::Value = serde_json::from_str(&messages_json).map_err(|e| Error::invalid(e.to_string()))?;
+            let ids = m.chat_prompt_ids(&msgs, &serde_json::Value::Null, special_tokens_in_content)?;
+            Generation::new(m, ids, &req)
+        })
+        .map(CoreStream::new)
     }
 }
 
@@ -337,6 +363,12 @@ fn output_dict<'py>(py: Python<'py>, o: StepOutput) -> PyResult<Bound<'py, PyDic
         d.set_item("step", py.None())?;
     }
     Ok(d)
+}
+
+impl CoreStream {
+    fn new(g: Generation) -> Self {
+        CoreStream { generation: Mutex::new(Some(g)), cancelled: AtomicBool::new(false) }
+    }
 }
 
 #[pymethods]

@@ -1,11 +1,12 @@
 //! Qwen2 / Qwen3 / Qwen3-MoE decoder, batch 1, written for block-diffusion decoding:
 //! a forward takes a window of W tokens at absolute positions [P, P+W) over a KV cache holding P committed
-//! tokens, an explicit additive attention mask, and the rows whose logits are wanted.
+//! tokens, the block grid that says which keys each query sees, and the rows whose logits are wanted.
 //! The window's own K/V are written after the committed prefix (scratch); `KvCache::commit` keeps them.
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
+use crate::mask::BlockGrid;
 use crate::skinny::Kernels;
 use crate::weights::Weights;
 use candle_core::{DType, Device, Tensor};
@@ -249,12 +250,12 @@ impl QwenModel {
     }
 
     /// Forward a window of tokens at positions [cache.len(), cache.len() + ids.len()).
-    /// `mask`: optional additive mask, row-major (W, P + W), f32 (None = every query sees every key).
+    /// `grid`: which keys each query sees (the additive mask is built from it, per query chunk).
     /// `rows`: window rows whose logits are returned (None = all). Returns (rows, vocab) f32 logits.
     /// The window's K/V are left in the cache's scratch area; `cache.commit(n)` keeps the first n.
     /// Run it on the engine's CPU pool on the CPU (`cpu_pool::on_device_pool`); ids are in the vocabulary
     /// (the caller checked them: `request::token_ids`).
-    pub fn forward(&self, cache: &mut KvCache, ids: &[u32], mask: Option<&[f32]>, rows: Option<&[usize]>) -> Result<Tensor> {
+    pub fn forward(&self, cache: &mut KvCache, ids: &[u32], grid: &BlockGrid, rows: Option<&[usize]>) -> Result<Tensor> {
         let w = ids.len();
         if w == 0 {
             return Err(Error::Internal("empty window".into()));
@@ -262,15 +263,16 @@ impl QwenModel {
         debug_assert!(ids.iter().all(|&t| (t as usize) < self.cfg.vocab_size));
         let p = cache.len();
         let s = p + w;
-        if let Some(m) = mask {
-            if m.len() != w * s {
-                return Err(Error::Internal(format!("mask has {} entries, expected {w}x{s}", m.len())));
-            }
-        }
         if let Some(r) = rows {
             if let Some(&bad) = r.iter().find(|&&i| i >= w) {
                 return Err(Error::Internal(format!("logits row {bad} is outside the window of {w} tokens")));
             }
+        }
+        if w > LARGE_WINDOW {
+            // f32 activations alive at once, about: the residual, a norm, q/k/v/o and three MLP rows per position
+            let c = &self.cfg;
+            let per_row = 4 * (3 * c.hidden_size + 2 * c.num_attention_heads * c.head_dim + 3 * c.intermediate_size);
+            crate::util::check_alloc(per_row.saturating_mul(w), || format!("activations of a {w}-position forward"))?;
         }
         cache.begin_window(w)?;
         let dev = &self.device;
@@ -279,15 +281,12 @@ impl QwenModel {
         let freqs = Tensor::from_vec(pos, (w, 1), dev)?.broadcast_mul(&self.inv_freq)?;
         let cos = freqs.cos()?.to_dtype(self.dtype)?;
         let sin = freqs.sin()?.to_dtype(self.dtype)?;
-        let mask = match mask {
-            Some(m) => Some(Tensor::from_slice(m, (w, s), dev)?),
-            None => None,
-        };
+        let masks = QueryChunks::new(grid, p, w, self.cfg.num_attention_heads, self.kernels.attention_score_bytes, dev)?;
         let ids_t = Tensor::new(ids, dev)?;
         let mut x = self.embed.index_select(&ids_t, 0)?.to_dtype(self.dtype)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let hn = layer.ln1.forward(&x)?;
-            let a = layer.attn.forward(&hn, &cos, &sin, mask.as_ref(), cache, li, p, &self.kernels)?;
+            let a = layer.attn.forward(&hn, &cos, &sin, &masks, cache, li, p, &self.kernels)?;
             x = (x + a)?;
             let hn = layer.ln2.forward(&x)?;
             let f = match &layer.ffn {
@@ -308,6 +307,46 @@ impl QwenModel {
     }
 }
 
+/// Windows longer than this check that their activations can be allocated before computing.
+const LARGE_WINDOW: usize = 4096;
+
+/// The query chunks of one forward and their additive masks: one chunk (the mask built once) unless the scores
+/// of the whole window exceed `Kernels::attention_score_bytes`, then chunks whose masks are built when used.
+struct QueryChunks<'a> {
+    grid: &'a BlockGrid,
+    p: usize,
+    w: usize,
+    rows: usize,
+    whole: Option<Tensor>,
+    device: Device,
+}
+
+impl<'a> QueryChunks<'a> {
+    fn new(grid: &'a BlockGrid, p: usize, w: usize, heads: usize, score_bytes: usize, device: &Device) -> Result<Self> {
+        let s = p + w;
+        let rows = (score_bytes / (4 * heads * s).max(1)).clamp(1, w);
+        let whole = if rows == w { Self::mask(grid, p, w, s, device)? } else { None };
+        Ok(QueryChunks { grid, p, w, rows, whole, device: device.clone() })
+    }
+
+    fn mask(grid: &BlockGrid, q0: usize, n: usize, s: usize, device: &Device) -> Result<Option<Tensor>> {
+        Ok(match grid.additive_mask_rows(q0, n, s) {
+            Some(m) => Some(Tensor::from_vec(m, (n, s), device)?),
+            None => None,
+        })
+    }
+
+    /// (first row, rows, mask) of each chunk.
+    fn each(&self) -> impl Iterator<Item = Result<(usize, usize, Option<Tensor>)>> + '_ {
+        let s = self.p + self.w;
+        (0..self.w).step_by(self.rows).map(move |r0| {
+            let n = self.rows.min(self.w - r0);
+            let mask = if n == self.w { self.whole.clone() } else { Self::mask(self.grid, self.p + r0, n, s, &self.device)? };
+            Ok((r0, n, mask))
+        })
+    }
+}
+
 impl Attention {
     #[allow(clippy::too_many_arguments)]
     fn forward(
@@ -315,7 +354,7 @@ impl Attention {
         x: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
-        mask: Option<&Tensor>,
+        chunks: &QueryChunks,
         cache: &mut KvCache,
         layer: usize,
         p: usize,
@@ -342,18 +381,25 @@ impl Attention {
         let (kk, vv) = cache.write_window(layer, &k, &v, p)?;
         let s = p + w;
         let n_rep = nh / nkv;
-        // GQA without repeating K/V: the n_rep query heads of a group are adjacent, so fold them into rows.
-        let q = q.reshape((nkv, n_rep * w, d))?;
         let scale = 1.0 / (d as f64).sqrt();
-        let att = q.to_dtype(DType::F32)?.matmul(&kk.to_dtype(DType::F32)?.t()?)?.affine(scale, 0.0)?;
-        let att = att.reshape((nkv, n_rep, w, s))?;
-        let att = match mask {
-            Some(m) => att.broadcast_add(m)?,
-            None => att,
-        };
-        let att = candle_nn::ops::softmax_last_dim(&att)?.to_dtype(vv.dtype())?;
-        let y = att.reshape((nkv, n_rep * w, s))?.matmul(&vv)?; // (nkv, n_rep*w, d)
-        let y = y.reshape((nh, w, d))?.transpose(0, 1)?.reshape((w, nh * d))?;
+        let kt = kk.to_dtype(DType::F32)?.t()?;
+        let q = q.to_dtype(DType::F32)?;
+        let mut ys = Vec::with_capacity(1);
+        for chunk in chunks.each() {
+            let (r0, n, mask) = chunk?;
+            let qc = if n == w { q.clone() } else { q.narrow(1, r0, n)?.contiguous()? };
+            // GQA without repeating K/V: the n_rep query heads of a group are adjacent, so fold them into rows.
+            let att = qc.reshape((nkv, n_rep * n, d))?.matmul(&kt)?.affine(scale, 0.0)?;
+            let att = att.reshape((nkv, n_rep, n, s))?;
+            let att = match mask {
+                Some(m) => att.broadcast_add(&m)?,
+                None => att,
+            };
+            let att = candle_nn::ops::softmax_last_dim(&att)?.to_dtype(vv.dtype())?;
+            ys.push(att.reshape((nkv, n_rep * n, s))?.matmul(&vv)?.reshape((nh, n, d))?); // (nh, n, d)
+        }
+        let y = if ys.len() == 1 { ys.pop().expect("one chunk") } else { Tensor::cat(&ys, 1)? };
+        let y = y.transpose(0, 1)?.reshape((w, nh * d))?;
         self.o.forward(&y, kn)
     }
 }
