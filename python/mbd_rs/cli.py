@@ -228,6 +228,17 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return serve(a)
 
 
+def _int_in(lo: int, hi: int) -> Any:
+    """An argparse type: an integer in [lo, hi] (argparse turns the ValueError into a usage error, exit 2)."""
+    def parse(text: str) -> int:
+        v = int(text)
+        if not lo <= v <= hi:
+            raise ValueError(f"{v} is not between {lo} and {hi}")
+        return v
+    parse.__name__ = f"integer in [{lo}, {hi}]"
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mbd-rs", description="Block-diffusion LLM inference (SDAR, TraDo, Fast-dLLM v2, Dream) on Qwen2/Qwen3")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -245,15 +256,18 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("model_path", nargs="?", default=None)
     _add_model_flags(i)
     b = sub.add_parser("bench", help="time generation on a model")
-    b.add_argument("--prompt-len", type=int, default=32)
-    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--prompt-len", type=_int_in(1, 1 << 20), default=32)
+    b.add_argument("--repeats", type=_int_in(1, 10_000), default=3)
     _add_model_flags(b)
     _add_gen_flags(b)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=_int_in(1, 65535), default=8000)
     s.add_argument("--api-key", default=None)
-    s.add_argument("--max-concurrency", type=int, default=4)
+    s.add_argument("--max-concurrency", type=_int_in(1, 1 << 16), default=4,
+                   help="live generations at once; more get 503 (default: 4)")
+    s.add_argument("--max-body-bytes", type=_int_in(1024, 1 << 30), default=4 << 20,
+                   help="largest request body accepted; larger get 413 (default: 4 MiB)")
     s.add_argument("--model-name", default=None)
     _add_model_flags(s)
     return ap

@@ -131,7 +131,7 @@ def _messages_json(messages: Sequence[Message]) -> str:
     if isinstance(messages, (str, bytes)):
         raise InvalidRequestError("messages must be a list of {'role': ..., 'content': ...} dicts, got a string")
     try:
-        return json.dumps(list(messages))
+        return json.dumps(list(messages), ensure_ascii=False)
     except (TypeError, ValueError, RecursionError) as e:
         raise InvalidRequestError(f"messages must be JSON-serialisable dicts: {e}") from None
 

@@ -4,6 +4,10 @@ Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/comp
 as server-sent events in OpenAI's chunk format. Diffusion knobs are accepted as extra body fields.
 Generation steps run in worker threads (the engine releases the GIL); a client that disconnects mid-stream
 cancels its generation and frees its slot; at `max_concurrency` live generations new requests get 503.
+
+Limits: bodies must be `application/json` (so a web page cannot post to a local server without CORS) and at most
+`max_body_bytes`; the whole body is validated before a generation slot is taken, and the slot is released on
+every path (finish, error, cancel, disconnect). Fields we do not support are refused with 400, never ignored.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from typing import Any
 
 import anyio
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -26,11 +31,21 @@ from .engine import GENERATION_PARAMS, Engine, Stream
 from .errors import ContextLengthError, InvalidRequestError, MbdError
 from .types import Usage
 
-# OpenAI body fields we read (besides model / prompt / messages / stream).
-_STANDARD = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options",
-             "model", "prompt", "messages", "n", "user", "logprobs", "echo", "presence_penalty", "frequency_penalty",
-             "logit_bias", "top_logprobs", "response_format", "suffix", "best_of"}
-_EXTENSIONS = set(GENERATION_PARAMS) - {"trace", "max_tokens", "temperature", "top_p", "stop", "seed"}
+# OpenAI body fields passed to the engine as generation parameters, and the server's own fields.
+_OPENAI_PARAMS = {"max_tokens", "temperature", "top_p", "stop", "seed"}
+_OWN = {"model", "prompt", "messages", "stream", "stream_options", "max_completion_tokens", "n", "user"}
+# OpenAI fields we do not support yet, with the values that mean "off" (sent by many clients by default).
+_UNSUPPORTED_UNLESS = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
+                       "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+                       "suffix": (None, ""), "best_of": (None, 1), "response_format": (None, {"type": "text"})}
+# Diffusion knobs and the rest of the engine's parameters, accepted as extra body fields.
+_EXTENSIONS = set(GENERATION_PARAMS) - {"trace"} - _OPENAI_PARAMS
+#: Default cap on a request body.
+MAX_BODY_BYTES = 4 << 20
+
+
+class _BodyTooLarge(Exception):
+    pass
 
 
 def _error(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
@@ -44,20 +59,71 @@ class _Slots:
         self.active = 0
         self._lock = threading.Lock()
 
-    def try_acquire(self) -> bool:
+    def try_acquire(self) -> "_Lease | None":
         with self._lock:
             if self.active >= self.capacity:
-                return False
+                return None
             self.active += 1
-            return True
+            return _Lease(self)
 
-    def release(self) -> None:
+    def _release(self) -> None:
         with self._lock:
             self.active -= 1
 
 
+class _Lease:
+    """One generation's slot: `release` frees it once, however many paths call it."""
+
+    def __init__(self, slots: _Slots):
+        self._slots: _Slots | None = slots
+        self.stream: Stream | None = None
+
+    def release(self) -> None:
+        slots, self._slots = self._slots, None
+        if slots is not None:
+            if self.stream is not None:
+                self.stream.cancel()
+                self.stream.close()  # frees the KV cache now
+            slots._release()
+
+
+def _body_params(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any], Any]:
+    """Validate the whole body (before any slot is taken): the engine's parameters and the prompt or messages.
+    Parameter values are checked by the engine; this checks the shape of the OpenAI fields."""
+    unknown = sorted(set(body) - _OWN - _OPENAI_PARAMS - _EXTENSIONS - set(_UNSUPPORTED_UNLESS))
+    if unknown:
+        raise InvalidRequestError(f"unknown request field(s) {unknown}")
+    for k, off in _UNSUPPORTED_UNLESS.items():
+        if k in body and not any(body[k] == v and isinstance(body[k], bool) == isinstance(v, bool) for v in off):
+            raise InvalidRequestError(f"{k} is not supported by this server (got {json.dumps(body[k])[:80]})")
+    if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
+        raise InvalidRequestError("n must be 1 (one completion per request)")
+    if not isinstance(body.get("stream", False), bool):
+        raise InvalidRequestError("stream must be true or false")
+    so = body.get("stream_options")
+    if so is not None and not (isinstance(so, dict) and set(so) <= {"include_usage"}
+                               and isinstance(so.get("include_usage", False), bool)):
+        raise InvalidRequestError("stream_options must be an object like {\"include_usage\": true}")
+    if not isinstance(body.get("user", ""), str):
+        raise InvalidRequestError("user must be a string")
+    p = {k: body[k] for k in _EXTENSIONS | _OPENAI_PARAMS if body.get(k) is not None}
+    if body.get("max_completion_tokens") is not None:
+        p["max_tokens"] = body["max_completion_tokens"]
+    if chat:
+        prompt = body.get("messages")
+        if not isinstance(prompt, list) or not prompt:
+            raise InvalidRequestError("messages must be a non-empty list")
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, (str, list)):
+            raise InvalidRequestError("prompt must be a string or a list of token ids")
+    return p, prompt
+
+
 def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | None = None,
-               max_concurrency: int = 4) -> Starlette:
+               max_concurrency: int = 4, max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
     name = model_name or os.path.basename(os.path.normpath(engine.info.path))
     slots = _Slots(max_concurrency)
     created = int(time.time())
@@ -69,20 +135,18 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
             return _error(401, "invalid or missing API key", "invalid_request_error", code="invalid_api_key")
         return None
 
-    def params_from(body: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(body) - _STANDARD - _EXTENSIONS)
-        if unknown:
-            raise InvalidRequestError(f"unknown request field(s) {unknown}")
-        if body.get("n", 1) != 1:
-            raise InvalidRequestError("n must be 1 (one completion per request)")
-        p = {k: body[k] for k in _EXTENSIONS if body.get(k) is not None}
-        mt = body.get("max_completion_tokens", body.get("max_tokens"))
-        if mt is not None:
-            p["max_tokens"] = mt
-        for k in ("temperature", "top_p", "stop", "seed"):
-            if body.get(k) is not None:
-                p[k] = body[k]
-        return p
+    async def read_json(request: Request) -> Any:
+        if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+            raise InvalidRequestError("the request body must be JSON with Content-Type: application/json")
+        raw = bytearray()
+        async for piece in request.stream():
+            raw += piece
+            if len(raw) > max_body_bytes:
+                raise _BodyTooLarge(f"request body is over this server's limit of {max_body_bytes} bytes")
+        try:
+            return await anyio.to_thread.run_sync(json.loads, bytes(raw))  # large bodies parse off the event loop
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            raise InvalidRequestError("request body is not valid JSON") from None
 
     async def health(request: Request) -> JSONResponse:
         if (r := check_auth(request)) is not None:
@@ -97,55 +161,47 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
     async def handle(request: Request, chat: bool) -> Response:
         if (r := check_auth(request)) is not None:
             return r
+        lease = None
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "request body is not valid JSON")
-        if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object")
-        if body.get("model") not in (None, name):
-            return _error(404, f"model '{body.get('model')}' does not exist; this server serves '{name}'", code="model_not_found")
-        try:
-            params = params_from(body)
-            if chat:
-                msgs = body.get("messages")
-                if not isinstance(msgs, list) or not msgs:
-                    raise InvalidRequestError("messages must be a non-empty list")
-                start = lambda: engine.stream_chat(msgs, **params)  # noqa: E731
-            else:
-                prompt = body.get("prompt")
-                if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                    prompt = prompt[0]
-                if not isinstance(prompt, (str, list)):
-                    raise InvalidRequestError("prompt must be a string or a list of token ids")
-                start = lambda: engine.stream(prompt, **params)  # noqa: E731
-            if not slots.try_acquire():
+            body = await read_json(request)
+            if not isinstance(body, dict):
+                raise InvalidRequestError("request body must be a JSON object")
+            if body.get("model") not in (None, name):
+                return _error(404, f"model '{body.get('model')}' does not exist; this server serves '{name}'",
+                              code="model_not_found")
+            params, prompt = _body_params(body, chat)
+            lease = slots.try_acquire()
+            if lease is None:
                 return _error(503, f"server is at its limit of {slots.capacity} concurrent generations; retry later",
                               "server_error", code="server_busy")
-            try:
-                stream = await anyio.to_thread.run_sync(start)
-            except BaseException:
-                slots.release()
-                raise
+            start = (lambda: engine.stream_chat(prompt, **params)) if chat else (lambda: engine.stream(prompt, **params))
+            lease.stream = stream = await anyio.to_thread.run_sync(start)
+            rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+            if body.get("stream"):
+                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                # the lease is released by the stream's end, or after the response if the client left first
+                response: Response = StreamingResponse(sse(stream, rid, chat, include_usage, lease),
+                                                       media_type="text/event-stream",
+                                                       headers={"Cache-Control": "no-cache"},
+                                                       background=BackgroundTask(lease.release))
+                lease = None
+                return response
+            comp = await anyio.to_thread.run_sync(stream.result)
+        except _BodyTooLarge as e:
+            return _error(413, str(e))
         except ContextLengthError as e:
             return _error(400, str(e), code="context_length_exceeded")
         except (InvalidRequestError, TypeError) as e:
             return _error(400, str(e))
         except MbdError as e:
             return _error(500, str(e), "server_error")
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(sse(stream, rid, chat, include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        try:
-            comp = await anyio.to_thread.run_sync(stream.result)
         finally:
-            slots.release()
+            if lease is not None:
+                lease.release()
         usage = usage_json(comp.usage)
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": comp.text}, "finish_reason": comp.finish_reason,
-                      "logprobs": None}
+            choice = {"index": 0, "message": {"role": "assistant", "content": comp.text},
+                      "finish_reason": comp.finish_reason, "logprobs": None}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": comp.text, "finish_reason": comp.finish_reason, "logprobs": None}
@@ -157,7 +213,7 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
         return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens,
                 "forward_passes": u.forward_passes, "tokens_per_forward": u.tokens_per_forward}
 
-    async def sse(stream: Stream, rid: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    async def sse(stream: Stream, rid: str, chat: bool, include_usage: bool, lease: _Lease) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         now = int(time.time())
 
@@ -173,7 +229,6 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
                 return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
 
-        finished = False
         try:
             if chat:
                 yield event([choice("", role=True)])
@@ -184,15 +239,12 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
                 if ch.text or ch.finish_reason:
                     yield event([choice(ch.text, ch.finish_reason)])
                 if ch.finish_reason:
-                    finished = True
                     if include_usage:
                         assert ch.usage is not None  # the last chunk carries usage
                         yield event([], usage_json(ch.usage))
             yield "data: [DONE]\n\n"
         finally:
-            if not finished:
-                stream.cancel()  # client went away: stop decoding at the next step
-            slots.release()
+            lease.release()  # cancels the generation first if the client went away mid-stream
 
     async def completions(request: Request) -> Response:
         return await handle(request, chat=False)
@@ -214,7 +266,8 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     eng = Engine.load(args.model, device=args.device, dtype=args.dtype)
-    app = create_app(eng, model_name=args.model_name, api_key=args.api_key, max_concurrency=args.max_concurrency)
+    app = create_app(eng, model_name=args.model_name, api_key=args.api_key, max_concurrency=args.max_concurrency,
+                     max_body_bytes=args.max_body_bytes)
     print(f"mbd-rs: serving {eng.info.path} as '{args.model_name or os.path.basename(os.path.normpath(eng.info.path))}' "
           f"on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -153,6 +153,10 @@ fn to_value(name: &str, kind: ParamKind, v: &Bound<'_, PyAny>) -> PyResult<Value
     })
 }
 
+fn messages_value(json: &str) -> mbd_core::Result<serde_json::Value> {
+    serde_json::from_str(json).map_err(|e| Error::invalid(format!("messages: not valid JSON: {e}")))
+}
+
 /// Build a request from a dict of Python values (None = the default).
 fn request<R: Params>(params: Option<&Bound<'_, PyDict>>) -> PyResult<R> {
     let mut r = R::default();
@@ -274,10 +278,11 @@ impl CoreModel {
 
     /// Render chat messages (JSON text of a list of {role, content}) with the model's template.
     #[pyo3(signature = (messages_json, add_generation_prompt=true, extra_json=None))]
-    fn apply_chat_template(&self, py: Python<'_>, messages_json: String, add_generation_prompt: bool, extra_json: Option<String>) -> PyResult<String> {
+    fn apply_chat_template(&self, py: Python<'_>, messages_json: &Bound<'_, PyAny>, add_generation_prompt: bool, extra_json: Option<String>) -> PyResult<String> {
+        let messages_json = string("messages", messages_json)?;
         let m = self.inner.clone();
         run(py, move || {
-            let msgs: serde_json::Value = serde_json::from_str(&messages_json).map_err(|e| Error::invalid(e.to_string()))?;
+            let msgs = messages_value(&messages_json)?;
             let extra = match extra_json {
                 Some(e) => serde_json::from_str(&e).map_err(|e| Error::invalid(e.to_string()))?,
                 None => serde_json::Value::Null,
@@ -310,11 +315,12 @@ impl CoreModel {
     /// Start a generation answering chat `messages` (JSON text of a list of {role, content}), rendered with the
     /// model's template; contents stay text unless `special_tokens_in_content`.
     #[pyo3(signature = (messages_json, params=None, special_tokens_in_content=false))]
-    fn start_chat(&self, py: Python<'_>, messages_json: String, params: Option<&Bound<'_, PyDict>>, special_tokens_in_content: bool) -> PyResult<CoreStream> {
+    fn start_chat(&self, py: Python<'_>, messages_json: &Bound<'_, PyAny>, params: Option<&Bound<'_, PyDict>>, special_tokens_in_content: bool) -> PyResult<CoreStream> {
+        let messages_json = string("messages", messages_json)?;
         let req: GenRequest = request(params)?;
         let m = self.inner.clone();
         run(py, move || {
-            let msgs: serde_json::Value = serde_json::from_str(&messages_json).map_err(|e| Error::invalid(e.to_string()))?;
+            let msgs = messages_value(&messages_json)?;
             let ids = m.chat_prompt_ids(&msgs, &serde_json::Value::Null, special_tokens_in_content)?;
             Generation::new(m, ids, &req)
         })
