@@ -59,8 +59,9 @@ impl TextStream {
         TextStream { stop: stop.into_iter().filter(|s| !s.is_empty()).collect(), emitted: 0, text: String::new() }
     }
 
-    /// All text emitted so far.
-    pub fn emitted_text(&self) -> &str {
+    /// All text emitted so far (tests).
+    #[cfg(test)]
+    fn emitted_text(&self) -> &str {
         &self.text[..self.emitted]
     }
 
