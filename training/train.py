@@ -1,0 +1,692 @@
+"""Train the small block-diffusion checkpoints of mbd-rs, one per supported family, on the task families of
+training/tasks.py (same generator, same held-out split: a prompt is held out iff the sum of its character codes
+is a multiple of 7). One seeded script; the device is picked automatically (CUDA when available).
+
+    --family tiny          mbd-tiny v2, the embedded default. SDAR layout exactly as v1: Qwen3 weights,
+                           `"mbd_family": "mbd-tiny"`, block-causal attention aligned at absolute position 0,
+                           UNSHIFTED logits (position i predicts token i), `mask_token_id` and `block_size` in
+                           config.json, v1's tokenizer (ids 0..3 = <|endoftext|> <|im_start|> <|im_end|> <|mask|>)
+                           and chat template.
+    --family dream         Dream-style twin: Qwen2 weights (q/k/v bias, untied head), config.json with
+                           `architectures ["DreamModel"]`, `model_type "Dream"`, `mask_token_id` (as Dream's config
+                           has; our loader reads the Dream mask id from config.json only), FULL bidirectional
+                           attention, SHIFTED logits (position i predicts token i+1). Mask token `<|mask|>` is the
+                           LAST vocabulary entry (id 99), as Dream's 151666 sits after the Qwen specials.
+    --family fast_dllm_v2  Fast-dLLM-v2-style twin: Qwen2 weights (untied head), `architectures
+                           ["Fast_dLLM_QwenForCausalLM"]`, `model_type "Fast_dLLM_Qwen"`, `bd_size`,
+                           `conplemenrary_mask: true` (sic, as the real config), NO mask_token_id in config.json:
+                           the mask is the tokenizer token `|<MASK>|` (id 99, last), found by name as the real
+                           checkpoint's 151665. Block-causal aligned at 0, SHIFTED logits. eos = pad = <|im_end|>.
+
+Every output directory is a genuine HF checkpoint: Qwen3ForCausalLM / Qwen2ForCausalLM load its
+model.safetensors with no missing or unexpected keys (`--check DIR` verifies it). Weights are stored in bf16.
+
+Objectives (all cross-entropy on masked answer positions; the prompt is never masked; the "answer" region is
+answer ++ <|im_end|> ++ pad tokens up to a per-sample canvas end, so the model learns to stop):
+  d2f   one noisy sequence under block-causal attention (query p sees key q iff q//B <= p//B); every answer block k
+        gets its own mask ratio t_k ~ U(0.001, 1], sorted ascending along the sequence in half of the samples
+        (D2F's progressive noise). Earlier blocks are noisy too, as in multi-block decoding. (v1's objective.)
+  bd3   noisy ++ clean copy (2L positions, both with position ids 0..L-1): a noisy query in block b sees the noisy
+        keys of block b and the clean keys of blocks < b; a clean query sees clean keys of blocks <= b
+        (BD3-LM / SDAR / Fast-dLLM v2 training: blocks are denoised with a clean left context, as in
+        single-block semi-AR decoding). Per-block ratios t_k ~ U(0.001, 1].
+  bd3c  bd3 with complementary masks (Fast-dLLM v2): every sample appears twice in the batch, masked with m and with
+        its complement (within the answer), so every answer token is supervised exactly once per pair.
+  dream one noisy sequence under FULL attention, one ratio t ~ U(0.001, 1] per sample (stratified over the batch)
+        over the whole answer region, loss weighted by 1/t and normalised by the number of answer tokens (the
+        masked-diffusion ELBO that Dream and LLaDA train with; Dream's CART re-weighting is not used).
+With shifted logits (dream, fast_dllm_v2) the target at position p is read from the logit at p-1. In bd3/bd3c the
+first position of a block is predicted from the CLEAN copy's last position of the previous block (at inference that
+logit comes from the committed previous block, the "carry" row); the other positions from the noisy p-1.
+
+Mixtures (per batch, seeded; block size B per batch):
+  tiny          objective d2f 3/4, bd3 1/4;  B from {1:1, 2:1, 4:3, 8:2, 16:1} (B=1 is autoregressive)
+  dream         objective dream;              (no blocks)
+  fast_dllm_v2  objective bd3c 3/4, d2f 1/4;  B from {8:3, 4:1}, config bd_size 8. The d2f quarter (noisy earlier
+                blocks) and the B=4 batches are our additions so that multi-block decoding and block_size=4 are
+                in distribution; real Fast-dLLM v2 trains bd3c at bd_size only.
+Tasks (weights): sort 1, reverse 1, repeat 1, hello 0.5, add 2, count 2 (add and count are the hard ones).
+Canvas: prompt ++ answer ++ <|im_end|> ++ pad, cut at prompt + answer + 1 + U{0..16} tokens (the engine's canvas is
+prompt + max_tokens, so the model sees canvases of varying length); for dream (full attention: every trailing
+mask is seen) the answer region is U{answer + 1..48} positions long, as max_tokens up to 48 gives. Batches of --batch sequences (48 on CPU) are
+packed first-fit-decreasing into rows of 96 positions: position ids restart at 0 in every sequence (so block grids
+stay aligned at each sequence's position 0) and attention never crosses sequences (no padding compute).
+Optimiser: AdamW (0.9, 0.98), weight decay 0.01, grad-norm clip 1.0, linear warm-up 100 steps then cosine to 0
+over --steps; seeds: torch 0, data random.Random(0) (+ --seed).
+
+Commands (from the repository root; developer tool, not a runtime dependency):
+    python3 -m venv /tmp/devenv && /tmp/devenv/bin/pip install torch transformers tokenizers safetensors numpy
+    /tmp/devenv/bin/python training/train.py --family tiny --out /work/trained/mbd-tiny-v2 --steps 2000 --threads 1
+    /tmp/devenv/bin/python training/train.py --family dream --out /work/trained/mbd-dream-tiny --steps 2000
+    /tmp/devenv/bin/python training/train.py --family fast_dllm_v2 --out /work/trained/mbd-fdv2-tiny --steps 2000
+    /tmp/devenv/bin/python training/train.py --check /work/trained/mbd-tiny-v2      # HF load + reference decode
+    nohup bash training/cpu_run.sh > /work/trained/cpu_run.log 2>&1 &   # all three on CPU, ~110 min, --minutes
+    bash training/gpu_run.sh                                             # all three on a GPU (writes to $OUT)
+Sizes: tiny 4.62M parameters (hidden 256, 7 layers, 8 heads / 2 KV x 32, MLP 640, tied; 9.2 MB bf16); the twins
+1.64M each (hidden 192, 5 layers, 6 heads / 2 KV x 32, MLP 384, untied head as the 7B originals).
+--resume continues from OUT/train_state.pt (model, optimiser, data RNG) up to the new --steps (the cosine schedule
+is recomputed for the new total). A checkpoint (HF dir + train_state.pt + README.md card) is written every
+--save-every steps / --save-minutes minutes, so partial progress is usable. OUT/train.log has the loss curve.
+v1 (the 2.6M model shipped before) was trained by training/train_tiny.py, kept unchanged for reproducibility.
+"""
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer, decoders, models
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tasks import CHAT_TEMPLATE, TASKS, render, sample  # noqa: E402
+
+CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
+MAX_POS = 256
+EXTRA_PAD = 16           # block-causal families: canvas = prompt + answer + <|im_end|> + U{0..EXTRA_PAD} pads
+DREAM_CANVAS = 48        # dream: answer region (answer + <|im_end|> + pads) ~ U{len(answer)+1..48} positions
+TASK_WEIGHTS = {"sort": 1.0, "reverse": 1.0, "repeat": 1.0, "hello": 0.5, "add": 2.0, "count": 2.0}
+T_EPS = 1e-3
+
+FAMILIES = {
+    "tiny": dict(
+        arch="qwen3", hidden=256, layers=7, heads=8, kv_heads=2, head_dim=32, inter=640, tie=True,
+        specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"], mask_str="<|mask|>", mask_last=False,
+        pad="<|endoftext|>", shift=False, objectives={"d2f": 3, "bd3": 1}, blocks={1: 1, 2: 1, 4: 3, 8: 2, 16: 1},
+        eval_block=4, name="mbd-tiny v2"),
+    "dream": dict(
+        arch="qwen2", hidden=192, layers=5, heads=6, kv_heads=2, head_dim=32, inter=384, tie=False,
+        specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], mask_str="<|mask|>", mask_last=True,
+        pad="<|endoftext|>", shift=True, objectives={"dream": 1}, blocks={8: 1}, eval_block=8,
+        name="mbd-dream-tiny (Dream-style twin)"),
+    "fast_dllm_v2": dict(
+        arch="qwen2", hidden=192, layers=5, heads=6, kv_heads=2, head_dim=32, inter=384, tie=False,
+        specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], mask_str="|<MASK>|", mask_last=True,
+        pad="<|im_end|>", shift=True, objectives={"bd3c": 3, "d2f": 1}, blocks={8: 3, 4: 1}, eval_block=8, bd_size=8,
+        name="mbd-fdv2-tiny (Fast-dLLM-v2-style twin)"),
+}
+
+
+# ----------------------------------------------------------------------------------------------------- tokenizer
+def make_tokenizer(spec):
+    """Character-level: the specials, the 95 printable ASCII characters and newline (v1's 100-token vocabulary for
+    the tiny family; the twins put their mask token last instead of at id 3)."""
+    specials = spec["specials"] + ([spec["mask_str"]] if spec["mask_last"] else [])
+    toks = spec["specials"] + CHARS + ([spec["mask_str"]] if spec["mask_last"] else [])
+    vocab = {t: i for i, t in enumerate(toks)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
+    tok.add_special_tokens(specials)
+    tok.decoder = decoders.Fuse()
+    return tok
+
+
+class Ids:
+    def __init__(self, tok, spec):
+        self.tok = tok
+        self.endoftext = tok.token_to_id("<|endoftext|>")
+        self.im_start = tok.token_to_id("<|im_start|>")
+        self.im_end = tok.token_to_id("<|im_end|>")
+        self.mask = tok.token_to_id(spec["mask_str"])
+        self.pad = tok.token_to_id(spec["pad"])
+        self.eos = sorted({self.im_end, self.endoftext})
+        self.vocab = tok.get_vocab_size()
+
+    def encode(self, text):
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+
+# ---------------------------------------------------------------------------------------------------------- data
+def pick(r, weights):
+    keys = list(weights)
+    return r.choices(keys, weights=[weights[k] for k in keys])[0]
+
+
+def draw_samples(r, ids, n, full=False):
+    """n training instances: (prompt ids, target ids = answer ++ <|im_end|> ++ pads up to the canvas end).
+    full (full attention): every position of the canvas is seen, so the canvas spans what max_tokens does at
+    inference (up to DREAM_CANVAS), not just a few pads past the answer."""
+    out = []
+    for _ in range(n):
+        _, p, a = sample(r, held_out=False, task=pick(r, TASK_WEIGHTS))
+        pr = ids.encode(render(p))
+        an = ids.encode(a) + [ids.im_end]
+        extra = r.randint(0, max(0, DREAM_CANVAS - len(an))) if full else r.randint(0, EXTRA_PAD)
+        an = an + [ids.pad] * extra
+        out.append((pr, an))
+    return out
+
+
+def block_t(g, nblocks, sort):
+    t = T_EPS + (1 - T_EPS) * torch.rand((nblocks,), generator=g)
+    return t.sort().values if sort else t
+
+
+def noise(r, g, samples, obj, B):
+    """Decide every sample's masked positions before packing. Returns a list of
+    (tokens, lp, masked bool tensor, per-token loss weight or None); bd3c returns each sample twice (m, complement)."""
+    out = []
+    if obj == "dream":
+        n = len(samples)
+        u0 = torch.rand((), generator=g)
+        ts = T_EPS + (1 - T_EPS) * ((u0 + torch.arange(n) / n) % 1.0)             # stratified over the batch
+        ts = ts[torch.randperm(n, generator=g)]
+    for i, (p, a) in enumerate(samples):
+        toks, lp = p + a, len(p)
+        n = len(toks)
+        ans = torch.arange(n) >= lp
+        u = torch.rand((n,), generator=g)
+        if obj == "dream":
+            t = float(ts[i])
+            out.append((toks, lp, ans & (u < t), 1.0 / t))
+            continue
+        blk = torch.arange(n) // B
+        t = block_t(g, int(blk[-1]) + 1, sort=obj == "d2f" and r.random() < 0.5)
+        m = ans & (u < t[blk])
+        out.append((toks, lp, m, None))
+        if obj == "bd3c":
+            out.append((toks, lp, ans & ~m, None))
+    return out
+
+
+def pack(items, row_len):
+    """First-fit packing of samples into rows (no padding waste); position ids restart at 0 in every sample and
+    attention never crosses samples. Returns per-row lists of (offset, item)."""
+    rows = []
+    for it in items:
+        n = len(it[0])
+        for row in rows:
+            if row[0] + n <= row_len:
+                row[1].append((row[0], it))
+                row[0] += n
+                break
+        else:
+            rows.append([n, [(0, it)]])
+    return [r[1] for r in rows]
+
+
+def build(items, obj, B, shift, ids):
+    """Model inputs (ids, additive 4-D mask, position ids) and the loss selection for packed samples.
+    d2f: block-causal on one noisy copy; dream: full attention on one noisy copy; bd3/bd3c: noisy ++ clean (2R)."""
+    R = max(96, max(len(it[0]) for it in items))
+    rows = pack(sorted(items, key=lambda it: -len(it[0])), R)
+    nr = len(rows)
+    two = obj in ("bd3", "bd3c")
+    W = 2 * R if two else R
+    inp = torch.full((nr, W), ids.pad, dtype=torch.long)
+    pos = torch.zeros((nr, W), dtype=torch.long)
+    seg = torch.full((nr, W), -1, dtype=torch.long)
+    clean = torch.zeros((nr, W), dtype=torch.bool)
+    bi, rw, tg, wt = [], [], [], []
+    norm = 0
+    for k, row in enumerate(rows):
+        for j, (o, (toks, lp, m, w)) in enumerate(row):
+            n = len(toks)
+            x = torch.tensor(toks)
+            noisy = torch.where(m, torch.full_like(x, ids.mask), x)
+            inp[k, o:o + n] = noisy
+            pos[k, o:o + n] = torch.arange(n)
+            seg[k, o:o + n] = j
+            if two:
+                inp[k, R + o:R + o + n] = x
+                pos[k, R + o:R + o + n] = torch.arange(n)
+                seg[k, R + o:R + o + n] = j
+                clean[k, R + o:R + o + n] = True
+            mp = m.nonzero().flatten()
+            if shift:
+                src = o + mp - 1
+                if two:  # first position of a block: the clean copy's previous position
+                    src = torch.where(mp % B == 0, R + o + mp - 1, src)
+            else:
+                src = o + mp
+            bi.append(torch.full_like(mp, k))
+            rw.append(src)
+            tg.append(x[mp])
+            wt.append(torch.full((len(mp),), 1.0 if w is None else w))
+            norm += n - lp
+    blk = pos // B
+    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] >= 0)
+    bq, bk = blk[:, :, None], blk[:, None, :]
+    cq, ck = clean[:, :, None], clean[:, None, :]
+    if obj == "dream":
+        rule = torch.ones_like(same)
+    elif two:
+        rule = (~cq & ~ck & (bk == bq)) | (~cq & ck & (bk < bq)) | (cq & ck & (bk <= bq))
+    else:
+        rule = bk <= bq
+    allowed = (same & rule) | torch.eye(W, dtype=torch.bool)[None]
+    sel = (torch.cat(bi), torch.cat(rw), torch.cat(tg), torch.cat(wt), torch.tensor(float(norm)) if obj == "dream" else None)
+    return inp, additive(allowed), pos, sel
+
+
+def additive(allowed):
+    m = torch.zeros(allowed.shape, dtype=torch.float32)
+    m.masked_fill_(~allowed, torch.finfo(torch.float32).min)
+    return m[:, None]
+
+
+def make_batch(r, g, ids, spec, bsz):
+    """One training batch of `bsz` sequences (bd3c: bsz/2 samples, each with its complementary twin)."""
+    obj = pick(r, spec["objectives"])
+    B = pick(r, spec["blocks"])
+    n = bsz // 2 if obj == "bd3c" else bsz
+    items = noise(r, g, draw_samples(r, ids, n, full=obj == "dream"), obj, B)
+    inp, mask, posid, sel = build(items, obj, B, spec["shift"], ids)
+    return obj, B, inp, mask, posid, sel
+
+
+def loss_of(logits, sel):
+    bi, rows, tgt, w, norm = (v.to(logits.device) if v is not None else None for v in sel)
+    ce = F.cross_entropy(logits[bi, rows].float(), tgt, reduction="none")
+    if norm is None:
+        return ce.mean()
+    return (ce * w).sum() / norm
+
+
+# --------------------------------------------------------------------------------------------------------- model
+def build_model(spec, ids):
+    kw = dict(vocab_size=ids.vocab, hidden_size=spec["hidden"], intermediate_size=spec["inter"],
+              num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"], num_key_value_heads=spec["kv_heads"],
+              max_position_embeddings=MAX_POS, rope_theta=10000.0, rms_norm_eps=1e-6,
+              tie_word_embeddings=spec["tie"], pad_token_id=ids.pad, bos_token_id=ids.endoftext)
+    if spec["arch"] == "qwen3":
+        cfg = Qwen3Config(head_dim=spec["head_dim"], eos_token_id=[ids.im_end, ids.endoftext], **kw)
+        model = Qwen3ForCausalLM(cfg)
+    else:
+        assert spec["hidden"] == spec["heads"] * spec["head_dim"], "Qwen2 has no head_dim field"
+        cfg = Qwen2Config(eos_token_id=ids.im_end, **kw)
+        model = Qwen2ForCausalLM(cfg)
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+def hf_class(spec):
+    return Qwen3ForCausalLM if spec["arch"] == "qwen3" else Qwen2ForCausalLM
+
+
+def family_config(family, spec, ids, cfg):
+    """config.json as the family's real checkpoints write it (plus the Qwen fields our loader and transformers read)."""
+    cfg = dict(cfg)
+    cfg["dtype"] = "bfloat16"
+    if family == "tiny":
+        cfg.update(block_size=4, mask_token_id=ids.mask, mbd_family="mbd-tiny", mbd_tiny_version=2,
+                   eos_token_id=[ids.im_end, ids.endoftext], pad_token_id=ids.pad, bos_token_id=ids.endoftext)
+        return cfg
+    # Qwen2-based families: legacy rope fields as in the real (transformers 4.x era) configs.
+    rp = cfg.pop("rope_parameters", None) or {}
+    cfg["rope_theta"] = rp.get("rope_theta", 10000.0)
+    cfg["rope_scaling"] = None
+    if family == "dream":
+        cfg.pop("layer_types", None)
+    cfg.update(use_sliding_window=False, sliding_window=None, torch_dtype="bfloat16")
+    if family == "dream":
+        # Dream-v0 / d3LLM_Dream / DiffuCoder config.json: DreamModel, model_type "Dream", mask_token_id in config,
+        # eos = pad = bos = <|endoftext|>. (No auto_map: we ship no modeling_dream.py.)
+        cfg.update(architectures=["DreamModel"], model_type="Dream", mask_token_id=ids.mask,
+                   eos_token_id=ids.endoftext, pad_token_id=ids.endoftext, bos_token_id=ids.endoftext, use_mrope=False)
+    else:
+        # Fast_dLLM_v2_7B config.json: bd_size, conplemenrary_mask (sic), eos = pad = <|im_end|>, bos <|endoftext|>,
+        # no mask_token_id (the loader finds |<MASK>| in the tokenizer). (No auto_map either.)
+        cfg.update(architectures=["Fast_dLLM_QwenForCausalLM"], model_type="Fast_dLLM_Qwen", bd_size=spec["bd_size"],
+                   conplemenrary_mask=True, eos_token_id=ids.im_end, pad_token_id=ids.im_end, bos_token_id=ids.endoftext)
+        cfg.pop("mask_token_id", None)
+    return cfg
+
+
+def save_checkpoint(model, out, family, spec, ids):
+    """The HF directory, weights in bf16."""
+    os.makedirs(out, exist_ok=True)
+    sd = {k: v.detach().to("cpu", torch.bfloat16).clone() for k, v in model.state_dict().items()}
+    clone = hf_class(spec)(model.config)
+    clone.load_state_dict({k: v.float() for k, v in sd.items()})
+    clone.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    cpath = os.path.join(out, "config.json")
+    cfg = family_config(family, spec, ids, json.load(open(cpath)))
+    json.dump(cfg, open(cpath, "w"), indent=2, sort_keys=True)
+    ids.tok.save(os.path.join(out, "tokenizer.json"))
+    json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": spec["pad"],
+               "mask_token": spec["mask_str"], "chat_template": CHAT_TEMPLATE, "model_max_length": MAX_POS},
+              open(os.path.join(out, "tokenizer_config.json"), "w"), indent=1)
+    gen = {"bos_token_id": ids.endoftext, "eos_token_id": [ids.im_end, ids.endoftext], "pad_token_id": ids.pad}
+    if family == "fast_dllm_v2":
+        gen["eos_token_id"] = [ids.im_end]
+    json.dump(gen, open(os.path.join(out, "generation_config.json"), "w"), indent=1)
+
+
+# -------------------------------------------------------------------------------------------- reference decoding
+def canvas_mask(L, attention, B):
+    """(1, 1, L, L) additive mask; full attention is passed explicitly (None would mean causal to transformers)."""
+    pos = torch.arange(L)
+    if attention == "full":
+        return additive(torch.ones((1, L, L), dtype=torch.bool))
+    blk = pos // B
+    return additive((blk[None, :] <= blk[:, None])[None])
+
+
+def gen_blocks(lp, N, B, attention):
+    """Generation blocks as docs/decoding.md defines them (absolute grid for block-causal, prompt-aligned else)."""
+    end = lp + N
+    if attention == "block_causal":
+        first = min(end, (lp // B + 1) * B)
+        out, s = [(lp, first)], first
+    else:
+        out, s = [], lp
+    while s < end:
+        out.append((s, min(s + B, end)))
+        s += B
+    return out
+
+
+@torch.no_grad()
+def ref_generate(model, ids, shift, attention, prompt_ids, N=40, B=4, tau=None):
+    """Simple reference decoder (semi-AR, one block at a time, whole canvas recomputed each forward): in the first
+    block with masks, decode the most confident masked position (tau=None) or every position with max-prob > tau
+    (and at least the most confident one). Stops once an EOS is decoded with nothing masked before it.
+    Returns (answer text, answer token count, forwards)."""
+    dev = next(model.parameters()).device
+    lp = len(prompt_ids)
+    x = torch.tensor(prompt_ids + [ids.mask] * N, device=dev)[None]
+    decoded = [False] * N
+    am = canvas_mask(lp + N, attention, B).to(dev)
+    blocks = gen_blocks(lp, N, B, attention)
+    fwd = 0
+    eos = set(ids.eos)
+    while True:
+        masked = [lp + i for i in range(N) if not decoded[i]]
+        e = next((i for i in range(N) if decoded[i] and int(x[0, lp + i]) in eos), None)
+        if not masked or (e is not None and all(p > lp + e for p in masked)):
+            break
+        s, t_end = next(b for b in blocks if any(b[0] <= p < b[1] for p in masked))
+        cand = [p for p in masked if s <= p < t_end]
+        logits = model(x, attention_mask=am).logits[0].float()
+        fwd += 1
+        rows = torch.tensor([p - 1 if shift else p for p in cand], device=dev)
+        lg = logits[rows]
+        lg[:, ids.mask] = float("-inf")          # the mask token is never a prediction
+        conf, tok = lg.softmax(-1).max(-1)
+        acc = conf > tau if tau is not None else torch.zeros_like(conf, dtype=torch.bool)
+        acc[conf.argmax()] = True
+        for j in acc.nonzero().flatten().tolist():
+            x[0, cand[j]] = tok[j]
+            decoded[cand[j] - lp] = True
+    toks = x[0, lp:].tolist()
+    e = next((i for i in range(N) if decoded[i] and toks[i] in eos), N)
+    return ids.tok.decode(toks[:e]), e + 1, fwd
+
+
+def held_out_set(per_task, seed=1234):
+    r = random.Random(seed)
+    seen, out = set(), []
+    for task in TASKS:
+        n = tries = 0
+        while n < per_task and tries < 50 * per_task:
+            tries += 1
+            _, p, a = sample(r, held_out=True, task=task)
+            if p in seen:
+                continue
+            seen.add(p)
+            out.append((task, p, a))
+            n += 1
+    return out
+
+
+def attention_of(family):
+    return "full" if family == "dream" else "block_causal"
+
+
+def evaluate(model, family, spec, ids, per_task=20, taus=(None, 0.9)):
+    model.eval()
+    res = {}
+    data = held_out_set(per_task)
+    for tau in taus:
+        per = {t: [0, 0] for t in TASKS}
+        toks = fwd = 0
+        for task, p, a in data:
+            text, n, f = ref_generate(model, ids, spec["shift"], attention_of(family), ids.encode(render(p)),
+                                      N=40, B=spec["eval_block"], tau=tau)
+            per[task][0] += text == a
+            per[task][1] += 1
+            toks += n
+            fwd += f
+        key = "one token per forward" if tau is None else f"max-prob > {tau}"
+        res[key] = dict(accuracy=sum(v[0] for v in per.values()) / len(data), tokens_per_forward=toks / max(fwd, 1),
+                        per_task={k: v[0] / max(v[1], 1) for k, v in per.items()})
+    return dict(block_size=spec["eval_block"], instances=len(data), results=res)
+
+
+# ----------------------------------------------------------------------------------------------------- the card
+def write_card(out, family, spec, ids, st):
+    ev = st.get("eval")
+    lines = [f"# {spec['name']}", "",
+             f"Trained by `training/train.py --family {family}` (mbd-rs), seeded. Status: **{st['status']}** "
+             f"(step {st['step']} of {st['steps']}).", "",
+             "## Format",
+             f"- Weights: {'Qwen3' if spec['arch'] == 'qwen3' else 'Qwen2'} "
+             f"(`{hf_class(spec).__name__}` loads `model.safetensors` with no missing/unexpected keys), bf16, "
+             f"{st['parameters'] / 1e6:.2f}M parameters: hidden {spec['hidden']}, {spec['layers']} layers, "
+             f"{spec['heads']} heads / {spec['kv_heads']} KV heads x {spec['head_dim']}, MLP {spec['inter']}, "
+             f"{'tied' if spec['tie'] else 'untied'} head, vocabulary {ids.vocab} (characters + specials).",
+             f"- Family profile: attention {attention_of(family)}"
+             f"{', aligned at absolute position 0' if attention_of(family) != 'full' else ''}; logits "
+             f"{'shifted (position i predicts token i+1)' if spec['shift'] else 'unshifted (position i predicts token i)'}; "
+             f"mask token `{spec['mask_str']}` = {ids.mask}"
+             f"{' (tokenizer only; config.json has none, as Fast-dLLM v2)' if family == 'fast_dllm_v2' else ' (config mask_token_id)'}; "
+             f"EOS ids {ids.eos if family != 'fast_dllm_v2' else [ids.im_end]}; pad `{spec['pad']}`.",
+             "- Chat template: `<|im_start|>{role}\\n{content}<|im_end|>\\n`, generation prompt `<|im_start|>assistant\\n` "
+             "(v1's).", "",
+             "## Data",
+             "`training/tasks.py` task families (sort, reverse, add, repeat, count, hello), training split only: a prompt "
+             "is held out iff the sum of its character codes is a multiple of 7. Task weights "
+             + ", ".join(f"{k} {v}" for k, v in TASK_WEIGHTS.items()) + ". Fresh samples every step "
+             f"(about {st['step'] * st['batch']} sequences seen).", "",
+             "## Training",
+             f"Objectives {spec['objectives']} (see the docstring of training/train.py), block sizes {spec['blocks']}"
+             f"{' (unused: full attention)' if family == 'dream' else ''}. Batch {st['batch']}, AdamW lr {st['lr']} "
+             f"(warm-up 100, cosine over {st['steps']} steps"
+             f"{' or ' + str(st['minutes']) + ' minutes of wall time, whichever ends first' if st.get('minutes') else ''}), "
+             f"weight decay 0.01, clip 1.0. Steps done: {st['step']}. Device {st['device']}, "
+             f"{st['train_seconds'] / 60:.1f} min. Loss (EMA 0.98) at the last step: {st['loss_ema']:.4f}. "
+             "Loss curve: `train.log`.", "",
+             "## Results (held-out split, PyTorch reference decoder of training/train.py)"]
+    if ev:
+        lines.append(f"Block size {ev['block_size']}, {ev['instances']} held-out instances, max 40 new tokens, exact match.")
+        lines.append("")
+        lines.append("| decoding | accuracy | tokens/forward | " + " | ".join(TASKS) + " |")
+        lines.append("|---|---|---|" + "---|" * len(TASKS))
+        for k, v in ev["results"].items():
+            lines.append(f"| {k} | {100 * v['accuracy']:.1f}% | {v['tokens_per_forward']:.2f} | "
+                         + " | ".join(f"{100 * v['per_task'][t]:.0f}" for t in TASKS) + " |")
+    else:
+        lines.append("(not evaluated yet)")
+    lines += ["", "Engine results (`benches/eval_tiny.py --model DIR`): to be filled in.", ""]
+    open(os.path.join(out, "README.md"), "w").write("\n".join(lines))
+
+
+# ---------------------------------------------------------------------------------------------------- training
+class Batches(torch.utils.data.IterableDataset):
+    """Endless training batches made in DataLoader worker processes (--workers > 0, for GPUs, where building batches
+    in the training process would starve the device). Worker k draws from random.Random(seed * 1000 + k) and the
+    loader takes the workers round-robin, so a run is reproducible for a given worker count (but not resumable mid-
+    stream: a resumed run starts new streams)."""
+
+    def __init__(self, family, bsz, seed):
+        self.family, self.bsz, self.seed = family, bsz, seed
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        k = info.id if info is not None else 0
+        torch.set_num_threads(1)
+        spec = FAMILIES[self.family]
+        ids = Ids(make_tokenizer(spec), spec)
+        r = random.Random(self.seed * 1000 + k)
+        g = torch.Generator().manual_seed(self.seed * 1000 + k + 1)
+        while True:
+            yield make_batch(r, g, ids, spec, self.bsz)
+
+
+def train(args):
+    family, spec = args.family, FAMILIES[args.family]
+    dev = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.set_num_threads(args.threads)
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(args.seed)
+    r = random.Random(args.seed)
+    g = torch.Generator().manual_seed(args.seed + 1)
+    ids = Ids(make_tokenizer(spec), spec)
+    model = build_model(spec, ids).to(dev)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    os.makedirs(args.out, exist_ok=True)
+    state_path = os.path.join(args.out, "train_state.pt")
+    start, ema, t_prev = 0, None, 0.0
+    if args.resume and os.path.exists(state_path):
+        s = torch.load(state_path, map_location="cpu", weights_only=False)
+        model.load_state_dict(s["model"])
+        opt.load_state_dict(s["opt"])
+        r.setstate(s["py_rng"])
+        g.set_state(s["torch_rng"])
+        start, ema, t_prev = s["step"], s["ema"], s["train_seconds"]
+    if args.workers > 0:
+        loader = iter(torch.utils.data.DataLoader(Batches(family, args.batch, args.seed + start), batch_size=None,
+                                                  num_workers=args.workers, prefetch_factor=4, persistent_workers=True))
+        next_batch = lambda: next(loader)
+    else:
+        next_batch = lambda: make_batch(r, g, ids, spec, args.batch)
+    warm = 100
+
+    def progress(step):
+        """Fraction of the schedule done: by steps, or by wall time when --minutes is given (whichever is further)."""
+        p = step / args.steps
+        if args.minutes:
+            p = max(p, (time.time() - t0) / (60 * args.minutes))
+        return min(1.0, p)
+
+    lr_at = lambda s, p: args.lr * min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * p))
+    log = open(os.path.join(args.out, "train.log"), "a")
+
+    def say(msg):
+        print(msg, flush=True)
+        log.write(msg + "\n")
+        log.flush()
+
+    say(f"# {spec['name']}: family {family}, {n_params / 1e6:.3f}M parameters, device {dev}, threads {args.threads}, "
+        f"workers {args.workers}, batch {args.batch}, lr {args.lr}, steps {args.steps}, seed {args.seed}, start {start}")
+    t0 = time.time() - t_prev
+    last_save = time.time()
+
+    def checkpoint(step, status, do_eval):
+        st = dict(status=status, step=step, steps=args.steps, minutes=args.minutes, batch=args.batch, lr=args.lr, device=str(dev),
+                  train_seconds=time.time() - t0, loss_ema=ema if ema is not None else float("nan"), parameters=n_params,
+                  family=family, seed=args.seed)
+        if do_eval:
+            te = time.time()
+            st["eval"] = evaluate(model, family, spec, ids, per_task=args.eval_per_task)
+            model.train()
+            say(f"eval at step {step} ({time.time() - te:.0f}s): " + json.dumps(st["eval"]["results"]))
+        save_checkpoint(model, args.out, family, spec, ids)
+        torch.save(dict(model=model.state_dict(), opt=opt.state_dict(), py_rng=r.getstate(), torch_rng=g.get_state(),
+                        step=step, ema=ema, train_seconds=time.time() - t0), state_path + ".tmp")
+        os.replace(state_path + ".tmp", state_path)
+        json.dump(st, open(os.path.join(args.out, "training_log.json"), "w"), indent=1)
+        write_card(args.out, family, spec, ids, st)
+        say(f"saved {args.out} at step {step} ({status})")
+
+    model.train()
+    obj_ema = {}
+    step = start
+    while step < args.steps:
+        prog = progress(step)
+        if prog >= 1.0:
+            break
+        lr = lr_at(step, prog)
+        for pg in opt.param_groups:
+            pg["lr"] = lr
+        obj, B, inp, mask, posid, sel = next_batch()
+        logits = model(inp.to(dev), attention_mask=mask.to(dev), position_ids=posid.to(dev)).logits
+        loss = loss_of(logits, sel)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        lv = loss.item()
+        ema = lv if ema is None else 0.98 * ema + 0.02 * lv
+        obj_ema[obj] = lv if obj not in obj_ema else 0.95 * obj_ema[obj] + 0.05 * lv
+        if step % args.log_every == 0 or step == args.steps - 1:
+            say(f"step {step:6d} loss {ema:.4f} " + " ".join(f"{k} {v:.4f}" for k, v in sorted(obj_ema.items()))
+                + f" lr {lr:.2e} {time.time() - t0:8.1f}s")
+        step += 1
+        if step < args.steps and (step % args.save_every == 0 or time.time() - last_save > 60 * args.save_minutes):
+            checkpoint(step, "partial", do_eval=args.eval_partial)
+            last_save = time.time()
+    say(f"step {step:6d} loss {ema:.4f} (end of schedule) {time.time() - t0:8.1f}s")
+    checkpoint(step, "final", do_eval=True)
+    say(f"done in {time.time() - t0:.0f}s")
+
+
+# ------------------------------------------------------------------------------------------------------- check
+def check(path, per_task):
+    """transformers loads the weights with no missing/unexpected keys; the reference decoder's held-out accuracy."""
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    arch = cfg["architectures"][0]
+    family = {"DreamModel": "dream", "Fast_dLLM_QwenForCausalLM": "fast_dllm_v2"}.get(arch, "tiny")
+    spec = FAMILIES[family]
+    cls, ccls = (Qwen3ForCausalLM, Qwen3Config) if spec["arch"] == "qwen3" else (Qwen2ForCausalLM, Qwen2Config)
+    hf_cfg = ccls.from_dict({k: v for k, v in cfg.items() if k not in ("model_type", "architectures")})
+    model, info = cls.from_pretrained(path, config=hf_cfg, dtype=torch.float32, output_loading_info=True)
+    bad = {k: v for k, v in info.items() if v}
+    print(f"{path}: {cls.__name__} from_pretrained, loading info problems: {bad or 'none'}")
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    ids = Ids(tok, spec)
+    mask_cfg = cfg.get("mask_token_id")
+    print(f"family {family}: mask id config={mask_cfg} tokenizer({spec['mask_str']})={ids.mask}; eos {cfg.get('eos_token_id')}"
+          f"; block {cfg.get('block_size', cfg.get('bd_size'))}")
+    model.config._attn_implementation = "sdpa"
+    model.eval()
+    for task, p, a in held_out_set(1):
+        text, n, f = ref_generate(model, ids, spec["shift"], attention_of(family), ids.encode(render(p)), N=40,
+                                  B=spec["eval_block"], tau=0.9)
+        print(f"  {p!r} -> {text!r} ({'ok' if text == a else 'want ' + repr(a)}; {n} tokens, {f} forwards)")
+    if per_task > 0:
+        print(json.dumps(evaluate(model, family, spec, ids, per_task=per_task), indent=1))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--family", choices=list(FAMILIES))
+    ap.add_argument("--out")
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--batch", type=int, default=48)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--minutes", type=float, default=None,
+                    help="wall-time budget: the cosine schedule runs on max(step/steps, elapsed/budget) and training "
+                         "stops when it reaches 1 (--steps is then an upper bound)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
+    ap.add_argument("--workers", type=int, default=0, help="DataLoader processes building batches (GPU runs); 0: "
+                    "built in the training process from one resumable random stream")
+    ap.add_argument("--log-every", type=int, default=25)
+    ap.add_argument("--save-every", type=int, default=500)
+    ap.add_argument("--save-minutes", type=float, default=10.0)
+    ap.add_argument("--eval-partial", action="store_true", help="also evaluate at partial checkpoints")
+    ap.add_argument("--eval-per-task", type=int, default=20)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--check", metavar="DIR", help="only check a written checkpoint (HF load + reference decode)")
+    args = ap.parse_args()
+    if args.check:
+        torch.set_num_threads(args.threads)
+        check(args.check, args.eval_per_task)
+        return
+    if not args.family or not args.out:
+        ap.error("--family and --out are required for training")
+    train(args)
+
+
+if __name__ == "__main__":
+    main()
