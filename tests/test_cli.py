@@ -51,7 +51,7 @@ def test_usage_errors_exit_2(tmp_path):
 
 
 def test_info(tmp_path):
-    r = cli("info", parity_dir("qwen3moe_top1"))
+    r = cli("info", parity_dir("qwen3moe_top1"), "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["arch"] == "qwen3_moe"
     cfg = json.loads(open(parity_dir("qwen2_gqa_tied") + "/config.json").read())
     cfg["architectures"] = ["LlamaForCausalLM"]
@@ -67,3 +67,37 @@ def test_bench_runs():
     r = cli("bench", "--max-tokens", "16", "--repeats", "1", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["tokens_per_forward"] > 0
+
+
+def test_info_is_readable_and_missing_is_not_unsupported(tmp_path):
+    r = cli("info", parity_dir("qwen3moe_top1"))
+    assert r.returncode == 0
+    lines = dict(l.split(None, 1) for l in r.stdout.splitlines())
+    assert lines["family"].startswith("qwen3_moe") and "experts" in lines["family"] and lines["supported"] == "yes"
+    r = cli("info", str(tmp_path / "missing"))
+    assert r.returncode == 2 and "cannot load" in r.stderr and "not supported" not in r.stderr
+
+
+def test_version():
+    r = cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"mbd-rs {mbd_rs.__version__}"
+
+
+def test_stdin_final_newline_is_not_part_of_the_prompt():
+    want = mbd_rs.Engine.load().chat([{"role": "user", "content": "sort 3 2 1"}], max_tokens=8).text
+    r = cli("generate", "--chat", "--max-tokens", "8", stdin="sort 3 2 1\n")
+    assert r.returncode == 0 and r.stdout == want + "\n"
+
+
+def test_visual_legend_in_help():
+    r = cli("generate", "--help")
+    assert r.returncode == 0 and "'=' completed" in r.stdout and "'·' still masked" in r.stdout
+
+
+def test_chat_is_single_turn_on_the_embedded_model_and_has_reset():
+    eng = mbd_rs.Engine.load()
+    want = [eng.chat([{"role": "user", "content": q}], max_tokens=16).text for q in ("sort 3 1 2", "reverse a b c")]
+    r = cli("chat", "--max-tokens", "16", stdin="sort 3 1 2\n/help\nreverse a b c\n/reset\n\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.replace("> ", "").split("\n")[:2] == want
+    assert "/reset forgets" in r.stderr and "history cleared" in r.stderr

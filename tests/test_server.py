@@ -184,3 +184,19 @@ def test_eight_concurrent_clients_match_one(engine):
         assert got == alone
     finally:
         s.stop()
+
+
+def test_health_is_open_and_requests_are_logged(server, caplog):
+    import logging
+    assert httpx.get(server.base + "/health").status_code == 200  # no API key needed
+    with caplog.at_level(logging.INFO, logger="mbd_rs.server"):
+        r = httpx.post(server.base + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 8},
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        assert r.status_code == 200
+        n = r.json()["usage"]["completion_tokens"]
+        for _ in range(100):
+            if any("/v1/chat/completions" in m for m in caplog.messages):
+                break
+            time.sleep(0.02)
+    line = next(m for m in caplog.messages if "/v1/chat/completions" in m)
+    assert f"POST /v1/chat/completions 200 tokens={n} " in line and line.endswith("ms")

@@ -66,6 +66,12 @@ def _print_stats(u: Usage) -> None:
           f"{u.tokens_per_second:.1f} tokens/s, ttft {u.ttft_ms:.1f} ms]", file=sys.stderr)
 
 
+VISUAL_LEGEND = """--visual draws one line per forward pass:
+  step N +K |block|block|...   K = tokens this forward decoded
+  block marks: '=' completed, '*' fully active, '~' activated (not yet fully), ' ' not created yet
+  inside a block: tokens decoded so far, this forward's new ones in bold green, '·' still masked; '⏎' = newline"""
+
+
 class Visual:
     """Draws each forward: the generated region per block, new tokens highlighted, masks as '·'."""
 
@@ -111,6 +117,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
         prompt = a.prompt
     else:
         prompt = sys.stdin.read()
+        if prompt.endswith("\n"):  # `echo "..." | mbd-rs generate`: the shell's newline is not part of the prompt
+            prompt = prompt[:-2] if prompt.endswith("\r\n") else prompt[:-1]
     params = _gen_params(a)
     if a.visual:
         params["trace"] = "canvas"
@@ -119,6 +127,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     else:
         stream = eng.stream(prompt, **params)
     vis = Visual(eng, sys.stdout) if a.visual else None
+    if vis:
+        print(VISUAL_LEGEND, file=sys.stderr)
     for ch in stream:
         if vis and ch.step:
             vis.step(ch.step)
@@ -138,11 +148,17 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+CHAT_HELP = "commands: /reset forgets the conversation, /help shows this; an empty line or Ctrl-D quits"
+
+
 def cmd_chat(a: argparse.Namespace) -> int:
     eng = _load(a)
     history: list[dict[str, str]] = []
     params = _gen_params(a)
-    print("mbd-rs chat — empty line or Ctrl-D to quit", file=sys.stderr)
+    # The embedded model was trained on single questions only: each line is its own conversation.
+    single_turn = a.single_turn or os.path.samefile(eng.info.path, _default_model())
+    mode = "single-turn: each line is a new conversation" if single_turn else "keeps history"
+    print(f"mbd-rs chat ({mode}) — {CHAT_HELP}", file=sys.stderr)
     while True:
         try:
             line = input("> ")
@@ -150,6 +166,15 @@ def cmd_chat(a: argparse.Namespace) -> int:
             break
         if not line.strip():
             break
+        if line.strip() == "/reset":
+            history.clear()
+            print("(history cleared)", file=sys.stderr)
+            continue
+        if line.strip() == "/help":
+            print(CHAT_HELP, file=sys.stderr)
+            continue
+        if single_turn:
+            history.clear()
         history.append({"role": "user", "content": line})
         stream = eng.stream_chat(history, **params)
         for ch in stream:
@@ -163,14 +188,43 @@ def cmd_chat(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _default_model() -> str:
+    from .engine import DEFAULT_MODEL
+    return DEFAULT_MODEL
+
+
 def cmd_info(a: argparse.Namespace) -> int:
-    from . import MbdError
+    from . import MbdError, ModelFileNotFoundError, UnsupportedArchitectureError
     try:
         eng = _load(a)
-    except (MbdError, FileNotFoundError) as e:
+    except UnsupportedArchitectureError as e:
         print(f"mbd-rs: not supported: {e}", file=sys.stderr)
         return EXIT_USAGE
-    print(json.dumps(eng.info.__dict__, indent=1))
+    except (ModelFileNotFoundError, FileNotFoundError) as e:
+        print(f"mbd-rs: cannot load: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except MbdError as e:
+        print(f"mbd-rs: cannot load: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if a.json:
+        print(json.dumps(eng.info.__dict__, indent=1))
+        return EXIT_OK
+    i = eng.info
+    moe = f", {i.num_experts} experts ({i.num_experts_per_tok} per token)" if i.num_experts else ""
+    rows = [
+        ("model", i.path),
+        ("family", f"{i.family} ({i.architecture}, {i.arch} weights{moe})"),
+        ("size", f"{i.num_parameters / 1e6:.2f}M parameters, {i.weight_bytes / 2**20:.1f} MiB in memory "
+                 f"({i.dtype} compute, stored {i.stored_dtype or 'unknown'}) on {i.device}"),
+        ("shape", f"{i.num_layers} layers, hidden {i.hidden_size}, {i.num_attention_heads} heads / "
+                  f"{i.num_key_value_heads} KV x {i.head_dim}, MLP {i.intermediate_size}, vocab {i.vocab_size}"),
+        ("context", f"{i.max_context} tokens"),
+        ("decoding", f"{i.attention} attention, block {i.block_size}, {i.alignment} grid, "
+                     f"{'shifted' if i.logits_shift else 'unshifted'} logits, mask id {i.mask_token_id}, "
+                     f"EOS {i.eos_token_ids}"),
+        ("supported", "yes"),
+    ]
+    print("\n".join(f"{k:10s} {v}" for k, v in rows))
     return EXIT_OK
 
 
@@ -223,7 +277,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     try:
         from .server import serve
     except ImportError as e:
-        print(f"mbd-rs: the server needs the [server] extra: pip install 'mbd-rs[server]' ({e})", file=sys.stderr)
+        print(f"mbd-rs: the server needs starlette and uvicorn: pip install starlette uvicorn "
+              f"(from a checkout: pip install '.[server]') ({e})", file=sys.stderr)
         return EXIT_USAGE
     return serve(a)
 
@@ -240,35 +295,42 @@ def _int_in(lo: int, hi: int) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
     ap = argparse.ArgumentParser(prog="mbd-rs", description="Block-diffusion LLM inference (SDAR, TraDo, Fast-dLLM v2, Dream) on Qwen2/Qwen3")
+    ap.add_argument("--version", action="version", version=f"mbd-rs {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("generate", help="complete a prompt, streaming to stdout")
+    g = sub.add_parser("generate", help="complete a prompt, streaming to stdout", epilog=VISUAL_LEGEND,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     g.add_argument("prompt", nargs="?", help="the prompt ('-' or absent: read stdin)")
     g.add_argument("--file", "-f", help="read the prompt from a file")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
-    g.add_argument("--visual", action="store_true", help="draw every forward: blocks and the tokens each one decodes")
+    g.add_argument("--visual", action="store_true",
+                   help="draw every forward: blocks and the tokens each one decodes (legend below)")
     _add_model_flags(g)
     _add_gen_flags(g)
-    c = sub.add_parser("chat", help="interactive chat keeping history")
+    c = sub.add_parser("chat", help="interactive chat (/reset, /help)")
+    c.add_argument("--single-turn", action="store_true",
+                   help="every line is a new conversation (always so for the embedded model, trained on single questions)")
     _add_model_flags(c)
     _add_gen_flags(c)
     i = sub.add_parser("info", help="describe a model directory and whether it is supported (exit 2 if not)")
-    i.add_argument("model_path", nargs="?", default=None)
+    i.add_argument("model_path", nargs="?", default=None, help="model directory (default: the embedded model)")
+    i.add_argument("--json", action="store_true", help="print every field as JSON")
     _add_model_flags(i)
     b = sub.add_parser("bench", help="time generation on a model")
-    b.add_argument("--prompt-len", type=_int_in(1, 1 << 20), default=32)
-    b.add_argument("--repeats", type=_int_in(1, 10_000), default=3)
+    b.add_argument("--prompt-len", type=_int_in(1, 1 << 20), default=32, help="random prompt length (default: 32)")
+    b.add_argument("--repeats", type=_int_in(1, 10_000), default=3, help="timed runs after a warm-up (default: 3)")
     _add_model_flags(b)
     _add_gen_flags(b)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=_int_in(1, 65535), default=8000)
-    s.add_argument("--api-key", default=None)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    s.add_argument("--port", type=_int_in(1, 65535), default=8000, help="port (default: 8000)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: no key)")
     s.add_argument("--max-concurrency", type=_int_in(1, 1 << 16), default=4,
                    help="live generations at once; more get 503 (default: 4)")
     s.add_argument("--max-body-bytes", type=_int_in(1024, 1 << 30), default=4 << 20,
                    help="largest request body accepted; larger get 413 (default: 4 MiB)")
-    s.add_argument("--model-name", default=None)
+    s.add_argument("--model-name", default=None, help="the model id clients send (default: the directory's name)")
     _add_model_flags(s)
     return ap
 

@@ -20,6 +20,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import logging
+
 import anyio
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
@@ -40,6 +42,7 @@ _UNSUPPORTED_UNLESS = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), 
                        "suffix": (None, ""), "best_of": (None, 1), "response_format": (None, {"type": "text"})}
 # Diffusion knobs and the rest of the engine's parameters, accepted as extra body fields.
 _EXTENSIONS = set(GENERATION_PARAMS) - {"trace"} - _OPENAI_PARAMS
+_log = logging.getLogger("mbd_rs.server")
 #: Default cap on a request body.
 MAX_BODY_BYTES = 4 << 20
 
@@ -149,8 +152,7 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
             raise InvalidRequestError("request body is not valid JSON") from None
 
     async def health(request: Request) -> JSONResponse:
-        if (r := check_auth(request)) is not None:
-            return r
+        # open without the API key: load balancers and probes must reach it (it says nothing secret)
         return JSONResponse({"status": "ok", "model": name, "active": slots.active, "capacity": slots.capacity})
 
     async def models(request: Request) -> JSONResponse:
@@ -180,13 +182,14 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
             if body.get("stream"):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
                 # the lease is released by the stream's end, or after the response if the client left first
-                response: Response = StreamingResponse(sse(stream, rid, chat, include_usage, lease),
+                response: Response = StreamingResponse(sse(stream, rid, chat, include_usage, lease, request),
                                                        media_type="text/event-stream",
                                                        headers={"Cache-Control": "no-cache"},
                                                        background=BackgroundTask(lease.release))
                 lease = None
                 return response
             comp = await anyio.to_thread.run_sync(stream.result)
+            request.state.tokens = comp.usage.completion_tokens
         except _BodyTooLarge as e:
             return _error(413, str(e))
         except ContextLengthError as e:
@@ -213,7 +216,8 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
         return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens,
                 "forward_passes": u.forward_passes, "tokens_per_forward": u.tokens_per_forward}
 
-    async def sse(stream: Stream, rid: str, chat: bool, include_usage: bool, lease: _Lease) -> AsyncIterator[str]:
+    async def sse(stream: Stream, rid: str, chat: bool, include_usage: bool, lease: _Lease,
+                  request: Request) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         now = int(time.time())
 
@@ -239,6 +243,7 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
                 if ch.text or ch.finish_reason:
                     yield event([choice(ch.text, ch.finish_reason)])
                 if ch.finish_reason:
+                    request.state.tokens = len(stream.token_ids)
                     if include_usage:
                         assert ch.usage is not None  # the last chunk carries usage
                         yield event([], usage_json(ch.usage))
@@ -259,7 +264,36 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ])
     app.state.slots = slots
+    app.add_middleware(_AccessLog)
     return app
+
+
+class _AccessLog:
+    """One log line per request (logger "mbd_rs.server", INFO): client, method, route, status, completion tokens, ms.
+    Streaming requests are logged when their stream ends."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        status = [0]
+
+        async def send_status(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            state = scope.get("state") or {}
+            client = scope.get("client") or ("-", 0)
+            _log.info("%s %s %s %d tokens=%s %.1fms", client[0], scope["method"], scope["path"], status[0],
+                      state.get("tokens", "-"), 1e3 * (time.perf_counter() - t0))
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -270,6 +304,7 @@ def serve(args: argparse.Namespace) -> int:
                      max_body_bytes=args.max_body_bytes)
     print(f"mbd-rs: serving {eng.info.path} as '{args.model_name or os.path.basename(os.path.normpath(eng.info.path))}' "
           f"on http://{args.host}:{args.port}/v1", flush=True)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # the access log, on stderr
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
