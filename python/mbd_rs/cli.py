@@ -4,8 +4,10 @@ Exit codes: 0 success, 1 runtime error, 2 usage error (bad flags, bad input, uns
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -238,30 +240,44 @@ def _peak_rss_bytes() -> int | None:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
+# Chat prompts of the embedded model's task families (held-out-style instances): what it was trained to answer.
+BENCH_CHAT = ["sort 7 2 9 4 1 8", "reverse q w e r t y", "repeat abc 4", "count a in banana", "hello Ada"]
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     eng = _load(a)
     peak_after_load = _peak_rss_bytes()
-    vocab = eng.info.vocab_size
-    import random
-    r = random.Random(0)
-    special = set(eng.info.eos_token_ids) | {eng.info.mask_token_id}
-    prompt = [t for t in (r.randrange(vocab) for _ in range(a.prompt_len * 2)) if t not in special][: a.prompt_len]
     params = _gen_params(a)
     params.setdefault("max_tokens", 64)
+    if a.prompt_len is None and os.path.samefile(eng.info.path, _default_model()):
+        # the embedded model answers chat prompts of its tasks; a random prompt would stop at once
+        runs = [functools.partial(eng.chat, [{"role": "user", "content": q}], **params) for q in BENCH_CHAT]
+        prompt_desc = f"{len(BENCH_CHAT)} chat prompts"
+    else:
+        import random
+        r = random.Random(0)
+        special = set(eng.info.eos_token_ids) | {eng.info.mask_token_id}
+        n = a.prompt_len or 32
+        prompt = [t for t in (r.randrange(eng.info.vocab_size) for _ in range(n * 2)) if t not in special][:n]
+        runs = [functools.partial(eng.generate, prompt, **params)]
+        prompt_desc = f"{n} random tokens"
     rows: list[tuple[Usage, float]] = []
     for i in range(a.repeats + 1):
-        t = time.perf_counter()
-        c = eng.generate(prompt, **params)
-        dt = time.perf_counter() - t
-        if i > 0:  # the first run warms up
-            rows.append((c.usage, dt))
-    import statistics
-    tps = statistics.median(u.completion_tokens / dt for u, dt in rows)
-    u = rows[-1][0]
-    res = {"model": eng.info.path, "prompt_tokens": a.prompt_len, "completion_tokens": u.completion_tokens,
-           "forward_passes": u.forward_passes, "tokens_per_forward": u.tokens_per_forward,
-           "tokens_per_second_median": tps, "ms_per_forward": 1e3 * statistics.median(dt / uu.forward_passes for uu, dt in rows),
-           "repeats": a.repeats}
+        for run in runs:
+            t = time.perf_counter()
+            c = run()
+            dt = time.perf_counter() - t
+            if i > 0:  # the first round warms up
+                rows.append((c.usage, dt))
+    if statistics.mean(u.completion_tokens for u, _ in rows) < 8:
+        print("mbd-rs: warning: the runs decoded fewer than 8 tokens on average (an early EOS?); these numbers say "
+              "little — try --no-early-stop, another prompt or a larger --max-tokens", file=sys.stderr)
+    tokens = sum(u.completion_tokens for u, _ in rows)
+    forwards = sum(u.forward_passes for u, _ in rows)
+    res = {"model": eng.info.path, "prompts": prompt_desc, "completion_tokens": tokens, "forward_passes": forwards,
+           "tokens_per_forward": tokens / max(forwards, 1),
+           "tokens_per_second": tokens / sum(dt for _, dt in rows),
+           "ms_per_forward": 1e3 * sum(dt for _, dt in rows) / max(forwards, 1), "repeats": a.repeats}
     # Memory: the weights as held in memory against the process's peak RSS.
     weights = eng.info.weight_bytes
     res["weights_mb"] = round(weights / 2**20, 1)
@@ -318,7 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print every field as JSON")
     _add_model_flags(i)
     b = sub.add_parser("bench", help="time generation on a model")
-    b.add_argument("--prompt-len", type=_int_in(1, 1 << 20), default=32, help="random prompt length (default: 32)")
+    b.add_argument("--prompt-len", type=_int_in(1, 1 << 20), default=None,
+                   help="time a random prompt of this many tokens (default: the embedded model's chat prompts, "
+                        "or 32 random tokens for other models)")
     b.add_argument("--repeats", type=_int_in(1, 10_000), default=3, help="timed runs after a warm-up (default: 3)")
     _add_model_flags(b)
     _add_gen_flags(b)
