@@ -38,104 +38,231 @@ fn base_fixture_loads() {
 
 #[test]
 fn zero_layers_refused() {
-    config_err(|c| { c.insert("num_hidden_layers".into(), json!(0)); }, &["config.json", "num_hidden_layers", "found 0"]);
+    config_err(
+        |c| {
+            c.insert("num_hidden_layers".into(), json!(0));
+        },
+        &["config.json", "num_hidden_layers", "found 0"],
+    );
 }
 
 #[test]
 fn absurd_layer_count_refused_before_allocating() {
     config_err(
-        |c| { c.insert("num_hidden_layers".into(), json!(1_000_000_000u64)); },
+        |c| {
+            c.insert("num_hidden_layers".into(), json!(1_000_000_000u64));
+        },
         &["num_hidden_layers is 1000000000", "stores 2 layers", "model.safetensors"],
     );
     // usize::MAX layers: would be a capacity overflow.
-    config_err(|c| { c.insert("num_hidden_layers".into(), json!(u64::MAX)); }, &["num_hidden_layers is 18446744073709551615"]);
+    config_err(
+        |c| {
+            c.insert("num_hidden_layers".into(), json!(u64::MAX));
+        },
+        &["num_hidden_layers is 18446744073709551615"],
+    );
 }
 
 #[test]
 fn fewer_layers_than_stored_refused() {
-    config_err(|c| { c.insert("num_hidden_layers".into(), json!(1)); }, &["num_hidden_layers is 1", "stores 2 layers", "unused"]);
+    config_err(
+        |c| {
+            c.insert("num_hidden_layers".into(), json!(1));
+        },
+        &["num_hidden_layers is 1", "stores 2 layers", "unused"],
+    );
 }
 
 #[test]
 fn absurd_sizes_checked_against_the_checkpoint() {
-    config_err(|c| { c.insert("vocab_size".into(), json!(1u64 << 40)); }, &["vocab_size", "1099511627776", "model.embed_tokens.weight"]);
-    config_err(|c| { c.insert("hidden_size".into(), json!(1u64 << 40)); }, &["hidden_size", "1099511627776"]);
-    config_err(|c| { c.insert("intermediate_size".into(), json!(1u64 << 60)); }, &["intermediate_size (1152921504606846976)", "overflows"]);
-    config_err(|c| { c.insert("vocab_size".into(), json!(0)); }, &["'vocab_size' must be at least 1"]);
-    config_err(|c| { c.insert("num_attention_heads".into(), json!(1u64 << 62)); c.insert("num_key_value_heads".into(), json!(1u64 << 62)); },
-        &["overflows"]);
+    config_err(
+        |c| {
+            c.insert("vocab_size".into(), json!(1u64 << 40));
+        },
+        &["vocab_size", "1099511627776", "model.embed_tokens.weight"],
+    );
+    config_err(
+        |c| {
+            c.insert("hidden_size".into(), json!(1u64 << 40));
+        },
+        &["hidden_size", "1099511627776"],
+    );
+    config_err(
+        |c| {
+            c.insert("intermediate_size".into(), json!(1u64 << 60));
+        },
+        &["intermediate_size (1152921504606846976)", "overflows"],
+    );
+    config_err(
+        |c| {
+            c.insert("vocab_size".into(), json!(0));
+        },
+        &["'vocab_size' must be at least 1"],
+    );
+    config_err(
+        |c| {
+            c.insert("num_attention_heads".into(), json!(1u64 << 62));
+            c.insert("num_key_value_heads".into(), json!(1u64 << 62));
+        },
+        &["overflows"],
+    );
 }
 
 #[test]
 fn head_dim_mismatch_names_fields_and_tensor() {
-    config_err(|c| { c.insert("head_dim".into(), json!(8)); }, &["num_attention_heads x head_dim", "q_proj", "[32, 64]", "[64, 64]"]);
-    config_err(|c| { c.insert("num_key_value_heads".into(), json!(4)); }, &["num_key_value_heads x head_dim", "k_proj"]);
+    config_err(
+        |c| {
+            c.insert("head_dim".into(), json!(8));
+        },
+        &["num_attention_heads x head_dim", "q_proj", "[32, 64]", "[64, 64]"],
+    );
+    config_err(
+        |c| {
+            c.insert("num_key_value_heads".into(), json!(4));
+        },
+        &["num_key_value_heads x head_dim", "k_proj"],
+    );
 }
 
 #[test]
 fn heads_not_multiple_of_kv_heads_refused() {
-    config_err(|c| { c.insert("num_key_value_heads".into(), json!(3)); }, &["num_attention_heads (4)", "num_key_value_heads (3)"]);
+    config_err(
+        |c| {
+            c.insert("num_key_value_heads".into(), json!(3));
+        },
+        &["num_attention_heads (4)", "num_key_value_heads (3)"],
+    );
 }
 
 #[test]
 fn rms_norm_eps_must_be_positive_and_finite() {
     for bad in [json!(0.0), json!(-1e-6), json!(1e-50), json!(1e300)] {
-        config_err(|c| { c.insert("rms_norm_eps".into(), bad.clone()); }, &["config.json", "'rms_norm_eps'", "positive"]);
+        config_err(
+            |c| {
+                c.insert("rms_norm_eps".into(), bad.clone());
+            },
+            &["config.json", "'rms_norm_eps'", "positive"],
+        );
     }
 }
 
 #[test]
 fn rope_theta_must_be_positive_and_finite() {
-    config_err(|c| { c.insert("rope_theta".into(), json!(0.0)); }, &["'rope_theta'", "found 0"]);
-    config_err(|c| { c.insert("rope_theta".into(), json!(-10000.0)); }, &["'rope_theta'", "found -10000"]);
     config_err(
-        |c| { c.insert("rope_parameters".into(), json!({"rope_type": "default", "rope_theta": -1.0})); },
+        |c| {
+            c.insert("rope_theta".into(), json!(0.0));
+        },
+        &["'rope_theta'", "found 0"],
+    );
+    config_err(
+        |c| {
+            c.insert("rope_theta".into(), json!(-10000.0));
+        },
+        &["'rope_theta'", "found -10000"],
+    );
+    config_err(
+        |c| {
+            c.insert("rope_parameters".into(), json!({"rope_type": "default", "rope_theta": -1.0}));
+        },
         &["rope_parameters", "'rope_theta'", "found -1"],
     );
     config_err(
-        |c| { c.insert("rope_parameters".into(), json!({"rope_type": "default", "rope_theta": "big"})); },
+        |c| {
+            c.insert("rope_parameters".into(), json!({"rope_type": "default", "rope_theta": "big"}));
+        },
         &["rope_parameters", "'rope_theta' must be a number"],
     );
 }
 
 #[test]
 fn rope_scaling_without_type_or_not_an_object_refused() {
-    config_err(|c| { c.insert("rope_scaling".into(), json!("yarn")); }, &["'rope_scaling' must be an object", "a string"]);
-    config_err(|c| { c.insert("rope_scaling".into(), json!({"factor": 4.0})); }, &["'rope_scaling'", "no 'rope_type'", "transformers"]);
-    config_err(|c| { c.insert("rope_scaling".into(), json!({"rope_type": 3})); }, &["'rope_type' must be a string"]);
+    config_err(
+        |c| {
+            c.insert("rope_scaling".into(), json!("yarn"));
+        },
+        &["'rope_scaling' must be an object", "a string"],
+    );
+    config_err(
+        |c| {
+            c.insert("rope_scaling".into(), json!({"factor": 4.0}));
+        },
+        &["'rope_scaling'", "no 'rope_type'", "transformers"],
+    );
+    config_err(
+        |c| {
+            c.insert("rope_scaling".into(), json!({"rope_type": 3}));
+        },
+        &["'rope_type' must be a string"],
+    );
     // Plain RoPE spelled several ways still loads.
     for ok in [json!({"rope_type": "default"}), json!({"type": "default", "factor": 1.0}), json!({}), Value::Null] {
-        let (_t, d) = with_config(|c| { c.insert("rope_scaling".into(), ok.clone()); });
+        let (_t, d) = with_config(|c| {
+            c.insert("rope_scaling".into(), ok.clone());
+        });
         load(&d).unwrap_or_else(|e| panic!("{ok}: {e}"));
     }
 }
 
 #[test]
 fn rope_scaling_we_do_not_implement_is_refused_saying_what_transformers_does() {
-    let (_t, d) = with_config(|c| { c.insert("rope_scaling".into(), json!({"type": "linear", "factor": 2.0})); });
+    let (_t, d) = with_config(|c| {
+        c.insert("rope_scaling".into(), json!({"type": "linear", "factor": 2.0}));
+    });
     expect(&d, "Unsupported", &["rope_scaling", "linear", "transformers applies", "different logits"]);
 }
 
 #[test]
 fn max_position_embeddings_bounded() {
-    config_err(|c| { c.insert("max_position_embeddings".into(), json!(0)); }, &["'max_position_embeddings'", "found 0"]);
-    config_err(|c| { c.insert("max_position_embeddings".into(), json!(1u64 << 50)); }, &["'max_position_embeddings'", "1125899906842624"]);
+    config_err(
+        |c| {
+            c.insert("max_position_embeddings".into(), json!(0));
+        },
+        &["'max_position_embeddings'", "found 0"],
+    );
+    config_err(
+        |c| {
+            c.insert("max_position_embeddings".into(), json!(1u64 << 50));
+        },
+        &["'max_position_embeddings'", "1125899906842624"],
+    );
 }
 
 #[test]
 fn token_ids_beyond_32_bits_are_refused_not_truncated() {
     // 2^32 + 3 truncates to 3, a valid id: it must not load as 3.
-    config_err(|c| { c.insert("mask_token_id".into(), json!((1u64 << 32) + 3)); }, &["'mask_token_id'", "4294967299", "32 bits"]);
-    config_err(|c| { c.insert("eos_token_id".into(), json!([0, (1u64 << 32)])); }, &["config.json", "'eos_token_id'", "4294967296"]);
+    config_err(
+        |c| {
+            c.insert("mask_token_id".into(), json!((1u64 << 32) + 3));
+        },
+        &["'mask_token_id'", "4294967299", "32 bits"],
+    );
+    config_err(
+        |c| {
+            c.insert("eos_token_id".into(), json!([0, (1u64 << 32)]));
+        },
+        &["config.json", "'eos_token_id'", "4294967296"],
+    );
     let (_t, d) = model_copy(&parity(BASE));
-    edit_json(&d.join("generation_config.json"), |g| { g.insert("eos_token_id".into(), json!(1u64 << 40)); });
+    edit_json(&d.join("generation_config.json"), |g| {
+        g.insert("eos_token_id".into(), json!(1u64 << 40));
+    });
     expect(&d, "Config", &["generation_config.json", "'eos_token_id'", "1099511627776"]);
 }
 
 #[test]
 fn zero_or_oversized_block_size_refused() {
-    config_err(|c| { c.insert("block_size".into(), json!(0)); }, &["'block_size'", "found 0"]);
-    config_err(|c| { c.insert("block_size".into(), json!(1u64 << 40)); }, &["block_size 1099511627776", "max_position_embeddings 256"]);
+    config_err(
+        |c| {
+            c.insert("block_size".into(), json!(0));
+        },
+        &["'block_size'", "found 0"],
+    );
+    config_err(
+        |c| {
+            c.insert("block_size".into(), json!(1u64 << 40));
+        },
+        &["block_size 1099511627776", "max_position_embeddings 256"],
+    );
 }
 
 // ---- shard index ----
@@ -169,7 +296,8 @@ fn shard_names_outside_the_model_dir_refused() {
             }
         }
     };
-    for bad in [outside.display().to_string(), "../outside.safetensors".into(), "sub/../../outside.safetensors".into()] {
+    for bad in [outside.display().to_string(), "../outside.safetensors".into(), "sub/../../outside.safetensors".into()]
+    {
         point_at(&mut wm, &bad);
         write_json(&d.join("model.safetensors.index.json"), &json!({"weight_map": wm}));
         expect(&d, "ModelLoad", &["model.safetensors.index.json", &bad, "inside the model directory"]);
@@ -197,7 +325,8 @@ fn symlinks_inside_the_dir_and_hf_cache_snapshots_still_load() {
         let e = e.unwrap();
         let blob = repo.join("blobs").join(format!("blob-{}", e.file_name().to_string_lossy()));
         std::fs::copy(e.path(), &blob).unwrap();
-        std::os::unix::fs::symlink(Path::new("../../blobs").join(blob.file_name().unwrap()), snap.join(e.file_name())).unwrap();
+        std::os::unix::fs::symlink(Path::new("../../blobs").join(blob.file_name().unwrap()), snap.join(e.file_name()))
+            .unwrap();
     }
     load(&snap).unwrap();
 }
@@ -210,7 +339,10 @@ fn tensor_stored_in_two_shards_refused() {
     let p2 = d.join("model-00002-of-00002.safetensors");
     let (mut h, mut data) = read_st(&p2);
     let n = data.len();
-    h.insert("model.layers.0.input_layernorm.weight".into(), json!({"dtype": "F32", "shape": [64], "data_offsets": [n, n + 256]}));
+    h.insert(
+        "model.layers.0.input_layernorm.weight".into(),
+        json!({"dtype": "F32", "shape": [64], "data_offsets": [n, n + 256]}),
+    );
     data.extend_from_slice(&[0u8; 256]);
     write_st(&p2, &h, &data);
     expect(&d, "ModelLoad", &["model.layers.0.input_layernorm.weight", "stored twice"]);
@@ -230,7 +362,11 @@ fn with_weights(edit: impl FnOnce(&mut Map<String, Value>, &mut Vec<u8>)) -> (Tm
 #[test]
 fn text_file_is_not_a_safetensors_file_and_is_not_echoed() {
     let (_t, d) = model_copy(&parity(BASE));
-    std::fs::write(d.join("model.safetensors"), "root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1:daemon:/usr/sbin\n".repeat(40)).unwrap();
+    std::fs::write(
+        d.join("model.safetensors"),
+        "root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1:daemon:/usr/sbin\n".repeat(40),
+    )
+    .unwrap();
     let msg = expect(&d, "ModelLoad", &["model.safetensors", "not a safetensors file"]);
     assert!(!msg.contains("root") && !msg.contains("daemon") && !msg.contains("bash"), "echoes the file: {msg}");
     // A plausible length followed by text that is JSON but not an object: serde would quote it.
@@ -322,7 +458,8 @@ fn non_finite_activations_are_an_error_not_garbage() {
         }
     });
     let m = load(&d).unwrap();
-    let e = m.logits(&[1, 2, 3, 4], &mbd_core::BlockGrid::causal(), 0).unwrap_err();
+    let req = mbd_core::LogitsRequest { attention: Some(mbd_core::AttentionKind::Causal), ..Default::default() };
+    let e = m.logits(&[1, 2, 3, 4], &req).unwrap_err();
     assert_eq!(kind(&e), "ModelLoad", "{e}");
     assert!(e.to_string().contains("non-finite"), "{e}");
 }
@@ -342,9 +479,15 @@ fn tokenizer_padding_and_truncation_from_the_file_are_ignored() {
     // A fixed padding length of 2^40 would size the first encoding (an abort); truncation would cut prompts.
     let (_t, d) = model_copy(&parity(BASE));
     edit_json(&d.join("tokenizer.json"), |t| {
-        t.insert("padding".into(), json!({"strategy": {"Fixed": 1u64 << 40}, "direction": "Right", "pad_to_multiple_of": null,
-            "pad_id": 0, "pad_type_id": 0, "pad_token": "<pad>"}));
-        t.insert("truncation".into(), json!({"direction": "Right", "max_length": 2, "strategy": "LongestFirst", "stride": 0}));
+        t.insert(
+            "padding".into(),
+            json!({"strategy": {"Fixed": 1u64 << 40}, "direction": "Right", "pad_to_multiple_of": null,
+            "pad_id": 0, "pad_type_id": 0, "pad_token": "<pad>"}),
+        );
+        t.insert(
+            "truncation".into(),
+            json!({"direction": "Right", "max_length": 2, "strategy": "LongestFirst", "stride": 0}),
+        );
     });
     let m = load(&d).unwrap();
     let plain = load(&parity(BASE)).unwrap();

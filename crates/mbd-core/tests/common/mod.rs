@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use mbd_core::error::catch_panic;
-use mbd_core::{Model, ProfileOverrides};
+use mbd_core::{LoadOptions, Model};
 use serde_json::{json, Map, Value};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -96,7 +96,7 @@ pub fn write_st(p: &Path, header: &Map<String, Value>, data: &[u8]) {
 
 /// Load a model directory on the CPU in f32 with no overrides; a panic becomes `Error::Internal`.
 pub fn load(dir: &Path) -> mbd_core::Result<Model> {
-    catch_panic(|| Model::load(dir, &candle_core::Device::Cpu, candle_core::DType::F32, &ProfileOverrides::default()))
+    catch_panic(|| Model::load(dir, &LoadOptions::default()))
 }
 
 /// Load and return the error's kind and message (panics if the load succeeded).
@@ -115,6 +115,7 @@ pub fn kind(e: &mbd_core::Error) -> &'static str {
         Config(_) => "Config",
         Unsupported(_) => "Unsupported",
         InvalidRequest(_) => "InvalidRequest",
+        UnknownParameter(_) => "UnknownParameter",
         ContextLength(_) => "ContextLength",
         Backend(_) => "Backend",
         Internal(_) => "Internal",
