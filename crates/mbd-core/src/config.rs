@@ -217,12 +217,12 @@ fn check_rope(file: &str, key: &str, value: &Value) -> Result<()> {
     match kind {
         Some("default") => Ok(()),
         // No type: only an object that says nothing but rope_theta (transformers >= 5 fills in "default") is
-        // plain RoPE. Scaling parameters without a type cannot be interpreted: transformers 4.x fails on it
-        // (it looks the missing type up in ROPE_INIT_FUNCTIONS).
+        // plain RoPE. Scaling parameters without a type cannot be interpreted, and transformers' config
+        // validation refuses them too (missing required key 'rope_type').
         None if m.keys().all(|k| k == "rope_theta" || k == "rope_type" || k == "type") => Ok(()),
         None => Err(Error::config(format!(
             "{file}: field '{key}' {v} has no 'rope_type' (or 'type'): cannot tell which RoPE scaling it means \
-             (transformers 4.x fails on it too)"
+             (transformers refuses it too: missing required key 'rope_type')"
         ))),
         Some(t) => Err(Error::Unsupported(format!(
             "{file}: {key} {v} is not supported yet (only plain RoPE: rope_type 'default'); transformers applies \

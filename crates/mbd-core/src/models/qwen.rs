@@ -364,7 +364,7 @@ impl QwenModel {
                 self.dtype
             )));
         }
-                Ok(crate::skinny::linear(&x, &self.lm_head, &self.kernels)?.to_dtype(DType::F32)?)
+        Ok(crate::skinny::linear(&x, &self.lm_head, &self.kernels)?.to_dtype(DType::F32)?)
     }
 }
 
