@@ -230,7 +230,7 @@ fn mutate_safetensors(b: &mut Vec<u8>, r: &mut Rng) {
             let data = b.len() - 8 - n;
             let at = 8 + n + (r.below(data / 2) * 2);
             let pats: [&[u8]; 4] = [&[0x00, 0x00, 0xc0, 0x7f], &[0x00, 0x00, 0x80, 0xff], &[0xc0, 0x7f], &[0x00, 0x7c]];
-            let pat: &[u8] = *r.pick(&pats);
+            let pat = pats[r.below(pats.len())];
             let k = pat.len().min(b.len() - at);
             b[at..at + k].copy_from_slice(&pat[..k]);
         }
@@ -288,7 +288,7 @@ fn seeds(root: &Path) -> Vec<Seed> {
             let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(&dir)
                 .unwrap()
                 .map(|e| e.unwrap().path())
-                .filter(|p| !p.extension().is_some_and(|x| x == "npz"))
+                .filter(|p| p.extension().is_none_or(|x| x != "npz"))
                 .map(|p| (p.file_name().unwrap().to_string_lossy().to_string(), std::fs::read(&p).unwrap()))
                 .collect();
             files.sort();
