@@ -89,7 +89,10 @@ impl<'a> Fields<'a> {
     fn id_value(&self, key: &str, v: &Value) -> Result<u32> {
         let n = v.as_u64().ok_or_else(|| self.wrong(key, "a token id (a non-negative integer)", v))?;
         u32::try_from(n).map_err(|_| {
-            Error::config(format!("{}: field '{key}': token id {n} does not fit 32 bits (ids are below 2^32)", self.file))
+            Error::config(format!(
+                "{}: field '{key}': token id {n} does not fit 32 bits (ids are below 2^32)",
+                self.file
+            ))
         })
     }
     /// A positive, finite number (as the f32 the kernels use when `as_f32`).
@@ -97,7 +100,11 @@ impl<'a> Fields<'a> {
         let x = self.f64_or(key, default)?;
         let ok = if as_f32 { (x as f32) > 0.0 && (x as f32).is_finite() } else { x > 0.0 && x.is_finite() };
         if !ok {
-            let kind = if as_f32 { "a positive number representable as a finite, non-zero f32" } else { "a positive finite number" };
+            let kind = if as_f32 {
+                "a positive number representable as a finite, non-zero f32"
+            } else {
+                "a positive finite number"
+            };
             return Err(Error::config(format!("{}: field '{key}' must be {kind}, found {x}", self.file)));
         }
         Ok(x)
@@ -264,9 +271,8 @@ impl ModelConfig {
             Some(_) => f.positive_f64("rope_theta", 10000.0, false)?,
             // transformers >= 5 may keep rope_theta inside rope_parameters.
             None => match f.get("rope_parameters") {
-                Some(Value::Object(p)) => {
-                    Fields { file: &format!("{} (rope_parameters)", f.file), map: p }.positive_f64("rope_theta", 10000.0, false)?
-                }
+                Some(Value::Object(p)) => Fields { file: &format!("{} (rope_parameters)", f.file), map: p }
+                    .positive_f64("rope_theta", 10000.0, false)?,
                 _ => 10000.0,
             },
         };
@@ -318,12 +324,24 @@ impl ModelConfig {
         let mut products: Vec<(&str, Vec<(&str, usize)>)> = vec![
             ("embed_tokens", vec![("vocab_size", vocab_size), ("hidden_size", hidden_size)]),
             ("mlp", vec![("intermediate_size", intermediate_size), ("hidden_size", hidden_size)]),
-            ("q_proj", vec![("num_attention_heads", num_attention_heads), ("head_dim", head_dim), ("hidden_size", hidden_size)]),
+            (
+                "q_proj",
+                vec![
+                    ("num_attention_heads", num_attention_heads),
+                    ("head_dim", head_dim),
+                    ("hidden_size", hidden_size),
+                ],
+            ),
         ];
         if let Some(m) = &moe {
             products.push((
                 "experts",
-                vec![("num_experts", m.num_experts), ("", 2), ("moe_intermediate_size", m.moe_intermediate_size), ("hidden_size", hidden_size)],
+                vec![
+                    ("num_experts", m.num_experts),
+                    ("", 2),
+                    ("moe_intermediate_size", m.moe_intermediate_size),
+                    ("hidden_size", hidden_size),
+                ],
             ));
         }
         for (what, dims) in products {
@@ -509,7 +527,10 @@ impl Profile {
             None => cfg.opt_usize("bd_size")?,
         };
         if let Some(0) = cfg_block {
-            return Err(Error::config(format!("{}: field 'block_size' (or 'bd_size') must be at least 1, found 0", cfg.file)));
+            return Err(Error::config(format!(
+                "{}: field 'block_size' (or 'bd_size') must be at least 1, found 0",
+                cfg.file
+            )));
         }
         let cfg_mask = cfg.opt_id("mask_token_id")?;
         let (attention, alignment, logits_shift, mask, block) = match family {

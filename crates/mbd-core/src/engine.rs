@@ -152,8 +152,9 @@ fn load_tokenizer(dir: &Path) -> Result<tokenizers::Tokenizer> {
     }
     let bad = |why: String| Error::load(format!("{}: not a valid tokenizer: {why}", p.display()));
     let text = std::fs::read_to_string(&p).map_err(|e| bad(e.to_string()))?;
-    serde_json::from_str::<serde::de::IgnoredAny>(&text)
-        .map_err(|e| bad(format!("malformed JSON ({:?} error at line {} column {})", e.classify(), e.line(), e.column())))?;
+    serde_json::from_str::<serde::de::IgnoredAny>(&text).map_err(|e| {
+        bad(format!("malformed JSON ({:?} error at line {} column {})", e.classify(), e.line(), e.column()))
+    })?;
     let built = std::panic::catch_unwind(|| text.parse::<tokenizers::Tokenizer>());
     let mut tok = match built {
         Ok(r) => r.map_err(|e| bad(e.to_string()))?,

@@ -166,7 +166,12 @@ fn open_shard(path: &Path) -> Result<Shard> {
     file.read_exact(&mut header).map_err(|e| bad(e.to_string()))?;
     let json: HashMap<String, serde_json::Value> = serde_json::from_slice(&header).map_err(|e| {
         // serde's message can quote the input; say only where and what kind of problem it is.
-        not_st(&format!("the header is not a JSON object: {:?} error at line {} column {}", e.classify(), e.line(), e.column()))
+        not_st(&format!(
+            "the header is not a JSON object: {:?} error at line {} column {}",
+            e.classify(),
+            e.line(),
+            e.column()
+        ))
     })?;
     let data_start = 8 + n;
     let data_len = file_len - data_start;
