@@ -13,6 +13,8 @@ pub fn read_json(path: &Path) -> Result<Map<String, Value>> {
     let text = std::fs::read_to_string(path).map_err(|e| {
         if e.kind() == std::io::ErrorKind::NotFound {
             Error::FileNotFound { path: path.to_path_buf(), what: "required by the model directory".into() }
+        } else if e.kind() == std::io::ErrorKind::InvalidData {
+            Error::config(format!("{}: not a JSON file (not UTF-8 text)", path.display()))
         } else {
             Error::load(format!("{}: cannot read: {e}", path.display()))
         }
@@ -68,6 +70,45 @@ impl<'a> Fields<'a> {
     pub fn usize(&self, key: &str) -> Result<usize> {
         self.opt_usize(key)?.ok_or_else(|| self.missing(key, "a non-negative integer"))
     }
+    /// A size that must be at least 1 (a dimension or a count).
+    pub fn positive(&self, key: &str) -> Result<usize> {
+        let n = self.opt_usize(key)?.ok_or_else(|| self.missing(key, "a positive integer"))?;
+        if n == 0 {
+            return Err(Error::config(format!("{}: field '{key}' must be at least 1, found 0", self.file)));
+        }
+        Ok(n)
+    }
+    /// A token id: a non-negative integer that fits 32 bits (ids are u32 everywhere; a larger one is refused,
+    /// never truncated).
+    pub fn opt_id(&self, key: &str) -> Result<Option<u32>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => self.id_value(key, v).map(Some),
+        }
+    }
+    fn id_value(&self, key: &str, v: &Value) -> Result<u32> {
+        let n = v.as_u64().ok_or_else(|| self.wrong(key, "a token id (a non-negative integer)", v))?;
+        u32::try_from(n).map_err(|_| {
+            Error::config(format!(
+                "{}: field '{key}': token id {n} does not fit 32 bits (ids are below 2^32)",
+                self.file
+            ))
+        })
+    }
+    /// A positive, finite number (as the f32 the kernels use when `as_f32`).
+    pub fn positive_f64(&self, key: &str, default: f64, as_f32: bool) -> Result<f64> {
+        let x = self.f64_or(key, default)?;
+        let ok = if as_f32 { (x as f32) > 0.0 && (x as f32).is_finite() } else { x > 0.0 && x.is_finite() };
+        if !ok {
+            let kind = if as_f32 {
+                "a positive number representable as a finite, non-zero f32"
+            } else {
+                "a positive finite number"
+            };
+            return Err(Error::config(format!("{}: field '{key}' must be {kind}, found {x}", self.file)));
+        }
+        Ok(x)
+    }
     pub fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
         match self.get(key) {
             None => Ok(None),
@@ -89,15 +130,12 @@ impl<'a> Fields<'a> {
             Some(v) => v.as_str().map(Some).ok_or_else(|| self.wrong(key, "a string", v)),
         }
     }
-    /// An id field that may be one integer or a list of integers (eos_token_id).
+    /// An id field that may be one integer or a list of integers (eos_token_id). Ids must fit 32 bits.
     pub fn ids(&self, key: &str) -> Result<Vec<u32>> {
         match self.get(key) {
             None => Ok(vec![]),
-            Some(Value::Array(a)) => a
-                .iter()
-                .map(|x| x.as_u64().map(|i| i as u32).ok_or_else(|| self.wrong(key, "an integer or a list of integers", x)))
-                .collect(),
-            Some(v) => v.as_u64().map(|i| vec![i as u32]).ok_or_else(|| self.wrong(key, "an integer or a list of integers", v)),
+            Some(Value::Array(a)) => a.iter().map(|x| self.id_value(key, x)).collect(),
+            Some(v) => Ok(vec![self.id_value(key, v)?]),
         }
     }
     pub fn opt_usize_list(&self, key: &str) -> Result<Vec<usize>> {
@@ -151,13 +189,59 @@ pub struct ModelConfig {
     pub moe: Option<MoeConfig>,
 }
 
+/// Largest `max_position_embeddings` accepted: RoPE positions are computed in f32, which represents every
+/// integer exactly only up to 2^24.
+pub const MAX_POSITIONS: usize = 1 << 24;
+
+/// Check a `rope_scaling` / `rope_parameters` value: plain RoPE passes; scaling we do not implement is refused
+/// (transformers would apply it, so ignoring it would change every logit); a value whose type cannot be told
+/// is a config error.
+fn check_rope(file: &str, key: &str, value: &Value) -> Result<()> {
+    // Quote at most 120 characters of the value.
+    let v = {
+        let s = value.to_string();
+        match s.char_indices().nth(120) {
+            Some((i, _)) => format!("{}...", &s[..i]),
+            None => s,
+        }
+    };
+    let Value::Object(m) = value else {
+        return Err(Error::config(format!(
+            "{file}: field '{key}' must be an object with a 'rope_type' (or 'type') entry, found {} ({v})",
+            type_name(value)
+        )));
+    };
+    let kind = match m.get("rope_type").filter(|t| !t.is_null()).or_else(|| m.get("type").filter(|t| !t.is_null())) {
+        None => None,
+        Some(Value::String(t)) => Some(t.as_str()),
+        Some(t) => {
+            return Err(Error::config(format!(
+                "{file}: field '{key}': 'rope_type' must be a string, found {} ({t})",
+                type_name(t)
+            )))
+        }
+    };
+    match kind {
+        Some("default") => Ok(()),
+        // No type: only an object that says nothing but rope_theta (transformers >= 5 fills in "default") is
+        // plain RoPE. Scaling parameters without a type cannot be interpreted, and transformers' config
+        // validation refuses them too (missing required key 'rope_type').
+        None if m.keys().all(|k| k == "rope_theta" || k == "rope_type" || k == "type") => Ok(()),
+        None => Err(Error::config(format!(
+            "{file}: field '{key}' {v} has no 'rope_type' (or 'type'): cannot tell which RoPE scaling it means \
+             (transformers refuses it too: missing required key 'rope_type')"
+        ))),
+        Some(t) => Err(Error::Unsupported(format!(
+            "{file}: {key} {v} is not supported yet (only plain RoPE: rope_type 'default'); transformers applies \
+             '{t}' scaling to the rotary frequencies, so running without it would give different logits"
+        ))),
+    }
+}
+
 impl ModelConfig {
     pub fn from_json(f: &Fields, arch: Arch) -> Result<Self> {
-        let hidden_size = f.usize("hidden_size")?;
-        let num_attention_heads = f.usize("num_attention_heads")?;
-        if num_attention_heads == 0 {
-            return Err(Error::config(format!("{}: field 'num_attention_heads' must be at least 1", f.file)));
-        }
+        let hidden_size = f.positive("hidden_size")?;
+        let num_attention_heads = f.positive("num_attention_heads")?;
         let num_key_value_heads = f.opt_usize("num_key_value_heads")?.unwrap_or(num_attention_heads);
         if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
             return Err(Error::config(format!(
@@ -173,16 +257,8 @@ impl ModelConfig {
             return Err(Error::config(format!("{}: head_dim must be a positive even number, found {head_dim}", f.file)));
         }
         for key in ["rope_scaling", "rope_parameters"] {
-            let Some(scaling) = f.map.get(key) else { continue };
-            if !scaling.is_null() {
-                // rope_type "default" is plain RoPE; everything else changes the frequencies.
-                let kind = scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(|v| v.as_str());
-                if !matches!(kind, None | Some("default")) {
-                    return Err(Error::Unsupported(format!(
-                        "{}: {key} {scaling} is not supported yet (only plain RoPE: rope_type 'default')",
-                        f.file
-                    )));
-                }
+            if let Some(v) = f.get(key) {
+                check_rope(f.file, key, v)?;
             }
         }
         if f.opt_bool("use_sliding_window")? == Some(true) {
@@ -192,15 +268,23 @@ impl ModelConfig {
             )));
         }
         let rope_theta = match f.opt_f64("rope_theta")? {
-            Some(t) => t,
+            Some(_) => f.positive_f64("rope_theta", 10000.0, false)?,
             // transformers >= 5 may keep rope_theta inside rope_parameters.
-            None => f
-                .map
-                .get("rope_parameters")
-                .and_then(|p| p.get("rope_theta"))
-                .and_then(|v| v.as_f64())
-                .unwrap_or(10000.0),
+            None => match f.get("rope_parameters") {
+                Some(Value::Object(p)) => Fields { file: &format!("{} (rope_parameters)", f.file), map: p }
+                    .positive_f64("rope_theta", 10000.0, false)?,
+                _ => 10000.0,
+            },
         };
+        let rms_norm_eps = f.positive_f64("rms_norm_eps", 1e-6, true)?;
+        let max_position_embeddings = f.opt_usize("max_position_embeddings")?.unwrap_or(32768);
+        if max_position_embeddings == 0 || max_position_embeddings > MAX_POSITIONS {
+            return Err(Error::config(format!(
+                "{}: field 'max_position_embeddings' must be between 1 and {MAX_POSITIONS} (positions are exact in f32 \
+                 up to 2^24), found {max_position_embeddings}",
+                f.file
+            )));
+        }
         let moe = if arch == Arch::Qwen3Moe {
             Some(MoeConfig {
                 // transformers >= 5 writes `num_local_experts`; earlier versions `num_experts`.
@@ -209,7 +293,7 @@ impl ModelConfig {
                     None => f.usize("num_local_experts")?,
                 },
                 num_experts_per_tok: f.usize("num_experts_per_tok")?,
-                moe_intermediate_size: f.usize("moe_intermediate_size")?,
+                moe_intermediate_size: f.positive("moe_intermediate_size")?,
                 norm_topk_prob: f.opt_bool("norm_topk_prob")?.unwrap_or(false),
                 decoder_sparse_step: f.opt_usize("decoder_sparse_step")?.unwrap_or(1).max(1),
                 mlp_only_layers: f.opt_usize_list("mlp_only_layers")?,
@@ -232,18 +316,57 @@ impl ModelConfig {
                 (b, b, true)
             }
         };
+        let vocab_size = f.positive("vocab_size")?;
+        let intermediate_size = f.positive("intermediate_size")?;
+        let num_hidden_layers = f.positive("num_hidden_layers")?;
+        // Every weight's element count must be a number: the shapes below are compared with the checkpoint's,
+        // and a product that wraps around could match a forged header.
+        let mut products: Vec<(&str, Vec<(&str, usize)>)> = vec![
+            ("embed_tokens", vec![("vocab_size", vocab_size), ("hidden_size", hidden_size)]),
+            ("mlp", vec![("intermediate_size", intermediate_size), ("hidden_size", hidden_size)]),
+            (
+                "q_proj",
+                vec![
+                    ("num_attention_heads", num_attention_heads),
+                    ("head_dim", head_dim),
+                    ("hidden_size", hidden_size),
+                ],
+            ),
+        ];
+        if let Some(m) = &moe {
+            products.push((
+                "experts",
+                vec![
+                    ("num_experts", m.num_experts),
+                    ("", 2),
+                    ("moe_intermediate_size", m.moe_intermediate_size),
+                    ("hidden_size", hidden_size),
+                ],
+            ));
+        }
+        for (what, dims) in products {
+            if dims.iter().try_fold(1usize, |a, (_, d)| a.checked_mul(*d)).is_none() {
+                let expr: Vec<String> =
+                    dims.iter().map(|(n, d)| if n.is_empty() { d.to_string() } else { format!("{n} ({d})") }).collect();
+                return Err(Error::config(format!(
+                    "{}: the {what} weights would have {} elements, which overflows (absurd sizes)",
+                    f.file,
+                    expr.join(" x ")
+                )));
+            }
+        }
         Ok(ModelConfig {
             arch,
-            vocab_size: f.usize("vocab_size")?,
+            vocab_size,
             hidden_size,
-            intermediate_size: f.usize("intermediate_size")?,
-            num_hidden_layers: f.usize("num_hidden_layers")?,
+            intermediate_size,
+            num_hidden_layers,
             num_attention_heads,
             num_key_value_heads,
             head_dim,
-            rms_norm_eps: f.f64_or("rms_norm_eps", 1e-6)?,
+            rms_norm_eps,
             rope_theta,
-            max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(32768),
+            max_position_embeddings,
             tie_word_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
             qkv_bias,
             o_bias,
@@ -403,7 +526,13 @@ impl Profile {
             Some(b) => Some(b),
             None => cfg.opt_usize("bd_size")?,
         };
-        let cfg_mask = cfg.opt_usize("mask_token_id")?.map(|m| m as u32);
+        if let Some(0) = cfg_block {
+            return Err(Error::config(format!(
+                "{}: field 'block_size' (or 'bd_size') must be at least 1, found 0",
+                cfg.file
+            )));
+        }
+        let cfg_mask = cfg.opt_id("mask_token_id")?;
         let (attention, alignment, logits_shift, mask, block) = match family {
             // Plain checkpoints: causal LMs unless config.json carries diffusion fields.
             Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe => {

@@ -139,12 +139,37 @@ pub fn dtype_name(d: DType) -> &'static str {
     }
 }
 
+/// tokenizer.json, with any padding or truncation it configures switched off: transformers switches them off
+/// for a plain call too, and a fixed padding length taken from the file would size every encoding (a hostile
+/// `"Fixed": 2^40` aborts on the first prompt) while truncation would silently cut prompts.
+/// The tokenizers library panics on some malformed files (a syntax error inside `decoder`, a BPE merge shorter
+/// than `continuing_subword_prefix`): the JSON syntax is checked first, and a panic while building is caught
+/// here and reported as this file's error.
 fn load_tokenizer(dir: &Path) -> Result<tokenizers::Tokenizer> {
     let p = dir.join("tokenizer.json");
     if !p.exists() {
         return Err(Error::FileNotFound { path: p, what: "the tokenizer (tokenizer.json)".into() });
     }
-    tokenizers::Tokenizer::from_file(&p).map_err(|e| Error::load(format!("{}: not a valid tokenizer: {e}", p.display())))
+    let bad = |why: String| Error::load(format!("{}: not a valid tokenizer: {why}", p.display()));
+    let text = std::fs::read_to_string(&p).map_err(|e| bad(e.to_string()))?;
+    serde_json::from_str::<serde::de::IgnoredAny>(&text).map_err(|e| {
+        bad(format!("malformed JSON ({:?} error at line {} column {})", e.classify(), e.line(), e.column()))
+    })?;
+    let built = std::panic::catch_unwind(|| text.parse::<tokenizers::Tokenizer>());
+    let mut tok = match built {
+        Ok(r) => r.map_err(|e| bad(e.to_string()))?,
+        Err(payload) => {
+            let msg = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            return Err(bad(format!("the tokenizers library failed on it ({msg})")));
+        }
+    };
+    tok.with_padding(None);
+    tok.with_truncation(None).map_err(|e| Error::load(format!("{}: {e}", p.display())))?;
+    Ok(tok)
 }
 
 /// A mask token named in the tokenizer's added tokens (spellings differ between families' files).
@@ -206,6 +231,13 @@ impl Model {
                     config.vocab_size
                 )));
             }
+        }
+        if profile.block_size > config.max_position_embeddings {
+            let msg = format!(
+                "block_size {} is larger than the context (max_position_embeddings {} in {cfg_file})",
+                profile.block_size, config.max_position_embeddings
+            );
+            return Err(if ov.block_size.is_some() { Error::invalid(msg) } else { Error::config(msg) });
         }
         let files = checkpoint_files(dir)?;
         let ws = Weights::open(&files, device, dtype, opts.keep_bf16_weights)?;

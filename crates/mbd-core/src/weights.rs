@@ -4,6 +4,13 @@
 //! (no file mapping is resident, no intermediate byte buffer): peak memory is the model's own weights plus
 //! at most one tensor in the checkpoint's dtype when it differs from the compute dtype.
 //! Errors name the file, the tensor, and what was expected and found.
+//!
+//! The files are untrusted input. Shard names from the index stay inside the model directory (no absolute or
+//! `..` paths; symlinks resolved). Headers are checked before anything is allocated from them: element counts
+//! with checked arithmetic, byte ranges inside the data section and not overlapping, so every buffer is
+//! justified by bytes the file holds; buffers are allocated fallibly (an allocation failure is an error, not
+//! an abort). A file that is not safetensors is called that, without echoing its bytes. Weights holding NaN
+//! or infinity are refused (they would only ever give NaN logits).
 
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Tensor, WithDType};
@@ -35,7 +42,7 @@ pub struct Weights {
 }
 
 /// The safetensors files of a model directory: `model.safetensors`, or the shards listed by
-/// `model.safetensors.index.json`.
+/// `model.safetensors.index.json`. Each is checked to lie inside the directory (`model_file`).
 pub fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let index = dir.join("model.safetensors.index.json");
     if index.exists() {
@@ -43,6 +50,9 @@ pub fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>> {
         let wm = m.get("weight_map").and_then(|v| v.as_object()).ok_or_else(|| {
             Error::config(format!("{}: field 'weight_map' is missing or not an object", index.display()))
         })?;
+        if wm.is_empty() {
+            return Err(Error::config(format!("{}: field 'weight_map' is empty: it names no tensor", index.display())));
+        }
         let mut files: Vec<String> = Vec::new();
         for (name, f) in wm {
             let f = f.as_str().ok_or_else(|| {
@@ -53,16 +63,57 @@ pub fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>> {
             }
         }
         files.sort();
-        return Ok(files.into_iter().map(|f| dir.join(f)).collect());
+        return files
+            .iter()
+            .map(|f| model_file(dir, f, &format!("{}: weight_map names shard '{f}'", index.display())))
+            .collect();
     }
     let single = dir.join("model.safetensors");
     if single.exists() {
-        return Ok(vec![single]);
+        return Ok(vec![model_file(dir, "model.safetensors", "the model weights")?]);
     }
     Err(Error::FileNotFound {
         path: single,
         what: "the model weights (model.safetensors or model.safetensors.index.json)".into(),
     })
+}
+
+/// `dir/name`, refused unless `name` is a plain relative path (no root, no `..`) and the file, symlinks
+/// resolved, lies inside `dir`; or, for a Hugging Face cache snapshot (`<repo>/snapshots/<rev>/`, whose files
+/// are links to `<repo>/blobs/`), inside that blobs folder. A missing file is `FileNotFound`.
+pub fn model_file(dir: &Path, name: &str, what: &str) -> Result<PathBuf> {
+    use std::path::Component;
+    let rel = Path::new(name);
+    let plain = !name.is_empty() && rel.components().all(|c| matches!(c, Component::Normal(_) | Component::CurDir));
+    if !plain || name.contains('\0') {
+        return Err(Error::load(format!(
+            "{what}: shard names must be file names inside the model directory (no absolute path, no '..')"
+        )));
+    }
+    let path = dir.join(rel);
+    if !path.exists() {
+        return Err(Error::FileNotFound { path, what: what.to_string() });
+    }
+    let canon = |p: &Path| p.canonicalize().map_err(|e| Error::load(format!("{}: cannot resolve: {e}", p.display())));
+    let real = canon(&path)?;
+    let root = canon(dir)?;
+    let mut roots = vec![root.clone()];
+    if let (Some(snapshots), Some(repo)) = (root.parent(), root.parent().and_then(|p| p.parent())) {
+        if snapshots.file_name().is_some_and(|n| n == "snapshots") {
+            roots.push(repo.join("blobs"));
+        }
+    }
+    if !roots.iter().any(|r| real.starts_with(r)) {
+        return Err(Error::load(format!(
+            "{what}: {} resolves to a file outside the model directory {}; refused",
+            path.display(),
+            root.display()
+        )));
+    }
+    if !real.is_file() {
+        return Err(Error::load(format!("{what}: {} is not a regular file", path.display())));
+    }
+    Ok(path)
 }
 
 fn element_dtype(d: Dtype) -> Option<DType> {
@@ -75,56 +126,154 @@ fn element_dtype(d: Dtype) -> Option<DType> {
     })
 }
 
-/// Parse and check a shard's header: every tensor's byte range lies in the data section and matches its
-/// shape and dtype.
+/// A zero-filled vector of `n` elements, allocated fallibly: a size the allocator refuses is an error, not
+/// an abort.
+pub fn try_zeroed<T: Clone>(n: usize, zero: T, what: &dyn Fn() -> String) -> Result<Vec<T>> {
+    let mut v: Vec<T> = Vec::new();
+    v.try_reserve_exact(n).map_err(|e| {
+        Error::load(format!(
+            "{}: cannot allocate {} bytes: {e}",
+            what(),
+            (n as u128) * std::mem::size_of::<T>() as u128
+        ))
+    })?;
+    v.resize(n, zero);
+    Ok(v)
+}
+
+/// Element count of a shape, None when it overflows.
+fn numel(shape: &[usize]) -> Option<usize> {
+    shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d))
+}
+
+/// Parse and check a shard's header: every tensor's byte range lies in the data section, matches its shape
+/// and dtype (element counts in checked arithmetic), and overlaps no other tensor's range.
 fn open_shard(path: &Path) -> Result<Shard> {
     let bad = |what: String| Error::load(format!("{}: not a readable safetensors file: {what}", path.display()));
+    // Said of a file whose first bytes are not a safetensors header; never quotes them (it may be any file).
+    let not_st = |why: &str| Error::load(format!("{}: not a safetensors file ({why})", path.display()));
     let mut file = File::open(path).map_err(|e| bad(e.to_string()))?;
     let file_len = file.metadata().map_err(|e| bad(e.to_string()))?.len();
     let mut n = [0u8; 8];
-    file.read_exact(&mut n).map_err(|_| bad(format!("{file_len} bytes is too short for a header")))?;
+    file.read_exact(&mut n).map_err(|_| not_st(&format!("{file_len} bytes is too short for a header")))?;
     let n = u64::from_le_bytes(n);
     if n > MAX_HEADER || 8 + n > file_len {
-        return Err(bad(format!("header length {n} does not fit the file ({file_len} bytes)")));
+        return Err(not_st(&format!(
+            "its first 8 bytes are not a header length that fits the file of {file_len} bytes"
+        )));
     }
-    let mut header = vec![0u8; n as usize];
+    let mut header = try_zeroed(n as usize, 0u8, &|| format!("{}: header", path.display()))?;
     file.read_exact(&mut header).map_err(|e| bad(e.to_string()))?;
-    let json: HashMap<String, serde_json::Value> =
-        serde_json::from_slice(&header).map_err(|e| bad(format!("header is not a JSON object: {e}")))?;
+    let json: HashMap<String, serde_json::Value> = serde_json::from_slice(&header).map_err(|e| {
+        // serde's message can quote the input; say only where and what kind of problem it is.
+        not_st(&format!(
+            "the header is not a JSON object: {:?} error at line {} column {}",
+            e.classify(),
+            e.line(),
+            e.column()
+        ))
+    })?;
     let data_start = 8 + n;
     let data_len = file_len - data_start;
     let mut tensors = HashMap::new();
+    let mut ranges: Vec<(usize, usize, String)> = Vec::new();
     for (name, v) in json {
         if name == "__metadata__" {
             continue;
         }
-        let info: TensorInfo =
-            serde_json::from_value(v).map_err(|e| bad(format!("header entry '{name}': {e}")))?;
+        let info: TensorInfo = serde_json::from_value(v).map_err(|e| {
+            bad(format!("header entry '{name}' is not a tensor description {{dtype, shape, data_offsets}}: {e}"))
+        })?;
         let (s, e) = info.data_offsets;
-        let numel: usize = info.shape.iter().product();
-        let want = (numel * info.dtype.bitsize()).div_ceil(8);
+        let want = numel(&info.shape)
+            .and_then(|k| k.checked_mul(info.dtype.bitsize()))
+            .map(|bits| bits.div_ceil(8))
+            .filter(|&b| b as u64 <= data_len);
+        let Some(want) = want else {
+            return Err(bad(format!(
+                "tensor '{name}' ({:?}, shape {:?}) claims more bytes than the file's data section ({data_len} bytes)",
+                info.dtype, info.shape
+            )));
+        };
         if s > e || e as u64 > data_len || e - s != want {
             return Err(bad(format!(
                 "tensor '{name}' ({:?}, shape {:?}) has byte range {s}..{e}, expected {want} bytes within {data_len}",
                 info.dtype, info.shape
             )));
         }
+        if s < e {
+            ranges.push((s, e, name.clone()));
+        }
         tensors.insert(name, info);
+    }
+    ranges.sort();
+    for w in ranges.windows(2) {
+        let ((s0, e0, a), (s1, e1, b)) = (&w[0], &w[1]);
+        if s1 < e0 {
+            return Err(bad(format!(
+                "tensors '{a}' (bytes {s0}..{e0}) and '{b}' (bytes {s1}..{e1}) overlap; each tensor must have its own bytes"
+            )));
+        }
     }
     Ok(Shard { path: path.to_path_buf(), file, data_start, tensors })
 }
 
-/// One positioned read of `numel` little-endian elements into a freshly allocated typed buffer.
-fn read_typed<T: WithDType>(file: &File, offset: u64, numel: usize, shape: &[usize]) -> std::io::Result<Tensor> {
-    let mut buf: Vec<T> = vec![T::zero(); numel];
+/// Bit patterns of a float type: `Some(i)` when element i is NaN or infinite (all exponent bits set).
+trait FiniteCheck: Sized {
+    fn first_non_finite(v: &[Self]) -> Option<usize>;
+}
+
+macro_rules! finite_check {
+    ($t:ty, $exp:expr, $to_bits:expr) => {
+        impl FiniteCheck for $t {
+            fn first_non_finite(v: &[Self]) -> Option<usize> {
+                let bad = |x: &$t| ($to_bits(*x) & $exp) == $exp;
+                // Branch-free over chunks (vectorises), then locate the element inside the bad chunk.
+                const CHUNK: usize = 4096;
+                v.chunks(CHUNK).enumerate().find_map(|(c, ch)| {
+                    if ch.iter().fold(false, |acc, x| acc | bad(x)) {
+                        ch.iter().position(bad).map(|i| c * CHUNK + i)
+                    } else {
+                        None
+                    }
+                })
+            }
+        }
+    };
+}
+finite_check!(f32, 0x7f80_0000u32, f32::to_bits);
+finite_check!(f64, 0x7ff0_0000_0000_0000u64, f64::to_bits);
+finite_check!(half::f16, 0x7c00u16, half::f16::to_bits);
+finite_check!(half::bf16, 0x7f80u16, half::bf16::to_bits);
+
+/// Why `read_typed` failed.
+enum ReadError {
+    Io(std::io::Error),
+    Alloc(Error),
+    NonFinite(usize, f64),
+}
+
+/// One positioned read of `numel` little-endian elements into a fallibly allocated typed buffer; refuses a
+/// tensor holding NaN or infinity.
+fn read_typed<T: WithDType + FiniteCheck>(
+    file: &File,
+    offset: u64,
+    numel: usize,
+    shape: &[usize],
+    what: &dyn Fn() -> String,
+) -> std::result::Result<Tensor, ReadError> {
+    let mut buf: Vec<T> = try_zeroed(numel, T::zero(), what).map_err(ReadError::Alloc)?;
     // SAFETY: T is a plain numeric type (f32/f64/f16/bf16) for which every bit pattern is a valid value; the
     // byte view covers exactly the vector's initialised elements and is dropped before the vector is moved.
     let bytes =
         unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr() as *mut u8, numel * std::mem::size_of::<T>()) };
     let mut f = file;
-    f.seek(SeekFrom::Start(offset))?;
-    f.read_exact(bytes)?;
-    Tensor::from_vec(buf, shape, &Device::Cpu).map_err(std::io::Error::other)
+    f.seek(SeekFrom::Start(offset)).map_err(ReadError::Io)?;
+    f.read_exact(bytes).map_err(ReadError::Io)?;
+    if let Some(i) = T::first_non_finite(&buf) {
+        return Err(ReadError::NonFinite(i, buf[i].to_f64()));
+    }
+    Tensor::from_vec(buf, shape, &Device::Cpu).map_err(|e| ReadError::Io(std::io::Error::other(e)))
 }
 
 impl Weights {
@@ -133,7 +282,10 @@ impl Weights {
         if cfg!(target_endian = "big") {
             return Err(Error::load("safetensors files are little-endian; big-endian hosts are not supported"));
         }
-        let mut shards = Vec::new();
+        if paths.is_empty() {
+            return Err(Error::load("no weights file: the checkpoint names no safetensors file"));
+        }
+        let mut shards: Vec<Shard> = Vec::new();
         let mut index = HashMap::new();
         for (i, p) in paths.iter().enumerate() {
             if !p.exists() {
@@ -141,7 +293,14 @@ impl Weights {
             }
             let shard = open_shard(p)?;
             for name in shard.tensors.keys() {
-                index.insert(name.clone(), i);
+                if let Some(j) = index.insert(name.clone(), i) {
+                    let other: &Shard = &shards[j];
+                    return Err(Error::load(format!(
+                        "tensor '{name}' is stored twice: in {} and in {}",
+                        other.path.display(),
+                        p.display()
+                    )));
+                }
             }
             shards.push(shard);
         }
@@ -162,7 +321,13 @@ impl Weights {
         self.shards.iter().flat_map(|s| s.tensors.values()).map(|t| t.shape.iter().product::<usize>()).sum()
     }
 
-    fn where_(&self) -> String {
+    /// Names of all stored tensors.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.index.keys().map(|s| s.as_str())
+    }
+
+    /// The checkpoint's file, for messages.
+    pub fn where_(&self) -> String {
         match self.shards.len() {
             1 => self.shards[0].path.display().to_string(),
             n => format!("{} (and {} more shards)", self.shards[0].path.display(), n - 1),
@@ -205,13 +370,21 @@ impl Weights {
         })?;
         let numel: usize = shape.iter().product();
         let offset = shard.data_start + info.data_offsets.0 as u64;
+        let what = || format!("{path}: tensor '{name}' ({:?}, shape {shape:?})", info.dtype);
         let t = match file_dtype {
-            DType::F32 => read_typed::<f32>(&shard.file, offset, numel, shape),
-            DType::F16 => read_typed::<half::f16>(&shard.file, offset, numel, shape),
-            DType::BF16 => read_typed::<half::bf16>(&shard.file, offset, numel, shape),
-            _ => read_typed::<f64>(&shard.file, offset, numel, shape),
+            DType::F32 => read_typed::<f32>(&shard.file, offset, numel, shape, &what),
+            DType::F16 => read_typed::<half::f16>(&shard.file, offset, numel, shape, &what),
+            DType::BF16 => read_typed::<half::bf16>(&shard.file, offset, numel, shape, &what),
+            _ => read_typed::<f64>(&shard.file, offset, numel, shape, &what),
         }
-        .map_err(|e| Error::load(format!("{path}: tensor '{name}': cannot read its data: {e}")))?;
+        .map_err(|e| match e {
+            ReadError::Io(e) => Error::load(format!("{path}: tensor '{name}': cannot read its data: {e}")),
+            ReadError::Alloc(e) => e,
+            ReadError::NonFinite(i, x) => Error::load(format!(
+                "{path}: tensor '{name}' holds a non-finite value ({x}) at flat index {i}; refused (transformers \
+                 would load it and compute NaN logits)"
+            )),
+        })?;
         let keep_bf16 = matrix
             && file_dtype == DType::BF16
             && self.dtype == DType::F32

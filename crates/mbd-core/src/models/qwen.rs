@@ -168,11 +168,71 @@ pub struct QwenModel {
     kernels: Kernels,
 }
 
+/// Check config.json's dimensions against the checkpoint's headers before anything is allocated from them:
+/// the number of layers stored, and the shapes that the main sizes determine, with messages that name the
+/// config fields. (`Weights` checks every tensor's shape again as it loads it.)
+pub fn check_checkpoint(cfg: &ModelConfig, ws: &Weights) -> Result<()> {
+    let mut stored = 0usize;
+    for name in ws.names() {
+        if let Some(i) =
+            name.strip_prefix("model.layers.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok())
+        {
+            stored = stored.max(i.saturating_add(1));
+        }
+    }
+    let n = cfg.num_hidden_layers;
+    if n != stored {
+        return Err(Error::config(format!(
+            "config.json: num_hidden_layers is {n} but the checkpoint {} stores {stored} layers (model.layers.N.*){}",
+            ws.where_(),
+            if n < stored {
+                "; transformers would load it and leave the extra layers unused (a different model), so it is refused"
+            } else {
+                ""
+            }
+        )));
+    }
+    let (h, d) = (cfg.hidden_size, cfg.head_dim);
+    let checks: [(&str, [usize; 2], &str); 4] = [
+        ("model.embed_tokens.weight", [cfg.vocab_size, h], "[vocab_size, hidden_size]"),
+        (
+            "model.layers.0.self_attn.q_proj.weight",
+            [cfg.num_attention_heads * d, h],
+            "[num_attention_heads x head_dim, hidden_size]",
+        ),
+        (
+            "model.layers.0.self_attn.k_proj.weight",
+            [cfg.num_key_value_heads * d, h],
+            "[num_key_value_heads x head_dim, hidden_size]",
+        ),
+        ("model.layers.0.input_layernorm.weight", [h, 0], "[hidden_size]"),
+    ];
+    for (name, want, fields) in checks {
+        let want: &[usize] = if want[1] == 0 { &want[..1] } else { &want[..] };
+        if let Some(found) = ws.shape(name) {
+            if found != want {
+                return Err(Error::config(format!(
+                    "config.json: {fields} = {want:?} (num_attention_heads {}, num_key_value_heads {}, head_dim {}, \
+                     hidden_size {h}, vocab_size {}) does not match tensor '{name}' of shape {found:?} in {}",
+                    cfg.num_attention_heads,
+                    cfg.num_key_value_heads,
+                    d,
+                    cfg.vocab_size,
+                    ws.where_()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 impl QwenModel {
     pub fn load(cfg: &ModelConfig, ws: &Weights, device: &Device, dtype: DType, kernels: Kernels) -> Result<Self> {
+        check_checkpoint(cfg, ws)?;
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
         let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
         let embed = ws.get_matrix("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        // Justified by the checkpoint: check_checkpoint found this many layers stored.
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
