@@ -29,7 +29,8 @@ fn main() {
     let bf16 = model.profile.stored_dtype.as_deref() == Some("bfloat16");
     let f32_twin = bf16.then(|| load(&dir, f32_held_opts.clone()));
     // candle's matmul only, on f32-held weights (the weights are loaded once more with the kernel off)
-    let gemm_only = load(&dir, LoadOptions { kernels: Kernels { skinny: false, ..Default::default() }, ..f32_held_opts });
+    let gemm_only =
+        load(&dir, LoadOptions { kernels: Kernels { skinny: false, ..Default::default() }, ..f32_held_opts });
     println!(
         "model {dir}: {} parameters, weights held {:.1} MiB, {} threads",
         model.num_parameters,

@@ -33,14 +33,27 @@ fn run() {
         let w = Tensor::randn(0f32, 0.02, (n, k), &dev).unwrap();
         for m in [1usize, 2, 4, 8, 12, 16, 32, 64] {
             let x = Tensor::randn(0f32, 1.0, (m, k), &dev).unwrap();
-            let reps = if n > 100_000 { 7 } else if n * k < 1 << 20 { 401 } else { 41 };
+            let reps = if n > 100_000 {
+                7
+            } else if n * k < 1 << 20 {
+                401
+            } else {
+                41
+            };
             let (mut a, mut b) = (vec![], vec![]);
             for _ in 0..reps {
                 let t = std::time::Instant::now();
                 let y1 = x.matmul(&w.t().unwrap()).unwrap();
                 a.push(t.elapsed().as_secs_f64() * 1e3);
                 let t = std::time::Instant::now();
-                let y2 = x.apply_op2_no_bwd(&w, &mbd_core::skinny::SkinnyMatmulT { par_min_macs: mbd_core::skinny::Kernels::default().par_min_macs }).unwrap();
+                let y2 = x
+                    .apply_op2_no_bwd(
+                        &w,
+                        &mbd_core::skinny::SkinnyMatmulT {
+                            par_min_macs: mbd_core::skinny::Kernels::default().par_min_macs,
+                        },
+                    )
+                    .unwrap();
                 b.push(t.elapsed().as_secs_f64() * 1e3);
                 let d = (y1 - y2).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
                 assert!(d < 1e-3, "results differ by {d}");

@@ -80,7 +80,9 @@ impl ChatTemplate {
         for (i, m) in list.iter().enumerate() {
             let ok = m.get("role").is_some_and(|r| r.is_string()) && m.get("content").is_some_and(|c| c.is_string());
             if !ok {
-                return Err(Error::invalid(format!("messages[{i}] must have string 'role' and 'content' fields, got {m}")));
+                return Err(Error::invalid(format!(
+                    "messages[{i}] must have string 'role' and 'content' fields, got {m}"
+                )));
             }
         }
         let tmpl = self.env.get_template("chat").map_err(|e| Error::Internal(e.to_string()))?;

@@ -19,8 +19,8 @@ pub fn read_json(path: &Path) -> Result<Map<String, Value>> {
             Error::load(format!("{}: cannot read: {e}", path.display()))
         }
     })?;
-    let v: Value = serde_json::from_str(&text)
-        .map_err(|e| Error::config(format!("{}: malformed JSON: {e}", path.display())))?;
+    let v: Value =
+        serde_json::from_str(&text).map_err(|e| Error::config(format!("{}: malformed JSON: {e}", path.display())))?;
     match v {
         Value::Object(m) => Ok(m),
         other => Err(Error::config(format!(
@@ -254,7 +254,10 @@ impl ModelConfig {
             None => hidden_size / num_attention_heads,
         };
         if head_dim == 0 || head_dim % 2 != 0 {
-            return Err(Error::config(format!("{}: head_dim must be a positive even number, found {head_dim}", f.file)));
+            return Err(Error::config(format!(
+                "{}: head_dim must be a positive even number, found {head_dim}",
+                f.file
+            )));
         }
         for key in ["rope_scaling", "rope_parameters"] {
             if let Some(v) = f.get(key) {
@@ -500,8 +503,7 @@ fn detect_architecture(f: &Fields) -> Result<(Family, String)> {
             f.file
         )));
     }
-    let supported: Vec<String> =
-        SUPPORTED_ARCHITECTURES.iter().map(|(a, m, _)| format!("{a} ({m})")).collect();
+    let supported: Vec<String> = SUPPORTED_ARCHITECTURES.iter().map(|(a, m, _)| format!("{a} ({m})")).collect();
     Err(Error::Unsupported(format!(
         "{}: architecture {} (model_type {}) is not supported; supported: {}",
         f.file,
@@ -540,10 +542,16 @@ impl Profile {
                 let shift = cfg.opt_bool("logits_shift")?.unwrap_or(cfg_block.is_none());
                 (attn, Alignment::Absolute, shift, cfg_mask.or(tokenizer_mask_id), cfg_block.unwrap_or(32))
             }
-            Family::Dream => (AttentionKind::Full, Alignment::Absolute, true, cfg_mask.or(Some(151666)), cfg_block.unwrap_or(32)),
-            Family::Sdar | Family::SdarMoe | Family::MbdTiny => {
-                (AttentionKind::BlockCausal, Alignment::Absolute, false, cfg_mask.or(tokenizer_mask_id), cfg_block.unwrap_or(4))
+            Family::Dream => {
+                (AttentionKind::Full, Alignment::Absolute, true, cfg_mask.or(Some(151666)), cfg_block.unwrap_or(32))
             }
+            Family::Sdar | Family::SdarMoe | Family::MbdTiny => (
+                AttentionKind::BlockCausal,
+                Alignment::Absolute,
+                false,
+                cfg_mask.or(tokenizer_mask_id),
+                cfg_block.unwrap_or(4),
+            ),
             Family::FastDllmV2 => (
                 AttentionKind::BlockCausal,
                 Alignment::Absolute,

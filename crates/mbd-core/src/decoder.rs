@@ -287,9 +287,7 @@ impl Decoder {
             Acceptance::Eb => {
                 for (_, idx) in &groups {
                     let mut order = idx.clone();
-                    order.sort_by(|&a, &b| {
-                        by_score_then_index(preds[a].entropy, preds[b].entropy, a, b)
-                    });
+                    order.sort_by(|&a, &b| by_score_then_index(preds[a].entropy, preds[b].entropy, a, b));
                     let mut sum = 0.0;
                     for &i in &order {
                         if sum <= tau {
@@ -316,9 +314,7 @@ impl Decoder {
                 let best = idx
                     .iter()
                     .copied()
-                    .min_by(|&a, &b| {
-                        by_score_then_index(preds[a].entropy, preds[b].entropy, a, b)
-                    })
+                    .min_by(|&a, &b| by_score_then_index(preds[a].entropy, preds[b].entropy, a, b))
                     .unwrap();
                 accept[best] = true;
             }
@@ -394,7 +390,14 @@ mod tests {
             let abs = rng.random_bool(0.5);
             let acc = [Acceptance::Entropy, Acceptance::Confidence, Acceptance::Eb][trial % 3];
             let forced = if rng.random_bool(0.5) { ForcedProgress::First } else { ForcedProgress::Every };
-            let p = params(acc, forced, rng.random_range(0.0..1.5), rng.random_range(0.0..1.0), rng.random_range(0.0..1.0), vec![1]);
+            let p = params(
+                acc,
+                forced,
+                rng.random_range(0.0..1.5),
+                rng.random_range(0.0..1.0),
+                rng.random_range(0.0..1.0),
+                vec![1],
+            );
             let mut d = Decoder::new(lp, n, block_layout(lp, n, b, abs), p).unwrap();
             let mut steps = 0;
             while let Some(pos) = d.plan() {

@@ -58,7 +58,8 @@ impl Default for LoadOptions {
 pub fn parse_device(s: &str) -> Result<Device> {
     let (kind, ordinal) = match s.split_once(':') {
         Some((k, n)) => {
-            let n: usize = n.parse().map_err(|_| Error::invalid(format!("device '{s}': '{n}' is not a device number")))?;
+            let n: usize =
+                n.parse().map_err(|_| Error::invalid(format!("device '{s}': '{n}' is not a device number")))?;
             (k, n)
         }
         None => (s, 0),
@@ -84,13 +85,15 @@ pub fn parse_device(s: &str) -> Result<Device> {
                     "device 'cuda': this build of mbd-rs has no CUDA support (install the CUDA wheel)".into(),
                 ));
             }
-            Device::new_cuda(ordinal).map_err(|e| Error::Unsupported(format!("device '{s}': no usable CUDA device or driver: {e}")))
+            Device::new_cuda(ordinal)
+                .map_err(|e| Error::Unsupported(format!("device '{s}': no usable CUDA device or driver: {e}")))
         }
         "metal" => {
             if !candle_core::utils::metal_is_available() {
                 return Err(Error::Unsupported("device 'metal': this build of mbd-rs has no Metal support".into()));
             }
-            Device::new_metal(ordinal).map_err(|e| Error::Unsupported(format!("device '{s}': no usable Metal device: {e}")))
+            Device::new_metal(ordinal)
+                .map_err(|e| Error::Unsupported(format!("device '{s}': no usable Metal device: {e}")))
         }
         _ => Err(Error::invalid(format!("device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'metal', got '{s}'"))),
     }
@@ -202,7 +205,6 @@ pub fn chunks(grid: &BlockGrid, start: usize, stop: usize) -> Vec<(usize, usize)
     out
 }
 
-
 impl Model {
     pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Model> {
         let (device, dtype, ov) = (&opts.device, opts.dtype, &opts.overrides);
@@ -223,7 +225,14 @@ impl Model {
         let gen_map = if gen_path.exists() { Some(read_json(&gen_path)?) } else { None };
         let gen_fields = gen_map.as_ref().map(|m| Fields { file: &gen_file, map: m });
         let tokenizer = load_tokenizer(dir)?;
-        let profile = Profile::resolve(family, architecture, &cfg_fields, gen_fields.as_ref(), tokenizer_mask_id(&tokenizer), ov)?;
+        let profile = Profile::resolve(
+            family,
+            architecture,
+            &cfg_fields,
+            gen_fields.as_ref(),
+            tokenizer_mask_id(&tokenizer),
+            ov,
+        )?;
         if let Some(m) = profile.mask_token_id {
             if m as usize >= config.vocab_size {
                 return Err(Error::config(format!(
@@ -296,7 +305,10 @@ impl Model {
     }
 
     pub fn tokenize(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let enc = self.tokenizer.encode(text, add_special_tokens).map_err(|e| Error::invalid(format!("cannot tokenize: {e}")))?;
+        let enc = self
+            .tokenizer
+            .encode(text, add_special_tokens)
+            .map_err(|e| Error::invalid(format!("cannot tokenize: {e}")))?;
         Ok(enc.get_ids().to_vec())
     }
 
@@ -322,7 +334,12 @@ impl Model {
     /// template's own markup is tokenized with its control tokens; message contents stay text: a content that
     /// spells a control token (`<|im_end|><|im_start|>system`) is tokenized as plain text, unless
     /// `special_in_content`.
-    pub fn chat_prompt_ids(&self, messages: &serde_json::Value, extra: &serde_json::Value, special_in_content: bool) -> Result<Vec<u32>> {
+    pub fn chat_prompt_ids(
+        &self,
+        messages: &serde_json::Value,
+        extra: &serde_json::Value,
+        special_in_content: bool,
+    ) -> Result<Vec<u32>> {
         let contents: Vec<&str> = match messages.as_array() {
             Some(list) => list.iter().map(|m| m.get("content").and_then(|c| c.as_str()).unwrap_or("")).collect(),
             None => vec![],
@@ -379,7 +396,12 @@ impl Model {
 
     /// Render chat `messages` (a JSON list of {role, content}) with the model's template; `extra` are more
     /// template variables (a JSON object or null).
-    pub fn render_chat(&self, messages: &serde_json::Value, add_generation_prompt: bool, extra: &serde_json::Value) -> Result<String> {
+    pub fn render_chat(
+        &self,
+        messages: &serde_json::Value,
+        add_generation_prompt: bool,
+        extra: &serde_json::Value,
+    ) -> Result<String> {
         let tmpl = self.chat_template.as_ref().ok_or_else(|| {
             Error::invalid(format!(
                 "{}: this model has no chat template (no chat_template.jinja and no 'chat_template' in tokenizer_config.json)",

@@ -40,7 +40,10 @@ impl Generation {
         }
         model.check_ids("prompt", &prompt)?;
         let mask_id = p.mask_token_id.ok_or_else(|| {
-            Error::invalid(format!("this model ({}) has no mask token id; pass mask_token_id=... to Engine.load", p.architecture))
+            Error::invalid(format!(
+                "this model ({}) has no mask token id; pass mask_token_id=... to Engine.load",
+                p.architecture
+            ))
         })?;
         let lp = prompt.len();
         let max_ctx = model.config.max_position_embeddings;

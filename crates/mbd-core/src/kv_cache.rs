@@ -20,7 +20,17 @@ pub struct KvCache {
 
 impl KvCache {
     pub fn new(n_layers: usize, n_kv: usize, head_dim: usize, dtype: DType, device: &Device) -> Self {
-        KvCache { layers: vec![], n_layers, n_kv, head_dim, dtype, device: device.clone(), len: 0, capacity: 0, window: 0 }
+        KvCache {
+            layers: vec![],
+            n_layers,
+            n_kv,
+            head_dim,
+            dtype,
+            device: device.clone(),
+            len: 0,
+            capacity: 0,
+            window: 0,
+        }
     }
 
     /// Number of committed positions.

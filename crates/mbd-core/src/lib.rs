@@ -20,27 +20,27 @@
 //! - `cpu_pool`: the engine's CPU thread pool.
 //! - `util`, `error`: string-named enums, shared ordering; the one error type.
 
-pub mod util;
 pub mod error;
+pub mod util;
 
+pub mod engine;
 pub mod generate;
 pub mod request;
-pub mod engine;
 pub mod models {
     pub mod qwen;
 }
-pub mod weights;
-pub mod config;
 pub mod chat;
-pub mod window;
-pub mod output;
-pub mod decoder;
-pub mod sampling;
-pub mod mask;
-pub mod kv_cache;
-pub mod text;
-pub mod skinny;
+pub mod config;
 pub mod cpu_pool;
+pub mod decoder;
+pub mod kv_cache;
+pub mod mask;
+pub mod output;
+pub mod sampling;
+pub mod skinny;
+pub mod text;
+pub mod weights;
+pub mod window;
 
 pub use config::Profile;
 pub use engine::{LoadOptions, Model};

@@ -81,7 +81,14 @@ impl Output {
 
     /// Emit what the last step made stable (`is_final`: the decoder has stopped), with the trace event and,
     /// on the last output, the usage.
-    pub fn emit(&mut self, model: &Model, dec: &Decoder, is_final: bool, step: bool, window: (usize, f64)) -> Result<StepOutput> {
+    pub fn emit(
+        &mut self,
+        model: &Model,
+        dec: &Decoder,
+        is_final: bool,
+        step: bool,
+        window: (usize, f64),
+    ) -> Result<StepOutput> {
         let (token_ids, text, finish) = self.collect(model, dec, is_final)?;
         let event = if step && self.trace != TraceMode::Off { Some(self.event(dec)) } else { None };
         self.finish = finish;
@@ -125,7 +132,12 @@ impl Output {
     }
 
     /// Move newly stable tokens to the completion and text; returns (new ids, new text, finish).
-    fn collect(&mut self, model: &Model, dec: &Decoder, is_final: bool) -> Result<(Vec<u32>, String, Option<FinishReason>)> {
+    fn collect(
+        &mut self,
+        model: &Model,
+        dec: &Decoder,
+        is_final: bool,
+    ) -> Result<(Vec<u32>, String, Option<FinishReason>)> {
         let stable = dec.stable_len();
         let stop_ids = &dec.params.eos_ids;
         let mut new_ids = vec![];
@@ -171,8 +183,14 @@ impl Output {
             index: dec.forward_passes,
             decoded: dec.last_decoded.iter().map(|p| p - lp).collect(),
             tokens: dec.last_decoded.iter().map(|p| dec.tokens[p - lp]).collect(),
-            blocks: (0..dec.blocks.len()).map(|k| (dec.blocks[k].start - lp, dec.blocks[k].end - lp, dec.block_state(k))).collect(),
-            tokens_per_forward: if dec.forward_passes > 0 { dec.accepted as f64 / dec.forward_passes as f64 } else { 0.0 },
+            blocks: (0..dec.blocks.len())
+                .map(|k| (dec.blocks[k].start - lp, dec.blocks[k].end - lp, dec.block_state(k)))
+                .collect(),
+            tokens_per_forward: if dec.forward_passes > 0 {
+                dec.accepted as f64 / dec.forward_passes as f64
+            } else {
+                0.0
+            },
             canvas: (self.trace == TraceMode::Canvas)
                 .then(|| (0..dec.n).map(|i| if dec.decoded[i] { dec.tokens[i] as i64 } else { -1 }).collect()),
         }

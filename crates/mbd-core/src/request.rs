@@ -107,10 +107,20 @@ pub const PARAMS: &[ParamSpec] = &[
     p("stop", K::Strings, R::Any, "stop strings: the text ends before the first one found"),
     p("stop_token_ids", K::Ids, R::Any, "token ids that end the generation like EOS"),
     p("block_size", K::Int, R::AtLeast(1.0), "decoding block size (default: the model's)"),
-    p("threshold", K::Float, R::AtLeast(0.0), "tau: entropy bound, least probability, or EB gamma (default: the family's)"),
+    p(
+        "threshold",
+        K::Float,
+        R::AtLeast(0.0),
+        "tau: entropy bound, least probability, or EB gamma (default: the family's)",
+    ),
     p("acceptance", K::Str, R::Any, "which predictions a step accepts: entropy | confidence | eb"),
     p("block_add_threshold", K::Float, R::Unit, "alpha: add a block when the last one is this decoded"),
-    p("decoded_token_threshold", K::Float, R::Unit, "beta: a block becomes fully active when its predecessor is this decoded"),
+    p(
+        "decoded_token_threshold",
+        K::Float,
+        R::Unit,
+        "beta: a block becomes fully active when its predecessor is this decoded",
+    ),
     p("forced_progress", K::Str, R::Any, "fully active blocks that must decode a token each step: first | every"),
     p("early_stop", K::Bool, R::Any, "stop at the first decoded EOS (default: true)"),
     p("use_cache", K::Bool, R::Any, "keep the exact KV cache of completed blocks (default: true)"),
@@ -119,7 +129,12 @@ pub const PARAMS: &[ParamSpec] = &[
     // profile overrides at load
     p("mask_token_id", K::Int, R::AtLeast(0.0), "the mask token's id"),
     p("attention", K::Str, R::Any, "causal | block_causal | full"),
-    p("alignment", K::Str, R::Any, "block grid: absolute (blocks at multiples of B) | prompt (blocks from the prompt's end)"),
+    p(
+        "alignment",
+        K::Str,
+        R::Any,
+        "block grid: absolute (blocks at multiples of B) | prompt (blocks from the prompt's end)",
+    ),
     p("logits_shift", K::Bool, R::Any, "whether the logit at position i-1 predicts token i"),
     p("eos_token_ids", K::Ids, R::Any, "token ids that end a sequence"),
     // logits

@@ -207,7 +207,11 @@ mod x86 {
     macro_rules! tile_fn {
         ($name:ident, $feature:literal, $lanes:literal, $zero:ident, $loadx:ident, $loadw:ident, $fma:ident, $sum:ident) => {
             #[target_feature(enable = $feature)]
-            pub unsafe fn $name<E: WeightElem, const R: usize>(xs: [&[f32]; R], ws: [&[E]; 4], k: usize) -> [[f32; 4]; R] {
+            pub unsafe fn $name<E: WeightElem, const R: usize>(
+                xs: [&[f32]; R],
+                ws: [&[E]; 4],
+                k: usize,
+            ) -> [[f32; 4]; R] {
                 let mut acc = [[$zero(); 4]; R];
                 let mut i = 0;
                 while i + $lanes <= k {
@@ -238,11 +242,29 @@ mod x86 {
         };
     }
 
-    tile_fn!(tile_avx512, "avx512f", 16, _mm512_setzero_ps, _mm512_loadu_ps, load16, _mm512_fmadd_ps, _mm512_reduce_add_ps);
+    tile_fn!(
+        tile_avx512,
+        "avx512f",
+        16,
+        _mm512_setzero_ps,
+        _mm512_loadu_ps,
+        load16,
+        _mm512_fmadd_ps,
+        _mm512_reduce_add_ps
+    );
     tile_fn!(tile_avx2, "avx2,fma", 8, _mm256_setzero_ps, _mm256_loadu_ps, load8, _mm256_fmadd_ps, hsum256);
 
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn columns_avx512<E: WeightElem>(x: &[f32], m: usize, k: usize, w: &[E], n0: usize, nw: usize, n: usize, y: super::Out) {
+    pub unsafe fn columns_avx512<E: WeightElem>(
+        x: &[f32],
+        m: usize,
+        k: usize,
+        w: &[E],
+        n0: usize,
+        nw: usize,
+        n: usize,
+        y: super::Out,
+    ) {
         super::columns(
             x,
             m,
@@ -259,13 +281,34 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn columns_avx2<E: WeightElem>(x: &[f32], m: usize, k: usize, w: &[E], n0: usize, nw: usize, n: usize, y: super::Out) {
+    pub unsafe fn columns_avx2<E: WeightElem>(
+        x: &[f32],
+        m: usize,
+        k: usize,
+        w: &[E],
+        n0: usize,
+        nw: usize,
+        n: usize,
+        y: super::Out,
+    ) {
         // 16 ymm registers hold a 2 x 4 tile of accumulators; 4 rows are two such tiles.
         let tile4 = |a: [&[f32]; 4], b: [&[E]; 4], k: usize| {
             let (p, q) = (tile_avx2::<E, 2>([a[0], a[1]], b, k), tile_avx2::<E, 2>([a[2], a[3]], b, k));
             [p[0], p[1], q[0], q[1]]
         };
-        super::columns(x, m, k, w, n0, nw, n, y, tile4, |a, b, k| tile_avx2::<E, 2>(a, b, k), |a, b, k| tile_avx2::<E, 1>(a, b, k))
+        super::columns(
+            x,
+            m,
+            k,
+            w,
+            n0,
+            nw,
+            n,
+            y,
+            tile4,
+            |a, b, k| tile_avx2::<E, 2>(a, b, k),
+            |a, b, k| tile_avx2::<E, 1>(a, b, k),
+        )
     }
 }
 
@@ -298,7 +341,15 @@ pub fn matmul_t<E: WeightElem>(x: &[f32], m: usize, k: usize, w: &[E], n: usize,
     matmul_t_with(isa(), x, m, k, w, n, par_min_macs)
 }
 
-fn matmul_t_with<E: WeightElem>(isa: Isa, x: &[f32], m: usize, k: usize, w: &[E], n: usize, par_min_macs: usize) -> Vec<f32> {
+fn matmul_t_with<E: WeightElem>(
+    isa: Isa,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    w: &[E],
+    n: usize,
+    par_min_macs: usize,
+) -> Vec<f32> {
     assert_eq!(x.len(), m * k);
     assert_eq!(w.len(), n * k);
     let mut y = vec![0f32; m * n];
@@ -336,7 +387,13 @@ impl CustomOp2 for SkinnyMatmulT {
     fn name(&self) -> &'static str {
         "skinny-matmul-t"
     }
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
         let ((m, k), (n, k2)) = (l1.shape().dims2()?, l2.shape().dims2()?);
         if k != k2 {
             candle_core::bail!("skinny-matmul-t: inner dimensions differ ({k} vs {k2})");
@@ -429,7 +486,16 @@ mod tests {
         let mut rnd = uniform(7);
         // odd k (lane tails), odd n (4-row tile tails, task tails), odd m (2-row tails), big enough to go parallel
         let isas = available_isas();
-        for &(m, k, n) in &[(1, 1, 1), (1, 17, 5), (2, 16, 4), (3, 33, 7), (5, 100, 131), (7, 333, 259), (32, 896, 200), (13, 64, 6000)] {
+        for &(m, k, n) in &[
+            (1, 1, 1),
+            (1, 17, 5),
+            (2, 16, 4),
+            (3, 33, 7),
+            (5, 100, 131),
+            (7, 333, 259),
+            (32, 896, 200),
+            (13, 64, 6000),
+        ] {
             let x: Vec<f32> = (0..m * k).map(|_| rnd()).collect();
             let w: Vec<f32> = (0..n * k).map(|_| rnd()).collect();
             let r = reference(&x, m, k, &w, n);

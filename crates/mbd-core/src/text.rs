@@ -16,7 +16,12 @@ impl Detok {
     /// The text of `ids` (all tokens so far; only ever appended to between calls). A trailing incomplete
     /// character shows as U+FFFD (TextStream holds it back). With `is_final` the whole list is decoded once,
     /// so the final text is exactly the one-shot decoding.
-    pub fn text<E>(&mut self, ids: &[u32], is_final: bool, decode: impl Fn(&[u32]) -> Result<String, E>) -> Result<String, E> {
+    pub fn text<E>(
+        &mut self,
+        ids: &[u32],
+        is_final: bool,
+        decode: impl Fn(&[u32]) -> Result<String, E>,
+    ) -> Result<String, E> {
         if is_final {
             return decode(ids);
         }
@@ -155,7 +160,11 @@ mod tests {
                 n = (n + chunk).min(ids.len());
                 let t = d.text(&ids[..n], false, bytes).unwrap();
                 let full = bytes(&ids[..n]).unwrap();
-                assert_eq!(t.trim_end_matches('\u{FFFD}'), full.trim_end_matches('\u{FFFD}'), "chunk {chunk}, {n} tokens");
+                assert_eq!(
+                    t.trim_end_matches('\u{FFFD}'),
+                    full.trim_end_matches('\u{FFFD}'),
+                    "chunk {chunk}, {n} tokens"
+                );
             }
             assert_eq!(d.text(&ids, true, bytes).unwrap(), s);
         }

@@ -47,7 +47,11 @@ pub fn one_of(names: &[&str]) -> String {
 pub fn check_alloc(bytes: usize, what: impl FnOnce() -> String) -> crate::error::Result<()> {
     let mut probe: Vec<u8> = Vec::new();
     probe.try_reserve_exact(bytes).map_err(|_| {
-        crate::error::Error::invalid(format!("{}: {:.1} GB cannot be allocated on this machine", what(), bytes as f64 / 1e9))
+        crate::error::Error::invalid(format!(
+            "{}: {:.1} GB cannot be allocated on this machine",
+            what(),
+            bytes as f64 / 1e9
+        ))
     })
 }
 

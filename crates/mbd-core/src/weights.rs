@@ -352,10 +352,9 @@ impl Weights {
     }
 
     fn load(&self, name: &str, shape: &[usize], matrix: bool) -> Result<Tensor> {
-        let i = *self
-            .index
-            .get(name)
-            .ok_or_else(|| Error::load(format!("{}: tensor '{name}' is missing (expected shape {shape:?})", self.where_())))?;
+        let i = *self.index.get(name).ok_or_else(|| {
+            Error::load(format!("{}: tensor '{name}' is missing (expected shape {shape:?})", self.where_()))
+        })?;
         let shard = &self.shards[i];
         let path = shard.path.display();
         let info = &shard.tensors[name];
@@ -385,11 +384,8 @@ impl Weights {
                  would load it and compute NaN logits)"
             )),
         })?;
-        let keep_bf16 = matrix
-            && file_dtype == DType::BF16
-            && self.dtype == DType::F32
-            && self.device.is_cpu()
-            && self.keep_bf16;
+        let keep_bf16 =
+            matrix && file_dtype == DType::BF16 && self.dtype == DType::F32 && self.device.is_cpu() && self.keep_bf16;
         let t = if keep_bf16 { t } else { t.to_dtype(self.dtype)?.to_device(&self.device)? };
         self.loaded.set(self.loaded.get() + t.elem_count() * t.dtype().size_in_bytes());
         Ok(t)

@@ -131,7 +131,9 @@ impl Window {
         for &p in positions {
             let r = src(p);
             if r >= ws {
-                pick.push(rows.binary_search(&(r - ws)).map_err(|_| Error::Internal("missing logits row".into()))? as u32);
+                pick.push(
+                    rows.binary_search(&(r - ws)).map_err(|_| Error::Internal("missing logits row".into()))? as u32
+                );
             } else if self.carry.is_some() && r + 1 == ws {
                 pick.push(n_rows as u32);
             } else {
@@ -142,7 +144,9 @@ impl Window {
         if exact && commit_end > ws {
             self.cache.commit(commit_end - ws)?;
             if self.shift {
-                let i = rows.binary_search(&(commit_end - 1 - ws)).map_err(|_| Error::Internal("missing carry row".into()))?;
+                let i = rows
+                    .binary_search(&(commit_end - 1 - ws))
+                    .map_err(|_| Error::Internal("missing carry row".into()))?;
                 self.carry = Some(logits.narrow(0, i, 1)?);
             }
         }

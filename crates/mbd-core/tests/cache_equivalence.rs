@@ -52,9 +52,11 @@ fn cache_gives_the_same_tokens_and_forwards() {
     for (attention, alignment, block) in grids {
         for shift in [false, true] {
             let model = load(attention, alignment, shift, block);
-            for (prompt_len, threshold, forced) in
-                [(5usize, 0.0, ForcedProgress::First), (9, 0.01, ForcedProgress::Every), (7, 2.0, ForcedProgress::First)]
-            {
+            for (prompt_len, threshold, forced) in [
+                (5usize, 0.0, ForcedProgress::First),
+                (9, 0.01, ForcedProgress::Every),
+                (7, 2.0, ForcedProgress::First),
+            ] {
                 let prompt: Vec<u32> = (0..prompt_len as u32).map(|i| 10 + 7 * i).collect();
                 let base = GenRequest {
                     max_tokens: Some(13),
@@ -67,7 +69,10 @@ fn cache_gives_the_same_tokens_and_forwards() {
                 };
                 let cached = run(&model, &prompt, &GenRequest { use_cache: Some(true), ..base.clone() });
                 let recomputed = run(&model, &prompt, &GenRequest { use_cache: Some(false), ..base });
-                assert_eq!(cached, recomputed, "{attention:?} {alignment:?} shift={shift} lp={prompt_len} tau={threshold}");
+                assert_eq!(
+                    cached, recomputed,
+                    "{attention:?} {alignment:?} shift={shift} lp={prompt_len} tau={threshold}"
+                );
                 assert_eq!(cached.0.len(), 13);
                 cases += 1;
             }
@@ -81,7 +86,8 @@ fn attention_in_query_chunks_equals_one_piece() {
     let ids: Vec<u32> = (0..40u32).map(|i| (i * 37 + 11) % 320).collect();
     for attention in [AttentionKind::Causal, AttentionKind::BlockCausal, AttentionKind::Full] {
         let overrides = ProfileOverrides { attention: Some(attention), block_size: Some(4), ..Default::default() };
-        let whole = Model::load(&fixture(), &LoadOptions { overrides: overrides.clone(), ..Default::default() }).unwrap();
+        let whole =
+            Model::load(&fixture(), &LoadOptions { overrides: overrides.clone(), ..Default::default() }).unwrap();
         // a budget of one score row: every query row is its own chunk
         let kernels = Kernels { attention_score_bytes: 1, ..Default::default() };
         let chunked = Model::load(&fixture(), &LoadOptions { overrides, kernels, ..Default::default() }).unwrap();

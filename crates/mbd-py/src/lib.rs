@@ -82,22 +82,28 @@ fn int(name: &str, v: &Bound<'_, PyAny>) -> PyResult<i64> {
 
 fn string(name: &str, v: &Bound<'_, PyAny>) -> PyResult<String> {
     let s = v.cast::<PyString>().map_err(|_| invalid(format!("{name} must be a string, got {}", show(v))))?;
-    s.to_str()
-        .map(|s| s.to_string())
-        .map_err(|_| invalid(format!("{name} must be valid text: it contains characters that are not Unicode scalar values (lone surrogates)")))
+    s.to_str().map(|s| s.to_string()).map_err(|_| {
+        invalid(format!(
+            "{name} must be valid text: it contains characters that are not Unicode scalar values (lone surrogates)"
+        ))
+    })
 }
 
 fn ids(name: &str, v: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     if v.is_instance_of::<PyString>() || v.is_instance_of::<PyBytes>() {
         return Err(invalid(format!("{name} must be a sequence of token ids (ints), got a {}", type_name(v))));
     }
-    let items = v.try_iter().map_err(|_| invalid(format!("{name} must be a sequence of token ids (ints), got {}", show(v))))?;
+    let items =
+        v.try_iter().map_err(|_| invalid(format!("{name} must be a sequence of token ids (ints), got {}", show(v))))?;
     items
         .enumerate()
         .map(|(i, t)| {
             let t = t?;
             if t.is_instance_of::<PyBool>() || t.is_instance_of::<PyString>() {
-                return Err(invalid(format!("{name} must be a sequence of token ids (ints): item {i} is {}", show(&t))));
+                return Err(invalid(format!(
+                    "{name} must be a sequence of token ids (ints): item {i} is {}",
+                    show(&t)
+                )));
             }
             t.extract::<i64>().map_err(|_| invalid(format!("{name}: item {i} is not a token id: {}", show(&t))))
         })
@@ -112,7 +118,9 @@ fn to_value(name: &str, kind: ParamKind, v: &Bound<'_, PyAny>) -> PyResult<Value
             if v.is_instance_of::<PyBool>() || v.is_instance_of::<PyString>() {
                 return Err(invalid(format!("{name} must be a number, got {}", show(v))));
             }
-            Value::Float(v.extract::<f64>().map_err(|_| invalid(format!("{name} must be a finite number, got {}", show(v))))?)
+            Value::Float(
+                v.extract::<f64>().map_err(|_| invalid(format!("{name} must be a finite number, got {}", show(v))))?,
+            )
         }
         ParamKind::Bool => {
             if !v.is_instance_of::<PyBool>() {
@@ -130,7 +138,10 @@ fn to_value(name: &str, kind: ParamKind, v: &Bound<'_, PyAny>) -> PyResult<Value
                     .map(|s| {
                         let s = s?;
                         if !s.is_instance_of::<PyString>() {
-                            return Err(invalid(format!("{name} must be a string or a list of strings, got {}", show(v))));
+                            return Err(invalid(format!(
+                                "{name} must be a string or a list of strings, got {}",
+                                show(v)
+                            )));
                         }
                         string(name, &s)
                     })
@@ -260,7 +271,12 @@ impl CoreModel {
 
     /// Logits (len(ids), vocab) f32 as numpy; `params`: `LOGITS_PARAMS`.
     #[pyo3(signature = (ids, params=None))]
-    fn logits<'py>(&self, py: Python<'py>, ids: &Bound<'py, PyAny>, params: Option<&Bound<'py, PyDict>>) -> PyResult<Bound<'py, PyAny>> {
+    fn logits<'py>(
+        &self,
+        py: Python<'py>,
+        ids: &Bound<'py, PyAny>,
+        params: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let ids = self::ids("ids", ids)?;
         let req: LogitsRequest = request(params)?;
         let m = self.inner.clone();
@@ -278,7 +294,13 @@ impl CoreModel {
 
     /// Render chat messages (JSON text of a list of {role, content}) with the model's template.
     #[pyo3(signature = (messages_json, add_generation_prompt=true, extra_json=None))]
-    fn apply_chat_template(&self, py: Python<'_>, messages_json: &Bound<'_, PyAny>, add_generation_prompt: bool, extra_json: Option<String>) -> PyResult<String> {
+    fn apply_chat_template(
+        &self,
+        py: Python<'_>,
+        messages_json: &Bound<'_, PyAny>,
+        add_generation_prompt: bool,
+        extra_json: Option<String>,
+    ) -> PyResult<String> {
         let messages_json = string("messages", messages_json)?;
         let m = self.inner.clone();
         run(py, move || {
@@ -294,12 +316,22 @@ impl CoreModel {
     /// Start a generation of `prompt` (a str, tokenized here, or token ids); `params`: `GENERATION_PARAMS`
     /// (None values = defaults).
     #[pyo3(signature = (prompt, params=None, add_special_tokens=true))]
-    fn start(&self, py: Python<'_>, prompt: &Bound<'_, PyAny>, params: Option<&Bound<'_, PyDict>>, add_special_tokens: bool) -> PyResult<CoreStream> {
+    fn start(
+        &self,
+        py: Python<'_>,
+        prompt: &Bound<'_, PyAny>,
+        params: Option<&Bound<'_, PyDict>>,
+        add_special_tokens: bool,
+    ) -> PyResult<CoreStream> {
         enum Prompt {
             Text(String),
             Ids(Vec<i64>),
         }
-        let prompt = if prompt.is_instance_of::<PyString>() { Prompt::Text(string("prompt", prompt)?) } else { Prompt::Ids(ids("prompt", prompt)?) };
+        let prompt = if prompt.is_instance_of::<PyString>() {
+            Prompt::Text(string("prompt", prompt)?)
+        } else {
+            Prompt::Ids(ids("prompt", prompt)?)
+        };
         let req: GenRequest = request(params)?;
         let m = self.inner.clone();
         run(py, move || {
@@ -315,7 +347,13 @@ impl CoreModel {
     /// Start a generation answering chat `messages` (JSON text of a list of {role, content}), rendered with the
     /// model's template; contents stay text unless `special_tokens_in_content`.
     #[pyo3(signature = (messages_json, params=None, special_tokens_in_content=false))]
-    fn start_chat(&self, py: Python<'_>, messages_json: &Bound<'_, PyAny>, params: Option<&Bound<'_, PyDict>>, special_tokens_in_content: bool) -> PyResult<CoreStream> {
+    fn start_chat(
+        &self,
+        py: Python<'_>,
+        messages_json: &Bound<'_, PyAny>,
+        params: Option<&Bound<'_, PyDict>>,
+        special_tokens_in_content: bool,
+    ) -> PyResult<CoreStream> {
         let messages_json = string("messages", messages_json)?;
         let req: GenRequest = request(params)?;
         let m = self.inner.clone();

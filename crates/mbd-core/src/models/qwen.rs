@@ -256,9 +256,7 @@ impl QwenModel {
                 head_dim: d,
             };
             let sparse = match &cfg.moe {
-                Some(m) => {
-                    m.num_experts > 0 && !m.mlp_only_layers.contains(&i) && (i + 1) % m.decoder_sparse_step == 0
-                }
+                Some(m) => m.num_experts > 0 && !m.mlp_only_layers.contains(&i) && (i + 1) % m.decoder_sparse_step == 0,
                 None => false,
             };
             let ffn = if sparse {
@@ -285,10 +283,19 @@ impl QwenModel {
             ));
         };
         let half = d / 2;
-        let inv: Vec<f32> =
-            (0..half).map(|i| (1.0 / cfg.rope_theta.powf((2 * i) as f64 / d as f64)) as f32).collect();
+        let inv: Vec<f32> = (0..half).map(|i| (1.0 / cfg.rope_theta.powf((2 * i) as f64 / d as f64)) as f32).collect();
         let inv_freq = Tensor::from_vec(inv, (1, half), device)?;
-        Ok(QwenModel { cfg: cfg.clone(), embed, layers, norm, lm_head, inv_freq, device: device.clone(), dtype, kernels })
+        Ok(QwenModel {
+            cfg: cfg.clone(),
+            embed,
+            layers,
+            norm,
+            lm_head,
+            inv_freq,
+            device: device.clone(),
+            dtype,
+            kernels,
+        })
     }
 
     pub fn device(&self) -> &Device {
@@ -315,7 +322,13 @@ impl QwenModel {
     /// The window's K/V are left in the cache's scratch area; `cache.commit(n)` keeps the first n.
     /// Run it on the engine's CPU pool on the CPU (`cpu_pool::on_device_pool`); ids are in the vocabulary
     /// (the caller checked them: `request::token_ids`).
-    pub fn forward(&self, cache: &mut KvCache, ids: &[u32], grid: &BlockGrid, rows: Option<&[usize]>) -> Result<Tensor> {
+    pub fn forward(
+        &self,
+        cache: &mut KvCache,
+        ids: &[u32],
+        grid: &BlockGrid,
+        rows: Option<&[usize]>,
+    ) -> Result<Tensor> {
         let w = ids.len();
         if w == 0 {
             return Err(Error::Internal("empty window".into()));
@@ -341,7 +354,8 @@ impl QwenModel {
         let freqs = Tensor::from_vec(pos, (w, 1), dev)?.broadcast_mul(&self.inv_freq)?;
         let cos = freqs.cos()?.to_dtype(self.dtype)?;
         let sin = freqs.sin()?.to_dtype(self.dtype)?;
-        let masks = QueryChunks::new(grid, p, w, self.cfg.num_attention_heads, self.kernels.attention_score_bytes, dev)?;
+        let masks =
+            QueryChunks::new(grid, p, w, self.cfg.num_attention_heads, self.kernels.attention_score_bytes, dev)?;
         let ids_t = Tensor::new(ids, dev)?;
         let mut x = self.embed.index_select(&ids_t, 0)?.to_dtype(self.dtype)?;
         for (li, layer) in self.layers.iter().enumerate() {
@@ -401,7 +415,8 @@ impl<'a> QueryChunks<'a> {
         let s = self.p + self.w;
         (0..self.w).step_by(self.rows).map(move |r0| {
             let n = self.rows.min(self.w - r0);
-            let mask = if n == self.w { self.whole.clone() } else { Self::mask(self.grid, self.p + r0, n, s, &self.device)? };
+            let mask =
+                if n == self.w { self.whole.clone() } else { Self::mask(self.grid, self.p + r0, n, s, &self.device)? };
             Ok((r0, n, mask))
         })
     }
@@ -456,7 +471,8 @@ impl Attention {
                 None => att,
             };
             let att = candle_nn::ops::softmax_last_dim(&att)?.to_dtype(vv.dtype())?;
-            ys.push(att.reshape((nkv, n_rep * n, s))?.matmul(&vv)?.reshape((nh, n, d))?); // (nh, n, d)
+            ys.push(att.reshape((nkv, n_rep * n, s))?.matmul(&vv)?.reshape((nh, n, d))?);
+            // (nh, n, d)
         }
         let y = if ys.len() == 1 { ys.pop().expect("one chunk") } else { Tensor::cat(&ys, 1)? };
         let y = y.transpose(0, 1)?.reshape((w, nh * d))?;
