@@ -9,13 +9,12 @@ writes benches/tiny_eval.json, and (with matplotlib installed) benches/tiny_accu
 import argparse
 import json
 import os
-import random
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "training"))
-from tasks import TASKS, sample  # noqa: E402
+from tasks import TASKS, held_out_set  # noqa: E402
 
 import mbd_rs  # noqa: E402
 
@@ -28,22 +27,6 @@ for tau in (0.95, 0.9, 0.7, 0.5):
     CONFIGS.append((f"multi-block confidence {tau}", dict(block_size=4, acceptance="confidence", threshold=tau)))
 for tau in (0.2, 0.5):
     CONFIGS.append((f"multi-block B8 entropy {tau}", dict(block_size=8, acceptance="entropy", threshold=tau)))
-
-
-def held_out_set(per_task):
-    r = random.Random(1234)
-    seen, out = set(), []
-    for task in TASKS:
-        n = tries = 0
-        while n < per_task and tries < 50 * per_task:  # some families have few distinct held-out inputs
-            tries += 1
-            _, p, a = sample(r, held_out=True, task=task)
-            if p in seen:
-                continue
-            seen.add(p)
-            out.append((task, p, a))
-            n += 1
-    return out
 
 
 def main():

@@ -65,3 +65,21 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 
 def render(prompt: str) -> str:
     return f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def held_out_set(per_task, seed=1234):
+    """Up to `per_task` distinct held-out (task, prompt, answer) instances per task family, seeded (the same list
+    for training checks and benches/eval_tiny.py)."""
+    r = random.Random(seed)
+    seen, out = set(), []
+    for task in TASKS:
+        n = tries = 0
+        while n < per_task and tries < 50 * per_task:  # some families have few distinct held-out inputs
+            tries += 1
+            _, p, a = sample(r, held_out=True, task=task)
+            if p in seen:
+                continue
+            seen.add(p)
+            out.append((task, p, a))
+            n += 1
+    return out

@@ -83,7 +83,7 @@ from tokenizers import Tokenizer, decoders, models
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tasks import CHAT_TEMPLATE, TASKS, render, sample  # noqa: E402
+from tasks import CHAT_TEMPLATE, TASKS, held_out_set, render, sample  # noqa: E402
 
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
 MAX_POS = 256
@@ -415,22 +415,6 @@ def ref_generate(model, ids, shift, attention, prompt_ids, N=40, B=4, tau=None):
     toks = x[0, lp:].tolist()
     e = next((i for i in range(N) if decoded[i] and toks[i] in eos), N)
     return ids.tok.decode(toks[:e]), e + 1, fwd
-
-
-def held_out_set(per_task, seed=1234):
-    r = random.Random(seed)
-    seen, out = set(), []
-    for task in TASKS:
-        n = tries = 0
-        while n < per_task and tries < 50 * per_task:
-            tries += 1
-            _, p, a = sample(r, held_out=True, task=task)
-            if p in seen:
-                continue
-            seen.add(p)
-            out.append((task, p, a))
-            n += 1
-    return out
 
 
 def attention_of(family):
