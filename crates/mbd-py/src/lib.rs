@@ -332,16 +332,10 @@ impl CoreModel {
         } else {
             Prompt::Ids(ids("prompt", prompt)?)
         };
-        let req: GenRequest = request(params)?;
-        let m = self.inner.clone();
-        run(py, move || {
-            let ids = match prompt {
-                Prompt::Text(t) => m.prompt_ids(&t, add_special_tokens)?,
-                Prompt::Ids(ids) => m.token_ids("prompt", &ids)?,
-            };
-            Generation::new(m, ids, &req)
+        self.begin(py, params, move |m| match prompt {
+            Prompt::Text(t) => m.prompt_ids(&t, add_special_tokens),
+            Prompt::Ids(ids) => m.token_ids("prompt", &ids),
         })
-        .map(CoreStream::new)
     }
 
     /// Start a generation answering chat `messages` (JSON text of a list of {role, content}), rendered with the
@@ -355,11 +349,25 @@ impl CoreModel {
         special_tokens_in_content: bool,
     ) -> PyResult<CoreStream> {
         let messages_json = string("messages", messages_json)?;
+        self.begin(py, params, move |m| {
+            m.chat_prompt_ids(&messages_value(&messages_json)?, &serde_json::Value::Null, special_tokens_in_content)
+        })
+    }
+}
+
+impl CoreModel {
+    /// Start a generation: the request from `params`, the prompt's ids from `prompt_ids` (in the core, without
+    /// the GIL).
+    fn begin(
+        &self,
+        py: Python<'_>,
+        params: Option<&Bound<'_, PyDict>>,
+        prompt_ids: impl FnOnce(&Model) -> mbd_core::Result<Vec<u32>> + Send,
+    ) -> PyResult<CoreStream> {
         let req: GenRequest = request(params)?;
         let m = self.inner.clone();
         run(py, move || {
-            let msgs = messages_value(&messages_json)?;
-            let ids = m.chat_prompt_ids(&msgs, &serde_json::Value::Null, special_tokens_in_content)?;
+            let ids = prompt_ids(&m)?;
             Generation::new(m, ids, &req)
         })
         .map(CoreStream::new)
