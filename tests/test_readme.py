@@ -1,0 +1,126 @@
+"""README.md's examples, executed: every command and snippet of the quick start, Python, command-line and server
+sections runs against the embedded model, and every `# -> X` comment (what the README says it shows) must be in
+its output. The benchmark commands need torch and large random checkpoints: only the files they name are checked."""
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+MBD = f"{sys.executable} -m mbd_rs"
+
+
+def blocks(after_heading, lang):
+    """The `lang` code blocks of the README section whose heading starts with `after_heading`."""
+    section = README.split("\n## " + after_heading, 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```" + lang + r"\n(.*?)```", section, re.S)
+
+
+def expectations(code):
+    return [m.strip() for m in re.findall(r"# -> ([^(\n]*)", code)]
+
+
+def shell(line, stdin=None, env=None, timeout=180):
+    cmd = re.sub(r"(^|\| )mbd-rs ", lambda m: m.group(1) + MBD + " ", line)
+    return subprocess.run(["bash", "-c", cmd], input=stdin, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=env)
+
+
+def run_python(code, timeout=180):
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def test_quick_start_runs_the_main_job():
+    (code,) = blocks("Quick start", "bash")
+    first = next(l for l in code.splitlines() if l.startswith("pip install . && "))
+    r = shell(first.split("&& ", 1)[1])  # the package is installed already
+    assert r.returncode == 0, r.stderr
+    assert "1 2 4 7 9" in r.stdout and "step" in r.stdout  # the answer, and the forwards drawn
+    assert "bash scripts/test.sh" in code and os.path.exists(os.path.join(ROOT, "scripts", "test.sh"))
+
+
+def test_python_example():
+    (code,) = blocks("Python", "python")
+    out = run_python(code)
+    for want in expectations(code):
+        assert want in out, (want, out)
+    assert len(expectations(code)) == 3
+
+
+def test_command_line_examples():
+    (code,) = blocks("Command line", "bash")
+    lines = [l for l in code.splitlines() if l.strip()]
+    assert len(lines) == 6
+    for line in lines:
+        stdin = "sort 3 1 2\n/reset\n\n" if line.startswith("mbd-rs chat") else None
+        r = shell(line.split("  #", 1)[0].strip(), stdin=stdin)
+        assert r.returncode == 0, (line, r.stderr[-2000:])
+        for want in expectations(line):
+            assert re.search(r"\s+".join(map(re.escape, want.split())), r.stdout + r.stderr), (line, want, r.stdout)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def readme_server():
+    pytest.importorskip("uvicorn")
+    (code,) = blocks("OpenAI-compatible server", "bash")
+    serve = next(l for l in code.splitlines() if l.startswith("mbd-rs serve"))
+    port = _free_port()
+    cmd = re.sub(r"--port \d+", f"--port {port}", serve.split("  #", 1)[0].strip())
+    proc = subprocess.Popen(["bash", "-c", "exec " + cmd.replace("mbd-rs ", MBD + " ", 1)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    import httpx
+    deadline = time.time() + 60
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() is not None else ""
+        time.sleep(0.1)
+    yield port
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+def test_server_curl_example(readme_server):
+    (code,) = blocks("OpenAI-compatible server", "bash")
+    curl = code.split("mbd-rs serve", 1)[1].split("\n", 1)[1]
+    curl = curl.split("\n# ->")[0].replace("localhost:8000", f"localhost:{readme_server}")
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    r = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=60)
+    events = [json.loads(l[6:]) for l in r.stdout.splitlines() if l.startswith("data: {")]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    (want,) = re.findall(r"join to (.*)", code)
+    assert text == want.strip() and r.stdout.rstrip().endswith("data: [DONE]")
+
+
+def test_server_openai_client_example(readme_server):
+    pytest.importorskip("openai")
+    (code,) = blocks("OpenAI-compatible server", "python")
+    out = run_python(code.replace("127.0.0.1:8000", f"127.0.0.1:{readme_server}"))
+    assert out == expectations(code)[0]
+
+
+def test_benchmark_commands_name_real_files():
+    (code,) = blocks("Benchmarks and GPU", "bash")
+    for path in re.findall(r"(?:python |bash )?((?:benches|scripts)/[\w./-]+\.(?:py|sh))", code):
+        assert os.path.exists(os.path.join(ROOT, path)), path
+    for bench in re.findall(r"--bench (\w+)", code):
+        assert os.path.exists(os.path.join(ROOT, "benches", bench + ".rs")), bench
