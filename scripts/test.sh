@@ -1,22 +1,22 @@
 #!/usr/bin/env bash
 # Build the extension and run every check: rustfmt, clippy (warnings are errors), Rust tests, mypy --strict on
 # the package and the README's Python examples, then pytest.
-# Uses the active virtualenv, or creates ./.venv. Set CARGO_TARGET_DIR to share a Rust build dir.
+# Always in its own ./.venv (a user's install, e.g. a release `pip install .`, is never replaced by this debug
+# build). Set CARGO_TARGET_DIR to share a Rust build dir. On a 2-core machine the first run takes ~15 minutes
+# (building candle twice: a debug build and clippy's check build), later runs ~2 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ -z "${VIRTUAL_ENV:-}" ]; then
-  [ -x .venv/bin/python ] || python3 -m venv .venv
-  . .venv/bin/activate
-fi
+[ -x .venv/bin/python ] || python3 -m venv .venv
+. .venv/bin/activate
 # Versions the suite was last run with (pinned for reproducibility; the package itself needs only numpy).
 python -m pip install -q --disable-pip-version-check maturin==1.16.0 pytest==9.2.0 numpy==2.4.6 safetensors==0.8.0 \
   starlette==1.10.0 uvicorn==0.54.0 openai==3.54.0 httpx==0.28.1 mypy==1.18.2
 echo "== cargo fmt --check"
 cargo fmt --all --check
 echo "== cargo clippy -D warnings"
-cargo clippy -q --workspace --all-targets -- -D warnings
-echo "== build"
-maturin develop -q
+cargo clippy --workspace --all-targets -- -D warnings
+echo "== build (debug extension into ./.venv)"
+maturin develop
 echo "== cargo test"
 cargo test -q -p mbd-core
 echo "== mypy --strict (package + README examples)"
