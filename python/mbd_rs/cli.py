@@ -21,7 +21,9 @@ EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", default=None, help="model directory (default: the embedded mbd-tiny model)")
+    p.add_argument("--model", "-m", default=None,
+                   help="model directory or Hugging Face Hub id org/name (default: the embedded mbd-tiny model)")
+    p.add_argument("--revision", default=None, help="branch, tag or commit of a Hub id (default: main)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | metal")
     p.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
     p.add_argument("-v", "--verbose", action="store_true", help="show tracebacks on errors")
@@ -60,7 +62,7 @@ def _gen_params(a: argparse.Namespace) -> dict[str, Any]:
 
 def _load(a: argparse.Namespace) -> Engine:
     from .engine import Engine
-    return Engine.load(a.model, device=a.device, dtype=a.dtype)
+    return Engine.load(a.model, revision=a.revision, device=a.device, dtype=a.dtype)
 
 
 def _print_stats(u: Usage) -> None:
@@ -296,6 +298,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
         print(f"mbd-rs: the server needs starlette and uvicorn: pip install starlette uvicorn "
               f"(from a checkout: pip install '.[server]') ({e})", file=sys.stderr)
         return EXIT_USAGE
+    from .engine import is_hub_id, resolve_model_path
+    if a.model is not None and is_hub_id(a.model):  # serve it under its id, not its snapshot's commit hash
+        a.model_name = a.model_name or a.model
+    a.model = resolve_model_path(a.model, a.revision)  # the server loads the resolved local directory
     return serve(a)
 
 
@@ -330,7 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(c)
     _add_gen_flags(c)
     i = sub.add_parser("info", help="describe a model directory and whether it is supported (exit 2 if not)")
-    i.add_argument("model_path", nargs="?", default=None, help="model directory (default: the embedded model)")
+    i.add_argument("model_path", nargs="?", default=None,
+                   help="model directory or Hub id org/name (default: the embedded model)")
     i.add_argument("--json", action="store_true", help="print every field as JSON")
     _add_model_flags(i)
     b = sub.add_parser("bench", help="time generation on a model")

@@ -2,15 +2,17 @@
 every parameter's name, kind and range and does the work; this module only shapes calls and results."""
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from . import _core
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, ModelFileNotFoundError
 from .types import Completion, StepEvent, StreamChunk, Usage
 
 #: The model shipped inside the package (trained here by training/train_tiny.py): used when no path is given.
@@ -56,6 +58,48 @@ class ModelInfo:
     device: str
 
 
+# The files a model directory is read from (the rest of a Hub repo, e.g. *.bin or *.gguf, is never downloaded).
+HUB_ALLOW_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                      "chat_template.jinja", "*.safetensors", "model.safetensors.index.json"]
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9._-]+")
+
+
+def is_hub_id(path: "str | os.PathLike[str]") -> bool:
+    """True when `path` names no existing file or directory and has the shape of a Hub repo id ("org/name": one
+    slash, not starting with "." or "/")."""
+    text = os.fspath(path)
+    return bool(_HUB_ID.fullmatch(text)) and not os.path.exists(text)
+
+
+def resolve_model_path(path: "Optional[str | os.PathLike[str]]", revision: Optional[str] = None) -> str:
+    """The local model directory for `path`: the embedded model for None, `path` itself for a local path, and for
+    a Hub id ("org/name") its snapshot in the Hugging Face cache, fetched with huggingface_hub.snapshot_download
+    (which honours HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE and HF_TOKEN, and shows its own progress bars)."""
+    if path is None:
+        path = DEFAULT_MODEL
+    text = os.fspath(path)
+    if not is_hub_id(text):
+        if revision is not None:
+            raise InvalidRequestError(f"revision={revision!r} applies only to Hugging Face Hub ids (org/name); "
+                                      f"{text!r} is a local path")
+        return text
+    what = repr(text) if revision is None else f"{text!r} (revision {revision!r})"
+    try:
+        from huggingface_hub import constants, snapshot_download
+    except ImportError:
+        raise ModelFileNotFoundError(
+            errno.ENOENT, f"{what} is not a local directory, and loading a Hugging Face Hub id needs huggingface_hub: "
+            f"pip install huggingface_hub (or pip install 'mbd-rs[hub]')", text) from None
+    try:
+        return str(snapshot_download(text, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS))
+    except Exception as e:  # offline and not cached, no network, unknown repo or revision, no access: all "not found"
+        reason = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ModelFileNotFoundError(
+            errno.ENOENT, f"{what} is neither a local directory nor in the Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}), and the Hub could not provide it ({type(e).__name__}: {reason})",
+            text) from e
+
+
 class Engine:
     """A loaded block-diffusion (or plain causal) Qwen2/Qwen3/Qwen3-MoE model."""
 
@@ -64,9 +108,12 @@ class Engine:
         self.info = ModelInfo(**core.info())
 
     @classmethod
-    def load(cls, path: "Optional[str | os.PathLike[str]]" = None, *, device: str = "auto", dtype: Optional[str] = None,
-             _kernels: Optional[Dict[str, Any]] = None, **profile_overrides: Any) -> "Engine":
-        """Load an HF-format model directory (default: the embedded mbd-tiny model).
+    def load(cls, path: "Optional[str | os.PathLike[str]]" = None, *, revision: Optional[str] = None,
+             device: str = "auto", dtype: Optional[str] = None, _kernels: Optional[Dict[str, Any]] = None,
+             **profile_overrides: Any) -> "Engine":
+        """Load an HF-format model directory (default: the embedded mbd-tiny model), or a Hugging Face Hub id
+        ("org/name", at `revision`: a branch, tag or commit; default "main") through the local Hub cache,
+        downloading what is missing (see resolve_model_path).
 
         device: "auto" (CUDA/Metal when this build has it and a device answers, else CPU), "cpu", "cuda[:N]", "metal".
         dtype: None/"auto" (float32 on CPU, bfloat16 on GPUs), "float32", "bfloat16", "float16".
@@ -74,9 +121,8 @@ class Engine:
         ("causal"|"block_causal"|"full"), alignment ("absolute"|"prompt"), logits_shift (bool), eos_token_ids.
         _kernels: benchmark switches (keep_bf16_weights, skinny, par_min_macs, max_rows), not a stable API.
         """
-        if path is None:
-            path = DEFAULT_MODEL
-        return cls(_core.CoreModel.load(os.fspath(path), device, dtype, profile_overrides, **(_kernels or {})))
+        path = resolve_model_path(path, revision)
+        return cls(_core.CoreModel.load(path, device, dtype, profile_overrides, **(_kernels or {})))
 
     def __repr__(self) -> str:
         i = self.info
