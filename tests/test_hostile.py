@@ -367,3 +367,6 @@ def test_off_values_of_unsupported_fields_are_accepted(srv):
     body = {"messages": MSG, "max_tokens": 4, "logprobs": False, "presence_penalty": 0.0, "frequency_penalty": 0,
             "logit_bias": {}, "response_format": {"type": "text"}, "n": 1, "user": "u1", "stream": False}
     assert _post(srv, body).status_code == 200
+    nulls = {"messages": MSG, "max_tokens": 4, "n": None, "stream": None, "stream_options": None, "user": None,
+             "temperature": None, "stop": None, "logprobs": None, "seed": None}
+    assert _post(srv, nulls).status_code == 200

@@ -99,6 +99,7 @@ def _body_params(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any], Any]
     for k, off in _UNSUPPORTED_UNLESS.items():
         if k in body and not any(body[k] == v and isinstance(body[k], bool) == isinstance(v, bool) for v in off):
             raise InvalidRequestError(f"{k} is not supported by this server (got {json.dumps(body[k])[:80]})")
+    body = {k: v for k, v in body.items() if v is not None}  # null = the field's default, as OpenAI treats it
     if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
         raise InvalidRequestError("n must be 1 (one completion per request)")
     if not isinstance(body.get("stream", False), bool):
