@@ -321,6 +321,7 @@ SERVER_CASES = [
     (dict(body={"prompt": "hi", "best_of": 3}, route="/v1/completions"), 400, "best_of is not supported"),
     (dict(body={"messages": MSG, "tools": [{"type": "function"}]}), 400, "unknown request field(s) ['tools']"),
     (dict(body={"messages": MSG, "n": 2}), 400, "n must be 1"),
+    (dict(body={"messages": MSG, "trace": "canvas"}), 400, "trace needs stream: true"),
     (dict(body={"messages": MSG, "user": 5}), 400, "user must be a string"),
     (dict(body={"messages": MSG, "max_tokens": 2**64}), 400, "max_tokens must be an integer that fits in 64 bits"),
     (dict(body={"messages": MSG, "temperature": "warm"}), 400, "temperature must be a number"),

@@ -12,7 +12,10 @@ every path (finish, error, cancel, disconnect). Fields we do not support are ref
 from __future__ import annotations
 
 import argparse
+import html
+import importlib.resources
 import json
+import logging
 import os
 import threading
 import time
@@ -20,18 +23,16 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import logging
-
 import anyio
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .engine import GENERATION_PARAMS, Engine, Stream
 from .errors import ContextLengthError, InvalidRequestError, MbdError
-from .types import Usage
+from .types import StepEvent, Usage
 
 # OpenAI body fields passed to the engine as generation parameters, and the server's own fields.
 _OPENAI_PARAMS = {"max_tokens", "temperature", "top_p", "stop", "seed"}
@@ -41,7 +42,9 @@ _UNSUPPORTED_UNLESS = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), 
                        "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
                        "suffix": (None, ""), "best_of": (None, 1), "response_format": (None, {"type": "text"})}
 # Diffusion knobs and the rest of the engine's parameters, accepted as extra body fields.
-_EXTENSIONS = set(GENERATION_PARAMS) - {"trace"} - _OPENAI_PARAMS
+_EXTENSIONS = set(GENERATION_PARAMS) - _OPENAI_PARAMS
+# With "trace" (streaming only), every forward pass is also an SSE event carrying "mbd_step": the blocks, the
+# positions it decoded and the canvas as token pieces (what the live web view at / draws).
 _log = logging.getLogger("mbd_rs.server")
 #: Default cap on a request body.
 MAX_BODY_BYTES = 4 << 20
@@ -110,6 +113,8 @@ def _body_params(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any], Any]
         raise InvalidRequestError("stream_options must be an object like {\"include_usage\": true}")
     if not isinstance(body.get("user", ""), str):
         raise InvalidRequestError("user must be a string")
+    if body.get("trace") not in (None, False) and not body.get("stream"):
+        raise InvalidRequestError("trace needs stream: true (its events are server-sent)")
     p = {k: body[k] for k in _EXTENSIONS | _OPENAI_PARAMS if body.get(k) is not None}
     if body.get("max_completion_tokens") is not None:
         p["max_tokens"] = body["max_completion_tokens"]
@@ -222,11 +227,19 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
         obj = "chat.completion.chunk" if chat else "text_completion"
         now = int(time.time())
 
-        def event(choices: list[dict[str, Any]], usage: dict[str, int | float] | None = None) -> str:
-            d = {"id": rid, "object": obj, "created": now, "model": name, "choices": choices}
+        def event(choices: list[dict[str, Any]], usage: dict[str, int | float] | None = None,
+                  step: dict[str, Any] | None = None) -> str:
+            d: dict[str, Any] = {"id": rid, "object": obj, "created": now, "model": name, "choices": choices}
             if usage is not None:
                 d["usage"] = usage
+            if step is not None:
+                d["mbd_step"] = step
             return f"data: {json.dumps(d)}\n\n"
+
+        def step_json(ev: StepEvent) -> dict[str, Any]:
+            return {"index": ev.index, "decoded": ev.decoded, "blocks": ev.blocks,
+                    "tokens_per_forward": ev.tokens_per_forward,
+                    "canvas": None if ev.canvas is None else [None if t < 0 else piece(t) for t in ev.canvas]}
 
         def choice(text: str, finish: str | None = None, role: bool = False) -> dict[str, Any]:
             if chat:
@@ -241,7 +254,9 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
                 ch = await anyio.to_thread.run_sync(next, stream, None)
                 if ch is None:
                     break
-                if ch.text or ch.finish_reason:
+                if ch.step is not None:
+                    yield event([choice(ch.text, ch.finish_reason)], step=step_json(ch.step))
+                elif ch.text or ch.finish_reason:
                     yield event([choice(ch.text, ch.finish_reason)])
                 if ch.finish_reason:
                     request.state.tokens = len(stream.token_ids)
@@ -252,6 +267,19 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
         finally:
             lease.release()  # cancels the generation first if the client went away mid-stream
 
+    pieces: dict[int, str] = {}
+
+    def piece(t: int) -> str:
+        """A token's text as the web view shows it (special tokens included)."""
+        if t not in pieces:
+            pieces[t] = engine.detokenize([t], skip_special_tokens=False)
+        return pieces[t]
+
+    async def index(request: Request) -> Response:
+        page = (importlib.resources.files("mbd_rs") / "web" / "index.html").read_text(encoding="utf-8")
+        return HTMLResponse(page.replace("{{MODEL}}", html.escape(name)).replace(
+            "{{KEY_NEEDED}}", "true" if api_key else "false"))
+
     async def completions(request: Request) -> Response:
         return await handle(request, chat=False)
 
@@ -259,6 +287,7 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
         return await handle(request, chat=True)
 
     app = Starlette(routes=[
+        Route("/", index, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
