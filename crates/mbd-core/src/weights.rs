@@ -390,12 +390,4 @@ impl Weights {
         self.loaded.set(self.loaded.get() + t.elem_count() * t.dtype().size_in_bytes());
         Ok(t)
     }
-
-    pub fn get_opt(&self, name: &str, shape: &[usize]) -> Result<Option<Tensor>> {
-        if self.contains(name) {
-            self.get(name, shape).map(Some)
-        } else {
-            Ok(None)
-        }
-    }
 }
