@@ -6,11 +6,13 @@ use crate::decoder::{block_layout, DecodeParams, Decoder, StopCause};
 use crate::engine::Model;
 use crate::error::{Error, Result};
 use crate::mask::{Alignment, AttentionKind, BlockGrid};
+use crate::models::qwen::Segment;
 use crate::output::Output;
 pub use crate::output::{FinishReason, StepEvent, StepOutput, Usage};
 use crate::request::{GenRequest, Params, TraceMode};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::window::Window;
+use candle_core::Tensor;
 use std::sync::Arc;
 
 /// Default completion length: 256 tokens, or what is left of the context.
@@ -27,6 +29,8 @@ pub struct Generation {
     window: Window,
     sampler: Sampler,
     out: Output,
+    /// Positions the step under way predicts.
+    positions: Vec<usize>,
 }
 
 impl Generation {
@@ -92,7 +96,7 @@ impl Generation {
         canvas.resize(lp + n, mask_id);
         let window = Window::new(&model, grid, lp, req.use_cache.unwrap_or(true));
         let out = Output::new(lp, req.stop.clone().unwrap_or_default(), req.trace.unwrap_or(TraceMode::Off));
-        Ok(Generation { model, dec, canvas, mask_id, window, sampler, out })
+        Ok(Generation { model, dec, canvas, mask_id, window, sampler, out, positions: vec![] })
     }
 
     /// Cancel: the next output is the final one, with finish_reason "cancelled".
@@ -104,35 +108,74 @@ impl Generation {
         (self.window.positions_forwarded, self.window.prefill_ms)
     }
 
-    /// One decoding step (one forward), on the engine's CPU pool on the CPU. Returns None once the generation
-    /// has finished.
+    /// One decoding step, on the engine's CPU pool on the CPU: the step's forwards run alone (a batch of one
+    /// segment each; the first step's forwards include the prompt's prefill chunks). Returns None once the
+    /// generation has finished.
     pub fn step(&mut self) -> Result<Option<StepOutput>> {
-        let device = self.model.net.device().clone();
-        crate::cpu_pool::on_device_pool(&device, || self.step_impl())
+        let model = self.model.clone();
+        crate::cpu_pool::on_device_pool(model.net.device(), || loop {
+            let logits = match self.prepare()? {
+                Next::Forward(seg) => model.net.forward_segments(&mut [seg])?.pop().expect("one segment"),
+                Next::Output(o) => return Ok(Some(o)),
+                Next::Finished => return Ok(None),
+            };
+            if let Some(o) = self.consume(logits)? {
+                return Ok(Some(o));
+            }
+        })
     }
 
-    fn step_impl(&mut self) -> Result<Option<StepOutput>> {
+    /// The generation's next forward as a segment (plan a step first when none is under way), or its output
+    /// when it needs no forward (decoding has stopped), or `Finished`. A scheduler runs the segments of many
+    /// generations in one forward (`QwenModel::forward_segments`) and hands each its logits (`consume`).
+    pub fn prepare(&mut self) -> Result<Next<'_>> {
         if self.out.finished() {
-            return Ok(None);
+            return Ok(Next::Finished);
         }
-        // plan
-        let Some(positions) = self.dec.plan() else {
-            let usage = self.window_usage();
-            return self.out.emit(&self.model, &self.dec, true, false, usage).map(Some);
-        };
-        // window + forward: the model reads the decoder's current canvas
-        let lp = self.dec.prompt_len;
-        for i in 0..self.dec.n {
-            self.canvas[lp + i] = if self.dec.decoded[i] { self.dec.tokens[i] } else { self.mask_id };
+        if !self.window.in_step() {
+            // plan
+            let Some(positions) = self.dec.plan() else {
+                let usage = self.window_usage();
+                return self.out.emit(&self.model, &self.dec, true, false, usage).map(Next::Output);
+            };
+            // the model reads the decoder's current canvas
+            let lp = self.dec.prompt_len;
+            for i in 0..self.dec.n {
+                self.canvas[lp + i] = if self.dec.decoded[i] { self.dec.tokens[i] } else { self.mask_id };
+            }
+            self.window.begin_step(&self.model, &self.dec, positions.clone())?;
+            self.positions = positions;
         }
-        let logits = self.window.forward(&self.model, &self.canvas, &self.dec, &positions)?;
+        Ok(Next::Forward(self.window.segment(&self.canvas)?))
+    }
+
+    /// The logits of the segment `prepare` gave. Returns the step's output once its last forward has run
+    /// (predict → apply → emit), None while forwards remain.
+    pub fn consume(&mut self, logits: Tensor) -> Result<Option<StepOutput>> {
+        let Some(logits) = self.window.consume(logits)? else { return Ok(None) };
         // predict
         let preds = self.sampler.predict(&logits)?;
         // apply
+        let positions = std::mem::take(&mut self.positions);
         self.dec.apply(&positions, &preds)?;
         // emit
         let is_final = self.dec.stopped == Some(StopCause::ForwardCap) || self.dec.masks_left() == 0;
         let usage = self.window_usage();
         self.out.emit(&self.model, &self.dec, is_final, true, usage).map(Some)
     }
+
+    /// Whether the generation has emitted its final output.
+    pub fn finished(&self) -> bool {
+        self.out.finished()
+    }
+}
+
+/// What a generation needs next (`Generation::prepare`).
+pub enum Next<'a> {
+    /// Run this segment and pass its logits to `consume`.
+    Forward(Segment<'a>),
+    /// An output that needed no forward (the final one, when decoding stopped).
+    Output(StepOutput),
+    /// Nothing more.
+    Finished,
 }

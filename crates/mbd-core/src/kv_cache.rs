@@ -1,5 +1,8 @@
 //! A preallocated per-layer KV cache for one sequence: `len` committed positions, followed by a scratch
-//! window that each forward overwrites. Committing n window positions only advances `len`: no copy.
+//! window that each forward overwrites. Committing the window's first n rows only advances `len` (no copy);
+//! any other slice of the window can be committed at any offset up to `len` (copied), and `truncate` rewinds:
+//! the primitives of S2D2 verification (keep the verified K/V of a window's second half) and of approximate
+//! caches (refresh from an offset).
 
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Tensor};
@@ -31,6 +34,11 @@ impl KvCache {
             capacity: 0,
             window: 0,
         }
+    }
+
+    /// A new empty cache of the same shape, dtype and device.
+    pub fn fresh(&self) -> KvCache {
+        KvCache::new(self.n_layers, self.n_kv, self.head_dim, self.dtype, &self.device)
     }
 
     /// Number of committed positions.
@@ -71,6 +79,11 @@ impl KvCache {
         Ok(())
     }
 
+    /// Length of the scratch window written by the last forward (0 when none or after a commit).
+    pub fn window_len(&self) -> usize {
+        self.window
+    }
+
     /// Store a window's K/V (n_kv, w, d) at position p (= len) of `layer`; return views over [0, p + w).
     pub(crate) fn write_window(&mut self, layer: usize, k: &Tensor, v: &Tensor, p: usize) -> Result<(Tensor, Tensor)> {
         let w = k.dim(1)?;
@@ -90,6 +103,37 @@ impl KvCache {
             )));
         }
         self.len += n;
+        self.window = 0;
+        Ok(())
+    }
+
+    /// Keep the K/V of window rows [from, from + n) of the last forward as positions [at, at + n): everything
+    /// committed from `at` on is replaced and the cache ends at `at + n`. `at` may be any offset up to the
+    /// committed length (rows move by a copy unless they already sit there: `commit(n)` is `commit_rows(0, n, len)`).
+    pub fn commit_rows(&mut self, from: usize, n: usize, at: usize) -> Result<()> {
+        if from.checked_add(n).is_none_or(|e| e > self.window) {
+            return Err(Error::Internal(format!(
+                "cannot commit window rows {from}..{}: the last forward wrote a window of {}",
+                from.saturating_add(n),
+                self.window
+            )));
+        }
+        if at > self.len {
+            return Err(Error::Internal(format!(
+                "cannot commit at offset {at}: only {} positions are committed",
+                self.len
+            )));
+        }
+        let src = self.len + from;
+        if n > 0 && src != at {
+            for (k, v) in &self.layers {
+                let ks = k.narrow(1, src, n)?.copy()?;
+                let vs = v.narrow(1, src, n)?.copy()?;
+                k.slice_set(&ks, 1, at)?;
+                v.slice_set(&vs, 1, at)?;
+            }
+        }
+        self.len = at + n;
         self.window = 0;
         Ok(())
     }
@@ -131,5 +175,23 @@ mod tests {
         assert_eq!(seen.flatten_all().unwrap().to_vec1::<f32>().unwrap(), [1.0, 9.0]);
         c.truncate(5); // never grows
         assert_eq!(c.len(), 1);
+    }
+
+    #[test]
+    fn commit_rows_moves_any_slice_to_any_offset() {
+        let mut c = KvCache::new(1, 1, 1, DType::F32, &Device::Cpu);
+        window(&mut c, &[1.0, 2.0, 3.0]);
+        c.commit(3).unwrap();
+        window(&mut c, &[4.0, 5.0, 6.0, 7.0]);
+        assert!(c.commit_rows(2, 3, 3).is_err()); // past the window
+        assert!(c.commit_rows(0, 1, 4).is_err()); // past the committed length
+                                                  // the window's last two rows replace position 1 on
+        c.commit_rows(2, 2, 1).unwrap();
+        assert_eq!(c.len(), 3);
+        let seen = window(&mut c, &[9.0]);
+        assert_eq!(seen.flatten_all().unwrap().to_vec1::<f32>().unwrap(), [1.0, 6.0, 7.0, 9.0]);
+        // rows already in place: no copy, same result as commit
+        c.commit_rows(0, 1, 3).unwrap();
+        assert_eq!(c.len(), 4);
     }
 }

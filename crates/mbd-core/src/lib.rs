@@ -17,6 +17,7 @@
 //! - `kv_cache`: the per-sequence K/V buffers.
 //! - `text`: incremental detokenisation and stop strings.
 //! - `skinny`: the CPU few-row matmul kernel.
+//! - `scheduler`: continuous batching: one forward per tick over the segments of every active generation.
 //! - `cpu_pool`: the engine's CPU thread pool.
 //! - `util`, `error`: string-named enums, shared ordering; the one error type.
 
@@ -37,6 +38,7 @@ pub mod kv_cache;
 pub mod mask;
 pub mod output;
 pub mod sampling;
+pub mod scheduler;
 pub mod skinny;
 pub mod text;
 pub mod weights;

@@ -102,6 +102,75 @@ impl BlockGrid {
     }
 }
 
+/// Which keys each query row of a forward segment sees. Keys are the segment's cache slots [0, p) (slot i holds
+/// position i) followed by its window rows [p, p + w); queries are the window rows at their explicit positions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MaskSpec {
+    /// The block-id rule of a grid over the rows' positions: query at position a sees key at position b iff
+    /// blk(b) <= blk(a) (causal and full are grids too).
+    Grid(BlockGrid),
+    /// Explicit: per window row, the key index ranges (over [0, p + w)) it sees, e.g. a verification window
+    /// whose second half sees the first half strictly causally and itself only.
+    Custom(Vec<Vec<std::ops::Range<usize>>>),
+}
+
+impl MaskSpec {
+    /// Additive mask (row-major n x (p + w)) for window rows [r0, r0 + n) of a segment whose window rows sit at
+    /// `positions` over `p` cached keys: 0 where visible, -inf elsewhere; `None` when every row sees every key.
+    pub fn additive_rows(&self, p: usize, positions: &[usize], r0: usize, n: usize) -> Option<Vec<f32>> {
+        let w = positions.len();
+        let s = p + w;
+        let contiguous = positions.iter().enumerate().all(|(i, &x)| x == p + i);
+        match self {
+            MaskSpec::Grid(g) if contiguous => g.additive_mask_rows(p + r0, n, s),
+            MaskSpec::Grid(g) => {
+                let mut m = vec![0f32; n * s];
+                for i in 0..n {
+                    let bq = g.block_of(positions[r0 + i]);
+                    let row = &mut m[i * s..(i + 1) * s];
+                    for (j, x) in row.iter_mut().enumerate() {
+                        let kp = if j < p { j } else { positions[j - p] };
+                        if g.block_of(kp) > bq {
+                            *x = f32::NEG_INFINITY;
+                        }
+                    }
+                }
+                Some(m)
+            }
+            MaskSpec::Custom(rows) => {
+                let mut m = vec![f32::NEG_INFINITY; n * s];
+                for i in 0..n {
+                    for r in rows.get(r0 + i).into_iter().flatten() {
+                        let (a, b) = (r.start.min(s), r.end.min(s));
+                        for x in m[i * s + a..i * s + b.max(a)].iter_mut() {
+                            *x = 0.0;
+                        }
+                    }
+                }
+                Some(m)
+            }
+        }
+    }
+
+    /// Check the spec against a segment of `w` rows over `p` cached keys.
+    pub fn check(&self, p: usize, w: usize) -> Result<()> {
+        if let MaskSpec::Custom(rows) = self {
+            if rows.len() != w {
+                return Err(Error::Internal(format!("custom mask has {} rows for a window of {w}", rows.len())));
+            }
+            for (i, rs) in rows.iter().enumerate() {
+                if rs.iter().any(|r| r.start > r.end || r.end > p + w) {
+                    return Err(Error::Internal(format!("custom mask row {i}: a range is outside keys 0..{}", p + w)));
+                }
+                if rs.iter().all(|r| r.is_empty()) {
+                    return Err(Error::Internal(format!("custom mask row {i} sees no key")));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::needless_range_loop)] // indices mirror the visibility rule being tested
 mod tests {
@@ -163,6 +232,33 @@ mod tests {
                 assert_eq!(rows, whole[(q0 - start) * s..(q0 - start + n) * s], "{g:?} rows {q0}..{}", q0 + n);
             }
         }
+    }
+
+    #[test]
+    fn mask_spec_grid_with_explicit_positions_and_custom() {
+        let g = BlockGrid::new(AttentionKind::BlockCausal, 4, Alignment::Absolute, 0).unwrap();
+        // contiguous positions: the grid's own rows
+        let pos: Vec<usize> = (6..13).collect();
+        let spec = MaskSpec::Grid(g);
+        assert_eq!(spec.additive_rows(6, &pos, 2, 3), g.additive_mask_rows(8, 3, 13));
+        // explicit positions (a window that revisits positions 8..10 after 8..10): blk(key) <= blk(query)
+        let pos = [8usize, 9, 10, 8, 9, 10];
+        let m = spec.additive_rows(8, &pos, 0, 6).unwrap();
+        let s = 14;
+        for i in 0..6 {
+            for j in 0..s {
+                let kp = if j < 8 { j } else { pos[j - 8] };
+                assert_eq!(m[i * s + j] == 0.0, kp / 4 <= pos[i] / 4, "row {i} key {j}");
+            }
+        }
+        // custom: row i sees the prefix and key 8 + i only
+        let rows: Vec<Vec<std::ops::Range<usize>>> = (0..3).map(|i| vec![0..8, 8 + i..9 + i]).collect();
+        let c = MaskSpec::Custom(rows);
+        assert!(c.check(8, 3).is_ok() && c.check(8, 4).is_err());
+        let m = c.additive_rows(8, &[8, 9, 10], 1, 2).unwrap();
+        let vis: Vec<usize> = (0..11).filter(|&j| m[j] == 0.0).collect();
+        assert_eq!(vis, [0, 1, 2, 3, 4, 5, 6, 7, 9]);
+        assert!(MaskSpec::Custom(vec![vec![0..0]]).check(0, 1).is_err());
     }
 
     #[test]

@@ -39,6 +39,10 @@ impl Default for Kernels {
     }
 }
 
+/// Rows of x a task multiplies at once (stacked windows of many sequences are cut into such blocks, so x stays
+/// in cache while the task's weight rows stream by).
+const ROW_BLOCK: usize = 64;
+
 /// Weight rows per parallel task: about 2 tasks per thread for small matrices (4-row multiples, at least 16),
 /// at most 256 rows for large ones so that work stays balanced.
 fn rows_per_task(n: usize, threads: usize) -> usize {
@@ -156,6 +160,10 @@ struct Out(*mut f32);
 unsafe impl Send for Out {}
 unsafe impl Sync for Out {}
 impl Out {
+    #[inline(always)]
+    unsafe fn offset(self, i: usize) -> Out {
+        Out(self.0.add(i))
+    }
     #[inline(always)]
     unsafe fn write(self, i: usize, v: f32) {
         *self.0.add(i) = v;
@@ -361,13 +369,23 @@ fn matmul_t_with<E: WeightElem>(
     let run = |t: usize| {
         let n0 = t * per_task;
         let nw = per_task.min(n - n0);
-        match isa {
-            // SAFETY: the CPU has the features these variants were compiled for (checked above).
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { x86::columns_avx512(x, m, k, w, n0, nw, n, out) },
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { x86::columns_avx2(x, m, k, w, n0, nw, n, out) },
-            Isa::Baseline => columns(x, m, k, w, n0, nw, n, out, tile::<E, 8, 4>, tile::<E, 8, 2>, tile::<E, 8, 1>),
+        // x in blocks of ROW_BLOCK rows (a decode window is one block): each dot product is computed the same way
+        // whatever the block, so a row's result never depends on the other rows.
+        for r0 in (0..m).step_by(ROW_BLOCK) {
+            let mb = ROW_BLOCK.min(m - r0);
+            let xb = &x[r0 * k..(r0 + mb) * k];
+            // SAFETY: rows r0.. of y start at r0 * n, inside y.
+            let yb = unsafe { out.offset(r0 * n) };
+            match isa {
+                // SAFETY: the CPU has the features these variants were compiled for (checked above).
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512 => unsafe { x86::columns_avx512(xb, mb, k, w, n0, nw, n, yb) },
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => unsafe { x86::columns_avx2(xb, mb, k, w, n0, nw, n, yb) },
+                Isa::Baseline => {
+                    columns(xb, mb, k, w, n0, nw, n, yb, tile::<E, 8, 4>, tile::<E, 8, 2>, tile::<E, 8, 1>)
+                }
+            }
         }
     };
     if parallel {
@@ -410,31 +428,34 @@ impl CustomOp2 for SkinnyMatmulT {
     }
 }
 
-/// Whether `x · wᵀ` takes the skinny kernel: CPU, x f32 2-D contiguous; w f32 with x of 2 to `max_rows` rows, or
-/// w bf16 with x of 1 to `max_rows` rows. One row over f32 weights is left to gemm's matrix-vector path: in
-/// whole 0.5B forwards (weights streamed from memory) it was as fast or faster (benches/forward.rs, W = 1).
-pub fn applies(x: &Tensor, w: &Tensor, k: &Kernels) -> bool {
-    let min_rows = match w.dtype() {
-        DType::F32 => 2,
-        DType::BF16 => 1,
-        _ => return false,
-    };
+/// Whether this kernel can compute `x · wᵀ`: CPU, x f32 2-D contiguous, w f32 or bf16 2-D contiguous, and the
+/// kernel switched on.
+pub fn supports(x: &Tensor, w: &Tensor, k: &Kernels) -> bool {
     k.skinny
         && x.device().is_cpu()
         && x.dtype() == DType::F32
+        && matches!(w.dtype(), DType::F32 | DType::BF16)
         && x.rank() == 2
         && w.rank() == 2
-        && x.dim(0).is_ok_and(|m| (min_rows..=k.max_rows).contains(&m))
         && x.is_contiguous()
         && w.is_contiguous()
 }
 
-/// `x · wᵀ` for x (m, k) and w (n, k): the skinny kernel where it applies, candle's matmul otherwise (a bf16 w
-/// is then widened to f32 for the call: long windows, where the product costs far more than the conversion).
-pub fn linear(x: &Tensor, w: &Tensor, k: &Kernels) -> candle_core::Result<Tensor> {
+/// Whether a sequence's window of `rows` rows takes the few-row kernel (1 to `max_rows` rows) rather than gemm.
+/// The choice is made per sequence, never from the total rows of a batched forward: the kernel computes each
+/// row the same way whatever rows share the call, so stacking the few-row windows of many sequences into one
+/// call (any total) gives every row exactly what it gets alone; a long window (prefill) goes to gemm on its own.
+pub fn few_rows(rows: usize, k: &Kernels) -> bool {
+    k.skinny && (1..=k.max_rows).contains(&rows)
+}
+
+/// `x · wᵀ` for x (m, k) and w (n, k): the skinny kernel when `few` (the rows are few-row windows, see `few_rows`)
+/// and it `supports` the operands, candle's matmul otherwise (a bf16 w is then widened to f32 for the call: long
+/// windows, where the product costs far more than the conversion).
+pub fn linear(x: &Tensor, w: &Tensor, k: &Kernels, few: bool) -> candle_core::Result<Tensor> {
     // bf16 weights exist only on the CPU and only this kernel reads them: give it a contiguous x
     let x = if w.dtype() == DType::BF16 && !x.is_contiguous() { x.contiguous()? } else { x.clone() };
-    if applies(&x, w, k) {
+    if few && supports(&x, w, k) {
         x.apply_op2_no_bwd(w, &SkinnyMatmulT { par_min_macs: k.par_min_macs })
     } else if w.dtype() == DType::BF16 {
         x.matmul(&w.to_dtype(x.dtype())?.t()?)
@@ -530,7 +551,7 @@ mod tests {
         let wf = w.to_dtype(DType::F32).unwrap();
         for m in [1usize, 3, 64, 65, 200] {
             let x = Tensor::randn(0f32, 1.0, (m, 24), &dev).unwrap();
-            let a = linear(&x, &w, &Kernels::default()).unwrap();
+            let a = linear(&x, &w, &Kernels::default(), few_rows(m, &Kernels::default())).unwrap();
             let b = x.matmul(&wf.t().unwrap()).unwrap();
             let d = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
             assert!(d < 1e-4, "m{m}: {d}");
@@ -542,16 +563,39 @@ mod tests {
         let dev = candle_core::Device::Cpu;
         let x = Tensor::randn(0f32, 1.0, (6, 40), &dev).unwrap();
         let w = Tensor::randn(0f32, 1.0, (30, 40), &dev).unwrap();
-        assert!(applies(&x, &w, &Kernels::default()));
-        assert!(!applies(&x.narrow(0, 0, 1).unwrap(), &w, &Kernels::default())); // one row: gemm
-        let a = linear(&x, &w, &Kernels::default()).unwrap();
+        let kn = Kernels::default();
+        assert!(supports(&x, &w, &kn) && few_rows(6, &kn) && few_rows(1, &kn) && !few_rows(65, &kn));
+        let a = linear(&x, &w, &kn, true).unwrap();
         let b = x.matmul(&w.t().unwrap()).unwrap();
         assert_eq!(a.dims(), &[6, 30]);
         let d = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
         assert!(d < 1e-4, "{d}");
         // a transposed (non-contiguous) x falls back to candle's matmul
         let xt = Tensor::randn(0f32, 1.0, (40, 6), &dev).unwrap().t().unwrap();
-        assert!(!applies(&xt, &w, &Kernels::default()));
-        assert_eq!(linear(&xt, &w, &Kernels::default()).unwrap().dims(), &[6, 30]);
+        assert!(!supports(&xt, &w, &kn));
+        assert_eq!(linear(&xt, &w, &kn, true).unwrap().dims(), &[6, 30]);
+    }
+
+    #[test]
+    fn a_row_is_computed_the_same_whatever_rows_share_the_call() {
+        // batch invariance: row r of a stacked product is bit-identical to that row alone, for every row count
+        // (tiles of 4/2/1 rows, row blocks past ROW_BLOCK) and both weight types
+        let mut rnd = uniform(5);
+        let (k, n) = (200, 97);
+        let x: Vec<f32> = (0..150 * k).map(|_| rnd()).collect();
+        let wf: Vec<f32> = (0..n * k).map(|_| rnd()).collect();
+        let wb: Vec<half::bf16> = wf.iter().map(|&v| half::bf16::from_f32(v)).collect();
+        for &isa in &available_isas() {
+            for m in [1usize, 2, 3, 5, 64, 65, 150] {
+                let all = matmul_t_with(isa, &x[..m * k], m, k, &wf, n, 1);
+                let allb = matmul_t_with(isa, &x[..m * k], m, k, &wb, n, 1);
+                for r in [0, m / 2, m - 1] {
+                    let one = matmul_t_with(isa, &x[r * k..(r + 1) * k], 1, k, &wf, n, 1 << 30);
+                    assert_eq!(&all[r * n..(r + 1) * n], &one[..], "{isa:?} m{m} row {r}");
+                    let oneb = matmul_t_with(isa, &x[r * k..(r + 1) * k], 1, k, &wb, n, 1 << 30);
+                    assert_eq!(&allb[r * n..(r + 1) * n], &oneb[..], "{isa:?} bf16 m{m} row {r}");
+                }
+            }
+        }
     }
 }

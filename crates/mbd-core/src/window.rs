@@ -3,13 +3,19 @@
 //! cached exactly: after forward s, the leading window blocks that were already complete when forward s
 //! started are committed from forward s itself — no extra forward. Without a cache (or with full attention,
 //! where no K/V is ever final) every step recomputes from position 0.
+//!
+//! A step is a short queue of forwards (`begin_step`): the prompt's prefill chunks on the first step, a long
+//! canvas's recompute chunks, then the window. Each is handed out as a `Segment` (`segment`) and its logits are
+//! taken back (`consume`), so that a scheduler can run the forwards of many generations together.
 
 use crate::decoder::Decoder;
-use crate::engine::{Model, PREFILL_CHUNK};
+use crate::engine::{chunks, Model, PREFILL_CHUNK};
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
-use crate::mask::{Alignment, AttentionKind, BlockGrid};
+use crate::mask::{Alignment, AttentionKind, BlockGrid, MaskSpec};
+use crate::models::qwen::Segment;
 use candle_core::Tensor;
+use std::collections::VecDeque;
 use std::time::Instant;
 
 /// How K/V survive between steps.
@@ -19,6 +25,26 @@ pub enum CachePolicy {
     Exact,
     /// Nothing is kept; each step forwards from position 0 (the reference semantics).
     Recompute,
+}
+
+/// One forward of a step: canvas[start..end) into the generation's cache (or the step's scratch cache).
+#[derive(Debug)]
+struct Piece {
+    start: usize,
+    end: usize,
+    /// Window rows whose logits are wanted.
+    rows: Vec<usize>,
+    kind: PieceKind,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PieceKind {
+    /// A chunk of the prompt into the cache (committed whole; the last one's last row is the carry).
+    Prefill { last: bool },
+    /// A chunk of a long canvas into the step's scratch cache (recompute policy; committed whole).
+    Scratch,
+    /// The step's window; the exact policy then commits up to `commit_end`.
+    Window { commit_end: usize },
 }
 
 pub struct Window {
@@ -31,6 +57,11 @@ pub struct Window {
     carry: Option<Tensor>,
     prompt_len: usize,
     prefilled: bool,
+    /// The current step's remaining forwards, its positions, and its scratch cache (recompute policy).
+    pieces: VecDeque<Piece>,
+    positions: Vec<usize>,
+    scratch: Option<KvCache>,
+    prefill_started: Option<Instant>,
     /// Token positions run through the model by decode steps (prefill excluded).
     pub positions_forwarded: usize,
     pub prefill_ms: f64,
@@ -48,6 +79,10 @@ impl Window {
             carry: None,
             prompt_len,
             prefilled: false,
+            pieces: VecDeque::new(),
+            positions: vec![],
+            scratch: None,
+            prefill_started: None,
             positions_forwarded: 0,
             prefill_ms: 0.0,
         }
@@ -57,53 +92,64 @@ impl Window {
         self.policy
     }
 
-    /// Fill the cache with the prompt up to its last grid boundary (once, before the first step).
-    fn prefill(&mut self, model: &Model, canvas: &[u32]) -> Result<()> {
-        self.prefilled = true;
-        if self.policy == CachePolicy::Recompute {
-            return Ok(());
-        }
-        let lp = self.prompt_len;
-        let pe = if self.grid.kind == AttentionKind::BlockCausal && self.grid.alignment == Alignment::Absolute {
-            (lp / self.grid.block_size) * self.grid.block_size
-        } else {
-            lp
-        };
-        if pe == 0 {
-            return Ok(());
-        }
-        let t = Instant::now();
-        let logits = model.fill_cache(&mut self.cache, &canvas[..pe], &self.grid)?;
-        if self.shift {
-            self.carry = Some(logits);
-        }
-        self.prefill_ms = t.elapsed().as_secs_f64() * 1e3;
-        Ok(())
+    /// Whether a step is under way (planned, some of its forwards still to run).
+    pub fn in_step(&self) -> bool {
+        !self.pieces.is_empty()
     }
 
-    /// One forward of `canvas` for the planned `positions`; returns their (C, V) logits, in order. Commits the
-    /// leading blocks that were complete before this forward (exact policy).
-    pub fn forward(&mut self, model: &Model, canvas: &[u32], dec: &Decoder, positions: &[usize]) -> Result<Tensor> {
-        if !self.prefilled {
-            self.prefill(model, canvas)?;
+    fn src(&self, p: usize) -> usize {
+        if self.shift {
+            p - 1
+        } else {
+            p
+        }
+    }
+
+    /// Plan the forwards of a step predicting `positions` (ascending) of `dec`'s canvas: the prompt's prefill
+    /// chunks first (exact policy, first step), or a long canvas's recompute chunks, then the window.
+    pub fn begin_step(&mut self, model: &Model, dec: &Decoder, positions: Vec<usize>) -> Result<()> {
+        if self.in_step() {
+            return Err(Error::Internal("a step is already under way".into()));
         }
         let exact = self.policy == CachePolicy::Exact;
-        let src = |p: usize| if self.shift { p - 1 } else { p };
-        let mut fresh = model.new_cache();
+        if !self.prefilled {
+            self.prefilled = true;
+            // the prompt up to its last grid boundary goes into the cache, chunk by chunk
+            let lp = self.prompt_len;
+            let pe = if self.grid.kind == AttentionKind::BlockCausal && self.grid.alignment == Alignment::Absolute {
+                (lp / self.grid.block_size) * self.grid.block_size
+            } else {
+                lp
+            };
+            if exact && pe > 0 {
+                let cs = chunks(&self.grid, 0, pe);
+                let n = cs.len();
+                for (i, (s, e)) in cs.into_iter().enumerate() {
+                    let last = i + 1 == n;
+                    let rows = if last && self.shift { vec![e - s - 1] } else { vec![] };
+                    self.pieces.push_back(Piece { start: s, end: e, rows, kind: PieceKind::Prefill { last } });
+                }
+            }
+        }
         let (ws, we) = match (self.grid.kind, self.policy) {
-            (AttentionKind::Full, _) => (0, canvas.len()),
-            (_, CachePolicy::Exact) => (self.cache.len(), dec.created_end()),
+            (AttentionKind::Full, _) => (0, dec.prompt_len + dec.n),
+            (_, CachePolicy::Exact) => {
+                let base = self.pieces.back().map_or(self.cache.len(), |p| p.end);
+                (base, dec.created_end())
+            }
             (_, CachePolicy::Recompute) => {
                 // A long canvas is recomputed in prefill-sized chunks up to the last block boundary before the
                 // first row whose logits are needed, so that no forward spans all of it (short ones: one forward).
-                let first = positions.iter().map(|&p| src(p)).min().unwrap_or(0);
+                let first = positions.iter().map(|&p| self.src(p)).min().unwrap_or(0);
                 let mut b = first;
                 while b > 0 && !self.grid.is_boundary(b) {
                     b -= 1;
                 }
                 if b >= PREFILL_CHUNK {
-                    model.fill_cache(&mut fresh, &canvas[..b], &self.grid)?;
-                    self.positions_forwarded += b;
+                    for (s, e) in chunks(&self.grid, 0, b) {
+                        self.pieces.push_back(Piece { start: s, end: e, rows: vec![], kind: PieceKind::Scratch });
+                    }
+                    self.scratch = Some(model.new_cache());
                 } else {
                     b = 0;
                 }
@@ -111,25 +157,86 @@ impl Window {
             }
         };
         let commit_end = if exact { dec.complete_run_end(ws).max(ws) } else { ws };
-        // rows of the window whose logits are needed
-        let mut rows: Vec<usize> = positions.iter().map(|&p| src(p)).filter(|&r| r >= ws).map(|r| r - ws).collect();
+        // rows of the window whose logits are needed (and the new carry row)
+        let mut rows: Vec<usize> =
+            positions.iter().map(|&p| self.src(p)).filter(|&r| r >= ws).map(|r| r - ws).collect();
         if exact && self.shift && commit_end > ws {
             rows.push(commit_end - 1 - ws);
         }
         rows.sort_unstable();
         rows.dedup();
-        let cache = if exact { &mut self.cache } else { &mut fresh };
-        let logits = model.net.forward(cache, &canvas[ws..we], &self.grid, Some(&rows))?;
-        self.positions_forwarded += we - ws;
-        // gather the positions' rows (the carry row sits after the window rows)
+        self.pieces.push_back(Piece { start: ws, end: we, rows, kind: PieceKind::Window { commit_end } });
+        self.positions = positions;
+        Ok(())
+    }
+
+    /// The next forward of the step under way, as a segment over `canvas`.
+    pub fn segment<'a>(&'a mut self, canvas: &'a [u32]) -> Result<Segment<'a>> {
+        let piece = self.pieces.front().ok_or_else(|| Error::Internal("no step under way".into()))?;
+        if matches!(piece.kind, PieceKind::Prefill { .. }) && self.prefill_started.is_none() {
+            self.prefill_started = Some(Instant::now());
+        }
+        let cache = match (piece.kind, self.policy) {
+            (PieceKind::Window { .. }, CachePolicy::Exact) | (PieceKind::Prefill { .. }, _) => &mut self.cache,
+            _ => self.scratch.get_or_insert_with(|| self.cache.fresh()),
+        };
+        if cache.len() != piece.start {
+            return Err(Error::Internal(format!(
+                "the cache holds {} positions, the piece starts at {}",
+                cache.len(),
+                piece.start
+            )));
+        }
+        Ok(Segment {
+            cache,
+            ids: &canvas[piece.start..piece.end],
+            positions: (piece.start..piece.end).collect(),
+            mask: MaskSpec::Grid(self.grid),
+            rows: piece.rows.clone(),
+        })
+    }
+
+    /// Take the logits of the forward `segment` described. Returns the step's positions' (C, V) logits, in
+    /// order, once its window has run (None while forwards remain); commits what the policy keeps.
+    pub fn consume(&mut self, logits: Tensor) -> Result<Option<Tensor>> {
+        let piece = self.pieces.pop_front().ok_or_else(|| Error::Internal("no step under way".into()))?;
+        let len = piece.end - piece.start;
+        match piece.kind {
+            PieceKind::Prefill { last } => {
+                self.cache.commit(len)?;
+                if last {
+                    if self.shift {
+                        self.carry = Some(logits);
+                    }
+                    self.prefill_ms = self.prefill_started.map_or(0.0, |t| t.elapsed().as_secs_f64() * 1e3);
+                }
+                Ok(None)
+            }
+            PieceKind::Scratch => {
+                self.scratch.as_mut().ok_or_else(|| Error::Internal("no scratch cache".into()))?.commit(len)?;
+                self.positions_forwarded += len;
+                Ok(None)
+            }
+            PieceKind::Window { commit_end } => {
+                self.positions_forwarded += len;
+                self.scratch = None;
+                self.finish_window(piece, commit_end, logits).map(Some)
+            }
+        }
+    }
+
+    /// Gather the step's positions' rows from the window's logits (the carry row sits after them) and commit.
+    fn finish_window(&mut self, piece: Piece, commit_end: usize, logits: Tensor) -> Result<Tensor> {
+        let exact = self.policy == CachePolicy::Exact;
+        let (ws, rows) = (piece.start, &piece.rows);
         let n_rows = rows.len();
         let table = match &self.carry {
             Some(c) if exact && self.shift => Tensor::cat(&[&logits, c], 0)?,
             _ => logits.clone(),
         };
-        let mut pick = Vec::with_capacity(positions.len());
-        for &p in positions {
-            let r = src(p);
+        let mut pick = Vec::with_capacity(self.positions.len());
+        for &p in &self.positions {
+            let r = self.src(p);
             if r >= ws {
                 pick.push(
                     rows.binary_search(&(r - ws)).map_err(|_| Error::Internal("missing logits row".into()))? as u32

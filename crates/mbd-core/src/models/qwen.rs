@@ -1,12 +1,19 @@
-//! Qwen2 / Qwen3 / Qwen3-MoE decoder, batch 1, written for block-diffusion decoding:
-//! a forward takes a window of W tokens at absolute positions [P, P+W) over a KV cache holding P committed
-//! tokens, the block grid that says which keys each query sees, and the rows whose logits are wanted.
-//! The window's own K/V are written after the committed prefix (scratch); `KvCache::commit` keeps them.
+//! Qwen2 / Qwen3 / Qwen3-MoE decoder written for block-diffusion decoding of many sequences at once.
+//! A forward takes segments: each is one sequence's KV cache (P committed positions), a window of W token ids at
+//! explicit absolute positions, a mask spec saying which keys each window row sees, and the rows whose logits
+//! are wanted. Norms, linear layers and the MLP run once over every segment's rows stacked; attention runs per
+//! segment over its own cache. Each window's K/V are written after its cache's committed prefix (scratch);
+//! `KvCache::commit` / `commit_rows` keep them.
+//!
+//! Batch invariance: a segment's logits are bit-identical whatever other segments share the forward. Every op
+//! on stacked rows is row-wise, and matrix products are cut by sequence, never by the total row count: the
+//! few-row windows (`skinny::few_rows`) go through the skinny kernel together (it computes each row the same way
+//! whatever rows share the call), each long window (a prefill chunk) through gemm on its own (`Groups`).
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
-use crate::mask::BlockGrid;
+use crate::mask::{BlockGrid, MaskSpec};
 use crate::skinny::Kernels;
 use crate::weights::Weights;
 use candle_core::{DType, Device, Tensor};
@@ -22,8 +29,8 @@ impl Linear {
         let b = if bias { Some(ws.get(&format!("{prefix}.bias"), &[out_f])?) } else { None };
         Ok(Linear { w, b })
     }
-    fn forward(&self, x: &Tensor, k: &Kernels) -> Result<Tensor> {
-        let y = crate::skinny::linear(x, &self.w, k)?;
+    fn forward(&self, x: &Tensor, k: &Kernels, few: bool) -> Result<Tensor> {
+        let y = crate::skinny::linear(x, &self.w, k, few)?;
         Ok(match &self.b {
             Some(b) => y.broadcast_add(b)?,
             None => y,
@@ -60,10 +67,10 @@ impl Mlp {
             down: Linear::load(ws, &format!("{prefix}.down_proj"), hidden, inter, false)?,
         })
     }
-    fn forward(&self, x: &Tensor, k: &Kernels) -> Result<Tensor> {
-        let g = self.gate.forward(x, k)?.silu()?;
-        let u = self.up.forward(x, k)?;
-        self.down.forward(&(g * u)?, k)
+    fn forward(&self, x: &Tensor, k: &Kernels, few: bool) -> Result<Tensor> {
+        let g = self.gate.forward(x, k, few)?.silu()?;
+        let u = self.up.forward(x, k, few)?;
+        self.down.forward(&(g * u)?, k, few)
     }
 }
 
@@ -102,8 +109,9 @@ impl Moe {
         Ok(Moe { router, experts, top_k: m.num_experts_per_tok, norm_topk_prob: m.norm_topk_prob })
     }
 
-    fn forward(&self, x: &Tensor, k: &Kernels) -> Result<Tensor> {
-        let probs = candle_nn::ops::softmax_last_dim(&self.router.forward(x, k)?.to_dtype(DType::F32)?)?;
+    fn forward(&self, x: &Tensor, k: &Kernels, groups: &Groups) -> Result<Tensor> {
+        let probs = groups.apply(x, |x, few| self.router.forward(x, k, few))?;
+        let probs = candle_nn::ops::softmax_last_dim(&probs.to_dtype(DType::F32)?)?;
         let probs: Vec<Vec<f32>> = probs.to_vec2()?;
         let mut per_expert: Vec<(Vec<u32>, Vec<f32>)> = vec![(vec![], vec![]); self.experts.len()];
         for (t, p) in probs.iter().enumerate() {
@@ -119,14 +127,14 @@ impl Moe {
         }
         let mut out = x.zeros_like()?;
         for (e, (toks, w)) in per_expert.iter().enumerate() {
-            if toks.is_empty() {
-                continue;
+            // an expert's tokens, cut the way the stack is (few-row windows together, each long window alone)
+            for (lo, hi, few) in groups.parts(toks) {
+                let idx = Tensor::new(&toks[lo..hi], x.device())?;
+                let xs = x.index_select(&idx, 0)?;
+                let wt = Tensor::new(&w[lo..hi], x.device())?.to_dtype(x.dtype())?.unsqueeze(1)?;
+                let y = self.experts[e].forward(&xs, k, few)?.broadcast_mul(&wt)?;
+                out = out.index_add(&idx, &y, 0)?;
             }
-            let idx = Tensor::new(toks.as_slice(), x.device())?;
-            let xs = x.index_select(&idx, 0)?;
-            let w = Tensor::new(w.as_slice(), x.device())?.to_dtype(x.dtype())?.unsqueeze(1)?;
-            let y = self.experts[e].forward(&xs, k)?.broadcast_mul(&w)?;
-            out = out.index_add(&idx, &y, 0)?;
         }
         Ok(out)
     }
@@ -316,12 +324,8 @@ impl QwenModel {
         )
     }
 
-    /// Forward a window of tokens at positions [cache.len(), cache.len() + ids.len()).
-    /// `grid`: which keys each query sees (the additive mask is built from it, per query chunk).
-    /// `rows`: window rows whose logits are returned (None = all). Returns (rows, vocab) f32 logits.
-    /// The window's K/V are left in the cache's scratch area; `cache.commit(n)` keeps the first n.
-    /// Run it on the engine's CPU pool on the CPU (`cpu_pool::on_device_pool`); ids are in the vocabulary
-    /// (the caller checked them: `request::token_ids`).
+    /// Forward one window of tokens at positions [cache.len(), cache.len() + ids.len()) under `grid`: a forward
+    /// of one segment (see `forward_segments`). `rows`: window rows whose logits are returned (None = all).
     pub fn forward(
         &self,
         cache: &mut KvCache,
@@ -329,65 +333,234 @@ impl QwenModel {
         grid: &BlockGrid,
         rows: Option<&[usize]>,
     ) -> Result<Tensor> {
-        let w = ids.len();
-        if w == 0 {
-            return Err(Error::Internal("empty window".into()));
-        }
-        debug_assert!(ids.iter().all(|&t| (t as usize) < self.cfg.vocab_size));
         let p = cache.len();
-        let s = p + w;
-        if let Some(r) = rows {
-            if let Some(&bad) = r.iter().find(|&&i| i >= w) {
+        let seg = Segment {
+            cache,
+            ids,
+            positions: (p..p + ids.len()).collect(),
+            mask: MaskSpec::Grid(*grid),
+            rows: rows.map(|r| r.to_vec()).unwrap_or_else(|| (0..ids.len()).collect()),
+        };
+        let mut out = self.forward_segments(&mut [seg])?;
+        Ok(out.pop().expect("one segment"))
+    }
+
+    /// One forward over several sequences' windows. Returns, per segment (in order), its rows' logits
+    /// ((rows, vocab) f32, in the order of `rows`). Each window's K/V are left in its cache's scratch area.
+    /// Run it on the engine's CPU pool on the CPU (`cpu_pool::on_device_pool`); ids are in the vocabulary
+    /// (the caller checked them: `request::token_ids`).
+    pub fn forward_segments(&self, segs: &mut [Segment<'_>]) -> Result<Vec<Tensor>> {
+        if segs.is_empty() {
+            return Ok(vec![]);
+        }
+        for s in segs.iter() {
+            let (p, w) = (s.cache.len(), s.ids.len());
+            if w == 0 {
+                return Err(Error::Internal("empty window".into()));
+            }
+            debug_assert!(s.ids.iter().all(|&t| (t as usize) < self.cfg.vocab_size));
+            if s.positions.len() != w {
+                return Err(Error::Internal(format!("{} positions for a window of {w} tokens", s.positions.len())));
+            }
+            if let Some(&bad) = s.rows.iter().find(|&&i| i >= w) {
                 return Err(Error::Internal(format!("logits row {bad} is outside the window of {w} tokens")));
             }
+            s.mask.check(p, w)?;
         }
-        if w > LARGE_WINDOW {
+        let total: usize = segs.iter().map(|s| s.ids.len()).sum();
+        if total > LARGE_WINDOW {
             // f32 activations alive at once, about: the residual, a norm, q/k/v/o and three MLP rows per position
             let c = &self.cfg;
             let per_row = 4 * (3 * c.hidden_size + 2 * c.num_attention_heads * c.head_dim + 3 * c.intermediate_size);
-            crate::util::check_alloc(per_row.saturating_mul(w), || format!("activations of a {w}-position forward"))?;
+            crate::util::check_alloc(per_row.saturating_mul(total), || {
+                format!("activations of a {total}-position forward")
+            })?;
         }
-        cache.begin_window(w)?;
+        let kn = &self.kernels;
+        // stack order: few-row windows first (one skinny product for all of them), then each long window
+        let order = Groups::order(segs.iter().map(|s| s.ids.len()), kn);
+        let groups = Groups::new(order.iter().map(|&i| segs[i].ids.len()), kn);
+        let mut spans = vec![(0usize, 0usize); segs.len()];
+        let mut off = 0;
+        for &i in &order {
+            spans[i] = (off, segs[i].ids.len());
+            off += segs[i].ids.len();
+        }
         let dev = &self.device;
-        // RoPE tables in f32 for positions [p, p + w), cast to the compute dtype afterwards.
-        let pos: Vec<f32> = (p..s).map(|x| x as f32).collect();
-        let freqs = Tensor::from_vec(pos, (w, 1), dev)?.broadcast_mul(&self.inv_freq)?;
+        let mut ids = Vec::with_capacity(total);
+        let mut pos = Vec::with_capacity(total);
+        for &i in &order {
+            ids.extend_from_slice(segs[i].ids);
+            pos.extend(segs[i].positions.iter().map(|&x| x as f32));
+        }
+        // RoPE tables in f32 for every row's position, cast to the compute dtype afterwards.
+        let freqs = Tensor::from_vec(pos, (total, 1), dev)?.broadcast_mul(&self.inv_freq)?;
         let cos = freqs.cos()?.to_dtype(self.dtype)?;
         let sin = freqs.sin()?.to_dtype(self.dtype)?;
-        let masks =
-            QueryChunks::new(grid, p, w, self.cfg.num_attention_heads, self.kernels.attention_score_bytes, dev)?;
-        let ids_t = Tensor::new(ids, dev)?;
-        let mut x = self.embed.index_select(&ids_t, 0)?.to_dtype(self.dtype)?;
+        let mut masks = Vec::with_capacity(segs.len());
+        for s in segs.iter_mut() {
+            s.cache.begin_window(s.ids.len())?;
+            masks.push(QueryChunks::new(
+                s.mask.clone(),
+                s.cache.len(),
+                s.positions.clone(),
+                self.cfg.num_attention_heads,
+                kn.attention_score_bytes,
+                dev,
+            )?);
+        }
+        let mut x = self.embed.index_select(&Tensor::new(ids.as_slice(), dev)?, 0)?.to_dtype(self.dtype)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let hn = layer.ln1.forward(&x)?;
-            let a = layer.attn.forward(&hn, &cos, &sin, &masks, cache, li, p, &self.kernels)?;
+            let a = layer.attn.forward(&hn, &cos, &sin, segs, &spans, &order, &masks, li, &groups, kn)?;
             x = (x + a)?;
             let hn = layer.ln2.forward(&x)?;
             let f = match &layer.ffn {
-                Ffn::Dense(m) => m.forward(&hn, &self.kernels)?,
-                Ffn::Sparse(m) => m.forward(&hn, &self.kernels)?,
+                Ffn::Dense(m) => groups.apply(&hn, |x, few| m.forward(x, kn, few))?,
+                Ffn::Sparse(m) => m.forward(&hn, kn, &groups)?,
             };
             x = (x + f)?;
         }
-        let x = match rows {
-            Some(r) => {
-                let idx: Vec<u32> = r.iter().map(|&i| i as u32).collect();
-                x.index_select(&Tensor::new(idx.as_slice(), dev)?, 0)?
-            }
-            None => x,
-        };
+        // the logits rows, stacked the same way (cut by each segment's own count of logits rows)
+        let lm_order = Groups::order(segs.iter().map(|s| s.rows.len()), kn);
+        let lm_groups = Groups::new(lm_order.iter().map(|&i| segs[i].rows.len()), kn);
+        let mut pick = vec![];
+        let mut lm_spans = vec![(0usize, 0usize); segs.len()];
+        for &i in &lm_order {
+            lm_spans[i] = (pick.len(), segs[i].rows.len());
+            pick.extend(segs[i].rows.iter().map(|&r| (spans[i].0 + r) as u32));
+        }
+        let v = self.cfg.vocab_size;
+        if pick.is_empty() {
+            return segs.iter().map(|_| Ok(Tensor::zeros((0, v), DType::F32, dev)?)).collect();
+        }
+        let x = x.index_select(&Tensor::new(pick.as_slice(), dev)?, 0)?;
         let x = self.norm.forward(&x)?;
-        Ok(crate::skinny::linear(&x, &self.lm_head, &self.kernels)?.to_dtype(DType::F32)?)
+        let logits = lm_groups.apply(&x, |x, few| Ok(crate::skinny::linear(x, &self.lm_head, kn, few)?))?;
+        let logits = logits.to_dtype(DType::F32)?;
+        lm_spans
+            .iter()
+            .map(
+                |&(o, n)| {
+                    if n == 0 {
+                        Ok(Tensor::zeros((0, v), DType::F32, dev)?)
+                    } else {
+                        Ok(logits.narrow(0, o, n)?)
+                    }
+                },
+            )
+            .collect()
+    }
+}
+
+/// One sequence's part of a forward (`QwenModel::forward_segments`).
+pub struct Segment<'a> {
+    /// The sequence's cache: its committed positions are the keys before the window; the window's K/V are
+    /// written after them.
+    pub cache: &'a mut KvCache,
+    /// Window token ids.
+    pub ids: &'a [u32],
+    /// Absolute position of each window row (RoPE, and the grid rule of `mask`).
+    pub positions: Vec<usize>,
+    /// Which keys each window row sees.
+    pub mask: MaskSpec,
+    /// Window rows whose logits are wanted, in the order they are returned.
+    pub rows: Vec<usize>,
+}
+
+impl Segment<'_> {
+    /// The same segment, borrowing this one's cache (to run it again, e.g. alone).
+    pub fn reborrow<'b>(s: &'b mut Segment<'_>) -> Segment<'b> {
+        Segment {
+            cache: &mut *s.cache,
+            ids: s.ids,
+            positions: s.positions.clone(),
+            mask: s.mask.clone(),
+            rows: s.rows.clone(),
+        }
+    }
+}
+
+/// How the stacked rows of a forward are cut for matrix products: the few-row windows first, as one product
+/// (the skinny kernel, whose rows do not depend on each other), then each long window alone (gemm). See the
+/// module's note on batch invariance.
+struct Groups {
+    /// Rows of few-row windows at the top of the stack.
+    few: usize,
+    /// (start, rows) of each long window after them.
+    long: Vec<(usize, usize)>,
+}
+
+impl Groups {
+    /// Stack order of segments with these row counts: few-row ones first, then long ones, each in given order.
+    fn order(rows: impl Iterator<Item = usize>, kn: &Kernels) -> Vec<usize> {
+        let rows: Vec<usize> = rows.collect();
+        let few = (0..rows.len()).filter(|&i| crate::skinny::few_rows(rows[i], kn));
+        let long = (0..rows.len()).filter(|&i| !crate::skinny::few_rows(rows[i], kn));
+        few.chain(long).collect()
+    }
+
+    /// Groups of segments stacked with these row counts (in stack order, as `order` gives it).
+    fn new(rows: impl Iterator<Item = usize>, kn: &Kernels) -> Groups {
+        let mut g = Groups { few: 0, long: vec![] };
+        let mut off = 0;
+        for r in rows {
+            if crate::skinny::few_rows(r, kn) {
+                g.few += r;
+            } else if r > 0 {
+                g.long.push((off, r));
+            }
+            off += r;
+        }
+        g
+    }
+
+    /// `f` over each group of rows of `x` (`few`: whether they are few-row windows), stacked back.
+    fn apply(&self, x: &Tensor, f: impl Fn(&Tensor, bool) -> Result<Tensor>) -> Result<Tensor> {
+        if self.long.is_empty() {
+            return f(x, true);
+        }
+        let mut parts = Vec::with_capacity(self.long.len() + 1);
+        if self.few > 0 {
+            parts.push(f(&x.narrow(0, 0, self.few)?, true)?);
+        }
+        for &(o, n) in &self.long {
+            parts.push(f(&x.narrow(0, o, n)?, false)?);
+        }
+        if parts.len() == 1 {
+            return Ok(parts.pop().expect("one part"));
+        }
+        Ok(Tensor::cat(&parts, 0)?)
+    }
+
+    /// Cut ascending stacked row indices into (lo, hi, few) parts the same way: rows of few-row windows
+    /// together, each long window's rows alone (few when they are few themselves, as they would be alone).
+    fn parts(&self, rows: &[u32]) -> Vec<(usize, usize, bool)> {
+        let mut out = vec![];
+        let cut = rows.partition_point(|&r| (r as usize) < self.few);
+        if cut > 0 {
+            out.push((0, cut, true));
+        }
+        let mut lo = cut;
+        for &(o, n) in &self.long {
+            let hi = lo + rows[lo..].partition_point(|&r| (r as usize) < o + n);
+            if hi > lo {
+                out.push((lo, hi, false));
+            }
+            lo = hi;
+        }
+        out
     }
 }
 
 /// Windows longer than this check that their activations can be allocated before computing.
 const LARGE_WINDOW: usize = 4096;
 
-/// The query chunks of one forward and their additive masks: one chunk (the mask built once) unless the scores
+/// The query chunks of one segment and their additive masks: one chunk (the mask built once) unless the scores
 /// of the whole window exceed `Kernels::attention_score_bytes`, then chunks whose masks are built when used.
-struct QueryChunks<'a> {
-    grid: &'a BlockGrid,
+struct QueryChunks {
+    spec: MaskSpec,
+    positions: Vec<usize>,
     p: usize,
     w: usize,
     rows: usize,
@@ -395,51 +568,64 @@ struct QueryChunks<'a> {
     device: Device,
 }
 
-impl<'a> QueryChunks<'a> {
-    fn new(grid: &'a BlockGrid, p: usize, w: usize, heads: usize, score_bytes: usize, device: &Device) -> Result<Self> {
+impl QueryChunks {
+    fn new(
+        spec: MaskSpec,
+        p: usize,
+        positions: Vec<usize>,
+        heads: usize,
+        score_bytes: usize,
+        device: &Device,
+    ) -> Result<Self> {
+        let w = positions.len();
         let s = p + w;
         let rows = (score_bytes / (4 * heads * s).max(1)).clamp(1, w);
-        let whole = if rows == w { Self::mask(grid, p, w, s, device)? } else { None };
-        Ok(QueryChunks { grid, p, w, rows, whole, device: device.clone() })
+        let mut c = QueryChunks { spec, positions, p, w, rows, whole: None, device: device.clone() };
+        if rows == w {
+            c.whole = c.mask(0, w)?;
+        }
+        Ok(c)
     }
 
-    fn mask(grid: &BlockGrid, q0: usize, n: usize, s: usize, device: &Device) -> Result<Option<Tensor>> {
-        Ok(match grid.additive_mask_rows(q0, n, s) {
-            Some(m) => Some(Tensor::from_vec(m, (n, s), device)?),
+    fn mask(&self, r0: usize, n: usize) -> Result<Option<Tensor>> {
+        Ok(match self.spec.additive_rows(self.p, &self.positions, r0, n) {
+            Some(m) => Some(Tensor::from_vec(m, (n, self.p + self.w), &self.device)?),
             None => None,
         })
     }
 
     /// (first row, rows, mask) of each chunk.
     fn each(&self) -> impl Iterator<Item = Result<(usize, usize, Option<Tensor>)>> + '_ {
-        let s = self.p + self.w;
         (0..self.w).step_by(self.rows).map(move |r0| {
             let n = self.rows.min(self.w - r0);
-            let mask =
-                if n == self.w { self.whole.clone() } else { Self::mask(self.grid, self.p + r0, n, s, &self.device)? };
+            let mask = if n == self.w { self.whole.clone() } else { self.mask(r0, n)? };
             Ok((r0, n, mask))
         })
     }
 }
 
 impl Attention {
+    /// Attention of every segment's window rows (stacked in `order`, segment i at rows `spans[i]`) over its own
+    /// cache; returns the stacked (rows, hidden) output.
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         x: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
-        chunks: &QueryChunks,
-        cache: &mut KvCache,
+        segs: &mut [Segment<'_>],
+        spans: &[(usize, usize)],
+        order: &[usize],
+        masks: &[QueryChunks],
         layer: usize,
-        p: usize,
+        groups: &Groups,
         kn: &Kernels,
     ) -> Result<Tensor> {
-        let w = x.dim(0)?;
+        let r = x.dim(0)?;
         let (nh, nkv, d) = (self.n_heads, self.n_kv, self.head_dim);
-        let q = self.q.forward(x, kn)?.reshape((w, nh, d))?;
-        let k = self.k.forward(x, kn)?.reshape((w, nkv, d))?;
-        let v = self.v.forward(x, kn)?.reshape((w, nkv, d))?;
+        let q = groups.apply(x, |x, few| self.q.forward(x, kn, few))?.reshape((r, nh, d))?;
+        let k = groups.apply(x, |x, few| self.k.forward(x, kn, few))?.reshape((r, nkv, d))?;
+        let v = groups.apply(x, |x, few| self.v.forward(x, kn, few))?.reshape((r, nkv, d))?;
         let q = match &self.q_norm {
             Some(n) => n.forward(&q)?,
             None => q,
@@ -448,35 +634,45 @@ impl Attention {
             Some(n) => n.forward(&k)?,
             None => k,
         };
-        // (W, H, D) -> (1, H, W, D) for the fused rope kernel.
+        // (R, H, D) -> (1, H, R, D) for the fused rope kernel (element-wise: each row with its own position).
         let q = candle_nn::rotary_emb::rope(&q.transpose(0, 1)?.contiguous()?.unsqueeze(0)?, cos, sin)?.squeeze(0)?;
         let k = candle_nn::rotary_emb::rope(&k.transpose(0, 1)?.contiguous()?.unsqueeze(0)?, cos, sin)?.squeeze(0)?;
         let v = v.transpose(0, 1)?.contiguous()?;
-        // Write the window's K/V after the committed prefix and attend over [0, p + w).
-        let (kk, vv) = cache.write_window(layer, &k, &v, p)?;
-        let s = p + w;
         let n_rep = nh / nkv;
         let scale = 1.0 / (d as f64).sqrt();
-        let kt = kk.to_dtype(DType::F32)?.t()?;
         let q = q.to_dtype(DType::F32)?;
-        let mut ys = Vec::with_capacity(1);
-        for chunk in chunks.each() {
-            let (r0, n, mask) = chunk?;
-            let qc = if n == w { q.clone() } else { q.narrow(1, r0, n)?.contiguous()? };
-            // GQA without repeating K/V: the n_rep query heads of a group are adjacent, so fold them into rows.
-            let att = qc.reshape((nkv, n_rep * n, d))?.matmul(&kt)?.affine(scale, 0.0)?;
-            let att = att.reshape((nkv, n_rep, n, s))?;
-            let att = match mask {
-                Some(m) => att.broadcast_add(&m)?,
-                None => att,
+        let mut ys = Vec::with_capacity(segs.len());
+        for &i in order {
+            let (o, w) = spans[i];
+            let one = segs.len() == 1;
+            let (qs, ks, vs) = if one {
+                (q.clone(), k.clone(), v.clone())
+            } else {
+                (q.narrow(1, o, w)?.contiguous()?, k.narrow(1, o, w)?.contiguous()?, v.narrow(1, o, w)?.contiguous()?)
             };
-            let att = candle_nn::ops::softmax_last_dim(&att)?.to_dtype(vv.dtype())?;
-            ys.push(att.reshape((nkv, n_rep * n, s))?.matmul(&vv)?.reshape((nh, n, d))?);
-            // (nh, n, d)
+            // Write the window's K/V after the committed prefix and attend over [0, p + w).
+            let cache = &mut *segs[i].cache;
+            let p = cache.len();
+            let (kk, vv) = cache.write_window(layer, &ks, &vs, p)?;
+            let s = p + w;
+            let kt = kk.to_dtype(DType::F32)?.t()?;
+            for chunk in masks[i].each() {
+                let (r0, n, mask) = chunk?;
+                let qc = if n == w { qs.clone() } else { qs.narrow(1, r0, n)?.contiguous()? };
+                // GQA without repeating K/V: the n_rep query heads of a group are adjacent, so fold them into rows.
+                let att = qc.reshape((nkv, n_rep * n, d))?.matmul(&kt)?.affine(scale, 0.0)?;
+                let att = att.reshape((nkv, n_rep, n, s))?;
+                let att = match mask {
+                    Some(m) => att.broadcast_add(&m)?,
+                    None => att,
+                };
+                let att = candle_nn::ops::softmax_last_dim(&att)?.to_dtype(vv.dtype())?;
+                ys.push(att.reshape((nkv, n_rep * n, s))?.matmul(&vv)?.reshape((nh, n, d))?);
+            }
         }
         let y = if ys.len() == 1 { ys.pop().expect("one chunk") } else { Tensor::cat(&ys, 1)? };
-        let y = y.transpose(0, 1)?.reshape((w, nh * d))?;
-        self.o.forward(&y, kn)
+        let y = y.transpose(0, 1)?.reshape((r, nh * d))?;
+        groups.apply(&y, |y, few| self.o.forward(y, kn, few))
     }
 }
 

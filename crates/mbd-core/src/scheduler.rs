@@ -1,0 +1,380 @@
+//! Continuous batching: one engine-side worker owns the active generations of a model and runs them together.
+//! Each tick it asks every ready generation for its next forward (`Generation::prepare`: a new request's
+//! prefill chunk or a running request's decode window), runs ONE forward over all those segments
+//! (`QwenModel::forward_segments`) and hands each generation its logits (`Generation::consume`); step outputs
+//! go to each stream's channel. Streams join and leave at any tick (finished, cancelled, dropped).
+//!
+//! Limits: at most `max_seqs` generations are batched; later ones wait in arrival order for a free place. A
+//! tick takes at most `max_rows` window rows (always at least one segment), so one long prefill chunk does
+//! not hold up everyone else for long; the starting point rotates so that nobody is skipped twice in a row.
+//! A stream whose reader falls `MAX_UNREAD` outputs behind is paused (not stepped) until it reads, so a slow
+//! reader neither stalls the others nor piles up outputs.
+//!
+//! Batching never changes outputs: a segment's logits do not depend on the other segments of its forward
+//! (`models::qwen`, batch invariance), and each generation's segments are the ones it would run alone, so
+//! every stream gets the tokens it gets alone (tested by `tests/batching.rs` and `tests/test_batching.py`).
+
+use crate::engine::Model;
+use crate::error::{catch_panic, Error, Result};
+use crate::generate::{Generation, Next, StepOutput};
+use crate::models::qwen::Segment;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::time::Duration;
+
+/// Outputs a stream may have unread before its generation pauses.
+pub const MAX_UNREAD: usize = 4;
+
+/// Caps on what one forward batches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchLimits {
+    /// Generations batched together (later ones wait).
+    pub max_seqs: usize,
+    /// Window rows per forward (a segment longer than this still runs, alone).
+    pub max_rows: usize,
+}
+
+impl Default for BatchLimits {
+    /// 16 sequences; 1024 rows: a 512-token prefill chunk plus the decode windows of the others.
+    fn default() -> Self {
+        BatchLimits { max_seqs: 16, max_rows: 1024 }
+    }
+}
+
+impl BatchLimits {
+    pub fn check(&self) -> Result<()> {
+        if self.max_seqs == 0 || self.max_seqs > 4096 {
+            return Err(Error::invalid(format!("max_batch_seqs must be between 1 and 4096, got {}", self.max_seqs)));
+        }
+        if self.max_rows == 0 || self.max_rows > 1 << 20 {
+            return Err(Error::invalid(format!("max_batch_rows must be between 1 and 1048576, got {}", self.max_rows)));
+        }
+        Ok(())
+    }
+}
+
+/// What a stream and the worker share besides the channel.
+#[derive(Default)]
+struct Control {
+    cancelled: AtomicBool,
+    /// The stream's handle is gone: drop the generation.
+    gone: AtomicBool,
+    unread: AtomicUsize,
+}
+
+struct Entry {
+    gen: Generation,
+    tx: Sender<Result<StepOutput>>,
+    ctl: Arc<Control>,
+}
+
+struct State {
+    limits: BatchLimits,
+    /// Submitted, not yet taken by the worker.
+    incoming: Vec<Entry>,
+    worker_running: bool,
+}
+
+struct Shared {
+    model: Arc<Model>,
+    state: Mutex<State>,
+    wake: Condvar,
+}
+
+impl Shared {
+    fn notify(&self) {
+        // Taking the lock orders this wake-up after the worker's check of the state.
+        drop(self.state.lock());
+        self.wake.notify_all();
+    }
+}
+
+/// The batching scheduler of one model (one per `Engine`).
+pub struct Scheduler {
+    shared: Arc<Shared>,
+}
+
+/// A stream's end: the generation's outputs, in order.
+pub struct StreamHandle {
+    rx: Receiver<Result<StepOutput>>,
+    ctl: Arc<Control>,
+    shared: Arc<Shared>,
+    done: bool,
+}
+
+impl Iterator for StreamHandle {
+    type Item = Result<StepOutput>;
+
+    /// The next output, waiting for it; None once the generation has finished (its final output was read),
+    /// failed (the error was read) or was dropped.
+    fn next(&mut self) -> Option<Result<StepOutput>> {
+        if self.done {
+            return None;
+        }
+        let r = self.rx.recv().ok();
+        if self.ctl.unread.fetch_sub(1, Ordering::SeqCst) == MAX_UNREAD {
+            self.shared.notify(); // the generation was paused on this reader
+        }
+        match &r {
+            Some(Ok(o)) if o.finish_reason.is_none() => {}
+            _ => self.done = true,
+        }
+        r
+    }
+}
+
+impl StreamHandle {
+    /// Ask the generation to stop: its next output is the final one, with finish_reason "cancelled".
+    pub fn cancel(&self) {
+        self.ctl.cancelled.store(true, Ordering::SeqCst);
+        self.shared.notify();
+    }
+}
+
+impl Drop for StreamHandle {
+    fn drop(&mut self) {
+        self.ctl.gone.store(true, Ordering::SeqCst);
+        self.shared.notify();
+    }
+}
+
+impl Scheduler {
+    pub fn new(model: Arc<Model>, limits: BatchLimits) -> Result<Scheduler> {
+        limits.check()?;
+        let state = State { limits, incoming: vec![], worker_running: false };
+        Ok(Scheduler { shared: Arc::new(Shared { model, state: Mutex::new(state), wake: Condvar::new() }) })
+    }
+
+    pub fn model(&self) -> &Arc<Model> {
+        &self.shared.model
+    }
+
+    pub fn limits(&self) -> BatchLimits {
+        self.shared.state.lock().map(|s| s.limits).unwrap_or_default()
+    }
+
+    /// Change the caps (they apply from the next tick).
+    pub fn set_limits(&self, limits: BatchLimits) -> Result<()> {
+        limits.check()?;
+        self.lock()?.limits = limits;
+        self.shared.notify();
+        Ok(())
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, State>> {
+        self.shared.state.lock().map_err(|_| Error::Internal("scheduler lock poisoned".into()))
+    }
+
+    /// Add a generation; its outputs arrive on the returned handle.
+    pub fn submit(&self, gen: Generation) -> Result<StreamHandle> {
+        let (tx, rx) = channel();
+        let ctl = Arc::new(Control::default());
+        let mut st = self.lock()?;
+        st.incoming.push(Entry { gen, tx, ctl: ctl.clone() });
+        if !st.worker_running {
+            st.worker_running = true;
+            let weak = Arc::downgrade(&self.shared);
+            std::thread::Builder::new()
+                .name("mbd-scheduler".into())
+                .spawn(move || worker(weak))
+                .map_err(|e| Error::Internal(format!("cannot start the scheduler thread: {e}")))?;
+        }
+        drop(st);
+        self.shared.wake.notify_all();
+        Ok(StreamHandle { rx, ctl, shared: self.shared.clone(), done: false })
+    }
+}
+
+/// The worker's own state: batched generations, the ones waiting for a place, the rotation.
+#[derive(Default)]
+struct Batch {
+    active: Vec<Entry>,
+    waiting: VecDeque<Entry>,
+    start: usize,
+}
+
+fn worker(weak: Weak<Shared>) {
+    let mut batch = Batch::default();
+    loop {
+        // Hold the shared state only while working or waiting briefly: when the model and every stream are
+        // gone, the worker ends.
+        let Some(shared) = weak.upgrade() else { return };
+        let limits = {
+            let Ok(mut st) = shared.state.lock() else { return };
+            batch.waiting.extend(st.incoming.drain(..));
+            if batch.active.is_empty() && batch.waiting.is_empty() {
+                let Ok((mut st, _)) = shared.wake.wait_timeout(st, Duration::from_millis(200)) else { return };
+                batch.waiting.extend(st.incoming.drain(..));
+                if batch.active.is_empty() && batch.waiting.is_empty() {
+                    if Arc::strong_count(&shared) == 1 {
+                        st.worker_running = false;
+                        return;
+                    }
+                    continue;
+                }
+                st.limits
+            } else {
+                st.limits
+            }
+        };
+        let worked = batch.tick(&shared.model, limits);
+        if !worked {
+            // every generation is paused on its reader: wait for a read (or anything else)
+            if let Ok(st) = shared.state.lock() {
+                if st.incoming.is_empty() {
+                    let _ = shared.wake.wait_timeout(st, Duration::from_millis(50));
+                }
+            }
+        }
+    }
+}
+
+fn send(e: &Entry, r: Result<StepOutput>) -> bool {
+    e.ctl.unread.fetch_add(1, Ordering::SeqCst);
+    e.tx.send(r).is_ok()
+}
+
+impl Batch {
+    /// One tick. Returns whether any generation moved.
+    fn tick(&mut self, model: &Arc<Model>, limits: BatchLimits) -> bool {
+        // leave: streams dropped; cancelled ones get their final output
+        let mut moved = false;
+        self.active.retain_mut(|e| {
+            if e.ctl.gone.load(Ordering::SeqCst) {
+                moved = true;
+                return false;
+            }
+            if e.ctl.cancelled.load(Ordering::SeqCst) {
+                let o = e.gen.cancel();
+                if o.finish_reason.is_some() {
+                    send(e, Ok(o));
+                }
+                moved = true;
+                return false;
+            }
+            true
+        });
+        self.waiting.retain(|e| !e.ctl.gone.load(Ordering::SeqCst));
+        for e in self.waiting.iter_mut().filter(|e| e.ctl.cancelled.load(Ordering::SeqCst)) {
+            let o = e.gen.cancel();
+            send(e, Ok(o));
+            e.ctl.gone.store(true, Ordering::SeqCst);
+            moved = true;
+        }
+        self.waiting.retain(|e| !e.ctl.gone.load(Ordering::SeqCst));
+        // join: waiting generations take free places in arrival order
+        while self.active.len() < limits.max_seqs {
+            match self.waiting.pop_front() {
+                Some(e) => self.active.push(e),
+                None => break,
+            }
+        }
+        if self.active.is_empty() {
+            return moved;
+        }
+        let device = model.net.device().clone();
+        let n = self.active.len();
+        let start = self.start % n;
+        self.start = self.start.wrapping_add(1);
+        let (outputs, failed) = crate::cpu_pool::on_device_pool(&device, || {
+            let r = catch_panic(|| Ok(run_tick(model, &mut self.active, start, limits)));
+            r.unwrap_or_else(|e| (vec![], Some(e)))
+        });
+        if let Some(err) = failed {
+            // a panic inside the tick: the generations' states cannot be trusted; end them all with the error
+            for e in self.active.drain(..) {
+                send(&e, Err(Error::Internal(format!("{err}"))));
+            }
+            return true;
+        }
+        // deliver; drop generations that finished, failed, or whose stream is gone
+        let mut leave = vec![false; n];
+        for (i, r) in outputs {
+            moved = true;
+            let e = &self.active[i];
+            let last = !matches!(&r, Ok(o) if o.finish_reason.is_none());
+            if !send(e, r) || last {
+                leave[i] = true;
+            }
+        }
+        let mut i = 0;
+        self.active.retain(|e| {
+            let keep = !leave[i] && !e.gen.finished();
+            i += 1;
+            keep
+        });
+        moved
+    }
+}
+
+/// The forward of one tick over the ready generations (from `start`, rotating): (index, output) pairs to
+/// deliver, and an error that ended the tick (a panic, caught by the caller).
+fn run_tick(
+    model: &Arc<Model>,
+    active: &mut [Entry],
+    start: usize,
+    limits: BatchLimits,
+) -> (Vec<(usize, Result<StepOutput>)>, Option<Error>) {
+    let mut outputs = vec![];
+    let mut segs = vec![];
+    let mut who = vec![];
+    let mut rows = 0usize;
+    // split the slice so that each generation can lend out its segment at once
+    let (head, tail) = active.split_at_mut(start);
+    let order = tail.iter_mut().enumerate().map(|(j, e)| (start + j, e)).chain(head.iter_mut().enumerate());
+    for (i, e) in order {
+        if segs.len() >= limits.max_seqs {
+            break;
+        }
+        if e.ctl.unread.load(Ordering::SeqCst) >= MAX_UNREAD || e.gen.finished() {
+            continue;
+        }
+        match e.gen.prepare() {
+            Ok(Next::Forward(seg)) => {
+                let w = seg.ids.len();
+                if !segs.is_empty() && rows + w > limits.max_rows {
+                    continue; // next tick (the rotation puts it first soon)
+                }
+                rows += w;
+                segs.push(seg);
+                who.push(i);
+            }
+            Ok(Next::Output(o)) => outputs.push((i, Ok(o))),
+            Ok(Next::Finished) => {}
+            Err(err) => outputs.push((i, Err(err))),
+        }
+    }
+    if segs.is_empty() {
+        return (outputs, None);
+    }
+    let results: Vec<Result<candle_core::Tensor>> = match model.net.forward_segments(&mut segs) {
+        Ok(ls) => ls.into_iter().map(Ok).collect(),
+        Err(_) if segs.len() > 1 => {
+            // one segment's failure (e.g. memory) must not fail the others: run each alone to tell them apart
+            segs.iter_mut()
+                .map(|s| {
+                    let mut one = [Segment::reborrow(s)];
+                    model.net.forward_segments(&mut one).map(|mut v| v.pop().expect("one segment"))
+                })
+                .collect()
+        }
+        Err(e) => vec![Err(e)],
+    };
+    drop(segs);
+    // hand each generation its logits
+    let mut by_index: Vec<Option<Result<candle_core::Tensor>>> = (0..active.len()).map(|_| None).collect();
+    for (i, r) in who.into_iter().zip(results) {
+        by_index[i] = Some(r);
+    }
+    for (i, r) in by_index.into_iter().enumerate() {
+        let Some(r) = r else { continue };
+        match r.and_then(|l| active[i].gen.consume(l)) {
+            Ok(Some(o)) => outputs.push((i, Ok(o))),
+            Ok(None) => {}
+            Err(e) => outputs.push((i, Err(e))),
+        }
+    }
+    (outputs, None)
+}
