@@ -51,7 +51,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def server(engine):
-    s = Server(engine, api_key=KEY, max_concurrency=2)
+    s = Server(engine, api_key=KEY, max_concurrency=2, max_queue=1)
     yield s
     s.stop()
 
@@ -64,7 +64,8 @@ def client(server):
 def test_models_and_health(client, server):
     assert [m.id for m in client.models.list().data] == ["mbd-tiny"]
     r = httpx.get(server.base + "/health", headers={"Authorization": f"Bearer {KEY}"})
-    assert r.json()["status"] == "ok" and r.json()["capacity"] == 2
+    h = r.json()
+    assert h["status"] == "ok" and (h["capacity"], h["batch"], h["queue"]) == (3, 2, 1)
 
 
 def test_chat_non_streaming_matches_engine(client, engine):
@@ -138,7 +139,7 @@ def test_busy_then_disconnect_frees_slot(server):
     # One token per forward over the whole budget (no EOS early stop): each generation lasts ~200 forwards.
     long_body = {"messages": MSG, "stream": True, "max_tokens": 200, "threshold": 0.0, "block_add_threshold": 1.0,
                  "block_size": 1, "early_stop": False}
-    clients = [httpx.Client(timeout=30) for _ in range(2)]
+    clients = [httpx.Client(timeout=30) for _ in range(3)]  # 2 batched, 1 queued
     streams = []
     try:
         for c in clients:
@@ -178,10 +179,13 @@ def test_eight_concurrent_clients_match_one(engine):
         def work(i):
             got[i] = c.chat.completions.create(model="mbd-tiny", messages=prompts[i], max_tokens=24).choices[0].message.content
 
+        f0, s0 = engine.batch_stats
         ts = [threading.Thread(target=work, args=(i,)) for i in range(8)]
         [t.start() for t in ts]
         [t.join() for t in ts]
+        f1, s1 = engine.batch_stats
         assert got == alone
+        assert s1 - s0 > f1 - f0  # the engine batched them: fewer forwards than stream steps
     finally:
         s.stop()
 

@@ -351,8 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     s.add_argument("--port", type=_int_in(1, 65535), default=8000, help="port (default: 8000)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: no key)")
-    s.add_argument("--max-concurrency", type=_int_in(1, 1 << 16), default=4,
-                   help="live generations at once; more get 503 (default: 4)")
+    s.add_argument("--max-concurrency", type=_int_in(1, 4096), default=4,
+                   help="generations batched together, one forward for all (default: 4)")
+    s.add_argument("--max-queue", type=_int_in(0, 1 << 16), default=None,
+                   help="generations waiting for a place in the batch; more get 503 (default: --max-concurrency)")
     s.add_argument("--max-body-bytes", type=_int_in(1024, 1 << 30), default=4 << 20,
                    help="largest request body accepted; larger get 413 (default: 4 MiB)")
     s.add_argument("--model-name", default=None, help="the model id clients send (default: the directory's name)")

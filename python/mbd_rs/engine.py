@@ -109,7 +109,8 @@ class Engine:
 
     @classmethod
     def load(cls, path: "Optional[str | os.PathLike[str]]" = None, *, revision: Optional[str] = None,
-             device: str = "auto", dtype: Optional[str] = None, _kernels: Optional[Dict[str, Any]] = None,
+             device: str = "auto", dtype: Optional[str] = None, max_batch: Optional[int] = None,
+             max_batch_rows: Optional[int] = None, _kernels: Optional[Dict[str, Any]] = None,
              **profile_overrides: Any) -> "Engine":
         """Load an HF-format model directory (default: the embedded mbd-tiny model), or a Hugging Face Hub id
         ("org/name", at `revision`: a branch, tag or commit; default "main") through the local Hub cache,
@@ -117,17 +118,37 @@ class Engine:
 
         device: "auto" (CUDA/Metal when this build has it and a device answers, else CPU), "cpu", "cuda[:N]", "metal".
         dtype: None/"auto" (float32 on CPU, bfloat16 on GPUs), "float32", "bfloat16", "float16".
+        max_batch, max_batch_rows: caps on continuous batching (see `set_batching`); default 16 streams, 1024 rows.
         profile_overrides: any of PROFILE_OVERRIDES: mask_token_id, block_size, attention
         ("causal"|"block_causal"|"full"), alignment ("absolute"|"prompt"), logits_shift (bool), eos_token_ids.
         _kernels: benchmark switches (keep_bf16_weights, skinny, par_min_macs, max_rows), not a stable API.
         """
         path = resolve_model_path(path, revision)
-        return cls(_core.CoreModel.load(path, device, dtype, profile_overrides, **(_kernels or {})))
+        return cls(_core.CoreModel.load(path, device, dtype, profile_overrides, max_batch=max_batch,
+                                        max_batch_rows=max_batch_rows, **(_kernels or {})))
 
     def __repr__(self) -> str:
         i = self.info
         return (f"Engine({i.family}, {i.num_parameters / 1e6:.2f}M params, {i.attention} attention, "
                 f"block {i.block_size}, {i.dtype} on {i.device}, path={i.path!r})")
+
+    @property
+    def batching(self) -> "tuple[int, int]":
+        """(max_batch, max_batch_rows): the caps on continuous batching."""
+        return self._core.batch_limits()
+
+    @property
+    def batch_stats(self) -> "tuple[int, int]":
+        """(forwards, segments): forwards run for this engine's streams, and the stream steps they carried (a
+        ratio above 1 means streams were batched)."""
+        return self._core.batch_stats()
+
+    def set_batching(self, *, max_batch: Optional[int] = None, max_batch_rows: Optional[int] = None) -> None:
+        """Concurrent streams of this engine (from any threads) are batched: each forward runs the next step of
+        up to `max_batch` streams together (later ones wait their turn), at most `max_batch_rows` window rows
+        (a long prompt's prefill chunk runs alone when it is longer). Batching never changes outputs: every
+        stream gets exactly the tokens it gets alone."""
+        self._core.set_batch_limits(max_batch, max_batch_rows)
 
     def tokenize(self, text: str, *, add_special_tokens: bool = True) -> List[int]:
         return self._core.tokenize(text, add_special_tokens)

@@ -2,8 +2,9 @@
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, with `stream: true`
 as server-sent events in OpenAI's chunk format. Diffusion knobs are accepted as extra body fields.
-Generation steps run in worker threads (the engine releases the GIL); a client that disconnects mid-stream
-cancels its generation and frees its slot; at `max_concurrency` live generations new requests get 503.
+The engine batches concurrent generations (continuous batching: one forward carries the next step of up to
+`max_concurrency` of them); up to `max_queue` more wait for a place, and beyond that new requests get 503. A
+client that disconnects mid-stream cancels its generation and frees its slot.
 
 Limits: bodies must be `application/json` (so a web page cannot post to a local server without CORS) and at most
 `max_body_bytes`; the whole body is validated before a generation slot is taken, and the slot is released on
@@ -132,9 +133,16 @@ def _body_params(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any], Any]
 
 
 def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | None = None,
-               max_concurrency: int = 4, max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
+               max_concurrency: int = 4, max_queue: int | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
+    """The app serving `engine`. `max_concurrency` becomes the engine's batch (`Engine.set_batching(max_batch=)`):
+    generations stepped together; `max_queue` (default: `max_concurrency`) more wait in the engine's queue."""
     name = model_name or os.path.basename(os.path.normpath(engine.info.path))
-    slots = _Slots(max_concurrency)
+    engine.set_batching(max_batch=max_concurrency)
+    queue = max_concurrency if max_queue is None else max_queue
+    if isinstance(queue, bool) or not isinstance(queue, int) or queue < 0:
+        raise InvalidRequestError(f"max_queue must be an integer >= 0, got {queue!r}")
+    slots = _Slots(max_concurrency + queue)
     created = int(time.time())
 
     def check_auth(request: Request) -> JSONResponse | None:
@@ -159,7 +167,8 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
 
     async def health(request: Request) -> JSONResponse:
         # open without the API key: load balancers and probes must reach it (it says nothing secret)
-        return JSONResponse({"status": "ok", "model": name, "active": slots.active, "capacity": slots.capacity})
+        return JSONResponse({"status": "ok", "model": name, "active": slots.active, "capacity": slots.capacity,
+                             "batch": max_concurrency, "queue": queue})
 
     async def models(request: Request) -> JSONResponse:
         if (r := check_auth(request)) is not None:
@@ -180,8 +189,8 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
             params, prompt = _body_params(body, chat)
             lease = slots.try_acquire()
             if lease is None:
-                return _error(503, f"server is at its limit of {slots.capacity} concurrent generations; retry later",
-                              "server_error", code="server_busy")
+                return _error(503, f"server is at its limit of {max_concurrency} batched and {queue} queued "
+                              "generations; retry later", "server_error", code="server_busy")
             start = (lambda: engine.stream_chat(prompt, **params)) if chat else (lambda: engine.stream(prompt, **params))
             lease.stream = stream = await anyio.to_thread.run_sync(start)
             rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -331,7 +340,7 @@ def serve(args: argparse.Namespace) -> int:
 
     eng = Engine.load(args.model, device=args.device, dtype=args.dtype)
     app = create_app(eng, model_name=args.model_name, api_key=args.api_key, max_concurrency=args.max_concurrency,
-                     max_body_bytes=args.max_body_bytes)
+                     max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
     print(f"mbd-rs: serving {eng.info.path} as '{args.model_name or os.path.basename(os.path.normpath(eng.info.path))}' "
           f"on http://{args.host}:{args.port}/v1", flush=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # the access log, on stderr

@@ -45,15 +45,28 @@ impl Default for BatchLimits {
 
 impl BatchLimits {
     pub fn check(&self) -> Result<()> {
-        if self.max_seqs == 0 || self.max_seqs > 4096 {
-            return Err(Error::invalid(format!("max_batch_seqs must be between 1 and 4096, got {}", self.max_seqs)));
-        }
-        if self.max_rows == 0 || self.max_rows > 1 << 20 {
-            return Err(Error::invalid(format!("max_batch_rows must be between 1 and 1048576, got {}", self.max_rows)));
-        }
+        Self::in_range("max_batch", self.max_seqs as i64, MAX_BATCH_SEQS)?;
+        Self::in_range("max_batch_rows", self.max_rows as i64, MAX_BATCH_ROWS)?;
         Ok(())
     }
+
+    /// These limits with the caller's values (None: unchanged), checked.
+    pub fn with(self, max_batch: Option<i64>, max_batch_rows: Option<i64>) -> Result<BatchLimits> {
+        let seqs = max_batch.map_or(Ok(self.max_seqs), |v| Self::in_range("max_batch", v, MAX_BATCH_SEQS))?;
+        let rows = max_batch_rows.map_or(Ok(self.max_rows), |v| Self::in_range("max_batch_rows", v, MAX_BATCH_ROWS))?;
+        Ok(BatchLimits { max_seqs: seqs, max_rows: rows })
+    }
+
+    fn in_range(name: &str, v: i64, max: usize) -> Result<usize> {
+        if v < 1 || v as u64 > max as u64 {
+            return Err(Error::invalid(format!("{name} must be an integer between 1 and {max}, got {v}")));
+        }
+        Ok(v as usize)
+    }
 }
+
+const MAX_BATCH_SEQS: usize = 4096;
+const MAX_BATCH_ROWS: usize = 1 << 20;
 
 /// What a stream and the worker share besides the channel.
 #[derive(Default)]
@@ -79,6 +92,9 @@ struct State {
 
 struct Shared {
     model: Arc<Model>,
+    /// Forwards run and segments they carried (their ratio is the mean batch).
+    forwards: AtomicUsize,
+    segments: AtomicUsize,
     state: Mutex<State>,
     wake: Condvar,
 }
@@ -126,6 +142,26 @@ impl Iterator for StreamHandle {
 }
 
 impl StreamHandle {
+    /// A handle that cancels this stream from any thread (while another waits on `next`).
+    pub fn canceller(&self) -> Canceller {
+        Canceller { ctl: self.ctl.clone(), shared: self.shared.clone() }
+    }
+
+    /// Ask the generation to stop: its next output is the final one, with finish_reason "cancelled".
+    pub fn cancel(&self) {
+        self.ctl.cancelled.store(true, Ordering::SeqCst);
+        self.shared.notify();
+    }
+}
+
+/// Cancels one stream (`StreamHandle::canceller`).
+#[derive(Clone)]
+pub struct Canceller {
+    ctl: Arc<Control>,
+    shared: Arc<Shared>,
+}
+
+impl Canceller {
     /// Ask the generation to stop: its next output is the final one, with finish_reason "cancelled".
     pub fn cancel(&self) {
         self.ctl.cancelled.store(true, Ordering::SeqCst);
@@ -144,11 +180,23 @@ impl Scheduler {
     pub fn new(model: Arc<Model>, limits: BatchLimits) -> Result<Scheduler> {
         limits.check()?;
         let state = State { limits, incoming: vec![], worker_running: false };
-        Ok(Scheduler { shared: Arc::new(Shared { model, state: Mutex::new(state), wake: Condvar::new() }) })
+        let shared = Shared {
+            model,
+            forwards: AtomicUsize::new(0),
+            segments: AtomicUsize::new(0),
+            state: Mutex::new(state),
+            wake: Condvar::new(),
+        };
+        Ok(Scheduler { shared: Arc::new(shared) })
     }
 
     pub fn model(&self) -> &Arc<Model> {
         &self.shared.model
+    }
+
+    /// (forwards run, segments they carried) since the scheduler started.
+    pub fn stats(&self) -> (usize, usize) {
+        (self.shared.forwards.load(Ordering::Relaxed), self.shared.segments.load(Ordering::Relaxed))
     }
 
     pub fn limits(&self) -> BatchLimits {
@@ -219,7 +267,7 @@ fn worker(weak: Weak<Shared>) {
                 st.limits
             }
         };
-        let worked = batch.tick(&shared.model, limits);
+        let worked = batch.tick(&shared, limits);
         if !worked {
             // every generation is paused on its reader: wait for a read (or anything else)
             if let Ok(st) = shared.state.lock() {
@@ -238,7 +286,8 @@ fn send(e: &Entry, r: Result<StepOutput>) -> bool {
 
 impl Batch {
     /// One tick. Returns whether any generation moved.
-    fn tick(&mut self, model: &Arc<Model>, limits: BatchLimits) -> bool {
+    fn tick(&mut self, shared: &Shared, limits: BatchLimits) -> bool {
+        let model = &shared.model;
         // leave: streams dropped; cancelled ones get their final output
         let mut moved = false;
         self.active.retain_mut(|e| {
@@ -279,7 +328,7 @@ impl Batch {
         let start = self.start % n;
         self.start = self.start.wrapping_add(1);
         let (outputs, failed) = crate::cpu_pool::on_device_pool(&device, || {
-            let r = catch_panic(|| Ok(run_tick(model, &mut self.active, start, limits)));
+            let r = catch_panic(|| Ok(run_tick(shared, &mut self.active, start, limits)));
             r.unwrap_or_else(|e| (vec![], Some(e)))
         });
         if let Some(err) = failed {
@@ -312,7 +361,7 @@ impl Batch {
 /// The forward of one tick over the ready generations (from `start`, rotating): (index, output) pairs to
 /// deliver, and an error that ended the tick (a panic, caught by the caller).
 fn run_tick(
-    model: &Arc<Model>,
+    shared: &Shared,
     active: &mut [Entry],
     start: usize,
     limits: BatchLimits,
@@ -349,6 +398,9 @@ fn run_tick(
     if segs.is_empty() {
         return (outputs, None);
     }
+    let model = &shared.model;
+    shared.forwards.fetch_add(1, Ordering::Relaxed);
+    shared.segments.fetch_add(segs.len(), Ordering::Relaxed);
     let results: Vec<Result<candle_core::Tensor>> = match model.net.forward_segments(&mut segs) {
         Ok(ls) => ls.into_iter().map(Ok).collect(),
         Err(_) if segs.len() > 1 => {

@@ -9,6 +9,7 @@ use mbd_core::request::{
     self, GenRequest, LogitsRequest, ParamKind, Params, ProfileOverrides, Value, GENERATION_PARAMS, LOGITS_PARAMS,
     PROFILE_OVERRIDES,
 };
+use mbd_core::scheduler::{BatchLimits, Canceller, Scheduler, StreamHandle};
 use mbd_core::skinny::Kernels;
 use mbd_core::{Error, LoadOptions, Model};
 use numpy::{PyArray1, PyArrayMethods};
@@ -16,7 +17,6 @@ use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString, PyTuple};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 pyo3::import_exception!(mbd_rs.errors, MbdError);
@@ -184,6 +184,8 @@ fn request<R: Params>(params: Option<&Bound<'_, PyDict>>) -> PyResult<R> {
 #[pyclass(frozen, module = "mbd_rs._core")]
 struct CoreModel {
     inner: Arc<Model>,
+    /// Runs every stream of this model, batched (continuous batching).
+    scheduler: Scheduler,
 }
 
 #[pymethods]
@@ -192,7 +194,7 @@ impl CoreModel {
     /// load options for benchmarks' A/B runs.
     #[staticmethod]
     #[pyo3(signature = (path, device="auto", dtype=None, overrides=None, keep_bf16_weights=true, skinny=true,
-                        par_min_macs=None, max_rows=None))]
+                        par_min_macs=None, max_rows=None, max_batch=None, max_batch_rows=None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
         py: Python<'_>,
@@ -204,6 +206,8 @@ impl CoreModel {
         skinny: bool,
         par_min_macs: Option<usize>,
         max_rows: Option<usize>,
+        max_batch: Option<&Bound<'_, PyAny>>,
+        max_batch_rows: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let device = device.to_string();
         let overrides: ProfileOverrides = request(overrides)?;
@@ -214,12 +218,37 @@ impl CoreModel {
             max_rows: max_rows.unwrap_or(d.max_rows),
             ..d
         };
+        let limits = batch_limits(BatchLimits::default(), max_batch, max_batch_rows)?;
         let model = run(py, || {
             let dev = parse_device(&device)?;
             let dtype = parse_dtype(dtype.as_deref(), &dev)?;
             Model::load(&path, &LoadOptions { device: dev, dtype, overrides, keep_bf16_weights, kernels })
         })?;
-        Ok(CoreModel { inner: Arc::new(model) })
+        let inner = Arc::new(model);
+        let scheduler = Scheduler::new(inner.clone(), limits).map_err(to_py)?;
+        Ok(CoreModel { inner, scheduler })
+    }
+
+    /// (max_batch, max_batch_rows): the caps on what one forward batches.
+    fn batch_limits(&self) -> (usize, usize) {
+        let l = self.scheduler.limits();
+        (l.max_seqs, l.max_rows)
+    }
+
+    /// (forwards, segments): forwards the scheduler has run and the stream steps they carried.
+    fn batch_stats(&self) -> (usize, usize) {
+        self.scheduler.stats()
+    }
+
+    /// Change the batching caps (None: unchanged).
+    #[pyo3(signature = (max_batch=None, max_batch_rows=None))]
+    fn set_batch_limits(
+        &self,
+        max_batch: Option<&Bound<'_, PyAny>>,
+        max_batch_rows: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let limits = batch_limits(self.scheduler.limits(), max_batch, max_batch_rows)?;
+        self.scheduler.set_limits(limits).map_err(to_py)
     }
 
     /// Everything known about the loaded model, as a dict (the Python layer wraps it in ModelInfo).
@@ -355,9 +384,20 @@ impl CoreModel {
     }
 }
 
+/// `base` with the caller's batching caps (None: unchanged); the range rule is `BatchLimits::with`'s.
+fn batch_limits(
+    base: BatchLimits,
+    max_batch: Option<&Bound<'_, PyAny>>,
+    max_batch_rows: Option<&Bound<'_, PyAny>>,
+) -> PyResult<BatchLimits> {
+    let seqs = max_batch.filter(|v| !v.is_none()).map(|v| int("max_batch", v)).transpose()?;
+    let rows = max_batch_rows.filter(|v| !v.is_none()).map(|v| int("max_batch_rows", v)).transpose()?;
+    base.with(seqs, rows).map_err(to_py)
+}
+
 impl CoreModel {
     /// Start a generation: the request from `params`, the prompt's ids from `prompt_ids` (in the core, without
-    /// the GIL).
+    /// the GIL); the scheduler runs it from then on, batched with the model's other streams.
     fn begin(
         &self,
         py: Python<'_>,
@@ -366,19 +406,21 @@ impl CoreModel {
     ) -> PyResult<CoreStream> {
         let req: GenRequest = request(params)?;
         let m = self.inner.clone();
+        let sched = &self.scheduler;
         run(py, move || {
             let ids = prompt_ids(&m)?;
-            Generation::new(m, ids, &req)
+            sched.submit(Generation::new(m, ids, &req)?)
         })
         .map(CoreStream::new)
     }
 }
 
-/// One generation in progress. `step()` advances it by one forward with the GIL released.
+/// One generation in progress, run by the model's scheduler; `step()` waits for its next output with the GIL
+/// released.
 #[pyclass(frozen, module = "mbd_rs._core")]
 struct CoreStream {
-    generation: Mutex<Option<Generation>>,
-    cancelled: AtomicBool,
+    handle: Mutex<Option<StreamHandle>>,
+    canceller: Canceller,
 }
 
 fn output_dict<'py>(py: Python<'py>, o: StepOutput) -> PyResult<Bound<'py, PyDict>> {
@@ -418,25 +460,23 @@ fn output_dict<'py>(py: Python<'py>, o: StepOutput) -> PyResult<Bound<'py, PyDic
 }
 
 impl CoreStream {
-    fn new(g: Generation) -> Self {
-        CoreStream { generation: Mutex::new(Some(g)), cancelled: AtomicBool::new(false) }
+    fn new(h: StreamHandle) -> Self {
+        CoreStream { canceller: h.canceller(), handle: Mutex::new(Some(h)) }
     }
 }
 
 #[pymethods]
 impl CoreStream {
-    /// Advance by one forward. Returns a dict (token_ids, text, finish_reason, usage, step), or None when
-    /// the generation has finished or was closed.
+    /// The next output: a dict (token_ids, text, finish_reason, usage, step), or None when the generation has
+    /// finished or was closed.
     fn step<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let out = py.detach(|| {
             catch_panic(|| {
-                let mut guard = self.generation.lock().map_err(|_| Error::Internal("stream lock poisoned".into()))?;
-                let Some(g) = guard.as_mut() else { return Ok(None) };
-                if self.cancelled.load(Ordering::SeqCst) {
-                    let o = g.cancel();
-                    return Ok(if o.finish_reason.is_some() { Some(o) } else { None });
+                let mut guard = self.handle.lock().map_err(|_| Error::Internal("stream lock poisoned".into()))?;
+                match guard.as_mut().and_then(|h| h.next()) {
+                    Some(r) => r.map(Some),
+                    None => Ok(None),
                 }
-                g.step()
             })
         });
         match out.map_err(to_py)? {
@@ -445,17 +485,17 @@ impl CoreStream {
         }
     }
 
-    /// Ask the generation to stop; thread-safe. The next step returns finish_reason "cancelled".
+    /// Ask the generation to stop; thread-safe. Its next output is the final one, finish_reason "cancelled".
     fn cancel(&self) {
-        self.cancelled.store(true, Ordering::SeqCst);
+        self.canceller.cancel();
     }
 
     /// Free the generation's state (KV cache) now.
     fn close(&self, py: Python<'_>) {
-        self.cancelled.store(true, Ordering::SeqCst);
+        self.canceller.cancel();
         py.detach(|| {
-            if let Ok(mut g) = self.generation.lock() {
-                *g = None;
+            if let Ok(mut h) = self.handle.lock() {
+                *h = None;
             }
         });
     }
