@@ -69,9 +69,9 @@ def sdar():
 def test_concurrent_streams_equal_streams_alone(sdar):
     reqs = _requests(12)
     alone = [_run(sdar, p, kw) for p, kw in reqs]
-    f0, s0 = sdar.batch_stats
+    f0, s0, _ = sdar.batch_stats
     got = _concurrently(sdar, reqs)
-    f1, s1 = sdar.batch_stats
+    f1, s1, _ = sdar.batch_stats
     assert got == alone
     # they were batched: fewer forwards than stream steps
     assert s1 - s0 > f1 - f0 > 0
@@ -120,9 +120,9 @@ def test_batch_caps_change_nothing_but_the_grouping(limits):
                              logits_shift=False, block_size=4, **limits)
     reqs = _requests(8)
     alone = [_run(eng, p, kw) for p, kw in reqs]
-    f0, s0 = eng.batch_stats
+    f0, s0, _ = eng.batch_stats
     assert _concurrently(eng, reqs) == alone
-    f1, s1 = eng.batch_stats
+    f1, s1, _ = eng.batch_stats
     if limits.get("max_batch") == 1 or limits.get("max_batch_rows") == 1:
         assert s1 - s0 == f1 - f0  # one stream step per forward
     assert eng.batching == (limits.get("max_batch", 16), limits.get("max_batch_rows", 1024))

@@ -26,8 +26,11 @@ def test_stream_concatenation_equals_generate(eng):
     assert done.text == eng.detokenize(done.token_ids)
     assert chunks[-1].finish_reason == done.finish_reason == "length"
     assert chunks[-1].usage is not None and all(c.usage is None for c in chunks[:-1])
-    # streaming is token by token: more chunks than blocks' worth would give
-    assert len([c for c in chunks if c.token_ids]) > 24 // 4
+    # streaming is token by token: more chunks than blocks' worth would give (with trace every forward is a chunk;
+    # without it a reader that falls behind gets the tokens that piled up joined in one chunk)
+    traced = list(eng.stream(PROMPT, trace=True, **KW))
+    assert len([c for c in traced if c.token_ids]) > 24 // 4
+    assert [t for c in traced for t in c.token_ids] == done.token_ids
 
 
 def test_cache_is_used_and_exact(eng):

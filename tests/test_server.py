@@ -179,11 +179,11 @@ def test_eight_concurrent_clients_match_one(engine):
         def work(i):
             got[i] = c.chat.completions.create(model="mbd-tiny", messages=prompts[i], max_tokens=24).choices[0].message.content
 
-        f0, s0 = engine.batch_stats
+        f0, s0, _ = engine.batch_stats
         ts = [threading.Thread(target=work, args=(i,)) for i in range(8)]
         [t.start() for t in ts]
         [t.join() for t in ts]
-        f1, s1 = engine.batch_stats
+        f1, s1, _ = engine.batch_stats
         assert got == alone
         assert s1 - s0 > f1 - f0  # the engine batched them: fewer forwards than stream steps
     finally:

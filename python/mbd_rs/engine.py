@@ -138,9 +138,9 @@ class Engine:
         return self._core.batch_limits()
 
     @property
-    def batch_stats(self) -> "tuple[int, int]":
-        """(forwards, segments): forwards run for this engine's streams, and the stream steps they carried (a
-        ratio above 1 means streams were batched)."""
+    def batch_stats(self) -> "tuple[int, int, int]":
+        """(forwards, segments, rows): forwards run for this engine's streams, the stream steps they carried (a
+        ratio above 1 means streams were batched) and the window rows they computed."""
         return self._core.batch_stats()
 
     def set_batching(self, *, max_batch: Optional[int] = None, max_batch_rows: Optional[int] = None) -> None:

@@ -79,6 +79,16 @@ impl KvCache {
         Ok(())
     }
 
+    /// Layer `l`'s (K, V) buffers, each (n_kv, capacity, head_dim): the committed positions, then the window.
+    pub(crate) fn layer(&self, l: usize) -> (&Tensor, &Tensor) {
+        let (k, v) = &self.layers[l];
+        (k, v)
+    }
+
+    pub(crate) fn capacity(&self) -> usize {
+        self.capacity
+    }
+
     /// Length of the scratch window written by the last forward (0 when none or after a commit).
     pub fn window_len(&self) -> usize {
         self.window

@@ -14,6 +14,7 @@
 //! - `decoder`: the multi-block decoding state machine, pure logic.
 //! - `sampling`: logits rows → predictions (token, entropy, max probability).
 //! - `mask`: block ids per position and the attention masks built from them.
+//! - `attention`: the CPU attention of small windows, every segment of a forward in one pass.
 //! - `kv_cache`: the per-sequence K/V buffers.
 //! - `text`: incremental detokenisation and stop strings.
 //! - `skinny`: the CPU few-row matmul kernel.
@@ -30,6 +31,7 @@ pub mod request;
 pub mod models {
     pub mod qwen;
 }
+pub mod attention;
 pub mod chat;
 pub mod config;
 pub mod cpu_pool;

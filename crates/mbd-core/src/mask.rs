@@ -152,6 +152,45 @@ impl MaskSpec {
         }
     }
 
+    /// Per window row, the key index ranges it sees (over [0, p + w)), for a segment whose window rows sit at
+    /// `positions` over `p` cached keys (the same rule as `additive_rows`, without building a mask).
+    pub fn visible(&self, p: usize, positions: &[usize]) -> Vec<Vec<std::ops::Range<usize>>> {
+        let w = positions.len();
+        match self {
+            MaskSpec::Custom(rows) => {
+                rows.iter().map(|rs| rs.iter().filter(|r| !r.is_empty()).cloned().collect()).collect()
+            }
+            MaskSpec::Grid(g) => positions
+                .iter()
+                .map(|&qp| {
+                    let bq = g.block_of(qp);
+                    // cached keys: slot j is position j, block ids are monotone, so the visible ones are a prefix
+                    let (mut e, mut hi) = (0, p);
+                    while e < hi {
+                        let mid = (e + hi) / 2;
+                        if g.block_of(mid) <= bq {
+                            e = mid + 1;
+                        } else {
+                            hi = mid;
+                        }
+                    }
+                    let mut out: Vec<std::ops::Range<usize>> = if e > 0 { vec![0..e] } else { vec![] };
+                    for (j, &kp) in positions.iter().enumerate() {
+                        if g.block_of(kp) <= bq {
+                            let k = p + j;
+                            match out.last_mut() {
+                                Some(r) if r.end == k => r.end = k + 1,
+                                _ => out.push(k..k + 1),
+                            }
+                        }
+                    }
+                    debug_assert!(out.iter().all(|r| r.end <= p + w));
+                    out
+                })
+                .collect(),
+        }
+    }
+
     /// Check the spec against a segment of `w` rows over `p` cached keys.
     pub fn check(&self, p: usize, w: usize) -> Result<()> {
         if let MaskSpec::Custom(rows) = self {
@@ -259,6 +298,33 @@ mod tests {
         let vis: Vec<usize> = (0..11).filter(|&j| m[j] == 0.0).collect();
         assert_eq!(vis, [0, 1, 2, 3, 4, 5, 6, 7, 9]);
         assert!(MaskSpec::Custom(vec![vec![0..0]]).check(0, 1).is_err());
+    }
+
+    #[test]
+    fn visible_ranges_are_the_mask_rows() {
+        let grids = [
+            BlockGrid::causal(),
+            BlockGrid::new(AttentionKind::BlockCausal, 3, Alignment::Prompt, 5).unwrap(),
+            BlockGrid::new(AttentionKind::BlockCausal, 4, Alignment::Absolute, 0).unwrap(),
+            BlockGrid::new(AttentionKind::Full, 1, Alignment::Absolute, 0).unwrap(),
+        ];
+        let custom: Vec<Vec<std::ops::Range<usize>>> = (0..4).map(|i| vec![0..3, 4 + i..5 + i, 2..2]).collect();
+        let mut specs: Vec<(MaskSpec, Vec<usize>)> = vec![];
+        for g in grids {
+            specs.push((MaskSpec::Grid(g), (7..11).collect()));
+            specs.push((MaskSpec::Grid(g), vec![8, 9, 8, 10]));
+        }
+        specs.push((MaskSpec::Custom(custom), (7..11).collect()));
+        for (spec, pos) in specs {
+            let (p, s) = (7usize, 11usize);
+            let vis = spec.visible(p, &pos);
+            let m = spec.additive_rows(p, &pos, 0, 4).unwrap_or_else(|| vec![0.0; 4 * s]);
+            for i in 0..4 {
+                let want: Vec<usize> = (0..s).filter(|&j| m[i * s + j] == 0.0).collect();
+                let got: Vec<usize> = vis[i].iter().flat_map(|r| r.clone()).collect();
+                assert_eq!(got, want, "{spec:?} {pos:?} row {i}");
+            }
+        }
     }
 
     #[test]

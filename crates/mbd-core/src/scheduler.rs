@@ -25,7 +25,7 @@ use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Duration;
 
 /// Outputs a stream may have unread before its generation pauses.
-pub const MAX_UNREAD: usize = 4;
+pub const MAX_UNREAD: usize = 16;
 
 /// Caps on what one forward batches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,6 +88,9 @@ struct State {
     /// Submitted, not yet taken by the worker.
     incoming: Vec<Entry>,
     worker_running: bool,
+    /// Bumped by every event the worker may be waiting for (a read, a cancel, a dropped stream, new limits), so
+    /// that it never sleeps through one that came while it was ticking.
+    epoch: u64,
 }
 
 struct Shared {
@@ -95,14 +98,16 @@ struct Shared {
     /// Forwards run and segments they carried (their ratio is the mean batch).
     forwards: AtomicUsize,
     segments: AtomicUsize,
+    rows: AtomicUsize,
     state: Mutex<State>,
     wake: Condvar,
 }
 
 impl Shared {
     fn notify(&self) {
-        // Taking the lock orders this wake-up after the worker's check of the state.
-        drop(self.state.lock());
+        if let Ok(mut st) = self.state.lock() {
+            st.epoch = st.epoch.wrapping_add(1);
+        }
         self.wake.notify_all();
     }
 }
@@ -118,6 +123,8 @@ pub struct StreamHandle {
     ctl: Arc<Control>,
     shared: Arc<Shared>,
     done: bool,
+    /// An output read ahead while merging, delivered next.
+    held: Option<Result<StepOutput>>,
 }
 
 impl Iterator for StreamHandle {
@@ -129,13 +136,49 @@ impl Iterator for StreamHandle {
         if self.done {
             return None;
         }
-        let r = self.rx.recv().ok();
-        if self.ctl.unread.fetch_sub(1, Ordering::SeqCst) == MAX_UNREAD {
-            self.shared.notify(); // the generation was paused on this reader
+        let mut r = self.recv(true)?;
+        // Outputs that piled up while the reader was busy come out as one (tokens and text joined), so that a
+        // slow reader catches up in one call; trace events are never merged (each is one forward's picture).
+        while let Ok(o) = &mut r {
+            if o.finish_reason.is_some() || o.event.is_some() {
+                break;
+            }
+            match self.recv(false) {
+                Some(Ok(next)) if next.event.is_none() => {
+                    o.token_ids.extend(next.token_ids);
+                    o.text.push_str(&next.text);
+                    o.finish_reason = next.finish_reason;
+                    o.usage = next.usage;
+                }
+                Some(other) => {
+                    // an event or an error: deliver what we have now, that one next time
+                    self.held = Some(other);
+                    break;
+                }
+                None => break,
+            }
         }
         match &r {
-            Some(Ok(o)) if o.finish_reason.is_none() => {}
-            _ => self.done = true,
+            Ok(o) if o.finish_reason.is_none() => {}
+            _ => {
+                if self.held.is_none() {
+                    self.done = true;
+                }
+            }
+        }
+        Some(r)
+    }
+}
+
+impl StreamHandle {
+    /// One output from the channel (or the one held back), waiting for it when `wait`.
+    fn recv(&mut self, wait: bool) -> Option<Result<StepOutput>> {
+        if let Some(h) = self.held.take() {
+            return Some(h);
+        }
+        let r = if wait { self.rx.recv().ok() } else { self.rx.try_recv().ok() };
+        if r.is_some() && self.ctl.unread.fetch_sub(1, Ordering::SeqCst) == MAX_UNREAD {
+            self.shared.notify(); // the generation was paused on this reader
         }
         r
     }
@@ -179,11 +222,12 @@ impl Drop for StreamHandle {
 impl Scheduler {
     pub fn new(model: Arc<Model>, limits: BatchLimits) -> Result<Scheduler> {
         limits.check()?;
-        let state = State { limits, incoming: vec![], worker_running: false };
+        let state = State { limits, incoming: vec![], worker_running: false, epoch: 0 };
         let shared = Shared {
             model,
             forwards: AtomicUsize::new(0),
             segments: AtomicUsize::new(0),
+            rows: AtomicUsize::new(0),
             state: Mutex::new(state),
             wake: Condvar::new(),
         };
@@ -194,9 +238,10 @@ impl Scheduler {
         &self.shared.model
     }
 
-    /// (forwards run, segments they carried) since the scheduler started.
-    pub fn stats(&self) -> (usize, usize) {
-        (self.shared.forwards.load(Ordering::Relaxed), self.shared.segments.load(Ordering::Relaxed))
+    /// (forwards run, segments they carried, window rows they computed) since the scheduler started.
+    pub fn stats(&self) -> (usize, usize, usize) {
+        let s = &self.shared;
+        (s.forwards.load(Ordering::Relaxed), s.segments.load(Ordering::Relaxed), s.rows.load(Ordering::Relaxed))
     }
 
     pub fn limits(&self) -> BatchLimits {
@@ -231,7 +276,7 @@ impl Scheduler {
         }
         drop(st);
         self.shared.wake.notify_all();
-        Ok(StreamHandle { rx, ctl, shared: self.shared.clone(), done: false })
+        Ok(StreamHandle { rx, ctl, shared: self.shared.clone(), done: false, held: None })
     }
 }
 
@@ -249,7 +294,7 @@ fn worker(weak: Weak<Shared>) {
         // Hold the shared state only while working or waiting briefly: when the model and every stream are
         // gone, the worker ends.
         let Some(shared) = weak.upgrade() else { return };
-        let limits = {
+        let (limits, epoch) = {
             let Ok(mut st) = shared.state.lock() else { return };
             batch.waiting.extend(st.incoming.drain(..));
             if batch.active.is_empty() && batch.waiting.is_empty() {
@@ -262,17 +307,17 @@ fn worker(weak: Weak<Shared>) {
                     }
                     continue;
                 }
-                st.limits
+                (st.limits, st.epoch)
             } else {
-                st.limits
+                (st.limits, st.epoch)
             }
         };
         let worked = batch.tick(&shared, limits);
         if !worked {
-            // every generation is paused on its reader: wait for a read (or anything else)
+            // every generation is paused on its reader: sleep until something happens (unless it already did)
             if let Ok(st) = shared.state.lock() {
-                if st.incoming.is_empty() {
-                    let _ = shared.wake.wait_timeout(st, Duration::from_millis(50));
+                if st.incoming.is_empty() && st.epoch == epoch {
+                    let _ = shared.wake.wait_timeout(st, Duration::from_millis(200));
                 }
             }
         }
@@ -327,10 +372,12 @@ impl Batch {
         let n = self.active.len();
         let start = self.start % n;
         self.start = self.start.wrapping_add(1);
-        let (outputs, failed) = crate::cpu_pool::on_device_pool(&device, || {
+        let (outputs, ran, failed) = crate::cpu_pool::on_device_pool(&device, || {
             let r = catch_panic(|| Ok(run_tick(shared, &mut self.active, start, limits)));
-            r.unwrap_or_else(|e| (vec![], Some(e)))
+            r.map(|(o, ran)| (o, ran, None)).unwrap_or_else(|e| (vec![], false, Some(e)))
         });
+        // a forward that emitted nothing (a prefill chunk) is progress too
+        moved |= ran;
         if let Some(err) = failed {
             // a panic inside the tick: the generations' states cannot be trusted; end them all with the error
             for e in self.active.drain(..) {
@@ -344,7 +391,10 @@ impl Batch {
             moved = true;
             let e = &self.active[i];
             let last = !matches!(&r, Ok(o) if o.finish_reason.is_none());
-            if !send(e, r) || last {
+            // a step that made nothing new visible (no stable token, no trace event) is not sent
+            let empty =
+                matches!(&r, Ok(o) if o.token_ids.is_empty() && o.text.is_empty() && o.event.is_none() && !last);
+            if (!empty && !send(e, r)) || last {
                 leave[i] = true;
             }
         }
@@ -359,13 +409,13 @@ impl Batch {
 }
 
 /// The forward of one tick over the ready generations (from `start`, rotating): (index, output) pairs to
-/// deliver, and an error that ended the tick (a panic, caught by the caller).
+/// deliver, and whether a forward ran.
 fn run_tick(
     shared: &Shared,
     active: &mut [Entry],
     start: usize,
     limits: BatchLimits,
-) -> (Vec<(usize, Result<StepOutput>)>, Option<Error>) {
+) -> (Vec<(usize, Result<StepOutput>)>, bool) {
     let mut outputs = vec![];
     let mut segs = vec![];
     let mut who = vec![];
@@ -396,11 +446,12 @@ fn run_tick(
         }
     }
     if segs.is_empty() {
-        return (outputs, None);
+        return (outputs, false);
     }
     let model = &shared.model;
     shared.forwards.fetch_add(1, Ordering::Relaxed);
     shared.segments.fetch_add(segs.len(), Ordering::Relaxed);
+    shared.rows.fetch_add(rows, Ordering::Relaxed);
     let results: Vec<Result<candle_core::Tensor>> = match model.net.forward_segments(&mut segs) {
         Ok(ls) => ls.into_iter().map(Ok).collect(),
         Err(_) if segs.len() > 1 => {
@@ -428,5 +479,5 @@ fn run_tick(
             Err(e) => outputs.push((i, Err(e))),
         }
     }
-    (outputs, None)
+    (outputs, true)
 }

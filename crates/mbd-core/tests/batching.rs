@@ -148,15 +148,15 @@ impl Case {
     }
 }
 
-/// Everything a stream emits, concatenated: (token ids, text, finish reason, forward passes, steps).
-type Run = (Vec<u32>, String, Option<FinishReason>, usize, usize);
+/// Everything a stream emits, concatenated: (token ids, text, finish reason, forward passes). (How it is cut
+/// into outputs may differ: a stream's handle joins outputs that piled up unread.)
+type Run = (Vec<u32>, String, Option<FinishReason>, usize);
 
 fn collect(outs: impl IntoIterator<Item = StepOutput>) -> Run {
-    let mut r: Run = (vec![], String::new(), None, 0, 0);
+    let mut r: Run = (vec![], String::new(), None, 0);
     for o in outs {
         r.0.extend(o.token_ids);
         r.1.push_str(&o.text);
-        r.4 += 1;
         if o.finish_reason.is_some() {
             r.2 = o.finish_reason;
             r.3 = o.usage.map(|u| u.forward_passes).unwrap_or(0);

@@ -235,8 +235,8 @@ impl CoreModel {
         (l.max_seqs, l.max_rows)
     }
 
-    /// (forwards, segments): forwards the scheduler has run and the stream steps they carried.
-    fn batch_stats(&self) -> (usize, usize) {
+    /// (forwards, segments, rows): forwards the scheduler has run, the stream steps they carried, their rows.
+    fn batch_stats(&self) -> (usize, usize, usize) {
         self.scheduler.stats()
     }
 

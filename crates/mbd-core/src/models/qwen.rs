@@ -405,7 +405,9 @@ impl QwenModel {
                 s.cache.len(),
                 s.positions.clone(),
                 self.cfg.num_attention_heads,
+                self.cfg.head_dim,
                 kn.attention_score_bytes,
+                dev.is_cpu() && self.dtype == DType::F32,
                 dev,
             )?);
         }
@@ -559,6 +561,9 @@ const LARGE_WINDOW: usize = 4096;
 /// The query chunks of one segment and their additive masks: one chunk (the mask built once) unless the scores
 /// of the whole window exceed `Kernels::attention_score_bytes`, then chunks whose masks are built when used.
 struct QueryChunks {
+    /// Per row, the key ranges it sees, when this segment's attention runs in `attention::attend` (CPU, f32,
+    /// small); then no mask is built.
+    visible: Option<Vec<Vec<std::ops::Range<usize>>>>,
     spec: MaskSpec,
     positions: Vec<usize>,
     p: usize,
@@ -569,19 +574,28 @@ struct QueryChunks {
 }
 
 impl QueryChunks {
+    /// `direct`: the segment's attention may run in `attention::attend` (CPU, f32) when it is small enough.
+    #[allow(clippy::too_many_arguments)]
     fn new(
         spec: MaskSpec,
         p: usize,
         positions: Vec<usize>,
         heads: usize,
+        head_dim: usize,
         score_bytes: usize,
+        direct: bool,
         device: &Device,
     ) -> Result<Self> {
         let w = positions.len();
         let s = p + w;
         let rows = (score_bytes / (4 * heads * s).max(1)).clamp(1, w);
-        let mut c = QueryChunks { spec, positions, p, w, rows, whole: None, device: device.clone() };
-        if rows == w {
+        let visible = if direct && crate::attention::fits(w, s, heads, head_dim) {
+            Some(spec.visible(p, &positions))
+        } else {
+            None
+        };
+        let mut c = QueryChunks { visible, spec, positions, p, w, rows, whole: None, device: device.clone() };
+        if rows == w && c.visible.is_none() {
             c.whole = c.mask(0, w)?;
         }
         Ok(c)
@@ -641,21 +655,28 @@ impl Attention {
         let n_rep = nh / nkv;
         let scale = 1.0 / (d as f64).sqrt();
         let q = q.to_dtype(DType::F32)?;
-        let mut ys = Vec::with_capacity(segs.len());
+        let direct = masks.iter().any(|m| m.visible.is_some());
+        // candle's path: per segment, (nh, rows, d) per query chunk
+        let mut ys: Vec<(usize, Vec<Tensor>)> = Vec::with_capacity(segs.len());
         for &i in order {
             let (o, w) = spans[i];
             let one = segs.len() == 1;
-            let (qs, ks, vs) = if one {
-                (q.clone(), k.clone(), v.clone())
+            let (ks, vs) = if one {
+                (k.clone(), v.clone())
             } else {
-                (q.narrow(1, o, w)?.contiguous()?, k.narrow(1, o, w)?.contiguous()?, v.narrow(1, o, w)?.contiguous()?)
+                (k.narrow(1, o, w)?.contiguous()?, v.narrow(1, o, w)?.contiguous()?)
             };
             // Write the window's K/V after the committed prefix and attend over [0, p + w).
             let cache = &mut *segs[i].cache;
             let p = cache.len();
             let (kk, vv) = cache.write_window(layer, &ks, &vs, p)?;
+            if masks[i].visible.is_some() {
+                continue; // attended below, with the other small segments
+            }
+            let qs = if one { q.clone() } else { q.narrow(1, o, w)?.contiguous()? };
             let s = p + w;
             let kt = kk.to_dtype(DType::F32)?.t()?;
+            let mut parts = vec![];
             for chunk in masks[i].each() {
                 let (r0, n, mask) = chunk?;
                 let qc = if n == w { qs.clone() } else { qs.narrow(1, r0, n)?.contiguous()? };
@@ -667,12 +688,59 @@ impl Attention {
                     None => att,
                 };
                 let att = candle_nn::ops::softmax_last_dim(&att)?.to_dtype(vv.dtype())?;
-                ys.push(att.reshape((nkv, n_rep * n, s))?.matmul(&vv)?.reshape((nh, n, d))?);
+                parts.push(att.reshape((nkv, n_rep * n, s))?.matmul(&vv)?.reshape((nh, n, d))?);
             }
+            ys.push((i, parts));
         }
-        let y = if ys.len() == 1 { ys.pop().expect("one chunk") } else { Tensor::cat(&ys, 1)? };
-        let y = y.transpose(0, 1)?.reshape((r, nh * d))?;
+        let y = if !direct {
+            let mut ys: Vec<Tensor> = ys.into_iter().flat_map(|(_, p)| p).collect();
+            let y = if ys.len() == 1 { ys.pop().expect("one chunk") } else { Tensor::cat(&ys, 1)? };
+            y.transpose(0, 1)?.reshape((r, nh * d))?
+        } else {
+            let mut out = vec![0f32; r * nh * d];
+            {
+                let q = q.contiguous()?;
+                let (qs, ql) = q.storage_and_layout();
+                let qv = cpu_f32(&qs, ql.start_offset(), nh * r * d)?;
+                let guards: Vec<_> = order
+                    .iter()
+                    .filter(|&&i| masks[i].visible.is_some())
+                    .map(|&i| {
+                        let (ck, cv) = segs[i].cache.layer(layer);
+                        (i, ck.storage_and_layout(), cv.storage_and_layout(), segs[i].cache.capacity())
+                    })
+                    .collect();
+                let mut kvs = Vec::with_capacity(guards.len());
+                for (i, (ks, kl), (vs, vl), cap) in &guards {
+                    kvs.push(crate::attention::SegmentKv {
+                        k: cpu_f32(ks, kl.start_offset(), nkv * cap * d)?,
+                        v: cpu_f32(vs, vl.start_offset(), nkv * cap * d)?,
+                        capacity: *cap,
+                        row0: spans[*i].0,
+                        visible: masks[*i].visible.as_deref().expect("direct segment"),
+                    });
+                }
+                crate::attention::attend(qv, r, &kvs, nh, nkv, d, scale as f32, &mut out);
+            }
+            for (i, parts) in ys {
+                let y = if parts.len() == 1 { parts[0].clone() } else { Tensor::cat(&parts, 1)? };
+                let rows = y.transpose(0, 1)?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+                let o = spans[i].0 * nh * d;
+                out[o..o + rows.len()].copy_from_slice(&rows);
+            }
+            Tensor::from_vec(out, (r, nh * d), x.device())?
+        };
         groups.apply(&y, |y, few| self.o.forward(y, kn, few))
+    }
+}
+
+/// The f32 values [offset, offset + n) of a CPU storage.
+fn cpu_f32(s: &candle_core::Storage, offset: usize, n: usize) -> Result<&[f32]> {
+    match s {
+        candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) if offset + n <= v.len() => {
+            Ok(&v[offset..offset + n])
+        }
+        _ => Err(Error::Internal("direct attention needs f32 CPU tensors".into())),
     }
 }
 
