@@ -174,7 +174,10 @@ impl MaskSpec {
                             hi = mid;
                         }
                     }
-                    let mut out: Vec<std::ops::Range<usize>> = if e > 0 { vec![0..e] } else { vec![] };
+                    let mut out: Vec<std::ops::Range<usize>> = Vec::with_capacity(2);
+                    if e > 0 {
+                        out.push(0..e);
+                    }
                     for (j, &kp) in positions.iter().enumerate() {
                         if g.block_of(kp) <= bq {
                             let k = p + j;
