@@ -3,8 +3,9 @@ by its scheduler) against the same N requests run one after another, interleaved
 
 For each model, decoding mode and N: the N requests (different prompts) run sequentially, then concurrently (N
 threads started together), `--rounds` times alternating; medians are reported. Aggregate tokens/s = completion
-tokens / wall time; per-stream ms/token = a stream's own wall time / its tokens (mean over streams). Outputs are
-checked equal between the two runs (batching never changes them).
+tokens / wall time; ITL (inter-token latency) = a stream's time from its first token to its end / its further
+tokens, TTFT = time to its first token (ms, means over streams). Outputs are checked equal between the two runs
+(batching never changes them).
 
 On a CPU a forward of R rows costs about a + b*R (the weights streamed once, then arithmetic per row): --fit
 measures a and b with Model.bench_forward (least squares over 1 to 64 rows, the decode regime) and reports, for
@@ -50,9 +51,16 @@ def prompts(eng, n, length, seed):
 
 def run_one(eng, prompt, kw, t0, rec, i):
     t_start = time.perf_counter()
-    c = eng.generate(prompt, **kw)
+    first = None
+    tokens = []
+    for ch in eng.stream(prompt, **kw):
+        if ch.token_ids and first is None:
+            first = time.perf_counter()
+        tokens += ch.token_ids
     t_end = time.perf_counter()
-    rec[i] = dict(tokens=c.token_ids, start=t_start - t0, end=t_end - t0, forwards=c.usage.forward_passes)
+    # inter-token latency: after the first token, the stream's time per further token
+    itl = (t_end - first) / (len(tokens) - 1) if first is not None and len(tokens) > 1 else float("nan")
+    rec[i] = dict(tokens=tokens, start=t_start - t0, end=t_end - t0, ttft=(first or t_end) - t_start, itl=itl)
 
 
 def sequential(eng, ps, kw):
@@ -115,26 +123,29 @@ def main():
         print(f"forward fit: a = {fa * 1e3:.1f} ms, b = {fb * 1e3:.2f} ms/row "
               f"(points: {', '.join(f'{r}:{t * 1e3:.0f}' for r, t in pts)})", flush=True)
     results = []
-    hdr = (f"{'mode':>4} {'N':>3} {'seq tok/s':>10} {'batched tok/s':>13} {'ratio':>6} {'alone ms/tok':>12} "
-           f"{'batched ms/tok':>14} {'lat x':>6} {'steps/fwd':>9}" + (f" {'of limit':>8}" if line else ""))
+    hdr = (f"{'mode':>4} {'N':>3} {'seq tok/s':>10} {'batched tok/s':>13} {'ratio':>6} {'alone ITL':>9} "
+           f"{'batched ITL':>11} {'ITL x':>6} {'alone TTFT':>10} {'batched TTFT':>12} {'steps/fwd':>9}"
+           + (f" {'of limit':>8}" if line else ""))
     print(hdr, flush=True)
     for mode in a.modes.split(","):
         kw = dict(MODES[mode], max_tokens=a.max_tokens, early_stop=False)
         for n in [int(x) for x in a.streams.split(",")]:
             ps = prompts(eng, n, a.prompt_len, seed=n)
             eng.generate(ps[0], **kw)  # warm-up
-            seq_w, con_w, seq_lat, con_lat, limit, spf = [], [], [], [], [], []
+            seq_w, con_w, seq_lat, con_lat, limit, spf, seq_ttft, con_ttft = [], [], [], [], [], [], [], []
             tokens = None
             for _ in range(a.rounds):
                 w, rec = sequential(eng, ps, kw)
                 seq_w.append(w)
-                seq_lat.append(statistics.mean((r["end"] - r["start"]) / max(1, len(r["tokens"])) for r in rec))
+                seq_lat.append(statistics.mean(r["itl"] for r in rec))
+                seq_ttft.append(statistics.mean(r["ttft"] for r in rec))
                 want = [r["tokens"] for r in rec]
                 f0, s0, r0 = eng.batch_stats
                 w, rec2 = concurrent(eng, ps, kw)
                 f1, s1, r1 = eng.batch_stats
                 con_w.append(w)
-                con_lat.append(statistics.mean((r["end"] - r["start"]) / max(1, len(r["tokens"])) for r in rec2))
+                con_lat.append(statistics.mean(r["itl"] for r in rec2))
+                con_ttft.append(statistics.mean(r["ttft"] for r in rec2))
                 assert [r["tokens"] for r in rec2] == want, "batched outputs differ from sequential ones"
                 spf.append((s1 - s0) / max(1, f1 - f0))
                 if line:
@@ -143,11 +154,13 @@ def main():
             sw, cw = statistics.median(seq_w), statistics.median(con_w)
             sl, cl = statistics.median(seq_lat), statistics.median(con_lat)
             r = dict(mode=mode, streams=n, tokens=tokens, seq_tok_s=tokens / sw, batched_tok_s=tokens / cw,
-                     ratio=sw / cw, alone_ms_per_token=sl * 1e3, batched_ms_per_token=cl * 1e3, latency_ratio=cl / sl,
+                     ratio=sw / cw, alone_itl_ms=sl * 1e3, batched_itl_ms=cl * 1e3, latency_ratio=cl / sl,
+                     alone_ttft_ms=statistics.median(seq_ttft) * 1e3, batched_ttft_ms=statistics.median(con_ttft) * 1e3,
                      steps_per_forward=statistics.median(spf), of_limit=statistics.median(limit) if limit else None)
             results.append(r)
             print(f"{mode:>4} {n:>3} {r['seq_tok_s']:>10.1f} {r['batched_tok_s']:>13.1f} {r['ratio']:>6.2f} "
-                  f"{r['alone_ms_per_token']:>12.2f} {r['batched_ms_per_token']:>14.2f} {r['latency_ratio']:>6.2f} "
+                  f"{r['alone_itl_ms']:>9.2f} {r['batched_itl_ms']:>11.2f} {r['latency_ratio']:>6.2f} "
+                  f"{r['alone_ttft_ms']:>10.1f} {r['batched_ttft_ms']:>12.1f} "
                   f"{r['steps_per_forward']:>9.2f}" + (f" {r['of_limit']:>8.2f}" if line else ""), flush=True)
     with open(a.out, "w") as f:
         json.dump(dict(model=eng.info.path, threads=mbd_rs._core.cpu_threads, fit=line, max_tokens=a.max_tokens,

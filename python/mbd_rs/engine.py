@@ -121,7 +121,8 @@ class Engine:
         max_batch, max_batch_rows: caps on continuous batching (see `set_batching`); default 16 streams, 1024 rows.
         profile_overrides: any of PROFILE_OVERRIDES: mask_token_id, block_size, attention
         ("causal"|"block_causal"|"full"), alignment ("absolute"|"prompt"), logits_shift (bool), eos_token_ids.
-        _kernels: benchmark switches (keep_bf16_weights, skinny, par_min_macs, max_rows), not a stable API.
+        _kernels: benchmark switches (keep_bf16_weights, skinny, par_min_macs, max_rows, direct_attention), not a
+        stable API.
         """
         path = resolve_model_path(path, revision)
         return cls(_core.CoreModel.load(path, device, dtype, profile_overrides, max_batch=max_batch,

@@ -3,23 +3,30 @@
 //! A decode window is a few query rows over a cache of tens to thousands of keys: in candle ops its attention is
 //! a dozen small tensor operations (transposes, a masked score matrix built on the host, softmax, two matmuls) per
 //! segment and layer, whose fixed costs dominate on small models and grow with the number of batched sequences.
-//! Here each (row, head) of every segment is one task on the engine's pool: scores over the keys the row sees
-//! (the ranges of its `MaskSpec`, so no mask array is ever built), softmax, weighted sum of values, written
-//! straight into the (rows, heads x head_dim) layout the output projection reads. A row's result depends only on
+//! Here each (row, kv head) of every segment is one task on the engine's pool: an online softmax over the keys
+//! the row sees (the ranges of its `MaskSpec`, so no mask array is ever built) for the kv head's query heads at
+//! once, each key and value row read once, written straight into the (rows, heads x head_dim) layout the output
+//! projection reads. A row's result depends only on
 //! its own query and keys: batch-invariant by construction.
 //!
 //! Windows whose attention is large (a prefill chunk, a long window over a long cache) keep candle's matmul path,
 //! where gemm's blocking pays off (`fits`). The choice is made per segment, from its own sizes.
+//!
+//! Opt-in (`Kernels::direct_attention`): measured even with candle's path so far (attention is ~5% of a batched
+//! forward on the tiny model; the linear layers dominate), so it is not the default yet.
 
 use rayon::prelude::*;
 use std::ops::Range;
+
+/// Multiply-adds (twice: scores and values) below which the call runs on the calling thread.
+const PAR_MIN_MACS: usize = 1 << 18;
 
 /// Multiply-adds (rows x keys x heads x head_dim) up to which a segment's attention takes this path.
 const MAX_MACS: usize = 1 << 22;
 
 /// Whether a segment of `w` rows over `s` keys takes this path.
-pub fn fits(w: usize, s: usize, heads: usize, head_dim: usize) -> bool {
-    w.saturating_mul(s).saturating_mul(heads).saturating_mul(head_dim) <= MAX_MACS
+pub fn fits(w: usize, s: usize, heads: usize, kv_heads: usize, head_dim: usize) -> bool {
+    heads <= MAX_REP * kv_heads && w.saturating_mul(s).saturating_mul(heads).saturating_mul(head_dim) <= MAX_MACS
 }
 
 /// One segment's operands: its cache's K and V of one layer ((n_kv, capacity, head_dim) f32, the window's rows
@@ -47,75 +54,86 @@ pub fn attend(
     out: &mut [f32],
 ) {
     let n_rep = heads / kv_heads;
-    // (segment, window row) of every stacked row this call computes
+    // one task per (segment row, kv group): each key row is read once for the group's n_rep query heads
     let mut tasks: Vec<(usize, usize)> = vec![];
     for (si, s) in segs.iter().enumerate() {
         tasks.extend((0..s.visible.len()).map(|i| (si, i)));
     }
     let out_ptr = OutRows(out.as_mut_ptr());
-    let work = |&(si, i): &(usize, usize), h: usize| {
+    let work = |&(si, i): &(usize, usize), g: usize| {
         let s = &segs[si];
         let r = s.row0 + i;
-        let g = h / n_rep;
-        let qv = &q[(h * rows + r) * d..(h * rows + r + 1) * d];
         let kg = &s.k[g * s.capacity * d..];
         let vg = &s.v[g * s.capacity * d..];
-        let ranges = &s.visible[i];
-        let n: usize = ranges.iter().map(|r| r.len()).sum();
-        let mut scores = Vec::with_capacity(n);
-        for range in ranges {
+        // online softmax per head: running max m, running sum z, unnormalised output in acc
+        let mut m = [f32::NEG_INFINITY; MAX_REP];
+        let mut z = [0f32; MAX_REP];
+        let mut acc = vec![0f32; n_rep * d];
+        for range in &s.visible[i] {
             for j in range.clone() {
-                scores.push(dot(qv, &kg[j * d..(j + 1) * d]) * scale);
-            }
-        }
-        let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0f32;
-        for x in scores.iter_mut() {
-            *x = (*x - m).exp();
-            sum += *x;
-        }
-        let mut acc = vec![0f32; d];
-        let mut t = 0;
-        for range in ranges {
-            for j in range.clone() {
-                let p = scores[t];
-                t += 1;
-                for (a, &b) in acc.iter_mut().zip(&vg[j * d..(j + 1) * d]) {
-                    *a += p * b;
+                let kj = &kg[j * d..(j + 1) * d];
+                let vj = &vg[j * d..(j + 1) * d];
+                for t in 0..n_rep {
+                    let h = g * n_rep + t;
+                    let qv = &q[(h * rows + r) * d..(h * rows + r + 1) * d];
+                    let x = dot(qv, kj) * scale;
+                    let a = &mut acc[t * d..(t + 1) * d];
+                    if x > m[t] {
+                        // a new maximum: rescale what was summed so far
+                        let c = (m[t] - x).exp();
+                        z[t] *= c;
+                        for v in a.iter_mut() {
+                            *v *= c;
+                        }
+                        m[t] = x;
+                    }
+                    let p = (x - m[t]).exp();
+                    z[t] += p;
+                    for (v, &b) in a.iter_mut().zip(vj) {
+                        *v += p * b;
+                    }
                 }
             }
         }
-        let inv = 1.0 / sum;
-        // SAFETY: (row r, head h) owns out[r * heads * d + h * d ..][..d]; no other task writes it.
-        let dst = unsafe { std::slice::from_raw_parts_mut(out_ptr.at((r * heads + h) * d), d) };
-        for (o, a) in dst.iter_mut().zip(&acc) {
-            *o = a * inv;
+        for t in 0..n_rep {
+            let h = g * n_rep + t;
+            let inv = 1.0 / z[t];
+            // SAFETY: (row r, head h) owns out[r * heads * d + h * d ..][..d]; no other task writes it.
+            let dst = unsafe { std::slice::from_raw_parts_mut(out_ptr.at((r * heads + h) * d), d) };
+            for (o, a) in dst.iter_mut().zip(&acc[t * d..(t + 1) * d]) {
+                *o = a * inv;
+            }
         }
     };
-    let total = tasks.len() * heads;
-    if total * d * 64 < 1 << 15 {
+    // split over the pool only when there is enough work to pay for waking it
+    let keys: usize =
+        segs.iter().flat_map(|s| s.visible.iter()).map(|rs| rs.iter().map(|r| r.len()).sum::<usize>()).sum();
+    if keys * heads * d < PAR_MIN_MACS {
         for t in &tasks {
-            for h in 0..heads {
-                work(t, h);
+            for g in 0..kv_heads {
+                work(t, g);
             }
         }
     } else {
-        (0..total).into_par_iter().for_each(|x| work(&tasks[x / heads], x % heads));
+        (0..tasks.len() * kv_heads).into_par_iter().for_each(|x| work(&tasks[x / kv_heads], x % kv_heads));
     }
 }
 
-/// Dot product in 16 independent lanes (vectorised by the compiler), then summed.
+/// Query heads per kv head this kernel handles (Qwen models: up to 8); `fits` says no above it.
+const MAX_REP: usize = 16;
+
+/// Dot product in 8 independent lanes (vectorised by the compiler), then summed.
 #[inline]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0f32; 16];
-    let mut ca = a.chunks_exact(16);
-    let mut cb = b.chunks_exact(16);
+    let mut lanes = [0f32; 8];
+    let mut ca = a.chunks_exact(8);
+    let mut cb = b.chunks_exact(8);
     for (x, y) in (&mut ca).zip(&mut cb) {
-        for l in 0..16 {
+        for l in 0..8 {
             lanes[l] += x[l] * y[l];
         }
     }
-    let mut s: f32 = lanes.iter().sum();
+    let mut s = (lanes[0] + lanes[4]) + (lanes[1] + lanes[5]) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
     for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
         s += x * y;
     }

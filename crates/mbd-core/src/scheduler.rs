@@ -312,7 +312,16 @@ fn worker(weak: Weak<Shared>) {
                 (st.limits, st.epoch)
             }
         };
-        let worked = batch.tick(&shared, limits);
+        let worked = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| batch.tick(&shared, limits))) {
+            Ok(w) => w,
+            Err(_) => {
+                // a bug in the bookkeeping: end the batched generations with an error rather than the worker
+                for e in batch.active.drain(..) {
+                    send(&e, Err(Error::Internal("the batching scheduler failed on this tick".into())));
+                }
+                true
+            }
+        };
         if !worked {
             // every generation is paused on its reader: sleep until something happens (unless it already did)
             if let Ok(st) = shared.state.lock() {

@@ -22,6 +22,10 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn load(name: &str, max_rows: usize) -> Arc<Model> {
+    load_with(name, Kernels { max_rows, ..Kernels::default() })
+}
+
+fn load_with(name: &str, kernels: Kernels) -> Arc<Model> {
     let overrides = ProfileOverrides {
         mask_token_id: Some(3),
         block_size: Some(4),
@@ -30,7 +34,6 @@ fn load(name: &str, max_rows: usize) -> Arc<Model> {
         logits_shift: Some(false),
         eos_token_ids: Some(vec![]),
     };
-    let kernels = Kernels { max_rows, ..Kernels::default() };
     Arc::new(Model::load(&fixture(name), &LoadOptions { overrides, kernels, ..Default::default() }).expect("load"))
 }
 
@@ -107,8 +110,8 @@ fn a_segment_gets_the_same_logits_alone_and_batched() {
     // dense f32, bf16 weights kept bf16, mixture of experts; default kernels and a low few-row cut (so that
     // the longer windows go to gemm, each alone, next to stacked few-row ones)
     for name in ["qwen3_headdim_gqa", "qwen3_bf16", "qwen3moe_top2_norm", "qwen2_gqa_tied"] {
-        for max_rows in [64, 5] {
-            let model = load(name, max_rows);
+        for (max_rows, direct_attention) in [(64, true), (5, true), (64, false)] {
+            let model = load_with(name, Kernels { max_rows, direct_attention, ..Kernels::default() });
             let alone = forward_cases(&model, &cases, false);
             let together = forward_cases(&model, &cases, true);
             for (i, (a, b)) in alone.iter().zip(&together).enumerate() {
@@ -118,7 +121,7 @@ fn a_segment_gets_the_same_logits_alone_and_batched() {
             }
         }
     }
-    assert_eq!(checked, 4 * 2 * cases.len());
+    assert_eq!(checked, 4 * 3 * cases.len());
 }
 
 #[test]

@@ -81,15 +81,24 @@ fn cache_gives_the_same_tokens_and_forwards() {
     assert_eq!(cases, 18);
 }
 
+fn overrides_for(attention: AttentionKind) -> ProfileOverrides {
+    ProfileOverrides { attention: Some(attention), block_size: Some(4), ..Default::default() }
+}
+
 #[test]
 fn attention_in_query_chunks_equals_one_piece() {
     let ids: Vec<u32> = (0..40u32).map(|i| (i * 37 + 11) % 320).collect();
     for attention in [AttentionKind::Causal, AttentionKind::BlockCausal, AttentionKind::Full] {
         let overrides = ProfileOverrides { attention: Some(attention), block_size: Some(4), ..Default::default() };
-        let whole =
-            Model::load(&fixture(), &LoadOptions { overrides: overrides.clone(), ..Default::default() }).unwrap();
+        // candle's attention path both times
+        let candle = Kernels { direct_attention: false, ..Default::default() };
+        let whole = Model::load(
+            &fixture(),
+            &LoadOptions { overrides: overrides.clone(), kernels: candle, ..Default::default() },
+        )
+        .unwrap();
         // a budget of one score row: every query row is its own chunk
-        let kernels = Kernels { attention_score_bytes: 1, ..Default::default() };
+        let kernels = Kernels { attention_score_bytes: 1, ..candle };
         let chunked = Model::load(&fixture(), &LoadOptions { overrides, kernels, ..Default::default() }).unwrap();
         let prefixes: &[usize] = if attention == AttentionKind::Full { &[0] } else { &[0, 8] };
         for &prefix_len in prefixes {
@@ -98,6 +107,13 @@ fn attention_in_query_chunks_equals_one_piece() {
             let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));
             let err = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
             assert!(err <= 1e-5 * scale, "{attention:?} prefix {prefix_len}: max error {err} (scale {scale})");
+            // and the direct attention of small windows agrees with candle's
+            let direct =
+                Model::load(&fixture(), &LoadOptions { overrides: overrides_for(attention), ..Default::default() })
+                    .unwrap();
+            let c = direct.logits(&ids, &req).unwrap();
+            let err = a.iter().zip(&c).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(err <= 1e-5 * scale, "{attention:?} prefix {prefix_len}: direct attention, max error {err}");
         }
     }
 }

@@ -194,7 +194,8 @@ impl CoreModel {
     /// load options for benchmarks' A/B runs.
     #[staticmethod]
     #[pyo3(signature = (path, device="auto", dtype=None, overrides=None, keep_bf16_weights=true, skinny=true,
-                        par_min_macs=None, max_rows=None, max_batch=None, max_batch_rows=None))]
+                        par_min_macs=None, max_rows=None, direct_attention=false, max_batch=None,
+                        max_batch_rows=None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
         py: Python<'_>,
@@ -206,6 +207,7 @@ impl CoreModel {
         skinny: bool,
         par_min_macs: Option<usize>,
         max_rows: Option<usize>,
+        direct_attention: bool,
         max_batch: Option<&Bound<'_, PyAny>>,
         max_batch_rows: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
@@ -216,6 +218,7 @@ impl CoreModel {
             skinny,
             par_min_macs: par_min_macs.unwrap_or(d.par_min_macs),
             max_rows: max_rows.unwrap_or(d.max_rows),
+            direct_attention,
             ..d
         };
         let limits = batch_limits(BatchLimits::default(), max_batch, max_batch_rows)?;

@@ -404,10 +404,9 @@ impl QwenModel {
                 s.mask.clone(),
                 s.cache.len(),
                 s.positions.clone(),
-                self.cfg.num_attention_heads,
-                self.cfg.head_dim,
+                (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim),
                 kn.attention_score_bytes,
-                dev.is_cpu() && self.dtype == DType::F32,
+                kn.direct_attention && dev.is_cpu() && self.dtype == DType::F32,
                 dev,
             )?);
         }
@@ -580,8 +579,7 @@ impl QueryChunks {
         spec: MaskSpec,
         p: usize,
         positions: Vec<usize>,
-        heads: usize,
-        head_dim: usize,
+        (heads, kv_heads, head_dim): (usize, usize, usize),
         score_bytes: usize,
         direct: bool,
         device: &Device,
@@ -589,7 +587,7 @@ impl QueryChunks {
         let w = positions.len();
         let s = p + w;
         let rows = (score_bytes / (4 * heads * s).max(1)).clamp(1, w);
-        let visible = if direct && crate::attention::fits(w, s, heads, head_dim) {
+        let visible = if direct && crate::attention::fits(w, s, heads, kv_heads, head_dim) {
             Some(spec.visible(p, &positions))
         } else {
             None
