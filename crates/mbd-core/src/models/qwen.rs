@@ -435,7 +435,9 @@ impl QwenModel {
         if pick.is_empty() {
             return segs.iter().map(|_| Ok(Tensor::zeros((0, v), DType::F32, dev)?)).collect();
         }
-        let x = x.index_select(&Tensor::new(pick.as_slice(), dev)?, 0)?;
+        // every row in stack order (a logits call, a lone window asking for all its rows): no gather needed
+        let identity = pick.len() == total && pick.iter().enumerate().all(|(i, &r)| r as usize == i);
+        let x = if identity { x } else { x.index_select(&Tensor::new(pick.as_slice(), dev)?, 0)? };
         let x = self.norm.forward(&x)?;
         let logits = lm_groups.apply(&x, |x, few| Ok(crate::skinny::linear(x, &self.lm_head, kn, few)?))?;
         let logits = logits.to_dtype(DType::F32)?;
