@@ -29,8 +29,6 @@ pub struct Generation {
     window: Window,
     sampler: Sampler,
     out: Output,
-    /// Positions the step under way predicts.
-    positions: Vec<usize>,
 }
 
 impl Generation {
@@ -96,7 +94,7 @@ impl Generation {
         canvas.resize(lp + n, mask_id);
         let window = Window::new(&model, grid, lp, req.use_cache.unwrap_or(true));
         let out = Output::new(lp, req.stop.clone().unwrap_or_default(), req.trace.unwrap_or(TraceMode::Off));
-        Ok(Generation { model, dec, canvas, mask_id, window, sampler, out, positions: vec![] })
+        Ok(Generation { model, dec, canvas, mask_id, window, sampler, out })
     }
 
     /// Cancel: the next output is the final one, with finish_reason "cancelled".
@@ -143,8 +141,7 @@ impl Generation {
             for i in 0..self.dec.n {
                 self.canvas[lp + i] = if self.dec.decoded[i] { self.dec.tokens[i] } else { self.mask_id };
             }
-            self.window.begin_step(&self.model, &self.dec, positions.clone())?;
-            self.positions = positions;
+            self.window.begin_step(&self.dec, positions)?;
         }
         Ok(Next::Forward(self.window.segment(&self.canvas)?))
     }
@@ -152,11 +149,10 @@ impl Generation {
     /// The logits of the segment `prepare` gave. Returns the step's output once its last forward has run
     /// (predict → apply → emit), None while forwards remain.
     pub fn consume(&mut self, logits: Tensor) -> Result<Option<StepOutput>> {
-        let Some(logits) = self.window.consume(logits)? else { return Ok(None) };
+        let Some((positions, logits)) = self.window.consume(logits)? else { return Ok(None) };
         // predict
         let preds = self.sampler.predict(&logits)?;
         // apply
-        let positions = std::mem::take(&mut self.positions);
         self.dec.apply(&positions, &preds)?;
         // emit
         let is_final = self.dec.stopped == Some(StopCause::ForwardCap) || self.dec.masks_left() == 0;

@@ -89,11 +89,6 @@ impl KvCache {
         self.capacity
     }
 
-    /// Length of the scratch window written by the last forward (0 when none or after a commit).
-    pub fn window_len(&self) -> usize {
-        self.window
-    }
-
     /// Store a window's K/V (n_kv, w, d) at position p (= len) of `layer`; return views over [0, p + w).
     pub(crate) fn write_window(&mut self, layer: usize, k: &Tensor, v: &Tensor, p: usize) -> Result<(Tensor, Tensor)> {
         let w = k.dim(1)?;

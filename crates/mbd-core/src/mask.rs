@@ -116,81 +116,65 @@ pub enum MaskSpec {
 
 impl MaskSpec {
     /// Additive mask (row-major n x (p + w)) for window rows [r0, r0 + n) of a segment whose window rows sit at
-    /// `positions` over `p` cached keys: 0 where visible, -inf elsewhere; `None` when every row sees every key.
+    /// `positions` over `p` cached keys: 0 where visible (`visible_row`), -inf elsewhere; `None` when every row
+    /// sees every key.
     pub fn additive_rows(&self, p: usize, positions: &[usize], r0: usize, n: usize) -> Option<Vec<f32>> {
-        let w = positions.len();
-        let s = p + w;
-        let contiguous = positions.iter().enumerate().all(|(i, &x)| x == p + i);
-        match self {
-            MaskSpec::Grid(g) if contiguous => g.additive_mask_rows(p + r0, n, s),
-            MaskSpec::Grid(g) => {
-                let mut m = vec![0f32; n * s];
-                for i in 0..n {
-                    let bq = g.block_of(positions[r0 + i]);
-                    let row = &mut m[i * s..(i + 1) * s];
-                    for (j, x) in row.iter_mut().enumerate() {
-                        let kp = if j < p { j } else { positions[j - p] };
-                        if g.block_of(kp) > bq {
-                            *x = f32::NEG_INFINITY;
-                        }
-                    }
-                }
-                Some(m)
-            }
-            MaskSpec::Custom(rows) => {
-                let mut m = vec![f32::NEG_INFINITY; n * s];
-                for i in 0..n {
-                    for r in rows.get(r0 + i).into_iter().flatten() {
-                        let (a, b) = (r.start.min(s), r.end.min(s));
-                        for x in m[i * s + a..i * s + b.max(a)].iter_mut() {
-                            *x = 0.0;
-                        }
-                    }
-                }
-                Some(m)
+        let s = p + positions.len();
+        if let MaskSpec::Grid(g) = self {
+            if positions.iter().enumerate().all(|(i, &x)| x == p + i) {
+                return g.additive_mask_rows(p + r0, n, s);
             }
         }
+        let mut m = vec![f32::NEG_INFINITY; n * s];
+        for i in 0..n {
+            for r in self.visible_row(p, positions, r0 + i) {
+                let (a, b) = (r.start.min(s), r.end.min(s));
+                for x in m[i * s + a..i * s + b.max(a)].iter_mut() {
+                    *x = 0.0;
+                }
+            }
+        }
+        Some(m)
     }
 
     /// Per window row, the key index ranges it sees (over [0, p + w)), for a segment whose window rows sit at
-    /// `positions` over `p` cached keys (the same rule as `additive_rows`, without building a mask).
+    /// `positions` over `p` cached keys.
     pub fn visible(&self, p: usize, positions: &[usize]) -> Vec<Vec<std::ops::Range<usize>>> {
-        let w = positions.len();
+        (0..positions.len()).map(|i| self.visible_row(p, positions, i)).collect()
+    }
+
+    /// The key index ranges window row `i` sees: the one statement of the rule that `additive_rows` and
+    /// `visible` both apply.
+    fn visible_row(&self, p: usize, positions: &[usize], i: usize) -> Vec<std::ops::Range<usize>> {
         match self {
-            MaskSpec::Custom(rows) => {
-                rows.iter().map(|rs| rs.iter().filter(|r| !r.is_empty()).cloned().collect()).collect()
+            MaskSpec::Custom(rows) => rows.get(i).into_iter().flatten().filter(|r| !r.is_empty()).cloned().collect(),
+            MaskSpec::Grid(g) => {
+                let bq = g.block_of(positions[i]);
+                // cached keys: slot j is position j, block ids are monotone, so the visible ones are a prefix
+                let (mut e, mut hi) = (0, p);
+                while e < hi {
+                    let mid = (e + hi) / 2;
+                    if g.block_of(mid) <= bq {
+                        e = mid + 1;
+                    } else {
+                        hi = mid;
+                    }
+                }
+                let mut out: Vec<std::ops::Range<usize>> = Vec::with_capacity(2);
+                if e > 0 {
+                    out.push(0..e);
+                }
+                for (j, &kp) in positions.iter().enumerate() {
+                    if g.block_of(kp) <= bq {
+                        let k = p + j;
+                        match out.last_mut() {
+                            Some(r) if r.end == k => r.end = k + 1,
+                            _ => out.push(k..k + 1),
+                        }
+                    }
+                }
+                out
             }
-            MaskSpec::Grid(g) => positions
-                .iter()
-                .map(|&qp| {
-                    let bq = g.block_of(qp);
-                    // cached keys: slot j is position j, block ids are monotone, so the visible ones are a prefix
-                    let (mut e, mut hi) = (0, p);
-                    while e < hi {
-                        let mid = (e + hi) / 2;
-                        if g.block_of(mid) <= bq {
-                            e = mid + 1;
-                        } else {
-                            hi = mid;
-                        }
-                    }
-                    let mut out: Vec<std::ops::Range<usize>> = Vec::with_capacity(2);
-                    if e > 0 {
-                        out.push(0..e);
-                    }
-                    for (j, &kp) in positions.iter().enumerate() {
-                        if g.block_of(kp) <= bq {
-                            let k = p + j;
-                            match out.last_mut() {
-                                Some(r) if r.end == k => r.end = k + 1,
-                                _ => out.push(k..k + 1),
-                            }
-                        }
-                    }
-                    debug_assert!(out.iter().all(|r| r.end <= p + w));
-                    out
-                })
-                .collect(),
         }
     }
 

@@ -120,8 +120,8 @@ pub struct Scheduler {
 /// A stream's end: the generation's outputs, in order.
 pub struct StreamHandle {
     rx: Receiver<Result<StepOutput>>,
-    ctl: Arc<Control>,
-    shared: Arc<Shared>,
+    /// The stream's control block and the scheduler it wakes.
+    c: Canceller,
     done: bool,
     /// An output read ahead while merging, delivered next.
     held: Option<Result<StepOutput>>,
@@ -177,23 +177,20 @@ impl StreamHandle {
             return Some(h);
         }
         let r = if wait { self.rx.recv().ok() } else { self.rx.try_recv().ok() };
-        if r.is_some() && self.ctl.unread.fetch_sub(1, Ordering::SeqCst) == MAX_UNREAD {
-            self.shared.notify(); // the generation was paused on this reader
+        if r.is_some() && self.c.ctl.unread.fetch_sub(1, Ordering::SeqCst) == MAX_UNREAD {
+            self.c.shared.notify(); // the generation was paused on this reader
         }
         r
     }
-}
 
-impl StreamHandle {
     /// A handle that cancels this stream from any thread (while another waits on `next`).
     pub fn canceller(&self) -> Canceller {
-        Canceller { ctl: self.ctl.clone(), shared: self.shared.clone() }
+        self.c.clone()
     }
 
     /// Ask the generation to stop: its next output is the final one, with finish_reason "cancelled".
     pub fn cancel(&self) {
-        self.ctl.cancelled.store(true, Ordering::SeqCst);
-        self.shared.notify();
+        self.c.cancel();
     }
 }
 
@@ -214,8 +211,8 @@ impl Canceller {
 
 impl Drop for StreamHandle {
     fn drop(&mut self) {
-        self.ctl.gone.store(true, Ordering::SeqCst);
-        self.shared.notify();
+        self.c.ctl.gone.store(true, Ordering::SeqCst);
+        self.c.shared.notify();
     }
 }
 
@@ -232,10 +229,6 @@ impl Scheduler {
             wake: Condvar::new(),
         };
         Ok(Scheduler { shared: Arc::new(shared) })
-    }
-
-    pub fn model(&self) -> &Arc<Model> {
-        &self.shared.model
     }
 
     /// (forwards run, segments they carried, window rows they computed) since the scheduler started.
@@ -276,7 +269,8 @@ impl Scheduler {
         }
         drop(st);
         self.shared.wake.notify_all();
-        Ok(StreamHandle { rx, ctl, shared: self.shared.clone(), done: false, held: None })
+        let c = Canceller { ctl, shared: self.shared.clone() };
+        Ok(StreamHandle { rx, c, done: false, held: None })
     }
 }
 
@@ -298,7 +292,8 @@ fn worker(weak: Weak<Shared>) {
             let Ok(mut st) = shared.state.lock() else { return };
             batch.waiting.extend(st.incoming.drain(..));
             if batch.active.is_empty() && batch.waiting.is_empty() {
-                let Ok((mut st, _)) = shared.wake.wait_timeout(st, Duration::from_millis(200)) else { return };
+                let Ok((woken, _)) = shared.wake.wait_timeout(st, Duration::from_millis(200)) else { return };
+                st = woken;
                 batch.waiting.extend(st.incoming.drain(..));
                 if batch.active.is_empty() && batch.waiting.is_empty() {
                     if Arc::strong_count(&shared) == 1 {
@@ -307,10 +302,8 @@ fn worker(weak: Weak<Shared>) {
                     }
                     continue;
                 }
-                (st.limits, st.epoch)
-            } else {
-                (st.limits, st.epoch)
             }
+            (st.limits, st.epoch)
         };
         let worked = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| batch.tick(&shared, limits))) {
             Ok(w) => w,
@@ -333,6 +326,24 @@ fn worker(weak: Weak<Shared>) {
     }
 }
 
+impl Entry {
+    /// Whether the generation leaves now: its stream's handle is gone, or it was cancelled (then its final
+    /// output, finish_reason "cancelled", is sent first).
+    fn leaves(&mut self) -> bool {
+        if self.ctl.gone.load(Ordering::SeqCst) {
+            return true;
+        }
+        if self.ctl.cancelled.load(Ordering::SeqCst) {
+            let o = self.gen.cancel();
+            if o.finish_reason.is_some() {
+                send(self, Ok(o));
+            }
+            return true;
+        }
+        false
+    }
+}
+
 fn send(e: &Entry, r: Result<StepOutput>) -> bool {
     e.ctl.unread.fetch_add(1, Ordering::SeqCst);
     e.tx.send(r).is_ok()
@@ -344,29 +355,13 @@ impl Batch {
         let model = &shared.model;
         // leave: streams dropped; cancelled ones get their final output
         let mut moved = false;
-        self.active.retain_mut(|e| {
-            if e.ctl.gone.load(Ordering::SeqCst) {
-                moved = true;
-                return false;
-            }
-            if e.ctl.cancelled.load(Ordering::SeqCst) {
-                let o = e.gen.cancel();
-                if o.finish_reason.is_some() {
-                    send(e, Ok(o));
-                }
-                moved = true;
-                return false;
-            }
-            true
-        });
-        self.waiting.retain(|e| !e.ctl.gone.load(Ordering::SeqCst));
-        for e in self.waiting.iter_mut().filter(|e| e.ctl.cancelled.load(Ordering::SeqCst)) {
-            let o = e.gen.cancel();
-            send(e, Ok(o));
-            e.ctl.gone.store(true, Ordering::SeqCst);
-            moved = true;
-        }
-        self.waiting.retain(|e| !e.ctl.gone.load(Ordering::SeqCst));
+        let mut stays = |e: &mut Entry| {
+            let leaves = e.leaves();
+            moved |= leaves;
+            !leaves
+        };
+        self.active.retain_mut(&mut stays);
+        self.waiting.retain_mut(&mut stays);
         // join: waiting generations take free places in arrival order
         while self.active.len() < limits.max_seqs {
             match self.waiting.pop_front() {
@@ -476,12 +471,7 @@ fn run_tick(
     };
     drop(segs);
     // hand each generation its logits
-    let mut by_index: Vec<Option<Result<candle_core::Tensor>>> = (0..active.len()).map(|_| None).collect();
     for (i, r) in who.into_iter().zip(results) {
-        by_index[i] = Some(r);
-    }
-    for (i, r) in by_index.into_iter().enumerate() {
-        let Some(r) = r else { continue };
         match r.and_then(|l| active[i].gen.consume(l)) {
             Ok(Some(o)) => outputs.push((i, Ok(o))),
             Ok(None) => {}

@@ -107,7 +107,7 @@ impl Window {
 
     /// Plan the forwards of a step predicting `positions` (ascending) of `dec`'s canvas: the prompt's prefill
     /// chunks first (exact policy, first step), or a long canvas's recompute chunks, then the window.
-    pub fn begin_step(&mut self, model: &Model, dec: &Decoder, positions: Vec<usize>) -> Result<()> {
+    pub fn begin_step(&mut self, dec: &Decoder, positions: Vec<usize>) -> Result<()> {
         if self.in_step() {
             return Err(Error::Internal("a step is already under way".into()));
         }
@@ -149,7 +149,6 @@ impl Window {
                     for (s, e) in chunks(&self.grid, 0, b) {
                         self.pieces.push_back(Piece { start: s, end: e, rows: vec![], kind: PieceKind::Scratch });
                     }
-                    self.scratch = Some(model.new_cache());
                 } else {
                     b = 0;
                 }
@@ -196,9 +195,9 @@ impl Window {
         })
     }
 
-    /// Take the logits of the forward `segment` described. Returns the step's positions' (C, V) logits, in
-    /// order, once its window has run (None while forwards remain); commits what the policy keeps.
-    pub fn consume(&mut self, logits: Tensor) -> Result<Option<Tensor>> {
+    /// Take the logits of the forward `segment` described. Returns the step's positions and their (C, V) logits,
+    /// in order, once its window has run (None while forwards remain); commits what the policy keeps.
+    pub fn consume(&mut self, logits: Tensor) -> Result<Option<(Vec<usize>, Tensor)>> {
         let piece = self.pieces.pop_front().ok_or_else(|| Error::Internal("no step under way".into()))?;
         let len = piece.end - piece.start;
         match piece.kind {
@@ -220,7 +219,8 @@ impl Window {
             PieceKind::Window { commit_end } => {
                 self.positions_forwarded += len;
                 self.scratch = None;
-                self.finish_window(piece, commit_end, logits).map(Some)
+                let out = self.finish_window(piece, commit_end, logits)?;
+                Ok(Some((std::mem::take(&mut self.positions), out)))
             }
         }
     }

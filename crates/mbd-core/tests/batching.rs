@@ -42,6 +42,7 @@ fn ids(n: usize, seed: u32) -> Vec<u32> {
 }
 
 /// A sequence's state for one forward: a cache filled with `prefix` tokens, a window, its mask and rows.
+#[derive(Clone)]
 struct Case {
     prefix: usize,
     window: usize,
@@ -133,22 +134,10 @@ fn a_custom_mask_equal_to_the_grid_gives_the_grid_logits() {
         .map(|i| vec![0..((p + i) / 4 + 1) * 4].into_iter().map(|r| r.start..r.end.min(p + w)).collect())
         .collect();
     let grid = Case { prefix: p, window: w, mask: None, rows: (0..w).collect(), positions: None };
-    let custom = Case { mask: Some(MaskSpec::Custom(rows)), ..grid.clone_case() };
+    let custom = Case { mask: Some(MaskSpec::Custom(rows)), ..grid.clone() };
     let a = forward_cases(&model, &[grid], false);
     let b = forward_cases(&model, &[custom], false);
     assert_eq!(a, b);
-}
-
-impl Case {
-    fn clone_case(&self) -> Case {
-        Case {
-            prefix: self.prefix,
-            window: self.window,
-            mask: self.mask.clone(),
-            rows: self.rows.clone(),
-            positions: self.positions.clone(),
-        }
-    }
 }
 
 /// Everything a stream emits, concatenated: (token ids, text, finish reason, forward passes). (How it is cut

@@ -378,14 +378,7 @@ impl QwenModel {
         }
         let kn = &self.kernels;
         // stack order: few-row windows first (one skinny product for all of them), then each long window
-        let order = Groups::order(segs.iter().map(|s| s.ids.len()), kn);
-        let groups = Groups::new(order.iter().map(|&i| segs[i].ids.len()), kn);
-        let mut spans = vec![(0usize, 0usize); segs.len()];
-        let mut off = 0;
-        for &i in &order {
-            spans[i] = (off, segs[i].ids.len());
-            off += segs[i].ids.len();
-        }
+        let (order, spans, groups) = Groups::stack(&segs.iter().map(|s| s.ids.len()).collect::<Vec<_>>(), kn);
         let dev = &self.device;
         let mut ids = Vec::with_capacity(total);
         let mut pos = Vec::with_capacity(total);
@@ -423,17 +416,17 @@ impl QwenModel {
             x = (x + f)?;
         }
         // the logits rows, stacked the same way (cut by each segment's own count of logits rows)
-        let lm_order = Groups::order(segs.iter().map(|s| s.rows.len()), kn);
-        let lm_groups = Groups::new(lm_order.iter().map(|&i| segs[i].rows.len()), kn);
-        let mut pick = vec![];
-        let mut lm_spans = vec![(0usize, 0usize); segs.len()];
-        for &i in &lm_order {
-            lm_spans[i] = (pick.len(), segs[i].rows.len());
-            pick.extend(segs[i].rows.iter().map(|&r| (spans[i].0 + r) as u32));
-        }
-        let v = self.cfg.vocab_size;
+        let (lm_order, lm_spans, lm_groups) = Groups::stack(&segs.iter().map(|s| s.rows.len()).collect::<Vec<_>>(), kn);
+        let pick: Vec<u32> = lm_order
+            .iter()
+            .flat_map(|&i| {
+                let base = spans[i].0;
+                segs[i].rows.iter().map(move |&r| (base + r) as u32)
+            })
+            .collect();
+        let no_rows = || Ok(Tensor::zeros((0, self.cfg.vocab_size), DType::F32, dev)?);
         if pick.is_empty() {
-            return segs.iter().map(|_| Ok(Tensor::zeros((0, v), DType::F32, dev)?)).collect();
+            return segs.iter().map(|_| no_rows()).collect();
         }
         // every row in stack order (a logits call, a lone window asking for all its rows): no gather needed
         let identity = pick.len() == total && pick.iter().enumerate().all(|(i, &r)| r as usize == i);
@@ -441,18 +434,7 @@ impl QwenModel {
         let x = self.norm.forward(&x)?;
         let logits = lm_groups.apply(&x, |x, few| Ok(crate::skinny::linear(x, &self.lm_head, kn, few)?))?;
         let logits = logits.to_dtype(DType::F32)?;
-        lm_spans
-            .iter()
-            .map(
-                |&(o, n)| {
-                    if n == 0 {
-                        Ok(Tensor::zeros((0, v), DType::F32, dev)?)
-                    } else {
-                        Ok(logits.narrow(0, o, n)?)
-                    }
-                },
-            )
-            .collect()
+        lm_spans.iter().map(|&(o, n)| if n == 0 { no_rows() } else { Ok(logits.narrow(0, o, n)?) }).collect()
     }
 }
 
@@ -495,27 +477,25 @@ struct Groups {
 }
 
 impl Groups {
-    /// Stack order of segments with these row counts: few-row ones first, then long ones, each in given order.
-    fn order(rows: impl Iterator<Item = usize>, kn: &Kernels) -> Vec<usize> {
-        let rows: Vec<usize> = rows.collect();
-        let few = (0..rows.len()).filter(|&i| crate::skinny::few_rows(rows[i], kn));
-        let long = (0..rows.len()).filter(|&i| !crate::skinny::few_rows(rows[i], kn));
-        few.chain(long).collect()
-    }
-
-    /// Groups of segments stacked with these row counts (in stack order, as `order` gives it).
-    fn new(rows: impl Iterator<Item = usize>, kn: &Kernels) -> Groups {
+    /// How segments with these row counts are stacked: few-row ones first, then long ones, each in given order.
+    /// Returns the stack order, each segment's (first row, rows) in the stack, and the groups.
+    fn stack(counts: &[usize], kn: &Kernels) -> (Vec<usize>, Vec<(usize, usize)>, Groups) {
+        let few = |i: &usize| crate::skinny::few_rows(counts[*i], kn);
+        let order: Vec<usize> = (0..counts.len()).filter(few).chain((0..counts.len()).filter(|i| !few(i))).collect();
+        let mut spans = vec![(0, 0); counts.len()];
         let mut g = Groups { few: 0, long: vec![] };
         let mut off = 0;
-        for r in rows {
-            if crate::skinny::few_rows(r, kn) {
+        for &i in &order {
+            let r = counts[i];
+            spans[i] = (off, r);
+            if few(&i) {
                 g.few += r;
             } else if r > 0 {
                 g.long.push((off, r));
             }
             off += r;
         }
-        g
+        (order, spans, g)
     }
 
     /// `f` over each group of rows of `x` (`few`: whether they are few-row windows), stacked back.
