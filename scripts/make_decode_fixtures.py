@@ -37,6 +37,11 @@ def entropy_quantiles(model, prompt, n, b):
     return np.quantile(h, [0.25, 0.5, 0.75]), np.quantile(mp, [0.25, 0.5, 0.75])
 
 
+def S2D2(policy, **kw):
+    return dict(dict(policy=policy, min_span=8, score_threshold=0.0, penalty=1.0, penalty_kind="static",
+                     hysteresis=[1.0, -5.0]), **kw)
+
+
 BASE = dict(block_size=4, attention="block_causal", alignment="absolute", logits_shift=False, acceptance="entropy",
             alpha=0.1, beta=0.95, forced="first", early_stop=True)
 
@@ -73,6 +78,25 @@ def main():
                 "eos_every_shifted": dict(threshold=h50, eos=[0, eos], forced="every", logits_shift=True),
                 "full_attention": dict(attention="full", threshold=h50, logits_shift=True, block_size=5),
                 "causal_attention": dict(attention="causal", threshold=h50, logits_shift=True, block_size=4),
+                # Fast-dLLM v2 sub-blocks (issue #19): unshifted, and shifted with the block-start step
+                "sub_block": dict(acceptance="confidence", threshold=round(float(pq[1]), 3), alpha=1.0,
+                                  block_size=8, sub_block=4),
+                "fast_dllm_v2": dict(acceptance="confidence", threshold=round(float(pq[1]), 3), alpha=1.0,
+                                     block_size=8, sub_block=4, logits_shift=True),
+                # S2D2 (issue #19)
+                "s2d2_always": dict(threshold=h50, alpha=1.0, s2d2=S2D2("always")),
+                "s2d2_always_multiblock": dict(threshold=h50, s2d2=S2D2("always")),
+                "s2d2_min_span": dict(threshold=h50, alpha=1.0, s2d2=S2D2("min_span", min_span=2)),
+                "s2d2_score": dict(threshold=h50, alpha=1.0, s2d2=S2D2("score")),
+                "s2d2_score_dynamic_b8": dict(acceptance="confidence", threshold=round(float(pq[1]), 3), alpha=1.0,
+                                              block_size=8, s2d2=S2D2("score", penalty_kind="dynamic")),
+                "s2d2_hysteresis_multiblock": dict(threshold=h50, s2d2=S2D2("hysteresis", penalty_kind="dynamic")),
+                "s2d2_shifted_always": dict(threshold=h50, alpha=1.0, logits_shift=True, s2d2=S2D2("always")),
+                "s2d2_fast_dllm_v2": dict(acceptance="confidence", threshold=round(float(pq[1]), 3), alpha=1.0,
+                                          block_size=8, sub_block=4, logits_shift=True,
+                                          s2d2=S2D2("hysteresis", penalty_kind="dynamic")),
+                "s2d2_prompt_grid_eos": dict(threshold=h50, alignment="prompt", block_size=5, eos=[0, eos],
+                                             s2d2=S2D2("score", score_threshold=0.5)),
             }
             for vname, v in variants.items():
                 p = {**BASE, **v}

@@ -19,13 +19,25 @@ def engine(model, attention, alignment, shift, eos):
                               alignment=alignment, logits_shift=shift, eos_token_ids=list(eos))
 
 
+def spec_params(s):
+    """The reference's S2D2 settings as generation parameters."""
+    if not s:
+        return {}
+    return dict(speculative="s2d2", verify_policy=s["policy"], verify_min_span=s["min_span"],
+                verify_score_threshold=s["score_threshold"], verify_penalty=s["penalty"],
+                verify_penalty_kind=s["penalty_kind"], verify_hysteresis=s["hysteresis"])
+
+
 def run(case, use_cache):
     p = case["params"]
     eng = engine(case["model"], p["attention"], p["alignment"], p["logits_shift"], tuple(case["eos_token_ids"]))
+    extra = spec_params(p.get("s2d2"))
+    if p.get("sub_block"):
+        extra["sub_block_size"] = p["sub_block"]
     return eng.generate(case["prompt"], max_tokens=case["max_tokens"], block_size=p["block_size"],
                         threshold=p["threshold"], acceptance=p["acceptance"], block_add_threshold=p["alpha"],
                         decoded_token_threshold=p["beta"], forced_progress=p["forced"], early_stop=p["early_stop"],
-                        use_cache=use_cache)
+                        use_cache=use_cache, **extra)
 
 
 IDS = [f"{c['model']}-lp{len(c['prompt'])}-{c['variant']}" for c in CASES]
@@ -39,6 +51,8 @@ def test_matches_reference_decoder(case, use_cache):
     assert out.usage.forward_passes == case["forward_passes"]
     assert out.finish_reason == case["finish_reason"]
     assert out.usage.completion_tokens == len(case["completion"])
+    if case["params"].get("s2d2"):
+        assert out.usage.drafts_accepted <= out.usage.drafts_proposed
 
 
 def test_fixtures_exercise_the_features():
@@ -47,6 +61,10 @@ def test_fixtures_exercise_the_features():
     assert max(tpf) >= 3.0
     assert any(c["finish_reason"] == "stop" for c in CASES)
     assert all(c["forward_passes"] == c["max_tokens"] for c in CASES if c["variant"] == "ar_b1")
+    # S2D2 cases verify (a verified step costs two forwards, so some step took more than one forward) and some
+    # accept several drafts in one verification (more tokens than steps)
+    s2d2 = [c for c in CASES if c["params"].get("s2d2")]
+    assert len(s2d2) >= 20 and any(c["forward_passes"] > len(c["completion"]) for c in s2d2)
 
 
 @pytest.mark.parametrize("attention,alignment,block_size,shift", [

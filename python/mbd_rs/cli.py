@@ -46,6 +46,8 @@ def _add_gen_flags(p: argparse.ArgumentParser) -> None:
         if kind == "bool":
             g.add_argument(_NEGATED.get(name, "--no-" + name.replace("_", "-")), dest=name, action="store_false",
                            default=None, help=f"turn off: {help_}")
+        elif kind == "floats":
+            g.add_argument("--" + name.replace("_", "-"), dest=name, type=float, nargs="+", default=None, help=help_)
         elif kind == "strings":
             g.add_argument("--" + name.replace("_", "-"), dest=name, action="append", default=None,
                            help=f"{help_} (repeatable)")

@@ -2,6 +2,11 @@
 from the Rust code: whole-sequence recompute each step with HF transformers and an explicit 4-D mask,
 entropy in float64. Greedy only (temperature 0). Used to record fixtures and, where torch is installed,
 to compare live.
+
+Also Fast-dLLM v2's sub-blocks and block-start step, and S2D2 verification (issue #19), from the papers'
+pseudo-code: the verifier is the same model at block size 1 (the 2L trick for unshifted models, a causal
+forward for shifted ones), and positions committed through a verification keep causal K/V ("AR-like caching"),
+so every forward here gives those positions causal visibility.
 """
 import math
 
@@ -38,8 +43,33 @@ def attention_mask(total, attention, b, alignment, lp, torch):
     return m[None, None]
 
 
+def block_end(p, attention, b, alignment, lp):
+    """End (exclusive) of the block holding p: the keys [0, block_end) a grid row sees."""
+    if attention == "causal":
+        return p + 1
+    if attention == "full":
+        return 10 ** 9
+    if alignment == "absolute":
+        return (p // b + 1) * b
+    return lp if p < lp else lp + ((p - lp) // b + 1) * b
+
+
+def mask_from_ends(ends, extra=None, torch=None):
+    """Additive 4-D mask from per-row visible key sets: row r sees keys [0, ends[r]) plus extra[r]."""
+    n = len(ends)
+    m = torch.full((n, n), torch.finfo(torch.float32).min)
+    for r, e in enumerate(ends):
+        m[r, :min(e, n)] = 0.0
+        for k in (extra or {}).get(r, ()):
+            m[r, k] = 0.0
+    return m[None, None]
+
+
 def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignment, logits_shift, threshold,
-                     acceptance, alpha, beta, forced, early_stop, eos_ids, max_forward_passes=10000):
+                     acceptance, alpha, beta, forced, early_stop, eos_ids, max_forward_passes=10000,
+                     sub_block=None, s2d2=None):
+    """s2d2: None, or dict(policy=always|min_span|score|hysteresis, min_span=, score_threshold=, penalty=,
+    penalty_kind=static|dynamic, hysteresis=(on, off))."""
     import torch
 
     lp = len(prompt)
@@ -59,6 +89,41 @@ def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignm
     def complete(k):
         s, e = blocks[k]
         return all(not is_mask[p] for p in range(s, e))
+
+    def origin(k):
+        s = blocks[k][0]
+        return s // block_size * block_size if attention == "block_causal" and alignment == "absolute" else s
+
+    # S2D2 state: positions with causal K/V, the end of the final K/V (the cache's length), hysteresis
+    causal = set()
+    frontier = (lp // block_size) * block_size if attention == "block_causal" and alignment == "absolute" else lp
+    hyst_on = False
+
+    def row_end(p):
+        return p + 1 if p in causal else block_end(p, attention, block_size, alignment, lp)
+
+    def probs(row):
+        z = row - row.max()
+        pr = np.exp(z) / np.exp(z).sum()
+        return pr, float(-(pr * np.log(np.maximum(pr, 1e-300))).sum())
+
+    def rule(cand, pred):
+        acc = set()
+        if acceptance == "entropy":
+            acc = {p for p in cand if pred[p][1] < threshold}
+        elif acceptance == "confidence":
+            acc = {p for p in cand if pred[p][2] > threshold}
+        else:  # eb, per block
+            for k in range(len(blocks)):
+                ps = sorted((p for p in cand if blocks[k][0] <= p < blocks[k][1]), key=lambda p: (pred[p][1], p))
+                total_h = 0.0
+                for p in ps:
+                    if total_h <= threshold:
+                        acc.add(p)
+                        total_h += pred[p][1]
+                    else:
+                        break
+        return acc
 
     while True:
         # 1. EOS fill
@@ -84,45 +149,118 @@ def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignm
             if progress(last) >= alpha or complete(last):
                 created[nc] = True
                 fully[nc] = progress(last) >= beta
+        # candidates: masked positions of created blocks (with sub-blocks: each block's first sub-block with masks)
+        cand = []
+        for k in range(len(blocks)):
+            if not created[k]:
+                continue
+            ms = [p for p in range(*blocks[k]) if is_mask[p]]
+            if sub_block and ms:
+                first_sub = (ms[0] - origin(k)) // sub_block
+                ms = [p for p in ms if (p - origin(k)) // sub_block == first_sub]
+            cand += ms
+        # Fast-dLLM v2 block start (shifted, sub-blocks): a grid block's first token alone, from the previous
+        # block's last logit
+        ar_step = bool(sub_block and logits_shift and any(blocks[k][0] == origin(k) == cand[0] for k in range(len(blocks)))
+                       and (cand[0] == lp or not is_mask[cand[0] - 1]))
+        if ar_step:
+            cand = cand[:1]
+        # the K/V of complete created blocks from the frontier on are final now
+        for k in range(len(blocks)):
+            if blocks[k][1] <= frontier:
+                continue
+            if created[k] and complete(k):
+                frontier = blocks[k][1]
+            else:
+                break
         # 5. forward: whole sequence, recomputed
         total = lp + n
+        if causal:
+            am = mask_from_ends([row_end(p) for p in range(total)], torch=torch)
+        else:
+            am = attention_mask(total, attention, block_size, alignment, lp, torch)
         with torch.no_grad():
-            logits = model(torch.tensor([x]), attention_mask=attention_mask(total, attention, block_size, alignment, lp, torch)).logits[0]
+            logits = model(torch.tensor([x]), attention_mask=am).logits[0]
         logits = logits.double().numpy()
         nfe += 1
-        # 6. predictions for masked positions of created blocks
-        cand = [p for k in range(len(blocks)) if created[k] for p in range(*blocks[k]) if is_mask[p]]
+        # 6. predictions for the candidates
         pred = {}
         for p in cand:
             row = logits[p - 1] if logits_shift else logits[p]
-            z = row - row.max()
-            prob = np.exp(z) / np.exp(z).sum()
-            h = float(-(prob * np.log(np.maximum(prob, 1e-300))).sum())
-            pred[p] = (int(np.argmax(row)), h, float(prob.max()))
+            pr, h = probs(row)
+            pred[p] = (int(np.argmax(row)), h, float(pr.max()))
+        # S2D2: verify the span (first run of consecutive candidates, in one block)?
+        verified = None
+        if s2d2 and not ar_step and nfe + 1 <= max_forward_passes:
+            k0 = next(k for k in range(len(blocks)) if blocks[k][0] <= cand[0] < blocks[k][1])
+            span = [cand[0]]
+            while len(span) < len(cand) and cand[len(span)] == span[-1] + 1 and cand[len(span)] < blocks[k0][1]:
+                span.append(cand[len(span)])
+            conf = len([p for p in rule(cand, pred) if blocks[k0][0] <= p < blocks[k0][1]])
+            prod, ek = 1.0, 0.0
+            for p in span:
+                prod *= min(1.0, math.exp(-pred[p][1] / math.log(logits.shape[1])))
+                ek += prod
+            score = ek - s2d2["penalty"] * (conf if s2d2["penalty_kind"] == "dynamic" else 1)
+            pol = s2d2["policy"]
+            if pol == "always":
+                do = True
+            elif pol == "min_span":
+                do = len(span) >= s2d2["min_span"]
+            elif pol == "score":
+                do = score >= s2d2["score_threshold"]
+            else:
+                on, off = s2d2["hysteresis"]
+                hyst_on = score >= off if hyst_on else score > on
+                do = hyst_on
+            if do:
+                s0, e0 = span[0], span[-1] + 1
+                xv = x[:e0]
+                for p in span:
+                    xv = xv[:p] + [pred[p][0]] + xv[p + 1:]
+                ends = [row_end(p) if p < frontier else p + 1 for p in range(e0)]
+                ids, pos, extra = list(xv), list(range(e0)), {}
+                if not logits_shift:  # the 2L trick: one mask row per span position at the same position
+                    for j, i in enumerate(span):
+                        ids.append(mask_id)
+                        pos.append(i)
+                        ends.append(i)
+                        extra[e0 + j] = [e0 + j]
+                am = mask_from_ends(ends, extra, torch=torch)
+                with torch.no_grad():
+                    vl = model(torch.tensor([ids]), attention_mask=am,
+                               position_ids=torch.tensor([pos])).logits[0].double().numpy()
+                nfe += 1
+                q = [int(np.argmax(vl[i - 1] if logits_shift else vl[e0 + j])) for j, i in enumerate(span)]
+                acc_n = 0
+                while acc_n < len(span) and q[acc_n] == pred[span[acc_n]][0]:
+                    acc_n += 1
+                verified = {span[j]: pred[span[j]][0] for j in range(acc_n)}
+                if acc_n < len(span):
+                    verified[span[acc_n]] = q[acc_n]
+                # the first half's K/V up to the first rejection are final, and causal
+                causal.update(range(frontier, s0 + acc_n))
+                frontier = max(frontier, s0 + acc_n)
+        if verified is not None:
+            for p, t in verified.items():
+                x[p] = t
+                is_mask[p] = False
+            if nfe >= max_forward_passes:
+                break
+            continue
         # 7. acceptance
-        acc = set()
-        if acceptance == "entropy":
-            acc = {p for p in cand if pred[p][1] < threshold}
-        elif acceptance == "confidence":
-            acc = {p for p in cand if pred[p][2] > threshold}
-        else:  # eb, per block
-            for k in range(len(blocks)):
-                ps = sorted((p for p in cand if blocks[k][0] <= p < blocks[k][1]), key=lambda p: (pred[p][1], p))
-                total_h = 0.0
-                for p in ps:
-                    if total_h <= threshold:
-                        acc.add(p)
-                        total_h += pred[p][1]
-                    else:
-                        break
-        # 8. forced progress
+        acc = set(cand) if ar_step else rule(cand, pred)
+        # 8. forced progress: the most confident position by the rule's own score
         fa = [k for k in range(len(blocks)) if created[k] and fully[k] and not complete(k)]
         if forced == "first":
             fa = fa[:1]
         for k in fa:
             ps = [p for p in cand if blocks[k][0] <= p < blocks[k][1]]
-            if not any(p in acc for p in ps):
-                acc.add(min(ps, key=lambda p: (pred[p][1], p)))
+            if ps and not any(p in acc for p in ps):
+                if acceptance == "confidence":
+                    acc.add(min(ps, key=lambda p: (-pred[p][2], p)))
+                else:
+                    acc.add(min(ps, key=lambda p: (pred[p][1], p)))
         # 9. write
         for p in acc:
             x[p] = pred[p][0]

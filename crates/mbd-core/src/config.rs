@@ -442,6 +442,8 @@ pub struct DecodeDefaults {
     /// beta
     pub decoded_token_threshold: f64,
     pub forced_progress: ForcedProgress,
+    /// Fast-dLLM v2's sub-blocks (small_block_size)
+    pub sub_block_size: Option<usize>,
 }
 
 impl DecodeDefaults {
@@ -452,7 +454,10 @@ impl DecodeDefaults {
         block_add_threshold: 1.0,
         decoded_token_threshold: 0.95,
         forced_progress: ForcedProgress::First,
+        sub_block_size: None,
     };
+    /// Fast-dLLM v2: single block, confidence 0.9, sub-blocks of 8 (`small_block_size`).
+    pub const FAST_DLLM_V2: DecodeDefaults = DecodeDefaults { sub_block_size: Some(8), ..DecodeDefaults::SEMI_AR };
     /// d3LLM multi-block: entropy 0.5, alpha 0.1, beta 0.95, forced progress in the first block.
     pub const MULTI_BLOCK: DecodeDefaults = DecodeDefaults {
         acceptance: Acceptance::Entropy,
@@ -460,13 +465,15 @@ impl DecodeDefaults {
         block_add_threshold: 0.1,
         decoded_token_threshold: 0.95,
         forced_progress: ForcedProgress::First,
+        sub_block_size: None,
     };
 }
 
 impl Profile {
     pub fn decode_defaults(&self) -> DecodeDefaults {
         match self.family {
-            Family::Sdar | Family::SdarMoe | Family::FastDllmV2 => DecodeDefaults::SEMI_AR,
+            Family::FastDllmV2 => DecodeDefaults::FAST_DLLM_V2,
+            Family::Sdar | Family::SdarMoe => DecodeDefaults::SEMI_AR,
             _ if self.attention == AttentionKind::Causal => DecodeDefaults::SEMI_AR,
             _ => DecodeDefaults::MULTI_BLOCK,
         }

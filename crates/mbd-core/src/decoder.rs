@@ -48,11 +48,19 @@ pub struct DecodeParams {
     pub max_forward_passes: usize,
     /// EOS ids for the EOS fill (the profile's plus any stop token ids)
     pub eos_ids: Vec<u32>,
+    /// Fast-dLLM v2 sub-blocks: each step predicts only the first sub-block (of this size, aligned to the
+    /// block's grid start) with masks in every created block. None: whole blocks.
+    pub sub_block_size: Option<usize>,
+    /// Fast-dLLM v2's block start: when the first position to predict starts a grid block and its predecessor
+    /// is decoded, the step decodes that one position from the previous block's last logit (shifted models).
+    pub ar_block_start: bool,
 }
 
 /// A generation block: absolute positions [start, end).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Block {
+    /// Start of the grid block this block lies in (== start except for a first block holding a prompt tail).
+    pub origin: usize,
     pub start: usize,
     pub end: usize,
     pub created: bool,
@@ -75,6 +83,8 @@ pub struct Prediction {
     pub token: u32,
     pub entropy: f64,
     pub max_prob: f64,
+    /// Probability of `token` under the distribution it was drawn from (== max_prob when greedy).
+    pub prob: f64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,15 +95,15 @@ pub enum StopCause {
     ForwardCap,
 }
 
-/// Generation block layout. `absolute_grid`: blocks follow floor(p / B) (the first one is the rest of the
-/// prompt's last grid block); otherwise blocks of B start at the prompt's end.
-pub fn block_layout(prompt_len: usize, n: usize, b: usize, absolute_grid: bool) -> Vec<(usize, usize)> {
+/// Generation block layout as (grid origin, start, end). `absolute_grid`: blocks follow floor(p / B) (the first
+/// one is the rest of the prompt's last grid block); otherwise blocks of B start at the prompt's end.
+pub fn block_layout(prompt_len: usize, n: usize, b: usize, absolute_grid: bool) -> Vec<(usize, usize, usize)> {
     let end = prompt_len + n;
     let mut out = Vec::new();
     let mut s = prompt_len;
     while s < end {
-        let e = if absolute_grid { (s / b + 1) * b } else { s + b };
-        out.push((s, e.min(end)));
+        let (o, e) = if absolute_grid { (s / b * b, (s / b + 1) * b) } else { (s, s + b) };
+        out.push((o, s, e.min(end)));
         s = e.min(end);
     }
     out
@@ -115,15 +125,19 @@ pub struct Decoder {
     /// Positions decoded by acceptance or forced progress so far (EOS fill not counted).
     pub accepted: usize,
     planned: bool,
+    /// The planned step is Fast-dLLM v2's block-start step (its one position is accepted as predicted).
+    ar_step: bool,
 }
 
 impl Decoder {
-    pub fn new(prompt_len: usize, n: usize, layout: Vec<(usize, usize)>, params: DecodeParams) -> Result<Self> {
+    pub fn new(prompt_len: usize, n: usize, layout: Vec<(usize, usize, usize)>, params: DecodeParams) -> Result<Self> {
         if n == 0 || layout.is_empty() {
             return Err(Error::Internal("the decoder needs at least one generated position".into()));
         }
-        let mut blocks: Vec<Block> =
-            layout.into_iter().map(|(start, end)| Block { start, end, created: false, fully_active: false }).collect();
+        let mut blocks: Vec<Block> = layout
+            .into_iter()
+            .map(|(origin, start, end)| Block { origin, start, end, created: false, fully_active: false })
+            .collect();
         blocks[0].created = true;
         blocks[0].fully_active = true;
         Ok(Decoder {
@@ -139,6 +153,7 @@ impl Decoder {
             last_decoded: vec![],
             accepted: 0,
             planned: false,
+            ar_step: false,
         })
     }
 
@@ -232,47 +247,66 @@ impl Decoder {
             }
         }
         self.planned = true;
-        Some(self.candidates())
+        let mut c = self.candidates();
+        // Fast-dLLM v2: a block's first token comes from the previous block's last logit, alone
+        let first = c[0];
+        self.ar_step = self.params.ar_block_start
+            && self.blocks.iter().any(|b| b.origin == first && b.start == first)
+            && (first == self.prompt_len || self.is_decoded(first - 1));
+        if self.ar_step {
+            c.truncate(1);
+        }
+        Some(c)
     }
 
+    /// Masked positions of created blocks (with sub-blocks: of each created block's first sub-block with masks).
     fn candidates(&self) -> Vec<usize> {
         let mut c = Vec::new();
         for b in self.blocks.iter().filter(|b| b.created) {
-            for p in b.start..b.end {
-                if !self.is_decoded(p) {
-                    c.push(p);
+            let masked = (b.start..b.end).filter(|&p| !self.is_decoded(p));
+            match self.params.sub_block_size {
+                None => c.extend(masked),
+                Some(s) => {
+                    let mut sub = None;
+                    for p in masked {
+                        let k = (p - b.origin) / s;
+                        if *sub.get_or_insert(k) != k {
+                            break;
+                        }
+                        c.push(p);
+                    }
                 }
             }
         }
         c
     }
 
-    /// Steps 6-9, given one prediction per position returned by `plan` (same order).
-    pub fn apply(&mut self, positions: &[usize], preds: &[Prediction]) -> Result<()> {
-        if !self.planned {
-            return Err(Error::Internal("Decoder::apply called without plan".into()));
-        }
-        if positions.len() != preds.len() {
-            return Err(Error::Internal(format!("{} predictions for {} positions", preds.len(), positions.len())));
-        }
-        self.planned = false;
-        self.forward_passes += 1;
+    /// Whether the planned step is Fast-dLLM v2's block-start step.
+    pub fn ar_step(&self) -> bool {
+        self.ar_step
+    }
+
+    /// How many of `positions` in the first one's block the acceptance rule takes (S2D2's dynamic penalty).
+    pub fn confident_in_first_block(&self, positions: &[usize], preds: &[Prediction]) -> usize {
+        let Some(&first) = positions.first() else { return 0 };
+        let end = self.blocks.iter().find(|b| b.start <= first && first < b.end).map_or(first + 1, |b| b.end);
+        let acc = self.accepted_by_rule(positions, preds);
+        positions.iter().zip(acc).filter(|&(&p, a)| a && p < end).count()
+    }
+
+    /// The S2D2 span of a planned step: the number of leading `positions` (as `plan` returned them) that form
+    /// the first contiguous run of masked positions, within one block.
+    pub fn span_len(&self, positions: &[usize]) -> usize {
+        let Some(&first) = positions.first() else { return 0 };
+        let end = self.blocks.iter().find(|b| b.start <= first && first < b.end).map_or(first + 1, |b| b.end);
+        positions.iter().enumerate().take_while(|&(i, &p)| p == first + i && p < end).count()
+    }
+
+    /// Step 7 alone: which predictions the acceptance rule takes (no forced progress), e.g. the confident
+    /// positions that S2D2's dynamic penalty counts.
+    pub fn accepted_by_rule(&self, positions: &[usize], preds: &[Prediction]) -> Vec<bool> {
         let tau = self.params.threshold;
         let mut accept = vec![false; positions.len()];
-        // group candidates by block
-        let block_of = |p: usize| self.blocks.iter().position(|b| b.start <= p && p < b.end).unwrap();
-        let groups: Vec<(usize, Vec<usize>)> = {
-            let mut g: Vec<(usize, Vec<usize>)> = Vec::new();
-            for (i, &p) in positions.iter().enumerate() {
-                let k = block_of(p);
-                match g.last_mut() {
-                    Some((kk, v)) if *kk == k => v.push(i),
-                    _ => g.push((k, vec![i])),
-                }
-            }
-            g
-        };
-        // 7. acceptance policy
         match self.params.acceptance {
             Acceptance::Entropy => {
                 for (i, pr) in preds.iter().enumerate() {
@@ -285,7 +319,7 @@ impl Decoder {
                 }
             }
             Acceptance::Eb => {
-                for (_, idx) in &groups {
+                for (_, idx) in self.groups(positions) {
                     let mut order = idx.clone();
                     order.sort_by(|&a, &b| by_score_then_index(preds[a].entropy, preds[b].entropy, a, b));
                     let mut sum = 0.0;
@@ -300,10 +334,35 @@ impl Decoder {
                 }
             }
         }
-        // 8. forced progress
+        accept
+    }
+
+    /// Candidate indices grouped by block, in order: (block, indices into `positions`).
+    fn groups(&self, positions: &[usize]) -> Vec<(usize, Vec<usize>)> {
+        let block_of = |p: usize| self.blocks.iter().position(|b| b.start <= p && p < b.end).unwrap();
+        let mut g: Vec<(usize, Vec<usize>)> = Vec::new();
+        for (i, &p) in positions.iter().enumerate() {
+            let k = block_of(p);
+            match g.last_mut() {
+                Some((kk, v)) if *kk == k => v.push(i),
+                _ => g.push((k, vec![i])),
+            }
+        }
+        g
+    }
+
+    /// Steps 7-8: the acceptance rule, then forced progress in fully active blocks that accepted nothing: the
+    /// most confident position by the rule's own score (lowest entropy; highest probability for `confidence`),
+    /// ties to the lowest position. A block-start step (`ar_block_start`) accepts its one position.
+    fn decide(&self, positions: &[usize], preds: &[Prediction]) -> Vec<bool> {
+        if self.ar_step {
+            return vec![true; positions.len()];
+        }
+        let mut accept = self.accepted_by_rule(positions, preds);
+        let by_conf = self.params.acceptance == Acceptance::Confidence;
         let mut forced_done = false;
-        for (k, idx) in &groups {
-            if !self.blocks[*k].fully_active {
+        for (k, idx) in self.groups(positions) {
+            if !self.blocks[k].fully_active {
                 continue;
             }
             if self.params.forced_progress == ForcedProgress::First && forced_done {
@@ -314,20 +373,48 @@ impl Decoder {
                 let best = idx
                     .iter()
                     .copied()
-                    .min_by(|&a, &b| by_score_then_index(preds[a].entropy, preds[b].entropy, a, b))
+                    .min_by(|&a, &b| {
+                        if by_conf {
+                            by_score_then_index(-preds[a].max_prob, -preds[b].max_prob, a, b)
+                        } else {
+                            by_score_then_index(preds[a].entropy, preds[b].entropy, a, b)
+                        }
+                    })
                     .unwrap();
                 accept[best] = true;
             }
         }
-        // 9. write
+        accept
+    }
+
+    /// Steps 6-9, given one prediction per position returned by `plan` (same order).
+    pub fn apply(&mut self, positions: &[usize], preds: &[Prediction]) -> Result<()> {
+        if positions.len() != preds.len() {
+            return Err(Error::Internal(format!("{} predictions for {} positions", preds.len(), positions.len())));
+        }
+        let accept = self.decide(positions, preds);
+        let decided: Vec<(usize, u32)> =
+            positions.iter().zip(preds).zip(accept).filter(|x| x.1).map(|((&p, pr), _)| (p, pr.token)).collect();
+        self.write(&decided, 1)
+    }
+
+    /// Write the step's decided tokens (absolute position, token), taking `forwards` forward passes (a verified
+    /// S2D2 step takes two: the draft and the verification).
+    pub fn write(&mut self, decided: &[(usize, u32)], forwards: usize) -> Result<()> {
+        if !self.planned {
+            return Err(Error::Internal("Decoder::write called without plan".into()));
+        }
+        self.planned = false;
+        self.forward_passes += forwards;
         self.last_decoded.clear();
-        for (i, &p) in positions.iter().enumerate() {
-            if accept[i] {
-                let j = p - self.prompt_len;
-                self.tokens[j] = preds[i].token;
-                self.decoded[j] = true;
-                self.last_decoded.push(p);
+        for &(p, t) in decided {
+            let j = p - self.prompt_len;
+            if self.decoded[j] {
+                return Err(Error::Internal(format!("position {p} is decoded already")));
             }
+            self.tokens[j] = t;
+            self.decoded[j] = true;
+            self.last_decoded.push(p);
         }
         self.accepted += self.last_decoded.len();
         if self.forward_passes >= self.params.max_forward_passes && self.masks_left() > 0 {
@@ -369,14 +456,16 @@ mod tests {
             early_stop: true,
             max_forward_passes: 10_000,
             eos_ids: eos,
+            sub_block_size: None,
+            ar_block_start: false,
         }
     }
 
     #[test]
     fn layouts() {
-        assert_eq!(block_layout(5, 10, 4, true), vec![(5, 8), (8, 12), (12, 15)]);
-        assert_eq!(block_layout(8, 8, 4, true), vec![(8, 12), (12, 16)]);
-        assert_eq!(block_layout(5, 10, 4, false), vec![(5, 9), (9, 13), (13, 15)]);
+        assert_eq!(block_layout(5, 10, 4, true), vec![(4, 5, 8), (8, 8, 12), (12, 12, 15)]);
+        assert_eq!(block_layout(8, 8, 4, true), vec![(8, 8, 12), (12, 12, 16)]);
+        assert_eq!(block_layout(5, 10, 4, false), vec![(5, 5, 9), (9, 9, 13), (13, 13, 15)]);
     }
 
     /// Random predictions drive the state machine; invariants checked at every step.
@@ -413,6 +502,7 @@ mod tests {
                         token: rng.random_range(0..6),
                         entropy: rng.random_range(0.0..3.0),
                         max_prob: rng.random_range(0.0..1.0),
+                        prob: 0.5,
                     })
                     .collect();
                 let eos_before = d.eos_filled;
@@ -455,7 +545,8 @@ mod tests {
         p.max_forward_passes = 3;
         let mut d = Decoder::new(4, 16, block_layout(4, 16, 4, false), p).unwrap();
         while let Some(pos) = d.plan() {
-            let preds: Vec<_> = pos.iter().map(|_| Prediction { token: 5, entropy: 1.0, max_prob: 0.5 }).collect();
+            let preds: Vec<_> =
+                pos.iter().map(|_| Prediction { token: 5, entropy: 1.0, max_prob: 0.5, prob: 0.5 }).collect();
             d.apply(&pos, &preds).unwrap();
         }
         assert_eq!(d.forward_passes, 3);
@@ -469,7 +560,8 @@ mod tests {
         let mut d = Decoder::new(1, 4, block_layout(1, 4, 4, false), p).unwrap();
         let pos = d.plan().unwrap();
         let ent = [0.3, 0.1, 0.4, 0.05];
-        let preds: Vec<_> = ent.iter().map(|&e| Prediction { token: 9, entropy: e, max_prob: 0.5 }).collect();
+        let preds: Vec<_> =
+            ent.iter().map(|&e| Prediction { token: 9, entropy: e, max_prob: 0.5, prob: 0.5 }).collect();
         d.apply(&pos, &preds).unwrap();
         // sorted: .05 (sum before 0), .1 (0.05), .3 (0.15), .4 (0.45 <= .5) -> all four accepted
         assert_eq!(d.last_decoded.len(), 4);

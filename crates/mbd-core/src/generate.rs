@@ -1,18 +1,20 @@
 //! One generation, step by step: plan (the decoder says which positions to predict) → window (the cache
-//! policy says what to forward and keep) → forward → predict (sampling) → apply (the decoder accepts and
-//! writes tokens) → emit (the stable prefix becomes completion text).
+//! policy says what to forward and keep) → forward → predict (sampling) → [S2D2: verify the span's drafts with
+//! a second forward] → apply (the decoder accepts and writes tokens) → emit (the stable prefix becomes
+//! completion text).
 
-use crate::decoder::{block_layout, DecodeParams, Decoder, StopCause};
+use crate::decoder::{block_layout, DecodeParams, Decoder, Prediction, StopCause};
 use crate::engine::Model;
 use crate::error::{Error, Result};
 use crate::mask::{Alignment, AttentionKind, BlockGrid};
 use crate::models::qwen::Segment;
-use crate::output::Output;
+use crate::output::{Counters, Output};
 pub use crate::output::{FinishReason, StepEvent, StepOutput, Usage};
 use crate::request::{GenRequest, Params, TraceMode};
 use crate::sampling::{Sampler, SamplingParams};
+use crate::speculative::{Router, SpecParams, Speculative};
 use crate::window::Window;
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use std::sync::Arc;
 
 /// Default completion length: 256 tokens, or what is left of the context.
@@ -29,6 +31,20 @@ pub struct Generation {
     window: Window,
     sampler: Sampler,
     out: Output,
+    /// S2D2's routing state and counters (speculative="s2d2").
+    spec: Option<Router>,
+    /// A drafted step waiting for its verification forward.
+    pending: Option<Drafted>,
+}
+
+/// A step's draft, held while its span is verified.
+struct Drafted {
+    positions: Vec<usize>,
+    preds: Vec<Prediction>,
+    /// the span: the first `span` positions
+    span: usize,
+    /// the span's draft logits rows (sampling only: the residual distribution at a rejection needs them)
+    rows: Option<Tensor>,
 }
 
 impl Generation {
@@ -65,6 +81,8 @@ impl Generation {
             }
         }
         let d = p.decode_defaults();
+        let spec = resolve_speculative(req, p.attention)?;
+        let sub_block_size = req.sub_block_size.or(d.sub_block_size);
         let params = DecodeParams {
             threshold: req.threshold.unwrap_or(d.threshold),
             acceptance: req.acceptance.unwrap_or(d.acceptance),
@@ -74,6 +92,8 @@ impl Generation {
             early_stop: req.early_stop.unwrap_or(true),
             max_forward_passes: req.max_forward_passes.unwrap_or(DEFAULT_MAX_FORWARD_PASSES),
             eos_ids,
+            sub_block_size,
+            ar_block_start: sub_block_size.is_some() && p.logits_shift,
         };
         let sampler = Sampler::new(SamplingParams {
             temperature: req.temperature.unwrap_or(0.0),
@@ -94,16 +114,20 @@ impl Generation {
         canvas.resize(lp + n, mask_id);
         let window = Window::new(&model, grid, lp, req.use_cache.unwrap_or(true));
         let out = Output::new(lp, req.stop.clone().unwrap_or_default(), req.trace.unwrap_or(TraceMode::Off));
-        Ok(Generation { model, dec, canvas, mask_id, window, sampler, out })
+        Ok(Generation { model, dec, canvas, mask_id, window, sampler, out, spec, pending: None })
     }
 
     /// Cancel: the next output is the final one, with finish_reason "cancelled".
     pub fn cancel(&mut self) -> StepOutput {
-        self.out.cancel(&self.dec, self.window_usage())
+        self.out.cancel(&self.dec, self.counters())
     }
 
-    fn window_usage(&self) -> (usize, f64) {
-        (self.window.positions_forwarded, self.window.prefill_ms)
+    fn counters(&self) -> Counters {
+        Counters {
+            positions_forwarded: self.window.positions_forwarded,
+            prefill_ms: self.window.prefill_ms,
+            speculative: self.spec.as_ref().map(|r| r.stats),
+        }
     }
 
     /// One decoding step, on the engine's CPU pool on the CPU: the step's forwards run alone (a batch of one
@@ -133,7 +157,7 @@ impl Generation {
         if !self.window.in_step() {
             // plan
             let Some(positions) = self.dec.plan() else {
-                let usage = self.window_usage();
+                let usage = self.counters();
                 return self.out.emit(&self.model, &self.dec, true, false, usage).map(Next::Output);
             };
             // the model reads the decoder's current canvas
@@ -150,20 +174,119 @@ impl Generation {
     /// (predict → apply → emit), None while forwards remain.
     pub fn consume(&mut self, logits: Tensor) -> Result<Option<StepOutput>> {
         let Some((positions, logits)) = self.window.consume(logits)? else { return Ok(None) };
-        // predict
-        let preds = self.sampler.predict(&logits)?;
-        // apply
-        self.dec.apply(&positions, &preds)?;
+        if let Some(d) = self.pending.take() {
+            self.verified(d, logits)?;
+        } else {
+            // predict
+            let preds = self.sampler.predict(&logits)?;
+            if self.verify_span(&positions, &preds, &logits)? {
+                return Ok(None);
+            }
+            // apply
+            self.dec.apply(&positions, &preds)?;
+        }
         // emit
         let is_final = self.dec.stopped == Some(StopCause::ForwardCap) || self.dec.masks_left() == 0;
-        let usage = self.window_usage();
+        let usage = self.counters();
         self.out.emit(&self.model, &self.dec, is_final, true, usage).map(Some)
+    }
+
+    /// S2D2: whether to verify this draft's span (the routing policy, within the forward cap); if so, queue
+    /// the verification and hold the draft.
+    fn verify_span(&mut self, positions: &[usize], preds: &[Prediction], logits: &Tensor) -> Result<bool> {
+        let Some(router) = self.spec.as_mut() else { return Ok(false) };
+        if self.dec.ar_step() || self.dec.forward_passes + 2 > self.dec.params.max_forward_passes {
+            return Ok(false);
+        }
+        let span = self.dec.span_len(positions);
+        let confident = self.dec.confident_in_first_block(positions, preds);
+        if !router.decide(&preds[..span], confident, logits.dim(1)?) {
+            return Ok(false);
+        }
+        let drafts: Vec<u32> = preds[..span].iter().map(|p| p.token).collect();
+        self.window.begin_verify(&self.canvas, (positions[0], positions[0] + span), &drafts)?;
+        let rows = (self.sampler.params().temperature > 0.0).then(|| logits.narrow(0, 0, span)).transpose()?;
+        self.pending = Some(Drafted { positions: positions.to_vec(), preds: preds.to_vec(), span, rows });
+        Ok(true)
+    }
+
+    /// S2D2: accept drafts by the verifier's logits `q` (one row per span position), commit the verified K/V
+    /// and write the step's tokens (two forwards).
+    fn verified(&mut self, d: Drafted, q: Tensor) -> Result<()> {
+        let router = self.spec.as_mut().ok_or_else(|| Error::Internal("verification without S2D2".into()))?;
+        let drafts: Vec<u32> = d.preds[..d.span].iter().map(|p| p.token).collect();
+        let (tokens, accepted) = match &d.rows {
+            None => {
+                let q_argmax: Vec<u32> = self.sampler.predict(&q)?.iter().map(|p| p.token).collect();
+                router.accept_greedy(&drafts, &q_argmax)
+            }
+            Some(p_rows) => {
+                let (p_rows, q_rows): (Vec<Vec<f32>>, Vec<Vec<f32>>) =
+                    (p_rows.to_dtype(DType::F32)?.to_vec2()?, q.to_dtype(DType::F32)?.to_vec2()?);
+                if q_rows.iter().flatten().any(|x| x.is_nan()) {
+                    return Err(Error::load("the model computed non-finite logits (NaN) in a verification"));
+                }
+                let sp = self.sampler.params().clone();
+                let probs: Vec<f64> = d.preds[..d.span].iter().map(|p| p.prob).collect();
+                router.accept_sampled(
+                    &mut self.sampler,
+                    &drafts,
+                    &probs,
+                    |i| sp.dist(&p_rows[i]),
+                    |i| sp.dist(&q_rows[i]),
+                )
+            }
+        };
+        let s = d.positions[0];
+        self.window.commit_verified(s + accepted)?;
+        let decided: Vec<(usize, u32)> = tokens.into_iter().enumerate().map(|(i, t)| (s + i, t)).collect();
+        self.dec.write(&decided, 2)
     }
 
     /// Whether the generation has emitted its final output.
     pub fn finished(&self) -> bool {
         self.out.finished()
     }
+}
+
+/// S2D2's routing parameters of a request (None: no speculation). The verify_* parameters need
+/// speculative="s2d2", and verification needs block-causal or causal attention.
+fn resolve_speculative(req: &GenRequest, attention: AttentionKind) -> Result<Option<Router>> {
+    let set: Vec<&str> = [
+        ("verify_policy", req.verify_policy.is_some()),
+        ("verify_min_span", req.verify_min_span.is_some()),
+        ("verify_score_threshold", req.verify_score_threshold.is_some()),
+        ("verify_penalty", req.verify_penalty.is_some()),
+        ("verify_penalty_kind", req.verify_penalty_kind.is_some()),
+        ("verify_hysteresis", req.verify_hysteresis.is_some()),
+    ]
+    .into_iter()
+    .filter_map(|(n, s)| s.then_some(n))
+    .collect();
+    if req.speculative.unwrap_or(Speculative::Off) == Speculative::Off {
+        if !set.is_empty() {
+            return Err(Error::invalid(format!("{} only apply with speculative='s2d2'", set.join(", "))));
+        }
+        return Ok(None);
+    }
+    if attention == AttentionKind::Full {
+        return Err(Error::invalid(
+            "speculative='s2d2' verifies at block size 1, which needs block-causal or causal attention; this \
+             model uses full attention",
+        ));
+    }
+    let hysteresis = match &req.verify_hysteresis {
+        Some(v) => SpecParams::hysteresis_pair(v)?,
+        None => SpecParams::DEFAULT_HYSTERESIS,
+    };
+    Ok(Some(Router::new(SpecParams {
+        policy: req.verify_policy.unwrap_or(SpecParams::DEFAULT_POLICY),
+        min_span: req.verify_min_span.unwrap_or(SpecParams::DEFAULT_MIN_SPAN),
+        score_threshold: req.verify_score_threshold.unwrap_or(SpecParams::DEFAULT_SCORE_THRESHOLD),
+        penalty: req.verify_penalty.unwrap_or(SpecParams::DEFAULT_PENALTY),
+        penalty_kind: req.verify_penalty_kind.unwrap_or(crate::speculative::PenaltyKind::Static),
+        hysteresis,
+    })))
 }
 
 /// What a generation needs next (`Generation::prepare`).

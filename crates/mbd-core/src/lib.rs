@@ -13,6 +13,7 @@
 //! - `output`: the completion a generation emits: stable tokens, streamed text, finish reason, usage.
 //! - `decoder`: the multi-block decoding state machine, pure logic.
 //! - `sampling`: logits rows → predictions (token, entropy, max probability).
+//! - `speculative`: S2D2 self-speculative verification: when to verify, which drafts to accept.
 //! - `mask`: block ids per position and the attention masks built from them.
 //! - `attention`: the CPU attention of small windows, every segment of a forward in one pass.
 //! - `kv_cache`: the per-sequence K/V buffers.
@@ -42,6 +43,7 @@ pub mod output;
 pub mod sampling;
 pub mod scheduler;
 pub mod skinny;
+pub mod speculative;
 pub mod text;
 pub mod weights;
 pub mod window;

@@ -62,6 +62,19 @@ impl BlockGrid {
         }
     }
 
+    /// End (exclusive) of the block of position `p`: the keys [0, block_end(p)) are the ones `p` sees.
+    pub fn block_end(&self, p: usize) -> usize {
+        match self.kind {
+            AttentionKind::Causal => p + 1,
+            AttentionKind::Full => usize::MAX,
+            AttentionKind::BlockCausal => match self.alignment {
+                Alignment::Absolute => (p / self.block_size + 1) * self.block_size,
+                Alignment::Prompt if p < self.prompt_len => self.prompt_len,
+                Alignment::Prompt => self.prompt_len + ((p - self.prompt_len) / self.block_size + 1) * self.block_size,
+            },
+        }
+    }
+
     /// Whether keys before `p` never attend to keys at or after `p`, i.e. whether K/V of [0, p) can be
     /// computed (and cached) without knowing anything at positions >= p.
     pub fn is_boundary(&self, p: usize) -> bool {

@@ -5,12 +5,22 @@ use crate::decoder::{BlockState, Decoder};
 use crate::engine::Model;
 use crate::error::{Error, Result};
 use crate::request::TraceMode;
+use crate::speculative::SpecStats;
 use crate::text::{Detok, TextStream};
 use std::time::Instant;
 
 crate::string_enum! {
     /// Why a generation ended.
     pub enum FinishReason ("finish_reason") { Stop = "stop", Length = "length", Cancelled = "cancelled" }
+}
+
+/// A generation's counters outside the decoder, for the usage.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Counters {
+    pub positions_forwarded: usize,
+    pub prefill_ms: f64,
+    /// S2D2's counters (speculative="s2d2")
+    pub speculative: Option<SpecStats>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -25,6 +35,10 @@ pub struct Usage {
     pub tokens_per_second: f64,
     /// Token positions run through the model by decode steps (window lengths summed; excludes prefill).
     pub positions_forwarded: usize,
+    /// S2D2 (zero without speculation): verification forwards, drafts put to the verifier, drafts accepted.
+    pub verifications: usize,
+    pub drafts_proposed: usize,
+    pub drafts_accepted: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -87,7 +101,7 @@ impl Output {
         dec: &Decoder,
         is_final: bool,
         step: bool,
-        window: (usize, f64),
+        window: Counters,
     ) -> Result<StepOutput> {
         let (token_ids, text, finish) = self.collect(model, dec, is_final)?;
         let event = if step && self.trace != TraceMode::Off { Some(self.event(dec)) } else { None };
@@ -97,7 +111,7 @@ impl Output {
     }
 
     /// Cancel: the final output, with finish_reason "cancelled" (nothing when already finished).
-    pub fn cancel(&mut self, dec: &Decoder, window: (usize, f64)) -> StepOutput {
+    pub fn cancel(&mut self, dec: &Decoder, window: Counters) -> StepOutput {
         if self.finish.is_some() {
             return StepOutput::default();
         }
@@ -105,8 +119,8 @@ impl Output {
         StepOutput { finish_reason: self.finish, usage: Some(self.usage(dec, window)), ..Default::default() }
     }
 
-    /// `window`: (positions forwarded, prefill ms) of the cache/window policy.
-    fn usage(&self, dec: &Decoder, (positions_forwarded, prefill_ms): (usize, f64)) -> Usage {
+    fn usage(&self, dec: &Decoder, c: Counters) -> Usage {
+        let spec = c.speculative.unwrap_or_default();
         let total_ms = self.t0.elapsed().as_secs_f64() * 1e3;
         let fp = dec.forward_passes;
         let ct = self.completion.len();
@@ -116,10 +130,13 @@ impl Output {
             forward_passes: fp,
             tokens_per_forward: if fp > 0 { ct as f64 / fp as f64 } else { 0.0 },
             ttft_ms: self.ttft_ms.unwrap_or(total_ms),
-            prefill_ms,
+            prefill_ms: c.prefill_ms,
             decode_ms: total_ms,
             tokens_per_second: if total_ms > 0.0 { ct as f64 * 1e3 / total_ms } else { 0.0 },
-            positions_forwarded,
+            positions_forwarded: c.positions_forwarded,
+            verifications: spec.verifications,
+            drafts_proposed: spec.drafts_proposed,
+            drafts_accepted: spec.drafts_accepted,
         }
     }
 

@@ -8,6 +8,7 @@
 use crate::decoder::{Acceptance, ForcedProgress};
 use crate::error::{Error, Result};
 use crate::mask::{Alignment, AttentionKind};
+use crate::speculative::{PenaltyKind, Speculative, VerifyPolicy};
 use std::fmt::Display;
 
 crate::string_enum! {
@@ -23,6 +24,8 @@ crate::string_enum! {
         Ids = "ids",
         /// A boolean or one of a few strings (`trace`).
         BoolOrStr = "bool_or_str",
+        /// A list of numbers.
+        Floats = "floats",
     }
 }
 
@@ -40,6 +43,7 @@ pub enum Value {
     Str(String),
     Strings(Vec<String>),
     Ids(Vec<i64>),
+    Floats(Vec<f64>),
 }
 
 /// The range a numeric parameter must lie in (numbers must also be finite).
@@ -75,6 +79,7 @@ impl Rule {
         match v {
             Value::Int(i) => self.check(name, *i as f64, i),
             Value::Float(x) => self.check(name, *x, x),
+            Value::Floats(xs) => xs.iter().try_for_each(|x| self.check(name, *x, x)),
             _ => Ok(()),
         }
     }
@@ -125,6 +130,30 @@ pub const PARAMS: &[ParamSpec] = &[
     p("early_stop", K::Bool, R::Any, "stop at the first decoded EOS (default: true)"),
     p("use_cache", K::Bool, R::Any, "keep the exact KV cache of completed blocks (default: true)"),
     p("max_forward_passes", K::Int, R::AtLeast(1.0), "stop after this many forward passes (default: 10000)"),
+    p(
+        "sub_block_size",
+        K::Int,
+        R::AtLeast(1.0),
+        "Fast-dLLM v2 sub-blocks: each step decodes within the first sub-block of this size with masks \
+         (default: 8 for Fast-dLLM v2, whole blocks otherwise)",
+    ),
+    p("speculative", K::Str, R::Any, "'s2d2': verify drafts with the same model at block size 1 (default: 'off')"),
+    p(
+        "verify_policy",
+        K::Str,
+        R::Any,
+        "when S2D2 verifies: always | min_span | score (default: E[K] - penalty >= threshold) | hysteresis",
+    ),
+    p("verify_min_span", K::Int, R::AtLeast(1.0), "min_span policy: verify spans of at least this many (default 8)"),
+    p("verify_score_threshold", K::Float, R::Any, "score policy: verify iff E[K] - penalty >= this (default 0)"),
+    p("verify_penalty", K::Float, R::AtLeast(0.0), "the score's penalty coefficient c (default 1)"),
+    p(
+        "verify_penalty_kind",
+        K::Str,
+        R::Any,
+        "static: penalty c (default) | dynamic: c x tokens the step would accept without verifying",
+    ),
+    p("verify_hysteresis", K::Floats, R::Any, "hysteresis policy: (on, off) score thresholds (default (1, -5))"),
     p("trace", K::BoolOrStr, R::Any, "True or 'steps': a StepEvent per forward; 'canvas': with the whole canvas"),
     // profile overrides at load
     p("mask_token_id", K::Int, R::AtLeast(0.0), "the mask token's id"),
@@ -252,7 +281,16 @@ macro_rules! from_name {
         }
     )*};
 }
-from_name!(Acceptance, ForcedProgress, AttentionKind, Alignment);
+from_name!(Acceptance, ForcedProgress, AttentionKind, Alignment, Speculative, VerifyPolicy, PenaltyKind);
+
+impl FromValue for Vec<f64> {
+    fn from_value(name: &str, v: Value) -> Result<Self> {
+        match v {
+            Value::Floats(xs) => Ok(xs),
+            other => Err(wrong(name, "a list of numbers", &other)),
+        }
+    }
+}
 
 impl FromValue for TraceMode {
     fn from_value(name: &str, v: Value) -> Result<Self> {
@@ -339,6 +377,14 @@ request! {
         early_stop: bool,
         use_cache: bool,
         max_forward_passes: usize,
+        sub_block_size: usize,
+        speculative: Speculative,
+        verify_policy: VerifyPolicy,
+        verify_min_span: usize,
+        verify_score_threshold: f64,
+        verify_penalty: f64,
+        verify_penalty_kind: PenaltyKind,
+        verify_hysteresis: Vec<f64>,
         trace: TraceMode,
     }
 }

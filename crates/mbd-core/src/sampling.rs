@@ -39,6 +39,40 @@ fn row_stats(row: &[f32]) -> (u32, f64, f64) {
     (best as u32, z.ln() - sum / z, 1.0 / z)
 }
 
+impl SamplingParams {
+    /// The distribution tokens are drawn from: softmax(row / T) restricted by top-k / top-p and renormalised
+    /// (temperature 0: softmax(row)), as (id, probability) pairs, most likely first (ties -> lowest id).
+    pub fn dist(&self, row: &[f32]) -> Vec<(u32, f64)> {
+        let t = if self.temperature == 0.0 { 1.0 } else { self.temperature };
+        let mut idx: Vec<usize> = (0..row.len()).collect();
+        idx.sort_by(|&a, &b| by_score_then_index(row[b], row[a], a, b));
+        let sampling = self.temperature > 0.0;
+        if sampling && self.top_k > 0 && self.top_k < idx.len() {
+            idx.truncate(self.top_k);
+        }
+        let m = row[idx[0]] as f64;
+        let mut probs: Vec<f64> = idx.iter().map(|&i| ((row[i] as f64 - m) / t).exp()).collect();
+        let z: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= z);
+        if sampling && self.top_p < 1.0 {
+            let mut cum = 0.0;
+            let mut keep = probs.len();
+            for (j, p) in probs.iter().enumerate() {
+                cum += p;
+                if cum >= self.top_p {
+                    keep = j + 1;
+                    break;
+                }
+            }
+            probs.truncate(keep);
+            idx.truncate(keep);
+            let z: f64 = probs.iter().sum();
+            probs.iter_mut().for_each(|p| *p /= z);
+        }
+        idx.into_iter().map(|i| i as u32).zip(probs).collect()
+    }
+}
+
 pub struct Sampler {
     params: SamplingParams,
     rng: rand::rngs::StdRng,
@@ -46,6 +80,10 @@ pub struct Sampler {
 
 impl Sampler {
     /// `params` are in range (`request::PARAMS` owns the rules).
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
     pub fn new(params: SamplingParams) -> Self {
         let rng = match params.seed {
             Some(s) => rand::rngs::StdRng::seed_from_u64(s),
@@ -83,8 +121,9 @@ impl Sampler {
             };
             let mut out = Vec::with_capacity(r);
             for (row, (argmax, entropy, max_prob)) in rows.iter().zip(stats) {
-                let token = if self.params.temperature == 0.0 { argmax } else { self.sample_row(row) };
-                out.push(Prediction { token, entropy, max_prob });
+                let (token, prob) =
+                    if self.params.temperature == 0.0 { (argmax, max_prob) } else { self.sample_row(row) };
+                out.push(Prediction { token, entropy, max_prob, prob });
             }
             return Ok(out);
         }
@@ -97,56 +136,53 @@ impl Sampler {
         let lsm = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
         let entropy = (lsm.exp()? * &lsm)?.sum(D::Minus1)?.neg()?.to_vec1::<f32>()?;
         let max_lp = lsm.max(D::Minus1)?.to_vec1::<f32>()?;
-        let tokens: Vec<u32> = if self.params.temperature == 0.0 {
-            logits.argmax(D::Minus1)?.to_vec1::<u32>()?
+        let tokens: Vec<(u32, Option<f64>)> = if self.params.temperature == 0.0 {
+            logits.argmax(D::Minus1)?.to_vec1::<u32>()?.into_iter().map(|t| (t, None)).collect()
         } else {
             let rows: Vec<Vec<f32>> = logits.to_vec2()?;
-            rows.iter().map(|r| self.sample_row(r)).collect()
+            rows.iter().map(|r| self.sample_row(r)).map(|(t, p)| (t, Some(p))).collect()
         };
         Ok(tokens
             .into_iter()
             .zip(entropy)
             .zip(max_lp)
-            .map(|((token, h), m)| Prediction { token, entropy: h as f64, max_prob: (m as f64).exp() })
+            .map(|(((token, prob), h), m)| {
+                let max_prob = (m as f64).exp();
+                Prediction { token, entropy: h as f64, max_prob, prob: prob.unwrap_or(max_prob) }
+            })
             .collect())
     }
 
-    fn sample_row(&mut self, row: &[f32]) -> u32 {
-        let t = self.params.temperature;
-        let mut idx: Vec<usize> = (0..row.len()).collect();
-        // Highest logit first; ties -> lowest id.
-        idx.sort_by(|&a, &b| by_score_then_index(row[b], row[a], a, b));
-        if self.params.top_k > 0 && self.params.top_k < idx.len() {
-            idx.truncate(self.params.top_k);
-        }
-        let m = row[idx[0]] as f64;
-        let mut probs: Vec<f64> = idx.iter().map(|&i| ((row[i] as f64 - m) / t).exp()).collect();
-        let z: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|p| *p /= z);
-        if self.params.top_p < 1.0 {
-            let mut cum = 0.0;
-            let mut keep = probs.len();
-            for (j, p) in probs.iter().enumerate() {
-                cum += p;
-                if cum >= self.params.top_p {
-                    keep = j + 1;
-                    break;
-                }
-            }
-            probs.truncate(keep);
-            idx.truncate(keep);
-            let z: f64 = probs.iter().sum();
-            probs.iter_mut().for_each(|p| *p /= z);
-        }
-        let u: f64 = self.rng.random();
+    /// The distribution tokens are drawn from (`SamplingParams::dist`).
+    pub fn dist(&self, row: &[f32]) -> Vec<(u32, f64)> {
+        self.params.dist(row)
+    }
+
+    /// A seeded draw from a distribution given as (id, weight) pairs (weights need not sum to 1; at least one
+    /// must be positive).
+    pub fn draw(&mut self, dist: &[(u32, f64)]) -> u32 {
+        let z: f64 = dist.iter().map(|d| d.1).sum();
+        let u: f64 = self.rng.random::<f64>() * z;
         let mut cum = 0.0;
-        for (j, p) in probs.iter().enumerate() {
+        for &(id, p) in dist {
             cum += p;
             if u < cum {
-                return idx[j] as u32;
+                return id;
             }
         }
-        idx[idx.len() - 1] as u32
+        dist.iter().rev().find(|d| d.1 > 0.0).map_or(dist[0].0, |d| d.0)
+    }
+
+    /// A seeded uniform number in [0, 1).
+    pub fn uniform(&mut self) -> f64 {
+        self.rng.random()
+    }
+
+    /// A seeded draw from `dist(row)`, with the drawn token's probability.
+    fn sample_row(&mut self, row: &[f32]) -> (u32, f64) {
+        let d = self.dist(row);
+        let token = self.draw(&d);
+        (token, d.iter().find(|x| x.0 == token).map_or(0.0, |x| x.1))
     }
 }
 

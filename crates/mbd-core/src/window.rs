@@ -5,8 +5,16 @@
 //! where no K/V is ever final) every step recomputes from position 0.
 //!
 //! A step is a short queue of forwards (`begin_step`): the prompt's prefill chunks on the first step, a long
-//! canvas's recompute chunks, then the window. Each is handed out as a `Segment` (`segment`) and its logits are
-//! taken back (`consume`), so that a scheduler can run the forwards of many generations together.
+//! canvas's recompute chunks, then the window, and with S2D2 a verification (`begin_verify`). Each is handed
+//! out as a `Segment` (`segment`) and its logits are taken back (`consume`), so that a scheduler can run the
+//! forwards of many generations together.
+//!
+//! S2D2 verification: a forward over [frontier, span end) with the span's drafts filled in, causal among
+//! itself (the first half), plus — for unshifted models — one mask row per span position at the same position,
+//! which sees the first half strictly before it and itself only (the second half): its logits are that
+//! position's block-size-1 prediction. The first half's K/V up to the first rejected draft are final, so they
+//! are committed from that forward (`commit_verified`): those positions keep causal K/V. The recompute policy
+//! rebuilds exactly the same K/V by giving those positions causal visibility (`causal`) in every forward.
 
 use crate::decoder::Decoder;
 use crate::engine::{chunks, Model, PREFILL_CHUNK};
@@ -16,6 +24,7 @@ use crate::mask::{Alignment, AttentionKind, BlockGrid, MaskSpec};
 use crate::models::qwen::Segment;
 use candle_core::Tensor;
 use std::collections::VecDeque;
+use std::ops::Range;
 use std::time::Instant;
 
 /// How K/V survive between steps.
@@ -43,8 +52,10 @@ enum PieceKind {
     Prefill { last: bool },
     /// A chunk of a long canvas into the step's scratch cache (recompute policy; committed whole).
     Scratch,
-    /// The step's window; the exact policy then commits up to `commit_end`.
+    /// The step's window; the frontier then moves to `commit_end` (the exact policy commits up to it).
     Window { commit_end: usize },
+    /// S2D2's verification of the span (its ids are the window's `verify_ids`).
+    Verify { span: (usize, usize) },
 }
 
 pub struct Window {
@@ -61,6 +72,13 @@ pub struct Window {
     pieces: VecDeque<Piece>,
     positions: Vec<usize>,
     scratch: Option<KvCache>,
+    /// End of the positions whose K/V are final (the exact policy's cache length; tracked by both policies).
+    frontier: usize,
+    /// Positions whose final K/V are causal (committed from a verification), as ascending ranges.
+    causal: Vec<Range<usize>>,
+    /// The verification's input ids, and its logits until `commit_verified` (first row's position, rows).
+    verify_ids: Vec<u32>,
+    verify_rows: Option<(usize, Tensor)>,
     prefill_started: Option<Instant>,
     /// Token positions run through the model by decode steps (prefill excluded).
     pub positions_forwarded: usize,
@@ -82,6 +100,10 @@ impl Window {
             pieces: VecDeque::new(),
             positions: vec![],
             scratch: None,
+            frontier: 0,
+            causal: vec![],
+            verify_ids: vec![],
+            verify_rows: None,
             prefill_started: None,
             positions_forwarded: 0,
             prefill_ms: 0.0,
@@ -121,6 +143,7 @@ impl Window {
             } else {
                 lp
             };
+            self.frontier = pe;
             if exact && pe > 0 {
                 let cs = chunks(&self.grid, 0, pe);
                 let n = cs.len();
@@ -155,7 +178,7 @@ impl Window {
                 (b, dec.created_end())
             }
         };
-        let commit_end = if exact { dec.complete_run_end(ws).max(ws) } else { ws };
+        let commit_end = dec.complete_run_end(self.frontier).max(self.frontier);
         // rows of the window whose logits are needed (and the new carry row)
         let mut rows: Vec<usize> =
             positions.iter().map(|&p| self.src(p)).filter(|&r| r >= ws).map(|r| r - ws).collect();
@@ -175,24 +198,98 @@ impl Window {
         if matches!(piece.kind, PieceKind::Prefill { .. }) && self.prefill_started.is_none() {
             self.prefill_started = Some(Instant::now());
         }
-        let cache = match (piece.kind, self.policy) {
-            (PieceKind::Window { .. }, CachePolicy::Exact) | (PieceKind::Prefill { .. }, _) => &mut self.cache,
+        let (start, end, kind, rows) = (piece.start, piece.end, piece.kind, piece.rows.clone());
+        // the keys [0, row_end(p)) a final position p saw when its K/V were computed
+        let row_end = |p: usize| -> usize {
+            if self.causal.iter().any(|r| r.contains(&p)) {
+                p + 1
+            } else {
+                self.grid.block_end(p).min(end)
+            }
+        };
+        let (ids, positions, mask) = match kind {
+            PieceKind::Verify { span: (s, e) } => {
+                // first half [start, end): final rows keep their visibility, the others are causal; second half
+                // (unshifted models): one row per span position, seeing the first half before it and itself
+                let mut mask: Vec<Vec<Range<usize>>> =
+                    (start..end).map(|p| vec![0..if p < self.frontier { row_end(p) } else { p + 1 }]).collect();
+                let mut positions: Vec<usize> = (start..end).collect();
+                if !self.shift {
+                    for (j, i) in (s..e).enumerate() {
+                        mask.push(vec![0..i, end + j..end + j + 1]);
+                        positions.push(i);
+                    }
+                }
+                (&self.verify_ids[..], positions, MaskSpec::Custom(mask))
+            }
+            // the grid rule, unless some positions have causal K/V (recompute policy after a verification)
+            _ if self.causal.is_empty() || self.policy == CachePolicy::Exact => {
+                (&canvas[start..end], (start..end).collect(), MaskSpec::Grid(self.grid))
+            }
+            _ => (
+                &canvas[start..end],
+                (start..end).collect(),
+                MaskSpec::Custom((start..end).map(|p| vec![0..row_end(p)]).collect()),
+            ),
+        };
+        let cache = match (kind, self.policy) {
+            (PieceKind::Window { .. } | PieceKind::Verify { .. }, CachePolicy::Exact)
+            | (PieceKind::Prefill { .. }, _) => &mut self.cache,
             _ => self.scratch.get_or_insert_with(|| self.cache.fresh()),
         };
-        if cache.len() != piece.start {
+        if cache.len() != start {
             return Err(Error::Internal(format!(
-                "the cache holds {} positions, the piece starts at {}",
-                cache.len(),
-                piece.start
+                "the cache holds {} positions, the piece starts at {start}",
+                cache.len()
             )));
         }
-        Ok(Segment {
-            cache,
-            ids: &canvas[piece.start..piece.end],
-            positions: (piece.start..piece.end).collect(),
-            mask: MaskSpec::Grid(self.grid),
-            rows: piece.rows.clone(),
-        })
+        Ok(Segment { cache, ids, positions, mask, rows })
+    }
+
+    /// Queue S2D2's verification of the span [s, e) (positions of the step just consumed, all masked in the
+    /// canvas) with these draft tokens. Its `consume` returns the verifier's logits for the span's positions.
+    pub fn begin_verify(&mut self, canvas: &[u32], span: (usize, usize), drafts: &[u32]) -> Result<()> {
+        let (s, e) = span;
+        if self.in_step() || s >= e || drafts.len() != e - s || s < self.frontier {
+            return Err(Error::Internal(format!("cannot verify span {s}..{e} (frontier {})", self.frontier)));
+        }
+        let start = if self.policy == CachePolicy::Exact { self.frontier } else { 0 };
+        self.verify_ids.clear();
+        self.verify_ids.extend_from_slice(&canvas[start..s]);
+        self.verify_ids.extend_from_slice(drafts);
+        let rows: Vec<usize> = if self.shift {
+            // the row of p - 1 predicts p; the row of e - 1 is the carry when every draft is accepted
+            (s.saturating_sub(1).max(start)..e).map(|p| p - start).collect()
+        } else {
+            let mask = canvas[s];
+            self.verify_ids.extend(std::iter::repeat_n(mask, e - s));
+            (0..e - s).map(|j| e - start + j).collect()
+        };
+        self.pieces.push_back(Piece { start, end: e, rows, kind: PieceKind::Verify { span } });
+        Ok(())
+    }
+
+    /// After a verification: the positions [frontier, commit_end) hold final tokens that the verification's
+    /// first half saw, so their (causal) K/V are final: commit them from that forward.
+    pub fn commit_verified(&mut self, commit_end: usize) -> Result<()> {
+        let (first, rows) =
+            self.verify_rows.take().ok_or_else(|| Error::Internal("no verification to commit".into()))?;
+        if commit_end <= self.frontier {
+            return Ok(());
+        }
+        let f = self.frontier;
+        if self.policy == CachePolicy::Exact {
+            self.cache.commit(commit_end - f)?;
+            if self.shift {
+                self.carry = Some(rows.narrow(0, commit_end - 1 - first, 1)?);
+            }
+        }
+        match self.causal.last_mut() {
+            Some(r) if r.end == f => r.end = commit_end,
+            _ => self.causal.push(f..commit_end),
+        }
+        self.frontier = commit_end;
+        Ok(())
     }
 
     /// Take the logits of the forward `segment` described. Returns the step's positions and their (C, V) logits,
@@ -220,7 +317,30 @@ impl Window {
                 self.positions_forwarded += len;
                 self.scratch = None;
                 let out = self.finish_window(piece, commit_end, logits)?;
+                self.frontier = commit_end;
                 Ok(Some((std::mem::take(&mut self.positions), out)))
+            }
+            PieceKind::Verify { span: (s, e) } => {
+                self.positions_forwarded += len + if self.shift { 0 } else { e - s };
+                self.scratch = None;
+                let out = if self.shift {
+                    // rows are positions first..e; position p's prediction is row p - 1, or the carry
+                    let first = s.saturating_sub(1).max(piece.start);
+                    let table = match &self.carry {
+                        Some(c) if s == piece.start && self.policy == CachePolicy::Exact => {
+                            Tensor::cat(&[c, &logits], 0)?
+                        }
+                        _ => logits.clone(),
+                    };
+                    let off = usize::from(table.dim(0)? > logits.dim(0)?);
+                    let pick: Vec<u32> = (s..e).map(|p| (p - 1 + off - first) as u32).collect();
+                    self.verify_rows = Some((first, logits));
+                    table.index_select(&Tensor::new(pick.as_slice(), table.device())?, 0)?
+                } else {
+                    self.verify_rows = Some((e, logits.clone()));
+                    logits
+                };
+                Ok(Some(((s..e).collect(), out)))
             }
         }
     }

@@ -152,6 +152,23 @@ fn to_value(name: &str, kind: ParamKind, v: &Bound<'_, PyAny>) -> PyResult<Value
             }
         }
         ParamKind::Ids => Value::Ids(ids(name, v)?),
+        ParamKind::Floats => {
+            if !(v.is_instance_of::<PyList>() || v.is_instance_of::<PyTuple>()) {
+                return Err(invalid(format!("{name} must be a list of numbers, got {}", show(v))));
+            }
+            let items: PyResult<Vec<f64>> = v
+                .try_iter()?
+                .enumerate()
+                .map(|(i, x)| {
+                    let x = x?;
+                    if x.is_instance_of::<PyBool>() || x.is_instance_of::<PyString>() {
+                        return Err(invalid(format!("{name}: item {i} is not a number: {}", show(&x))));
+                    }
+                    x.extract::<f64>().map_err(|_| invalid(format!("{name}: item {i} is not a number: {}", show(&x))))
+                })
+                .collect();
+            Value::Floats(items?)
+        }
         ParamKind::BoolOrStr => {
             if v.is_instance_of::<PyBool>() {
                 Value::Bool(v.extract()?)
@@ -442,6 +459,9 @@ fn output_dict<'py>(py: Python<'py>, o: StepOutput) -> PyResult<Bound<'py, PyDic
         ud.set_item("decode_ms", u.decode_ms)?;
         ud.set_item("tokens_per_second", u.tokens_per_second)?;
         ud.set_item("positions_forwarded", u.positions_forwarded)?;
+        ud.set_item("verifications", u.verifications)?;
+        ud.set_item("drafts_proposed", u.drafts_proposed)?;
+        ud.set_item("drafts_accepted", u.drafts_accepted)?;
         d.set_item("usage", ud)?;
     } else {
         d.set_item("usage", py.None())?;
