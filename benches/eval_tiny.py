@@ -1,10 +1,14 @@
 """Accuracy vs speed of the embedded mbd-tiny model on the held-out split of its task families.
 
-Runs AR (block_size 1), single-block (alpha 1.0) and multi-block decoding (alpha 0.1, beta 0.95) at several
-thresholds for both acceptance policies, on the same held-out instances, in one process. Prints a table,
-writes benches/tiny_eval.json, and (with matplotlib installed) benches/tiny_accuracy_vs_tpf.png.
+Suite `modes` (default): AR (block_size 1), single-block (alpha 1.0) and multi-block decoding (alpha 0.1,
+beta 0.95) at several thresholds for both acceptance policies. Writes benches/tiny_eval.json and (with
+matplotlib installed) benches/tiny_accuracy_vs_tpf.png.
+Suite `s2d2` (issue #19): AR, single-block and multi-block, each plain and with S2D2 verification (always,
+score, hysteresis); also how often each output equals the AR output. Writes benches/s2d2_tiny.json and
+benches/s2d2_tiny.png.
+All configurations run on the same held-out instances, in one process, one after another.
 
-    python benches/eval_tiny.py [--per-task 40] [--model DIR]
+    python benches/eval_tiny.py [--suite modes|s2d2] [--per-task 40] [--model DIR]
 """
 import argparse
 import json
@@ -28,19 +32,36 @@ for tau in (0.95, 0.9, 0.7, 0.5):
 for tau in (0.2, 0.5):
     CONFIGS.append((f"multi-block B8 entropy {tau}", dict(block_size=8, acceptance="entropy", threshold=tau)))
 
+S2D2 = dict(speculative="s2d2")
+SINGLE = dict(block_size=4, block_add_threshold=1.0, acceptance="confidence", threshold=0.9)
+MULTI = dict(block_size=4, acceptance="entropy", threshold=0.5)
+S2D2_CONFIGS = [("AR (block 1)", CONFIGS[0][1])]
+for mode, base in [("single-block", SINGLE), ("multi-block", MULTI)]:
+    S2D2_CONFIGS += [
+        (f"{mode}", base),
+        (f"{mode} + S2D2 always", dict(base, **S2D2, verify_policy="always")),
+        (f"{mode} + S2D2 score", dict(base, **S2D2, verify_policy="score")),
+        (f"{mode} + S2D2 hysteresis", dict(base, **S2D2, verify_policy="hysteresis", verify_penalty_kind="dynamic")),
+    ]
+S2D2_CONFIGS.append(("single-block B8 + S2D2 always", dict(SINGLE, block_size=8, **S2D2, verify_policy="always")))
+
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--per-task", type=int, default=40)
     ap.add_argument("--model", default=None)
     ap.add_argument("--max-tokens", type=int, default=40)
+    ap.add_argument("--suite", choices=["modes", "s2d2"], default="modes")
     args = ap.parse_args()
     eng = mbd_rs.Engine.load(args.model, device="cpu")
     data = held_out_set(args.per_task)
     results = []
-    for name, cfg in CONFIGS:
-        correct, toks, fwd, secs = 0, 0, 0, 0.0
+    ar_outputs = None
+    for name, cfg in (S2D2_CONFIGS if args.suite == "s2d2" else CONFIGS):
+        correct, toks, fwd, secs, same_as_ar = 0, 0, 0, 0.0, 0
+        ver, proposed, accepted = 0, 0, 0
         per_task = {t: [0, 0] for t in TASKS}
+        outputs = []
         for task, p, a in data:
             t = time.perf_counter()
             c = eng.chat([{"role": "user", "content": p}], max_tokens=args.max_tokens, **cfg)
@@ -51,14 +72,23 @@ def main():
             per_task[task][1] += 1
             toks += c.usage.completion_tokens
             fwd += c.usage.forward_passes
+            ver, proposed, accepted = ver + c.usage.verifications, proposed + c.usage.drafts_proposed, accepted + c.usage.drafts_accepted
+            outputs.append(c.token_ids)
+        if ar_outputs is None:
+            ar_outputs = outputs  # the first configuration is AR
+        same_as_ar = sum(o == r for o, r in zip(outputs, ar_outputs))
         row = dict(config=name, params=cfg, accuracy=correct / len(data), tokens_per_forward=toks / fwd,
-                   tokens_per_second=toks / secs, per_task={k: v[0] / v[1] for k, v in per_task.items()})
+                   forwards_per_token=fwd / toks, tokens_per_second=toks / secs, same_as_ar=same_as_ar / len(data),
+                   verifications=ver, draft_acceptance=accepted / proposed if proposed else None,
+                   per_task={k: v[0] / v[1] for k, v in per_task.items()})
         results.append(row)
-        print(f"{name:32s} acc {row['accuracy'] * 100:5.1f}%  tpf {row['tokens_per_forward']:.2f}  "
-              f"{row['tokens_per_second']:7.0f} tok/s  " + " ".join(f"{k}:{v * 100:.0f}" for k, v in row["per_task"].items()),
-              flush=True)
+        acc_s = f"  accept {row['draft_acceptance'] * 100:4.1f}%" if proposed else ""
+        print(f"{name:34s} acc {row['accuracy'] * 100:5.1f}%  tpf {row['tokens_per_forward']:.2f}  "
+              f"{row['tokens_per_second']:7.0f} tok/s  =AR {row['same_as_ar'] * 100:5.1f}%{acc_s}  "
+              + " ".join(f"{k}:{v * 100:.0f}" for k, v in row["per_task"].items()), flush=True)
     out = dict(model=eng.info.path, instances=len(data), max_tokens=args.max_tokens, results=results)
-    json.dump(out, open(os.path.join(ROOT, "benches", "tiny_eval.json"), "w"), indent=1)
+    stem = "s2d2_tiny" if args.suite == "s2d2" else "tiny_eval"
+    json.dump(out, open(os.path.join(ROOT, "benches", stem + ".json"), "w"), indent=1)
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -67,6 +97,17 @@ def main():
         print("matplotlib not installed: no plot", file=sys.stderr)
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    if args.suite == "s2d2":
+        for r, mk in zip(results, "sovD^<>px*h"):
+            ax.plot([r["tokens_per_forward"]], [100 * r["accuracy"]], marker=mk, linestyle="", label=r["config"])
+        ax.set_xlabel("tokens per forward (verification forwards counted)")
+        ax.set_ylabel("exact-match accuracy on held-out (%)")
+        ax.set_title(f"mbd-tiny with S2D2 ({len(data)} held-out instances)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(ROOT, "benches", "s2d2_tiny.png"), dpi=110)
+        return
     for label, pick, mk in [("AR", "AR", "s"), ("single-block", "single", "^"), ("multi-block entropy", "multi-block entropy", "o"),
                             ("multi-block confidence", "multi-block confidence", "D"), ("multi-block B8", "B8", "x")]:
         pts = [r for r in results if pick in r["config"]]

@@ -211,8 +211,9 @@ impl Window {
             PieceKind::Verify { span: (s, e) } => {
                 // first half [start, end): final rows keep their visibility, the others are causal; second half
                 // (unshifted models): one row per span position, seeing the first half before it and itself
-                let mut mask: Vec<Vec<Range<usize>>> =
-                    (start..end).map(|p| vec![0..if p < self.frontier { row_end(p) } else { p + 1 }]).collect();
+                let mut mask: Vec<Vec<Range<usize>>> = (start..end)
+                    .map(|p| std::iter::once(0..if p < self.frontier { row_end(p) } else { p + 1 }).collect())
+                    .collect();
                 let mut positions: Vec<usize> = (start..end).collect();
                 if !self.shift {
                     for (j, i) in (s..e).enumerate() {
@@ -229,7 +230,7 @@ impl Window {
             _ => (
                 &canvas[start..end],
                 (start..end).collect(),
-                MaskSpec::Custom((start..end).map(|p| vec![0..row_end(p)]).collect()),
+                MaskSpec::Custom((start..end).map(|p| std::iter::once(0..row_end(p)).collect()).collect()),
             ),
         };
         let cache = match (kind, self.policy) {
