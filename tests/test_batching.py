@@ -11,7 +11,9 @@ import mbd_rs
 from conftest import parity_dir
 
 
-def _requests(n):
+def _requests(n, speculative=True):
+    """n varied requests; `speculative`: some verify with S2D2 and some walk sub-blocks (verification segments
+    with custom masks share ticks with plain windows)."""
     out = []
     for i in range(n):
         prompt = [(i * 31 + j * 17 + 5) % 200 + 4 for j in range(3 + (i * 7) % 40)]
@@ -20,6 +22,11 @@ def _requests(n):
                   early_stop=False, seed=i)
         if i % 4 == 1:
             kw["temperature"] = 0.8
+        if speculative and i % 3 == 1:
+            kw.update(speculative="s2d2", verify_policy=["always", "score", "hysteresis", "min_span"][i % 4],
+                      verify_min_span=2)
+        if speculative and i % 4 == 2:
+            kw["sub_block_size"] = 2
         out.append((prompt, kw))
     return out
 
@@ -85,7 +92,7 @@ def test_concurrent_streams_equal_streams_alone(sdar):
 def test_other_profiles_batched_equal_alone(overrides):
     eng = mbd_rs.Engine.load(parity_dir("qwen3_bias_tied"), mask_token_id=3, **overrides)
     reqs = [(p, {k: v for k, v in kw.items() if not (overrides["attention"] == "causal" and k == "block_size")})
-            for p, kw in _requests(9)]
+            for p, kw in _requests(9, speculative=overrides["attention"] != "full")]
     alone = [_run(eng, p, kw) for p, kw in reqs]
     assert _concurrently(eng, reqs) == alone
 

@@ -109,6 +109,19 @@ def test_stop_strings_and_extensions(client, engine):
     assert r.choices[0].message.content == full.text[: full.text.index(stop)]
 
 
+def test_s2d2_through_the_server(client, engine):
+    msgs = [{"role": "user", "content": "sort 4 1 3"}]
+    body = {"speculative": "s2d2", "verify_policy": "hysteresis", "verify_hysteresis": [1, -5]}
+    want = engine.chat(msgs, max_tokens=24, **body)
+    r = client.chat.completions.create(model="mbd-tiny", messages=msgs, max_tokens=24, extra_body=body)
+    assert r.choices[0].message.content == want.text
+    u = r.usage.model_extra  # the extension fields of the usage object
+    assert u["verifications"] == want.usage.verifications and u["drafts_accepted"] == want.usage.drafts_accepted
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="mbd-tiny", messages=msgs, extra_body={"verify_hysteresis": [1]})
+    assert "speculative" in e.value.body["message"]
+
+
 def test_invalid_requests(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="mbd-tiny", messages=MSG, temperature=-1)

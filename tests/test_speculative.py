@@ -108,8 +108,8 @@ def test_fast_dllm_v2_family_defaults_to_sub_blocks(model_copy):
 
 
 @pytest.mark.parametrize("kw,msg", [
-    (dict(verify_policy="always"), "only apply with speculative='s2d2'"),
-    (dict(verify_hysteresis=[1, -5]), "only apply with speculative='s2d2'"),
+    (dict(verify_policy="always"), "only applies with speculative='s2d2'"),
+    (dict(verify_hysteresis=[1, -5]), "only applies with speculative='s2d2'"),
     (dict(speculative="eagle"), "speculative must be 'off' or 's2d2'"),
     (dict(speculative="s2d2", verify_policy="sometimes"), "verify_policy must be"),
     (dict(speculative="s2d2", verify_hysteresis=[1.0]), "two numbers"),

@@ -229,7 +229,9 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
 
     def usage_json(u: Usage) -> dict[str, int | float]:
         return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens,
-                "forward_passes": u.forward_passes, "tokens_per_forward": u.tokens_per_forward}
+                "forward_passes": u.forward_passes, "tokens_per_forward": u.tokens_per_forward,
+                "verifications": u.verifications, "drafts_proposed": u.drafts_proposed,
+                "drafts_accepted": u.drafts_accepted}
 
     async def sse(stream: Stream, rid: str, chat: bool, include_usage: bool, lease: _Lease,
                   request: Request) -> AsyncIterator[str]:

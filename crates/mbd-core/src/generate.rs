@@ -265,7 +265,8 @@ fn resolve_speculative(req: &GenRequest, attention: AttentionKind) -> Result<Opt
     .collect();
     if req.speculative.unwrap_or(Speculative::Off) == Speculative::Off {
         if !set.is_empty() {
-            return Err(Error::invalid(format!("{} only apply with speculative='s2d2'", set.join(", "))));
+            let verb = if set.len() == 1 { "applies" } else { "apply" };
+            return Err(Error::invalid(format!("{} only {verb} with speculative='s2d2'", set.join(", "))));
         }
         return Ok(None);
     }
