@@ -37,6 +37,10 @@ def entropy_quantiles(model, prompt, n, b):
     return np.quantile(h, [0.25, 0.5, 0.75]), np.quantile(mp, [0.25, 0.5, 0.75])
 
 
+def PREFIX(delay, refresh=None):
+    return dict(mode="prefix", delay=delay, refresh=refresh)
+
+
 def S2D2(policy, **kw):
     return dict(dict(policy=policy, min_span=8, score_threshold=0.0, penalty=1.0, penalty_kind="static",
                      hysteresis=[1.0, -5.0]), **kw)
@@ -95,6 +99,14 @@ def main():
                 "s2d2_fast_dllm_v2": dict(acceptance="confidence", threshold=round(float(pq[1]), 3), alpha=1.0,
                                           block_size=8, sub_block=4, logits_shift=True,
                                           s2d2=S2D2("hysteresis", penalty_kind="dynamic")),
+                # d3LLM's approximate prefix cache for full attention (issue #14)
+                "prefix_d1": dict(attention="full", threshold=h50, logits_shift=True, block_size=5,
+                                  cache=PREFIX(1)),
+                "prefix_d0_unshifted": dict(attention="full", threshold=h50, block_size=4, cache=PREFIX(0)),
+                "prefix_d2_refresh3": dict(attention="full", threshold=h50, logits_shift=True, block_size=4,
+                                           cache=PREFIX(2, 3)),
+                "prefix_d1_single_block_eos": dict(attention="full", threshold=h50, logits_shift=True, block_size=4,
+                                                   alpha=1.0, eos=[0, eos], cache=PREFIX(1)),
                 "s2d2_prompt_grid_eos": dict(threshold=h50, alignment="prompt", block_size=5, eos=[0, eos],
                                              s2d2=S2D2("score", score_threshold=0.5)),
             }

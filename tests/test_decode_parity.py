@@ -32,6 +32,12 @@ def run(case, use_cache):
     p = case["params"]
     eng = engine(case["model"], p["attention"], p["alignment"], p["logits_shift"], tuple(case["eos_token_ids"]))
     extra = spec_params(p.get("s2d2"))
+    if p.get("cache"):
+        if not use_cache:
+            pytest.skip("the approximate cache has no uncached twin (the 'full_attention' cases are cache='none')")
+        extra.update(cache=p["cache"]["mode"], cache_delay=p["cache"]["delay"])
+        if p["cache"]["refresh"]:
+            extra["refresh_interval"] = p["cache"]["refresh"]
     if p.get("sub_block"):
         extra["sub_block_size"] = p["sub_block"]
     return eng.generate(case["prompt"], max_tokens=case["max_tokens"], block_size=p["block_size"],

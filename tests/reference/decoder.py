@@ -67,10 +67,13 @@ def mask_from_ends(ends, extra=None, torch=None):
 
 def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignment, logits_shift, threshold,
                      acceptance, alpha, beta, forced, early_stop, eos_ids, max_forward_passes=10000,
-                     sub_block=None, s2d2=None):
+                     sub_block=None, s2d2=None, cache=None):
     """s2d2: None, or dict(policy=always|min_span|score|hysteresis, min_span=, score_threshold=, penalty=,
-    penalty_kind=static|dynamic, hysteresis=(on, off))."""
+    penalty_kind=static|dynamic, hysteresis=(on, off)).
+    cache: None (recompute every step), or dict(mode="prefix", delay=, refresh=) for full attention: d3LLM's
+    approximate prefix cache (`_sample_multi_block_kv_cache`), kept in a transformers DynamicCache."""
     import torch
+    from transformers import DynamicCache
 
     lp = len(prompt)
     x = list(prompt) + [mask_id] * n
@@ -98,6 +101,15 @@ def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignm
     causal = set()
     frontier = (lp // block_size) * block_size if attention == "block_causal" and alignment == "absolute" else lp
     hyst_on = False
+    # prefix cache state: the DynamicCache, its length, per schedule span (prompt, then created blocks) the step
+    # it was first seen complete at and whether it is cached, and the logits row before the cache's end
+    kv, kv_len, completed_at, cached, carry = None, 0, {0: 0}, {}, None
+
+    def keep_first(c, k):
+        """Cut a DynamicCache to its first k positions (transformers 5 crops by a negative count)."""
+        extra = c.get_seq_length() - k
+        if extra > 0:
+            c.crop(-extra)
 
     def row_end(p):
         return p + 1 if p in causal else block_end(p, attention, block_size, alignment, lp)
@@ -173,20 +185,66 @@ def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignm
                 frontier = blocks[k][1]
             else:
                 break
-        # 5. forward: whole sequence, recomputed
+        # 5. forward: whole sequence, recomputed (or, with the prefix cache, from the cache's end)
         total = lp + n
-        if causal:
-            am = mask_from_ends([row_end(p) for p in range(total)], torch=torch)
+        start = 0
+        if cache:
+            step = nfe + 1
+            spans = [(0, lp)] + [tuple(blocks[k]) for k in range(len(blocks)) if created[k]]
+            full_span = lambda sp: all(not is_mask[p] for p in range(max(sp[0], lp), sp[1]))  # noqa: E731
+            to = None
+            for i, sp in enumerate(spans):
+                if sp[1] <= kv_len:
+                    continue
+                if not full_span(sp):
+                    break
+                completed_at.setdefault(i, step)
+                if step - completed_at[i] >= cache["delay"] and not cached.get(i):
+                    cached[i] = True
+                    to = sp[1]
+            waiting = any(i in completed_at and not cached.get(i) and full_span(sp) for i, sp in enumerate(spans))
+            periodic = cache.get("refresh") and step % cache["refresh"] == 0
+            zeros = lambda w, c: torch.zeros(1, 1, w, c + w)  # noqa: E731  (full attention)
+            with torch.no_grad():
+                if to is not None or (kv_len > 0 and not waiting and not periodic):
+                    start = kv_len
+                    w = total - kv_len
+                    if kv is None:
+                        kv = DynamicCache()
+                    out = model(torch.tensor([x[kv_len:]]), past_key_values=kv, use_cache=True,
+                                attention_mask=zeros(w, kv_len), position_ids=torch.arange(kv_len, total)[None])
+                    keep = to if to is not None else kv_len
+                    keep_first(kv, keep)
+                    logits = out.logits[0]
+                    if to is not None and logits_shift:
+                        carry = logits[keep - 1 - start].double().numpy()
+                    kv_len = keep
+                else:
+                    fresh = DynamicCache()
+                    out = model(torch.tensor([x]), past_key_values=fresh, use_cache=True, attention_mask=zeros(total, 0))
+                    logits = out.logits[0]
+                    if kv_len > 0:
+                        keep_first(fresh, kv_len)
+                        kv = fresh
+                        if logits_shift:
+                            carry = logits[kv_len - 1].double().numpy()
+            logits = logits.double().numpy()
         else:
-            am = attention_mask(total, attention, block_size, alignment, lp, torch)
-        with torch.no_grad():
-            logits = model(torch.tensor([x]), attention_mask=am).logits[0]
-        logits = logits.double().numpy()
+            if causal:
+                am = mask_from_ends([row_end(p) for p in range(total)], torch=torch)
+            else:
+                am = attention_mask(total, attention, block_size, alignment, lp, torch)
+            with torch.no_grad():
+                logits = model(torch.tensor([x]), attention_mask=am).logits[0]
+            logits = logits.double().numpy()
         nfe += 1
         # 6. predictions for the candidates
         pred = {}
         for p in cand:
-            row = logits[p - 1] if logits_shift else logits[p]
+            if logits_shift:
+                row = logits[p - 1 - start] if p - 1 >= start else carry
+            else:
+                row = logits[p - start]
             pr, h = probs(row)
             pred[p] = (int(np.argmax(row)), h, float(pr.max()))
         # S2D2: verify the span (first run of consecutive candidates, in one block)?

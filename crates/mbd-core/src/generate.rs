@@ -13,7 +13,7 @@ pub use crate::output::{FinishReason, StepEvent, StepOutput, Usage};
 use crate::request::{GenRequest, Params, TraceMode};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::speculative::{Router, SpecParams, Speculative};
-use crate::window::Window;
+use crate::window::{CachePolicy, Window};
 use candle_core::{DType, Tensor};
 use std::sync::Arc;
 
@@ -112,7 +112,8 @@ impl Generation {
         let dec = Decoder::new(lp, n, block_layout(lp, n, b, absolute), params)?;
         let mut canvas = prompt;
         canvas.resize(lp + n, mask_id);
-        let window = Window::new(&model, grid, lp, req.use_cache.unwrap_or(true));
+        let policy = CachePolicy::resolve(grid.kind, req.cache, req.use_cache, req.cache_delay, req.refresh_interval)?;
+        let window = Window::new(&model, grid, lp, policy);
         let out = Output::new(lp, req.stop.clone().unwrap_or_default(), req.trace.unwrap_or(TraceMode::Off));
         Ok(Generation { model, dec, canvas, mask_id, window, sampler, out, spec, pending: None })
     }

@@ -9,6 +9,7 @@ use crate::decoder::{Acceptance, ForcedProgress};
 use crate::error::{Error, Result};
 use crate::mask::{Alignment, AttentionKind};
 use crate::speculative::{PenaltyKind, Speculative, VerifyPolicy};
+use crate::window::CacheMode;
 use std::fmt::Display;
 
 crate::string_enum! {
@@ -129,6 +130,25 @@ pub const PARAMS: &[ParamSpec] = &[
     p("forced_progress", K::Str, R::Any, "fully active blocks that must decode a token each step: first | every"),
     p("early_stop", K::Bool, R::Any, "stop at the first decoded EOS (default: true)"),
     p("use_cache", K::Bool, R::Any, "keep the exact KV cache of completed blocks (default: true)"),
+    p(
+        "cache",
+        K::Str,
+        R::Any,
+        "KV cache: exact (default where attention is block-causal or causal) | none (default for full attention) \
+         | prefix (full attention: d3LLM's approximate cache)",
+    ),
+    p(
+        "cache_delay",
+        K::Int,
+        R::AtLeast(0.0),
+        "cache='prefix': steps a complete block waits before caching (default 1)",
+    ),
+    p(
+        "refresh_interval",
+        K::Int,
+        R::AtLeast(1.0),
+        "cache='prefix': recompute the whole canvas every this many steps (default: never)",
+    ),
     p("max_forward_passes", K::Int, R::AtLeast(1.0), "stop after this many forward passes (default: 10000)"),
     p(
         "sub_block_size",
@@ -281,7 +301,7 @@ macro_rules! from_name {
         }
     )*};
 }
-from_name!(Acceptance, ForcedProgress, AttentionKind, Alignment, Speculative, VerifyPolicy, PenaltyKind);
+from_name!(Acceptance, ForcedProgress, AttentionKind, Alignment, Speculative, VerifyPolicy, PenaltyKind, CacheMode);
 
 impl FromValue for Vec<f64> {
     fn from_value(name: &str, v: Value) -> Result<Self> {
@@ -376,6 +396,9 @@ request! {
         forced_progress: ForcedProgress,
         early_stop: bool,
         use_cache: bool,
+        cache: CacheMode,
+        cache_delay: usize,
+        refresh_interval: usize,
         max_forward_passes: usize,
         sub_block_size: usize,
         speculative: Speculative,

@@ -34,7 +34,71 @@ pub enum CachePolicy {
     Exact,
     /// Nothing is kept; each step forwards from position 0 (the reference semantics).
     Recompute,
+    /// d3LLM's approximate prefix cache for full attention: a block (the prompt first) is committed once it has
+    /// been complete for `delay` steps, from a forward over [cache end, canvas end); while a complete block
+    /// waits, and every `refresh` steps, the step recomputes the whole canvas and rebuilds the cached K/V.
+    Prefix { delay: usize, refresh: Option<usize> },
 }
+
+crate::string_enum! {
+    /// The `cache` request parameter.
+    pub enum CacheMode ("cache") {
+        /// exact prefix cache of completed blocks (block-causal and causal attention)
+        Exact = "exact",
+        /// recompute every step
+        None = "none",
+        /// d3LLM's approximate prefix cache with delayed commits and refreshes (full attention)
+        Prefix = "prefix",
+    }
+}
+
+impl CachePolicy {
+    /// The policy of a request: `cache` (with `cache_delay`, `refresh_interval`) and `use_cache`, over the
+    /// model's attention. Default: exact where K/V become final (block-causal, causal), none for full attention.
+    pub fn resolve(
+        attention: AttentionKind,
+        cache: Option<CacheMode>,
+        use_cache: Option<bool>,
+        delay: Option<usize>,
+        refresh: Option<usize>,
+    ) -> Result<CachePolicy> {
+        if cache != Some(CacheMode::Prefix) && (delay.is_some() || refresh.is_some()) {
+            let names: Vec<&str> = [("cache_delay", delay.is_some()), ("refresh_interval", refresh.is_some())]
+                .into_iter()
+                .filter_map(|(n, s)| s.then_some(n))
+                .collect();
+            return Err(Error::invalid(format!("{} only with cache='prefix'", names.join(" and "))));
+        }
+        let full = attention == AttentionKind::Full;
+        match (cache, use_cache) {
+            (Some(c), Some(false)) if c != CacheMode::None => {
+                Err(Error::invalid(format!("use_cache=False contradicts cache='{}'", c.name())))
+            }
+            (Some(CacheMode::Exact), _) if full => Err(Error::invalid(
+                "cache='exact' needs block-causal or causal attention: with full attention no K/V is ever final \
+                 (use cache='prefix' for the approximate cache, or 'none')",
+            )),
+            (Some(CacheMode::Prefix), _) if !full => Err(Error::invalid(
+                "cache='prefix' is the approximate cache for full attention; this model's attention is block-causal \
+                 or causal, whose K/V are cached exactly (cache='exact', the default)",
+            )),
+            (Some(CacheMode::Prefix), _) => {
+                Ok(CachePolicy::Prefix { delay: delay.unwrap_or(DEFAULT_CACHE_DELAY), refresh })
+            }
+            (Some(CacheMode::None), _) | (None, Some(false)) => Ok(CachePolicy::Recompute),
+            _ if full => Ok(CachePolicy::Recompute),
+            _ => Ok(CachePolicy::Exact),
+        }
+    }
+
+    /// Whether K/V are kept between steps (in the generation's cache).
+    fn keeps(&self) -> bool {
+        *self != CachePolicy::Recompute
+    }
+}
+
+/// d3LLM's `cache_delay_iter` in its Dream evaluation scripts.
+pub const DEFAULT_CACHE_DELAY: usize = 1;
 
 /// One forward of a step: canvas[start..end) into the generation's cache (or the step's scratch cache).
 #[derive(Debug)]
@@ -79,6 +143,10 @@ pub struct Window {
     /// The verification's input ids, and its logits until `commit_verified` (first row's position, rows).
     verify_ids: Vec<u32>,
     verify_rows: Option<(usize, Tensor)>,
+    /// Prefix policy: per schedule block (the prompt, then the decoder's blocks), the step at which it was first
+    /// seen complete, and whether it is cached.
+    completed_at: Vec<Option<usize>>,
+    cached: Vec<bool>,
     prefill_started: Option<Instant>,
     /// Token positions run through the model by decode steps (prefill excluded).
     pub positions_forwarded: usize,
@@ -86,11 +154,10 @@ pub struct Window {
 }
 
 impl Window {
-    /// `use_cache` is the request's wish; full attention always recomputes (no K/V is ever final).
-    pub fn new(model: &Model, grid: BlockGrid, prompt_len: usize, use_cache: bool) -> Window {
-        let exact = use_cache && grid.kind != AttentionKind::Full;
+    /// `policy` as `CachePolicy::resolve` gave it for this grid.
+    pub fn new(model: &Model, grid: BlockGrid, prompt_len: usize, policy: CachePolicy) -> Window {
         Window {
-            policy: if exact { CachePolicy::Exact } else { CachePolicy::Recompute },
+            policy,
             grid,
             shift: model.profile.logits_shift,
             cache: model.new_cache(),
@@ -104,6 +171,8 @@ impl Window {
             causal: vec![],
             verify_ids: vec![],
             verify_rows: None,
+            completed_at: vec![Some(0)],
+            cached: vec![false],
             prefill_started: None,
             positions_forwarded: 0,
             prefill_ms: 0.0,
@@ -154,7 +223,13 @@ impl Window {
                 }
             }
         }
+        let mut commit_end = None;
         let (ws, we) = match (self.grid.kind, self.policy) {
+            (_, CachePolicy::Prefix { delay, refresh }) => {
+                let (start, commit) = self.prefix_schedule(dec, delay, refresh)?;
+                commit_end = Some(commit);
+                (start, dec.prompt_len + dec.n)
+            }
             (AttentionKind::Full, _) => (0, dec.prompt_len + dec.n),
             (_, CachePolicy::Exact) => {
                 let base = self.pieces.back().map_or(self.cache.len(), |p| p.end);
@@ -178,11 +253,11 @@ impl Window {
                 (b, dec.created_end())
             }
         };
-        let commit_end = dec.complete_run_end(self.frontier).max(self.frontier);
+        let commit_end = commit_end.unwrap_or_else(|| dec.complete_run_end(self.frontier).max(self.frontier));
         // rows of the window whose logits are needed (and the new carry row)
         let mut rows: Vec<usize> =
             positions.iter().map(|&p| self.src(p)).filter(|&r| r >= ws).map(|r| r - ws).collect();
-        if exact && self.shift && commit_end > ws {
+        if self.policy.keeps() && self.shift && commit_end > ws {
             rows.push(commit_end - 1 - ws);
         }
         rows.sort_unstable();
@@ -190,6 +265,53 @@ impl Window {
         self.pieces.push_back(Piece { start: ws, end: we, rows, kind: PieceKind::Window { commit_end } });
         self.positions = positions;
         Ok(())
+    }
+
+    /// The prefix policy's plan for the step about to run (d3LLM's `_sample_multi_block_kv_cache` schedule):
+    /// returns (window start, commit end) and truncates the cache for a recompute. Schedule blocks are the prompt,
+    /// then the decoder's created blocks; scanning from the cache's end, a complete block is stamped with the step
+    /// it is first seen complete at, and cached once `delay` steps have passed (the scan stops at the first
+    /// incomplete block). Then: a block to cache -> forward [cache end, canvas end) and commit through it; else a
+    /// cache and no complete block waiting and no periodic refresh due -> forward [cache end, canvas end); else a
+    /// cache -> refresh: recompute [0, canvas end) and rebuild the cached K/V from it; else (no cache yet) ->
+    /// recompute [0, canvas end). d3LLM's refresh extends its cache to the latest waiting block's start without
+    /// advancing its length counter (its next forwards see those positions twice); here a refresh rebuilds the
+    /// cached region only.
+    fn prefix_schedule(&mut self, dec: &Decoder, delay: usize, refresh: Option<usize>) -> Result<(usize, usize)> {
+        let step = dec.forward_passes + 1;
+        let spans: Vec<(usize, usize)> = std::iter::once((0, dec.prompt_len))
+            .chain(dec.blocks.iter().filter(|b| b.created).map(|b| (b.start, b.end)))
+            .collect();
+        self.completed_at.resize(spans.len(), None);
+        self.cached.resize(spans.len(), false);
+        let complete = |(s, e): (usize, usize)| (s.max(dec.prompt_len)..e).all(|p| dec.decoded[p - dec.prompt_len]);
+        let cache_end = self.cache.len();
+        let mut to = None;
+        for (k, &sp) in spans.iter().enumerate() {
+            if sp.1 <= cache_end {
+                continue;
+            }
+            if !complete(sp) {
+                break;
+            }
+            let at = *self.completed_at[k].get_or_insert(step);
+            if step - at >= delay && !self.cached[k] {
+                self.cached[k] = true;
+                to = Some(sp.1);
+            }
+        }
+        let waiting = (0..spans.len()).any(|k| self.completed_at[k].is_some() && !self.cached[k] && complete(spans[k]));
+        let periodic = refresh.is_some_and(|r| step % r == 0);
+        Ok(match to {
+            Some(end) => (cache_end, end),
+            None if cache_end > 0 && !waiting && !periodic => (cache_end, cache_end),
+            None => {
+                // recompute everything; a cache is rebuilt from this forward
+                self.cache.truncate(0);
+                self.carry = None;
+                (0, cache_end)
+            }
+        })
     }
 
     /// The next forward of the step under way, as a segment over `canvas`.
@@ -234,7 +356,7 @@ impl Window {
             ),
         };
         let cache = match (kind, self.policy) {
-            (PieceKind::Window { .. } | PieceKind::Verify { .. }, CachePolicy::Exact)
+            (PieceKind::Window { .. } | PieceKind::Verify { .. }, CachePolicy::Exact | CachePolicy::Prefix { .. })
             | (PieceKind::Prefill { .. }, _) => &mut self.cache,
             _ => self.scratch.get_or_insert_with(|| self.cache.fresh()),
         };
@@ -348,7 +470,7 @@ impl Window {
 
     /// Gather the step's positions' rows from the window's logits (the carry row sits after them) and commit.
     fn finish_window(&mut self, piece: Piece, commit_end: usize, logits: Tensor) -> Result<Tensor> {
-        let exact = self.policy == CachePolicy::Exact;
+        let exact = self.policy.keeps();
         let (ws, rows) = (piece.start, &piece.rows);
         let n_rows = rows.len();
         let table = match &self.carry {
