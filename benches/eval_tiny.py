@@ -45,20 +45,34 @@ for mode, base in [("single-block", SINGLE), ("multi-block", MULTI)]:
     ]
 S2D2_CONFIGS.append(("single-block B8 + S2D2 always", dict(SINGLE, block_size=8, **S2D2, verify_policy="always")))
 
+# full-attention (Dream-style) models: the cache modes of issue #14, multi-block entropy 0.5 with blocks of 4
+CACHE_BASE = dict(block_size=4, acceptance="entropy", threshold=0.5)
+CACHE_CONFIGS = [("AR (block 1, no cache)", dict(block_size=1, block_add_threshold=1.0, acceptance="confidence",
+                                                threshold=1.0))]
+for label, extra in [("none", dict(cache="none")), ("prefix delay 1", dict(cache="prefix", cache_delay=1)),
+                     ("prefix delay 2", dict(cache="prefix", cache_delay=2)),
+                     ("prefix delay 4", dict(cache="prefix", cache_delay=4)),
+                     ("prefix delay 1 refresh 4", dict(cache="prefix", cache_delay=1, refresh_interval=4)),
+                     ("dual", dict(cache="dual"))]:
+    CACHE_CONFIGS.append((f"multi-block {label}", dict(CACHE_BASE, **extra)))
+    CACHE_CONFIGS.append((f"single-block {label}", dict(CACHE_BASE, block_add_threshold=1.0, **extra)))
+SUITES = {"modes": (CONFIGS, "tiny_eval"), "s2d2": (S2D2_CONFIGS, "s2d2_tiny"), "cache": (CACHE_CONFIGS, "cache_dream")}
+
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--per-task", type=int, default=40)
     ap.add_argument("--model", default=None)
     ap.add_argument("--max-tokens", type=int, default=40)
-    ap.add_argument("--suite", choices=["modes", "s2d2"], default="modes")
+    ap.add_argument("--suite", choices=list(SUITES), default="modes")
     args = ap.parse_args()
     eng = mbd_rs.Engine.load(args.model, device="cpu")
     data = held_out_set(args.per_task)
     results = []
     ar_outputs = None
-    for name, cfg in (S2D2_CONFIGS if args.suite == "s2d2" else CONFIGS):
-        correct, toks, fwd, secs, same_as_ar = 0, 0, 0, 0.0, 0
+    configs, stem = SUITES[args.suite]
+    for name, cfg in configs:
+        correct, toks, fwd, secs, same_as_ar, positions = 0, 0, 0, 0.0, 0, 0
         ver, proposed, accepted = 0, 0, 0
         per_task = {t: [0, 0] for t in TASKS}
         outputs = []
@@ -72,6 +86,7 @@ def main():
             per_task[task][1] += 1
             toks += c.usage.completion_tokens
             fwd += c.usage.forward_passes
+            positions += c.usage.positions_forwarded
             ver, proposed, accepted = ver + c.usage.verifications, proposed + c.usage.drafts_proposed, accepted + c.usage.drafts_accepted
             outputs.append(c.token_ids)
         if ar_outputs is None:
@@ -80,14 +95,15 @@ def main():
         row = dict(config=name, params=cfg, accuracy=correct / len(data), tokens_per_forward=toks / fwd,
                    forwards_per_token=fwd / toks, tokens_per_second=toks / secs, same_as_ar=same_as_ar / len(data),
                    verifications=ver, draft_acceptance=accepted / proposed if proposed else None,
+                   positions_per_forward=positions / fwd,
                    per_task={k: v[0] / v[1] for k, v in per_task.items()})
         results.append(row)
         acc_s = f"  accept {row['draft_acceptance'] * 100:4.1f}%" if proposed else ""
         print(f"{name:34s} acc {row['accuracy'] * 100:5.1f}%  tpf {row['tokens_per_forward']:.2f}  "
               f"{row['tokens_per_second']:7.0f} tok/s  =AR {row['same_as_ar'] * 100:5.1f}%{acc_s}  "
+              f"pos/fwd {row['positions_per_forward']:.0f}  "
               + " ".join(f"{k}:{v * 100:.0f}" for k, v in row["per_task"].items()), flush=True)
     out = dict(model=eng.info.path, instances=len(data), max_tokens=args.max_tokens, results=results)
-    stem = "s2d2_tiny" if args.suite == "s2d2" else "tiny_eval"
     json.dump(out, open(os.path.join(ROOT, "benches", stem + ".json"), "w"), indent=1)
     try:
         import matplotlib
@@ -97,16 +113,16 @@ def main():
         print("matplotlib not installed: no plot", file=sys.stderr)
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    if args.suite == "s2d2":
-        for r, mk in zip(results, "sovD^<>px*h"):
+    if args.suite in ("s2d2", "cache"):
+        for r, mk in zip(results, "sovD^<>px*hH+8d|_"):
             ax.plot([r["tokens_per_forward"]], [100 * r["accuracy"]], marker=mk, linestyle="", label=r["config"])
-        ax.set_xlabel("tokens per forward (verification forwards counted)")
+        ax.set_xlabel("tokens per forward" + (" (verification forwards counted)" if args.suite == "s2d2" else ""))
         ax.set_ylabel("exact-match accuracy on held-out (%)")
-        ax.set_title(f"mbd-tiny with S2D2 ({len(data)} held-out instances)")
+        ax.set_title(f"{os.path.basename(eng.info.path)}: {args.suite} ({len(data)} held-out instances)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(os.path.join(ROOT, "benches", "s2d2_tiny.png"), dpi=110)
+        fig.savefig(os.path.join(ROOT, "benches", stem + ".png"), dpi=110)
         return
     for label, pick, mk in [("AR", "AR", "s"), ("single-block", "single", "^"), ("multi-block entropy", "multi-block entropy", "o"),
                             ("multi-block confidence", "multi-block confidence", "D"), ("multi-block B8", "B8", "x")]:

@@ -107,6 +107,12 @@ def main():
                                            cache=PREFIX(2, 3)),
                 "prefix_d1_single_block_eos": dict(attention="full", threshold=h50, logits_shift=True, block_size=4,
                                                    alpha=1.0, eos=[0, eos], cache=PREFIX(1)),
+                # Fast-dLLM v1's dual cache for full attention (issue #14)
+                "dual": dict(attention="full", threshold=h50, logits_shift=True, block_size=4, cache=dict(mode="dual")),
+                "dual_single_block_unshifted": dict(attention="full", threshold=h50, block_size=4, alpha=1.0,
+                                                    cache=dict(mode="dual")),
+                "dual_b5_eos": dict(attention="full", threshold=h50, logits_shift=True, block_size=5, eos=[0, eos],
+                                    cache=dict(mode="dual")),
                 "s2d2_prompt_grid_eos": dict(threshold=h50, alignment="prompt", block_size=5, eos=[0, eos],
                                              s2d2=S2D2("score", score_threshold=0.5)),
             }

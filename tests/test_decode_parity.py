@@ -35,8 +35,10 @@ def run(case, use_cache):
     if p.get("cache"):
         if not use_cache:
             pytest.skip("the approximate cache has no uncached twin (the 'full_attention' cases are cache='none')")
-        extra.update(cache=p["cache"]["mode"], cache_delay=p["cache"]["delay"])
-        if p["cache"]["refresh"]:
+        extra["cache"] = p["cache"]["mode"]
+        if p["cache"].get("delay") is not None:
+            extra["cache_delay"] = p["cache"]["delay"]
+        if p["cache"].get("refresh"):
             extra["refresh_interval"] = p["cache"]["refresh"]
     if p.get("sub_block"):
         extra["sub_block_size"] = p["sub_block"]

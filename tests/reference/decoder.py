@@ -70,8 +70,10 @@ def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignm
                      sub_block=None, s2d2=None, cache=None):
     """s2d2: None, or dict(policy=always|min_span|score|hysteresis, min_span=, score_threshold=, penalty=,
     penalty_kind=static|dynamic, hysteresis=(on, off)).
-    cache: None (recompute every step), or dict(mode="prefix", delay=, refresh=) for full attention: d3LLM's
-    approximate prefix cache (`_sample_multi_block_kv_cache`), kept in a transformers DynamicCache."""
+    cache: None (recompute every step), or for full attention dict(mode="prefix", delay=, refresh=): d3LLM's
+    approximate prefix cache (`_sample_multi_block_kv_cache`), or dict(mode="dual"): Fast-dLLM v1's dual cache
+    over the active region (first incomplete created block .. end of the last created block), both kept in a
+    transformers DynamicCache."""
     import torch
     from transformers import DynamicCache
 
@@ -103,7 +105,7 @@ def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignm
     hyst_on = False
     # prefix cache state: the DynamicCache, its length, per schedule span (prompt, then created blocks) the step
     # it was first seen complete at and whether it is cached, and the logits row before the cache's end
-    kv, kv_len, completed_at, cached, carry = None, 0, {0: 0}, {}, None
+    kv, kv_len, completed_at, cached, carry, dual_region = None, 0, {0: 0}, {}, None, None
 
     def keep_first(c, k):
         """Cut a DynamicCache to its first k positions (transformers 5 crops by a negative count)."""
@@ -188,7 +190,31 @@ def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignm
         # 5. forward: whole sequence, recomputed (or, with the prefix cache, from the cache's end)
         total = lp + n
         start = 0
-        if cache:
+        if cache and cache["mode"] == "dual":
+            a = next(blocks[k][0] for k in range(len(blocks)) if created[k] and not complete(k))
+            b = max(blocks[k][1] for k in range(len(blocks)) if created[k])
+            with torch.no_grad():
+                if kv is not None and dual_region == (a, b):
+                    # the region alone, over the cached prefix and suffix
+                    start = a
+                    out = model(torch.tensor([x[a:b]]), past_key_values=kv, use_cache=True,
+                                attention_mask=torch.zeros(1, 1, b - a, kv_len + b - a),
+                                position_ids=torch.arange(a, b)[None])
+                    keep_first(kv, kv_len)
+                    logits = out.logits[0]
+                else:
+                    fresh = DynamicCache()
+                    out = model(torch.tensor([x]), past_key_values=fresh, use_cache=True,
+                                attention_mask=torch.zeros(1, 1, total, total))
+                    logits = out.logits[0]
+                    kv = DynamicCache()
+                    for li, layer in enumerate(fresh.layers):
+                        kv.update(torch.cat([layer.keys[:, :, :a], layer.keys[:, :, b:]], 2),
+                                  torch.cat([layer.values[:, :, :a], layer.values[:, :, b:]], 2), li)
+                    kv_len, dual_region = a + total - b, (a, b)
+                    carry = logits[a - 1].double().numpy() if logits_shift else None
+            logits = logits.double().numpy()
+        elif cache:
             step = nfe + 1
             spans = [(0, lp)] + [tuple(blocks[k]) for k in range(len(blocks)) if created[k]]
             full_span = lambda sp: all(not is_mask[p] for p in range(max(sp[0], lp), sp[1]))  # noqa: E731

@@ -180,6 +180,13 @@ impl Decoder {
         self.blocks.iter().filter(|b| b.created).count()
     }
 
+    /// Start of the first created block with masks (the end of the last created block when there is none).
+    pub fn active_start(&self) -> usize {
+        (0..self.blocks.len())
+            .find(|&k| self.blocks[k].created && !self.is_complete(k))
+            .map_or_else(|| self.created_end(), |k| self.blocks[k].start)
+    }
+
     /// End (exclusive, absolute) of the last created block.
     pub fn created_end(&self) -> usize {
         self.blocks.iter().filter(|b| b.created).map(|b| b.end).max().unwrap_or(self.prompt_len)

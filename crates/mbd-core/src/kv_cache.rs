@@ -132,13 +132,37 @@ impl KvCache {
         let src = self.len + from;
         if n > 0 && src != at {
             for (k, v) in &self.layers {
-                let ks = k.narrow(1, src, n)?.copy()?;
-                let vs = v.narrow(1, src, n)?.copy()?;
+                let ks = k.narrow(1, src, n)?.contiguous()?.copy()?;
+                let vs = v.narrow(1, src, n)?.contiguous()?.copy()?;
                 k.slice_set(&ks, 1, at)?;
                 v.slice_set(&vs, 1, at)?;
             }
         }
         self.len = at + n;
+        self.window = 0;
+        Ok(())
+    }
+
+    /// Keep the first `n` window rows of the last forward and, right after them, its window rows
+    /// [from, from + m) (the dual cache's prefix and suffix; the rows between are dropped).
+    pub fn commit_split(&mut self, n: usize, from: usize, m: usize) -> Result<()> {
+        if n > from || from.checked_add(m).is_none_or(|e| e > self.window) {
+            return Err(Error::Internal(format!(
+                "cannot keep window rows 0..{n} and {from}..{}: the last forward wrote a window of {}",
+                from.saturating_add(m),
+                self.window
+            )));
+        }
+        let (src, at) = (self.len + from, self.len + n);
+        if m > 0 && src != at {
+            for (k, v) in &self.layers {
+                let ks = k.narrow(1, src, m)?.contiguous()?.copy()?;
+                let vs = v.narrow(1, src, m)?.contiguous()?.copy()?;
+                k.slice_set(&ks, 1, at)?;
+                v.slice_set(&vs, 1, at)?;
+            }
+        }
+        self.len = at + m;
         self.window = 0;
         Ok(())
     }
@@ -198,5 +222,29 @@ mod tests {
         // rows already in place: no copy, same result as commit
         c.commit_rows(0, 1, 3).unwrap();
         assert_eq!(c.len(), 4);
+    }
+
+    #[test]
+    fn commit_split_keeps_a_prefix_and_a_suffix_with_several_kv_heads() {
+        // two KV heads: a slice of the positions axis is not contiguous
+        let mut c = KvCache::new(1, 2, 1, DType::F32, &Device::Cpu);
+        c.begin_window(5).unwrap();
+        let k = Tensor::from_slice(&[1f32, 2., 3., 4., 5., 10., 20., 30., 40., 50.], (2, 5, 1), &Device::Cpu).unwrap();
+        c.write_window(0, &k, &k, 0).unwrap();
+        assert!(c.commit_split(3, 2, 1).is_err()); // the suffix starts inside the prefix
+        assert!(c.commit_split(1, 3, 3).is_err()); // past the window
+        c.commit_split(1, 3, 2).unwrap(); // keep position 0, then rows 3 and 4
+        assert_eq!(c.len(), 3);
+        let (ck, _) = c.layer(0);
+        let kept: Vec<f32> = ck.narrow(1, 0, 3).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(kept, [1.0, 4.0, 5.0, 10.0, 40.0, 50.0]);
+        // commit_rows moves non-contiguous slices too
+        c.begin_window(2).unwrap();
+        let k = Tensor::from_slice(&[6f32, 7., 60., 70.], (2, 2, 1), &Device::Cpu).unwrap();
+        c.write_window(0, &k, &k, 3).unwrap();
+        c.commit_rows(1, 1, 1).unwrap();
+        let (ck, _) = c.layer(0);
+        let kept: Vec<f32> = ck.narrow(1, 0, 2).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(kept, [1.0, 7.0, 10.0, 70.0]);
     }
 }

@@ -135,7 +135,7 @@ pub const PARAMS: &[ParamSpec] = &[
         K::Str,
         R::Any,
         "KV cache: exact (default where attention is block-causal or causal) | none (default for full attention) \
-         | prefix (full attention: d3LLM's approximate cache)",
+         | prefix (full attention: d3LLM's approximate cache) | dual (full attention: Fast-dLLM v1's dual cache)",
     ),
     p(
         "cache_delay",

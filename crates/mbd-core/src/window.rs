@@ -38,6 +38,10 @@ pub enum CachePolicy {
     /// been complete for `delay` steps, from a forward over [cache end, canvas end); while a complete block
     /// waits, and every `refresh` steps, the step recomputes the whole canvas and rebuilds the cached K/V.
     Prefix { delay: usize, refresh: Option<usize> },
+    /// Fast-dLLM v1's dual cache for full attention: the K/V before and after the active region (from the first
+    /// incomplete created block to the end of the last created block) are cached from a forward over the whole
+    /// canvas, taken whenever the region changes; other steps forward only the region.
+    Dual,
 }
 
 crate::string_enum! {
@@ -49,6 +53,8 @@ crate::string_enum! {
         None = "none",
         /// d3LLM's approximate prefix cache with delayed commits and refreshes (full attention)
         Prefix = "prefix",
+        /// Fast-dLLM v1's dual cache: prefix and suffix K/V, only the active blocks recomputed (full attention)
+        Dual = "dual",
     }
 }
 
@@ -78,10 +84,12 @@ impl CachePolicy {
                 "cache='exact' needs block-causal or causal attention: with full attention no K/V is ever final \
                  (use cache='prefix' for the approximate cache, or 'none')",
             )),
-            (Some(CacheMode::Prefix), _) if !full => Err(Error::invalid(
-                "cache='prefix' is the approximate cache for full attention; this model's attention is block-causal \
-                 or causal, whose K/V are cached exactly (cache='exact', the default)",
-            )),
+            (Some(c @ (CacheMode::Prefix | CacheMode::Dual)), _) if !full => Err(Error::invalid(format!(
+                "cache='{}' is an approximate cache for full attention; this model's attention is block-causal or \
+                 causal, whose K/V are cached exactly (cache='exact', the default)",
+                c.name()
+            ))),
+            (Some(CacheMode::Dual), _) => Ok(CachePolicy::Dual),
             (Some(CacheMode::Prefix), _) => {
                 Ok(CachePolicy::Prefix { delay: delay.unwrap_or(DEFAULT_CACHE_DELAY), refresh })
             }
@@ -105,6 +113,8 @@ pub const DEFAULT_CACHE_DELAY: usize = 1;
 struct Piece {
     start: usize,
     end: usize,
+    /// Cached positions the forward runs over (== start except for the dual cache's region forwards).
+    keys: usize,
     /// Window rows whose logits are wanted.
     rows: Vec<usize>,
     kind: PieceKind,
@@ -116,8 +126,9 @@ enum PieceKind {
     Prefill { last: bool },
     /// A chunk of a long canvas into the step's scratch cache (recompute policy; committed whole).
     Scratch,
-    /// The step's window; the frontier then moves to `commit_end` (the exact policy commits up to it).
-    Window { commit_end: usize },
+    /// The step's window; the frontier then moves to `commit_end` (the exact policy commits up to it); with
+    /// `suffix`, the window rows from that position on are kept after them (the dual cache).
+    Window { commit_end: usize, suffix: Option<usize> },
     /// S2D2's verification of the span (its ids are the window's `verify_ids`).
     Verify { span: (usize, usize) },
 }
@@ -147,6 +158,8 @@ pub struct Window {
     /// seen complete, and whether it is cached.
     completed_at: Vec<Option<usize>>,
     cached: Vec<bool>,
+    /// Dual policy: the region (start, end) the cached prefix and suffix were computed for.
+    dual: Option<(usize, usize)>,
     prefill_started: Option<Instant>,
     /// Token positions run through the model by decode steps (prefill excluded).
     pub positions_forwarded: usize,
@@ -173,6 +186,7 @@ impl Window {
             verify_rows: None,
             completed_at: vec![Some(0)],
             cached: vec![false],
+            dual: None,
             prefill_started: None,
             positions_forwarded: 0,
             prefill_ms: 0.0,
@@ -219,12 +233,30 @@ impl Window {
                 for (i, (s, e)) in cs.into_iter().enumerate() {
                     let last = i + 1 == n;
                     let rows = if last && self.shift { vec![e - s - 1] } else { vec![] };
-                    self.pieces.push_back(Piece { start: s, end: e, rows, kind: PieceKind::Prefill { last } });
+                    self.pieces.push_back(Piece { start: s, end: e, keys: s, rows, kind: PieceKind::Prefill { last } });
                 }
             }
         }
         let mut commit_end = None;
+        let (mut keys, mut suffix) = (None, None);
         let (ws, we) = match (self.grid.kind, self.policy) {
+            (_, CachePolicy::Dual) => {
+                let (a, b) = (dec.active_start(), dec.created_end());
+                if self.dual == Some((a, b)) {
+                    // the region over the cached prefix and suffix
+                    keys = Some(self.cache.len());
+                    commit_end = Some(a);
+                    (a, b)
+                } else {
+                    // the region changed (or first step): recompute everything, keep [0, a) and [b, end)
+                    self.cache.truncate(0);
+                    self.carry = None;
+                    self.dual = Some((a, b));
+                    commit_end = Some(a);
+                    suffix = Some(b);
+                    (0, dec.prompt_len + dec.n)
+                }
+            }
             (_, CachePolicy::Prefix { delay, refresh }) => {
                 let (start, commit) = self.prefix_schedule(dec, delay, refresh)?;
                 commit_end = Some(commit);
@@ -245,7 +277,13 @@ impl Window {
                 }
                 if b >= PREFILL_CHUNK {
                     for (s, e) in chunks(&self.grid, 0, b) {
-                        self.pieces.push_back(Piece { start: s, end: e, rows: vec![], kind: PieceKind::Scratch });
+                        self.pieces.push_back(Piece {
+                            start: s,
+                            end: e,
+                            keys: s,
+                            rows: vec![],
+                            kind: PieceKind::Scratch,
+                        });
                     }
                 } else {
                     b = 0;
@@ -262,7 +300,8 @@ impl Window {
         }
         rows.sort_unstable();
         rows.dedup();
-        self.pieces.push_back(Piece { start: ws, end: we, rows, kind: PieceKind::Window { commit_end } });
+        let kind = PieceKind::Window { commit_end, suffix };
+        self.pieces.push_back(Piece { start: ws, end: we, keys: keys.unwrap_or(ws), rows, kind });
         self.positions = positions;
         Ok(())
     }
@@ -320,7 +359,7 @@ impl Window {
         if matches!(piece.kind, PieceKind::Prefill { .. }) && self.prefill_started.is_none() {
             self.prefill_started = Some(Instant::now());
         }
-        let (start, end, kind, rows) = (piece.start, piece.end, piece.kind, piece.rows.clone());
+        let (start, end, keys, kind, rows) = (piece.start, piece.end, piece.keys, piece.kind, piece.rows.clone());
         // the keys [0, row_end(p)) a final position p saw when its K/V were computed
         let row_end = |p: usize| -> usize {
             if self.causal.iter().any(|r| r.contains(&p)) {
@@ -356,15 +395,15 @@ impl Window {
             ),
         };
         let cache = match (kind, self.policy) {
-            (PieceKind::Window { .. } | PieceKind::Verify { .. }, CachePolicy::Exact | CachePolicy::Prefix { .. })
+            (
+                PieceKind::Window { .. } | PieceKind::Verify { .. },
+                CachePolicy::Exact | CachePolicy::Prefix { .. } | CachePolicy::Dual,
+            )
             | (PieceKind::Prefill { .. }, _) => &mut self.cache,
             _ => self.scratch.get_or_insert_with(|| self.cache.fresh()),
         };
-        if cache.len() != start {
-            return Err(Error::Internal(format!(
-                "the cache holds {} positions, the piece starts at {start}",
-                cache.len()
-            )));
+        if cache.len() != keys {
+            return Err(Error::Internal(format!("the cache holds {} positions, the piece needs {keys}", cache.len())));
         }
         Ok(Segment { cache, ids, positions, mask, rows })
     }
@@ -388,7 +427,7 @@ impl Window {
             self.verify_ids.extend(std::iter::repeat_n(mask, e - s));
             (0..e - s).map(|j| e - start + j).collect()
         };
-        self.pieces.push_back(Piece { start, end: e, rows, kind: PieceKind::Verify { span } });
+        self.pieces.push_back(Piece { start, end: e, keys: start, rows, kind: PieceKind::Verify { span } });
         Ok(())
     }
 
@@ -436,10 +475,10 @@ impl Window {
                 self.positions_forwarded += len;
                 Ok(None)
             }
-            PieceKind::Window { commit_end } => {
+            PieceKind::Window { commit_end, suffix } => {
                 self.positions_forwarded += len;
                 self.scratch = None;
-                let out = self.finish_window(piece, commit_end, logits)?;
+                let out = self.finish_window(piece, commit_end, suffix, logits)?;
                 self.frontier = commit_end;
                 Ok(Some((std::mem::take(&mut self.positions), out)))
             }
@@ -469,7 +508,13 @@ impl Window {
     }
 
     /// Gather the step's positions' rows from the window's logits (the carry row sits after them) and commit.
-    fn finish_window(&mut self, piece: Piece, commit_end: usize, logits: Tensor) -> Result<Tensor> {
+    fn finish_window(
+        &mut self,
+        piece: Piece,
+        commit_end: usize,
+        suffix: Option<usize>,
+        logits: Tensor,
+    ) -> Result<Tensor> {
         let exact = self.policy.keeps();
         let (ws, rows) = (piece.start, &piece.rows);
         let n_rows = rows.len();
@@ -491,8 +536,13 @@ impl Window {
             }
         }
         let out = table.index_select(&Tensor::new(pick.as_slice(), table.device())?, 0)?;
+        if let Some(b) = suffix {
+            self.cache.commit_split(commit_end - ws, b - ws, piece.end - b)?;
+        }
         if exact && commit_end > ws {
-            self.cache.commit(commit_end - ws)?;
+            if suffix.is_none() {
+                self.cache.commit(commit_end - ws)?;
+            }
             if self.shift {
                 let i = rows
                     .binary_search(&(commit_end - 1 - ws))

@@ -67,12 +67,25 @@ impl Mlp {
             down: Linear::load(ws, &format!("{prefix}.down_proj"), hidden, inter, false)?,
         })
     }
+    /// Long inputs go through in chunks of `MLP_ROWS` rows, so that the (rows, intermediate) activations of a
+    /// long window (a full-attention canvas, a long prefill) never exist for all rows at once.
     fn forward(&self, x: &Tensor, k: &Kernels, few: bool) -> Result<Tensor> {
+        let rows = x.dim(0)?;
+        if rows > MLP_ROWS {
+            let parts = (0..rows)
+                .step_by(MLP_ROWS)
+                .map(|r0| self.forward(&x.narrow(0, r0, MLP_ROWS.min(rows - r0))?, k, few))
+                .collect::<Result<Vec<_>>>()?;
+            return Ok(Tensor::cat(&parts, 0)?);
+        }
         let g = self.gate.forward(x, k, few)?.silu()?;
         let u = self.up.forward(x, k, few)?;
         self.down.forward(&(g * u)?, k, few)
     }
 }
+
+/// Rows of an MLP product at once (see `Mlp::forward`).
+const MLP_ROWS: usize = 2048;
 
 /// Sparse mixture of experts (Qwen3-MoE): softmax router in f32, top-k, optional renormalisation.
 struct Moe {
@@ -369,10 +382,12 @@ impl QwenModel {
         }
         let total: usize = segs.iter().map(|s| s.ids.len()).sum();
         if total > LARGE_WINDOW {
-            // f32 activations alive at once, about: the residual, a norm, q/k/v/o and three MLP rows per position
+            // f32 activations alive at once, about: the residual, a norm and q/k/v/o per position, and three MLP
+            // rows per position of one MLP chunk
             let c = &self.cfg;
-            let per_row = 4 * (3 * c.hidden_size + 2 * c.num_attention_heads * c.head_dim + 3 * c.intermediate_size);
-            crate::util::check_alloc(per_row.saturating_mul(total), || {
+            let per_row = 4 * (3 * c.hidden_size + 2 * c.num_attention_heads * c.head_dim);
+            let mlp = 4 * 3 * c.intermediate_size * total.min(MLP_ROWS);
+            crate::util::check_alloc(per_row.saturating_mul(total).saturating_add(mlp), || {
                 format!("activations of a {total}-position forward")
             })?;
         }

@@ -1,0 +1,97 @@
+"""The `cache` parameter (issue #14): exact / none / prefix / dual. Parity of the prefix cache with d3LLM's schedule over
+transformers is in test_decode_parity.py (the prefix_* cases); here: what each mode forwards, the limits of the
+approximation, and bad combinations."""
+import functools
+
+import pytest
+
+import mbd_rs
+from conftest import parity_dir
+
+
+@functools.lru_cache(maxsize=None)
+def dream_like():
+    return mbd_rs.Engine.load(parity_dir("qwen3_headdim_gqa"), mask_token_id=3, attention="full", logits_shift=True,
+                              block_size=4, eos_token_ids=[0])
+
+
+PROMPT = [(7 * i + 11) % 250 + 4 for i in range(40)]
+KW = dict(max_tokens=24, threshold=2.9, early_stop=False)
+
+
+def test_none_is_the_default_for_full_attention():
+    eng = dream_like()
+    a, b = eng.generate(PROMPT, **KW), eng.generate(PROMPT, cache="none", **KW)
+    assert a.token_ids == b.token_ids and a.usage.forward_passes == b.usage.forward_passes
+    # every step forwards the whole canvas
+    assert a.usage.positions_forwarded == a.usage.forward_passes * (len(PROMPT) + 24)
+
+
+def test_prefix_cache_forwards_less():
+    eng = dream_like()
+    none = eng.generate(PROMPT, **KW).usage
+    prefix = eng.generate(PROMPT, cache="prefix", **KW).usage
+    # the prompt is cached at the first step (delay 1 from step 0), so later steps skip it, except refreshes
+    assert prefix.positions_forwarded < none.positions_forwarded * prefix.forward_passes / none.forward_passes
+
+
+def test_a_delay_longer_than_the_generation_is_no_cache():
+    """A block is cached only after waiting out the delay; while one waits every step recomputes the canvas.
+    With a delay no step reaches, prefix decoding is exactly decoding without a cache."""
+    eng = dream_like()
+    none = eng.generate(PROMPT, cache="none", **KW)
+    never = eng.generate(PROMPT, cache="prefix", cache_delay=10 ** 6, **KW)
+    assert never.token_ids == none.token_ids
+    assert never.usage.forward_passes == none.usage.forward_passes
+    assert never.usage.positions_forwarded == none.usage.positions_forwarded
+
+
+def test_periodic_refresh_recomputes():
+    eng = dream_like()
+    a = eng.generate(PROMPT, cache="prefix", **KW).usage
+    b = eng.generate(PROMPT, cache="prefix", refresh_interval=1, **KW).usage
+    # a refresh is due at every step: every step recomputes the whole canvas, except the steps that cache a
+    # block (they forward from the cache's end and take priority, as in d3LLM)
+    full = b.forward_passes * (len(PROMPT) + 24)
+    assert a.positions_forwarded < b.positions_forwarded < full
+
+
+def test_dual_cache_forwards_the_region_between_rebuilds():
+    eng = dream_like()
+    none = eng.generate(PROMPT, cache="none", **KW)
+    dual = eng.generate(PROMPT, cache="dual", block_add_threshold=1.0, **KW)
+    single = eng.generate(PROMPT, cache="none", block_add_threshold=1.0, **KW)
+    u = dual.usage
+    # single block of 4: a rebuild (whole canvas) when a block starts, then steps of at most 4 positions
+    assert u.positions_forwarded < single.usage.positions_forwarded
+    assert len(dual.token_ids) == len(none.token_ids) == 24
+
+
+def test_exact_stays_the_default_where_kv_are_final():
+    eng = mbd_rs.Engine.load(parity_dir("qwen3_headdim_gqa"), mask_token_id=3, attention="block_causal",
+                             logits_shift=False, block_size=4)
+    a, b = eng.generate(PROMPT, **KW), eng.generate(PROMPT, cache="exact", **KW)
+    assert a.token_ids == b.token_ids and a.usage.positions_forwarded == b.usage.positions_forwarded
+    c = eng.generate(PROMPT, cache="none", **KW)
+    assert c.token_ids == a.token_ids and c.usage.positions_forwarded > a.usage.positions_forwarded
+
+
+@pytest.mark.parametrize("full,kw,msg", [
+    (True, dict(cache="exact"), "no K/V is ever final"),
+    (False, dict(cache="prefix"), "cached exactly"),
+    (False, dict(cache="dual"), "cached exactly"),
+    (True, dict(cache="dual", use_cache=False), "use_cache=False contradicts cache='dual'"),
+    (True, dict(cache="dual", cache_delay=1), "cache_delay only with cache='prefix'"),
+    (True, dict(cache="prefix", use_cache=False), "use_cache=False contradicts cache='prefix'"),
+    (True, dict(cache_delay=2), "cache_delay only with cache='prefix'"),
+    (True, dict(cache="none", refresh_interval=5), "refresh_interval only with cache='prefix'"),
+    (True, dict(cache="prefix", refresh_interval=0), "refresh_interval must be >= 1"),
+    (True, dict(cache="prefix", cache_delay=-1), "cache_delay must be >= 0"),
+    (True, dict(cache="dual-ish"), "cache must be"),
+    (True, dict(cache=True), "cache must be a string"),
+])
+def test_bad_combinations_are_clear_errors(full, kw, msg):
+    eng = dream_like() if full else mbd_rs.Engine.load(parity_dir("qwen3_headdim_gqa"), mask_token_id=3,
+                                                       attention="block_causal", logits_shift=False)
+    with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        eng.generate([5, 6, 7], max_tokens=4, **kw)
