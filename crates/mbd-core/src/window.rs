@@ -340,7 +340,7 @@ impl Window {
             }
         }
         let waiting = (0..spans.len()).any(|k| self.completed_at[k].is_some() && !self.cached[k] && complete(spans[k]));
-        let periodic = refresh.is_some_and(|r| step % r == 0);
+        let periodic = refresh.is_some_and(|r| step.is_multiple_of(r));
         Ok(match to {
             Some(end) => (cache_end, end),
             None if cache_end > 0 && !waiting && !periodic => (cache_end, cache_end),
