@@ -11,9 +11,10 @@ import mbd_rs
 from conftest import parity_dir
 
 
-def _requests(n, speculative=True):
+def _requests(n, speculative=True, approx_cache=False):
     """n varied requests; `speculative`: some verify with S2D2 and some walk sub-blocks (verification segments
-    with custom masks share ticks with plain windows)."""
+    with custom masks share ticks with plain windows); `approx_cache` (full attention): some use the prefix or the
+    dual cache (region windows over reordered prefix+suffix K/V next to whole-canvas forwards)."""
     out = []
     for i in range(n):
         prompt = [(i * 31 + j * 17 + 5) % 200 + 4 for j in range(3 + (i * 7) % 40)]
@@ -27,6 +28,8 @@ def _requests(n, speculative=True):
                       verify_min_span=2)
         if speculative and i % 4 == 2:
             kw["sub_block_size"] = 2
+        if approx_cache and kw["use_cache"] and i % 3 != 1:
+            kw["cache"] = "prefix" if i % 3 == 0 else "dual"
         out.append((prompt, kw))
     return out
 
@@ -92,7 +95,8 @@ def test_concurrent_streams_equal_streams_alone(sdar):
 def test_other_profiles_batched_equal_alone(overrides):
     eng = mbd_rs.Engine.load(parity_dir("qwen3_bias_tied"), mask_token_id=3, **overrides)
     reqs = [(p, {k: v for k, v in kw.items() if not (overrides["attention"] == "causal" and k == "block_size")})
-            for p, kw in _requests(9, speculative=overrides["attention"] != "full")]
+            for p, kw in _requests(9, speculative=overrides["attention"] != "full",
+                                   approx_cache=overrides["attention"] == "full")]
     alone = [_run(eng, p, kw) for p, kw in reqs]
     assert _concurrently(eng, reqs) == alone
 
