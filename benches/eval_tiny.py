@@ -70,6 +70,7 @@ def main():
     data = held_out_set(args.per_task)
     results = []
     ar_outputs = None
+    outputs_of = {}
     configs, stem = SUITES[args.suite]
     for name, cfg in configs:
         correct, toks, fwd, secs, same_as_ar, positions = 0, 0, 0, 0.0, 0, 0
@@ -92,16 +93,21 @@ def main():
         if ar_outputs is None:
             ar_outputs = outputs  # the first configuration is AR
         same_as_ar = sum(o == r for o, r in zip(outputs, ar_outputs))
+        outputs_of[name] = outputs
+        # cache suite: agreement with the same decoding mode without a cache (the approximation's effect)
+        base = outputs_of.get(name.split(" ")[0] + " none")
         row = dict(config=name, params=cfg, accuracy=correct / len(data), tokens_per_forward=toks / fwd,
                    forwards_per_token=fwd / toks, tokens_per_second=toks / secs, same_as_ar=same_as_ar / len(data),
                    verifications=ver, draft_acceptance=accepted / proposed if proposed else None,
                    positions_per_forward=positions / fwd,
+                   same_as_no_cache=sum(o == r for o, r in zip(outputs, base)) / len(data) if base else None,
                    per_task={k: v[0] / v[1] for k, v in per_task.items()})
         results.append(row)
         acc_s = f"  accept {row['draft_acceptance'] * 100:4.1f}%" if proposed else ""
         print(f"{name:34s} acc {row['accuracy'] * 100:5.1f}%  tpf {row['tokens_per_forward']:.2f}  "
               f"{row['tokens_per_second']:7.0f} tok/s  =AR {row['same_as_ar'] * 100:5.1f}%{acc_s}  "
               f"pos/fwd {row['positions_per_forward']:.0f}  "
+              + (f"=none {row['same_as_no_cache'] * 100:5.1f}%  " if base else "")
               + " ".join(f"{k}:{v * 100:.0f}" for k, v in row["per_task"].items()), flush=True)
     out = dict(model=eng.info.path, instances=len(data), max_tokens=args.max_tokens, results=results)
     json.dump(out, open(os.path.join(ROOT, "benches", stem + ".json"), "w"), indent=1)
