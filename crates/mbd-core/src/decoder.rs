@@ -296,7 +296,7 @@ impl Decoder {
     /// How many of `positions` in the first one's block the acceptance rule takes (S2D2's dynamic penalty).
     pub fn confident_in_first_block(&self, positions: &[usize], preds: &[Prediction]) -> usize {
         let Some(&first) = positions.first() else { return 0 };
-        let end = self.blocks.iter().find(|b| b.start <= first && first < b.end).map_or(first + 1, |b| b.end);
+        let end = self.blocks[self.block_of(first)].end;
         let acc = self.accepted_by_rule(positions, preds);
         positions.iter().zip(acc).filter(|&(&p, a)| a && p < end).count()
     }
@@ -305,7 +305,7 @@ impl Decoder {
     /// the first contiguous run of masked positions, within one block.
     pub fn span_len(&self, positions: &[usize]) -> usize {
         let Some(&first) = positions.first() else { return 0 };
-        let end = self.blocks.iter().find(|b| b.start <= first && first < b.end).map_or(first + 1, |b| b.end);
+        let end = self.blocks[self.block_of(first)].end;
         positions.iter().enumerate().take_while(|&(i, &p)| p == first + i && p < end).count()
     }
 
@@ -344,12 +344,16 @@ impl Decoder {
         accept
     }
 
+    /// Index of the generation block holding generated position `p` (blocks tile [prompt_len, prompt_len + n)).
+    fn block_of(&self, p: usize) -> usize {
+        self.blocks.partition_point(|b| b.end <= p)
+    }
+
     /// Candidate indices grouped by block, in order: (block, indices into `positions`).
     fn groups(&self, positions: &[usize]) -> Vec<(usize, Vec<usize>)> {
-        let block_of = |p: usize| self.blocks.iter().position(|b| b.start <= p && p < b.end).unwrap();
         let mut g: Vec<(usize, Vec<usize>)> = Vec::new();
         for (i, &p) in positions.iter().enumerate() {
-            let k = block_of(p);
+            let k = self.block_of(p);
             match g.last_mut() {
                 Some((kk, v)) if *kk == k => v.push(i),
                 _ => g.push((k, vec![i])),

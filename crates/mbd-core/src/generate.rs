@@ -37,12 +37,12 @@ pub struct Generation {
     pending: Option<Drafted>,
 }
 
-/// A step's draft, held while its span is verified.
+/// A step's span, held while it is verified.
 struct Drafted {
-    positions: Vec<usize>,
+    /// the span's first position
+    start: usize,
+    /// the span's draft predictions
     preds: Vec<Prediction>,
-    /// the span: the first `span` positions
-    span: usize,
     /// the span's draft logits rows (sampling only: the residual distribution at a rejection needs them)
     rows: Option<Tensor>,
 }
@@ -112,7 +112,7 @@ impl Generation {
         let dec = Decoder::new(lp, n, block_layout(lp, n, b, absolute), params)?;
         let mut canvas = prompt;
         canvas.resize(lp + n, mask_id);
-        let policy = CachePolicy::resolve(grid.kind, req.cache, req.use_cache, req.cache_delay, req.refresh_interval)?;
+        let policy = CachePolicy::resolve(grid.kind, req)?;
         let window = Window::new(&model, grid, lp, policy);
         let out = Output::new(lp, req.stop.clone().unwrap_or_default(), req.trace.unwrap_or(TraceMode::Off));
         Ok(Generation { model, dec, canvas, mask_id, window, sampler, out, spec, pending: None })
@@ -207,7 +207,7 @@ impl Generation {
         let drafts: Vec<u32> = preds[..span].iter().map(|p| p.token).collect();
         self.window.begin_verify(&self.canvas, (positions[0], positions[0] + span), &drafts)?;
         let rows = (self.sampler.params().temperature > 0.0).then(|| logits.narrow(0, 0, span)).transpose()?;
-        self.pending = Some(Drafted { positions: positions.to_vec(), preds: preds.to_vec(), span, rows });
+        self.pending = Some(Drafted { start: positions[0], preds: preds[..span].to_vec(), rows });
         Ok(true)
     }
 
@@ -215,7 +215,7 @@ impl Generation {
     /// and write the step's tokens (two forwards).
     fn verified(&mut self, d: Drafted, q: Tensor) -> Result<()> {
         let router = self.spec.as_mut().ok_or_else(|| Error::Internal("verification without S2D2".into()))?;
-        let drafts: Vec<u32> = d.preds[..d.span].iter().map(|p| p.token).collect();
+        let drafts: Vec<u32> = d.preds.iter().map(|p| p.token).collect();
         let (tokens, accepted) = match &d.rows {
             None => {
                 let q_argmax: Vec<u32> = self.sampler.predict(&q)?.iter().map(|p| p.token).collect();
@@ -228,7 +228,7 @@ impl Generation {
                     return Err(Error::load("the model computed non-finite logits (NaN) in a verification"));
                 }
                 let sp = self.sampler.params().clone();
-                let probs: Vec<f64> = d.preds[..d.span].iter().map(|p| p.prob).collect();
+                let probs: Vec<f64> = d.preds.iter().map(|p| p.prob).collect();
                 router.accept_sampled(
                     &mut self.sampler,
                     &drafts,
@@ -238,7 +238,7 @@ impl Generation {
                 )
             }
         };
-        let s = d.positions[0];
+        let s = d.start;
         self.window.commit_verified(s + accepted)?;
         let decided: Vec<(usize, u32)> = tokens.into_iter().enumerate().map(|(i, t)| (s + i, t)).collect();
         self.dec.write(&decided, 2)
@@ -253,17 +253,14 @@ impl Generation {
 /// S2D2's routing parameters of a request (None: no speculation). The verify_* parameters need
 /// speculative="s2d2", and verification needs block-causal or causal attention.
 fn resolve_speculative(req: &GenRequest, attention: AttentionKind) -> Result<Option<Router>> {
-    let set: Vec<&str> = [
-        ("verify_policy", req.verify_policy.is_some()),
-        ("verify_min_span", req.verify_min_span.is_some()),
-        ("verify_score_threshold", req.verify_score_threshold.is_some()),
-        ("verify_penalty", req.verify_penalty.is_some()),
-        ("verify_penalty_kind", req.verify_penalty_kind.is_some()),
-        ("verify_hysteresis", req.verify_hysteresis.is_some()),
-    ]
-    .into_iter()
-    .filter_map(|(n, s)| s.then_some(n))
-    .collect();
+    let set = req.given(&[
+        "verify_policy",
+        "verify_min_span",
+        "verify_score_threshold",
+        "verify_penalty",
+        "verify_penalty_kind",
+        "verify_hysteresis",
+    ]);
     if req.speculative.unwrap_or(Speculative::Off) == Speculative::Off {
         if !set.is_empty() {
             let verb = if set.len() == 1 { "applies" } else { "apply" };

@@ -129,15 +129,7 @@ impl KvCache {
                 self.len
             )));
         }
-        let src = self.len + from;
-        if n > 0 && src != at {
-            for (k, v) in &self.layers {
-                let ks = k.narrow(1, src, n)?.contiguous()?.copy()?;
-                let vs = v.narrow(1, src, n)?.contiguous()?.copy()?;
-                k.slice_set(&ks, 1, at)?;
-                v.slice_set(&vs, 1, at)?;
-            }
-        }
+        self.move_rows(self.len + from, n, at)?;
         self.len = at + n;
         self.window = 0;
         Ok(())
@@ -153,17 +145,24 @@ impl KvCache {
                 self.window
             )));
         }
-        let (src, at) = (self.len + from, self.len + n);
-        if m > 0 && src != at {
+        let at = self.len + n;
+        self.move_rows(self.len + from, m, at)?;
+        self.len = at + m;
+        self.window = 0;
+        Ok(())
+    }
+
+    /// Copy slots [src, src + n) to [at, at + n) in every layer (nothing when they are already there). The
+    /// source is made contiguous first: a slice of the positions axis is not when there are several KV heads.
+    fn move_rows(&self, src: usize, n: usize, at: usize) -> Result<()> {
+        if n > 0 && src != at {
             for (k, v) in &self.layers {
-                let ks = k.narrow(1, src, m)?.contiguous()?.copy()?;
-                let vs = v.narrow(1, src, m)?.contiguous()?.copy()?;
+                let ks = k.narrow(1, src, n)?.contiguous()?.copy()?;
+                let vs = v.narrow(1, src, n)?.contiguous()?.copy()?;
                 k.slice_set(&ks, 1, at)?;
                 v.slice_set(&vs, 1, at)?;
             }
         }
-        self.len = at + m;
-        self.window = 0;
         Ok(())
     }
 

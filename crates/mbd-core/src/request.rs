@@ -346,6 +346,20 @@ macro_rules! request {
         /// The names of the parameters this request takes.
         pub const $names: &[&str] = &[$(stringify!($f)),*];
 
+        impl $ty {
+            /// Which of `names` this request sets, in the given order (for rules like "only with ...").
+            pub fn given(&self, names: &[&'static str]) -> Vec<&'static str> {
+                names
+                    .iter()
+                    .copied()
+                    .filter(|n| match *n {
+                        $(stringify!($f) => self.$f.is_some(),)*
+                        _ => false,
+                    })
+                    .collect()
+            }
+        }
+
         impl Params for $ty {
             const NAMES: &'static [&'static str] = $names;
 

@@ -174,10 +174,10 @@ impl Router {
                 accepted += 1;
                 continue;
             }
-            let p = p_dist(i);
+            let p: std::collections::HashMap<u32, f64> = p_dist(i).into_iter().collect();
             let residual: Vec<(u32, f64)> = q
                 .iter()
-                .map(|&(id, qp)| (id, (qp - p.iter().find(|x| x.0 == id).map_or(0.0, |x| x.1)).max(0.0)))
+                .map(|&(id, qp)| (id, (qp - p.get(&id).copied().unwrap_or(0.0)).max(0.0)))
                 .filter(|x| x.1 > 0.0)
                 .collect();
             let t = if residual.is_empty() { sampler.draw(&q) } else { sampler.draw(&residual) };

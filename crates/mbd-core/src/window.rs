@@ -22,6 +22,7 @@ use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::mask::{Alignment, AttentionKind, BlockGrid, MaskSpec};
 use crate::models::qwen::Segment;
+use crate::request::GenRequest;
 use candle_core::Tensor;
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -61,19 +62,11 @@ crate::string_enum! {
 impl CachePolicy {
     /// The policy of a request: `cache` (with `cache_delay`, `refresh_interval`) and `use_cache`, over the
     /// model's attention. Default: exact where K/V become final (block-causal, causal), none for full attention.
-    pub fn resolve(
-        attention: AttentionKind,
-        cache: Option<CacheMode>,
-        use_cache: Option<bool>,
-        delay: Option<usize>,
-        refresh: Option<usize>,
-    ) -> Result<CachePolicy> {
-        if cache != Some(CacheMode::Prefix) && (delay.is_some() || refresh.is_some()) {
-            let names: Vec<&str> = [("cache_delay", delay.is_some()), ("refresh_interval", refresh.is_some())]
-                .into_iter()
-                .filter_map(|(n, s)| s.then_some(n))
-                .collect();
-            return Err(Error::invalid(format!("{} only with cache='prefix'", names.join(" and "))));
+    pub fn resolve(attention: AttentionKind, req: &GenRequest) -> Result<CachePolicy> {
+        let (cache, use_cache, delay, refresh) = (req.cache, req.use_cache, req.cache_delay, req.refresh_interval);
+        let prefix_only = req.given(&["cache_delay", "refresh_interval"]);
+        if cache != Some(CacheMode::Prefix) && !prefix_only.is_empty() {
+            return Err(Error::invalid(format!("{} only with cache='prefix'", prefix_only.join(" and "))));
         }
         let full = attention == AttentionKind::Full;
         match (cache, use_cache) {
@@ -394,14 +387,14 @@ impl Window {
                 MaskSpec::Custom((start..end).map(|p| std::iter::once(0..row_end(p)).collect()).collect()),
             ),
         };
-        let cache = match (kind, self.policy) {
-            (
-                PieceKind::Window { .. } | PieceKind::Verify { .. },
-                CachePolicy::Exact | CachePolicy::Prefix { .. } | CachePolicy::Dual,
-            )
-            | (PieceKind::Prefill { .. }, _) => &mut self.cache,
-            _ => self.scratch.get_or_insert_with(|| self.cache.fresh()),
+        // prefill chunks, and every window of a policy that keeps K/V, run over the generation's cache; the
+        // recompute policy's pieces over the step's scratch cache
+        let own = match kind {
+            PieceKind::Prefill { .. } => true,
+            PieceKind::Scratch => false,
+            PieceKind::Window { .. } | PieceKind::Verify { .. } => self.policy.keeps(),
         };
+        let cache = if own { &mut self.cache } else { self.scratch.get_or_insert_with(|| self.cache.fresh()) };
         if cache.len() != keys {
             return Err(Error::Internal(format!("the cache holds {} positions, the piece needs {keys}", cache.len())));
         }
