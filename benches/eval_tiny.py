@@ -6,9 +6,12 @@ matplotlib installed) benches/tiny_accuracy_vs_tpf.png.
 Suite `s2d2` (issue #19): AR, single-block and multi-block, each plain and with S2D2 verification (always,
 score, hysteresis); also how often each output equals the AR output. Writes benches/s2d2_tiny.json and
 benches/s2d2_tiny.png.
+Suite `quant` (issue #18): AR, single-block and multi-block with the weights as loaded and quantized at load
+(q8_0, q4_k): accuracy, tokens per forward and how often each output equals the unquantized one. Writes
+benches/quant_tiny.json.
 All configurations run on the same held-out instances, in one process, one after another.
 
-    python benches/eval_tiny.py [--suite modes|s2d2] [--per-task 40] [--model DIR]
+    python benches/eval_tiny.py [--suite modes|s2d2|cache|quant] [--per-task 40] [--model DIR]
 """
 import argparse
 import json
@@ -56,7 +59,35 @@ for label, extra in [("none", dict(cache="none")), ("prefix delay 1", dict(cache
                      ("dual", dict(cache="dual"))]:
     CACHE_CONFIGS.append((f"multi-block {label}", dict(CACHE_BASE, **extra)))
     CACHE_CONFIGS.append((f"single-block {label}", dict(CACHE_BASE, block_add_threshold=1.0, **extra)))
-SUITES = {"modes": (CONFIGS, "tiny_eval"), "s2d2": (S2D2_CONFIGS, "s2d2_tiny"), "cache": (CACHE_CONFIGS, "cache_dream")}
+QUANT_CONFIGS = [CONFIGS[0], CONFIGS[1], ("multi-block entropy 0.5", CONFIGS[5][1]), CONFIGS[-1]]
+SUITES = {"modes": (CONFIGS, "tiny_eval"), "s2d2": (S2D2_CONFIGS, "s2d2_tiny"), "cache": (CACHE_CONFIGS, "cache_dream"),
+          "quant": (QUANT_CONFIGS, "quant_tiny")}
+QUANT_FORMATS = [None, "q8_0", "q4_k"]
+
+
+def quant_suite(args, data):
+    """Every QUANT_CONFIGS configuration for the weights as loaded and each quantize format."""
+    rows, reference = [], {}
+    for q in QUANT_FORMATS:
+        eng = mbd_rs.Engine.load(args.model, device="cpu", quantize=q)
+        fmt = eng.info.weight_format
+        for name, cfg in QUANT_CONFIGS:
+            correct, toks, fwd, outs = 0, 0, 0, []
+            for task, p, a in data:
+                c = eng.chat([{"role": "user", "content": p}], max_tokens=args.max_tokens, **cfg)
+                correct += c.text == a
+                toks += c.usage.completion_tokens
+                fwd += c.usage.forward_passes
+                outs.append(c.token_ids)
+            base = reference.setdefault(name, outs)
+            row = dict(weights=fmt, weight_bytes=eng.info.weight_bytes, config=name, accuracy=correct / len(data),
+                       tokens_per_forward=toks / fwd, same_as_unquantized=sum(o == r for o, r in zip(outs, base)) / len(data))
+            rows.append(row)
+            print(f"{fmt:9s} {eng.info.weight_bytes / 2**20:6.2f} MiB  {name:28s} acc {row['accuracy'] * 100:5.1f}%  "
+                  f"tpf {row['tokens_per_forward']:.2f}  =unquantized {row['same_as_unquantized'] * 100:5.1f}%", flush=True)
+        del eng
+    out = dict(model=args.model or "mbd-tiny (embedded)", instances=len(data), max_tokens=args.max_tokens, results=rows)
+    json.dump(out, open(os.path.join(ROOT, "benches", "quant_tiny.json"), "w"), indent=1)
 
 
 def main():
@@ -66,8 +97,10 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=40)
     ap.add_argument("--suite", choices=list(SUITES), default="modes")
     args = ap.parse_args()
-    eng = mbd_rs.Engine.load(args.model, device="cpu")
     data = held_out_set(args.per_task)
+    if args.suite == "quant":
+        return quant_suite(args, data)
+    eng = mbd_rs.Engine.load(args.model, device="cpu")
     results = []
     ar_outputs = None
     outputs_of = {}

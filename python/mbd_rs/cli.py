@@ -26,6 +26,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default=None, help="branch, tag or commit of a Hub id (default: main)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | metal")
     p.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--quantize", default=None,
+                   help="quantize the weights at load: q8_0 (8-bit) | q4_k (4-bit k-quant); CPU only")
     p.add_argument("-v", "--verbose", action="store_true", help="show tracebacks on errors")
 
 
@@ -64,7 +66,7 @@ def _gen_params(a: argparse.Namespace) -> dict[str, Any]:
 
 def _load(a: argparse.Namespace) -> Engine:
     from .engine import Engine
-    return Engine.load(a.model, revision=a.revision, device=a.device, dtype=a.dtype)
+    return Engine.load(a.model, revision=a.revision, device=a.device, dtype=a.dtype, quantize=a.quantize)
 
 
 def _print_stats(u: Usage) -> None:
@@ -222,8 +224,8 @@ def cmd_info(a: argparse.Namespace) -> int:
     rows = [
         ("model", i.path),
         ("family", f"{i.family} ({i.architecture}, {i.arch} weights{moe})"),
-        ("size", f"{i.num_parameters / 1e6:.2f}M parameters, {i.weight_bytes / 2**20:.1f} MiB in memory "
-                 f"({i.dtype} compute, stored {i.stored_dtype or 'unknown'}) on {i.device}"),
+        ("size", f"{i.num_parameters / 1e6:.2f}M parameters, {i.weight_bytes / 2**20:.1f} MiB in memory as "
+                 f"{i.weight_format} ({i.dtype} compute, stored {i.stored_dtype or 'unknown'}) on {i.device}"),
         ("shape", f"{i.num_layers} layers, hidden {i.hidden_size}, {i.num_attention_heads} heads / "
                   f"{i.num_key_value_heads} KV x {i.head_dim}, MLP {i.intermediate_size}, vocab {i.vocab_size}"),
         ("context", f"{i.max_context} tokens"),

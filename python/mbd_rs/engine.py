@@ -37,6 +37,7 @@ class ModelInfo:
     arch: str
     num_parameters: int
     weight_bytes: int  # the weights as held in memory
+    weight_format: str  # how the matrices are held: "q8_0" / "q4_k" when quantized, else a dtype name
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -109,8 +110,9 @@ class Engine:
 
     @classmethod
     def load(cls, path: "Optional[str | os.PathLike[str]]" = None, *, revision: Optional[str] = None,
-             device: str = "auto", dtype: Optional[str] = None, max_batch: Optional[int] = None,
-             max_batch_rows: Optional[int] = None, _kernels: Optional[Dict[str, Any]] = None,
+             device: str = "auto", dtype: Optional[str] = None, quantize: Optional[str] = None,
+             max_batch: Optional[int] = None, max_batch_rows: Optional[int] = None,
+             _kernels: Optional[Dict[str, Any]] = None,
              **profile_overrides: Any) -> "Engine":
         """Load an HF-format model directory (default: the embedded mbd-tiny model), or a Hugging Face Hub id
         ("org/name", at `revision`: a branch, tag or commit; default "main") through the local Hub cache,
@@ -118,6 +120,10 @@ class Engine:
 
         device: "auto" (CUDA/Metal when this build has it and a device answers, else CPU), "cpu", "cuda[:N]", "metal".
         dtype: None/"auto" (float32 on CPU, bfloat16 on GPUs), "float32", "bfloat16", "float16".
+        quantize: None, "q8_0" (8-bit blocks of 32) or "q4_k" (4-bit k-quant super-blocks of 256): quantize the
+        weight matrices at load (CPU, float32 compute; about 1/4 or 1/7 of the f32 bytes; the embedding table and
+        the head get q8_0, a matrix whose rows do not split into whole q4_k blocks gets q8_0). `info.weight_format`
+        and `info.weight_bytes` report what is held.
         max_batch, max_batch_rows: caps on continuous batching (see `set_batching`); default 16 streams, 1024 rows.
         profile_overrides: any of PROFILE_OVERRIDES: mask_token_id, block_size, attention
         ("causal"|"block_causal"|"full"), alignment ("absolute"|"prompt"), logits_shift (bool), eos_token_ids.
@@ -126,7 +132,7 @@ class Engine:
         """
         path = resolve_model_path(path, revision)
         return cls(_core.CoreModel.load(path, device, dtype, profile_overrides, max_batch=max_batch,
-                                        max_batch_rows=max_batch_rows, **(_kernels or {})))
+                                        max_batch_rows=max_batch_rows, quantize=quantize, **(_kernels or {})))
 
     def __repr__(self) -> str:
         i = self.info

@@ -6,6 +6,7 @@ use crate::cpu_pool::on_device_pool;
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::mask::{Alignment, AttentionKind, BlockGrid};
+use crate::quant::QuantFormat;
 use crate::models::qwen::QwenModel;
 use crate::request::{token_ids, LogitsRequest, ProfileOverrides};
 use crate::skinny::Kernels;
@@ -22,6 +23,10 @@ pub struct Model {
     pub num_parameters: usize,
     /// Bytes of the weights as held in memory (a bf16 checkpoint's matrices stay bf16 on the CPU).
     pub weight_bytes: usize,
+    /// How the weight matrices are held: the `quantize` format ("q8_0" / "q4_k", see `crate::quant` for the
+    /// matrices that fall back), else the dtype of the embedding table ("bfloat16" for a bf16 checkpoint on the
+    /// CPU, else the compute dtype).
+    pub weight_format: String,
     pub chat_template: Option<crate::chat::ChatTemplate>,
     /// UTF-8 bytes of the longest token string (bounds the text a prompt can have and still fit the context).
     pub max_token_bytes: usize,
@@ -38,6 +43,8 @@ pub struct LoadOptions {
     /// CPU, f32 compute: a bf16 checkpoint's matrices stay bf16 in memory and are widened exactly inside the
     /// skinny kernel (half the memory and weight traffic). On by default; benchmarks turn it off for A/B runs.
     pub keep_bf16_weights: bool,
+    /// Quantize the matrices at load (`crate::quant`; CPU, float32 compute).
+    pub quantize: Option<QuantFormat>,
     pub kernels: Kernels,
 }
 
@@ -49,6 +56,7 @@ impl Default for LoadOptions {
             dtype: DType::F32,
             overrides: ProfileOverrides::default(),
             keep_bf16_weights: true,
+            quantize: None,
             kernels: Kernels::default(),
         }
     }
@@ -248,11 +256,26 @@ impl Model {
             );
             return Err(if ov.block_size.is_some() { Error::invalid(msg) } else { Error::config(msg) });
         }
+        if let Some(q) = opts.quantize {
+            if !device.is_cpu() || dtype != DType::F32 {
+                return Err(Error::invalid(format!(
+                    "quantize='{}': quantized weights run on the CPU in float32 in this version; load with \
+                     device='cpu' (and dtype None or 'float32')",
+                    q.name()
+                )));
+            }
+        }
         let files = checkpoint_files(dir)?;
-        let ws = Weights::open(&files, device, dtype, opts.keep_bf16_weights)?;
+        let ws = Weights::open(&files, device, dtype, opts.keep_bf16_weights, opts.quantize)?;
         let num_parameters = ws.num_parameters();
         let net = QwenModel::load(&config, &ws, device, dtype, opts.kernels)?;
         let weight_bytes = ws.loaded_bytes();
+        let weight_format = match (opts.quantize, net.table_dtype()) {
+            (Some(q), _) => q.name(),
+            (None, Some(d)) => dtype_name(d),
+            (None, None) => return Err(Error::Internal("a quantized table without the quantize option".into())),
+        }
+        .to_string();
         let chat_template = crate::chat::ChatTemplate::from_dir(dir)?;
         let max_token_bytes = tokenizer.get_vocab(true).keys().map(|t| t.len()).max().unwrap_or(1);
         let mut special_tokens: Vec<String> =
@@ -266,6 +289,7 @@ impl Model {
             tokenizer,
             num_parameters,
             weight_bytes,
+            weight_format,
             chat_template,
             max_token_bytes,
             special_tokens,

@@ -18,7 +18,8 @@
 //! - `attention`: the CPU attention of small windows, every segment of a forward in one pass.
 //! - `kv_cache`: the per-sequence K/V buffers.
 //! - `text`: incremental detokenisation and stop strings.
-//! - `skinny`: the CPU few-row matmul kernel.
+//! - `skinny`: the CPU few-row matmul kernel (f32, bf16 and quantized weights).
+//! - `quant`: quantized weight matrices (q8_0, q4_k) made at load.
 //! - `scheduler`: continuous batching: one forward per tick over the segments of every active generation.
 //! - `cpu_pool`: the engine's CPU thread pool.
 //! - `util`, `error`: string-named enums, shared ordering; the one error type.
@@ -40,6 +41,7 @@ pub mod decoder;
 pub mod kv_cache;
 pub mod mask;
 pub mod output;
+pub mod quant;
 pub mod sampling;
 pub mod scheduler;
 pub mod skinny;

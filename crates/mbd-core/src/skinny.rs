@@ -11,7 +11,8 @@
 //! Numerics: each output is one f32 dot product summed in `L` lane-wise partial sums then reduced; the
 //! result differs from gemm's only by summation order.
 
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+use crate::quant::QMatrix;
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 /// Kernel choices of a loaded model (load options; benchmarks and tests load with other values for A/B runs).
@@ -186,6 +187,7 @@ impl Out {
 #[allow(clippy::too_many_arguments)]
 mod x86 {
     use super::WeightElem;
+    use crate::quant::QMatrix;
     use std::arch::x86_64::*;
 
     /// 16 weights as f32 lanes (bf16: zero-extend to 32 bits and shift into the high half).
@@ -298,6 +300,16 @@ mod x86 {
         )
     }
 
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn q_columns_avx512(x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: usize, y: super::Out, s: &mut [f32]) {
+        super::q_columns(super::Isa::Avx512, x, m, q, n0, nw, y, s)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn q_columns_avx2(x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: usize, y: super::Out, s: &mut [f32]) {
+        super::q_columns(super::Isa::Avx2, x, m, q, n0, nw, y, s)
+    }
+
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn columns_avx2<E: WeightElem>(
         x: &[f32],
@@ -370,6 +382,38 @@ fn matmul_t_with<E: WeightElem>(
 ) -> Vec<f32> {
     assert_eq!(x.len(), m * k);
     assert_eq!(w.len(), n * k);
+    by_columns(m, k, n, par_min_macs, |n0, nw, out| {
+        // x in blocks of ROW_BLOCK rows (a decode window is one block): each dot product is computed the same way
+        // whatever the block, so a row's result never depends on the other rows.
+        for r0 in (0..m).step_by(ROW_BLOCK) {
+            let mb = ROW_BLOCK.min(m - r0);
+            // SAFETY: rows r0.. of y start at r0 * n, inside y.
+            let yb = unsafe { out.offset(r0 * n) };
+            // SAFETY: `isa` is one this CPU has (`isa()` checked it).
+            unsafe { columns_on(isa, &x[r0 * k..(r0 + mb) * k], mb, k, w, n0, nw, n, yb) };
+        }
+    })
+}
+
+/// Columns [n0, n0 + nw) of y = x · Wᵀ with the tile of `isa`.
+///
+/// # Safety
+/// The CPU has `isa`'s features; `y` is m × n and only this caller writes columns [n0, n0 + nw).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn columns_on<E: WeightElem>(isa: Isa, x: &[f32], m: usize, k: usize, w: &[E], n0: usize, nw: usize, n: usize, y: Out) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => x86::columns_avx512(x, m, k, w, n0, nw, n, y),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => x86::columns_avx2(x, m, k, w, n0, nw, n, y),
+        Isa::Baseline => columns(x, m, k, w, n0, nw, n, y, tile::<E, 8, 4>, tile::<E, 8, 2>, tile::<E, 8, 1>),
+    }
+}
+
+/// y (m × n), computed by `task(n0, nw, y)` over column ranges: in parallel tasks on the calling pool from
+/// `par_min_macs` multiply-adds (m·n·k), else in one task. Each task writes only its columns.
+fn by_columns(m: usize, k: usize, n: usize, par_min_macs: usize, task: impl Fn(usize, usize, Out) + Sync) -> Vec<f32> {
     let mut y = vec![0f32; m * n];
     let out = Out(y.as_mut_ptr());
     let threads = rayon::current_num_threads();
@@ -378,25 +422,7 @@ fn matmul_t_with<E: WeightElem>(
     let tasks = n.div_ceil(per_task);
     let run = |t: usize| {
         let n0 = t * per_task;
-        let nw = per_task.min(n - n0);
-        // x in blocks of ROW_BLOCK rows (a decode window is one block): each dot product is computed the same way
-        // whatever the block, so a row's result never depends on the other rows.
-        for r0 in (0..m).step_by(ROW_BLOCK) {
-            let mb = ROW_BLOCK.min(m - r0);
-            let xb = &x[r0 * k..(r0 + mb) * k];
-            // SAFETY: rows r0.. of y start at r0 * n, inside y.
-            let yb = unsafe { out.offset(r0 * n) };
-            match isa {
-                // SAFETY: the CPU has the features these variants were compiled for (checked above).
-                #[cfg(target_arch = "x86_64")]
-                Isa::Avx512 => unsafe { x86::columns_avx512(xb, mb, k, w, n0, nw, n, yb) },
-                #[cfg(target_arch = "x86_64")]
-                Isa::Avx2 => unsafe { x86::columns_avx2(xb, mb, k, w, n0, nw, n, yb) },
-                Isa::Baseline => {
-                    columns(xb, mb, k, w, n0, nw, n, yb, tile::<E, 8, 4>, tile::<E, 8, 2>, tile::<E, 8, 1>)
-                }
-            }
-        }
+        task(n0, per_task.min(n - n0), out)
     };
     if parallel {
         (0..tasks).into_par_iter().for_each(run);
@@ -404,6 +430,62 @@ fn matmul_t_with<E: WeightElem>(
         (0..tasks).for_each(run);
     }
     y
+}
+
+/// y (m × n) = x (m × k) · Wᵀ for a quantized W (n × k): for each 4 weight rows, dequantize them into an f32
+/// scratch (once for every x row) and run the f32 tile over all rows. So a row's result is exactly what the f32
+/// kernel gives on the dequantized matrix, whatever rows share the call.
+pub fn matmul_q(x: &[f32], m: usize, q: &QMatrix, par_min_macs: usize) -> Vec<f32> {
+    matmul_q_with(isa(), x, m, q, par_min_macs)
+}
+
+fn matmul_q_with(isa: Isa, x: &[f32], m: usize, q: &QMatrix, par_min_macs: usize) -> Vec<f32> {
+    let (n, k) = (q.n, q.k);
+    assert_eq!(x.len(), m * k);
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    by_columns(m, k, n, par_min_macs, |n0, nw, out| {
+        SCRATCH.with(|s| {
+            let mut s = s.borrow_mut();
+            if s.len() < 4 * k {
+                s.resize(4 * k, 0.0);
+            }
+            // SAFETY: `isa` is one this CPU has; the task owns columns [n0, n0 + nw).
+            unsafe { q_columns_on(isa, x, m, q, n0, nw, out, &mut s[..4 * k]) }
+        })
+    })
+}
+
+/// Columns [n0, n0 + nw) of y = x · Wᵀ for a quantized W, 4 weight rows at a time through `scratch` (4·k).
+///
+/// # Safety
+/// As `columns_on`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn q_columns_on(isa: Isa, x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: usize, y: Out, scratch: &mut [f32]) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => x86::q_columns_avx512(x, m, q, n0, nw, y, scratch),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => x86::q_columns_avx2(x, m, q, n0, nw, y, scratch),
+        Isa::Baseline => q_columns(isa, x, m, q, n0, nw, y, scratch),
+    }
+}
+
+/// The body of `q_columns_on`, inlined into each instruction set's variant (so the dequantization is
+/// vectorised for it).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn q_columns(isa: Isa, x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: usize, y: Out, scratch: &mut [f32]) {
+    let (n, k) = (q.n, q.k);
+    for j in (n0..n0 + nw).step_by(4) {
+        let valid = (n0 + nw - j).min(4);
+        q.dequantize_rows(j, valid, scratch);
+        for r0 in (0..m).step_by(ROW_BLOCK) {
+            let mb = ROW_BLOCK.min(m - r0);
+            columns_on(isa, &x[r0 * k..(r0 + mb) * k], mb, k, &scratch[..valid * k], 0, valid, n, y.offset(r0 * n + j));
+        }
+    }
 }
 
 /// The candle op: (x: (m, k), w: (n, k)) -> (m, n), both contiguous f32 on the CPU.
@@ -472,6 +554,35 @@ pub fn linear(x: &Tensor, w: &Tensor, k: &Kernels, few: bool) -> candle_core::Re
     } else {
         x.matmul(&w.t()?)
     }
+}
+
+/// The candle op for a quantized W: x (m, k) contiguous f32 on the CPU -> (m, n).
+struct QuantMatmulT<'a> {
+    q: &'a QMatrix,
+    par_min_macs: usize,
+}
+
+impl CustomOp1 for QuantMatmulT<'_> {
+    fn name(&self) -> &'static str {
+        "quant-matmul-t"
+    }
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (m, k) = l.shape().dims2()?;
+        if k != self.q.k {
+            candle_core::bail!("quant-matmul-t: x has rows of {k}, the matrix of {}", self.q.k);
+        }
+        let (CpuStorage::F32(x), Some((a0, a1))) = (s, l.contiguous_offsets()) else {
+            candle_core::bail!("quant-matmul-t: x must be contiguous f32");
+        };
+        Ok((CpuStorage::F32(matmul_q(&x[a0..a1], m, self.q, self.par_min_macs)), Shape::from((m, self.q.n))))
+    }
+}
+
+/// `x · wᵀ` for a quantized w (CPU): every row count takes the kernel (`matmul_q`; a long window streams the
+/// weights once per ROW_BLOCK rows, each time dequantizing them again, about 1/64 of the arithmetic).
+pub fn linear_q(x: &Tensor, q: &QMatrix, k: &Kernels) -> candle_core::Result<Tensor> {
+    let x = if x.dtype() == DType::F32 { x.contiguous()? } else { x.to_dtype(DType::F32)?.contiguous()? };
+    x.apply_op1_no_bwd(&QuantMatmulT { q, par_min_macs: k.par_min_macs })
 }
 
 #[cfg(test)]
@@ -607,5 +718,37 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn quantized_rows_compute_as_the_f32_kernel_on_the_dequantized_matrix() {
+        // exact: q8_0 / q4_k through matmul_q = the f32 kernel on the dequantized weights, bit for bit, for every
+        // instruction set and row count (so also batch-invariant), and close to an f64 reference
+        let mut rnd = uniform(13);
+        for &(format, k, n) in &[(crate::quant::QuantFormat::Q8_0, 96, 37), (crate::quant::QuantFormat::Q4K, 512, 21)] {
+            let wv: Vec<f32> = (0..n * k).map(|_| rnd()).collect();
+            let w = Tensor::from_vec(wv, (n, k), &candle_core::Device::Cpu).unwrap();
+            let q = QMatrix::quantize(&w, format).unwrap();
+            let mut deq = vec![0f32; n * k];
+            q.dequantize_rows(0, n, &mut deq);
+            for &isa in &available_isas() {
+                for m in [1usize, 2, 3, 4, 7, 64, 65, 130] {
+                    let x: Vec<f32> = (0..m * k).map(|_| rnd()).collect();
+                    let a = matmul_q_with(isa, &x, m, &q, 1);
+                    let b = matmul_t_with(isa, &x, m, k, &deq, n, 1 << 30);
+                    assert_eq!(a, b, "{format:?} {isa:?} m{m}");
+                    let r = reference(&x, m, k, &deq, n);
+                    for (a, b) in a.iter().zip(&r) {
+                        assert!((*a as f64 - b).abs() <= 1e-5 * (1.0 + b.abs()) * (k as f64).sqrt());
+                    }
+                }
+            }
+        }
+        // through candle, rows of a stacked call equal the row alone
+        let q = QMatrix::quantize(&Tensor::randn(0f32, 1.0, (70, 64), &candle_core::Device::Cpu).unwrap(), crate::quant::QuantFormat::Q8_0).unwrap();
+        let x = Tensor::randn(0f32, 1.0, (9, 64), &candle_core::Device::Cpu).unwrap();
+        let all = linear_q(&x, &q, &Kernels::default()).unwrap();
+        let one = linear_q(&x.narrow(0, 4, 1).unwrap(), &q, &Kernels::default()).unwrap();
+        assert_eq!(all.narrow(0, 4, 1).unwrap().to_vec2::<f32>().unwrap(), one.to_vec2::<f32>().unwrap());
     }
 }

@@ -13,6 +13,7 @@
 //! or infinity are refused (they would only ever give NaN logits).
 
 use crate::error::{Error, Result};
+use crate::quant::{Matrix, QMatrix, QuantFormat};
 use candle_core::{DType, Device, Tensor, WithDType};
 use safetensors::tensor::{Dtype, TensorInfo};
 use std::collections::HashMap;
@@ -37,6 +38,8 @@ pub struct Weights {
     device: Device,
     dtype: DType,
     keep_bf16: bool,
+    /// The `quantize` load option: the format of the matrices `weight` and `table` hand out.
+    quantize: Option<QuantFormat>,
     /// Bytes of the tensors handed out so far (as held in memory).
     loaded: std::cell::Cell<usize>,
 }
@@ -278,7 +281,13 @@ fn read_typed<T: WithDType + FiniteCheck>(
 
 impl Weights {
     /// `keep_bf16`: on the CPU with f32 compute, a bf16 checkpoint's matrices (`get_matrix`) stay bf16.
-    pub fn open(paths: &[PathBuf], device: &Device, dtype: DType, keep_bf16: bool) -> Result<Self> {
+    pub fn open(
+        paths: &[PathBuf],
+        device: &Device,
+        dtype: DType,
+        keep_bf16: bool,
+        quantize: Option<QuantFormat>,
+    ) -> Result<Self> {
         if cfg!(target_endian = "big") {
             return Err(Error::load("safetensors files are little-endian; big-endian hosts are not supported"));
         }
@@ -304,7 +313,15 @@ impl Weights {
             }
             shards.push(shard);
         }
-        Ok(Weights { shards, index, device: device.clone(), dtype, keep_bf16, loaded: std::cell::Cell::new(0) })
+        Ok(Weights {
+            shards,
+            index,
+            device: device.clone(),
+            dtype,
+            keep_bf16,
+            quantize,
+            loaded: std::cell::Cell::new(0),
+        })
     }
 
     pub fn contains(&self, name: &str) -> bool {
@@ -349,6 +366,32 @@ impl Weights {
     /// kernel widens it to f32 exactly as a conversion at load would).
     pub fn get_matrix(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         self.load(name, shape, true)
+    }
+
+    /// A linear layer's weight matrix: quantized under the `quantize` option (in the format
+    /// `QuantFormat::for_matrix` picks), else as `get_matrix`.
+    pub fn weight(&self, name: &str, shape: &[usize]) -> Result<Matrix> {
+        let t = self.get_matrix(name, shape)?;
+        self.to_weight(t, false)
+    }
+
+    /// The embedding table or the head: as `weight`, in the format a table gets (see `quant`).
+    pub fn table(&self, name: &str, shape: &[usize]) -> Result<Matrix> {
+        let t = self.get_matrix(name, shape)?;
+        self.to_weight(t, true)
+    }
+
+    /// A matrix already handed out by this loader (e.g. one expert's slice of a fused tensor) as a linear
+    /// layer's weight (`table`: the embedding or the head): quantized under the `quantize` option, its bytes
+    /// counted as quantized.
+    pub fn to_weight(&self, t: Tensor, table: bool) -> Result<Matrix> {
+        let Some(format) = self.quantize.and_then(|f| f.for_matrix(t.dim(1).unwrap_or(0), table)) else {
+            return Ok(Matrix::Dense(t));
+        };
+        let q = QMatrix::quantize(&t, format)?;
+        let held = t.elem_count() * t.dtype().size_in_bytes();
+        self.loaded.set(self.loaded.get() - held.min(self.loaded.get()) + q.bytes().len());
+        Ok(Matrix::Quant(std::sync::Arc::new(q)))
     }
 
     fn load(&self, name: &str, shape: &[usize], matrix: bool) -> Result<Tensor> {

@@ -10,6 +10,7 @@ use mbd_core::request::{
     PROFILE_OVERRIDES,
 };
 use mbd_core::scheduler::{BatchLimits, Canceller, Scheduler, StreamHandle};
+use mbd_core::quant::QuantFormat;
 use mbd_core::skinny::Kernels;
 use mbd_core::{Error, LoadOptions, Model};
 use numpy::{PyArray1, PyArrayMethods};
@@ -212,7 +213,7 @@ impl CoreModel {
     #[staticmethod]
     #[pyo3(signature = (path, device="auto", dtype=None, overrides=None, keep_bf16_weights=true, skinny=true,
                         par_min_macs=None, max_rows=None, direct_attention=false, max_batch=None,
-                        max_batch_rows=None))]
+                        max_batch_rows=None, quantize=None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
         py: Python<'_>,
@@ -227,8 +228,10 @@ impl CoreModel {
         direct_attention: bool,
         max_batch: Option<&Bound<'_, PyAny>>,
         max_batch_rows: Option<&Bound<'_, PyAny>>,
+        quantize: Option<String>,
     ) -> PyResult<Self> {
         let device = device.to_string();
+        let quantize = quantize.as_deref().map(QuantFormat::parse).transpose().map_err(to_py)?;
         let overrides: ProfileOverrides = request(overrides)?;
         let d = Kernels::default();
         let kernels = Kernels {
@@ -242,7 +245,7 @@ impl CoreModel {
         let model = run(py, || {
             let dev = parse_device(&device)?;
             let dtype = parse_dtype(dtype.as_deref(), &dev)?;
-            Model::load(&path, &LoadOptions { device: dev, dtype, overrides, keep_bf16_weights, kernels })
+            Model::load(&path, &LoadOptions { device: dev, dtype, overrides, keep_bf16_weights, quantize, kernels })
         })?;
         let inner = Arc::new(model);
         let scheduler = Scheduler::new(inner.clone(), limits).map_err(to_py)?;
@@ -282,6 +285,7 @@ impl CoreModel {
         d.set_item("arch", c.arch.name())?;
         d.set_item("num_parameters", m.num_parameters)?;
         d.set_item("weight_bytes", m.weight_bytes)?;
+        d.set_item("weight_format", &m.weight_format)?;
         d.set_item("vocab_size", c.vocab_size)?;
         d.set_item("hidden_size", c.hidden_size)?;
         d.set_item("intermediate_size", c.intermediate_size)?;

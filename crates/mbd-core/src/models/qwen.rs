@@ -14,23 +14,24 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::mask::{BlockGrid, MaskSpec};
+use crate::quant::Matrix;
 use crate::skinny::Kernels;
 use crate::weights::Weights;
 use candle_core::{DType, Device, Tensor};
 
 struct Linear {
-    w: Tensor,
+    w: Matrix,
     b: Option<Tensor>,
 }
 
 impl Linear {
     fn load(ws: &Weights, prefix: &str, out_f: usize, in_f: usize, bias: bool) -> Result<Self> {
-        let w = ws.get_matrix(&format!("{prefix}.weight"), &[out_f, in_f])?;
+        let w = ws.weight(&format!("{prefix}.weight"), &[out_f, in_f])?;
         let b = if bias { Some(ws.get(&format!("{prefix}.bias"), &[out_f])?) } else { None };
         Ok(Linear { w, b })
     }
     fn forward(&self, x: &Tensor, k: &Kernels, few: bool) -> Result<Tensor> {
-        let y = crate::skinny::linear(x, &self.w, k, few)?;
+        let y = self.w.linear(x, k, few)?;
         Ok(match &self.b {
             Some(b) => y.broadcast_add(b)?,
             None => y,
@@ -97,7 +98,9 @@ struct Moe {
 
 impl Moe {
     fn load(ws: &Weights, prefix: &str, hidden: usize, m: &crate::config::MoeConfig) -> Result<Self> {
-        let router = Linear::load(ws, &format!("{prefix}.gate"), m.num_experts, hidden, false)?;
+        // the router stays as loaded (see `quant`)
+        let router =
+            Linear { w: Matrix::Dense(ws.get_matrix(&format!("{prefix}.gate.weight"), &[m.num_experts, hidden])?), b: None };
         let inter = m.moe_intermediate_size;
         let fused = format!("{prefix}.experts.gate_up_proj");
         let experts = if ws.contains(&fused) {
@@ -108,9 +111,9 @@ impl Moe {
                 .map(|e| {
                     let gue = gu.get(e)?;
                     Ok(Mlp {
-                        gate: Linear { w: gue.narrow(0, 0, inter)?.contiguous()?, b: None },
-                        up: Linear { w: gue.narrow(0, inter, inter)?.contiguous()?, b: None },
-                        down: Linear { w: dn.get(e)?.contiguous()?, b: None },
+                        gate: Linear { w: ws.to_weight(gue.narrow(0, 0, inter)?.contiguous()?, false)?, b: None },
+                        up: Linear { w: ws.to_weight(gue.narrow(0, inter, inter)?.contiguous()?, false)?, b: None },
+                        down: Linear { w: ws.to_weight(dn.get(e)?.contiguous()?, false)?, b: None },
                     })
                 })
                 .collect::<Result<Vec<_>>>()?
@@ -179,10 +182,10 @@ struct Layer {
 
 pub struct QwenModel {
     pub cfg: ModelConfig,
-    embed: Tensor,
+    embed: Matrix,
     layers: Vec<Layer>,
     norm: RmsNorm,
-    lm_head: Tensor,
+    lm_head: Matrix,
     inv_freq: Tensor,
     device: Device,
     dtype: DType,
@@ -252,7 +255,7 @@ impl QwenModel {
         check_checkpoint(cfg, ws)?;
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
         let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
-        let embed = ws.get_matrix("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let embed = ws.table("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
         // Justified by the checkpoint: check_checkpoint found this many layers stored.
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
@@ -295,7 +298,7 @@ impl QwenModel {
         let norm = RmsNorm::load(ws, "model.norm.weight", h, cfg.rms_norm_eps)?;
         // Tied checkpoints may still store the (identical) head; prefer a stored tensor whenever there is one.
         let lm_head = if ws.contains("lm_head.weight") {
-            ws.get_matrix("lm_head.weight", &[cfg.vocab_size, h])?
+            ws.table("lm_head.weight", &[cfg.vocab_size, h])?
         } else if cfg.tie_word_embeddings {
             embed.clone()
         } else {
@@ -324,6 +327,14 @@ impl QwenModel {
     }
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// The dtype the embedding table is held in (quantized: None).
+    pub fn table_dtype(&self) -> Option<DType> {
+        match &self.embed {
+            Matrix::Dense(t) => Some(t.dtype()),
+            Matrix::Quant(_) => None,
+        }
     }
 
     /// A fresh, empty cache for one sequence.
@@ -418,7 +429,7 @@ impl QwenModel {
                 dev,
             )?);
         }
-        let mut x = self.embed.index_select(&Tensor::new(ids.as_slice(), dev)?, 0)?.to_dtype(self.dtype)?;
+        let mut x = self.embed.rows(&ids, dev)?.to_dtype(self.dtype)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let hn = layer.ln1.forward(&x)?;
             let a = layer.attn.forward(&hn, &cos, &sin, segs, &spans, &order, &masks, li, &groups, kn)?;
@@ -447,7 +458,7 @@ impl QwenModel {
         let identity = pick.len() == total && pick.iter().enumerate().all(|(i, &r)| r as usize == i);
         let x = if identity { x } else { x.index_select(&Tensor::new(pick.as_slice(), dev)?, 0)? };
         let x = self.norm.forward(&x)?;
-        let logits = lm_groups.apply(&x, |x, few| Ok(crate::skinny::linear(x, &self.lm_head, kn, few)?))?;
+        let logits = lm_groups.apply(&x, |x, few| Ok(self.lm_head.linear(x, kn, few)?))?;
         let logits = logits.to_dtype(DType::F32)?;
         lm_spans.iter().map(|&(o, n)| if n == 0 { no_rows() } else { Ok(logits.narrow(0, o, n)?) }).collect()
     }

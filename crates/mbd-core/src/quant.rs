@@ -1,0 +1,276 @@
+//! Quantized weight matrices (the `quantize` load option): a checkpoint's matrices are quantized at load into
+//! GGUF block formats by candle's quantizer (`candle_core::quantized::QTensor::quantize`), and multiplied on the
+//! CPU by the skinny kernel (`skinny::matmul_q`), which dequantizes 4 weight rows at a time into an f32 scratch
+//! and sweeps every x row over them: a quantized matrix computes exactly as its f32 dequantization would, with a
+//! quarter (q8_0) or about a seventh (q4_k) of the bytes streamed from memory.
+//!
+//! Why not candle's quantized matmul (`QMatMul`): it quantizes the activations to 8 bits per call (a second
+//! rounding), it re-reads the weight matrix once per x row (a 32-row window streams the weights 32 times), and
+//! its SIMD dot products are selected at compile time (`cfg(target_feature = "avx2")`), so a wheel built for
+//! every x86_64 CPU runs them scalar. Our kernel selects AVX-512 / AVX2 at run time and streams the weights once
+//! per window; each row's result does not depend on the other rows (batch invariance, `models::qwen`).
+//!
+//! Which matrices: every linear layer (attention, MLP, MoE experts), the embedding table and the head. The
+//! router of a MoE layer stays as loaded (a few rows; its top-k decides which experts run). The embedding and
+//! the head are q8_0 in every format (the head's precision decides the logits; llama.cpp's q4_K_M keeps a
+//! 6-bit head for the same reason), so a tied checkpoint keeps one quantized table for both. A matrix whose
+//! rows do not split into whole blocks (q4_k: 256 values, q8_0: 32) falls back to q8_0, or stays as loaded.
+
+use crate::error::{Error, Result};
+use crate::skinny::Kernels;
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use half::f16;
+use std::sync::Arc;
+
+/// A weight matrix (n, k) as the model holds it: as loaded (f32, or bf16 on the CPU), or quantized.
+#[derive(Clone)]
+pub enum Matrix {
+    Dense(Tensor),
+    Quant(Arc<QMatrix>),
+}
+
+impl Matrix {
+    /// `x · wᵀ` (`few`: the rows are few-row windows, see `skinny::few_rows`).
+    pub fn linear(&self, x: &Tensor, k: &Kernels, few: bool) -> candle_core::Result<Tensor> {
+        match self {
+            Matrix::Dense(w) => crate::skinny::linear(x, w, k, few),
+            Matrix::Quant(q) => crate::skinny::linear_q(x, q, k),
+        }
+    }
+
+    /// Rows `ids` (an embedding lookup), in the dtype they are held in (quantized: f32).
+    pub fn rows(&self, ids: &[u32], dev: &Device) -> Result<Tensor> {
+        Ok(match self {
+            Matrix::Dense(w) => w.index_select(&Tensor::new(ids, dev)?, 0)?,
+            Matrix::Quant(q) => Tensor::from_vec(q.rows(ids)?, (ids.len(), q.k), dev)?,
+        })
+    }
+}
+
+crate::string_enum! {
+    /// The `quantize` load option: the block format of the quantized matrices.
+    pub enum QuantFormat ("quantize") {
+        /// 8-bit: blocks of 32 values, an f16 scale each (34 bytes, 8.5 bits per weight)
+        Q8_0 = "q8_0",
+        /// 4-bit k-quant: super-blocks of 256 values in 8 sub-blocks with 6-bit scales and mins (144 bytes, 4.5
+        /// bits per weight)
+        Q4K = "q4_k",
+    }
+}
+
+impl QuantFormat {
+    /// Values per block.
+    pub fn block_values(self) -> usize {
+        match self {
+            QuantFormat::Q8_0 => 32,
+            QuantFormat::Q4K => 256,
+        }
+    }
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            QuantFormat::Q8_0 => 34,
+            QuantFormat::Q4K => 144,
+        }
+    }
+    fn ggml(self) -> GgmlDType {
+        match self {
+            QuantFormat::Q8_0 => GgmlDType::Q8_0,
+            QuantFormat::Q4K => GgmlDType::Q4K,
+        }
+    }
+    /// The format a matrix with rows of `k` values gets under this option (see the module note), None: it stays
+    /// as loaded. `table`: the embedding table or the head.
+    pub fn for_matrix(self, k: usize, table: bool) -> Option<QuantFormat> {
+        let want = if table { QuantFormat::Q8_0 } else { self };
+        [want, QuantFormat::Q8_0].into_iter().find(|f| k > 0 && k.is_multiple_of(f.block_values()))
+    }
+}
+
+/// A weight matrix of `n` rows of `k` values, quantized row by row: row j is the bytes
+/// [j·row_bytes, (j+1)·row_bytes), k / block_values blocks in the GGUF layout of its format.
+pub struct QMatrix {
+    pub format: QuantFormat,
+    pub n: usize,
+    pub k: usize,
+    data: Vec<u8>,
+}
+
+/// Rows quantized at once while loading (bounds the f32 copy the quantizer makes).
+const QUANTIZE_ROWS_BYTES: usize = 16 << 20;
+
+impl QMatrix {
+    /// Quantize a 2-D matrix (any float dtype, CPU) with candle's quantizer, a chunk of rows at a time.
+    pub fn quantize(w: &Tensor, format: QuantFormat) -> Result<QMatrix> {
+        let (n, k) = w.dims2()?;
+        if k == 0 || !k.is_multiple_of(format.block_values()) {
+            return Err(Error::Internal(format!("quantize: rows of {k} values do not split into {} blocks", format.name())));
+        }
+        let row_bytes = k / format.block_values() * format.block_bytes();
+        let mut data = Vec::new();
+        data.try_reserve_exact(n * row_bytes)
+            .map_err(|_| Error::load(format!("cannot allocate {} bytes for a {n}x{k} {} matrix", n * row_bytes, format.name())))?;
+        let chunk = (QUANTIZE_ROWS_BYTES / (4 * k)).max(1);
+        for r0 in (0..n).step_by(chunk) {
+            let rows = chunk.min(n - r0);
+            let q = QTensor::quantize(&w.narrow(0, r0, rows)?, format.ggml())?;
+            let bytes = q.data()?;
+            if bytes.len() != rows * row_bytes {
+                return Err(Error::Internal(format!(
+                    "quantize: candle gave {} bytes for {rows} rows of {k} in {}, expected {}",
+                    bytes.len(),
+                    format.name(),
+                    rows * row_bytes
+                )));
+            }
+            data.extend_from_slice(&bytes);
+        }
+        Ok(QMatrix { format, n, k, data })
+    }
+
+    /// Build from GGUF block bytes (n rows of k values in `format`).
+    pub fn from_bytes(format: QuantFormat, n: usize, k: usize, data: Vec<u8>) -> Result<QMatrix> {
+        if k == 0 || !k.is_multiple_of(format.block_values()) || data.len() != n * (k / format.block_values()) * format.block_bytes() {
+            return Err(Error::invalid(format!(
+                "{} bytes are not {n} rows of {k} values in {} blocks",
+                data.len(),
+                format.name()
+            )));
+        }
+        Ok(QMatrix { format, n, k, data })
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &self.data
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.k / self.format.block_values() * self.format.block_bytes()
+    }
+
+    /// Dequantize rows [j0, j0 + count) into `out` (count·k values, row-major), exactly as candle's (and
+    /// ggml's) dequantization: q8_0 `q·d`; q4_k `(d·sc)·q − dmin·m` per sub-block of 32.
+    #[inline(always)]
+    pub fn dequantize_rows(&self, j0: usize, count: usize, out: &mut [f32]) {
+        let rb = self.row_bytes();
+        let src = &self.data[j0 * rb..(j0 + count) * rb];
+        let out = &mut out[..count * self.k];
+        match self.format {
+            QuantFormat::Q8_0 => {
+                for (b, y) in src.chunks_exact(34).zip(out.chunks_exact_mut(32)) {
+                    let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
+                    for (y, &q) in y.iter_mut().zip(&b[2..34]) {
+                        *y = (q as i8) as f32 * d;
+                    }
+                }
+            }
+            QuantFormat::Q4K => {
+                for (b, y) in src.chunks_exact(144).zip(out.chunks_exact_mut(256)) {
+                    let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
+                    let dmin = f16::from_le_bytes([b[2], b[3]]).to_f32();
+                    let scales = &b[4..16];
+                    let qs = &b[16..144];
+                    for g in 0..4 {
+                        let q = &qs[32 * g..32 * g + 32];
+                        let (sc1, m1) = scale_min_k4(2 * g, scales);
+                        let (sc2, m2) = scale_min_k4(2 * g + 1, scales);
+                        let (d1, m1) = (d * sc1 as f32, dmin * m1 as f32);
+                        let (d2, m2) = (d * sc2 as f32, dmin * m2 as f32);
+                        let (lo, hi) = y[64 * g..64 * g + 64].split_at_mut(32);
+                        for ((yl, yh), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(q) {
+                            *yl = d1 * (q & 0xF) as f32 - m1;
+                            *yh = d2 * (q >> 4) as f32 - m2;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Rows `ids` dequantized, (ids.len(), k) f32 (an embedding lookup).
+    pub fn rows(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        let mut out = vec![0f32; ids.len() * self.k];
+        for (i, &id) in ids.iter().enumerate() {
+            let id = id as usize;
+            if id >= self.n {
+                return Err(Error::Internal(format!("row {id} of a {}-row quantized matrix", self.n)));
+            }
+            self.dequantize_rows(id, 1, &mut out[i * self.k..(i + 1) * self.k]);
+        }
+        Ok(out)
+    }
+}
+
+/// The 6-bit scale and min of sub-block j of a q4_k super-block (GGUF's packing of 8 pairs into 12 bytes).
+#[inline(always)]
+fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    fn randn(n: usize, k: usize, seed: u64) -> Tensor {
+        let dev = Device::Cpu;
+        let mut s = seed;
+        let v: Vec<f32> = (0..n * k)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+            })
+            .collect();
+        Tensor::from_vec(v, (n, k), &dev).unwrap()
+    }
+
+    #[test]
+    fn dequantization_equals_candles_and_stays_close_to_the_weights() {
+        for (format, k, tol) in [(QuantFormat::Q8_0, 96, 0.005), (QuantFormat::Q4K, 512, 0.06)] {
+            let w = randn(37, k, 3);
+            // several quantize chunks: force a small chunk through a tall matrix too
+            let q = QMatrix::quantize(&w, format).unwrap();
+            assert_eq!(q.bytes().len(), 37 * k / format.block_values() * format.block_bytes());
+            let mut ours = vec![0f32; 37 * k];
+            q.dequantize_rows(0, 37, &mut ours);
+            let theirs = QTensor::quantize(&w, format.ggml()).unwrap().dequantize(&Device::Cpu).unwrap();
+            let theirs: Vec<f32> = theirs.flatten_all().unwrap().to_vec1().unwrap();
+            assert_eq!(ours, theirs, "{format:?}: our dequantization must be candle's, bit for bit");
+            let w: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
+            let err = w.iter().zip(&ours).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(err < tol, "{format:?}: max error {err}");
+            // rows() = the matching slices; from_bytes round-trips
+            let r = q.rows(&[5, 0, 36]).unwrap();
+            assert_eq!(&r[..k], &ours[5 * k..6 * k]);
+            assert_eq!(&r[2 * k..], &ours[36 * k..]);
+            let again = QMatrix::from_bytes(format, 37, k, q.bytes().to_vec()).unwrap();
+            assert_eq!(again.bytes(), q.bytes());
+            assert!(QMatrix::from_bytes(format, 36, k, q.bytes().to_vec()).is_err());
+        }
+    }
+
+    #[test]
+    fn quantizing_in_chunks_equals_quantizing_whole() {
+        let k = 8192; // QUANTIZE_ROWS_BYTES / (4k) = 512 rows per chunk: 1100 rows are 3 chunks
+        let w = randn(1100, k, 9).to_dtype(DType::BF16).unwrap();
+        let q = QMatrix::quantize(&w, QuantFormat::Q8_0).unwrap();
+        let whole = QTensor::quantize(&w.to_dtype(DType::F32).unwrap(), GgmlDType::Q8_0).unwrap();
+        assert_eq!(q.bytes(), &whole.data().unwrap()[..]);
+    }
+
+    #[test]
+    fn formats_fall_back_by_row_length() {
+        assert_eq!(QuantFormat::Q4K.for_matrix(4864, false), Some(QuantFormat::Q4K));
+        assert_eq!(QuantFormat::Q4K.for_matrix(896, false), Some(QuantFormat::Q8_0));
+        assert_eq!(QuantFormat::Q4K.for_matrix(4864, true), Some(QuantFormat::Q8_0));
+        assert_eq!(QuantFormat::Q8_0.for_matrix(40, false), None);
+        assert_eq!(QuantFormat::parse("q4_k").unwrap(), QuantFormat::Q4K);
+        let e = QuantFormat::parse("int4").unwrap_err().to_string();
+        assert_eq!(e, "quantize must be 'q8_0' or 'q4_k', got 'int4'");
+    }
+}

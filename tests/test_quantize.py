@@ -1,0 +1,177 @@
+"""Quantized weights (`Engine.load(..., quantize=...)`, issue #18).
+
+The q8_0 reference below is written from the GGUF block format (blocks of 32 values along a row: d = max|x| / 127
+stored as float16, q = round-half-away(x / d) as int8, value = q * d) in numpy, independently of the engine: a
+checkpoint whose matrices are replaced by their q8_0 dequantization must give the logits the engine computes from
+the original checkpoint with quantize="q8_0". q4_k is checked against the unquantized model within a bound."""
+import json
+import shutil
+import threading
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import mbd_rs
+from conftest import parity_dir
+
+
+def q8_0_reference(w: np.ndarray) -> np.ndarray:
+    """Dequantized q8_0 of w along its last axis (float32 arithmetic, as the format's reference quantizer)."""
+    x = w.astype(np.float32).reshape(-1, 32)
+    d = (np.abs(x).max(axis=1, keepdims=True) / np.float32(127)).astype(np.float32)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
+    v = (x * inv).astype(np.float32)
+    q = (np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))).astype(np.int8)
+    d16 = d.astype(np.float16).astype(np.float32)
+    return (q.astype(np.float32) * d16).reshape(w.shape)
+
+
+def quantized_here(name: str, shape) -> bool:
+    """Which tensors quantize="q8_0" quantizes: linear layers, the embedding table and the head, rows of whole
+    blocks; not the MoE router, norms or biases."""
+    table = name in ("model.embed_tokens.weight", "lm_head.weight")
+    linear = name.endswith("_proj.weight") or name.endswith("gate_up_proj") or name.endswith("experts.down_proj")
+    return (table or linear) and len(shape) >= 2 and shape[-1] % 32 == 0
+
+
+def dequantized_twin(src, dst, values=None):
+    """A copy of checkpoint `src` whose quantized matrices hold their q8_0 dequantization, in float32 (`values`:
+    the directory to read the weights from, e.g. the float32 twin of a bfloat16 checkpoint: numpy has no bfloat16)."""
+    shutil.copytree(src, dst)
+    t = load_file((values or src) + "/model.safetensors")
+    out = {k: (q8_0_reference(v) if quantized_here(k, v.shape) else v.astype(np.float32)) for k, v in t.items()}
+    save_file(out, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize("name", ["qwen2_gqa_tied", "qwen2_mha_untied", "qwen3_bias_tied", "qwen3moe_top2_norm", "qwen3_bf16"])
+def test_q8_0_computes_its_dequantized_checkpoint(tmp_path, name):
+    src = parity_dir(name)
+    twin = dequantized_twin(src, tmp_path / name, parity_dir(name + "_f32twin") if name == "qwen3_bf16" else None)
+    q = mbd_rs.Engine.load(src, device="cpu", quantize="q8_0")
+    ref = mbd_rs.Engine.load(twin, device="cpu")
+    assert q.info.weight_format == "q8_0"
+    ids = list(np.random.default_rng(0).integers(0, q.info.vocab_size, 40))
+    for params in [dict(), dict(attention="block_causal", block_size=4, prefix_len=32)]:
+        a, b = q.logits(ids, **params), ref.logits(ids, **params)
+        assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max(), params
+    # a greedy decode through the cache gives the twin's tokens
+    a = q.generate(ids[:9], max_tokens=12, block_size=4, early_stop=False)
+    b = ref.generate(ids[:9], max_tokens=12, block_size=4, early_stop=False)
+    assert a.token_ids == b.token_ids
+
+
+def test_weight_bytes_count_what_is_held():
+    src = parity_dir("qwen3moe_top2_norm")
+    t = load_file(src + "/model.safetensors")
+    want = sum(v.size // 32 * 34 if quantized_here(k, v.shape) else v.size * 4 for k, v in t.items())
+    e = mbd_rs.Engine.load(src, device="cpu", quantize="q8_0")
+    assert e.info.weight_bytes == want
+    assert mbd_rs.Engine.load(src, device="cpu").info.weight_bytes == sum(v.size * 4 for v in t.values())
+
+
+def random_checkpoint(path, hidden=256, inter=512, layers=2, seed=0):
+    """A random Qwen2 checkpoint whose rows split into q4_k super-blocks (256 values), tied embeddings."""
+    path.mkdir()
+    rng = np.random.default_rng(seed)
+    heads, kv, hd, vocab = 4, 2, 64, 320
+    cfg = json.loads(open(parity_dir("qwen2_gqa_tied") + "/config.json").read())
+    cfg.update(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+               num_key_value_heads=kv, head_dim=hd, layer_types=["full_attention"] * layers)
+    (path / "config.json").write_text(json.dumps(cfg))
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(parity_dir("qwen2_gqa_tied") + "/" + f, path / f)
+    t = {"model.embed_tokens.weight": rng.normal(0, 1, (vocab, hidden)), "model.norm.weight": np.ones(hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for n, shape in [("self_attn.q_proj", (heads * hd, hidden)), ("self_attn.k_proj", (kv * hd, hidden)),
+                         ("self_attn.v_proj", (kv * hd, hidden)), ("self_attn.o_proj", (hidden, heads * hd)),
+                         ("mlp.gate_proj", (inter, hidden)), ("mlp.up_proj", (inter, hidden)),
+                         ("mlp.down_proj", (hidden, inter))]:
+            t[p + n + ".weight"] = rng.normal(0, 1 / np.sqrt(shape[1]), shape)
+        for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            t[p + n + ".bias"] = rng.normal(0, 0.1, t[p + n + ".weight"].shape[0])
+        t[p + "input_layernorm.weight"] = np.ones(hidden)
+        t[p + "post_attention_layernorm.weight"] = np.ones(hidden)
+    save_file({k: v.astype(np.float32) for k, v in t.items()}, str(path / "model.safetensors"))
+    return path
+
+
+def test_q4_k_and_q8_0_stay_close_to_the_unquantized_model(tmp_path):
+    d = random_checkpoint(tmp_path / "m")
+    base = mbd_rs.Engine.load(d, device="cpu")
+    ids = list(np.random.default_rng(1).integers(0, 320, 64))
+    ref = base.logits(ids)
+    f32_bytes = base.info.weight_bytes
+    for fmt, max_rel, min_top1, ratio in [("q8_0", 0.01, 0.95, 34 / 128), ("q4_k", 0.08, 0.9, 144 / 1024)]:
+        e = mbd_rs.Engine.load(d, device="cpu", quantize=fmt)
+        got = e.logits(ids)
+        rel = np.abs(got - ref).max() / np.abs(ref).max()
+        top1 = (got.argmax(1) == ref.argmax(1)).mean()
+        assert rel <= max_rel and top1 >= min_top1, (fmt, rel, top1)
+        # every matrix is in the format (rows of 256; the tables are q8_0), norms and biases stay f32
+        assert e.info.weight_format == fmt
+        assert e.info.weight_bytes < 1.05 * ratio * f32_bytes + 320 * 256 * (34 / 32 - 4 * ratio) + 20_000
+
+
+def test_q4_k_falls_back_to_q8_0_for_rows_of_partial_super_blocks():
+    # the parity model's rows are 64 or 96 values: q4_k gives every matrix q8_0, the same as quantize="q8_0"
+    src = parity_dir("qwen2_gqa_tied")
+    a = mbd_rs.Engine.load(src, device="cpu", quantize="q4_k")
+    b = mbd_rs.Engine.load(src, device="cpu", quantize="q8_0")
+    ids = list(range(5, 30))
+    assert a.info.weight_bytes == b.info.weight_bytes
+    assert np.array_equal(a.logits(ids), b.logits(ids))
+
+
+def test_bad_quantize_options_are_clear_errors():
+    with pytest.raises(mbd_rs.InvalidRequestError, match="quantize must be 'q8_0' or 'q4_k', got 'int4'"):
+        mbd_rs.Engine.load(device="cpu", quantize="int4")
+    with pytest.raises(mbd_rs.InvalidRequestError, match="quantize must be"):
+        mbd_rs.Engine.load(device="cpu", quantize="Q8_0")  # names are exact, as every string option
+    # (quantized weights on a GPU are refused with "quantize='q8_0': quantized weights run on the CPU ...": no GPU
+    # in CI; the GPU scripts check it)
+
+
+def test_cli_info_and_generate_take_quantize():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "mbd_rs", "info", "--quantize", "q8_0", "--json"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["weight_format"] == "q8_0"
+    r = subprocess.run([sys.executable, "-m", "mbd_rs", "generate", "--chat", "sort 3 1 2", "--quantize", "q8_0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout == "1 2 3\n", r.stderr
+    r = subprocess.run([sys.executable, "-m", "mbd_rs", "info", "--quantize", "q3"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "quantize must be" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_quantized_streams_batched_equal_their_lone_runs():
+    e = mbd_rs.Engine.load(device="cpu", quantize="q8_0")
+    prompts = [f"sort {i} 3 1 {9 - i}" for i in range(6)] + ["reverse abcde", "count a in banana"]
+    cfgs = [dict(block_size=4), dict(block_size=1), dict(block_size=8, acceptance="confidence", threshold=0.7)]
+    alone = [e.chat([{"role": "user", "content": p}], max_tokens=20, **cfgs[i % 3]).token_ids for i, p in enumerate(prompts)]
+    got = [None] * len(prompts)
+
+    def run(i):
+        got[i] = e.chat([{"role": "user", "content": prompts[i]}], max_tokens=20, **cfgs[i % 3]).token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == alone
+    assert e.batch_stats[1] > e.batch_stats[0]  # some forwards carried several streams
+
+
+def test_quantized_tiny_model_still_solves_its_tasks():
+    plain = mbd_rs.Engine.load(device="cpu")
+    q = mbd_rs.Engine.load(device="cpu", quantize="q8_0")
+    assert q.info.weight_bytes < 0.6 * plain.info.weight_bytes
+    for p, want in [("sort 5 2 9 1", "1 2 5 9"), ("reverse h e l l o", "o l l e h"), ("repeat ab 3", "ab ab ab")]:
+        assert q.chat([{"role": "user", "content": p}], max_tokens=24).text == want, p
+        assert plain.chat([{"role": "user", "content": p}], max_tokens=24).text == want, p
