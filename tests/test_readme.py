@@ -59,7 +59,7 @@ def test_python_example():
 def test_command_line_examples():
     (code,) = blocks("Command line", "bash")
     lines = [l for l in code.splitlines() if l.strip()]
-    assert len(lines) == 6
+    assert len(lines) == 7
     for line in lines:
         stdin = "sort 3 1 2\n/reset\n\n" if line.startswith("mbd-rs chat") else None
         r = shell(line.split("  #", 1)[0].strip(), stdin=stdin)

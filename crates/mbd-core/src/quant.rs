@@ -145,7 +145,7 @@ impl QMatrix {
         &self.data
     }
 
-    fn row_bytes(&self) -> usize {
+    pub(crate) fn row_bytes(&self) -> usize {
         self.k / self.format.block_values() * self.format.block_bytes()
     }
 
@@ -204,7 +204,7 @@ impl QMatrix {
 
 /// The 6-bit scale and min of sub-block j of a q4_k super-block (GGUF's packing of 8 pairs into 12 bytes).
 #[inline(always)]
-fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {

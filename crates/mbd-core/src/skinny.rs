@@ -187,7 +187,7 @@ impl Out {
 #[allow(clippy::too_many_arguments)]
 mod x86 {
     use super::WeightElem;
-    use crate::quant::QMatrix;
+    use crate::quant::{QMatrix, QuantFormat};
     use std::arch::x86_64::*;
 
     /// 16 weights as f32 lanes (bf16: zero-extend to 32 bits and shift into the high half).
@@ -274,6 +274,89 @@ mod x86 {
     );
     tile_fn!(tile_avx2, "avx2,fma", 8, _mm256_setzero_ps, _mm256_loadu_ps, load8, _mm256_fmadd_ps, hsum256);
 
+    /// A q8_0 block's f16 scale at `p`.
+    #[inline]
+    #[target_feature(enable = "f16c")]
+    unsafe fn scale(p: *const u8) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([*p, *p.add(1)]) as i32)))
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q8_8(p: *const u8) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i)))
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,f16c")]
+    unsafe fn q8_16(p: *const u8) -> __m512 {
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i)))
+    }
+
+    /// Columns [n0, n0 + nw) of y = x · Wᵀ for a q8_0 W and 1 or 2 x rows, dequantizing in registers: the
+    /// same values (q·d) and the same multiply-adds in the same order as the f32 tile over the dequantized
+    /// scratch (`q_columns`), so the same results bit for bit, without the scratch's store and reload (a 1-row
+    /// window streams the weights once and is bound by memory).
+    macro_rules! q8_fused_fn {
+        ($name:ident, $feature:literal, $lanes:literal, $zero:ident, $loadx:ident, $loadq:ident, $set1:ident, $mul:ident, $fma:ident, $sum:ident) => {
+            #[target_feature(enable = $feature)]
+            pub unsafe fn $name(x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: usize, y: super::Out) {
+                #[inline(always)]
+                unsafe fn tile<const R: usize>(xs: [*const f32; R], ws: [*const u8; 4], k: usize) -> [[f32; 4]; R] {
+                    let mut acc = [[$zero(); 4]; R];
+                    for blk in 0..k / 32 {
+                        let mut d = [$zero(); 4];
+                        for c in 0..4 {
+                            d[c] = $set1(scale(ws[c].add(34 * blk)));
+                        }
+                        for g in 0..32 / $lanes {
+                            let i = 32 * blk + $lanes * g;
+                            let mut xv = [$zero(); R];
+                            for r in 0..R {
+                                xv[r] = $loadx(xs[r].add(i));
+                            }
+                            for c in 0..4 {
+                                let wv = $mul($loadq(ws[c].add(34 * blk + 2 + $lanes * g)), d[c]);
+                                for r in 0..R {
+                                    acc[r][c] = $fma(xv[r], wv, acc[r][c]);
+                                }
+                            }
+                        }
+                    }
+                    let mut out = [[0f32; 4]; R];
+                    for r in 0..R {
+                        for c in 0..4 {
+                            out[r][c] = $sum(acc[r][c]);
+                        }
+                    }
+                    out
+                }
+                let (n, k, rb) = (q.n, q.k, q.row_bytes());
+                let base = q.bytes().as_ptr();
+                let end = n0 + nw;
+                for j in (n0..end).step_by(4) {
+                    let ws = [0, 1, 2, 3].map(|c| base.add((j + c).min(end - 1) * rb));
+                    let valid = (end - j).min(4);
+                    let xp = x.as_ptr();
+                    let acc: ([f32; 4], Option<[f32; 4]>) = if m == 2 {
+                        let a = tile::<2>([xp, xp.add(k)], ws, k);
+                        (a[0], Some(a[1]))
+                    } else {
+                        (tile::<1>([xp], ws, k)[0], None)
+                    };
+                    for c in 0..valid {
+                        y.write(j + c, acc.0[c]);
+                        if let Some(r1) = acc.1 {
+                            y.write(n + j + c, r1[c]);
+                        }
+                    }
+                }
+            }
+        };
+    }
+    q8_fused_fn!(q8_fused_avx2, "avx2,fma,f16c", 8, _mm256_setzero_ps, _mm256_loadu_ps, q8_8, _mm256_set1_ps,
+                 _mm256_mul_ps, _mm256_fmadd_ps, hsum256);
+    q8_fused_fn!(q8_fused_avx512, "avx512f,f16c", 16, _mm512_setzero_ps, _mm512_loadu_ps, q8_16, _mm512_set1_ps,
+                 _mm512_mul_ps, _mm512_fmadd_ps, _mm512_reduce_add_ps);
+
     #[target_feature(enable = "avx512f")]
     pub unsafe fn columns_avx512<E: WeightElem>(
         x: &[f32],
@@ -300,12 +383,62 @@ mod x86 {
         )
     }
 
-    #[target_feature(enable = "avx512f")]
+    /// `QMatrix::dequantize_rows` with AVX2 (same operations, so the same values: q8_0 `q·d`, q4_k
+    /// `(d·sc)·q − dmin·m` with a separate multiply and subtract).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dequantize_rows_avx2(q: &QMatrix, j0: usize, count: usize, out: &mut [f32]) {
+        let rb = q.row_bytes();
+        let src = &q.bytes()[j0 * rb..(j0 + count) * rb];
+        let out = &mut out[..count * q.k];
+        let f16 = |b: &[u8]| _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([b[0], b[1]]) as i32)));
+        let o = out.as_mut_ptr();
+        match q.format {
+            QuantFormat::Q8_0 => {
+                for (i, b) in src.chunks_exact(34).enumerate() {
+                    let d = _mm256_set1_ps(f16(b));
+                    let p = b.as_ptr().add(2);
+                    for g in 0..4 {
+                        let v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(8 * g) as *const __m128i));
+                        _mm256_storeu_ps(o.add(32 * i + 8 * g), _mm256_mul_ps(_mm256_cvtepi32_ps(v), d));
+                    }
+                }
+            }
+            QuantFormat::Q4K => {
+                let low = _mm_set1_epi8(0xF);
+                for (i, b) in src.chunks_exact(144).enumerate() {
+                    let (d, dmin) = (f16(&b[0..2]), f16(&b[2..4]));
+                    let scales = &b[4..16];
+                    for g in 0..4 {
+                        let (sc1, m1) = super::super::quant::scale_min_k4(2 * g, scales);
+                        let (sc2, m2) = super::super::quant::scale_min_k4(2 * g + 1, scales);
+                        let (d1, m1) = (_mm256_set1_ps(d * sc1 as f32), _mm256_set1_ps(dmin * m1 as f32));
+                        let (d2, m2) = (_mm256_set1_ps(d * sc2 as f32), _mm256_set1_ps(dmin * m2 as f32));
+                        let base = o.add(256 * i + 64 * g);
+                        for h in 0..2 {
+                            let qb = _mm_loadu_si128(b.as_ptr().add(16 + 32 * g + 16 * h) as *const __m128i);
+                            let lo = _mm_and_si128(qb, low);
+                            let hi = _mm_and_si128(_mm_srli_epi16::<4>(qb), low);
+                            for (half, v, dd, mm) in [(0, lo, d1, m1), (32, hi, d2, m2)] {
+                                let a = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+                                let bq = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(v)));
+                                let dst = base.add(half + 16 * h);
+                                _mm256_storeu_ps(dst, _mm256_sub_ps(_mm256_mul_ps(dd, a), mm));
+                                _mm256_storeu_ps(dst.add(8), _mm256_sub_ps(_mm256_mul_ps(dd, bq), mm));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     pub unsafe fn q_columns_avx512(x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: usize, y: super::Out, s: &mut [f32]) {
         super::q_columns(super::Isa::Avx512, x, m, q, n0, nw, y, s)
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn q_columns_avx2(x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: usize, y: super::Out, s: &mut [f32]) {
         super::q_columns(super::Isa::Avx2, x, m, q, n0, nw, y, s)
     }
@@ -355,10 +488,15 @@ enum Isa {
 fn isa() -> Isa {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f") {
+        // (every CPU with AVX2 or AVX-512 has F16C and FMA; checked all the same: the quantized path converts
+        // f16 scales with F16C)
+        let avx2 = std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c");
+        if avx2 && std::arch::is_x86_feature_detected!("avx512f") {
             return Isa::Avx512;
         }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        if avx2 {
             return Isa::Avx2;
         }
     }
@@ -472,15 +610,31 @@ unsafe fn q_columns_on(isa: Isa, x: &[f32], m: usize, q: &QMatrix, n0: usize, nw
     }
 }
 
+/// Windows of at most this many rows multiply a q8_0 matrix dequantizing in registers (`x86::q8_fused_avx2`),
+/// longer ones through the scratch; both give the same bits.
+const FUSED_MAX_ROWS: usize = 2;
+
 /// The body of `q_columns_on`, inlined into each instruction set's variant (so the dequantization is
 /// vectorised for it).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn q_columns(isa: Isa, x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: usize, y: Out, scratch: &mut [f32]) {
     let (n, k) = (q.n, q.k);
+    #[cfg(target_arch = "x86_64")]
+    if m <= FUSED_MAX_ROWS && q.format == crate::quant::QuantFormat::Q8_0 {
+        match isa {
+            Isa::Avx512 => return x86::q8_fused_avx512(x, m, q, n0, nw, y),
+            Isa::Avx2 => return x86::q8_fused_avx2(x, m, q, n0, nw, y),
+            Isa::Baseline => {}
+        }
+    }
     for j in (n0..n0 + nw).step_by(4) {
         let valid = (n0 + nw - j).min(4);
-        q.dequantize_rows(j, valid, scratch);
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 | Isa::Avx2 => x86::dequantize_rows_avx2(q, j, valid, scratch),
+            Isa::Baseline => q.dequantize_rows(j, valid, scratch),
+        }
         for r0 in (0..m).step_by(ROW_BLOCK) {
             let mb = ROW_BLOCK.min(m - r0);
             columns_on(isa, &x[r0 * k..(r0 + mb) * k], mb, k, &scratch[..valid * k], 0, valid, n, y.offset(r0 * n + j));
@@ -594,7 +748,7 @@ mod tests {
         let mut isas = vec![Isa::Baseline];
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            if isa() != Isa::Baseline {
                 isas.push(Isa::Avx2);
             }
             if isa() == Isa::Avx512 {
