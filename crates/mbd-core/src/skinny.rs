@@ -86,7 +86,7 @@ impl WeightElem for half::bf16 {
 /// Portable tile (other CPUs): dot products of x rows `xs` (each `k` long) with 4 weight rows, `L` lane sums.
 /// Returns acc[r][c] = <xs[r], w_c>.
 #[inline(always)]
-fn tile<E: WeightElem, const L: usize, const R: usize>(xs: [&[f32]; R], ws: [&[E]; 4], k: usize) -> [[f32; 4]; R] {
+fn tile<E: WeightElem, const L: usize, const R: usize>(xs: [&[f32]; R], ws: [&[E]; 4], _: Prefetch, k: usize) -> [[f32; 4]; R] {
     let mut acc = [[[0f32; L]; 4]; R];
     let body = k / L * L;
     let mut i = 0;
@@ -127,9 +127,9 @@ fn columns<E: WeightElem>(
     nw: usize,
     n: usize,
     y: Out,
-    tile4: impl Fn([&[f32]; 4], [&[E]; 4], usize) -> [[f32; 4]; 4],
-    tile2: impl Fn([&[f32]; 2], [&[E]; 4], usize) -> [[f32; 4]; 2],
-    tile1: impl Fn([&[f32]; 1], [&[E]; 4], usize) -> [[f32; 4]; 1],
+    tile4: impl Fn([&[f32]; 4], [&[E]; 4], Prefetch, usize) -> [[f32; 4]; 4],
+    tile2: impl Fn([&[f32]; 2], [&[E]; 4], Prefetch, usize) -> [[f32; 4]; 2],
+    tile1: impl Fn([&[f32]; 1], [&[E]; 4], Prefetch, usize) -> [[f32; 4]; 1],
 ) {
     let wrow = |j: usize| &w[j * k..(j + 1) * k];
     let xrow = |r: usize| &x[r * k..(r + 1) * k];
@@ -140,6 +140,10 @@ fn columns<E: WeightElem>(
         let idx = [j, (j + 1).min(end - 1), (j + 2).min(end - 1), (j + 3).min(end - 1)];
         let ws = [wrow(idx[0]), wrow(idx[1]), wrow(idx[2]), wrow(idx[3])];
         let valid = (end - j).min(4);
+        // the next tile's weight rows, fetched while this one computes (its rows are short streams that the
+        // hardware prefetcher would only pick up after a few misses each); once per tile: by the first x rows
+        let next = Prefetch([0, 1, 2, 3].map(|c| w.as_ptr().wrapping_add((j + 4 + c).min(end - 1) * k) as *const u8));
+        let none = Prefetch([std::ptr::null(); 4]);
         // Store a tile's results for x rows r0.. (only the valid weight rows).
         let store = |r0: usize, acc: &[[f32; 4]]| {
             for (dr, row) in acc.iter().enumerate() {
@@ -150,20 +154,25 @@ fn columns<E: WeightElem>(
             }
         };
         let mut r = 0;
+        let pf = |r: usize| if r == 0 { next } else { none };
         while r + 4 <= m {
-            store(r, &tile4([xrow(r), xrow(r + 1), xrow(r + 2), xrow(r + 3)], ws, k));
+            store(r, &tile4([xrow(r), xrow(r + 1), xrow(r + 2), xrow(r + 3)], ws, pf(r), k));
             r += 4;
         }
         if r + 2 <= m {
-            store(r, &tile2([xrow(r), xrow(r + 1)], ws, k));
+            store(r, &tile2([xrow(r), xrow(r + 1)], ws, pf(r), k));
             r += 2;
         }
         if r < m {
-            store(r, &tile1([xrow(r)], ws, k));
+            store(r, &tile1([xrow(r)], ws, pf(r), k));
         }
         j += 4;
     }
 }
+
+/// Where a tile fetches the next tile's weight rows ahead (null: nothing to fetch). Fetching never changes results.
+#[derive(Clone, Copy)]
+pub(crate) struct Prefetch([*const u8; 4]);
 
 /// The output buffer shared by the tasks, each writing its own columns.
 #[derive(Clone, Copy)]
@@ -230,11 +239,19 @@ mod x86 {
             pub unsafe fn $name<E: WeightElem, const R: usize>(
                 xs: [&[f32]; R],
                 ws: [&[E]; 4],
+                pf: super::Prefetch,
                 k: usize,
             ) -> [[f32; 4]; R] {
                 let mut acc = [[$zero(); 4]; R];
                 let mut i = 0;
+                let fetch = !pf.0[0].is_null();
+                let es = std::mem::size_of::<E>();
                 while i + $lanes <= k {
+                    if fetch && (i * es) % 64 == 0 {
+                        for c in 0..4 {
+                            _mm_prefetch::<_MM_HINT_T0>(pf.0[c].wrapping_add(i * es) as *const i8);
+                        }
+                    }
                     let mut xv = [$zero(); R];
                     for r in 0..R {
                         xv[r] = $loadx(xs[r].as_ptr().add(i));
@@ -300,9 +317,14 @@ mod x86 {
             #[target_feature(enable = $feature)]
             pub unsafe fn $name(x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: usize, y: super::Out) {
                 #[inline(always)]
-                unsafe fn tile<const R: usize>(xs: [*const f32; R], ws: [*const u8; 4], k: usize) -> [[f32; 4]; R] {
+                unsafe fn tile<const R: usize>(xs: [*const f32; R], ws: [*const u8; 4], pf: [*const u8; 4], k: usize) -> [[f32; 4]; R] {
                     let mut acc = [[$zero(); 4]; R];
                     for blk in 0..k / 32 {
+                        if blk % 2 == 0 {
+                            for c in 0..4 {
+                                _mm_prefetch::<_MM_HINT_T0>(pf[c].wrapping_add(34 * blk) as *const i8);
+                            }
+                        }
                         let mut d = [$zero(); 4];
                         for c in 0..4 {
                             d[c] = $set1(scale(ws[c].add(34 * blk)));
@@ -334,13 +356,14 @@ mod x86 {
                 let end = n0 + nw;
                 for j in (n0..end).step_by(4) {
                     let ws = [0, 1, 2, 3].map(|c| base.add((j + c).min(end - 1) * rb));
+                    let pf = [0, 1, 2, 3].map(|c| base.wrapping_add((j + 4 + c).min(end - 1) * rb));
                     let valid = (end - j).min(4);
                     let xp = x.as_ptr();
                     let acc: ([f32; 4], Option<[f32; 4]>) = if m == 2 {
-                        let a = tile::<2>([xp, xp.add(k)], ws, k);
+                        let a = tile::<2>([xp, xp.add(k)], ws, pf, k);
                         (a[0], Some(a[1]))
                     } else {
-                        (tile::<1>([xp], ws, k)[0], None)
+                        (tile::<1>([xp], ws, pf, k)[0], None)
                     };
                     for c in 0..valid {
                         y.write(j + c, acc.0[c]);
@@ -377,9 +400,9 @@ mod x86 {
             nw,
             n,
             y,
-            |a, b, k| tile_avx512::<E, 4>(a, b, k),
-            |a, b, k| tile_avx512::<E, 2>(a, b, k),
-            |a, b, k| tile_avx512::<E, 1>(a, b, k),
+            |a, b, p, k| tile_avx512::<E, 4>(a, b, p, k),
+            |a, b, p, k| tile_avx512::<E, 2>(a, b, p, k),
+            |a, b, p, k| tile_avx512::<E, 1>(a, b, p, k),
         )
     }
 
@@ -455,8 +478,9 @@ mod x86 {
         y: super::Out,
     ) {
         // 16 ymm registers hold a 2 x 4 tile of accumulators; 4 rows are two such tiles.
-        let tile4 = |a: [&[f32]; 4], b: [&[E]; 4], k: usize| {
-            let (p, q) = (tile_avx2::<E, 2>([a[0], a[1]], b, k), tile_avx2::<E, 2>([a[2], a[3]], b, k));
+        let tile4 = |a: [&[f32]; 4], b: [&[E]; 4], pf: super::Prefetch, k: usize| {
+            let none = super::Prefetch([std::ptr::null(); 4]);
+            let (p, q) = (tile_avx2::<E, 2>([a[0], a[1]], b, pf, k), tile_avx2::<E, 2>([a[2], a[3]], b, none, k));
             [p[0], p[1], q[0], q[1]]
         };
         super::columns(
@@ -469,8 +493,8 @@ mod x86 {
             n,
             y,
             tile4,
-            |a, b, k| tile_avx2::<E, 2>(a, b, k),
-            |a, b, k| tile_avx2::<E, 1>(a, b, k),
+            |a, b, p, k| tile_avx2::<E, 2>(a, b, p, k),
+            |a, b, p, k| tile_avx2::<E, 1>(a, b, p, k),
         )
     }
 }
