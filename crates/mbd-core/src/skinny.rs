@@ -11,7 +11,7 @@
 //! Numerics: each output is one f32 dot product summed in `L` lane-wise partial sums then reduced; the
 //! result differs from gemm's only by summation order.
 
-use crate::quant::QMatrix;
+use crate::quant::{QMatrix, QuantFormat};
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -375,6 +375,82 @@ mod x86 {
             }
         };
     }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_8(p: *const u8, hi: bool) -> __m256 {
+        let b = _mm_loadl_epi64(p as *const __m128i);
+        let b = if hi { _mm_srli_epi16::<4>(b) } else { b };
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0xF))))
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,f16c")]
+    unsafe fn q4_16(p: *const u8, hi: bool) -> __m512 {
+        let b = _mm_loadu_si128(p as *const __m128i);
+        let b = if hi { _mm_srli_epi16::<4>(b) } else { b };
+        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0xF))))
+    }
+
+    /// Columns [n0, n0 + nw) of y = x · Wᵀ for a q4_k W and one x row, dequantizing in registers: per sub-block
+    /// of 32 the value (d·sc)·q − dmin·m and the multiply-adds in the order of the f32 tile over the dequantized
+    /// scratch, so the same bits.
+    macro_rules! q4k_fused_fn {
+        ($name:ident, $feature:literal, $lanes:literal, $zero:ident, $loadx:ident, $loadq:ident, $set1:ident, $mul:ident, $sub:ident, $fma:ident, $sum:ident) => {
+            #[target_feature(enable = $feature)]
+            pub unsafe fn $name(x: &[f32], q: &QMatrix, n0: usize, nw: usize, y: super::Out) {
+                #[inline(always)]
+                unsafe fn tile(xp: *const f32, ws: [*const u8; 4], pf: [*const u8; 4], k: usize) -> [f32; 4] {
+                    let mut acc = [$zero(); 4];
+                    for sb in 0..k / 256 {
+                        let b = ws.map(|w| w.add(144 * sb));
+                        for c in 0..4 {
+                            for l in 0..3 {
+                                _mm_prefetch::<_MM_HINT_T0>(pf[c].wrapping_add(144 * sb + 64 * l) as *const i8);
+                            }
+                        }
+                        let d = b.map(|p| scale(p));
+                        let dmin = b.map(|p| scale(p.add(2)));
+                        for g in 0..4 {
+                            for half in 0..2 {
+                                let mut d1 = [$zero(); 4];
+                                let mut m1 = [$zero(); 4];
+                                for c in 0..4 {
+                                    let sc = std::slice::from_raw_parts(b[c].add(4), 12);
+                                    let (s, m) = crate::quant::scale_min_k4(2 * g + half, sc);
+                                    d1[c] = $set1(d[c] * s as f32);
+                                    m1[c] = $set1(dmin[c] * m as f32);
+                                }
+                                for t in 0..32 / $lanes {
+                                    let xv = $loadx(xp.add(256 * sb + 64 * g + 32 * half + $lanes * t));
+                                    for c in 0..4 {
+                                        let qv = $loadq(b[c].add(16 + 32 * g + $lanes * t), half == 1);
+                                        let wv = $sub($mul(d1[c], qv), m1[c]);
+                                        acc[c] = $fma(xv, wv, acc[c]);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    acc.map(|a| $sum(a))
+                }
+                let (k, rb) = (q.k, q.row_bytes());
+                let base = q.bytes().as_ptr();
+                let end = n0 + nw;
+                for j in (n0..end).step_by(4) {
+                    let ws = [0, 1, 2, 3].map(|c| base.add((j + c).min(end - 1) * rb));
+                    let pf = [0, 1, 2, 3].map(|c| base.wrapping_add((j + 4 + c).min(end - 1) * rb));
+                    let acc = tile(x.as_ptr(), ws, pf, k);
+                    for c in 0..(end - j).min(4) {
+                        y.write(j + c, acc[c]);
+                    }
+                }
+            }
+        };
+    }
+    q4k_fused_fn!(q4k_fused_avx2, "avx2,fma,f16c", 8, _mm256_setzero_ps, _mm256_loadu_ps, q4_8, _mm256_set1_ps,
+                  _mm256_mul_ps, _mm256_sub_ps, _mm256_fmadd_ps, hsum256);
+    q4k_fused_fn!(q4k_fused_avx512, "avx512f,f16c", 16, _mm512_setzero_ps, _mm512_loadu_ps, q4_16, _mm512_set1_ps,
+                  _mm512_mul_ps, _mm512_sub_ps, _mm512_fmadd_ps, _mm512_reduce_add_ps);
+
     q8_fused_fn!(q8_fused_avx2, "avx2,fma,f16c", 8, _mm256_setzero_ps, _mm256_loadu_ps, q8_8, _mm256_set1_ps,
                  _mm256_mul_ps, _mm256_fmadd_ps, hsum256);
     q8_fused_fn!(q8_fused_avx512, "avx512f,f16c", 16, _mm512_setzero_ps, _mm512_loadu_ps, q8_16, _mm512_set1_ps,
@@ -619,7 +695,9 @@ fn matmul_q_with(isa: Isa, x: &[f32], m: usize, q: &QMatrix, par_min_macs: usize
     })
 }
 
-/// Columns [n0, n0 + nw) of y = x · Wᵀ for a quantized W, 4 weight rows at a time through `scratch` (4·k).
+/// Columns [n0, n0 + nw) of y = x · Wᵀ for a quantized W, 4 weight rows at a time through `scratch` (4·k);
+/// windows of 1-2 rows (q8_0) or 1 row (q4_k) dequantize in registers instead (same values, same order of
+/// multiply-adds, so the same bits: no store and reload where the weights stream from memory).
 ///
 /// # Safety
 /// As `columns_on`.
@@ -634,10 +712,6 @@ unsafe fn q_columns_on(isa: Isa, x: &[f32], m: usize, q: &QMatrix, n0: usize, nw
     }
 }
 
-/// Windows of at most this many rows multiply a q8_0 matrix dequantizing in registers (`x86::q8_fused_avx2`),
-/// longer ones through the scratch; both give the same bits.
-const FUSED_MAX_ROWS: usize = 2;
-
 /// The body of `q_columns_on`, inlined into each instruction set's variant (so the dequantization is
 /// vectorised for it).
 #[inline(always)]
@@ -645,12 +719,12 @@ const FUSED_MAX_ROWS: usize = 2;
 unsafe fn q_columns(isa: Isa, x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: usize, y: Out, scratch: &mut [f32]) {
     let (n, k) = (q.n, q.k);
     #[cfg(target_arch = "x86_64")]
-    if m <= FUSED_MAX_ROWS && q.format == crate::quant::QuantFormat::Q8_0 {
-        match isa {
-            Isa::Avx512 => return x86::q8_fused_avx512(x, m, q, n0, nw, y),
-            Isa::Avx2 => return x86::q8_fused_avx2(x, m, q, n0, nw, y),
-            Isa::Baseline => {}
-        }
+    match (isa, q.format) {
+        (Isa::Avx512, QuantFormat::Q8_0) if m <= 2 => return x86::q8_fused_avx512(x, m, q, n0, nw, y),
+        (Isa::Avx2, QuantFormat::Q8_0) if m <= 2 => return x86::q8_fused_avx2(x, m, q, n0, nw, y),
+        (Isa::Avx512, QuantFormat::Q4K) if m == 1 => return x86::q4k_fused_avx512(x, q, n0, nw, y),
+        (Isa::Avx2, QuantFormat::Q4K) if m == 1 => return x86::q4k_fused_avx2(x, q, n0, nw, y),
+        _ => {}
     }
     for j in (n0..n0 + nw).step_by(4) {
         let valid = (n0 + nw - j).min(4);
