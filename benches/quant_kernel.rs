@@ -22,9 +22,13 @@ fn run() {
     let dev = Device::Cpu;
     let kn = Kernels::default();
     println!("{threads} threads; ms (median), GB/s of weights for one row");
-    println!("{:>18} {:>4} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>7}", "W (n x k)", "rows", "bf16", "q8_0", "q4_k",
-             "q8/bf", "q4/bf", "GB/s q8", "GB/s bf");
-    for (n, k, name) in [(4864usize, 896usize, "gate/up 4864x896"), (896, 4864, "down 896x4864"), (151936, 896, "head 151936x896")] {
+    println!(
+        "{:>18} {:>4} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>7}",
+        "W (n x k)", "rows", "bf16", "q8_0", "q4_k", "q8/bf", "q4/bf", "GB/s q8", "GB/s bf"
+    );
+    for (n, k, name) in
+        [(4864usize, 896usize, "gate/up 4864x896"), (896, 4864, "down 896x4864"), (151936, 896, "head 151936x896")]
+    {
         let w = Tensor::randn(0f32, 0.02, (n, k), &dev).unwrap().to_dtype(DType::BF16).unwrap();
         let q8 = QMatrix::quantize(&w, QuantFormat::Q8_0).unwrap();
         let q4 = if k % 256 == 0 { Some(QMatrix::quantize(&w, QuantFormat::Q4K).unwrap()) } else { None };
@@ -47,9 +51,15 @@ fn run() {
             }
             let (ta, tb) = (median(a), median(b));
             let tc = if c.is_empty() { f64::NAN } else { median(c) };
-            let gbs = |bytes: usize, ms: f64| if m == 1 { format!("{:.1}", bytes as f64 / ms / 1e6) } else { "".into() };
-            println!("{name:>18} {m:>4} {ta:>9.3} {tb:>9.3} {tc:>9.3} {:>7.2} {:>7.2} {:>7} {:>7}", tb / ta, tc / ta,
-                     gbs(q8.bytes().len(), tb), gbs(n * k * 2, ta));
+            let gbs =
+                |bytes: usize, ms: f64| if m == 1 { format!("{:.1}", bytes as f64 / ms / 1e6) } else { "".into() };
+            println!(
+                "{name:>18} {m:>4} {ta:>9.3} {tb:>9.3} {tc:>9.3} {:>7.2} {:>7.2} {:>7} {:>7}",
+                tb / ta,
+                tc / ta,
+                gbs(q8.bytes().len(), tb),
+                gbs(n * k * 2, ta)
+            );
         }
     }
 }

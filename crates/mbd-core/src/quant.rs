@@ -105,12 +105,16 @@ impl QMatrix {
     pub fn quantize(w: &Tensor, format: QuantFormat) -> Result<QMatrix> {
         let (n, k) = w.dims2()?;
         if k == 0 || !k.is_multiple_of(format.block_values()) {
-            return Err(Error::Internal(format!("quantize: rows of {k} values do not split into {} blocks", format.name())));
+            return Err(Error::Internal(format!(
+                "quantize: rows of {k} values do not split into {} blocks",
+                format.name()
+            )));
         }
         let row_bytes = k / format.block_values() * format.block_bytes();
         let mut data = Vec::new();
-        data.try_reserve_exact(n * row_bytes)
-            .map_err(|_| Error::load(format!("cannot allocate {} bytes for a {n}x{k} {} matrix", n * row_bytes, format.name())))?;
+        data.try_reserve_exact(n * row_bytes).map_err(|_| {
+            Error::load(format!("cannot allocate {} bytes for a {n}x{k} {} matrix", n * row_bytes, format.name()))
+        })?;
         let chunk = (QUANTIZE_ROWS_BYTES / (4 * k)).max(1);
         for r0 in (0..n).step_by(chunk) {
             let rows = chunk.min(n - r0);
@@ -131,7 +135,10 @@ impl QMatrix {
 
     /// Build from GGUF block bytes (n rows of k values in `format`).
     pub fn from_bytes(format: QuantFormat, n: usize, k: usize, data: Vec<u8>) -> Result<QMatrix> {
-        if k == 0 || !k.is_multiple_of(format.block_values()) || data.len() != n * (k / format.block_values()) * format.block_bytes() {
+        if k == 0
+            || !k.is_multiple_of(format.block_values())
+            || data.len() != n * (k / format.block_values()) * format.block_bytes()
+        {
             return Err(Error::invalid(format!(
                 "{} bytes are not {n} rows of {k} values in {} blocks",
                 data.len(),

@@ -86,7 +86,12 @@ impl WeightElem for half::bf16 {
 /// Portable tile (other CPUs): dot products of x rows `xs` (each `k` long) with 4 weight rows, `L` lane sums.
 /// Returns acc[r][c] = <xs[r], w_c>.
 #[inline(always)]
-fn tile<E: WeightElem, const L: usize, const R: usize>(xs: [&[f32]; R], ws: [&[E]; 4], _: Prefetch, k: usize) -> [[f32; 4]; R] {
+fn tile<E: WeightElem, const L: usize, const R: usize>(
+    xs: [&[f32]; R],
+    ws: [&[E]; 4],
+    _: Prefetch,
+    k: usize,
+) -> [[f32; 4]; R] {
     let mut acc = [[[0f32; L]; 4]; R];
     let body = k / L * L;
     let mut i = 0;
@@ -317,7 +322,12 @@ mod x86 {
             #[target_feature(enable = $feature)]
             pub unsafe fn $name(x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: usize, y: super::Out) {
                 #[inline(always)]
-                unsafe fn tile<const R: usize>(xs: [*const f32; R], ws: [*const u8; 4], pf: [*const u8; 4], k: usize) -> [[f32; 4]; R] {
+                unsafe fn tile<const R: usize>(
+                    xs: [*const f32; R],
+                    ws: [*const u8; 4],
+                    pf: [*const u8; 4],
+                    k: usize,
+                ) -> [[f32; 4]; R] {
                     let mut acc = [[$zero(); 4]; R];
                     for blk in 0..k / 32 {
                         if blk % 2 == 0 {
@@ -446,15 +456,57 @@ mod x86 {
             }
         };
     }
-    q4k_fused_fn!(q4k_fused_avx2, "avx2,fma,f16c", 8, _mm256_setzero_ps, _mm256_loadu_ps, q4_8, _mm256_set1_ps,
-                  _mm256_mul_ps, _mm256_sub_ps, _mm256_fmadd_ps, hsum256);
-    q4k_fused_fn!(q4k_fused_avx512, "avx512f,f16c", 16, _mm512_setzero_ps, _mm512_loadu_ps, q4_16, _mm512_set1_ps,
-                  _mm512_mul_ps, _mm512_sub_ps, _mm512_fmadd_ps, _mm512_reduce_add_ps);
+    q4k_fused_fn!(
+        q4k_fused_avx2,
+        "avx2,fma,f16c",
+        8,
+        _mm256_setzero_ps,
+        _mm256_loadu_ps,
+        q4_8,
+        _mm256_set1_ps,
+        _mm256_mul_ps,
+        _mm256_sub_ps,
+        _mm256_fmadd_ps,
+        hsum256
+    );
+    q4k_fused_fn!(
+        q4k_fused_avx512,
+        "avx512f,f16c",
+        16,
+        _mm512_setzero_ps,
+        _mm512_loadu_ps,
+        q4_16,
+        _mm512_set1_ps,
+        _mm512_mul_ps,
+        _mm512_sub_ps,
+        _mm512_fmadd_ps,
+        _mm512_reduce_add_ps
+    );
 
-    q8_fused_fn!(q8_fused_avx2, "avx2,fma,f16c", 8, _mm256_setzero_ps, _mm256_loadu_ps, q8_8, _mm256_set1_ps,
-                 _mm256_mul_ps, _mm256_fmadd_ps, hsum256);
-    q8_fused_fn!(q8_fused_avx512, "avx512f,f16c", 16, _mm512_setzero_ps, _mm512_loadu_ps, q8_16, _mm512_set1_ps,
-                 _mm512_mul_ps, _mm512_fmadd_ps, _mm512_reduce_add_ps);
+    q8_fused_fn!(
+        q8_fused_avx2,
+        "avx2,fma,f16c",
+        8,
+        _mm256_setzero_ps,
+        _mm256_loadu_ps,
+        q8_8,
+        _mm256_set1_ps,
+        _mm256_mul_ps,
+        _mm256_fmadd_ps,
+        hsum256
+    );
+    q8_fused_fn!(
+        q8_fused_avx512,
+        "avx512f,f16c",
+        16,
+        _mm512_setzero_ps,
+        _mm512_loadu_ps,
+        q8_16,
+        _mm512_set1_ps,
+        _mm512_mul_ps,
+        _mm512_fmadd_ps,
+        _mm512_reduce_add_ps
+    );
 
     #[target_feature(enable = "avx512f")]
     pub unsafe fn columns_avx512<E: WeightElem>(
@@ -533,7 +585,15 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub unsafe fn q_columns_avx512(x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: usize, y: super::Out, s: &mut [f32]) {
+    pub unsafe fn q_columns_avx512(
+        x: &[f32],
+        m: usize,
+        q: &QMatrix,
+        n0: usize,
+        nw: usize,
+        y: super::Out,
+        s: &mut [f32],
+    ) {
         super::q_columns(super::Isa::Avx512, x, m, q, n0, nw, y, s)
     }
 
@@ -639,7 +699,17 @@ fn matmul_t_with<E: WeightElem>(
 /// The CPU has `isa`'s features; `y` is m × n and only this caller writes columns [n0, n0 + nw).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn columns_on<E: WeightElem>(isa: Isa, x: &[f32], m: usize, k: usize, w: &[E], n0: usize, nw: usize, n: usize, y: Out) {
+unsafe fn columns_on<E: WeightElem>(
+    isa: Isa,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    w: &[E],
+    n0: usize,
+    nw: usize,
+    n: usize,
+    y: Out,
+) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => x86::columns_avx512(x, m, k, w, n0, nw, n, y),
@@ -997,7 +1067,11 @@ mod tests {
             }
         }
         // through candle, rows of a stacked call equal the row alone
-        let q = QMatrix::quantize(&Tensor::randn(0f32, 1.0, (70, 64), &candle_core::Device::Cpu).unwrap(), crate::quant::QuantFormat::Q8_0).unwrap();
+        let q = QMatrix::quantize(
+            &Tensor::randn(0f32, 1.0, (70, 64), &candle_core::Device::Cpu).unwrap(),
+            crate::quant::QuantFormat::Q8_0,
+        )
+        .unwrap();
         let x = Tensor::randn(0f32, 1.0, (9, 64), &candle_core::Device::Cpu).unwrap();
         let all = linear_q(&x, &q, &Kernels::default()).unwrap();
         let one = linear_q(&x.narrow(0, 4, 1).unwrap(), &q, &Kernels::default()).unwrap();

@@ -5,12 +5,12 @@
 use mbd_core::engine::{device_name, dtype_name, parse_device, parse_dtype};
 use mbd_core::error::catch_panic;
 use mbd_core::generate::{Generation, StepOutput};
+use mbd_core::quant::QuantFormat;
 use mbd_core::request::{
     self, GenRequest, LogitsRequest, ParamKind, Params, ProfileOverrides, Value, GENERATION_PARAMS, LOGITS_PARAMS,
     PROFILE_OVERRIDES,
 };
 use mbd_core::scheduler::{BatchLimits, Canceller, Scheduler, StreamHandle};
-use mbd_core::quant::QuantFormat;
 use mbd_core::skinny::Kernels;
 use mbd_core::{Error, LoadOptions, Model};
 use numpy::{PyArray1, PyArrayMethods};

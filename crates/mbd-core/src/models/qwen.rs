@@ -99,8 +99,10 @@ struct Moe {
 impl Moe {
     fn load(ws: &Weights, prefix: &str, hidden: usize, m: &crate::config::MoeConfig) -> Result<Self> {
         // the router stays as loaded (see `quant`)
-        let router =
-            Linear { w: Matrix::Dense(ws.get_matrix(&format!("{prefix}.gate.weight"), &[m.num_experts, hidden])?), b: None };
+        let router = Linear {
+            w: Matrix::Dense(ws.get_matrix(&format!("{prefix}.gate.weight"), &[m.num_experts, hidden])?),
+            b: None,
+        };
         let inter = m.moe_intermediate_size;
         let fused = format!("{prefix}.experts.gate_up_proj");
         let experts = if ws.contains(&fused) {

@@ -1,0 +1,77 @@
+"""Quantized weights (issue #18): what they cost in accuracy and what they save in memory, per format.
+
+Accuracy: logits of one call over N positions (random ids, the model's own attention) with the weights as loaded
+against quantize="q8_0" / "q4_k": max and mean relative error (|q - ref| over max / mean |ref|) and top-1
+agreement. Memory: each format is loaded in a fresh child process, which reports its peak and current RSS after
+loading against the weight bytes held (`info.weight_bytes`).
+
+    python benches/quant_quality.py [--model DIR] [--positions 1024]      # default: the 0.5B-shaped bf16 checkpoint
+Writes benches/quant_quality.json (or --out) and prints a markdown table.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+import mbd_rs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FORMATS = [None, "q8_0", "q4_k"]
+
+CHILD = r"""
+import json, sys, mbd_rs
+q = None if sys.argv[2] == "none" else sys.argv[2]
+e = mbd_rs.Engine.load(sys.argv[1], device="cpu", quantize=q)
+# VmHWM / VmRSS of this process image (ru_maxrss would carry the parent's peak across fork and exec)
+st = dict(l.split(":", 1) for l in open("/proc/self/status"))
+kb = lambda k: int(st[k].split()[0]) * 1024
+print(json.dumps(dict(weight_bytes=e.info.weight_bytes, weight_format=e.info.weight_format, peak_rss=kb("VmHWM"),
+                      rss=kb("VmRSS"))))
+"""
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="/tmp/mbd-bench/qwen2.5-0.5b-shape-bf16")
+    ap.add_argument("--positions", type=int, default=1024)
+    ap.add_argument("--out", default=os.path.join(ROOT, "benches", "quant_quality.json"))
+    args = ap.parse_args()
+    # a bare interpreter with mbd_rs imported, for the RSS baseline
+    base = subprocess.run([sys.executable, "-c", "import resource, mbd_rs; print(int(open('/proc/self/statm').read().split()[1]) * 4096)"],
+                          capture_output=True, text=True, check=True)
+    baseline = int(base.stdout)
+    rows = []
+    ref = ids = None
+    for q in FORMATS:
+        r = subprocess.run([sys.executable, "-c", CHILD, args.model, q or "none"], capture_output=True, text=True, check=True)
+        mem = json.loads(r.stdout)
+        eng = mbd_rs.Engine.load(args.model, device="cpu", quantize=q)
+        if ids is None:
+            ids = np.random.default_rng(0).integers(0, eng.info.vocab_size, args.positions).tolist()
+        got = eng.logits(ids)
+        if ref is None:
+            ref = got
+        err = np.abs(got - ref)
+        row = dict(weights=mem["weight_format"], weight_bytes=mem["weight_bytes"], peak_rss=mem["peak_rss"], rss=mem["rss"],
+                   rss_minus_baseline_over_weights=(mem["rss"] - baseline) / mem["weight_bytes"],
+                   peak_minus_baseline_over_weights=(mem["peak_rss"] - baseline) / mem["weight_bytes"],
+                   max_rel=float(err.max() / np.abs(ref).max()), mean_rel=float(err.mean() / np.abs(ref).mean()),
+                   top1=float((got.argmax(1) == ref.argmax(1)).mean()))
+        rows.append(row)
+        del eng
+    out = dict(model=args.model, positions=args.positions, baseline_rss=baseline, results=rows)
+    json.dump(out, open(args.out, "w"), indent=1)
+    print(f"{args.model}, {args.positions} positions; RSS over weights after subtracting the bare interpreter's "
+          f"{baseline / 2**20:.0f} MiB")
+    print("| weights | MiB held | RSS after load / weights | peak RSS / weights | max rel err | mean rel err | top-1 = unquantized |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['weights']} | {r['weight_bytes'] / 2**20:.1f} | {r['rss_minus_baseline_over_weights']:.3f} | "
+              f"{r['peak_minus_baseline_over_weights']:.3f} | {r['max_rel']:.4f} | {r['mean_rel']:.4f} | {r['top1'] * 100:.1f}% |")
+
+
+if __name__ == "__main__":
+    main()
