@@ -330,7 +330,7 @@ mod x86 {
                 ) -> [[f32; 4]; R] {
                     let mut acc = [[$zero(); 4]; R];
                     for blk in 0..k / 32 {
-                        if blk % 2 == 0 {
+                        if blk % 2 == 0 && !pf[0].is_null() {
                             for c in 0..4 {
                                 _mm_prefetch::<_MM_HINT_T0>(pf[c].wrapping_add(34 * blk) as *const i8);
                             }
@@ -369,16 +369,24 @@ mod x86 {
                     let pf = [0, 1, 2, 3].map(|c| base.wrapping_add((j + 4 + c).min(end - 1) * rb));
                     let valid = (end - j).min(4);
                     let xp = x.as_ptr();
-                    let acc: ([f32; 4], Option<[f32; 4]>) = if m == 2 {
-                        let a = tile::<2>([xp, xp.add(k)], ws, pf, k);
-                        (a[0], Some(a[1]))
-                    } else {
-                        (tile::<1>([xp], ws, pf, k)[0], None)
-                    };
-                    for c in 0..valid {
-                        y.write(j + c, acc.0[c]);
-                        if let Some(r1) = acc.1 {
-                            y.write(n + j + c, r1[c]);
+                    // x rows two at a time (the first pair fetches the next tile ahead), then the odd one
+                    let none = [std::ptr::null(); 4];
+                    let mut r = 0;
+                    while r < m {
+                        let fetch = if r == 0 { pf } else { none };
+                        if r + 2 <= m {
+                            let a = tile::<2>([xp.add(r * k), xp.add((r + 1) * k)], ws, fetch, k);
+                            for c in 0..valid {
+                                y.write(r * n + j + c, a[0][c]);
+                                y.write((r + 1) * n + j + c, a[1][c]);
+                            }
+                            r += 2;
+                        } else {
+                            let a = tile::<1>([xp.add(r * k)], ws, fetch, k);
+                            for c in 0..valid {
+                                y.write(r * n + j + c, a[0][c]);
+                            }
+                            r += 1;
                         }
                     }
                 }
@@ -782,6 +790,13 @@ unsafe fn q_columns_on(isa: Isa, x: &[f32], m: usize, q: &QMatrix, n0: usize, nw
     }
 }
 
+/// Whether an m-row window multiplies a q8_0 matrix with rows of k values dequantizing in registers rather than
+/// through the scratch (the same bits either way): one or two rows (no store and reload where the weights stream
+/// from memory), and up to 8 rows of long rows, whose 4-row scratch (16·k bytes) would not stay in L1.
+fn q8_in_registers(m: usize, k: usize) -> bool {
+    m <= 2 || (m <= 8 && 16 * k > 32 << 10)
+}
+
 /// The body of `q_columns_on`, inlined into each instruction set's variant (so the dequantization is
 /// vectorised for it).
 #[inline(always)]
@@ -790,8 +805,8 @@ unsafe fn q_columns(isa: Isa, x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: u
     let (n, k) = (q.n, q.k);
     #[cfg(target_arch = "x86_64")]
     match (isa, q.format) {
-        (Isa::Avx512, QuantFormat::Q8_0) if m <= 2 => return x86::q8_fused_avx512(x, m, q, n0, nw, y),
-        (Isa::Avx2, QuantFormat::Q8_0) if m <= 2 => return x86::q8_fused_avx2(x, m, q, n0, nw, y),
+        (Isa::Avx512, QuantFormat::Q8_0) if q8_in_registers(m, k) => return x86::q8_fused_avx512(x, m, q, n0, nw, y),
+        (Isa::Avx2, QuantFormat::Q8_0) if q8_in_registers(m, k) => return x86::q8_fused_avx2(x, m, q, n0, nw, y),
         (Isa::Avx512, QuantFormat::Q4K) if m == 1 => return x86::q4k_fused_avx512(x, q, n0, nw, y),
         (Isa::Avx2, QuantFormat::Q4K) if m == 1 => return x86::q4k_fused_avx2(x, q, n0, nw, y),
         _ => {}
@@ -1047,7 +1062,11 @@ mod tests {
         // exact: q8_0 / q4_k through matmul_q = the f32 kernel on the dequantized weights, bit for bit, for every
         // instruction set and row count (so also batch-invariant), and close to an f64 reference
         let mut rnd = uniform(13);
-        for &(format, k, n) in &[(crate::quant::QuantFormat::Q8_0, 96, 37), (crate::quant::QuantFormat::Q4K, 512, 21)] {
+        for &(format, k, n) in &[
+            (crate::quant::QuantFormat::Q8_0, 96, 37),
+            (crate::quant::QuantFormat::Q4K, 512, 21),
+            (crate::quant::QuantFormat::Q8_0, 2304, 13),
+        ] {
             let wv: Vec<f32> = (0..n * k).map(|_| rnd()).collect();
             let w = Tensor::from_vec(wv, (n, k), &candle_core::Device::Cpu).unwrap();
             let q = QMatrix::quantize(&w, format).unwrap();
