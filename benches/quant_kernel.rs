@@ -8,10 +8,9 @@ use candle_core::{DType, Device, Tensor};
 use mbd_core::quant::{QMatrix, QuantFormat};
 use mbd_core::skinny::{linear, linear_q, Kernels};
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
+#[path = "common.rs"]
+mod common;
+use common::median;
 
 fn main() {
     mbd_core::cpu_pool::on_cpu_pool(run)

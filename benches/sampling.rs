@@ -6,10 +6,9 @@
 use candle_core::{Device, Tensor};
 use mbd_core::sampling::{Sampler, SamplingParams};
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
+#[path = "common.rs"]
+mod common;
+use common::median;
 
 fn main() {
     mbd_core::cpu_pool::pin_thread_count();

@@ -7,10 +7,9 @@
 
 use candle_core::{Device, Tensor};
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
+#[path = "common.rs"]
+mod common;
+use common::median;
 
 fn main() {
     // on the engine's pool, as in a forward (calling into a pool from outside costs a cross-thread wake-up)

@@ -74,6 +74,10 @@ impl QuantFormat {
             QuantFormat::Q4K => 144,
         }
     }
+    /// Bytes of a row of `k` values (k a multiple of `block_values`).
+    pub fn row_bytes(self, k: usize) -> usize {
+        k / self.block_values() * self.block_bytes()
+    }
     fn ggml(self) -> GgmlDType {
         match self {
             QuantFormat::Q8_0 => GgmlDType::Q8_0,
@@ -110,7 +114,7 @@ impl QMatrix {
                 format.name()
             )));
         }
-        let row_bytes = k / format.block_values() * format.block_bytes();
+        let row_bytes = format.row_bytes(k);
         let mut data = Vec::new();
         data.try_reserve_exact(n * row_bytes).map_err(|_| {
             Error::load(format!("cannot allocate {} bytes for a {n}x{k} {} matrix", n * row_bytes, format.name()))
@@ -135,10 +139,7 @@ impl QMatrix {
 
     /// Build from GGUF block bytes (n rows of k values in `format`).
     pub fn from_bytes(format: QuantFormat, n: usize, k: usize, data: Vec<u8>) -> Result<QMatrix> {
-        if k == 0
-            || !k.is_multiple_of(format.block_values())
-            || data.len() != n * (k / format.block_values()) * format.block_bytes()
-        {
+        if k == 0 || !k.is_multiple_of(format.block_values()) || data.len() != n * format.row_bytes(k) {
             return Err(Error::invalid(format!(
                 "{} bytes are not {n} rows of {k} values in {} blocks",
                 data.len(),
@@ -153,7 +154,7 @@ impl QMatrix {
     }
 
     pub(crate) fn row_bytes(&self) -> usize {
-        self.k / self.format.block_values() * self.format.block_bytes()
+        self.format.row_bytes(self.k)
     }
 
     /// Dequantize rows [j0, j0 + count) into `out` (count·k values, row-major), exactly as candle's (and

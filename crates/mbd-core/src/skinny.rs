@@ -147,8 +147,7 @@ fn columns<E: WeightElem>(
         let valid = (end - j).min(4);
         // the next tile's weight rows, fetched while this one computes (its rows are short streams that the
         // hardware prefetcher would only pick up after a few misses each); once per tile: by the first x rows
-        let next = Prefetch([0, 1, 2, 3].map(|c| w.as_ptr().wrapping_add((j + 4 + c).min(end - 1) * k) as *const u8));
-        let none = Prefetch([std::ptr::null(); 4]);
+        let next = Prefetch::after(w.as_ptr() as *const u8, j, end, k * std::mem::size_of::<E>());
         // Store a tile's results for x rows r0.. (only the valid weight rows).
         let store = |r0: usize, acc: &[[f32; 4]]| {
             for (dr, row) in acc.iter().enumerate() {
@@ -159,7 +158,7 @@ fn columns<E: WeightElem>(
             }
         };
         let mut r = 0;
-        let pf = |r: usize| if r == 0 { next } else { none };
+        let pf = |r: usize| if r == 0 { next } else { Prefetch::NONE };
         while r + 4 <= m {
             store(r, &tile4([xrow(r), xrow(r + 1), xrow(r + 2), xrow(r + 3)], ws, pf(r), k));
             r += 4;
@@ -178,6 +177,22 @@ fn columns<E: WeightElem>(
 /// Where a tile fetches the next tile's weight rows ahead (null: nothing to fetch). Fetching never changes results.
 #[derive(Clone, Copy)]
 pub(crate) struct Prefetch([*const u8; 4]);
+
+impl Prefetch {
+    const NONE: Prefetch = Prefetch([std::ptr::null(); 4]);
+    /// The 4 weight rows after the tile at row `j` (of rows ending at `end`, `stride` bytes apart from `base`).
+    fn after(base: *const u8, j: usize, end: usize, stride: usize) -> Prefetch {
+        Prefetch(rows4(base, j + 4, end, stride))
+    }
+    fn active(&self) -> bool {
+        !self.0[0].is_null()
+    }
+}
+
+/// The starts of rows `first..first + 4` (clamped to the last row before `end`), `stride` bytes apart from `base`.
+fn rows4(base: *const u8, first: usize, end: usize, stride: usize) -> [*const u8; 4] {
+    [0, 1, 2, 3].map(|c| base.wrapping_add((first + c).min(end - 1) * stride))
+}
 
 /// The output buffer shared by the tasks, each writing its own columns.
 #[derive(Clone, Copy)]
@@ -249,7 +264,7 @@ mod x86 {
             ) -> [[f32; 4]; R] {
                 let mut acc = [[$zero(); 4]; R];
                 let mut i = 0;
-                let fetch = !pf.0[0].is_null();
+                let fetch = pf.active();
                 let es = std::mem::size_of::<E>();
                 while i + $lanes <= k {
                     if fetch && (i * es) % 64 == 0 {
@@ -296,7 +311,7 @@ mod x86 {
     );
     tile_fn!(tile_avx2, "avx2,fma", 8, _mm256_setzero_ps, _mm256_loadu_ps, load8, _mm256_fmadd_ps, hsum256);
 
-    /// A q8_0 block's f16 scale at `p`.
+    /// The little-endian f16 scale at `p` (a q8_0 block's d, a q4_k block's d and dmin), as f32.
     #[inline]
     #[target_feature(enable = "f16c")]
     unsafe fn scale(p: *const u8) -> f32 {
@@ -325,14 +340,14 @@ mod x86 {
                 unsafe fn tile<const R: usize>(
                     xs: [*const f32; R],
                     ws: [*const u8; 4],
-                    pf: [*const u8; 4],
+                    pf: super::Prefetch,
                     k: usize,
                 ) -> [[f32; 4]; R] {
                     let mut acc = [[$zero(); 4]; R];
                     for blk in 0..k / 32 {
-                        if blk % 2 == 0 && !pf[0].is_null() {
+                        if blk % 2 == 0 && pf.active() {
                             for c in 0..4 {
-                                _mm_prefetch::<_MM_HINT_T0>(pf[c].wrapping_add(34 * blk) as *const i8);
+                                _mm_prefetch::<_MM_HINT_T0>(pf.0[c].wrapping_add(34 * blk) as *const i8);
                             }
                         }
                         let mut d = [$zero(); 4];
@@ -365,15 +380,14 @@ mod x86 {
                 let base = q.bytes().as_ptr();
                 let end = n0 + nw;
                 for j in (n0..end).step_by(4) {
-                    let ws = [0, 1, 2, 3].map(|c| base.add((j + c).min(end - 1) * rb));
-                    let pf = [0, 1, 2, 3].map(|c| base.wrapping_add((j + 4 + c).min(end - 1) * rb));
+                    let ws = super::rows4(base, j, end, rb);
+                    let pf = super::Prefetch::after(base, j, end, rb);
                     let valid = (end - j).min(4);
                     let xp = x.as_ptr();
                     // x rows two at a time (the first pair fetches the next tile ahead), then the odd one
-                    let none = [std::ptr::null(); 4];
                     let mut r = 0;
                     while r < m {
-                        let fetch = if r == 0 { pf } else { none };
+                        let fetch = if r == 0 { pf } else { super::Prefetch::NONE };
                         if r + 2 <= m {
                             let a = tile::<2>([xp.add(r * k), xp.add((r + 1) * k)], ws, fetch, k);
                             for c in 0..valid {
@@ -416,13 +430,13 @@ mod x86 {
             #[target_feature(enable = $feature)]
             pub unsafe fn $name(x: &[f32], q: &QMatrix, n0: usize, nw: usize, y: super::Out) {
                 #[inline(always)]
-                unsafe fn tile(xp: *const f32, ws: [*const u8; 4], pf: [*const u8; 4], k: usize) -> [f32; 4] {
+                unsafe fn tile(xp: *const f32, ws: [*const u8; 4], pf: super::Prefetch, k: usize) -> [f32; 4] {
                     let mut acc = [$zero(); 4];
                     for sb in 0..k / 256 {
                         let b = ws.map(|w| w.add(144 * sb));
                         for c in 0..4 {
                             for l in 0..3 {
-                                _mm_prefetch::<_MM_HINT_T0>(pf[c].wrapping_add(144 * sb + 64 * l) as *const i8);
+                                _mm_prefetch::<_MM_HINT_T0>(pf.0[c].wrapping_add(144 * sb + 64 * l) as *const i8);
                             }
                         }
                         let d = b.map(|p| scale(p));
@@ -454,9 +468,8 @@ mod x86 {
                 let base = q.bytes().as_ptr();
                 let end = n0 + nw;
                 for j in (n0..end).step_by(4) {
-                    let ws = [0, 1, 2, 3].map(|c| base.add((j + c).min(end - 1) * rb));
-                    let pf = [0, 1, 2, 3].map(|c| base.wrapping_add((j + 4 + c).min(end - 1) * rb));
-                    let acc = tile(x.as_ptr(), ws, pf, k);
+                    let acc =
+                        tile(x.as_ptr(), super::rows4(base, j, end, rb), super::Prefetch::after(base, j, end, rb), k);
                     for c in 0..(end - j).min(4) {
                         y.write(j + c, acc[c]);
                     }
@@ -550,12 +563,11 @@ mod x86 {
         let rb = q.row_bytes();
         let src = &q.bytes()[j0 * rb..(j0 + count) * rb];
         let out = &mut out[..count * q.k];
-        let f16 = |b: &[u8]| _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([b[0], b[1]]) as i32)));
         let o = out.as_mut_ptr();
         match q.format {
             QuantFormat::Q8_0 => {
                 for (i, b) in src.chunks_exact(34).enumerate() {
-                    let d = _mm256_set1_ps(f16(b));
+                    let d = _mm256_set1_ps(scale(b.as_ptr()));
                     let p = b.as_ptr().add(2);
                     for g in 0..4 {
                         let v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(8 * g) as *const __m128i));
@@ -566,11 +578,11 @@ mod x86 {
             QuantFormat::Q4K => {
                 let low = _mm_set1_epi8(0xF);
                 for (i, b) in src.chunks_exact(144).enumerate() {
-                    let (d, dmin) = (f16(&b[0..2]), f16(&b[2..4]));
+                    let (d, dmin) = (scale(b.as_ptr()), scale(b.as_ptr().add(2)));
                     let scales = &b[4..16];
                     for g in 0..4 {
-                        let (sc1, m1) = super::super::quant::scale_min_k4(2 * g, scales);
-                        let (sc2, m2) = super::super::quant::scale_min_k4(2 * g + 1, scales);
+                        let (sc1, m1) = crate::quant::scale_min_k4(2 * g, scales);
+                        let (sc2, m2) = crate::quant::scale_min_k4(2 * g + 1, scales);
                         let (d1, m1) = (_mm256_set1_ps(d * sc1 as f32), _mm256_set1_ps(dmin * m1 as f32));
                         let (d2, m2) = (_mm256_set1_ps(d * sc2 as f32), _mm256_set1_ps(dmin * m2 as f32));
                         let base = o.add(256 * i + 64 * g);
@@ -623,8 +635,10 @@ mod x86 {
     ) {
         // 16 ymm registers hold a 2 x 4 tile of accumulators; 4 rows are two such tiles.
         let tile4 = |a: [&[f32]; 4], b: [&[E]; 4], pf: super::Prefetch, k: usize| {
-            let none = super::Prefetch([std::ptr::null(); 4]);
-            let (p, q) = (tile_avx2::<E, 2>([a[0], a[1]], b, pf, k), tile_avx2::<E, 2>([a[2], a[3]], b, none, k));
+            let (p, q) = (
+                tile_avx2::<E, 2>([a[0], a[1]], b, pf, k),
+                tile_avx2::<E, 2>([a[2], a[3]], b, super::Prefetch::NONE, k),
+            );
             [p[0], p[1], q[0], q[1]]
         };
         super::columns(
