@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
-# Build the mbd-rs wheel with the `cuda` feature on a machine without a GPU (and without a system CUDA toolkit).
+# Build the mbd-rs CUDA wheel (`mbd_rs-<version>+cu130-…whl`) on a machine without a GPU (and without a system CUDA
+# toolkit).
 #
 # - installs nvcc and the CUDA 13.0.x headers/libraries from PyPI wheels into $CU13_PREFIX (13.0.x exactly: the
 #   GPU machines' R580 driver cannot JIT PTX from a newer nvcc; any other nvcc version is refused);
 # - makes a libcuda.so link stub that defines the driver API symbols (an empty stub is dropped by --as-needed
 #   and the import would fail later), with soname libcuda.so.1 so the real driver is used at run time;
-# - builds for compute capability 9.0 (H100/H200; candle's kernels become sm_90a) as an abi3 wheel;
-# - checks the result's NEEDED entries with readelf.
-# The default CPU wheel and CI are unaffected. Usage: bash scripts/build-cuda-wheel.sh [outdir]
+# - builds the `cuda` feature for compute capability 9.0 (H100/H200; candle's kernels become sm_90a), abi3;
+# - builds the CPU wheel (scripts/build-wheels.sh) and puts the CUDA extension beside its CPU extension, at
+#   mbd_rs/_cuda/_core.abi3.so: `import mbd_rs` uses the CUDA one when the driver, cuBLAS and cuRAND load, else the
+#   CPU one (python/mbd_rs/_cuda_libs.py), so the wheel imports and runs on CPU everywhere;
+# - marks the version "+cu130", requires pip's nvidia-cublas and nvidia-curand (CUDA 13), and lets auditwheel
+#   repair it (platform tag from the glibc symbols used; the NVIDIA libraries are excluded: they come from the driver
+#   and the nvidia-* wheels, as for torch).
+# The default CPU wheel and CI are unaffected. Usage: bash scripts/build-cuda-wheel.sh [outdir]   (default dist/cuda)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:-dist/cuda}
+OUT=$(mkdir -p "${1:-dist/cuda}" && cd "${1:-dist/cuda}" && pwd)
+CUDA_TAG=cu130
 CU13_PREFIX=${CU13_PREFIX:-$HOME/.cache/mbd-rs/cu13}
 PY=${PYTHON:-python3}
 
@@ -42,17 +49,59 @@ if [ ! -f "$R/lib/stubs/libcuda.so" ]; then
 fi
 export CUDA_HOME=$R CUDA_PATH=$R PATH=$R/bin:$PATH NVCC=$R/bin/nvcc CUDA_COMPUTE_CAP=90 CUDARC_CUDA_VERSION=13000
 export LIBRARY_PATH=$R/lib:$R/lib/stubs${LIBRARY_PATH:+:$LIBRARY_PATH}
-"$PY" -m pip install -q --disable-pip-version-check "maturin==1.16.0"
-"$PY" -m maturin build --release --features cuda --auditwheel skip -o "$OUT"
-whl=$(ls -t "$OUT"/mbd_rs-*.whl | head -n 1)
-tmp=$(mktemp -d)
-"$PY" -m zipfile -e "$whl" "$tmp"
+BUILD_VENV=${MBD_BUILD_VENV:-$PWD/.venv-build}
+[ -x "$BUILD_VENV/bin/python" ] || "$PY" -m venv "$BUILD_VENV"
+"$BUILD_VENV/bin/python" -m pip install -q --disable-pip-version-check maturin==1.16.0 auditwheel==6.8.2 wheel==0.48.0
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+echo "== CUDA extension (CUDA $ver, sm_90)"
+"$BUILD_VENV/bin/maturin" build --release --features cuda --auditwheel skip -o "$WORK/cuda"
+tmp=$WORK/cuda-unpacked
+"$PY" -m zipfile -e "$WORK"/cuda/mbd_rs-*.whl "$tmp"
 so=$(find "$tmp" -name '_core*.so' | head -n 1)
 need=$(readelf -d "$so" | sed -n 's/.*Shared library: \[\(.*\)\]/\1/p' | tr '\n' ' ')
-echo "NEEDED: $need"
+echo "  NEEDED: $need"
 # libcudart is dropped by --as-needed when no runtime-API symbol is used; the driver API and cuBLAS must be there.
 for lib in libcuda.so.1 libcublas.so.13 libcurand.so.10; do
   case " $need " in *" $lib "*) ;; *) echo "expected NEEDED $lib in $so" >&2; exit 1 ;; esac
 done
-rm -rf "$tmp"
+
+echo "== CPU wheel (the fallback inside the CUDA wheel)"
+MBD_WHEEL_ARCHS=x86_64 MBD_SDIST=0 MBD_BUILD_VENV=$BUILD_VENV bash scripts/build-wheels.sh "$WORK/cpu"
+cpu_whl=$(ls "$WORK"/cpu/mbd_rs-*_x86_64.whl)
+
+echo "== combine: CPU wheel + mbd_rs/_cuda/_core.abi3.so, version +$CUDA_TAG"
+"$BUILD_VENV/bin/python" -m wheel unpack -d "$WORK/combined" "$cpu_whl"
+root=$(ls -d "$WORK"/combined/mbd_rs-*)
+mkdir -p "$root/mbd_rs/_cuda"
+cp "$so" "$root/mbd_rs/_cuda/_core.abi3.so"
+echo '"""The CUDA build of the core (see mbd_rs._cuda_libs)."""' > "$root/mbd_rs/_cuda/__init__.py"
+"$PY" - "$root" "$CUDA_TAG" <<'EOF'
+import os, re, sys
+root, tag = sys.argv[1], sys.argv[2]
+(info,) = [d for d in os.listdir(root) if d.endswith(".dist-info")]
+version = re.match(r"mbd_rs-(.+)\.dist-info", info).group(1)
+new = f"{version}+{tag}"
+meta_path = os.path.join(root, info, "METADATA")
+meta = open(meta_path, encoding="utf-8").read()
+head, sep, body = meta.partition("\n\n")
+head = head.replace(f"\nVersion: {version}\n", f"\nVersion: {new}\n")
+# The CUDA 13 libraries the CUDA core links (the driver itself, libcuda.so.1, comes with the NVIDIA driver).
+head += "\nRequires-Dist: nvidia-cublas>=13,<14\nRequires-Dist: nvidia-curand>=10.4,<11"
+open(meta_path, "w", encoding="utf-8").write(head + sep + body)
+os.rename(os.path.join(root, info), os.path.join(root, f"mbd_rs-{new}.dist-info"))
+EOF
+"$BUILD_VENV/bin/python" -m wheel pack -d "$WORK/packed" "$root"
+packed=$(ls "$WORK"/packed/mbd_rs-*.whl)
+
+echo "== auditwheel repair (NVIDIA libraries excluded)"
+rm -f "$OUT"/mbd_rs-*+"$CUDA_TAG"-*.whl
+excl=()
+for lib in libcuda.so.1 libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libcudart.so.13 libnvrtc.so.13; do
+  excl+=(--exclude "$lib")
+done
+LD_LIBRARY_PATH=$R/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} "$BUILD_VENV/bin/auditwheel" repair "${excl[@]}" \
+  -w "$OUT" "$packed"
+whl=$(ls -t "$OUT"/mbd_rs-*+"$CUDA_TAG"-*.whl | head -n 1)
+"$PY" -m zipfile -l "$whl" | grep -E "_core|\.so" || true
 echo "built $whl ($(du -h "$whl" | cut -f1))"

@@ -8,9 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 . .venv/bin/activate
-# Versions the suite was last run with (pinned for reproducibility; the package itself needs only numpy).
-python -m pip install -q --disable-pip-version-check maturin==1.16.0 pytest==9.2.0 numpy==2.4.6 safetensors==0.8.0 \
-  starlette==1.10.0 uvicorn==0.54.0 openai==3.54.0 httpx==0.28.1 mypy==1.18.2 huggingface_hub==2.4.0
+python -m pip install -q --disable-pip-version-check maturin==1.16.0 -r scripts/test-requirements.txt
 echo "== build (debug extension into ./.venv)"
 maturin develop
 echo "== cargo test"

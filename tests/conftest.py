@@ -8,6 +8,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PARITY = os.path.join(HERE, "fixtures", "parity")
 
 
+def pytest_configure(config):
+    # Registered here (not in pyproject.toml) so that it holds where scripts/release-check.sh runs a copy of tests/.
+    config.addinivalue_line("markers", "source_tree: needs the repository's files besides tests/ and README.md "
+                            "(deselected when an installed wheel is tested)")
+
+
 def parity_dir(name):
     return os.path.join(PARITY, name)
 

@@ -45,6 +45,11 @@ def test_quick_start_runs_the_main_job():
     r = shell(first.split("&& ", 1)[1])  # the package is installed already
     assert r.returncode == 0, r.stderr
     assert "1 2 4 7 9" in r.stdout and "step" in r.stdout  # the answer, and the forwards drawn
+
+
+@pytest.mark.source_tree
+def test_quick_start_test_command_exists():
+    (code,) = blocks("Quick start", "bash")
     assert "bash scripts/test.sh" in code and os.path.exists(os.path.join(ROOT, "scripts", "test.sh"))
 
 
@@ -118,9 +123,26 @@ def test_server_openai_client_example(readme_server):
     assert out == expectations(code)[0]
 
 
+@pytest.mark.source_tree
 def test_benchmark_commands_name_real_files():
     (code,) = blocks("Benchmarks and GPU", "bash")
     for path in re.findall(r"(?:python |bash )?((?:benches|scripts)/[\w./-]+\.(?:py|sh))", code):
         assert os.path.exists(os.path.join(ROOT, path)), path
     for bench in re.findall(r"--bench (\w+)", code):
         assert os.path.exists(os.path.join(ROOT, "benches", bench + ".rs")), bench
+
+
+def test_install_section_matches_the_package_metadata():
+    """The extras the Install section names are the installed distribution's, with its license and Python floor;
+    `mbd-rs --version` is the distribution's version."""
+    from importlib import metadata
+
+    (code,) = blocks("Install", "bash")
+    meta = metadata.metadata("mbd-rs")
+    extras = set(meta.get_all("Provides-Extra") or [])
+    named = set(re.findall(r"\[(\w+)\]", code + README.split("\n## Install", 1)[1].split("\n## ", 1)[0]))
+    assert named and named <= extras, (named, extras)
+    assert meta["Requires-Python"] == ">=3.10" and "3.10" in README.split("\n## Install", 1)[1][:2000]
+    assert meta["License-Expression"] == "Apache-2.0"
+    r = subprocess.run([sys.executable, "-m", "mbd_rs", "--version"], capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == f"mbd-rs {metadata.version('mbd-rs')}", r.stdout

@@ -1,18 +1,13 @@
 """mbd-rs: fast, exact inference for block-diffusion LLMs on the Qwen2/Qwen3 architectures."""
-from . import errors
+from importlib import metadata as _metadata
 
-try:
-    from ._core import __version__
-except ImportError as _e:  # a CUDA build whose libraries come from pip's nvidia-* packages
-    if not any(k in str(_e) for k in ("libcu", "libnvrtc")):
-        raise
-    from ._cuda_libs import preload as _preload
+from . import _cuda_libs, errors
 
-    if not _preload():
-        raise ImportError(f"{_e}. This is the CUDA build of mbd-rs: install the CUDA 13 runtime libraries "
-                          "(pip install nvidia-cuda-runtime nvidia-cublas nvidia-curand nvidia-cuda-nvrtc, or torch "
-                          "with CUDA 13) or use the CPU wheel") from None
-    from ._core import __version__
+_core, _cuda_libs.cuda_unavailable = _cuda_libs.import_core()  # the CUDA build of the core when it loads, else CPU
+try:  # the installed distribution's version: Cargo.toml's, plus "+cu130" for the CUDA wheel
+    __version__: str = _metadata.version("mbd-rs")
+except _metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = _core.__version__
 from .engine import (DEFAULT_MODEL, GENERATION_PARAMS, LOGITS_PARAMS, PARAMS, PROFILE_OVERRIDES, Engine, ModelInfo,
                      Stream)
 from .errors import *  # noqa: F401,F403  (the exception hierarchy)

@@ -11,8 +11,8 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from . import _core
-from .errors import InvalidRequestError, ModelFileNotFoundError
+from . import _core, _cuda_libs
+from .errors import InvalidRequestError, ModelFileNotFoundError, UnsupportedArchitectureError
 from .types import Completion, StepEvent, StreamChunk, Usage
 
 #: The model shipped inside the package (trained here by training/train_tiny.py): used when no path is given.
@@ -131,8 +131,15 @@ class Engine:
         stable API.
         """
         path = resolve_model_path(path, revision)
-        return cls(_core.CoreModel.load(path, device, dtype, profile_overrides, max_batch=max_batch,
-                                        max_batch_rows=max_batch_rows, quantize=quantize, **(_kernels or {})))
+        try:
+            core = _core.CoreModel.load(path, device, dtype, profile_overrides, max_batch=max_batch,
+                                        max_batch_rows=max_batch_rows, quantize=quantize, **(_kernels or {}))
+        except UnsupportedArchitectureError as e:  # the core's "no CUDA in this build", said of the CPU fallback
+            if _cuda_libs.cuda_unavailable and isinstance(device, str) and device.startswith("cuda"):
+                raise UnsupportedArchitectureError(f"device {device!r}: this is the CUDA build of mbd-rs, but its "
+                                                   f"CUDA core could not be loaded: {_cuda_libs.cuda_unavailable}") from e
+            raise
+        return cls(core)
 
     def __repr__(self) -> str:
         i = self.info

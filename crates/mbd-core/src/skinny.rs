@@ -11,7 +11,9 @@
 //! Numerics: each output is one f32 dot product summed in `L` lane-wise partial sums then reduced; the
 //! result differs from gemm's only by summation order.
 
-use crate::quant::{QMatrix, QuantFormat};
+use crate::quant::QMatrix;
+#[cfg(target_arch = "x86_64")]
+use crate::quant::QuantFormat;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -175,7 +177,9 @@ fn columns<E: WeightElem>(
 }
 
 /// Where a tile fetches the next tile's weight rows ahead (null: nothing to fetch). Fetching never changes results.
+/// (Only the x86 tiles fetch ahead; elsewhere the addresses are computed and unused.)
 #[derive(Clone, Copy)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) struct Prefetch([*const u8; 4]);
 
 impl Prefetch {
@@ -184,6 +188,7 @@ impl Prefetch {
     fn after(base: *const u8, j: usize, end: usize, stride: usize) -> Prefetch {
         Prefetch(rows4(base, j + 4, end, stride))
     }
+    #[cfg(target_arch = "x86_64")]
     fn active(&self) -> bool {
         !self.0[0].is_null()
     }
@@ -807,6 +812,7 @@ unsafe fn q_columns_on(isa: Isa, x: &[f32], m: usize, q: &QMatrix, n0: usize, nw
 /// Whether an m-row window multiplies a q8_0 matrix with rows of k values dequantizing in registers rather than
 /// through the scratch (the same bits either way): one or two rows (no store and reload where the weights stream
 /// from memory), and up to 8 rows of long rows, whose 4-row scratch (16·k bytes) would not stay in L1.
+#[cfg(target_arch = "x86_64")]
 fn q8_in_registers(m: usize, k: usize) -> bool {
     m <= 2 || (m <= 8 && 16 * k > 32 << 10)
 }
