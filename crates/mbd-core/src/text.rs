@@ -80,6 +80,15 @@ impl TextStream {
         }
         self.text = text;
         let start = self.emitted.min(self.text.len());
+        // Incomplete UTF-8 at the end (a character still arriving) decodes to U+FFFD: until the final update that
+        // tail is not text yet, so it is neither searched for stop strings nor emitted.
+        let mut settled = self.text.len();
+        if !is_final {
+            while self.text[..settled].ends_with('\u{FFFD}') {
+                settled -= '\u{FFFD}'.len_utf8();
+            }
+        }
+        let settled = settled.max(start);
         // Stop strings may straddle what was already emitted: search from the earliest place they could begin.
         let max_stop = self.stop.iter().map(|s| s.len()).max().unwrap_or(0);
         let mut search_from = start.saturating_sub(max_stop.saturating_sub(1));
@@ -89,7 +98,7 @@ impl TextStream {
         let hit = self
             .stop
             .iter()
-            .filter_map(|s| self.text[search_from..].find(s.as_str()).map(|i| (search_from + i, s.clone())))
+            .filter_map(|s| self.text[search_from..settled].find(s.as_str()).map(|i| (search_from + i, s.clone())))
             .min_by_key(|(i, _)| *i);
         if let Some((at, s)) = hit {
             let at = at.max(start);
@@ -97,12 +106,8 @@ impl TextStream {
             self.emitted = at;
             return TextUpdate { new_text, stopped: Some(s) };
         }
-        let mut end = self.text.len();
+        let mut end = settled;
         if !is_final {
-            // incomplete UTF-8 at the end decodes to U+FFFD
-            while self.text[..end].ends_with('\u{FFFD}') {
-                end -= '\u{FFFD}'.len_utf8();
-            }
             // a possible stop-string prefix
             let mut hold = end;
             for s in &self.stop {
@@ -125,6 +130,19 @@ impl TextStream {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_character_still_arriving_is_not_searched_for_stop_strings() {
+        // "\u{FFFD}" stands for the first byte of "ü" until its second byte arrives.
+        let mut t = TextStream::new(vec!["Gr\u{FFFD}".into(), "\u{FFFD}".into()]);
+        let u = t.update("Gr\u{FFFD}".into(), false);
+        assert_eq!((u.new_text.as_str(), u.stopped), ("", None)); // "Gr" may begin the first stop string
+        let u = t.update("Grün".into(), false);
+        assert_eq!((u.new_text.as_str(), u.stopped), ("Grün", None));
+        // a replacement character that is really in the text (invalid bytes followed by more text) still stops
+        let u = t.update("Grün\u{FFFD}x".into(), false);
+        assert_eq!((u.new_text.as_str(), u.stopped.as_deref()), ("", Some("\u{FFFD}")));
+    }
 
     #[test]
     fn holds_back_stop_prefix_and_stops() {
