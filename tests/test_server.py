@@ -222,3 +222,189 @@ def test_health_is_open_and_requests_are_logged(server, caplog):
             time.sleep(0.02)
     line = next(m for m in caplog.messages if "/v1/chat/completions" in m)
     assert f"POST /v1/chat/completions 200 tokens={n} " in line and line.endswith("ms")
+
+
+# --- several choices per request (n, prompt lists) and the tokenizer routes -------------------------------------
+
+HDR = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def bserver(engine):
+    s = Server(engine, api_key=KEY, max_concurrency=4, max_queue=2)  # capacity 6
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def bclient(bserver):
+    return openai.OpenAI(base_url=bserver.base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _prompt(engine, content):
+    return engine.apply_chat_template([{"role": "user", "content": content}])
+
+
+def _wait_idle(server):
+    deadline = time.time() + 20
+    while _active(server) != 0:
+        assert time.time() < deadline, f"slots still held: {_active(server)}"
+        time.sleep(0.05)
+
+
+def test_n_greedy_choices_match_one_request(bclient, bserver, engine):
+    prompt = _prompt(engine, "sort 4 1 3")
+    want = engine.generate(prompt, max_tokens=24)
+    f0, s0, _ = engine.batch_stats
+    r = bclient.completions.create(model="mbd-tiny", prompt=prompt, max_tokens=24, n=3)
+    f1, s1, _ = engine.batch_stats
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [want.text] * 3
+    assert [c.finish_reason for c in r.choices] == [want.finish_reason] * 3
+    assert r.usage.prompt_tokens == want.usage.prompt_tokens  # the prompt is counted once
+    assert r.usage.completion_tokens == 3 * want.usage.completion_tokens
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert s1 - s0 > f1 - f0  # the three choices shared forwards
+    chat = engine.chat(MSG, max_tokens=24)
+    rc = bclient.chat.completions.create(model="mbd-tiny", messages=MSG, max_tokens=24, n=3)
+    assert [(c.index, c.message.content) for c in rc.choices] == [(i, chat.text) for i in range(3)]
+    assert _active(bserver) == 0
+
+
+def test_n_seeded_sampling_is_seed_plus_index(bclient, bserver, engine):
+    kw = dict(max_tokens=16, temperature=1.5)
+    # a seed whose neighbour samples differently, so a wrong per-choice seed would show
+    seed = next(s for s in range(1, 50)
+                if engine.generate("hello", seed=s, **kw).text != engine.generate("hello", seed=s + 1, **kw).text)
+    want = [engine.generate("hello", seed=seed + i, **kw).text for i in range(2)]
+    r = bclient.completions.create(model="mbd-tiny", prompt="hello", n=2, seed=seed, **kw)
+    assert [c.text for c in r.choices] == want
+    again = bclient.completions.create(model="mbd-tiny", prompt="hello", n=2, seed=seed, **kw)
+    assert [c.text for c in again.choices] == want  # reproducible
+    single = bclient.completions.create(model="mbd-tiny", prompt="hello", seed=seed + 1, **kw)
+    assert single.choices[0].text == want[1]
+    chat_want = [engine.chat(MSG, seed=seed + i, **kw).text for i in range(2)]
+    rc = bclient.chat.completions.create(model="mbd-tiny", messages=MSG, n=2, seed=seed, **kw)
+    assert [c.message.content for c in rc.choices] == chat_want
+
+
+def test_prompt_lists(bclient, bserver, engine):
+    ids = [engine.tokenize(_prompt(engine, c)) for c in ("sort 3 1 2", "reverse x y z", "hello Ada")]
+    want = [engine.generate(p, max_tokens=24) for p in ids]
+    r = bclient.completions.create(model="mbd-tiny", prompt=ids, max_tokens=24)
+    assert [(c.index, c.text) for c in r.choices] == [(i, w.text) for i, w in enumerate(want)]
+    assert r.usage.prompt_tokens == sum(len(p) for p in ids)
+    assert r.usage.completion_tokens == sum(w.usage.completion_tokens for w in want)
+    # strings, with n=2: choice index = prompt_index * n + i
+    texts = [_prompt(engine, c) for c in ("sort 3 1 2", "hello Ada")]
+    want_s = [engine.generate(t, max_tokens=24).text for t in texts]
+    r2 = bclient.completions.create(model="mbd-tiny", prompt=texts, max_tokens=24, n=2)
+    assert [(c.index, c.text) for c in r2.choices] == [(i, want_s[i // 2]) for i in range(4)]
+    # a single token-id list is one prompt
+    r3 = bclient.completions.create(model="mbd-tiny", prompt=ids[1], max_tokens=24)
+    assert [c.text for c in r3.choices] == [want[1].text]
+    assert _active(bserver) == 0
+
+
+def test_streaming_several_choices(bclient, bserver, engine):
+    texts = [_prompt(engine, c) for c in ("sort 9 8 7 1", "repeat ab 3")]
+    full = bclient.completions.create(model="mbd-tiny", prompt=texts, max_tokens=24, n=2)
+    chunks = list(bclient.completions.create(model="mbd-tiny", prompt=texts, max_tokens=24, n=2, stream=True,
+                                             stream_options={"include_usage": True}))
+    got, fins = {}, {}
+    for c in chunks[:-1]:
+        assert len(c.choices) == 1
+        ch = c.choices[0]
+        got[ch.index] = got.get(ch.index, "") + ch.text
+        if ch.finish_reason:
+            assert ch.index not in fins  # one finish per choice
+            fins[ch.index] = ch.finish_reason
+    assert got == {c.index: c.text for c in full.choices}
+    assert fins == {c.index: c.finish_reason for c in full.choices}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    # chat: a role chunk per choice, then deltas per index
+    want = engine.chat(MSG, max_tokens=24).text
+    cs = list(bclient.chat.completions.create(model="mbd-tiny", messages=MSG, max_tokens=24, n=2, stream=True))
+    assert sorted(c.choices[0].index for c in cs if c.choices[0].delta.role == "assistant") == [0, 1]
+    for i in range(2):
+        assert "".join(c.choices[0].delta.content or "" for c in cs if c.choices[0].index == i) == want
+    assert sorted(c.choices[0].index for c in cs if c.choices[0].finish_reason) == [0, 1]
+    _wait_idle(bserver)
+
+
+def test_choices_take_slots_and_disconnect_frees_them(bserver):
+    long_body = {"messages": MSG, "stream": True, "max_tokens": 200, "threshold": 0.0, "block_add_threshold": 1.0,
+                 "block_size": 1, "early_stop": False, "n": 2}
+    url = bserver.base + "/v1/chat/completions"
+    r = httpx.post(url, json={"messages": MSG, "n": 7}, headers=HDR)  # 7 choices > capacity 6: never runnable
+    assert r.status_code == 400 and "at most 6" in r.json()["error"]["message"]
+    with httpx.Client(timeout=30) as c:
+        with c.stream("POST", url, json=long_body, headers=HDR) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            seen = set()
+            while len(seen) < 2:  # both choices are running
+                line = next(lines)
+                if line.startswith("data: {"):
+                    seen |= {ch["index"] for ch in json.loads(line[6:])["choices"] if ch["delta"].get("content")}
+            assert _active(bserver) == 2
+            r = httpx.post(url, json={"messages": MSG, "n": 5}, headers=HDR)  # 5 > the 4 free slots
+            assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy"
+            assert _active(bserver) == 2  # a refused request takes nothing
+    _wait_idle(bserver)  # the client left mid-stream: both generations cancelled, both slots back
+    r = httpx.post(url, json={"messages": MSG, "n": 6, "max_tokens": 8}, headers=HDR, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 6
+    _wait_idle(bserver)
+
+
+def test_bad_n_and_prompts(bserver):
+    url = bserver.base + "/v1/completions"
+    for body, word in [({"prompt": "a", "n": 0}, "n must"), ({"prompt": "a", "n": 17}, "n must"),
+                       ({"prompt": "a", "n": "2"}, "n must"), ({"prompt": "a", "n": True}, "n must"),
+                       ({"prompt": "a", "n": 1.5}, "n must"), ({"prompt": []}, "empty"),
+                       ({"prompt": [1, "a"]}, "mix"), ({"prompt": [[1, 2], "x"]}, "mix"),
+                       ({"prompt": [[1, 2], []]}, "prompt[1]"), ({"prompt": [[1, True]]}, "prompt[0]"),
+                       ({"prompt": [["a"]]}, "prompt[0]"), ({"prompt": {"a": 1}}, "prompt must"),
+                       ({"prompt": ["a", "b"], "n": 4}, "8 choices")]:
+        r = httpx.post(url, json=body, headers=HDR)
+        assert r.status_code == 400, body
+        assert r.json()["error"]["type"] == "invalid_request_error" and word in r.json()["error"]["message"], body
+    r = httpx.post(url, json={"prompt": [[1, 2], [10 ** 9]], "max_tokens": 4}, headers=HDR)
+    assert r.status_code == 400  # the engine refuses the second prompt's id after the first one started
+    r = httpx.post(bserver.base + "/v1/chat/completions", json={"messages": MSG, "n": 0}, headers=HDR)
+    assert r.status_code == 400
+    assert _active(bserver) == 0
+
+
+def test_tokenizer_routes(bserver, engine):
+    b = bserver.base
+    text = "hello Ada <|im_end|> 12+30"
+    for special in (True, False):
+        r = httpx.post(b + "/tokenize", json={"prompt": text, "add_special_tokens": special}, headers=HDR).json()
+        want = engine.tokenize(text, add_special_tokens=special)
+        assert r["tokens"] == want and r["count"] == len(want) and r["max_model_len"] == engine.info.max_context
+    ids = r["tokens"]
+    for skip in (False, True):
+        d = httpx.post(b + "/detokenize", json={"tokens": ids, "skip_special_tokens": skip}, headers=HDR).json()
+        assert d["prompt"] == engine.detokenize(ids, skip_special_tokens=skip)
+    d = httpx.post(b + "/detokenize", json={"tokens": ids}, headers=HDR).json()
+    assert d["prompt"] == engine.detokenize(ids, skip_special_tokens=False)  # default: specials kept, as vLLM
+    strs = httpx.post(b + "/tokenize", json={"prompt": text, "return_token_strs": True}, headers=HDR).json()
+    assert strs["token_strs"] == [engine.detokenize([t], skip_special_tokens=False) for t in strs["tokens"]]
+    m = httpx.post(b + "/tokenize", json={"messages": MSG}, headers=HDR).json()
+    assert m["tokens"] == engine.tokenize(engine.apply_chat_template(MSG), add_special_tokens=False)
+    # what lm-evaluation-harness's RemoteTokenizer reads
+    info = httpx.get(b + "/tokenizer_info", headers=HDR).json()
+    assert {"eos_token", "bos_token", "pad_token", "chat_template"} <= set(info)
+    eos = httpx.post(b + "/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False},
+                     headers=HDR).json()["tokens"]
+    assert eos[0] in engine.info.eos_token_ids and info["max_model_len"] == engine.info.max_context
+    cfg = json.load(open(engine.info.path + "/tokenizer_config.json"))
+    assert info["chat_template"] == cfg["chat_template"] and info["pad_token"] == cfg["pad_token"]
+    # errors and auth
+    for path, body in [("/tokenize", {"prompt": 5}), ("/tokenize", {}), ("/tokenize", {"prompt": "a", "x": 1}),
+                       ("/detokenize", {"tokens": ["a"]}), ("/detokenize", {"tokens": [10 ** 9]})]:
+        assert httpx.post(b + path, json=body, headers=HDR).status_code == 400, (path, body)
+    assert httpx.post(b + "/tokenize", json={"prompt": "a"}).status_code == 401
+    assert httpx.get(b + "/tokenizer_info").status_code == 401

@@ -1,7 +1,16 @@
 """OpenAI-compatible HTTP server (`mbd-rs serve`; needs the [server] extra: starlette + uvicorn).
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, with `stream: true`
-as server-sent events in OpenAI's chunk format. Diffusion knobs are accepted as extra body fields.
+as server-sent events in OpenAI's chunk format. Diffusion knobs are accepted as extra body fields. Tokenizer
+routes (vLLM's shapes, which lm-evaluation-harness's remote tokenizer uses): GET /tokenizer_info, POST /tokenize,
+POST /detokenize.
+
+Several choices per request: `n` (1..MAX_N) on both routes, and on /v1/completions a `prompt` that is a list of
+strings or of token-id lists. Every (prompt, i) pair is one engine stream, all running concurrently (the engine
+batches them); choice index = prompt_index * n + i, as OpenAI numbers them. With `seed`, choice i samples with
+seed + i (so n > 1 samples differ yet are reproducible); without it every choice draws its own seed. Usage sums
+completion tokens over all choices and counts each prompt once. A request with k choices takes k slots: k above
+the server's capacity is a 400 (it could never run), k above the free slots a 503.
 The engine batches concurrent generations (continuous batching: one forward carries the next step of up to
 `max_concurrency` of them); up to `max_queue` more wait for a place, and beyond that new requests get 503. A
 client that disconnects mid-stream cancels its generation and frees its slot.
@@ -22,6 +31,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from queue import Empty, Queue
 from typing import Any
 
 import anyio
@@ -33,7 +43,7 @@ from starlette.routing import Route
 
 from .engine import GENERATION_PARAMS, Engine, Stream
 from .errors import ContextLengthError, InvalidRequestError, MbdError
-from .types import StepEvent, Usage
+from .types import StepEvent, StreamChunk, Usage
 
 # OpenAI body fields passed to the engine as generation parameters, and the server's own fields.
 _OPENAI_PARAMS = {"max_tokens", "temperature", "top_p", "stop", "seed"}
@@ -49,6 +59,8 @@ _EXTENSIONS = set(GENERATION_PARAMS) - _OPENAI_PARAMS
 _log = logging.getLogger("mbd_rs.server")
 #: Default cap on a request body.
 MAX_BODY_BYTES = 4 << 20
+#: Cap on `n` (choices per prompt).
+MAX_N = 16
 
 
 class _BodyTooLarge(Exception):
@@ -66,37 +78,85 @@ class _Slots:
         self.active = 0
         self._lock = threading.Lock()
 
-    def try_acquire(self) -> "_Lease | None":
+    def try_acquire(self, k: int = 1) -> "_Lease | None":
+        """k slots at once, or none."""
         with self._lock:
-            if self.active >= self.capacity:
+            if self.active + k > self.capacity:
                 return None
-            self.active += 1
-            return _Lease(self)
+            self.active += k
+            return _Lease(self, k)
 
-    def _release(self) -> None:
+    def _release(self, k: int) -> None:
         with self._lock:
-            self.active -= 1
+            self.active -= k
+
+
+_Item = tuple[int, "StreamChunk | BaseException | None"]
 
 
 class _Lease:
-    """One generation's slot: `release` frees it once, however many paths call it."""
+    """One request's k slots, one per generation. Every slot is freed exactly once: a stream handed to a reader
+    thread (`pump`) is stepped and closed by that thread alone, which frees its slot when the stream ends;
+    `release` (idempotent) cancels every stream, closes the ones no thread owns and frees their slots (and those
+    of streams never started)."""
 
-    def __init__(self, slots: _Slots):
-        self._slots: _Slots | None = slots
-        self.stream: Stream | None = None
+    def __init__(self, slots: _Slots, k: int):
+        self._slots = slots
+        self._lock = threading.Lock()
+        self._unowned = k  # slots not handed to a reader thread
+        self._released = False
+        self.streams: list[Stream] = []
+
+    def pump(self, q: "Queue[_Item]") -> None:
+        """Start one reader thread per stream, putting (stream index, chunk) on q, then (index, None) at the end
+        or (index, exception)."""
+        with self._lock:
+            if self._released:  # already cancelled and closed: the streams just end
+                for i in range(len(self.streams)):
+                    q.put((i, None))
+                return
+            self._unowned -= len(self.streams)
+        for i, s in enumerate(self.streams):
+            threading.Thread(target=self._read, args=(i, s, q), daemon=True, name=f"mbd-stream-{i}").start()
+
+    def _read(self, i: int, s: Stream, q: "Queue[_Item]") -> None:
+        try:
+            for ch in s:
+                q.put((i, ch))
+            q.put((i, None))
+        except BaseException as e:  # handed to the request's task, which raises it
+            q.put((i, e))
+        finally:
+            try:
+                s.close()  # frees the KV cache now
+            finally:
+                self._slots._release(1)
 
     def release(self) -> None:
-        slots, self._slots = self._slots, None
-        if slots is not None:
-            if self.stream is not None:
-                self.stream.cancel()
-                self.stream.close()  # frees the KV cache now
-            slots._release()
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+            unowned, self._unowned = self._unowned, 0
+        try:
+            for s in self.streams:
+                try:
+                    s.cancel()  # thread-safe; a reader thread then sees its stream end and frees its slot
+                except Exception:
+                    pass
+            if unowned:  # no reader threads were started: this closes the streams
+                for s in self.streams:
+                    try:
+                        s.close()
+                    except Exception:
+                        pass
+        finally:
+            self._slots._release(unowned)
 
 
-def _body_params(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any], Any]:
-    """Validate the whole body (before any slot is taken): the engine's parameters and the prompt or messages.
-    Parameter values are checked by the engine; this checks the shape of the OpenAI fields."""
+def _body_params(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any], list[Any], int]:
+    """Validate the whole body (before any slot is taken): the engine's parameters, the prompts (chat: the one
+    message list) and n. Parameter values are checked by the engine; this checks the shape of the OpenAI fields."""
     unknown = sorted(set(body) - _OWN - _OPENAI_PARAMS - _EXTENSIONS - set(_UNSUPPORTED_UNLESS))
     if unknown:
         raise InvalidRequestError(f"unknown request field(s) {unknown}")
@@ -104,8 +164,9 @@ def _body_params(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any], Any]
         if k in body and not any(body[k] == v and isinstance(body[k], bool) == isinstance(v, bool) for v in off):
             raise InvalidRequestError(f"{k} is not supported by this server (got {json.dumps(body[k])[:80]})")
     body = {k: v for k, v in body.items() if v is not None}  # null = the field's default, as OpenAI treats it
-    if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
-        raise InvalidRequestError("n must be 1 (one completion per request)")
+    n = body.get("n", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise InvalidRequestError(f"n must be an integer from 1 to {MAX_N} (got {json.dumps(n)[:40]})")
     if not isinstance(body.get("stream", False), bool):
         raise InvalidRequestError("stream must be true or false")
     so = body.get("stream_options")
@@ -120,16 +181,119 @@ def _body_params(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any], Any]
     if body.get("max_completion_tokens") is not None:
         p["max_tokens"] = body["max_completion_tokens"]
     if chat:
-        prompt = body.get("messages")
-        if not isinstance(prompt, list) or not prompt:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages must be a non-empty list")
+        return p, [messages], n
+    return p, _prompts(body.get("prompt")), n
+
+
+def _is_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _prompts(prompt: Any) -> list[Any]:
+    """OpenAI's four prompt shapes -> a list of prompts (each a string or a list of token ids)."""
+    shapes = "a string, a list of token ids, a list of strings or a list of token-id lists"
+    if isinstance(prompt, str):
+        return [prompt]
+    if not isinstance(prompt, list):
+        raise InvalidRequestError(f"prompt must be {shapes}")
+    if not prompt:
+        raise InvalidRequestError("prompt must not be an empty list")
+    if all(_is_id(t) for t in prompt):
+        return [prompt]
+    if all(isinstance(x, str) for x in prompt):
+        return list(prompt)
+    if all(isinstance(x, list) for x in prompt):
+        for i, x in enumerate(prompt):
+            if not x or not all(_is_id(t) for t in x):
+                raise InvalidRequestError(f"prompt[{i}] must be a non-empty list of token ids")
+        return list(prompt)
+    raise InvalidRequestError(f"prompt must be {shapes}; lists may not mix these")
+
+
+def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise InvalidRequestError(f"{key} must be true or false")
+    return v
+
+
+def _tokenize(engine: Engine, body: dict[str, Any]) -> dict[str, Any]:
+    """POST /tokenize, vLLM's shape: {"prompt": text, "add_special_tokens": true} or {"messages": [...],
+    "add_generation_prompt": true, "add_special_tokens": false} -> {"tokens", "count", "max_model_len",
+    "token_strs"} (token_strs with "return_token_strs": true, else null)."""
+    allowed = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs"}
+    if unknown := sorted(set(body) - allowed):
+        raise InvalidRequestError(f"unknown request field(s) {unknown}")
+    if ("prompt" in body) == ("messages" in body):
+        raise InvalidRequestError("give exactly one of prompt (a string) or messages (a list)")
+    if "prompt" in body:
+        if not isinstance(body["prompt"], str):
+            raise InvalidRequestError("prompt must be a string")
+        ids = engine.tokenize(body["prompt"], add_special_tokens=_flag(body, "add_special_tokens", True))
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, (str, list)):
-            raise InvalidRequestError("prompt must be a string or a list of token ids")
-    return p, prompt
+        if not isinstance(body["messages"], list) or not body["messages"]:
+            raise InvalidRequestError("messages must be a non-empty list")
+        text = engine.apply_chat_template(body["messages"],
+                                          add_generation_prompt=_flag(body, "add_generation_prompt", True))
+        ids = engine.tokenize(text, add_special_tokens=_flag(body, "add_special_tokens", False))
+    strs = ([engine.detokenize([t], skip_special_tokens=False) for t in ids]
+            if _flag(body, "return_token_strs", False) else None)
+    return {"tokens": ids, "count": len(ids), "max_model_len": engine.info.max_context, "token_strs": strs}
+
+
+def _detokenize(engine: Engine, body: dict[str, Any]) -> dict[str, Any]:
+    """POST /detokenize, vLLM's shape: {"tokens": [ids]} -> {"prompt": text}. Special tokens are kept (as vLLM
+    and a tokenizer's decode do) unless "skip_special_tokens": true."""
+    if unknown := sorted(set(body) - {"model", "tokens", "skip_special_tokens"}):
+        raise InvalidRequestError(f"unknown request field(s) {unknown}")
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(_is_id(t) for t in ids):
+        raise InvalidRequestError("tokens must be a list of token ids")
+    return {"prompt": engine.detokenize(ids, skip_special_tokens=_flag(body, "skip_special_tokens", False))}
+
+
+def _tokenizer_info(engine: Engine) -> dict[str, Any]:
+    """GET /tokenizer_info: what lm-evaluation-harness's remote tokenizer reads (eos_token, bos_token, pad_token,
+    chat_template) plus the context length, from the model directory's tokenizer_config.json /
+    chat_template.jinja; eos_token falls back to the text of the model's first EOS id."""
+    path = engine.info.path
+    cfg: dict[str, Any] = {}
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            loaded = json.load(f)
+        if isinstance(loaded, dict):
+            cfg = loaded
+    except (OSError, ValueError):
+        pass
+
+    def token(key: str) -> str | None:
+        v = cfg.get(key)
+        if isinstance(v, dict):  # an AddedToken: {"content": ...}
+            v = v.get("content")
+        return v if isinstance(v, str) else None
+
+    template: Any = cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    try:
+        with open(os.path.join(path, "chat_template.jinja"), encoding="utf-8") as f:
+            template = f.read()
+    except OSError:
+        pass
+    eos = token("eos_token")
+    if eos is None and engine.info.eos_token_ids:
+        eos = engine.detokenize(engine.info.eos_token_ids[:1], skip_special_tokens=False)
+    return {"tokenizer_class": cfg.get("tokenizer_class") if isinstance(cfg.get("tokenizer_class"), str) else None,
+            "eos_token": eos, "bos_token": token("bos_token"), "pad_token": token("pad_token"),
+            "eos_token_ids": list(engine.info.eos_token_ids), "chat_template": template if isinstance(template, str)
+            else None, "model_max_length": engine.info.max_context, "max_model_len": engine.info.max_context,
+            "vocab_size": engine.info.vocab_size}
 
 
 def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | None = None,
@@ -186,25 +350,43 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
             if body.get("model") not in (None, name):
                 return _error(404, f"model '{body.get('model')}' does not exist; this server serves '{name}'",
                               code="model_not_found")
-            params, prompt = _body_params(body, chat)
-            lease = slots.try_acquire()
+            params, prompts, n = _body_params(body, chat)
+            k = len(prompts) * n
+            if k > slots.capacity:
+                raise InvalidRequestError(f"this request asks for {k} choices ({len(prompts)} prompt(s) x n={n}); "
+                                          f"this server runs at most {slots.capacity} generations at once")
+            lease = slots.try_acquire(k)
             if lease is None:
                 return _error(503, f"server is at its limit of {max_concurrency} batched and {queue} queued "
                               "generations; retry later", "server_error", code="server_busy")
-            start = (lambda: engine.stream_chat(prompt, **params)) if chat else (lambda: engine.stream(prompt, **params))
-            lease.stream = stream = await anyio.to_thread.run_sync(start)
+            seed: Any = params.get("seed")
+            held = lease
+
+            def start() -> None:
+                for prompt in prompts:
+                    for i in range(n):
+                        # choice i samples with seed + i; a bad seed is left for the engine to refuse
+                        ps = dict(params, seed=seed + i) if _is_id(seed) else params
+                        held.streams.append(engine.stream_chat(prompt, **ps) if chat else engine.stream(prompt, **ps))
+
+            await anyio.to_thread.run_sync(start)
             rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
             if body.get("stream"):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
                 # the lease is released by the stream's end, or after the response if the client left first
-                response: Response = StreamingResponse(sse(stream, rid, chat, include_usage, lease, request),
+                response: Response = StreamingResponse(sse(lease, n, rid, chat, include_usage, request),
                                                        media_type="text/event-stream",
                                                        headers={"Cache-Control": "no-cache"},
                                                        background=BackgroundTask(lease.release))
                 lease = None
                 return response
-            comp = await anyio.to_thread.run_sync(stream.result)
-            request.state.tokens = comp.usage.completion_tokens
+            q: Queue[_Item] = Queue()
+            lease.pump(q)
+            finals: list[StreamChunk | None] = [None] * k
+            async for i, ch in chunks(q, k):
+                if ch.finish_reason:
+                    finals[i] = ch
+            streams = lease.streams
         except _BodyTooLarge as e:
             return _error(413, str(e))
         except ContextLengthError as e:
@@ -216,27 +398,64 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
         finally:
             if lease is not None:
                 lease.release()
-        usage = usage_json(comp.usage)
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": comp.text},
-                      "finish_reason": comp.finish_reason, "logprobs": None}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": comp.text, "finish_reason": comp.finish_reason, "logprobs": None}
-            obj = "text_completion"
-        return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": name, "choices": [choice],
-                             "usage": usage})
+        usages = [f.usage for f in finals if f is not None and f.usage is not None]
+        request.state.tokens = sum(u.completion_tokens for u in usages)
+        choices: list[dict[str, Any]] = []
+        for i, (st, f) in enumerate(zip(streams, finals)):
+            fin = f.finish_reason if f is not None else "cancelled"
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": st.text},
+                                "finish_reason": fin, "logprobs": None})
+            else:
+                choices.append({"index": i, "text": st.text, "finish_reason": fin, "logprobs": None})
+        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                             "created": int(time.time()), "model": name, "choices": choices,
+                             "usage": usage_json(usages, n)})
 
-    def usage_json(u: Usage) -> dict[str, int | float]:
-        return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens,
-                "forward_passes": u.forward_passes, "tokens_per_forward": u.tokens_per_forward,
-                "verifications": u.verifications, "drafts_proposed": u.drafts_proposed,
-                "drafts_accepted": u.drafts_accepted}
+    async def chunks(q: "Queue[_Item]", k: int) -> AsyncIterator[tuple[int, StreamChunk]]:
+        """(choice index, chunk) from k reader threads, as they come, until every stream has ended."""
+        def get() -> _Item | None:
+            try:  # a bounded wait, so a cancelled request stops waiting soon (works with any anyio)
+                return q.get(timeout=0.25)
+            except Empty:
+                return None
 
-    async def sse(stream: Stream, rid: str, chat: bool, include_usage: bool, lease: _Lease,
+        live = k
+        while live:
+            got = await anyio.to_thread.run_sync(get)
+            if got is None:
+                continue
+            i, item = got
+            if item is None:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+
+    def usage_json(usages: list[Usage], n: int) -> dict[str, int | float]:
+        """Usage of all choices: completion tokens and counters summed, each prompt counted once (its n choices
+        share it)."""
+        if len(usages) == 1:
+            u = usages[0]
+            return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                    "total_tokens": u.total_tokens, "forward_passes": u.forward_passes,
+                    "tokens_per_forward": u.tokens_per_forward, "verifications": u.verifications,
+                    "drafts_proposed": u.drafts_proposed, "drafts_accepted": u.drafts_accepted}
+        prompt = sum(u.prompt_tokens for u in usages[::n])
+        comp = sum(u.completion_tokens for u in usages)
+        fwd = sum(u.forward_passes for u in usages)
+        return {"prompt_tokens": prompt, "completion_tokens": comp, "total_tokens": prompt + comp,
+                "forward_passes": fwd, "tokens_per_forward": comp / fwd if fwd else 0.0,
+                "verifications": sum(u.verifications for u in usages),
+                "drafts_proposed": sum(u.drafts_proposed for u in usages),
+                "drafts_accepted": sum(u.drafts_accepted for u in usages)}
+
+    async def sse(lease: _Lease, n: int, rid: str, chat: bool, include_usage: bool,
                   request: Request) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         now = int(time.time())
+        k = len(lease.streams)
 
         def event(choices: list[dict[str, Any]], usage: dict[str, int | float] | None = None,
                   step: dict[str, Any] | None = None) -> str:
@@ -252,31 +471,34 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
                     "tokens_per_forward": ev.tokens_per_forward,
                     "canvas": None if ev.canvas is None else [None if t < 0 else piece(t) for t in ev.canvas]}
 
-        def choice(text: str, finish: str | None = None, role: bool = False) -> dict[str, Any]:
+        def choice(i: int, text: str, finish: str | None = None, role: bool = False) -> dict[str, Any]:
             if chat:
                 delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
-                return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+                return {"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}
+            return {"index": i, "text": text, "finish_reason": finish, "logprobs": None}
 
+        usages: list[Usage | None] = [None] * k
         try:
             if chat:
-                yield event([choice("", role=True)])
-            while True:
-                ch = await anyio.to_thread.run_sync(next, stream, None)
-                if ch is None:
-                    break
+                for i in range(k):
+                    yield event([choice(i, "", role=True)])
+            q: Queue[_Item] = Queue()
+            lease.pump(q)
+            async for i, ch in chunks(q, k):
                 if ch.step is not None:
-                    yield event([choice(ch.text, ch.finish_reason)], step=step_json(ch.step))
+                    yield event([choice(i, ch.text, ch.finish_reason)], step=step_json(ch.step))
                 elif ch.text or ch.finish_reason:
-                    yield event([choice(ch.text, ch.finish_reason)])
+                    yield event([choice(i, ch.text, ch.finish_reason)])
                 if ch.finish_reason:
-                    request.state.tokens = len(stream.token_ids)
-                    if include_usage:
-                        assert ch.usage is not None  # the last chunk carries usage
-                        yield event([], usage_json(ch.usage))
+                    usages[i] = ch.usage
+            request.state.tokens = sum(len(s.token_ids) for s in lease.streams)
+            if include_usage:
+                done = [u for u in usages if u is not None]
+                assert len(done) == k  # the last chunk of each stream carries its usage
+                yield event([], usage_json(done, n))
             yield "data: [DONE]\n\n"
         finally:
-            lease.release()  # cancels the generation first if the client went away mid-stream
+            lease.release()  # cancels the generations first if the client went away mid-stream
 
     pieces: dict[int, str] = {}
 
@@ -297,12 +519,53 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
     async def chat_completions(request: Request) -> Response:
         return await handle(request, chat=True)
 
+    tok_info: dict[str, Any] = {}
+
+    def tokenizer_info_json() -> dict[str, Any]:
+        if not tok_info:
+            tok_info.update(_tokenizer_info(engine))
+        return tok_info
+
+    async def tokenizer_info(request: Request) -> Response:
+        if (r := check_auth(request)) is not None:
+            return r
+        return JSONResponse(await anyio.to_thread.run_sync(tokenizer_info_json))
+
+    async def tokenizer_route(request: Request, encode: bool) -> Response:
+        if (r := check_auth(request)) is not None:
+            return r
+        try:
+            body = await read_json(request)
+            if not isinstance(body, dict):
+                raise InvalidRequestError("request body must be a JSON object")
+            if body.get("model") not in (None, name):
+                return _error(404, f"model '{body.get('model')}' does not exist; this server serves '{name}'",
+                              code="model_not_found")
+            if encode:
+                return JSONResponse(await anyio.to_thread.run_sync(_tokenize, engine, body))
+            return JSONResponse(await anyio.to_thread.run_sync(_detokenize, engine, body))
+        except _BodyTooLarge as e:
+            return _error(413, str(e))
+        except (InvalidRequestError, TypeError) as e:
+            return _error(400, str(e))
+        except MbdError as e:
+            return _error(500, str(e), "server_error")
+
+    async def tokenize(request: Request) -> Response:
+        return await tokenizer_route(request, encode=True)
+
+    async def detokenize(request: Request) -> Response:
+        return await tokenizer_route(request, encode=False)
+
     app = Starlette(routes=[
         Route("/", index, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
     ])
     app.state.slots = slots
     app.add_middleware(_AccessLog)

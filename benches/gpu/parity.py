@@ -1,0 +1,154 @@
+"""GPU parity (issue #17), run by benches/gpu/run.sh on the GPU machine (or anywhere with --device cpu, as a dry run).
+
+1. The committed parity fixtures (tests/fixtures/parity: random Qwen2, Qwen2-MHA, Qwen3, Qwen3-bias, Qwen3-MoE top-1
+   and top-2 checkpoints, logits recorded by transformers in f32 for causal, block-causal at two alignments and full
+   masks) loaded on the device in float32 and bfloat16: relative error of every case against the f32 reference, and
+   through the KV-cache path (prefix computed first) against the no-cache logits.
+2. transformers itself on the same device in bfloat16 (eager attention, the same explicit 4-D masks as the fixture
+   script): our bfloat16 logits against its bfloat16 logits.
+3. Greedy decoding: the same requests on the device in float32 and on the CPU in float32 give the same tokens (the
+   embedded mbd-tiny model's tasks and the fixtures' models on random prompts).
+Writes one JSON (--out) and exits non-zero when a bound is missed.
+"""
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+import mbd_rs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PARITY = os.path.join(ROOT, "tests", "fixtures", "parity")
+BOUNDS = {"float32": 1e-3, "bfloat16": 2e-2, "cache_float32": 1e-4, "cache_bfloat16": 2e-2, "hf_bfloat16": 2e-2}
+TASKS = ["sort 7 2 9 4 1", "reverse a b c d", "repeat ab 3", "add 12+30", "sort 5 3 8 1 9 2", "hello Ada"]
+PREFIX_CASES = [("causal", 1, "absolute", None, 7), ("block_causal", 4, "absolute", None, 8),
+                ("block_causal", 4, "prompt", 6, 14)]
+
+
+def rel_err(a, b):
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def fixture_script():
+    spec = importlib.util.spec_from_file_location("make_parity_fixtures",
+                                                  os.path.join(ROOT, "scripts", "make_parity_fixtures.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_parity.json"))
+    ap.add_argument("--no-hf", action="store_true", help="skip the live transformers comparison")
+    args = ap.parse_args()
+    # The CPU computes in float32 only: there (a dry run of this script) the bfloat16 parts run in float32.
+    low = "float32" if args.device == "cpu" else "bfloat16"
+    meta = json.load(open(os.path.join(PARITY, "cases.json")))
+    report = {"device": args.device, "core": mbd_rs._core.__name__, "cuda_unavailable": mbd_rs._cuda_libs.cuda_unavailable,
+              "fixtures": {}, "hf_bfloat16": {}, "greedy": {}, "bounds": BOUNDS}
+    failures = []
+    t0 = time.time()
+
+    def check(kind, name, err):
+        if not err <= BOUNDS[kind]:
+            failures.append(f"{kind} {name}: {err:.3g} > {BOUNDS[kind]}")
+
+    for name in meta["fixtures"]:
+        path = os.path.join(PARITY, name)
+        exp = np.load(os.path.join(path, "expected.npz"))
+        row = {}
+        for label, dtype in (("float32", "float32"), ("bfloat16", low)):
+            eng = mbd_rs.Engine.load(path, device=args.device, dtype=dtype)
+            assert eng.info.device.startswith(args.device.split(":")[0]), eng.info.device
+            errs = {}
+            for case, c in meta["cases"].items():
+                got = eng.logits(exp["ids"], attention=c["attention"], block_size=c["block_size"],
+                                 alignment=c["alignment"], prompt_len=c["prompt_len"])
+                errs[case] = rel_err(got, exp[case])
+                check(label, f"{name}/{case}", errs[case])
+            cache = {}
+            for attention, bs, alignment, plen, prefix in PREFIX_CASES:
+                kw = dict(attention=attention, block_size=bs, alignment=alignment, prompt_len=plen)
+                full = eng.logits(exp["ids"], **kw)
+                key = f"{attention}{bs}_{alignment}_prefix{prefix}"
+                cache[key] = rel_err(eng.logits(exp["ids"], prefix_len=prefix, **kw), full)
+                check(f"cache_{label}", f"{name}/{key}", cache[key])
+            row[label] = {"max_rel_err": max(errs.values()), "cases": errs, "cache_vs_no_cache": cache}
+        report["fixtures"][name] = row
+        print(f"{name:20s} f32 {row['float32']['max_rel_err']:.2e}  bf16 {row['bfloat16']['max_rel_err']:.2e}  "
+              f"cache f32 {max(row['float32']['cache_vs_no_cache'].values()):.1e}", flush=True)
+
+    if not args.no_hf:
+        import torch
+        import transformers
+
+        fx = fixture_script()
+        dev = torch.device(args.device)
+        for name in meta["fixtures"]:
+            path = os.path.join(PARITY, name)
+            exp = np.load(os.path.join(path, "expected.npz"))
+            tdt = torch.bfloat16 if low == "bfloat16" else torch.float32
+            hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=tdt,
+                                                                   attn_implementation="eager").to(dev).eval()
+            eng = mbd_rs.Engine.load(path, device=args.device, dtype=low)
+            ids = torch.from_numpy(exp["ids"])[None].to(dev)
+            errs = {}
+            for case, c in meta["cases"].items():
+                spec = (c["attention"], c["block_size"], c["alignment"], c["prompt_len"])
+                mask = fx.mask_4d(ids.shape[1], spec).to(dev, tdt)
+                with torch.no_grad():
+                    ref = hf(ids, attention_mask=mask).logits[0].float().cpu().numpy()
+                got = eng.logits(exp["ids"], attention=c["attention"], block_size=c["block_size"],
+                                 alignment=c["alignment"], prompt_len=c["prompt_len"])
+                errs[case] = rel_err(got, ref)
+                check("hf_bfloat16", f"{name}/{case}", errs[case])
+            # for scale: transformers' own bf16 against its f32 reference
+            errs["hf_bf16_vs_f32_causal"] = rel_err(
+                hf(ids).logits[0].float().detach().cpu().numpy(), exp["causal"])
+            report["hf_bfloat16"][name] = errs
+            print(f"{name:20s} ours bf16 vs transformers bf16 {max(v for k, v in errs.items() if k != 'hf_bf16_vs_f32_causal'):.2e}"
+                  f"  (transformers bf16 vs f32: {errs['hf_bf16_vs_f32_causal']:.2e})", flush=True)
+
+    # Greedy: device f32 against CPU f32, token for token.
+    pairs = [("mbd-tiny", None, [{"chat": t} for t in TASKS])]
+    rng = np.random.default_rng(0)
+    for name in meta["fixtures"][:3]:
+        pairs.append((name, os.path.join(PARITY, name), [{"ids": rng.integers(0, 90, 12).tolist()} for _ in range(3)]))
+    for name, path, reqs in pairs:
+        dev_eng = mbd_rs.Engine.load(path, device=args.device, dtype="float32")
+        cpu_eng = mbd_rs.Engine.load(path, device="cpu", dtype="float32")
+        same = 0
+        for r in reqs:
+            kw = dict(max_tokens=24, temperature=0.0)
+            if "chat" in r:
+                msgs = [{"role": "user", "content": r["chat"]}]
+                a, b = dev_eng.chat(msgs, **kw), cpu_eng.chat(msgs, **kw)
+            else:
+                kw.update(block_size=4, early_stop=False)
+                a, b = dev_eng.generate(r["ids"], **kw), cpu_eng.generate(r["ids"], **kw)
+            if a.token_ids == b.token_ids:
+                same += 1
+            else:
+                failures.append(f"greedy {name} {r}: device {a.token_ids} != cpu {b.token_ids}")
+        report["greedy"][name] = f"{same}/{len(reqs)} identical"
+        print(f"greedy {name:20s} device f32 == cpu f32: {same}/{len(reqs)}", flush=True)
+
+    report["failures"] = failures
+    report["seconds"] = round(time.time() - t0, 1)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"{len(failures)} failures; {args.out}")
+    for line in failures[:20]:
+        print("  " + line)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

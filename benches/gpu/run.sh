@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The CUDA proof (issue #17) in one go on the GPU machine (Python 3.12, PyTorch + CUDA 13, transformers; no Rust,
+# no network). Build the CUDA wheel here first and carry it:
+#     bash scripts/build-cuda-wheel.sh dist/cuda        # ~17 min cold on 2 cores (nvcc for sm_90), 12 MB
+#     device run, carry ["dist/cuda"]:  bash benches/gpu/run.sh [install|parity|speed|speed8b|all]
+# Stages (each well under the 10-minute limit of one device command; `all` = install parity speed):
+#   install  pip install the carried wheel (no dependencies: torch brings cuBLAS/cuRAND) and check that the CUDA
+#            core loaded (not the CPU fallback) and that a CUDA device answers
+#   parity   benches/gpu/parity.py: fixtures f32/bf16 vs transformers f32, through the cache, vs transformers bf16
+#            live on the GPU, greedy tokens GPU f32 == CPU f32; plus tests/test_packaging.py
+#   speed    benches/gpu/speed.py --shape sdar-1.7b --e2e: one forward vs the bandwidth floor and PyTorch eager,
+#            end-to-end tokens/s, 1/8/32 streams
+#   speed8b  the Qwen3-8B shape (SDAR-8B / TraDo-8B), one forward
+# Everything goes to $OUT (default ./gpu_out): JSON per stage, logs, nvidia-smi.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/gpu_out}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+stages=${*:-all}
+[ "$stages" = all ] && stages="install parity speed"
+
+install() {
+  whl=$(ls dist/cuda/mbd_rs-*+cu130-*.whl 2>/dev/null | head -n 1)
+  [ -n "$whl" ] || { echo "no CUDA wheel in dist/cuda (build it with scripts/build-cuda-wheel.sh and carry it)" >&2; exit 1; }
+  "$PY" -m pip install -q --no-deps --no-index --force-reinstall "$whl"
+  nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
+  (cd /tmp && "$PY" - <<'PY')
+import mbd_rs
+print("mbd_rs", mbd_rs.__version__, "core", mbd_rs._core.__name__, "cuda_unavailable:", mbd_rs._cuda_libs.cuda_unavailable)
+assert mbd_rs._core.__name__ == "mbd_rs._cuda._core", mbd_rs._cuda_libs.cuda_unavailable
+eng = mbd_rs.Engine.load(device="auto")
+print("device auto ->", eng.info.device, eng.info.dtype, eng.chat([{"role": "user", "content": "sort 7 2 9 4 1"}]).text)
+assert eng.info.device.startswith("cuda"), eng.info.device
+PY
+}
+
+for stage in $stages; do
+  echo "== $stage"
+  case $stage in
+    install) install 2>&1 | tee "$OUT/install.log" ;;
+    parity)
+      install > /dev/null
+      "$PY" benches/gpu/parity.py --out "$OUT/gpu_parity.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/parity.log"
+      (cd /tmp && "$PY" -m pytest -q -p no:cacheprovider "$OLDPWD/tests/test_packaging.py" 2>&1 | tail -3) | tee -a "$OUT/parity.log" ;;
+    speed)
+      install > /dev/null
+      "$PY" benches/gpu/speed.py --shape sdar-1.7b --e2e --out "$OUT/gpu_speed_sdar-1.7b.json" 2>&1 \
+        | grep -v "Loading weights" | tee "$OUT/speed.log" ;;
+    speed8b)
+      install > /dev/null
+      "$PY" benches/gpu/speed.py --shape qwen3-8b --cases 512:1,512:32,2048:1,2048:32 --rounds 1 \
+        --out "$OUT/gpu_speed_qwen3-8b.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/speed8b.log" ;;
+    *) echo "unknown stage $stage (install|parity|speed|speed8b|all)" >&2; exit 2 ;;
+  esac
+done
