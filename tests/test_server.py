@@ -394,6 +394,9 @@ def test_tokenizer_routes(bserver, engine):
     assert strs["token_strs"] == [engine.detokenize([t], skip_special_tokens=False) for t in strs["tokens"]]
     m = httpx.post(b + "/tokenize", json={"messages": MSG}, headers=HDR).json()
     assert m["tokens"] == engine.tokenize(engine.apply_chat_template(MSG), add_special_tokens=False)
+    # lm-eval (local-completions with --apply_chat_template) sends the messages as "prompt"
+    lm = httpx.post(b + "/tokenize", json={"prompt": MSG, "add_special_tokens": False}, headers=HDR).json()
+    assert lm["tokens"] == m["tokens"]
     # what lm-evaluation-harness's RemoteTokenizer reads
     info = httpx.get(b + "/tokenizer_info", headers=HDR).json()
     assert {"eos_token", "bos_token", "pad_token", "chat_template"} <= set(info)

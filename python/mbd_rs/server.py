@@ -229,6 +229,9 @@ def _tokenize(engine: Engine, body: dict[str, Any]) -> dict[str, Any]:
     allowed = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs"}
     if unknown := sorted(set(body) - allowed):
         raise InvalidRequestError(f"unknown request field(s) {unknown}")
+    if isinstance(body.get("prompt"), list) and "messages" not in body:
+        # lm-eval's local-completions with --apply_chat_template sends the message list as "prompt"
+        body = {**{k: v for k, v in body.items() if k != "prompt"}, "messages": body["prompt"]}
     if ("prompt" in body) == ("messages" in body):
         raise InvalidRequestError("give exactly one of prompt (a string) or messages (a list)")
     if "prompt" in body:

@@ -1,0 +1,186 @@
+"""lm-evaluation-harness against `mbd-rs serve` on the embedded mbd-tiny model's held-out items (issue #15).
+
+1. writes the task data (make_data.py: the first --per-task items of each family of benches/eval_tiny.py's set);
+2. starts `python -m mbd_rs serve` on 127.0.0.1 (a free port, CPU);
+3. runs lm-eval twice, greedy (temperature 0), max_gen_toks 40 (eval_tiny.py's --max-tokens):
+   - `local-chat-completions` on /v1/chat/completions, task mbd_tiny_heldout, --apply_chat_template (the server
+     renders the model's chat template), tokenizer_backend=remote (/tokenizer_info, /tokenize);
+   - `local-completions` on /v1/completions, task mbd_tiny_heldout_rendered (the prompt already rendered by the
+     chat template), tokenizer_backend=remote: lm-eval tokenizes through POST /tokenize and sends token ids;
+4. scores the same items in-process with mbd_rs.Engine the way eval_tiny.py does (`eng.chat(...).text == answer`);
+5. prints the three accuracies, writes benches/lm_eval/result.json and asserts that the accuracies and every
+   item's output are equal.
+
+No network: HF_HUB_OFFLINE=1 and HF_DATASETS_OFFLINE=1; the data is a local JSONL, the tokenizer is the server's.
+Loglikelihood tasks cannot run yet: the server answers `logprobs`/`echo` with 400.
+
+    PYTHONPATH=python VENV/bin/python benches/lm_eval/run.py [--per-task 20] [--keep-outputs DIR]
+"""
+import argparse
+import glob
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "python"))
+import make_data  # noqa: E402
+
+MAX_TOKENS = 40  # benches/eval_tiny.py --max-tokens default; also max_gen_toks in _mbd_tiny_template_yaml
+MODEL_NAME = "mbd-tiny"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(base, proc, timeout=120):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"server not healthy after {timeout}s")
+
+
+def portable(cmd, port, out_dir):
+    """A command as one shell line without this machine's paths (python, PORT, OUT) for result.json."""
+    line = " ".join(shlex.quote(c) for c in cmd).replace(str(port), "PORT").replace(out_dir, "OUT")
+    return line.replace(sys.executable, "python").replace(HERE, "benches/lm_eval")
+
+
+def run_lm_eval(name, model, model_args, task, extra, out_dir, env):
+    """One lm-eval run; returns (accuracy, {prompt: generated text}, seconds, command)."""
+    out = os.path.join(out_dir, name)
+    cmd = [sys.executable, "-m", "lm_eval", "run", "--model", model, "--model_args", model_args, "--tasks", task,
+           "--include_path", HERE, "--output_path", out, "--log_samples", *extra]
+    print("$ (cd benches/lm_eval &&", " ".join(shlex.quote(c) for c in cmd) + ")", flush=True)
+    t = time.perf_counter()
+    p = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True)
+    secs = time.perf_counter() - t
+    with open(os.path.join(out_dir, name + ".log"), "w") as f:
+        f.write(p.stdout + p.stderr)
+    if p.returncode != 0:
+        sys.stderr.write(p.stdout[-3000:] + p.stderr[-6000:])
+        raise SystemExit(f"lm-eval run '{name}' failed with code {p.returncode}")
+    res = json.load(open(glob.glob(os.path.join(out, "*", "results_*.json"))[0]))
+    acc = res["results"][task]["exact_match,none"]
+    outputs = {}
+    for line in open(glob.glob(os.path.join(out, "*", f"samples_{task}_*.jsonl"))[0]):
+        s = json.loads(line)
+        outputs[s["doc"]["prompt"]] = s["filtered_resps"][0]
+    return acc, outputs, secs, cmd
+
+
+def ours(rows):
+    """eval_tiny.py's scoring: one chat turn per item, default decoding, max_tokens 40, exact match."""
+    import mbd_rs
+    eng = mbd_rs.Engine.load(None, device="cpu")
+    t = time.perf_counter()
+    outputs = {}
+    for _, p, _ in rows:
+        outputs[p] = eng.chat([{"role": "user", "content": p}], max_tokens=MAX_TOKENS).text
+    secs = time.perf_counter() - t
+    return sum(outputs[p] == a for _, p, a in rows) / len(rows), outputs, secs
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--per-task", type=int, default=20, help="items per task family (make_data.py)")
+    ap.add_argument("--keep-outputs", default=None, help="keep lm-eval's outputs and logs in this folder")
+    args = ap.parse_args()
+    import lm_eval
+
+    rows = make_data.items(args.per_task)
+    with open(make_data.DEFAULT_OUT, "w") as f:
+        for task, p, a in rows:
+            f.write(json.dumps(dict(task=task, prompt=p, rendered=make_data.render(p), answer=a)) + "\n")
+    print(f"{len(rows)} held-out items -> {os.path.relpath(make_data.DEFAULT_OUT, ROOT)}", flush=True)
+
+    work = args.keep_outputs or tempfile.mkdtemp(prefix="mbd_lm_eval_")
+    os.makedirs(work, exist_ok=True)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               HF_DATASETS_CACHE=os.path.join(work, "hf_datasets_cache"), TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(ROOT, "python"), os.environ.get("PYTHONPATH")])))
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    serve_cmd = [sys.executable, "-m", "mbd_rs", "serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
+                 "--model-name", MODEL_NAME]
+    print("$", " ".join(shlex.quote(c) for c in serve_cmd), flush=True)
+    t = time.perf_counter()
+    log = open(os.path.join(work, "server.log"), "w")
+    server = subprocess.Popen(serve_cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    runs = {}
+    try:
+        wait_healthy(base, server)
+        server_start = time.perf_counter() - t
+        common = f"model={MODEL_NAME},tokenizer_backend=remote,max_gen_toks={MAX_TOKENS},max_length=256"
+        specs = [
+            ("lm_eval_chat", "local-chat-completions", f"{common},base_url={base}/v1/chat/completions",
+             "mbd_tiny_heldout", ["--apply_chat_template"]),
+            ("lm_eval_completions", "local-completions", f"{common},base_url={base}/v1/completions",
+             "mbd_tiny_heldout_rendered", []),
+        ]
+        for name, model, margs, task, extra in specs:
+            acc, outs, secs, cmd = run_lm_eval(name, model, margs, task, extra, work, env)
+            runs[name] = dict(model=model, task=task, accuracy=acc, seconds=round(secs, 2), outputs=outs,
+                              command=portable(cmd, port, work))
+            print(f"{name:20s} exact_match {acc:.4f}  ({secs:.1f} s)", flush=True)
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+    acc, outs, secs = ours(rows)
+    print(f"{'ours (mbd_rs.Engine)':20s} exact_match {acc:.4f}  ({secs:.2f} s)", flush=True)
+
+    per_task = {}
+    for task, p, a in rows:
+        per_task.setdefault(task, []).append(outs[p] == a)
+    differ = {name: [p for _, p, _ in rows if r["outputs"].get(p) != outs[p]] for name, r in runs.items()}
+    equal = all(r["accuracy"] == acc for r in runs.values())
+    result = dict(
+        issue=15, lm_eval_version=lm_eval.__version__ if hasattr(lm_eval, "__version__") else None,
+        model=MODEL_NAME, items=len(rows), per_task_items={k: len(v) for k, v in per_task.items()},
+        max_gen_toks=MAX_TOKENS, decoding="greedy (temperature 0), the model's default block-diffusion settings",
+        metric="exact_match, no normalisation (eval_tiny.py: text == answer)",
+        server_command=portable(serve_cmd, port, work),
+        server_start_seconds=round(server_start, 2),
+        lm_eval={k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in runs.items()},
+        ours=dict(accuracy=acc, seconds=round(secs, 3), per_task={k: sum(v) / len(v) for k, v in per_task.items()}),
+        accuracies_equal=equal, outputs_differing={k: len(v) for k, v in differ.items()},
+        not_run="loglikelihood / multiple_choice tasks: the server has no logprobs/echo yet (400)",
+    )
+    with open(os.path.join(HERE, "result.json"), "w") as f:
+        json.dump(result, f, indent=1)
+        f.write("\n")
+    print(f"accuracies equal: {equal}; items whose output differs from ours: "
+          + ", ".join(f"{k} {len(v)}" for k, v in differ.items()) + f"; wrote {os.path.relpath(f.name, ROOT)}")
+    for name, ps in differ.items():
+        for p in ps[:5]:
+            print(f"  {name}: {p!r}: lm-eval {runs[name]['outputs'].get(p)!r} vs ours {outs[p]!r}")
+    assert equal, {k: v["accuracy"] for k, v in runs.items()} | {"ours": acc}
+    assert not any(differ.values()), {k: len(v) for k, v in differ.items()}
+
+
+if __name__ == "__main__":
+    main()
