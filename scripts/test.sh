@@ -24,3 +24,7 @@ echo "== mypy --strict (package + README examples)"
 bash scripts/check_types.sh
 echo "== pytest"
 python -m pytest -q tests "$@"
+echo "== pytest tests/test_clients.py (LiteLLM, langchain-openai; their own venv, the extension built above)"
+[ -x .venv-clients/bin/python ] || python3 -m venv .venv-clients
+.venv-clients/bin/python -m pip install -q --disable-pip-version-check -r scripts/client-requirements.txt
+PYTHONPATH=python .venv-clients/bin/python -m pytest -q -p no:cacheprovider tests/test_clients.py

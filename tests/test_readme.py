@@ -118,7 +118,8 @@ def test_server_curl_example(readme_server):
 
 def test_server_openai_client_example(readme_server):
     pytest.importorskip("openai")
-    (code,) = blocks("OpenAI-compatible server", "python")
+    # the section's other python blocks (LiteLLM, LangChain) are run by tests/test_clients.py
+    (code,) = [c for c in blocks("OpenAI-compatible server", "python") if "from openai import OpenAI" in c]
     out = run_python(code.replace("127.0.0.1:8000", f"127.0.0.1:{readme_server}"))
     assert out == expectations(code)[0]
 

@@ -1,0 +1,294 @@
+"""Real third-party clients against a live `mbd-rs serve` on 127.0.0.1 (issue #15): LiteLLM and langchain-openai,
+no mocks. The server is a subprocess of this interpreter (`sys.executable -m mbd_rs serve`) on the embedded model;
+every answer is compared with the engine's own answer to the same request, computed in-process at temperature 0,
+streams must reassemble to that text, and usage must match wherever the client exposes it. Every request is
+bounded by a client timeout (and no retries), and no test may open a connection anywhere but the loopback.
+
+Each client's tests skip, saying so, when it is not installed. They need a venv of their own: LiteLLM 1.106 requires
+openai < 3 and huggingface_hub < 2, which the main test environment pins higher. Last run with litellm==1.106.0,
+langchain-openai==1.7.3 (langchain-core==1.7.2), openai==2.54.0."""
+import asyncio
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+# LiteLLM fetches its model cost map from GitHub at import unless told to use its bundled copy; LangChain traces to
+# LangSmith only when asked, but say so anyway. Set before either is imported.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+os.environ.setdefault("LANGSMITH_TRACING", "false")
+os.environ.setdefault("LANGCHAIN_TRACING_V2", "false")
+
+import mbd_rs  # noqa: E402
+
+httpx = pytest.importorskip("httpx", reason="httpx not installed")
+pytest.importorskip("uvicorn", reason="server extra not installed (pip install 'mbd-rs[server]')")
+
+KEY = "sk-clients-test"
+MSG = [{"role": "user", "content": "sort 7 2 9 4 1"}]
+MSG2 = [{"role": "user", "content": "reverse a b c d"}]
+TIMEOUT = 60  # seconds, for every client request
+GREEDY = dict(max_tokens=24, temperature=0)
+KNOBS = {"block_size": 4, "threshold": 0.5}  # diffusion extensions, sent as extra body fields
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    """`mbd-rs serve` in a subprocess; yields (base URL, served model name)."""
+    port = _free_port()
+    env = dict(os.environ, RAYON_NUM_THREADS=os.environ.get("RAYON_NUM_THREADS", "2"))
+    proc = subprocess.Popen([sys.executable, "-m", "mbd_rs", "serve", "--port", str(port), "--api-key", KEY],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 90
+        while True:
+            try:
+                r = httpx.get(base + "/health", timeout=5)
+                if r.status_code == 200:
+                    name = r.json()["model"]
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}: {proc.stderr.read()[-3000:]}")
+            assert time.time() < deadline, "server did not become healthy in 90 s"
+            time.sleep(0.1)
+        yield base + "/v1", name
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return mbd_rs.Engine.load()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def loopback_only():
+    """Record every outgoing connection and name lookup of this process during these tests; only the loopback
+    may be reached (LiteLLM must not phone home for cost maps, telemetry or anything else)."""
+    elsewhere = []
+    real_connect, real_getaddrinfo = socket.socket.connect, socket.getaddrinfo
+
+    def connect(self, address):
+        if self.family in (socket.AF_INET, socket.AF_INET6) and address[0] not in ("127.0.0.1", "::1", "localhost"):
+            elsewhere.append(("connect", address))
+        return real_connect(self, address)
+
+    def getaddrinfo(host, *args, **kw):
+        if host not in ("127.0.0.1", "::1", "localhost", None):
+            elsewhere.append(("getaddrinfo", host))
+        return real_getaddrinfo(host, *args, **kw)
+
+    socket.socket.connect, socket.getaddrinfo = connect, getaddrinfo
+    try:
+        yield
+    finally:
+        socket.socket.connect, socket.getaddrinfo = real_connect, real_getaddrinfo
+    assert not elsewhere, f"a client reached beyond 127.0.0.1: {elsewhere}"
+
+
+def _template(engine, messages):
+    """The chat prompt as text, so /v1/completions tests get the model's real answers rather than noise."""
+    return engine.apply_chat_template(messages)
+
+
+def _check_usage(prompt_tokens, completion_tokens, total_tokens, want):
+    assert (prompt_tokens, completion_tokens, total_tokens) == (
+        want.usage.prompt_tokens, want.usage.completion_tokens, want.usage.prompt_tokens + want.usage.completion_tokens)
+
+
+# ---------------------------------------------------------------------------------------------------- LiteLLM
+
+
+@pytest.fixture(scope="module")
+def litellm():
+    mod = pytest.importorskip("litellm", reason="litellm not installed (pip install litellm)")
+    mod.telemetry = False
+    mod.suppress_debug_info = True
+    mod.callbacks, mod.success_callback, mod.failure_callback = [], [], []
+    return mod
+
+
+@pytest.fixture(scope="module")
+def ll_args(server):
+    base, name = server
+    return dict(model=f"openai/{name}", api_base=base, api_key=KEY, timeout=TIMEOUT, num_retries=0)
+
+
+@pytest.mark.parametrize("messages", [MSG, MSG2], ids=["sort", "reverse"])
+def test_litellm_completion_matches_engine(litellm, ll_args, engine, messages):
+    want = engine.chat(messages, **GREEDY)
+    r = litellm.completion(messages=messages, **GREEDY, **ll_args)
+    assert want.text and r.choices[0].message.content == want.text
+    assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == want.finish_reason
+    _check_usage(r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens, want)
+
+
+def test_litellm_completion_stream_reassembles(litellm, ll_args, engine):
+    want = engine.chat(MSG, **GREEDY)
+    chunks = list(litellm.completion(messages=MSG, stream=True, stream_options={"include_usage": True},
+                                     **GREEDY, **ll_args))
+    deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(deltas) >= 1 and "".join(deltas) == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        want.finish_reason]
+    usages = [c.usage for c in chunks if getattr(c, "usage", None) is not None]
+    assert len(usages) == 1
+    _check_usage(usages[0].prompt_tokens, usages[0].completion_tokens, usages[0].total_tokens, want)
+
+
+def test_litellm_passes_diffusion_knobs(litellm, ll_args, engine):
+    want = engine.chat(MSG2, **GREEDY, **KNOBS)
+    r = litellm.completion(messages=MSG2, extra_body=KNOBS, **GREEDY, **ll_args)
+    assert r.choices[0].message.content == want.text
+    assert r.usage.completion_tokens == want.usage.completion_tokens
+
+
+def test_litellm_text_completion_matches_engine(litellm, ll_args, engine):
+    prompt = _template(engine, MSG)
+    want = engine.generate(prompt, **GREEDY)
+    r = litellm.text_completion(prompt=prompt, **GREEDY, **ll_args)
+    assert want.text and r.choices[0].text == want.text and r.choices[0].finish_reason == want.finish_reason
+    _check_usage(r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens, want)
+
+
+def test_litellm_text_completion_stream_reassembles(litellm, ll_args, engine):
+    prompt = _template(engine, MSG2)
+    want = engine.generate(prompt, **GREEDY)
+    chunks = list(litellm.text_completion(prompt=prompt, stream=True, stream_options={"include_usage": True},
+                                          **GREEDY, **ll_args))
+    assert "".join(c.choices[0].text or "" for c in chunks if c.choices) == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        want.finish_reason]
+    usages = [c.usage for c in chunks if getattr(c, "usage", None) is not None]
+    assert len(usages) == 1
+    _check_usage(usages[0].prompt_tokens, usages[0].completion_tokens, usages[0].total_tokens, want)
+
+
+def test_litellm_async_stream(litellm, ll_args, engine):
+    """acompletion goes through LiteLLM's async transport (not the sync one the tests above use)."""
+    want = engine.chat(MSG2, **GREEDY)
+
+    async def run():
+        stream = await litellm.acompletion(messages=MSG2, stream=True, **GREEDY, **ll_args)
+        return [c.choices[0].delta.content or "" async for c in stream if c.choices]
+
+    assert "".join(asyncio.run(asyncio.wait_for(run(), TIMEOUT))) == want.text
+
+
+def test_litellm_unsupported_feature_is_a_clear_400(litellm, ll_args):
+    with pytest.raises(litellm.BadRequestError, match="logprobs is not supported"):
+        litellm.completion(messages=MSG, logprobs=True, **GREEDY, **ll_args)
+
+
+# ---------------------------------------------------------------------------------------------- langchain-openai
+
+
+@pytest.fixture(scope="module")
+def lc():
+    return pytest.importorskip("langchain_openai", reason="langchain-openai not installed (pip install langchain-openai)")
+
+
+@pytest.fixture(scope="module")
+def lc_args(server):
+    base, name = server
+    return dict(model=name, base_url=base, api_key=KEY, temperature=0, max_tokens=GREEDY["max_tokens"],
+                timeout=TIMEOUT, max_retries=0)
+
+
+@pytest.mark.parametrize("messages", [MSG, MSG2], ids=["sort", "reverse"])
+def test_langchain_chat_invoke_matches_engine(lc, lc_args, engine, messages):
+    want = engine.chat(messages, **GREEDY)
+    m = lc.ChatOpenAI(**lc_args).invoke(messages)
+    assert want.text and m.content == want.text
+    assert m.response_metadata["finish_reason"] == want.finish_reason
+    u = m.usage_metadata
+    _check_usage(u["input_tokens"], u["output_tokens"], u["total_tokens"], want)
+
+
+def test_langchain_chat_stream_reassembles(lc, lc_args, engine):
+    want = engine.chat(MSG, **GREEDY)
+    chunks = list(lc.ChatOpenAI(stream_usage=True, **lc_args).stream(MSG))
+    assert sum(1 for c in chunks if c.content) >= 1 and "".join(c.content for c in chunks) == want.text
+    whole = chunks[0]
+    for c in chunks[1:]:
+        whole = whole + c
+    assert whole.content == want.text and whole.response_metadata["finish_reason"] == want.finish_reason
+    u = whole.usage_metadata
+    _check_usage(u["input_tokens"], u["output_tokens"], u["total_tokens"], want)
+
+
+def test_langchain_chat_passes_diffusion_knobs(lc, lc_args, engine):
+    want = engine.chat(MSG2, **GREEDY, **KNOBS)
+    m = lc.ChatOpenAI(extra_body=KNOBS, **lc_args).invoke(MSG2)
+    assert m.content == want.text and m.usage_metadata["output_tokens"] == want.usage.completion_tokens
+
+
+def test_langchain_chat_async(lc, lc_args, engine):
+    want = engine.chat(MSG, **GREEDY)
+    chat = lc.ChatOpenAI(**lc_args)
+
+    async def run():
+        m = await chat.ainvoke(MSG)
+        return m.content, "".join([c.content async for c in chat.astream(MSG)])
+
+    assert asyncio.run(asyncio.wait_for(run(), TIMEOUT)) == (want.text, want.text)
+
+
+def test_langchain_completions_llm_matches_engine(lc, lc_args, engine):
+    prompt = _template(engine, MSG)
+    want = engine.generate(prompt, **GREEDY)
+    llm = lc.OpenAI(**lc_args)
+    assert want.text and llm.invoke(prompt) == want.text
+    r = llm.generate([prompt])
+    g = r.generations[0][0]
+    assert g.text == want.text and g.generation_info["finish_reason"] == want.finish_reason
+    u = r.llm_output["token_usage"]
+    _check_usage(u["prompt_tokens"], u["completion_tokens"], u["total_tokens"], want)
+    assert "".join(llm.stream(prompt)) == want.text
+
+
+def test_langchain_unsupported_feature_is_a_clear_400(lc, lc_args):
+    openai = pytest.importorskip("openai")
+    with pytest.raises(openai.BadRequestError, match="logprobs is not supported"):
+        lc.ChatOpenAI(logprobs=True, **lc_args).invoke(MSG)
+
+
+# ------------------------------------------------------------------------------------------------- README
+
+
+def _readme_block(marker):
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    section = readme.split("\n## OpenAI-compatible server", 1)[1].split("\n## ", 1)[0]
+    (code,) = [c for c in re.findall(r"```python\n(.*?)```", section, re.S) if marker in c]
+    return code
+
+
+@pytest.mark.parametrize("marker", ["import litellm", "from langchain_openai"])
+def test_readme_client_examples(request, marker):
+    """The README's LiteLLM and LangChain snippets run against the live server and print what they say."""
+    pytest.importorskip(marker.split()[-1], reason=f"{marker.split()[-1]} not installed")
+    base, _ = request.getfixturevalue("server")  # started only once the client is known to be there
+    code = _readme_block(marker).replace("http://127.0.0.1:8000/v1", base).replace('"sk-local"', repr(KEY))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    want = [m.strip() for m in re.findall(r"# -> ([^(\n]*)", code)]
+    assert want and r.stdout.splitlines() == want, (r.stdout, want)
