@@ -67,9 +67,29 @@ class _BodyTooLarge(Exception):
     pass
 
 
+class _UnknownModel(Exception):
+    pass
+
+
 def _error(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
            param: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
+
+
+#: What a POST route answers for a refused request (each route catches these and passes them to _refusal).
+_REFUSALS = (_BodyTooLarge, _UnknownModel, InvalidRequestError, TypeError, MbdError)
+
+
+def _refusal(e: Exception) -> JSONResponse:
+    if isinstance(e, _BodyTooLarge):
+        return _error(413, str(e))
+    if isinstance(e, _UnknownModel):
+        return _error(404, str(e), code="model_not_found")
+    if isinstance(e, ContextLengthError):
+        return _error(400, str(e), code="context_length_exceeded")
+    if isinstance(e, (InvalidRequestError, TypeError)):
+        return _error(400, str(e))
+    return _error(500, str(e), "server_error")
 
 
 class _Slots:
@@ -319,7 +339,9 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
             return _error(401, "invalid or missing API key", "invalid_request_error", code="invalid_api_key")
         return None
 
-    async def read_json(request: Request) -> Any:
+    async def read_body(request: Request) -> dict[str, Any]:
+        """The request's JSON object, for the model this server serves (else _BodyTooLarge, _UnknownModel or
+        InvalidRequestError)."""
         if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
             raise InvalidRequestError("the request body must be JSON with Content-Type: application/json")
         raw = bytearray()
@@ -328,9 +350,14 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
             if len(raw) > max_body_bytes:
                 raise _BodyTooLarge(f"request body is over this server's limit of {max_body_bytes} bytes")
         try:
-            return await anyio.to_thread.run_sync(json.loads, bytes(raw))  # large bodies parse off the event loop
+            body = await anyio.to_thread.run_sync(json.loads, bytes(raw))  # large bodies parse off the event loop
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             raise InvalidRequestError("request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise InvalidRequestError("request body must be a JSON object")
+        if body.get("model") not in (None, name):
+            raise _UnknownModel(f"model '{body.get('model')}' does not exist; this server serves '{name}'")
+        return body
 
     async def health(request: Request) -> JSONResponse:
         # open without the API key: load balancers and probes must reach it (it says nothing secret)
@@ -347,12 +374,7 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
             return r
         lease = None
         try:
-            body = await read_json(request)
-            if not isinstance(body, dict):
-                raise InvalidRequestError("request body must be a JSON object")
-            if body.get("model") not in (None, name):
-                return _error(404, f"model '{body.get('model')}' does not exist; this server serves '{name}'",
-                              code="model_not_found")
+            body = await read_body(request)
             params, prompts, n = _body_params(body, chat)
             k = len(prompts) * n
             if k > slots.capacity:
@@ -390,14 +412,8 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
                 if ch.finish_reason:
                     finals[i] = ch
             streams = lease.streams
-        except _BodyTooLarge as e:
-            return _error(413, str(e))
-        except ContextLengthError as e:
-            return _error(400, str(e), code="context_length_exceeded")
-        except (InvalidRequestError, TypeError) as e:
-            return _error(400, str(e))
-        except MbdError as e:
-            return _error(500, str(e), "server_error")
+        except _REFUSALS as e:
+            return _refusal(e)
         finally:
             if lease is not None:
                 lease.release()
@@ -538,21 +554,12 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
         if (r := check_auth(request)) is not None:
             return r
         try:
-            body = await read_json(request)
-            if not isinstance(body, dict):
-                raise InvalidRequestError("request body must be a JSON object")
-            if body.get("model") not in (None, name):
-                return _error(404, f"model '{body.get('model')}' does not exist; this server serves '{name}'",
-                              code="model_not_found")
+            body = await read_body(request)
             if encode:
                 return JSONResponse(await anyio.to_thread.run_sync(_tokenize, engine, body))
             return JSONResponse(await anyio.to_thread.run_sync(_detokenize, engine, body))
-        except _BodyTooLarge as e:
-            return _error(413, str(e))
-        except (InvalidRequestError, TypeError) as e:
-            return _error(400, str(e))
-        except MbdError as e:
-            return _error(500, str(e), "server_error")
+        except _REFUSALS as e:
+            return _refusal(e)
 
     async def tokenize(request: Request) -> Response:
         return await tokenizer_route(request, encode=True)
