@@ -2,7 +2,9 @@
 transformers, on the parity checkpoints. Developer tool (needs torch + transformers, see
 scripts/make_parity_fixtures.py for the install line). Run from the repository root:
     /tmp/devenv/bin/python scripts/make_decode_fixtures.py
-Writes tests/fixtures/decode/cases.json.
+Writes tests/fixtures/decode/cases.json (per case: tokens, forward passes, finish reason, and each completion
+token's log-probability under the forward that decided it, with that forward's 3 most likely ids), and
+tests/fixtures/decode/prompt_logprobs.json (left-to-right scores of whole sequences, by definition).
 """
 import json
 import os
@@ -35,6 +37,25 @@ def entropy_quantiles(model, prompt, n, b):
     h = -(p * torch.log(p)).sum(-1).numpy()
     mp = p.max(-1).values.numpy()
     return np.quantile(h, [0.25, 0.5, 0.75]), np.quantile(mp, [0.25, 0.5, 0.75])
+
+
+def prompt_scores(model, ids, shift):
+    """Each token's left-to-right log-probability by its definition, one transformers forward per position
+    (causal attention): shifted, the row of the previous position over ids; unshifted, the last row of
+    ids[:i] + [mask] (a mask at i that sees the tokens before it and itself). Returns (logprobs, top-3 ids), None
+    for the first token."""
+    lps, tops = [None], [None]
+    with torch.no_grad():
+        if shift:
+            full = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+        for i in range(1, len(ids)):
+            if shift:
+                row = full[i - 1]
+            else:
+                row = torch.log_softmax(model(torch.tensor([ids[:i] + [MASK_ID]])).logits[0, -1].double(), -1)
+            lps.append(round(float(row[ids[i]]), 7))
+            tops.append(sorted(range(row.shape[0]), key=lambda t: (-float(row[t]), t))[:3])
+    return lps, tops
 
 
 def PREFIX(delay, refresh=None):
@@ -119,14 +140,28 @@ def main():
             for vname, v in variants.items():
                 p = {**BASE, **v}
                 eos_ids = p.pop("eos", [0])
-                gen, nfe = reference_decode(model, prompt, n=n, mask_id=MASK_ID, eos_ids=eos_ids, **p)
+                lps = {}
+                gen, nfe = reference_decode(model, prompt, n=n, mask_id=MASK_ID, eos_ids=eos_ids, logprobs=lps, **p)
                 comp = completion_tokens(gen, eos_ids)
+                lp_comp = [lps[lp + i] for i in range(len(comp))]
                 finish = "stop" if any(t in eos_ids for t in gen if t is not None) else "length"
                 cases.append(dict(model=name, variant=vname, prompt=prompt, max_tokens=n, mask_token_id=MASK_ID,
                                   eos_token_ids=eos_ids, params=p, generated=gen, completion=comp,
-                                  forward_passes=nfe, finish_reason=finish))
+                                  forward_passes=nfe, finish_reason=finish,
+                                  completion_logprobs=[round(v, 7) for v, _ in lp_comp],
+                                  completion_top3=[t for _, t in lp_comp]))
                 print(f"{name} lp={lp} {vname:28s} nfe={nfe:2d} tokens={len(comp):2d} tpf={len(comp) / nfe:.2f} {finish}")
     json.dump({"cases": cases}, open(os.path.join(OUT, "cases.json"), "w"), indent=0)
+    # Prompt scoring (Engine.prompt_logprobs): one sequence longer than the engine's scoring chunk (128)
+    scores = []
+    for name, length in [("qwen3_headdim_gqa", 150), ("qwen2_gqa_tied", 12), ("qwen3moe_top2_norm", 12)]:
+        model = load(name)
+        ids = [int(t) for t in rng.integers(4, 300, length)]
+        for shift in (False, True):
+            lps, tops = prompt_scores(model, ids, shift)
+            scores.append(dict(model=name, ids=ids, logits_shift=shift, logprobs=lps, top3=tops))
+            print(f"prompt scores {name} shift={shift} len={length}")
+    json.dump({"scores": scores}, open(os.path.join(OUT, "prompt_logprobs.json"), "w"), indent=0)
 
 
 if __name__ == "__main__":

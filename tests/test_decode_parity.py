@@ -1,6 +1,7 @@
 """Greedy decoding parity with the reference decoder (tests/reference/decoder.py, written from the
 specification over HF transformers). Fixtures recorded by scripts/make_decode_fixtures.py: identical
-tokens and identical forward counts, with and without the KV cache."""
+tokens and identical forward counts, with and without the KV cache, and each token's log-probability under the
+forward that decided it (logprobs=3: the value and the 3 most likely ids)."""
 import functools
 import json
 import os
@@ -45,7 +46,7 @@ def run(case, use_cache):
     return eng.generate(case["prompt"], max_tokens=case["max_tokens"], block_size=p["block_size"],
                         threshold=p["threshold"], acceptance=p["acceptance"], block_add_threshold=p["alpha"],
                         decoded_token_threshold=p["beta"], forced_progress=p["forced"], early_stop=p["early_stop"],
-                        use_cache=use_cache, **extra)
+                        use_cache=use_cache, logprobs=3, **extra)
 
 
 IDS = [f"{c['model']}-lp{len(c['prompt'])}-{c['variant']}" for c in CASES]
@@ -61,6 +62,11 @@ def test_matches_reference_decoder(case, use_cache):
     assert out.usage.completion_tokens == len(case["completion"])
     if case["params"].get("s2d2"):
         assert out.usage.drafts_accepted <= out.usage.drafts_proposed
+    assert [t.token_id for t in out.logprobs] == out.token_ids
+    for got, want, top in zip(out.logprobs, case["completion_logprobs"], case["completion_top3"]):
+        assert abs(got.logprob - want) <= 2e-4, (got, want)
+        assert len(got.top_logprobs) == 3 and [t for t, _ in got.top_logprobs] == top
+        assert got.top_logprobs[0][1] >= got.logprob - 1e-6
 
 
 def test_fixtures_exercise_the_features():

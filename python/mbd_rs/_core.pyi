@@ -12,6 +12,7 @@ PARAMS: Dict[str, Dict[str, str]]
 GENERATION_PARAMS: Tuple[str, ...]
 PROFILE_OVERRIDES: Tuple[str, ...]
 LOGITS_PARAMS: Tuple[str, ...]
+SCORE_PARAMS: Tuple[str, ...]
 
 class CoreModel:
     @staticmethod
@@ -32,6 +33,9 @@ class CoreModel:
                             extra_json: Optional[str] = None) -> str: ...
     def start(self, prompt: Union[str, Sequence[int]], params: Optional[Mapping[str, Any]] = None,
               add_special_tokens: bool = True) -> "CoreStream": ...
+    def prompt_logprobs(self, prompt: Union[str, Sequence[int]], params: Optional[Mapping[str, Any]] = None,
+                        add_special_tokens: bool = True
+                        ) -> List[Optional[Tuple[int, float, List[Tuple[int, float]]]]]: ...
     def start_chat(self, messages_json: str, params: Optional[Mapping[str, Any]] = None,
                    special_tokens_in_content: bool = False) -> "CoreStream": ...
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from . import _core, _cuda_libs
 from .errors import InvalidRequestError, ModelFileNotFoundError, UnsupportedArchitectureError
-from .types import Completion, StepEvent, StreamChunk, Usage
+from .types import Completion, StepEvent, StreamChunk, TokenLogprob, Usage
 
 #: The model shipped inside the package (trained here by training/train_tiny.py): used when no path is given.
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "mbd-tiny")
@@ -22,6 +22,7 @@ DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models
 GENERATION_PARAMS: "tuple[str, ...]" = _core.GENERATION_PARAMS
 PROFILE_OVERRIDES: "tuple[str, ...]" = _core.PROFILE_OVERRIDES
 LOGITS_PARAMS: "tuple[str, ...]" = _core.LOGITS_PARAMS
+SCORE_PARAMS: "tuple[str, ...]" = _core.SCORE_PARAMS
 #: name -> {"kind": ..., "help": ...} for every parameter above.
 PARAMS: "dict[str, dict[str, str]]" = _core.PARAMS
 
@@ -179,9 +180,19 @@ class Engine:
         boundary of the chosen attention)."""
         return self._core.logits(ids, params)
 
+    def prompt_logprobs(self, prompt: Prompt, **params: Any) -> List[Optional[TokenLogprob]]:
+        """The log-probability of each token of `prompt` (a str or a list of token ids) given the tokens before it,
+        one per token (None for the first, which has no context): the model's left-to-right likelihood at block
+        size 1 (for unshifted models such as SDAR, a mask token at each position seeing the tokens before it and
+        itself; for shifted ones the previous position's logits under causal attention). `logprobs=k` (0..20) adds
+        the k most likely tokens at each position. Full-attention models (Dream) have no left-to-right
+        likelihood and raise InvalidRequestError."""
+        return [None if t is None else _token_logprob(t) for t in self._core.prompt_logprobs(prompt, params)]
+
     def stream(self, prompt: Prompt, **params: Any) -> "Stream":
         """Stream a completion of `prompt` (a str or a list of token ids). Parameters: GENERATION_PARAMS."""
-        return Stream(self._core.start(prompt, params), trace=bool(params.get("trace")))
+        return Stream(self._core.start(prompt, params), trace=bool(params.get("trace")),
+                      logprobs=params.get("logprobs") is not None)
 
     def generate(self, prompt: Prompt, **params: Any) -> Completion:
         """Generate a completion of `prompt` (a str or a list of token ids)."""
@@ -202,7 +213,7 @@ class Engine:
         text: a content that spells a control token (e.g. "<|im_end|>") is tokenized as plain text unless
         special_tokens_in_content=True."""
         return Stream(self._core.start_chat(_messages_json(messages), params, special_tokens_in_content),
-                      trace=bool(params.get("trace")))
+                      trace=bool(params.get("trace")), logprobs=params.get("logprobs") is not None)
 
     def chat(self, messages: Sequence[Message], *, special_tokens_in_content: bool = False, **params: Any) -> Completion:
         return self.stream_chat(messages, special_tokens_in_content=special_tokens_in_content, **params).result()
@@ -225,16 +236,22 @@ def _step(d: Optional[Dict[str, Any]]) -> Optional[StepEvent]:
     return None if d is None else StepEvent(**d)
 
 
+def _token_logprob(t: "tuple[int, float, list[tuple[int, float]]]") -> TokenLogprob:
+    return TokenLogprob(t[0], t[1], t[2])
+
+
 class Stream:
     """Iterator of StreamChunk: text streams token by token as the left-to-right prefix becomes stable.
     The last chunk has finish_reason and usage. Thread-safe cancel(); close() frees the KV cache now."""
 
-    def __init__(self, core_stream: "_core.CoreStream", trace: bool):
+    def __init__(self, core_stream: "_core.CoreStream", trace: bool, logprobs: bool = False):
         self._s = core_stream
         self._trace = trace
         self._done = False
         self.text = ""
         self.token_ids: List[int] = []
+        #: with logprobs=k: one TokenLogprob per token id so far
+        self.logprobs: Optional[List[TokenLogprob]] = [] if logprobs else None
         self.finish_reason: Optional[str] = None
         self.usage: Optional[Usage] = None
 
@@ -255,7 +272,11 @@ class Stream:
             if d["text"] or d["token_ids"] or fin is not None or (self._trace and d["step"] is not None):
                 self.text += d["text"]
                 self.token_ids.extend(d["token_ids"])
-                return StreamChunk(d["text"], d["token_ids"], fin, _usage(d["usage"]), _step(d["step"]))
+                lps = None
+                if self.logprobs is not None:
+                    lps = [_token_logprob(t) for t in d["logprobs"]]
+                    self.logprobs.extend(lps)
+                return StreamChunk(d["text"], d["token_ids"], fin, _usage(d["usage"]), _step(d["step"]), lps)
         raise StopIteration
 
     def cancel(self) -> None:
@@ -271,7 +292,8 @@ class Stream:
             pass
         if self.finish_reason is None or self.usage is None:
             raise InvalidRequestError("stream was closed before it finished")
-        return Completion(self.text, list(self.token_ids), self.finish_reason, self.usage)
+        return Completion(self.text, list(self.token_ids), self.finish_reason, self.usage,
+                          None if self.logprobs is None else list(self.logprobs))
 
     def __enter__(self) -> "Stream":
         return self

@@ -43,12 +43,23 @@ class StepEvent:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability: log-softmax of the raw logits (temperature, top-k and top-p do not change it)
+    of the forward that decided it, with the most likely tokens of that forward when asked for."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: List[Tuple[int, float]]  # (token id, logprob), most likely first (ties: lower id first)
+
+
+@dataclass(frozen=True)
 class StreamChunk:
     text: str  # newly stable text
     token_ids: List[int]  # newly stable token ids
     finish_reason: Optional[str]  # "stop" | "length" | "cancelled" on the last chunk
     usage: Optional[Usage]  # on the last chunk
     step: Optional[StepEvent]  # with trace=True
+    logprobs: Optional[List[TokenLogprob]] = None  # with logprobs=k: one per token id
 
 
 @dataclass(frozen=True)
@@ -57,3 +68,4 @@ class Completion:
     token_ids: List[int]
     finish_reason: str
     usage: Usage
+    logprobs: Optional[List[TokenLogprob]] = None  # with logprobs=k: one per token id

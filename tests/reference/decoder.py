@@ -67,8 +67,10 @@ def mask_from_ends(ends, extra=None, torch=None):
 
 def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignment, logits_shift, threshold,
                      acceptance, alpha, beta, forced, early_stop, eos_ids, max_forward_passes=10000,
-                     sub_block=None, s2d2=None, cache=None):
-    """s2d2: None, or dict(policy=always|min_span|score|hysteresis, min_span=, score_threshold=, penalty=,
+                     sub_block=None, s2d2=None, cache=None, logprobs=None):
+    """logprobs: None, or a dict filled with position -> (log-probability of the token written there under the
+    logits row of the forward that decided it (log-softmax, float64), the 3 most likely ids of that row).
+    s2d2: None, or dict(policy=always|min_span|score|hysteresis, min_span=, score_threshold=, penalty=,
     penalty_kind=static|dynamic, hysteresis=(on, off)).
     cache: None (recompute every step), or for full attention dict(mode="prefix", delay=, refresh=): d3LLM's
     approximate prefix cache (`_sample_multi_block_kv_cache`), or dict(mode="dual"): Fast-dLLM v1's dual cache
@@ -120,6 +122,18 @@ def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignm
         z = row - row.max()
         pr = np.exp(z) / np.exp(z).sum()
         return pr, float(-(pr * np.log(np.maximum(pr, 1e-300))).sum())
+
+    def log_softmax(row):
+        z = row - row.max()
+        return z - np.log(np.exp(z).sum())
+
+    rows = {}  # position -> the logits row of this step's prediction (or the verifier's)
+
+    def record(p):
+        if logprobs is not None:
+            ls = log_softmax(rows[p])
+            top = sorted(range(len(ls)), key=lambda t: (-ls[t], t))[:3]
+            logprobs[p] = (float(ls[x[p]]), top)
 
     def rule(cand, pred):
         acc = set()
@@ -273,6 +287,7 @@ def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignm
                 row = logits[p - start]
             pr, h = probs(row)
             pred[p] = (int(np.argmax(row)), h, float(pr.max()))
+            rows[p] = row
         # S2D2: verify the span (first run of consecutive candidates, in one block)?
         verified = None
         if s2d2 and not ar_step and nfe + 1 <= max_forward_passes:
@@ -315,13 +330,15 @@ def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignm
                     vl = model(torch.tensor([ids]), attention_mask=am,
                                position_ids=torch.tensor([pos])).logits[0].double().numpy()
                 nfe += 1
-                q = [int(np.argmax(vl[i - 1] if logits_shift else vl[e0 + j])) for j, i in enumerate(span)]
+                qrows = [vl[i - 1] if logits_shift else vl[e0 + j] for j, i in enumerate(span)]
+                q = [int(np.argmax(r)) for r in qrows]
                 acc_n = 0
                 while acc_n < len(span) and q[acc_n] == pred[span[acc_n]][0]:
                     acc_n += 1
                 verified = {span[j]: pred[span[j]][0] for j in range(acc_n)}
                 if acc_n < len(span):
                     verified[span[acc_n]] = q[acc_n]
+                rows.update({span[j]: qrows[j] for j in range(len(span))})  # the verifier decided these
                 # the first half's K/V up to the first rejection are final, and causal
                 causal.update(range(frontier, s0 + acc_n))
                 frontier = max(frontier, s0 + acc_n)
@@ -329,6 +346,7 @@ def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignm
             for p, t in verified.items():
                 x[p] = t
                 is_mask[p] = False
+                record(p)
             if nfe >= max_forward_passes:
                 break
             continue
@@ -349,6 +367,7 @@ def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignm
         for p in acc:
             x[p] = pred[p][0]
             is_mask[p] = False
+            record(p)
         if nfe >= max_forward_passes:
             break
     gen = [None if is_mask[p] else x[p] for p in range(lp, lp + n)]

@@ -5,10 +5,12 @@ use crate::config::{detect_family, read_json, Fields, ModelConfig, Profile};
 use crate::cpu_pool::on_device_pool;
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
+use crate::mask::MaskSpec;
 use crate::mask::{Alignment, AttentionKind, BlockGrid};
-use crate::models::qwen::QwenModel;
+use crate::models::qwen::{QwenModel, Segment};
 use crate::quant::QuantFormat;
-use crate::request::{token_ids, LogitsRequest, ProfileOverrides};
+use crate::request::{token_ids, LogitsRequest, Params, ProfileOverrides, ScoreRequest};
+use crate::sampling::{token_logprobs, TokenLogprob};
 use crate::skinny::Kernels;
 use crate::weights::{checkpoint_files, Weights};
 use candle_core::{DType, Device, Tensor};
@@ -192,6 +194,10 @@ fn tokenizer_mask_id(tok: &tokenizers::Tokenizer) -> Option<u32> {
 /// transient memory: a chunk's attention scores are heads x chunk x prefix floats (for a 0.5B model and an 8K
 /// prompt: 0.23 GB per chunk of 512 against 3.8 GB for the whole prompt at once).
 pub const PREFILL_CHUNK: usize = 512;
+
+/// Positions scored per forward by `Model::prompt_logprobs` (bounds the logits it holds: 128 rows of a 152K
+/// vocabulary are 78 MB of float32).
+pub const SCORE_CHUNK: usize = 128;
 
 /// Private-use characters around a message's index while a chat template renders (`Model::chat_prompt_ids`).
 const PLACEHOLDER_OPEN: char = '\u{E000}';
@@ -501,6 +507,101 @@ impl Model {
 }
 
 impl Model {
+    /// Each token of `ids` scored given the tokens before it, in autoregressive mode (block size 1: what S2D2's
+    /// verifier computes, and what block-causal models are trained to do at block size 1): for shifted models the
+    /// logits row of the previous position under causal attention; for unshifted ones (SDAR) a mask token at the
+    /// position that sees the tokens before it and itself (two rows per position in one forward, the first half
+    /// causal, as S2D2's verification window). The first token has no context and gets None. Full-attention
+    /// models (Dream) have no left-to-right likelihood and are refused.
+    pub fn prompt_logprobs(&self, ids: &[u32], req: &ScoreRequest) -> Result<Vec<Option<TokenLogprob>>> {
+        req.validate()?;
+        let k = req.logprobs.unwrap_or(0);
+        if ids.is_empty() {
+            return Err(Error::invalid("the prompt is empty (0 tokens); give at least one token to score"));
+        }
+        self.check_ids("prompt", ids)?;
+        let max_ctx = self.config.max_position_embeddings;
+        if ids.len() > max_ctx {
+            return Err(Error::ContextLength(format!(
+                "maximum context is {max_ctx} tokens; the prompt to score has {}",
+                ids.len()
+            )));
+        }
+        let p = &self.profile;
+        if p.attention == AttentionKind::Full {
+            return Err(Error::invalid(format!(
+                "prompt log-probabilities are left-to-right (block size 1), which needs block-causal or causal \
+                 attention; this model ({}) uses full attention",
+                p.architecture
+            )));
+        }
+        let mask_id = match (p.logits_shift, p.mask_token_id) {
+            (false, None) => {
+                return Err(Error::invalid(format!(
+                    "this model ({}) predicts a position from a mask token there, and has no mask token id; pass \
+                     mask_token_id=... to Engine.load",
+                    p.architecture
+                )))
+            }
+            (_, m) => m.unwrap_or(0),
+        };
+        let causal = BlockGrid::causal();
+        let mut out: Vec<Option<TokenLogprob>> = vec![None; ids.len()];
+        on_device_pool(self.net.device(), || {
+            let mut cache = self.new_cache();
+            cache.reserve(ids.len() + SCORE_CHUNK)?;
+            for s in (0..ids.len()).step_by(SCORE_CHUNK) {
+                let e = (s + SCORE_CHUNK).min(ids.len());
+                let w = e - s;
+                // (window row whose logits predict position q, q) for the positions q >= 1 of this chunk
+                let (logits, scored): (Tensor, Vec<usize>) = if p.logits_shift {
+                    // row j (position s + j) predicts s + j + 1
+                    let rows: Vec<usize> = (0..w).filter(|j| s + j + 1 < ids.len()).collect();
+                    if rows.is_empty() {
+                        break;
+                    }
+                    let l = self.net.forward(&mut cache, &ids[s..e], &causal, Some(&rows))?;
+                    (l, rows.iter().map(|j| s + j + 1).collect())
+                } else {
+                    // rows [0, w): the tokens, causal; rows [w, 2w): a mask at each position, seeing the tokens
+                    // before it and itself
+                    let mut win = ids[s..e].to_vec();
+                    win.extend(std::iter::repeat_n(mask_id, w));
+                    let visible: Vec<Vec<std::ops::Range<usize>>> = (0..w)
+                        .map(|j| vec![0..s + j + 1])
+                        .chain((0..w).map(|j| vec![0..s + j, s + w + j..s + w + j + 1]))
+                        .collect();
+                    let first = usize::from(s == 0);
+                    let rows: Vec<usize> = (w + first..2 * w).collect();
+                    if rows.is_empty() {
+                        break; // a one-token prompt
+                    }
+                    let seg = Segment {
+                        cache: &mut cache,
+                        ids: &win,
+                        positions: (s..e).chain(s..e).collect(),
+                        mask: MaskSpec::Custom(visible),
+                        rows: rows.clone(),
+                    };
+                    let l = self
+                        .net
+                        .forward_segments(&mut [seg])?
+                        .pop()
+                        .ok_or_else(|| Error::Internal("no logits".into()))?;
+                    (l, rows.iter().map(|r| s + r - w).collect())
+                };
+                cache.commit(w)?;
+                let tokens: Vec<u32> = scored.iter().map(|&q| ids[q]).collect();
+                let all: Vec<usize> = (0..scored.len()).collect();
+                for (q, t) in scored.into_iter().zip(token_logprobs(&logits, &all, &tokens, k)?) {
+                    out[q] = Some(t);
+                }
+            }
+            Ok::<(), Error>(())
+        })?;
+        Ok(out)
+    }
+
     /// Time `reps` decode forwards of a `window`-token block over a committed prefix of `prefix` tokens
     /// (block-causal: one block, no mask; logits for every window row). Returns seconds per forward.
     /// Used by the benchmarks to compare with other engines on the same computation.

@@ -114,7 +114,8 @@ impl Generation {
         canvas.resize(lp + n, mask_id);
         let policy = CachePolicy::resolve(grid.kind, req)?;
         let window = Window::new(&model, grid, lp, policy);
-        let out = Output::new(lp, req.stop.clone().unwrap_or_default(), req.trace.unwrap_or(TraceMode::Off));
+        let trace = req.trace.unwrap_or(TraceMode::Off);
+        let out = Output::new(lp, n, req.stop.clone().unwrap_or_default(), trace, req.logprobs);
         Ok(Generation { model, dec, canvas, mask_id, window, sampler, out, spec, pending: None })
     }
 
@@ -176,7 +177,7 @@ impl Generation {
     pub fn consume(&mut self, logits: Tensor) -> Result<Option<StepOutput>> {
         let Some((positions, logits)) = self.window.consume(logits)? else { return Ok(None) };
         if let Some(d) = self.pending.take() {
-            self.verified(d, logits)?;
+            self.verified(d, &logits)?;
         } else {
             // predict
             let preds = self.sampler.predict(&logits)?;
@@ -186,6 +187,8 @@ impl Generation {
             // apply
             self.dec.apply(&positions, &preds)?;
         }
+        // the written tokens' log-probabilities under this step's logits (the verifier's, for a verified step)
+        self.out.record_logprobs(&self.dec, &positions, &logits)?;
         // emit
         let is_final = self.dec.stopped == Some(StopCause::ForwardCap) || self.dec.masks_left() == 0;
         let usage = self.counters();
@@ -213,12 +216,12 @@ impl Generation {
 
     /// S2D2: accept drafts by the verifier's logits `q` (one row per span position), commit the verified K/V
     /// and write the step's tokens (two forwards).
-    fn verified(&mut self, d: Drafted, q: Tensor) -> Result<()> {
+    fn verified(&mut self, d: Drafted, q: &Tensor) -> Result<()> {
         let router = self.spec.as_mut().ok_or_else(|| Error::Internal("verification without S2D2".into()))?;
         let drafts: Vec<u32> = d.preds.iter().map(|p| p.token).collect();
         let (tokens, accepted) = match &d.rows {
             None => {
-                let q_argmax: Vec<u32> = self.sampler.predict(&q)?.iter().map(|p| p.token).collect();
+                let q_argmax: Vec<u32> = self.sampler.predict(q)?.iter().map(|p| p.token).collect();
                 router.accept_greedy(&drafts, &q_argmax)
             }
             Some(p_rows) => {

@@ -54,4 +54,5 @@ pub use config::Profile;
 pub use engine::{LoadOptions, Model};
 pub use error::{Error, Result};
 pub use mask::{Alignment, AttentionKind, BlockGrid};
-pub use request::{GenRequest, LogitsRequest, ProfileOverrides};
+pub use request::{GenRequest, LogitsRequest, ProfileOverrides, ScoreRequest};
+pub use sampling::TokenLogprob;

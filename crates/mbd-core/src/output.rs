@@ -5,8 +5,10 @@ use crate::decoder::{BlockState, Decoder};
 use crate::engine::Model;
 use crate::error::{Error, Result};
 use crate::request::TraceMode;
+use crate::sampling::{token_logprobs, TokenLogprob};
 use crate::speculative::SpecStats;
 use crate::text::{Detok, TextStream};
+use candle_core::Tensor;
 use std::time::Instant;
 
 crate::string_enum! {
@@ -61,6 +63,21 @@ pub struct StepOutput {
     pub finish_reason: Option<FinishReason>,
     pub event: Option<StepEvent>,
     pub usage: Option<Usage>,
+    /// With `logprobs`: each of `token_ids`' log-probability under the step that committed it.
+    pub logprobs: Vec<TokenLogprob>,
+}
+
+impl StepOutput {
+    /// Join the next output (without a trace event) to this one, as if one step had emitted both.
+    pub fn absorb(&mut self, next: StepOutput) {
+        let StepOutput { token_ids, text, finish_reason, event, usage, logprobs } = next;
+        debug_assert!(event.is_none(), "trace events are never joined");
+        self.token_ids.extend(token_ids);
+        self.text.push_str(&text);
+        self.finish_reason = finish_reason;
+        self.usage = usage;
+        self.logprobs.extend(logprobs);
+    }
 }
 
 /// The output side of a generation: completion tokens, text, finish, trace, and its clock.
@@ -73,11 +90,16 @@ pub struct Output {
     trace: TraceMode,
     t0: Instant,
     ttft_ms: Option<f64>,
+    /// With `logprobs` (alternatives per token): each generated position's log-probability, recorded by the
+    /// step that wrote it.
+    logprobs: Option<(usize, Vec<Option<TokenLogprob>>)>,
 }
 
 impl Output {
-    pub fn new(prompt_len: usize, stop: Vec<String>, trace: TraceMode) -> Output {
+    /// `logprobs`: alternatives per token when log-probabilities are wanted for the `n` generated positions.
+    pub fn new(prompt_len: usize, n: usize, stop: Vec<String>, trace: TraceMode, logprobs: Option<usize>) -> Output {
         Output {
+            logprobs: logprobs.map(|k| (k, vec![None; n])),
             prompt_len,
             text: TextStream::new(stop),
             detok: Detok::default(),
@@ -103,11 +125,39 @@ impl Output {
         step: bool,
         window: Counters,
     ) -> Result<StepOutput> {
+        let already = self.completion.len();
         let (token_ids, text, finish) = self.collect(model, dec, is_final)?;
+        let logprobs = match &mut self.logprobs {
+            None => vec![],
+            Some((_, lps)) => lps[already..already + token_ids.len()]
+                .iter_mut()
+                .map(|l| {
+                    l.take().ok_or_else(|| Error::Internal("a completion token without its log-probability".into()))
+                })
+                .collect::<Result<_>>()?,
+        };
         let event = if step && self.trace != TraceMode::Off { Some(self.event(dec)) } else { None };
         self.finish = finish;
         let usage = finish.map(|_| self.usage(dec, window));
-        Ok(StepOutput { token_ids, text, finish_reason: finish, event, usage })
+        Ok(StepOutput { token_ids, text, finish_reason: finish, event, usage, logprobs })
+    }
+
+    /// With `logprobs`: record the log-probabilities of the positions the last step wrote (`dec.last_decoded`)
+    /// from the step's logits (`logits` row i predicts `positions[i]`).
+    pub fn record_logprobs(&mut self, dec: &Decoder, positions: &[usize], logits: &Tensor) -> Result<()> {
+        let Some((k, lps)) = &mut self.logprobs else { return Ok(()) };
+        let lp = self.prompt_len;
+        let rows = dec
+            .last_decoded
+            .iter()
+            .map(|p| positions.iter().position(|q| q == p))
+            .collect::<Option<Vec<usize>>>()
+            .ok_or_else(|| Error::Internal("a written position has no logits row".into()))?;
+        let tokens: Vec<u32> = dec.last_decoded.iter().map(|&p| dec.tokens[p - lp]).collect();
+        for (&p, t) in dec.last_decoded.iter().zip(token_logprobs(logits, &rows, &tokens, *k)?) {
+            lps[p - lp] = Some(t);
+        }
+        Ok(())
     }
 
     /// Cancel: the final output, with finish_reason "cancelled" (nothing when already finished).

@@ -56,6 +56,8 @@ pub enum Rule {
     Unit,
     /// (0, 1]
     OpenUnit,
+    /// [lo, hi]
+    Between(f64, f64),
 }
 
 impl Rule {
@@ -68,6 +70,7 @@ impl Rule {
             Rule::AtLeast(m) => (x >= m, format!(">= {m}")),
             Rule::Unit => ((0.0..=1.0).contains(&x), "in [0, 1]".into()),
             Rule::OpenUnit => (x > 0.0 && x <= 1.0, "in (0, 1]".into()),
+            Rule::Between(lo, hi) => ((lo..=hi).contains(&x), format!("between {lo} and {hi}")),
         };
         if ok {
             Ok(())
@@ -101,6 +104,9 @@ const fn p(name: &'static str, kind: ParamKind, rule: Rule, help: &'static str) 
 
 use ParamKind as K;
 use Rule as R;
+
+/// The most alternatives `logprobs` may ask for per token (OpenAI's chat API allows 20).
+pub const MAX_TOP_LOGPROBS: usize = 20;
 
 /// Every parameter of every request, each rule written once.
 pub const PARAMS: &[ParamSpec] = &[
@@ -174,6 +180,13 @@ pub const PARAMS: &[ParamSpec] = &[
         "static: penalty c (default) | dynamic: c x tokens the step would accept without verifying",
     ),
     p("verify_hysteresis", K::Floats, R::Any, "hysteresis policy: (on, off) score thresholds (default (1, -5))"),
+    p(
+        "logprobs",
+        K::Int,
+        R::Between(0.0, MAX_TOP_LOGPROBS as f64),
+        "report each token's log-probability (log-softmax of the raw logits) with this many most likely \
+         alternatives (0 = the token's own only; default: off)",
+    ),
     p("trace", K::BoolOrStr, R::Any, "True or 'steps': a StepEvent per forward; 'canvas': with the whole canvas"),
     // profile overrides at load
     p("mask_token_id", K::Int, R::AtLeast(0.0), "the mask token's id"),
@@ -422,6 +435,7 @@ request! {
         verify_penalty: f64,
         verify_penalty_kind: PenaltyKind,
         verify_hysteresis: Vec<f64>,
+        logprobs: usize,
         trace: TraceMode,
     }
 }
@@ -449,19 +463,27 @@ request! {
     }
 }
 
+request! {
+    /// A prompt-scoring call (`Model::prompt_logprobs`): alternatives per token.
+    ScoreRequest, SCORE_PARAMS, "scoring parameter", "parameters" {
+        logprobs: usize,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn every_request_parameter_has_one_spec() {
-        for names in [GENERATION_PARAMS, PROFILE_OVERRIDES, LOGITS_PARAMS] {
+        for names in [GENERATION_PARAMS, PROFILE_OVERRIDES, LOGITS_PARAMS, SCORE_PARAMS] {
             for n in names {
                 assert_eq!(PARAMS.iter().filter(|s| s.name == *n).count(), 1, "{n}");
             }
         }
         for s in PARAMS {
-            let used = [GENERATION_PARAMS, PROFILE_OVERRIDES, LOGITS_PARAMS].iter().any(|l| l.contains(&s.name));
+            let used =
+                [GENERATION_PARAMS, PROFILE_OVERRIDES, LOGITS_PARAMS, SCORE_PARAMS].iter().any(|l| l.contains(&s.name));
             assert!(used, "{} is in PARAMS but in no request", s.name);
         }
     }

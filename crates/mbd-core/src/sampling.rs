@@ -39,6 +39,56 @@ fn row_stats(row: &[f32]) -> (u32, f64, f64) {
     (best as u32, z.ln() - sum / z, 1.0 / z)
 }
 
+/// A token's log-probability under softmax(raw logits) (temperature and top-k/top-p do not change it), with
+/// the most likely tokens' log-probabilities when asked for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    /// (id, log-probability) of the most likely tokens, most likely first (ties -> lowest id).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// `token`'s log-softmax in `row` and the `k` most likely tokens' (the normaliser as in `row_stats`: exponent
+/// terms in f32 around the max, their sum in f64).
+pub fn token_logprob(row: &[f32], token: u32, k: usize) -> TokenLogprob {
+    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let z: f64 = row.iter().map(|&x| (x - m).exp() as f64).sum();
+    let lse = m as f64 + z.ln();
+    let lp = |i: usize| (row[i] as f64 - lse) as f32;
+    let k = k.min(row.len());
+    let top = if k == 0 {
+        vec![]
+    } else {
+        let by_logit =
+            |a: &u32, b: &u32| by_score_then_index(row[*b as usize], row[*a as usize], *a as usize, *b as usize);
+        let mut idx: Vec<u32> = (0..row.len() as u32).collect();
+        idx.select_nth_unstable_by(k - 1, by_logit);
+        idx.truncate(k);
+        idx.sort_by(by_logit);
+        idx.into_iter().map(|i| (i, lp(i as usize))).collect()
+    };
+    TokenLogprob { token, logprob: lp(token as usize), top }
+}
+
+/// `token_logprob` for rows `rows[i]` of `logits` (R, V) and their tokens (`tokens[i]`): the rows come to the
+/// host (on a GPU only these rows), and are scored in parallel on the calling pool.
+pub fn token_logprobs(logits: &Tensor, rows: &[usize], tokens: &[u32], k: usize) -> Result<Vec<TokenLogprob>> {
+    if rows.is_empty() {
+        return Ok(vec![]);
+    }
+    let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+    let sel = logits.index_select(&Tensor::new(idx.as_slice(), logits.device())?, 0)?.to_dtype(DType::F32)?;
+    let v = sel.dim(1)?;
+    let flat = sel.flatten_all()?.to_vec1::<f32>()?;
+    let out: Vec<TokenLogprob> =
+        flat.par_chunks_exact(v.max(1)).zip(tokens.par_iter()).map(|(row, &t)| token_logprob(row, t, k)).collect();
+    if out.iter().any(|t| !t.logprob.is_finite() && t.logprob != f32::NEG_INFINITY) {
+        return Err(Error::load("the model computed non-finite logits (NaN or infinity) for a log-probability"));
+    }
+    Ok(out)
+}
+
 impl SamplingParams {
     /// The distribution tokens are drawn from: softmax(row / T) restricted by top-k / top-p and renormalised
     /// (temperature 0: softmax(row)), as (id, probability) pairs, most likely first (ties -> lowest id).
@@ -189,6 +239,19 @@ impl Sampler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn token_logprob_is_log_softmax_with_the_top_in_order() {
+        let row = [1.0f32, 3.0, 3.0, -2.0, 0.5];
+        let z: f64 = row.iter().map(|&x| (x as f64).exp()).sum();
+        let t = token_logprob(&row, 4, 3);
+        assert!((t.logprob as f64 - (0.5 - z.ln())).abs() < 1e-6);
+        // ties -> lowest id first
+        assert_eq!(t.top.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 2, 0]);
+        assert!((t.top[2].1 as f64 - (1.0 - z.ln())).abs() < 1e-6);
+        assert_eq!(token_logprob(&row, 0, 0).top, vec![]);
+        assert_eq!(token_logprob(&row, 0, 9).top.len(), 5);
+    }
 
     #[test]
     fn nan_logits_are_an_error() {

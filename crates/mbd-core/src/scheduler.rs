@@ -144,12 +144,7 @@ impl Iterator for StreamHandle {
                 break;
             }
             match self.recv(false) {
-                Some(Ok(next)) if next.event.is_none() => {
-                    o.token_ids.extend(next.token_ids);
-                    o.text.push_str(&next.text);
-                    o.finish_reason = next.finish_reason;
-                    o.usage = next.usage;
-                }
+                Some(Ok(next)) if next.event.is_none() => o.absorb(next),
                 Some(other) => {
                     // an event or an error: deliver what we have now, that one next time
                     self.held = Some(other);

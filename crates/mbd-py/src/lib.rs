@@ -7,12 +7,12 @@ use mbd_core::error::catch_panic;
 use mbd_core::generate::{Generation, StepOutput};
 use mbd_core::quant::QuantFormat;
 use mbd_core::request::{
-    self, GenRequest, LogitsRequest, ParamKind, Params, ProfileOverrides, Value, GENERATION_PARAMS, LOGITS_PARAMS,
-    PROFILE_OVERRIDES,
+    self, GenRequest, LogitsRequest, ParamKind, Params, ProfileOverrides, ScoreRequest, Value, GENERATION_PARAMS,
+    LOGITS_PARAMS, PROFILE_OVERRIDES, SCORE_PARAMS,
 };
 use mbd_core::scheduler::{BatchLimits, Canceller, Scheduler, StreamHandle};
 use mbd_core::skinny::Kernels;
-use mbd_core::{Error, LoadOptions, Model};
+use mbd_core::{Error, LoadOptions, Model, TokenLogprob};
 use numpy::{PyArray1, PyArrayMethods};
 use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -376,19 +376,26 @@ impl CoreModel {
         params: Option<&Bound<'_, PyDict>>,
         add_special_tokens: bool,
     ) -> PyResult<CoreStream> {
-        enum Prompt {
-            Text(String),
-            Ids(Vec<i64>),
-        }
-        let prompt = if prompt.is_instance_of::<PyString>() {
-            Prompt::Text(string("prompt", prompt)?)
-        } else {
-            Prompt::Ids(ids("prompt", prompt)?)
-        };
-        self.begin(py, params, move |m| match prompt {
-            Prompt::Text(t) => m.prompt_ids(&t, add_special_tokens),
-            Prompt::Ids(ids) => m.token_ids("prompt", &ids),
-        })
+        let prompt = Prompt::from_py(prompt)?;
+        self.begin(py, params, move |m| prompt.ids(m, add_special_tokens))
+    }
+
+    /// Each token of `prompt` (a str, tokenized here, or token ids) scored given the ones before it
+    /// (`Model::prompt_logprobs`): a list of None (the first token) or (token, logprob, [(id, logprob), ...]);
+    /// `params`: `SCORE_PARAMS`.
+    #[pyo3(signature = (prompt, params=None, add_special_tokens=true))]
+    fn prompt_logprobs(
+        &self,
+        py: Python<'_>,
+        prompt: &Bound<'_, PyAny>,
+        params: Option<&Bound<'_, PyDict>>,
+        add_special_tokens: bool,
+    ) -> PyResult<Vec<Option<LogprobTuple>>> {
+        let prompt = Prompt::from_py(prompt)?;
+        let req: ScoreRequest = request(params)?;
+        let m = self.inner.clone();
+        let out = run(py, move || m.prompt_logprobs(&prompt.ids(&m, add_special_tokens)?, &req))?;
+        Ok(out.into_iter().map(|t| t.map(logprob_tuple)).collect())
     }
 
     /// Start a generation answering chat `messages` (JSON text of a list of {role, content}), rendered with the
@@ -406,6 +413,36 @@ impl CoreModel {
             m.chat_prompt_ids(&messages_value(&messages_json)?, &serde_json::Value::Null, special_tokens_in_content)
         })
     }
+}
+
+/// A prompt as a caller passes it: text (tokenized by the core) or token ids (checked against the vocabulary).
+enum Prompt {
+    Text(String),
+    Ids(Vec<i64>),
+}
+
+impl Prompt {
+    fn from_py(prompt: &Bound<'_, PyAny>) -> PyResult<Prompt> {
+        Ok(if prompt.is_instance_of::<PyString>() {
+            Prompt::Text(string("prompt", prompt)?)
+        } else {
+            Prompt::Ids(ids("prompt", prompt)?)
+        })
+    }
+
+    fn ids(&self, m: &Model, add_special_tokens: bool) -> mbd_core::Result<Vec<u32>> {
+        match self {
+            Prompt::Text(t) => m.prompt_ids(t, add_special_tokens),
+            Prompt::Ids(ids) => m.token_ids("prompt", ids),
+        }
+    }
+}
+
+/// (token, logprob, [(id, logprob), ...]): a `TokenLogprob` as Python receives it.
+type LogprobTuple = (u32, f32, Vec<(u32, f32)>);
+
+fn logprob_tuple(t: TokenLogprob) -> LogprobTuple {
+    (t.token, t.logprob, t.top)
 }
 
 /// `base` with the caller's batching caps (None: unchanged); the range rule is `BatchLimits::with`'s.
@@ -483,6 +520,7 @@ fn output_dict<'py>(py: Python<'py>, o: StepOutput) -> PyResult<Bound<'py, PyDic
     } else {
         d.set_item("step", py.None())?;
     }
+    d.set_item("logprobs", o.logprobs.into_iter().map(logprob_tuple).collect::<Vec<_>>())?;
     Ok(d)
 }
 
@@ -550,6 +588,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("GENERATION_PARAMS", PyTuple::new(m.py(), GENERATION_PARAMS)?)?;
     m.add("PROFILE_OVERRIDES", PyTuple::new(m.py(), PROFILE_OVERRIDES)?)?;
     m.add("LOGITS_PARAMS", PyTuple::new(m.py(), LOGITS_PARAMS)?)?;
+    m.add("SCORE_PARAMS", PyTuple::new(m.py(), SCORE_PARAMS)?)?;
     // At import, before any stream runs: pin the CPU thread count once (see mbd_core::cpu_pool).
     m.add("cpu_threads", mbd_core::cpu_pool::pin_thread_count())?;
     Ok(())
