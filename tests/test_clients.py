@@ -195,8 +195,19 @@ def test_litellm_async_stream(litellm, ll_args, engine):
 
 
 def test_litellm_unsupported_feature_is_a_clear_400(litellm, ll_args):
-    with pytest.raises(litellm.BadRequestError, match="logprobs is not supported"):
-        litellm.completion(messages=MSG, logprobs=True, **GREEDY, **ll_args)
+    with pytest.raises(litellm.BadRequestError, match="presence_penalty is not supported"):
+        litellm.completion(messages=MSG, presence_penalty=0.5, **GREEDY, **ll_args)
+
+
+def test_litellm_logprobs(litellm, ll_args, engine):
+    """Chat logprobs through LiteLLM: each token's log-probability and alternatives, as the engine reports them."""
+    want = engine.chat(MSG, logprobs=2, **GREEDY)
+    r = litellm.completion(messages=MSG, logprobs=True, top_logprobs=2, **GREEDY, **ll_args)
+    content = r.choices[0].logprobs["content"] if isinstance(r.choices[0].logprobs, dict) \
+        else r.choices[0].logprobs.content
+    got = [c["logprob"] if isinstance(c, dict) else c.logprob for c in content]
+    assert got == pytest.approx([x.logprob for x in want.logprobs], abs=1e-5)
+    assert len(got) == len(want.token_ids)
 
 
 # ---------------------------------------------------------------------------------------------- langchain-openai
@@ -268,8 +279,17 @@ def test_langchain_completions_llm_matches_engine(lc, lc_args, engine):
 
 def test_langchain_unsupported_feature_is_a_clear_400(lc, lc_args):
     openai = pytest.importorskip("openai")
-    with pytest.raises(openai.BadRequestError, match="logprobs is not supported"):
-        lc.ChatOpenAI(logprobs=True, **lc_args).invoke(MSG)
+    with pytest.raises(openai.BadRequestError, match="presence_penalty is not supported"):
+        lc.ChatOpenAI(presence_penalty=0.5, **lc_args).invoke(MSG)
+
+
+def test_langchain_logprobs(lc, lc_args, engine):
+    """ChatOpenAI(logprobs=True) puts the server's chat logprobs in the message's response_metadata."""
+    want = engine.chat(MSG, logprobs=3, **GREEDY)
+    msg = lc.ChatOpenAI(logprobs=True, top_logprobs=3, **lc_args).invoke(MSG)
+    content = msg.response_metadata["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == pytest.approx([x.logprob for x in want.logprobs], abs=1e-5)
+    assert all(len(c["top_logprobs"]) == 3 for c in content)
 
 
 # ------------------------------------------------------------------------------------------------- README

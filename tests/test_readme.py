@@ -58,7 +58,7 @@ def test_python_example():
     out = run_python(code)
     for want in expectations(code):
         assert want in out, (want, out)
-    assert len(expectations(code)) == 3
+    assert len(expectations(code)) == 5
 
 
 def test_command_line_examples():

@@ -411,3 +411,87 @@ def test_tokenizer_routes(bserver, engine):
         assert httpx.post(b + path, json=body, headers=HDR).status_code == 400, (path, body)
     assert httpx.post(b + "/tokenize", json={"prompt": "a"}).status_code == 401
     assert httpx.get(b + "/tokenizer_info").status_code == 401
+
+
+# ------------------------------------------------------------------------------------------ log-probabilities
+
+
+def test_completion_logprobs_match_engine(bclient, engine):
+    """logprobs=k on /v1/completions: the engine's per-token log-probabilities in the legacy shape, streamed or
+    not, for every choice of a prompt list."""
+    want = engine.generate("sort: 3 1 2 =", max_tokens=8, logprobs=2)
+    r = bclient.completions.create(model="mbd-tiny", prompt=["sort: 3 1 2 =", "sort: 3 1 2 ="], max_tokens=8,
+                                   logprobs=2)
+    for ch in r.choices:
+        lp = ch.logprobs
+        assert lp.token_logprobs == pytest.approx([x.logprob for x in want.logprobs], abs=1e-5)
+        assert lp.tokens == [engine.detokenize([t], skip_special_tokens=False) for t in want.token_ids]
+        assert "".join(lp.tokens) == ch.text == want.text
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+        for top, x in zip(lp.top_logprobs, want.logprobs):
+            assert list(top.values()) == pytest.approx([b for _, b in x.top_logprobs], abs=1e-5)
+    streamed = bclient.completions.create(model="mbd-tiny", prompt="sort: 3 1 2 =", max_tokens=8, logprobs=2,
+                                          stream=True)
+    got = [v for c in streamed for v in (c.choices[0].logprobs.token_logprobs if c.choices[0].logprobs else [])]
+    assert got == pytest.approx([x.logprob for x in want.logprobs], abs=1e-5)
+
+
+def test_echo_scores_the_prompt(bclient, engine):
+    """echo + logprobs + max_tokens 0/1 (what lm-evaluation-harness's loglikelihood sends): the prompt's text and
+    its tokens' left-to-right scores (None for the first), then the one generated token."""
+    ids = engine.tokenize("sort: 3 1 2 = 1 2 3")
+    scores = engine.prompt_logprobs(ids, logprobs=1)
+    r = bclient.completions.create(model="mbd-tiny", prompt=[ids, ids[:5]], max_tokens=0, echo=True, logprobs=1)
+    full, short = r.choices
+    assert full.text == engine.detokenize(ids, skip_special_tokens=False) and full.finish_reason == "length"
+    assert full.logprobs.token_logprobs[0] is None and full.logprobs.top_logprobs[0] is None
+    assert full.logprobs.token_logprobs[1:] == pytest.approx([s.logprob for s in scores[1:]], abs=1e-5)
+    assert short.logprobs.token_logprobs[1:] == pytest.approx([s.logprob for s in scores[1:5]], abs=1e-5)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids) + 5, 0)
+    one = bclient.completions.create(model="mbd-tiny", prompt=ids, max_tokens=1, echo=True, logprobs=1)
+    gen = engine.generate(ids, max_tokens=1, logprobs=1)
+    c = one.choices[0]
+    assert c.text == full.text + gen.text
+    assert len(c.logprobs.token_logprobs) == len(ids) + 1
+    assert c.logprobs.token_logprobs[-1] == pytest.approx(gen.logprobs[0].logprob, abs=1e-5)
+    assert c.logprobs.text_offset[len(ids)] == len(full.text)
+    # echo of a text prompt, streamed: the prompt comes first
+    chunks = list(bclient.completions.create(model="mbd-tiny", prompt="sort: 3 1 2 =", max_tokens=3, echo=True,
+                                             stream=True))
+    assert chunks[0].choices[0].text == "sort: 3 1 2 ="
+    assert "".join(c.choices[0].text for c in chunks) == "sort: 3 1 2 =" + engine.generate(
+        "sort: 3 1 2 =", max_tokens=3).text
+
+
+def test_chat_logprobs(bclient, engine):
+    want = engine.chat(MSG, logprobs=3, **GREEDY)
+    r = bclient.chat.completions.create(model="mbd-tiny", messages=MSG, logprobs=True, top_logprobs=3, **GREEDY)
+    content = r.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([x.logprob for x in want.logprobs], abs=1e-5)
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
+    assert "".join(c.token for c in content) == r.choices[0].message.content
+    assert all(bytes(c.bytes).decode() == c.token for c in content)
+    streamed = bclient.chat.completions.create(model="mbd-tiny", messages=MSG, logprobs=True, stream=True, **GREEDY)
+    got = [x.logprob for c in streamed if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
+    assert got == pytest.approx([x.logprob for x in want.logprobs], abs=1e-5)
+    plain = bclient.chat.completions.create(model="mbd-tiny", messages=MSG, **GREEDY)
+    assert plain.choices[0].logprobs is None
+
+
+def test_echo_logprobs_refused_for_full_attention():
+    """Full-attention models have no left-to-right likelihood: echo with logprobs is a clear 400 (echo alone and
+    generation logprobs still work)."""
+    import os
+    eng = mbd_rs.Engine.load(os.path.join(os.path.dirname(__file__), "fixtures", "parity", "qwen3_headdim_gqa"),
+                             device="cpu", mask_token_id=3, attention="full", logits_shift=True, eos_token_ids=[0])
+    srv = Server(eng)
+    try:
+        post = lambda body: httpx.post(srv.base + "/v1/completions", json=body, timeout=60)  # noqa: E731
+        r = post({"prompt": [5, 6, 7], "max_tokens": 0, "echo": True, "logprobs": 1})
+        assert r.status_code == 400 and "needs block-causal or causal attention" in r.json()["error"]["message"]
+        assert post({"prompt": [5, 6, 7], "max_tokens": 2, "echo": True}).status_code == 200
+        r = post({"prompt": [5, 6, 7], "max_tokens": 2, "logprobs": 1, "early_stop": False})
+        assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["token_logprobs"]) == 2
+        assert srv.app.state.slots.active == 0
+    finally:
+        srv.stop()

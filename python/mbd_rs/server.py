@@ -5,6 +5,14 @@ as server-sent events in OpenAI's chunk format. Diffusion knobs are accepted as 
 routes (vLLM's shapes, which lm-evaluation-harness's remote tokenizer uses): GET /tokenizer_info, POST /tokenize,
 POST /detokenize.
 
+Log-probabilities: /v1/completions `logprobs: k` (0..20) gives each token's log-probability (log-softmax of the
+raw logits of the forward that decided it) with the k most likely tokens, in the legacy shape (tokens,
+token_logprobs, top_logprobs, text_offset); `echo: true` puts the prompt before the completion (text, and with
+logprobs its tokens' left-to-right scores: `Engine.prompt_logprobs`, None for the first token), and with
+`max_tokens: 0` only scores the prompt (lm-evaluation-harness's loglikelihood requests). /v1/chat/completions
+takes `logprobs: true` and `top_logprobs: k` (OpenAI's chat shape: content entries with token, logprob, bytes
+and top_logprobs). Full-attention models cannot score a prompt left to right: echo with logprobs is a 400 there.
+
 Several choices per request: `n` (1..MAX_N) on both routes, and on /v1/completions a `prompt` that is a list of
 strings or of token-id lists. Every (prompt, i) pair is one engine stream, all running concurrently (the engine
 batches them); choice index = prompt_index * n + i, as OpenAI numbers them. With `seed`, choice i samples with
@@ -43,17 +51,18 @@ from starlette.routing import Route
 
 from .engine import GENERATION_PARAMS, Engine, Stream
 from .errors import ContextLengthError, InvalidRequestError, MbdError
-from .types import StepEvent, StreamChunk, Usage
+from .types import StepEvent, StreamChunk, TokenLogprob, Usage
 
 # OpenAI body fields passed to the engine as generation parameters, and the server's own fields.
 _OPENAI_PARAMS = {"max_tokens", "temperature", "top_p", "stop", "seed"}
-_OWN = {"model", "prompt", "messages", "stream", "stream_options", "max_completion_tokens", "n", "user"}
+_OWN = {"model", "prompt", "messages", "stream", "stream_options", "max_completion_tokens", "n", "user", "logprobs",
+        "top_logprobs", "echo"}
 # OpenAI fields we do not support yet, with the values that mean "off" (sent by many clients by default).
-_UNSUPPORTED_UNLESS = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
-                       "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+_UNSUPPORTED_UNLESS = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
                        "suffix": (None, ""), "best_of": (None, 1), "response_format": (None, {"type": "text"})}
-# Diffusion knobs and the rest of the engine's parameters, accepted as extra body fields.
-_EXTENSIONS = set(GENERATION_PARAMS) - _OPENAI_PARAMS
+# Diffusion knobs and the rest of the engine's parameters, accepted as extra body fields ("logprobs" is OpenAI's
+# field, shaped per route by _body_params).
+_EXTENSIONS = set(GENERATION_PARAMS) - _OPENAI_PARAMS - {"logprobs"}
 # With "trace" (streaming only), every forward pass is also an SSE event carrying "mbd_step": the blocks, the
 # positions it decoded and the canvas as token pieces (what the live web view at / draws).
 _log = logging.getLogger("mbd_rs.server")
@@ -61,6 +70,17 @@ _log = logging.getLogger("mbd_rs.server")
 MAX_BODY_BYTES = 4 << 20
 #: Cap on `n` (choices per prompt).
 MAX_N = 16
+
+
+# (token id, logprob or None for a prompt's first token, alternatives or None)
+_Entry = tuple[int, "float | None", "list[tuple[int, float]] | None"]
+
+
+class _Echo:
+    """A prompt as echo returns it: text, token ids, and (with logprobs) its tokens' scores."""
+
+    def __init__(self, text: str, ids: list[int], entries: "list[_Entry] | None"):
+        self.text, self.ids, self.entries = text, ids, entries
 
 
 class _BodyTooLarge(Exception):
@@ -174,9 +194,23 @@ class _Lease:
             self._slots._release(unowned)
 
 
-def _body_params(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any], list[Any], int]:
+class _Body:
+    """A validated request: the engine's parameters, the prompts (chat: the one message list), n, echo, and
+    `logprobs` (alternatives per token, None = off)."""
+
+    def __init__(self, params: dict[str, Any], prompts: list[Any], n: int, echo: bool, logprobs: int | None):
+        self.params, self.prompts, self.n, self.echo, self.logprobs = params, prompts, n, echo, logprobs
+
+    @property
+    def generates(self) -> bool:
+        """False for echo with max_tokens 0: the prompt is scored, nothing generated."""
+        return not (self.echo and self.params.get("max_tokens") == 0)
+
+
+def _body_params(body: dict[str, Any], chat: bool) -> _Body:
     """Validate the whole body (before any slot is taken): the engine's parameters, the prompts (chat: the one
-    message list) and n. Parameter values are checked by the engine; this checks the shape of the OpenAI fields."""
+    message list), n, echo and logprobs. Parameter values are checked by the engine; this checks the shape of the
+    OpenAI fields."""
     unknown = sorted(set(body) - _OWN - _OPENAI_PARAMS - _EXTENSIONS - set(_UNSUPPORTED_UNLESS))
     if unknown:
         raise InvalidRequestError(f"unknown request field(s) {unknown}")
@@ -201,11 +235,29 @@ def _body_params(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any], list
     if body.get("max_completion_tokens") is not None:
         p["max_tokens"] = body["max_completion_tokens"]
     if chat:
+        if "echo" in body:
+            raise InvalidRequestError("echo applies to /v1/completions only")
+        if not isinstance(body.get("logprobs", False), bool):
+            raise InvalidRequestError("logprobs must be true or false on /v1/chat/completions (top_logprobs: how "
+                                      "many alternatives)")
+        top = body.get("top_logprobs")
+        if top is not None and not body.get("logprobs"):
+            raise InvalidRequestError("top_logprobs needs logprobs: true")
+        logprobs = (0 if top is None else top) if body.get("logprobs") else None
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages must be a non-empty list")
-        return p, [messages], n
-    return p, _prompts(body.get("prompt")), n
+        prompts, echo = [messages], False
+    else:
+        if "top_logprobs" in body:
+            raise InvalidRequestError("top_logprobs applies to /v1/chat/completions; on /v1/completions logprobs "
+                                      "is the number of alternatives")
+        echo = _flag(body, "echo", False)
+        logprobs = body.get("logprobs")
+        prompts = _prompts(body.get("prompt"))
+    if logprobs is not None:
+        p["logprobs"] = logprobs  # its range is the engine's rule
+    return _Body(p, prompts, n, echo, logprobs)
 
 
 def _is_id(x: Any) -> bool:
@@ -369,13 +421,69 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
             return r
         return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "mbd-rs"}]})
 
+    def echo_of(prompt: Any, logprobs: int | None) -> _Echo:
+        """A prompt as echo returns it: its text (a token-id prompt detokenized as given), its ids, and with
+        logprobs its tokens' left-to-right scores."""
+        if isinstance(prompt, str):
+            text, ids = prompt, engine.tokenize(prompt)
+        else:
+            text, ids = engine.detokenize(prompt, skip_special_tokens=False), list(prompt)
+        entries = None
+        if logprobs is not None:
+            scores = engine.prompt_logprobs(ids, logprobs=logprobs)
+            entries = [(ids[0], None, None)] + [(t.token_id, t.logprob, t.top_logprobs) for t in scores[1:] if t]
+        return _Echo(text, ids, entries)
+
+    def legacy_logprobs(entries: list[_Entry], offset: int) -> dict[str, list[Any]]:
+        """/v1/completions' logprobs object for these tokens, their text offsets counted from `offset`."""
+        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t, lp, top in entries:
+            s = piece(t)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(lp)
+            alts: dict[str, float] | None = None
+            if top is not None:
+                alts = {}
+                for a, b in top:  # most likely first; two ids with one text keep the likelier
+                    alts.setdefault(piece(a), b)
+            out["top_logprobs"].append(alts)
+            out["text_offset"].append(offset)
+            offset += len(s)
+        return out
+
+    def chat_logprobs(entries: list[_Entry]) -> dict[str, Any]:
+        """/v1/chat/completions' logprobs object for these tokens."""
+        def item(t: int, lp: float | None) -> dict[str, Any]:
+            s = piece(t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+        return {"content": [dict(item(t, lp), top_logprobs=[item(a, b) for a, b in top or []])
+                            for t, lp, top in entries], "refusal": None}
+
+    def entries_of(lps: "list[TokenLogprob] | None") -> list[_Entry]:
+        return [(x.token_id, x.logprob, x.top_logprobs) for x in lps or []]
+
+    def logprobs_json(entries: list[_Entry], echo: "_Echo | None", chat: bool) -> dict[str, Any]:
+        if chat:
+            return chat_logprobs(entries)
+        if echo is None:
+            return legacy_logprobs(entries, 0)
+        head = legacy_logprobs(echo.entries or [], 0)
+        tail = legacy_logprobs(entries, len(echo.text))
+        return {key: head[key] + tail[key] for key in head}
+
+    def scored_only(e: _Echo) -> Usage:
+        """The usage of an echo with max_tokens 0: the prompt, nothing generated."""
+        return Usage(prompt_tokens=len(e.ids), completion_tokens=0, forward_passes=0, tokens_per_forward=0.0,
+                     ttft_ms=0.0, prefill_ms=0.0, decode_ms=0.0, tokens_per_second=0.0, positions_forwarded=0)
+
     async def handle(request: Request, chat: bool) -> Response:
         if (r := check_auth(request)) is not None:
             return r
         lease = None
         try:
             body = await read_body(request)
-            params, prompts, n = _body_params(body, chat)
+            req = _body_params(body, chat)
+            params, prompts, n = req.params, req.prompts, req.n
             k = len(prompts) * n
             if k > slots.capacity:
                 raise InvalidRequestError(f"this request asks for {k} choices ({len(prompts)} prompt(s) x n={n}); "
@@ -386,9 +494,15 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
                               "generations; retry later", "server_error", code="server_busy")
             seed: Any = params.get("seed")
             held = lease
+            echoes: list[_Echo | None] = [None] * len(prompts)
 
             def start() -> None:
-                for prompt in prompts:
+                for pi, prompt in enumerate(prompts):
+                    if req.echo:
+                        echoes[pi] = echo_of(prompt, req.logprobs)
+                        prompt = echoes[pi].ids  # the prompt generated from is the one scored
+                    if not req.generates:
+                        continue
                     for i in range(n):
                         # choice i samples with seed + i; a bad seed is left for the engine to refuse
                         ps = dict(params, seed=seed + i) if _is_id(seed) else params
@@ -396,21 +510,25 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
 
             await anyio.to_thread.run_sync(start)
             rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+            choice_echo = [echoes[i // n] for i in range(k)]
             if body.get("stream"):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
                 # the lease is released by the stream's end, or after the response if the client left first
-                response: Response = StreamingResponse(sse(lease, n, rid, chat, include_usage, request),
+                response: Response = StreamingResponse(sse(lease, req, choice_echo, rid, chat, include_usage, request),
                                                        media_type="text/event-stream",
                                                        headers={"Cache-Control": "no-cache"},
                                                        background=BackgroundTask(lease.release))
                 lease = None
                 return response
-            q: Queue[_Item] = Queue()
-            lease.pump(q)
             finals: list[StreamChunk | None] = [None] * k
-            async for i, ch in chunks(q, k):
-                if ch.finish_reason:
-                    finals[i] = ch
+            if req.generates:
+                q: Queue[_Item] = Queue()
+                lease.pump(q)
+                async for i, ch in chunks(q, k):
+                    if ch.finish_reason:
+                        finals[i] = ch
+            else:
+                finals = [StreamChunk("", [], "length", scored_only(e), None) for e in choice_echo if e is not None]
             streams = lease.streams
         except _REFUSALS as e:
             return _refusal(e)
@@ -420,13 +538,17 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
         usages = [f.usage for f in finals if f is not None and f.usage is not None]
         request.state.tokens = sum(u.completion_tokens for u in usages)
         choices: list[dict[str, Any]] = []
-        for i, (st, f) in enumerate(zip(streams, finals)):
+        for i, f in enumerate(finals):
+            st = streams[i] if req.generates else None
             fin = f.finish_reason if f is not None else "cancelled"
+            e = choice_echo[i]
+            text = (e.text if e is not None else "") + (st.text if st is not None else "")
+            lp = None if req.logprobs is None else logprobs_json(entries_of(st.logprobs if st else None), e, chat)
             if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": st.text},
-                                "finish_reason": fin, "logprobs": None})
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "finish_reason": fin, "logprobs": lp})
             else:
-                choices.append({"index": i, "text": st.text, "finish_reason": fin, "logprobs": None})
+                choices.append({"index": i, "text": text, "finish_reason": fin, "logprobs": lp})
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                              "created": int(time.time()), "model": name, "choices": choices,
                              "usage": usage_json(usages, n)})
@@ -470,11 +592,11 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
                 "drafts_proposed": sum(u.drafts_proposed for u in usages),
                 "drafts_accepted": sum(u.drafts_accepted for u in usages)}
 
-    async def sse(lease: _Lease, n: int, rid: str, chat: bool, include_usage: bool,
-                  request: Request) -> AsyncIterator[str]:
+    async def sse(lease: _Lease, req: _Body, choice_echo: "list[_Echo | None]", rid: str, chat: bool,
+                  include_usage: bool, request: Request) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         now = int(time.time())
-        k = len(lease.streams)
+        k = len(choice_echo)
 
         def event(choices: list[dict[str, Any]], usage: dict[str, int | float] | None = None,
                   step: dict[str, Any] | None = None) -> str:
@@ -490,31 +612,51 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
                     "tokens_per_forward": ev.tokens_per_forward,
                     "canvas": None if ev.canvas is None else [None if t < 0 else piece(t) for t in ev.canvas]}
 
-        def choice(i: int, text: str, finish: str | None = None, role: bool = False) -> dict[str, Any]:
+        # per choice: the text offset of its next token (/v1/completions' text_offset)
+        offsets = [0] * k
+
+        def choice(i: int, text: str, finish: str | None = None, role: bool = False,
+                   lps: "list[TokenLogprob] | None" = None) -> dict[str, Any]:
+            lp = None
+            if req.logprobs is not None and lps:
+                entries = entries_of(lps)
+                lp = chat_logprobs(entries) if chat else legacy_logprobs(entries, offsets[i])
+                if not chat:
+                    offsets[i] += sum(len(piece(t)) for t, _, _ in entries)
             if chat:
                 delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
-                return {"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}
-            return {"index": i, "text": text, "finish_reason": finish, "logprobs": None}
+                return {"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}
+            return {"index": i, "text": text, "finish_reason": finish, "logprobs": lp}
 
         usages: list[Usage | None] = [None] * k
         try:
             if chat:
                 for i in range(k):
                     yield event([choice(i, "", role=True)])
-            q: Queue[_Item] = Queue()
-            lease.pump(q)
-            async for i, ch in chunks(q, k):
-                if ch.step is not None:
-                    yield event([choice(i, ch.text, ch.finish_reason)], step=step_json(ch.step))
-                elif ch.text or ch.finish_reason:
-                    yield event([choice(i, ch.text, ch.finish_reason)])
-                if ch.finish_reason:
-                    usages[i] = ch.usage
+            for i, e in enumerate(choice_echo):
+                if e is not None:  # the prompt first, with its scores
+                    lp = None if req.logprobs is None else legacy_logprobs(e.entries or [], 0)
+                    offsets[i] = len(e.text)
+                    fin = None if req.generates else "length"
+                    yield event([{"index": i, "text": e.text, "finish_reason": fin, "logprobs": lp}])
+                    if not req.generates:
+                        usages[i] = scored_only(e)
+            if req.generates:
+                q: Queue[_Item] = Queue()
+                lease.pump(q)
+                async for i, ch in chunks(q, k):
+                    lps = ch.logprobs if req.logprobs is not None else None
+                    if ch.step is not None:
+                        yield event([choice(i, ch.text, ch.finish_reason, lps=lps)], step=step_json(ch.step))
+                    elif ch.text or ch.finish_reason or lps:
+                        yield event([choice(i, ch.text, ch.finish_reason, lps=lps)])
+                    if ch.finish_reason:
+                        usages[i] = ch.usage
             request.state.tokens = sum(len(s.token_ids) for s in lease.streams)
             if include_usage:
                 done = [u for u in usages if u is not None]
                 assert len(done) == k  # the last chunk of each stream carries its usage
-                yield event([], usage_json(done, n))
+                yield event([], usage_json(done, req.n))
             yield "data: [DONE]\n\n"
         finally:
             lease.release()  # cancels the generations first if the client went away mid-stream
