@@ -143,7 +143,9 @@ def main():
                 lps = {}
                 gen, nfe = reference_decode(model, prompt, n=n, mask_id=MASK_ID, eos_ids=eos_ids, logprobs=lps, **p)
                 comp = completion_tokens(gen, eos_ids)
-                lp_comp = [lps[lp + i] for i in range(len(comp))]
+                # the completion's tokens, and the EOS that ended it (when one did)
+                ended = len(comp) < n and gen[len(comp)] in eos_ids
+                lp_comp = [lps[lp + i] for i in range(len(comp) + int(ended))]
                 finish = "stop" if any(t in eos_ids for t in gen if t is not None) else "length"
                 cases.append(dict(model=name, variant=vname, prompt=prompt, max_tokens=n, mask_token_id=MASK_ID,
                                   eos_token_ids=eos_ids, params=p, generated=gen, completion=comp,

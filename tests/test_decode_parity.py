@@ -62,7 +62,12 @@ def test_matches_reference_decoder(case, use_cache):
     assert out.usage.completion_tokens == len(case["completion"])
     if case["params"].get("s2d2"):
         assert out.usage.drafts_accepted <= out.usage.drafts_proposed
-    assert [t.token_id for t in out.logprobs] == out.token_ids
+    ended_at_eos = len(out.logprobs) == len(out.token_ids) + 1
+    assert [t.token_id for t in out.logprobs[:len(out.token_ids)]] == out.token_ids
+    assert ended_at_eos == (out.finish_reason == "stop")  # no stop strings here: "stop" is an EOS
+    if ended_at_eos:
+        assert out.logprobs[-1].token_id in case["eos_token_ids"]
+    assert len(out.logprobs) == len(case["completion_logprobs"])
     for got, want, top in zip(out.logprobs, case["completion_logprobs"], case["completion_top3"]):
         assert abs(got.logprob - want) <= 2e-4, (got, want)
         assert len(got.top_logprobs) == 3 and [t for t, _ in got.top_logprobs] == top

@@ -21,6 +21,16 @@ def engine(name, shift, attention="block_causal"):
                               alignment="absolute", logits_shift=shift, eos_token_ids=[0])
 
 
+def check_shape(c, eos_ids):
+    """One TokenLogprob per token id, then one for the EOS when the generation ended at one."""
+    assert [x.token_id for x in c.logprobs[:len(c.token_ids)]] == c.token_ids
+    extra = c.logprobs[len(c.token_ids):]
+    assert len(extra) <= 1
+    if extra:
+        assert c.finish_reason == "stop" and extra[0].token_id in eos_ids
+    return c.logprobs
+
+
 @pytest.mark.parametrize("case", SCORES, ids=[f"{c['model']}-shift{c['logits_shift']}-len{len(c['ids'])}"
                                               for c in SCORES])
 def test_prompt_logprobs_match_the_definition(case):
@@ -63,7 +73,7 @@ def test_greedy_s2d2_logprobs_are_the_left_to_right_scores():
         out = eng.generate(prompt, max_tokens=10, early_stop=False, speculative="s2d2", verify_policy="always",
                            logprobs=2)
         scores = eng.prompt_logprobs(prompt + out.token_ids, logprobs=2)[len(prompt):]
-        assert [x.token_id for x in out.logprobs] == out.token_ids
+        check_shape(out, [0])
         for g, s in zip(out.logprobs, scores):
             assert g.logprob == pytest.approx(s.logprob, abs=1e-4)
             assert [t for t, _ in g.top_logprobs] == [t for t, _ in s.top_logprobs]
@@ -73,27 +83,30 @@ def test_generation_logprobs_shape_streaming_and_sampling():
     eng = mbd_rs.Engine.load()
     plain = eng.generate("sort: 3 1 2 =", max_tokens=12)
     assert plain.logprobs is None
+    eos = eng.info.eos_token_ids
     out = eng.generate("sort: 3 1 2 =", max_tokens=12, logprobs=0)
     assert out.token_ids == plain.token_ids  # asking for log-probabilities changes no token
-    assert len(out.logprobs) == len(out.token_ids) and all(x.top_logprobs == [] for x in out.logprobs)
+    assert all(x.top_logprobs == [] for x in check_shape(out, eos))
     assert all(-50 < x.logprob <= 0 for x in out.logprobs)
+    # a generation that ends at its EOS lists the EOS last
+    ended = eng.chat([{"role": "user", "content": "sort 3 1 2"}], max_tokens=12, logprobs=0)
+    assert ended.finish_reason == "stop" and len(check_shape(ended, eos)) == len(ended.token_ids) + 1
     # greedy: the decided token is the most likely one of its forward
     top = eng.generate("sort: 3 1 2 =", max_tokens=12, logprobs=5).logprobs
     assert all(x.top_logprobs[0] == (x.token_id, x.logprob) and len(x.top_logprobs) == 5 for x in top)
     # streamed chunks carry their tokens' log-probabilities, in order
     chunks = list(eng.stream("sort: 3 1 2 =", max_tokens=12, logprobs=1))
     streamed = [x for c in chunks for x in c.logprobs]
-    assert [x.token_id for x in streamed] == out.token_ids
+    assert [x.token_id for x in streamed] == [x.token_id for x in out.logprobs]
     assert [x.logprob for x in streamed] == pytest.approx([x.logprob for x in out.logprobs], abs=1e-6)
     # sampling: the log-probability is of the raw logits (temperature does not change it), so a sampled token's
     # is at most the top one's, and the probabilities of the listed alternatives sum to at most 1
     s = eng.generate("sort: 3 1 2 =", max_tokens=12, logprobs=3, temperature=1.5, seed=3)
-    assert len(s.logprobs) == len(s.token_ids) > 0
+    assert len(check_shape(s, eos)) > 0
     for x in s.logprobs:
         assert x.logprob <= x.top_logprobs[0][1] + 1e-6
         assert sum(math.exp(lp) for _, lp in x.top_logprobs) <= 1 + 1e-5
-    chat = eng.chat([{"role": "user", "content": "sort: 3 1 2"}], max_tokens=6, logprobs=2)
-    assert len(chat.logprobs) == len(chat.token_ids)
+    check_shape(eng.chat([{"role": "user", "content": "sort: 3 1 2"}], max_tokens=6, logprobs=2), eos)
 
 
 @pytest.mark.parametrize("call,message", [
@@ -120,4 +133,4 @@ def test_full_attention_has_no_left_to_right_likelihood():
         eng.prompt_logprobs([5, 6, 7])
     # generation still reports its tokens' log-probabilities (of the forward that decided each)
     out = eng.generate([5, 6, 7], max_tokens=6, early_stop=False, logprobs=1)
-    assert len(out.logprobs) == 6
+    assert len(check_shape(out, [0])) >= len(out.token_ids) > 0

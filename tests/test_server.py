@@ -424,9 +424,10 @@ def test_completion_logprobs_match_engine(bclient, engine):
                                    logprobs=2)
     for ch in r.choices:
         lp = ch.logprobs
+        # every decided token, the EOS that ended the completion included (when one did)
         assert lp.token_logprobs == pytest.approx([x.logprob for x in want.logprobs], abs=1e-5)
-        assert lp.tokens == [engine.detokenize([t], skip_special_tokens=False) for t in want.token_ids]
-        assert "".join(lp.tokens) == ch.text == want.text
+        assert lp.tokens == [engine.detokenize([x.token_id], skip_special_tokens=False) for x in want.logprobs]
+        assert "".join(lp.tokens[:len(want.token_ids)]) == ch.text == want.text
         assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
         for top, x in zip(lp.top_logprobs, want.logprobs):
             assert list(top.values()) == pytest.approx([b for _, b in x.top_logprobs], abs=1e-5)
@@ -464,16 +465,19 @@ def test_echo_scores_the_prompt(bclient, engine):
 
 
 def test_chat_logprobs(bclient, engine):
+    """Chat content entries are the content's tokens (the engine's trailing EOS entry is left out)."""
     want = engine.chat(MSG, logprobs=3, **GREEDY)
+    assert want.finish_reason == "stop"
     r = bclient.chat.completions.create(model="mbd-tiny", messages=MSG, logprobs=True, top_logprobs=3, **GREEDY)
     content = r.choices[0].logprobs.content
-    assert [c.logprob for c in content] == pytest.approx([x.logprob for x in want.logprobs], abs=1e-5)
+    want_lp = [x.logprob for x in want.logprobs[:len(want.token_ids)]]
+    assert [c.logprob for c in content] == pytest.approx(want_lp, abs=1e-5)
     assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
     assert "".join(c.token for c in content) == r.choices[0].message.content
     assert all(bytes(c.bytes).decode() == c.token for c in content)
     streamed = bclient.chat.completions.create(model="mbd-tiny", messages=MSG, logprobs=True, stream=True, **GREEDY)
     got = [x.logprob for c in streamed if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
-    assert got == pytest.approx([x.logprob for x in want.logprobs], abs=1e-5)
+    assert got == pytest.approx(want_lp, abs=1e-5)
     plain = bclient.chat.completions.create(model="mbd-tiny", messages=MSG, **GREEDY)
     assert plain.choices[0].logprobs is None
 

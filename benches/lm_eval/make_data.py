@@ -7,6 +7,9 @@ family has only 3 distinct held-out inputs). One JSON object per line:
     prompt    the chat task text: the user message's content, as eval_tiny.py sends it
     rendered  that message rendered by the model's chat template with the generation prompt (for /v1/completions)
     answer    the expected answer; scored by exact match, no normalisation (eval_tiny.py: `c.text == a`)
+    choices   the answer and up to 3 near misses (distractors(): the input as given, an off-by-one, a swap, ...),
+              in a fixed shuffled order, for the loglikelihood task (mbd_tiny_choice.yaml)
+    gold      the answer's index in choices
 
     python benches/lm_eval/make_data.py [--per-task 20] [--out FILE]
 """
@@ -22,6 +25,43 @@ from tasks import held_out_set, render  # noqa: E402
 
 EVAL_TINY_PER_TASK = 40  # benches/eval_tiny.py's default --per-task
 DEFAULT_OUT = os.path.join(HERE, "mbd_tiny_heldout.jsonl")
+
+
+def distractors(task, prompt, answer):
+    """Near misses of `answer` for a multiple-choice item (deterministic; never equal to the answer)."""
+    words = answer.split()
+    args = prompt.split()[1:]
+    if task in ("sort", "reverse"):
+        swapped = words[1::-1] + words[2:] if len(words) > 1 else words
+        cands = [" ".join(args), " ".join(swapped), " ".join(words[:-1])]
+        if task == "sort":
+            cands[2] = " ".join(reversed(words))
+    elif task in ("add", "count"):
+        v = int(answer)
+        cands = [str(v + 1), str(max(v - 1, 0)), str(v + 10)]
+    elif task == "repeat":
+        w, n = args[0], int(args[1])
+        cands = [" ".join([w] * (n + 1)), " ".join([w] * (n - 1)), w + w]
+    else:  # hello
+        name = prompt.split()[1]
+        cands = [f"Hello, {name}!", f"Hi, {name}! Nice to meet you.", f"Hello, {name}! Nice to see you."]
+    out = []
+    for c in cands:
+        if c and c != answer and c not in out:
+            out.append(c)
+    return out
+
+
+def choice_fields(task, prompt, answer):
+    """`choices` (the answer among its distractors, shuffled by a hash of the prompt) and `gold`."""
+    choices = [answer] + distractors(task, prompt, answer)
+    k = sum(map(ord, prompt)) % len(choices)
+    choices = choices[k:] + choices[:k]
+    return dict(choices=choices, gold=choices.index(answer))
+
+
+def row(task, prompt, answer):
+    return dict(task=task, prompt=prompt, rendered=render(prompt), answer=answer, **choice_fields(task, prompt, answer))
 
 
 def items(per_task):
@@ -42,7 +82,7 @@ def main():
     rows = items(args.per_task)
     with open(args.out, "w") as f:
         for task, p, a in rows:
-            f.write(json.dumps(dict(task=task, prompt=p, rendered=render(p), answer=a)) + "\n")
+            f.write(json.dumps(row(task, p, a)) + "\n")
     print(f"wrote {len(rows)} items to {args.out}")
 
 

@@ -7,12 +7,16 @@
      renders the model's chat template), tokenizer_backend=remote (/tokenizer_info, /tokenize);
    - `local-completions` on /v1/completions, task mbd_tiny_heldout_rendered (the prompt already rendered by the
      chat template), tokenizer_backend=remote: lm-eval tokenizes through POST /tokenize and sends token ids;
-4. scores the same items in-process with mbd_rs.Engine the way eval_tiny.py does (`eng.chat(...).text == answer`);
-5. prints the three accuracies, writes benches/lm_eval/result.json and asserts that the accuracies and every
-   item's output are equal.
+   and a third time on a loglikelihood task:
+   - `local-completions` on /v1/completions, task mbd_tiny_choice (multiple choice: the answer among near misses
+     after the rendered prompt): lm-eval sends prompt + choice as token ids with echo, logprobs 1, max_tokens 1 and
+     sums the continuation's token_logprobs;
+4. scores the same items in-process with mbd_rs.Engine the way eval_tiny.py does (`eng.chat(...).text == answer`),
+   and the choices with `Engine.prompt_logprobs` (the same context/continuation split as lm-eval's);
+5. prints the accuracies, writes benches/lm_eval/result.json and asserts that the accuracies are equal, every
+   item's output is equal, and every choice's log-likelihood agrees to 1e-3.
 
 No network: HF_HUB_OFFLINE=1 and HF_DATASETS_OFFLINE=1; the data is a local JSONL, the tokenizer is the server's.
-Loglikelihood tasks cannot run yet: the server answers `logprobs`/`echo` with 400.
 
     PYTHONPATH=python VENV/bin/python benches/lm_eval/run.py [--per-task 20] [--keep-outputs DIR]
 """
@@ -66,7 +70,8 @@ def portable(cmd, port, out_dir):
 
 
 def run_lm_eval(name, model, model_args, task, extra, out_dir, env):
-    """One lm-eval run; returns (accuracy, {prompt: generated text}, seconds, command)."""
+    """One lm-eval run; returns (accuracy, {prompt: generated text, or the choices' log-likelihoods}, seconds,
+    command)."""
     out = os.path.join(out_dir, name)
     cmd = [sys.executable, "-m", "lm_eval", "run", "--model", model, "--model_args", model_args, "--tasks", task,
            "--include_path", HERE, "--output_path", out, "--log_samples", *extra]
@@ -80,11 +85,14 @@ def run_lm_eval(name, model, model_args, task, extra, out_dir, env):
         sys.stderr.write(p.stdout[-3000:] + p.stderr[-6000:])
         raise SystemExit(f"lm-eval run '{name}' failed with code {p.returncode}")
     res = json.load(open(glob.glob(os.path.join(out, "*", "results_*.json"))[0]))
-    acc = res["results"][task]["exact_match,none"]
+    metrics = res["results"][task]
+    choice = "acc,none" in metrics
+    acc = metrics["acc,none" if choice else "exact_match,none"]
     outputs = {}
     for line in open(glob.glob(os.path.join(out, "*", f"samples_{task}_*.jsonl"))[0]):
         s = json.loads(line)
-        outputs[s["doc"]["prompt"]] = s["filtered_resps"][0]
+        # multiple choice: one (loglikelihood, is_greedy) per choice
+        outputs[s["doc"]["prompt"]] = [float(r[0]) for r in s["filtered_resps"]] if choice else s["filtered_resps"][0]
     return acc, outputs, secs, cmd
 
 
@@ -100,6 +108,33 @@ def ours(rows):
     return sum(outputs[p] == a for _, p, a in rows) / len(rows), outputs, secs
 
 
+def encode_pair(eng, context, continuation):
+    """lm-eval's split (TemplateLM._encode_pair for causal models): trailing whitespace of the context moves to
+    the continuation, the whole is tokenized once and the continuation is what follows the context's tokens."""
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces:
+        context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
+    whole = eng.tokenize(context + continuation)
+    return whole, len(eng.tokenize(context))
+
+
+def ours_choice(rows):
+    """The multiple-choice items scored in-process: each choice's log-likelihood after the rendered prompt
+    (Engine.prompt_logprobs, summed over the continuation), the most likely choice picked (ties: the first)."""
+    import mbd_rs
+    eng = mbd_rs.Engine.load(None, device="cpu")
+    t = time.perf_counter()
+    lls, right = {}, 0
+    for r in rows:
+        scores = []
+        for c in r["choices"]:
+            whole, ctx = encode_pair(eng, r["rendered"], c)
+            scores.append(sum(x.logprob for x in eng.prompt_logprobs(whole)[ctx:]))
+        lls[r["prompt"]] = scores
+        right += max(range(len(scores)), key=lambda i: (scores[i], -i)) == r["gold"]
+    return right / len(rows), lls, time.perf_counter() - t
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--per-task", type=int, default=20, help="items per task family (make_data.py)")
@@ -110,7 +145,7 @@ def main():
     rows = make_data.items(args.per_task)
     with open(make_data.DEFAULT_OUT, "w") as f:
         for task, p, a in rows:
-            f.write(json.dumps(dict(task=task, prompt=p, rendered=make_data.render(p), answer=a)) + "\n")
+            f.write(json.dumps(make_data.row(task, p, a)) + "\n")
     print(f"{len(rows)} held-out items -> {os.path.relpath(make_data.DEFAULT_OUT, ROOT)}", flush=True)
 
     work = args.keep_outputs or tempfile.mkdtemp(prefix="mbd_lm_eval_")
@@ -136,6 +171,8 @@ def main():
              "mbd_tiny_heldout", ["--apply_chat_template"]),
             ("lm_eval_completions", "local-completions", f"{common},base_url={base}/v1/completions",
              "mbd_tiny_heldout_rendered", []),
+            ("lm_eval_loglikelihood", "local-completions", f"{common},base_url={base}/v1/completions",
+             "mbd_tiny_choice", []),
         ]
         for name, model, margs, task, extra in specs:
             acc, outs, secs, cmd = run_lm_eval(name, model, margs, task, extra, work, env)
@@ -152,12 +189,24 @@ def main():
 
     acc, outs, secs = ours(rows)
     print(f"{'ours (mbd_rs.Engine)':20s} exact_match {acc:.4f}  ({secs:.2f} s)", flush=True)
+    choice_rows = [json.loads(line) for line in open(make_data.DEFAULT_OUT)]
+    c_acc, c_lls, c_secs = ours_choice(choice_rows)
+    print(f"{'ours (prompt_logprobs)':20s} acc {c_acc:.4f}  ({c_secs:.2f} s)", flush=True)
 
     per_task = {}
     for task, p, a in rows:
         per_task.setdefault(task, []).append(outs[p] == a)
-    differ = {name: [p for _, p, _ in rows if r["outputs"].get(p) != outs[p]] for name, r in runs.items()}
-    equal = all(r["accuracy"] == acc for r in runs.values())
+
+    def same(name, p):
+        got = runs[name]["outputs"].get(p)
+        if runs[name]["task"] != "mbd_tiny_choice":
+            return got == outs[p]
+        return got is not None and len(got) == len(c_lls[p]) and all(abs(a - b) <= 1e-3 for a, b in zip(got, c_lls[p]))
+
+    differ = {name: [p for _, p, _ in rows if not same(name, p)] for name in runs}
+    equal = all(r["accuracy"] == (c_acc if r["task"] == "mbd_tiny_choice" else acc) for r in runs.values())
+    ll_gap = max((abs(a - b) for p, v in c_lls.items() for a, b in
+                  zip(runs.get("lm_eval_loglikelihood", {}).get("outputs", {}).get(p, []), v)), default=None)
     result = dict(
         issue=15, lm_eval_version=lm_eval.__version__ if hasattr(lm_eval, "__version__") else None,
         model=MODEL_NAME, items=len(rows), per_task_items={k: len(v) for k, v in per_task.items()},
@@ -167,8 +216,10 @@ def main():
         server_start_seconds=round(server_start, 2),
         lm_eval={k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in runs.items()},
         ours=dict(accuracy=acc, seconds=round(secs, 3), per_task={k: sum(v) / len(v) for k, v in per_task.items()}),
+        ours_choice=dict(accuracy=c_acc, seconds=round(c_secs, 3),
+                         scoring="Engine.prompt_logprobs (left to right, block size 1), summed over the continuation"),
+        choice_loglikelihood_max_abs_diff=ll_gap,
         accuracies_equal=equal, outputs_differing={k: len(v) for k, v in differ.items()},
-        not_run="loglikelihood / multiple_choice tasks: the server has no logprobs/echo yet (400)",
     )
     with open(os.path.join(HERE, "result.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -177,8 +228,9 @@ def main():
           + ", ".join(f"{k} {len(v)}" for k, v in differ.items()) + f"; wrote {os.path.relpath(f.name, ROOT)}")
     for name, ps in differ.items():
         for p in ps[:5]:
-            print(f"  {name}: {p!r}: lm-eval {runs[name]['outputs'].get(p)!r} vs ours {outs[p]!r}")
-    assert equal, {k: v["accuracy"] for k, v in runs.items()} | {"ours": acc}
+            mine = c_lls[p] if runs[name]["task"] == "mbd_tiny_choice" else outs[p]
+            print(f"  {name}: {p!r}: lm-eval {runs[name]['outputs'].get(p)!r} vs ours {mine!r}")
+    assert equal, {k: v["accuracy"] for k, v in runs.items()} | {"ours": acc, "ours_choice": c_acc}
     assert not any(differ.values()), {k: len(v) for k, v in differ.items()}
 
 

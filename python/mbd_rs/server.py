@@ -459,8 +459,11 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
         return {"content": [dict(item(t, lp), top_logprobs=[item(a, b) for a, b in top or []])
                             for t, lp, top in entries], "refusal": None}
 
-    def entries_of(lps: "list[TokenLogprob] | None") -> list[_Entry]:
-        return [(x.token_id, x.logprob, x.top_logprobs) for x in lps or []]
+    def entries_of(lps: "list[TokenLogprob] | None", n_tokens: int, chat: bool) -> list[_Entry]:
+        """The engine's log-probabilities of `n_tokens` tokens as entries. The engine adds the EOS that ended a
+        generation: /v1/completions lists it (loglikelihood clients count on the generated token being there),
+        chat's content entries stay the content's tokens."""
+        return [(x.token_id, x.logprob, x.top_logprobs) for x in (lps or [])[:n_tokens if chat else None]]
 
     def logprobs_json(entries: list[_Entry], echo: "_Echo | None", chat: bool) -> dict[str, Any]:
         if chat:
@@ -543,7 +546,8 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
             fin = f.finish_reason if f is not None else "cancelled"
             e = choice_echo[i]
             text = (e.text if e is not None else "") + (st.text if st is not None else "")
-            lp = None if req.logprobs is None else logprobs_json(entries_of(st.logprobs if st else None), e, chat)
+            lp = None if req.logprobs is None else logprobs_json(
+                entries_of(st.logprobs if st else None, len(st.token_ids) if st else 0, chat), e, chat)
             if chat:
                 choices.append({"index": i, "message": {"role": "assistant", "content": text},
                                 "finish_reason": fin, "logprobs": lp})
@@ -616,10 +620,10 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
         offsets = [0] * k
 
         def choice(i: int, text: str, finish: str | None = None, role: bool = False,
-                   lps: "list[TokenLogprob] | None" = None) -> dict[str, Any]:
+                   lps: "list[TokenLogprob] | None" = None, n_tokens: int = 0) -> dict[str, Any]:
             lp = None
-            if req.logprobs is not None and lps:
-                entries = entries_of(lps)
+            entries = entries_of(lps, n_tokens, chat) if req.logprobs is not None else []
+            if entries:
                 lp = chat_logprobs(entries) if chat else legacy_logprobs(entries, offsets[i])
                 if not chat:
                     offsets[i] += sum(len(piece(t)) for t, _, _ in entries)
@@ -646,10 +650,11 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
                 lease.pump(q)
                 async for i, ch in chunks(q, k):
                     lps = ch.logprobs if req.logprobs is not None else None
+                    c = choice(i, ch.text, ch.finish_reason, lps=lps, n_tokens=len(ch.token_ids))
                     if ch.step is not None:
-                        yield event([choice(i, ch.text, ch.finish_reason, lps=lps)], step=step_json(ch.step))
-                    elif ch.text or ch.finish_reason or lps:
-                        yield event([choice(i, ch.text, ch.finish_reason, lps=lps)])
+                        yield event([c], step=step_json(ch.step))
+                    elif ch.text or ch.finish_reason or c["logprobs"]:
+                        yield event([c])
                     if ch.finish_reason:
                         usages[i] = ch.usage
             request.state.tokens = sum(len(s.token_ids) for s in lease.streams)

@@ -59,7 +59,7 @@ class StreamChunk:
     finish_reason: Optional[str]  # "stop" | "length" | "cancelled" on the last chunk
     usage: Optional[Usage]  # on the last chunk
     step: Optional[StepEvent]  # with trace=True
-    logprobs: Optional[List[TokenLogprob]] = None  # with logprobs=k: one per token id
+    logprobs: Optional[List[TokenLogprob]] = None  # with logprobs=k: one per token id (+ the ending EOS, see Completion)
 
 
 @dataclass(frozen=True)
@@ -68,4 +68,6 @@ class Completion:
     token_ids: List[int]
     finish_reason: str
     usage: Usage
-    logprobs: Optional[List[TokenLogprob]] = None  # with logprobs=k: one per token id
+    # with logprobs=k: one per token id, then, when the generation ended at an EOS token, that token's (the EOS is
+    # never in token_ids or text; OpenAI-style APIs list it, and loglikelihood clients count on the generated token)
+    logprobs: Optional[List[TokenLogprob]] = None

@@ -63,7 +63,8 @@ pub struct StepOutput {
     pub finish_reason: Option<FinishReason>,
     pub event: Option<StepEvent>,
     pub usage: Option<Usage>,
-    /// With `logprobs`: each of `token_ids`' log-probability under the step that committed it.
+    /// With `logprobs`: each of `token_ids`' log-probability under the step that decided it, then, on the
+    /// output that ends the generation at an EOS token, that EOS's (which `token_ids` never holds).
     pub logprobs: Vec<TokenLogprob>,
 }
 
@@ -126,15 +127,19 @@ impl Output {
         window: Counters,
     ) -> Result<StepOutput> {
         let already = self.completion.len();
-        let (token_ids, text, finish) = self.collect(model, dec, is_final)?;
+        let (token_ids, text, finish, eos_end) = self.collect(model, dec, is_final)?;
         let logprobs = match &mut self.logprobs {
             None => vec![],
-            Some((_, lps)) => lps[already..already + token_ids.len()]
-                .iter_mut()
-                .map(|l| {
-                    l.take().ok_or_else(|| Error::Internal("a completion token without its log-probability".into()))
-                })
-                .collect::<Result<_>>()?,
+            Some((_, lps)) => {
+                // the completion's new tokens, and the EOS that ends it now (as OpenAI-style APIs list it)
+                let end = already + token_ids.len() + usize::from(eos_end);
+                lps[already..end]
+                    .iter_mut()
+                    .map(|l| {
+                        l.take().ok_or_else(|| Error::Internal("a decided token without its log-probability".into()))
+                    })
+                    .collect::<Result<_>>()?
+            }
         };
         let event = if step && self.trace != TraceMode::Off { Some(self.event(dec)) } else { None };
         self.finish = finish;
@@ -198,13 +203,14 @@ impl Output {
             .map_err(|e| Error::Internal(format!("detokenize: {e}")))
     }
 
-    /// Move newly stable tokens to the completion and text; returns (new ids, new text, finish).
+    /// Move newly stable tokens to the completion and text; returns (new ids, new text, finish, whether an EOS
+    /// right after the completion ends it now).
     fn collect(
         &mut self,
         model: &Model,
         dec: &Decoder,
         is_final: bool,
-    ) -> Result<(Vec<u32>, String, Option<FinishReason>)> {
+    ) -> Result<(Vec<u32>, String, Option<FinishReason>, bool)> {
         let stable = dec.stable_len();
         let stop_ids = &dec.params.eos_ids;
         let mut new_ids = vec![];
@@ -230,7 +236,7 @@ impl Output {
         let eos_final = hit_eos && (dec.params.early_stop || is_final);
         let done = is_final || eos_final;
         if new_ids.is_empty() && !done {
-            return Ok((new_ids, String::new(), None));
+            return Ok((new_ids, String::new(), None, false));
         }
         let text = self.detok(model, done)?;
         let upd = self.text.update(text, done);
@@ -241,7 +247,7 @@ impl Output {
         } else {
             None
         };
-        Ok((new_ids, upd.new_text, finish))
+        Ok((new_ids, upd.new_text, finish, eos_final))
     }
 
     fn event(&self, dec: &Decoder) -> StepEvent {
