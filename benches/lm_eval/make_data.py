@@ -10,6 +10,8 @@ family has only 3 distinct held-out inputs). One JSON object per line:
     choices   the answer and up to 3 near misses (distractors(): the input as given, an off-by-one, a swap, ...),
               in a fixed shuffled order, for the loglikelihood task (mbd_tiny_choice.yaml)
     gold      the answer's index in choices
+    continuations  each choice followed by the end-of-turn token <|im_end|> (what the loglikelihood task scores:
+              without it a choice that is a prefix of the answer, e.g. "m j g" for "m j g z", would score as high)
 
     python benches/lm_eval/make_data.py [--per-task 20] [--out FILE]
 """
@@ -25,6 +27,7 @@ from tasks import held_out_set, render  # noqa: E402
 
 EVAL_TINY_PER_TASK = 40  # benches/eval_tiny.py's default --per-task
 DEFAULT_OUT = os.path.join(HERE, "mbd_tiny_heldout.jsonl")
+END = "<|im_end|>"  # the chat template's end of turn (the model's EOS)
 
 
 def distractors(task, prompt, answer):
@@ -57,7 +60,7 @@ def choice_fields(task, prompt, answer):
     choices = [answer] + distractors(task, prompt, answer)
     k = sum(map(ord, prompt)) % len(choices)
     choices = choices[k:] + choices[:k]
-    return dict(choices=choices, gold=choices.index(answer))
+    return dict(choices=choices, gold=choices.index(answer), continuations=[c + END for c in choices])
 
 
 def row(task, prompt, answer):

@@ -124,15 +124,18 @@ def ours_choice(rows):
     import mbd_rs
     eng = mbd_rs.Engine.load(None, device="cpu")
     t = time.perf_counter()
-    lls, right = {}, 0
+    lls, right, per_task = {}, 0, {}
     for r in rows:
         scores = []
-        for c in r["choices"]:
+        for c in r["continuations"]:
             whole, ctx = encode_pair(eng, r["rendered"], c)
             scores.append(sum(x.logprob for x in eng.prompt_logprobs(whole)[ctx:]))
         lls[r["prompt"]] = scores
-        right += max(range(len(scores)), key=lambda i: (scores[i], -i)) == r["gold"]
-    return right / len(rows), lls, time.perf_counter() - t
+        ok = max(range(len(scores)), key=lambda i: (scores[i], -i)) == r["gold"]
+        right += ok
+        per_task.setdefault(r["task"], []).append(ok)
+    secs = time.perf_counter() - t
+    return right / len(rows), lls, secs, {k: sum(v) / len(v) for k, v in per_task.items()}
 
 
 def main():
@@ -178,7 +181,8 @@ def main():
             acc, outs, secs, cmd = run_lm_eval(name, model, margs, task, extra, work, env)
             runs[name] = dict(model=model, task=task, accuracy=acc, seconds=round(secs, 2), outputs=outs,
                               command=portable(cmd, port, work))
-            print(f"{name:20s} exact_match {acc:.4f}  ({secs:.1f} s)", flush=True)
+            metric = "acc" if task == "mbd_tiny_choice" else "exact_match"
+            print(f"{name:20s} {metric} {acc:.4f}  ({secs:.1f} s)", flush=True)
     finally:
         server.terminate()
         try:
@@ -190,7 +194,7 @@ def main():
     acc, outs, secs = ours(rows)
     print(f"{'ours (mbd_rs.Engine)':20s} exact_match {acc:.4f}  ({secs:.2f} s)", flush=True)
     choice_rows = [json.loads(line) for line in open(make_data.DEFAULT_OUT)]
-    c_acc, c_lls, c_secs = ours_choice(choice_rows)
+    c_acc, c_lls, c_secs, c_per_task = ours_choice(choice_rows)
     print(f"{'ours (prompt_logprobs)':20s} acc {c_acc:.4f}  ({c_secs:.2f} s)", flush=True)
 
     per_task = {}
@@ -216,7 +220,7 @@ def main():
         server_start_seconds=round(server_start, 2),
         lm_eval={k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in runs.items()},
         ours=dict(accuracy=acc, seconds=round(secs, 3), per_task={k: sum(v) / len(v) for k, v in per_task.items()}),
-        ours_choice=dict(accuracy=c_acc, seconds=round(c_secs, 3),
+        ours_choice=dict(accuracy=c_acc, seconds=round(c_secs, 3), per_task=c_per_task,
                          scoring="Engine.prompt_logprobs (left to right, block size 1), summed over the continuation"),
         choice_loglikelihood_max_abs_diff=ll_gap,
         accuracies_equal=equal, outputs_differing={k: len(v) for k, v in differ.items()},
