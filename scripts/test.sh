@@ -28,3 +28,7 @@ echo "== pytest tests/test_clients.py (LiteLLM, langchain-openai; their own venv
 [ -x .venv-clients/bin/python ] || python3 -m venv .venv-clients
 .venv-clients/bin/python -m pip install -q --disable-pip-version-check -r scripts/client-requirements.txt
 PYTHONPATH=python .venv-clients/bin/python -m pytest -q -p no:cacheprovider tests/test_clients.py
+echo "== pytest tests/test_ray.py (Ray Serve scale-out: a local Ray cluster, 2 replicas; its own venv)"
+[ -x .venv-ray/bin/python ] || python3 -m venv .venv-ray
+.venv-ray/bin/python -m pip install -q --disable-pip-version-check -r scripts/ray-requirements.txt
+PYTHONPATH=python .venv-ray/bin/python -m pytest -q -p no:cacheprovider tests/test_ray.py

@@ -101,3 +101,17 @@ def test_chat_is_single_turn_on_the_embedded_model_and_has_reset():
     assert r.returncode == 0, r.stderr
     assert r.stdout.replace("> ", "").split("\n")[:2] == want
     assert "/reset forgets" in r.stderr and "history cleared" in r.stderr
+
+
+def test_serve_ray_flags():
+    """The Ray Serve flags need --ray; --ray without Ray installed says how to get it; bad values are usage
+    errors (the deployment itself is tests/test_ray.py)."""
+    r = cli("serve", "--replicas", "2")
+    assert r.returncode == 2 and "--replicas need --ray" in r.stderr
+    r = cli("serve", "--autoscale", "3:1", "--ray")
+    assert r.returncode == 2 and "MIN:MAX" in r.stderr
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        r = cli("serve", "--ray", "--replicas", "2")
+        assert r.returncode == 2 and "pip install 'mbd-rs[ray]'" in r.stderr

@@ -82,7 +82,7 @@ def test_greedy_s2d2_logprobs_are_the_left_to_right_scores():
 def test_generation_logprobs_shape_streaming_and_sampling():
     eng = mbd_rs.Engine.load()
     plain = eng.generate("sort: 3 1 2 =", max_tokens=12)
-    assert plain.logprobs is None
+    assert plain.logprobs == []  # not asked for
     eos = eng.info.eos_token_ids
     out = eng.generate("sort: 3 1 2 =", max_tokens=12, logprobs=0)
     assert out.token_ids == plain.token_ids  # asking for log-probabilities changes no token

@@ -304,6 +304,19 @@ def cmd_serve(a: argparse.Namespace) -> int:
         print(f"mbd-rs: the server needs starlette and uvicorn: pip install starlette uvicorn "
               f"(from a checkout: pip install '.[server]') ({e})", file=sys.stderr)
         return EXIT_USAGE
+    if a.ray:
+        try:
+            from .ray_serve import serve_ray
+            return serve_ray(a)  # each replica resolves the model itself (on its node)
+        except ImportError as e:
+            print(f"mbd-rs: {e}", file=sys.stderr)
+            return EXIT_USAGE
+    ray_only = [f for f, v in [("--replicas", a.replicas != 1), ("--autoscale", a.autoscale),
+                                ("--replica-cpus", a.replica_cpus != 1.0), ("--replica-gpus", a.replica_gpus != 0.0),
+                                ("--ray-address", a.ray_address), ("--ray-config", a.ray_config)] if v]
+    if ray_only:
+        print(f"mbd-rs: {', '.join(ray_only)} need --ray", file=sys.stderr)
+        return EXIT_USAGE
     from .engine import is_hub_id, resolve_model_path
     if a.model is not None and is_hub_id(a.model):  # serve it under its id, not its snapshot's commit hash
         a.model_name = a.model_name or a.model
@@ -320,6 +333,28 @@ def _int_in(lo: int, hi: int) -> Any:
         return v
     parse.__name__ = f"integer in [{lo}, {hi}]"
     return parse
+
+
+def _min_max(text: str) -> "tuple[int, int]":
+    """An argparse type: MIN:MAX replicas, 0 <= MIN <= MAX, MAX >= 1."""
+    lo, sep, hi = text.partition(":")
+    a, b = int(lo), int(hi) if sep else -1
+    if not (sep and 0 <= a <= b and b >= 1):
+        raise ValueError(f"{text!r} is not MIN:MAX with 0 <= MIN <= MAX and MAX >= 1")
+    return a, b
+
+
+_min_max.__name__ = "MIN:MAX"
+
+
+def _positive_float(text: str) -> float:
+    v = float(text)
+    if not v >= 0:
+        raise ValueError(f"{text} is not >= 0")
+    return v
+
+
+_positive_float.__name__ = "number >= 0"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -364,6 +399,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-bytes", type=_int_in(1024, 1 << 30), default=4 << 20,
                    help="largest request body accepted; larger get 413 (default: 4 MiB)")
     s.add_argument("--model-name", default=None, help="the model id clients send (default: the directory's name)")
+    r = s.add_argument_group("scale-out on Ray Serve (pip install 'mbd-rs[ray]')")
+    r.add_argument("--ray", action="store_true", help="serve replicas of the engine behind Ray Serve's HTTP proxy")
+    r.add_argument("--replicas", type=_int_in(1, 4096), default=1, help="number of replicas (default: 1)")
+    r.add_argument("--autoscale", type=_min_max, default=None, metavar="MIN:MAX",
+                   help="let Ray Serve scale between MIN and MAX replicas by load (instead of --replicas)")
+    r.add_argument("--replica-cpus", type=_positive_float, default=1.0, help="Ray CPUs per replica (default: 1)")
+    r.add_argument("--replica-gpus", type=_positive_float, default=0.0, help="Ray GPUs per replica (default: 0)")
+    r.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster ('auto': the one `ray start` runs here; default: start a local one, "
+                        "or RAY_ADDRESS)")
+    r.add_argument("--ray-config", default=None, metavar="FILE",
+                   help="YAML/JSON with deployment settings (num_replicas, autoscaling, num_cpus, num_gpus, "
+                        "max_concurrency, ...), over the flags")
     _add_model_flags(s)
     return ap
 

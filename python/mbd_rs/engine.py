@@ -191,8 +191,7 @@ class Engine:
 
     def stream(self, prompt: Prompt, **params: Any) -> "Stream":
         """Stream a completion of `prompt` (a str or a list of token ids). Parameters: GENERATION_PARAMS."""
-        return Stream(self._core.start(prompt, params), trace=bool(params.get("trace")),
-                      logprobs=params.get("logprobs") is not None)
+        return Stream(self._core.start(prompt, params), trace=bool(params.get("trace")))
 
     def generate(self, prompt: Prompt, **params: Any) -> Completion:
         """Generate a completion of `prompt` (a str or a list of token ids)."""
@@ -213,7 +212,7 @@ class Engine:
         text: a content that spells a control token (e.g. "<|im_end|>") is tokenized as plain text unless
         special_tokens_in_content=True."""
         return Stream(self._core.start_chat(_messages_json(messages), params, special_tokens_in_content),
-                      trace=bool(params.get("trace")), logprobs=params.get("logprobs") is not None)
+                      trace=bool(params.get("trace")))
 
     def chat(self, messages: Sequence[Message], *, special_tokens_in_content: bool = False, **params: Any) -> Completion:
         return self.stream_chat(messages, special_tokens_in_content=special_tokens_in_content, **params).result()
@@ -244,14 +243,14 @@ class Stream:
     """Iterator of StreamChunk: text streams token by token as the left-to-right prefix becomes stable.
     The last chunk has finish_reason and usage. Thread-safe cancel(); close() frees the KV cache now."""
 
-    def __init__(self, core_stream: "_core.CoreStream", trace: bool, logprobs: bool = False):
+    def __init__(self, core_stream: "_core.CoreStream", trace: bool):
         self._s = core_stream
         self._trace = trace
         self._done = False
         self.text = ""
         self.token_ids: List[int] = []
-        #: with logprobs=k: one TokenLogprob per token id so far
-        self.logprobs: Optional[List[TokenLogprob]] = [] if logprobs else None
+        #: with logprobs=k: one TokenLogprob per token id so far (and the EOS that ended the generation)
+        self.logprobs: List[TokenLogprob] = []
         self.finish_reason: Optional[str] = None
         self.usage: Optional[Usage] = None
 
@@ -272,10 +271,8 @@ class Stream:
             if d["text"] or d["token_ids"] or fin is not None or (self._trace and d["step"] is not None):
                 self.text += d["text"]
                 self.token_ids.extend(d["token_ids"])
-                lps = None
-                if self.logprobs is not None:
-                    lps = [_token_logprob(t) for t in d["logprobs"]]
-                    self.logprobs.extend(lps)
+                lps = [_token_logprob(t) for t in d["logprobs"]]
+                self.logprobs.extend(lps)
                 return StreamChunk(d["text"], d["token_ids"], fin, _usage(d["usage"]), _step(d["step"]), lps)
         raise StopIteration
 
@@ -292,8 +289,7 @@ class Stream:
             pass
         if self.finish_reason is None or self.usage is None:
             raise InvalidRequestError("stream was closed before it finished")
-        return Completion(self.text, list(self.token_ids), self.finish_reason, self.usage,
-                          None if self.logprobs is None else list(self.logprobs))
+        return Completion(self.text, list(self.token_ids), self.finish_reason, self.usage, list(self.logprobs))
 
     def __enter__(self) -> "Stream":
         return self

@@ -414,7 +414,7 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
     async def health(request: Request) -> JSONResponse:
         # open without the API key: load balancers and probes must reach it (it says nothing secret)
         return JSONResponse({"status": "ok", "model": name, "active": slots.active, "capacity": slots.capacity,
-                             "batch": max_concurrency, "queue": queue})
+                             "batch": max_concurrency, "queue": queue, "pid": os.getpid()})
 
     async def models(request: Request) -> JSONResponse:
         if (r := check_auth(request)) is not None:
@@ -428,10 +428,11 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
             text, ids = prompt, engine.tokenize(prompt)
         else:
             text, ids = engine.detokenize(prompt, skip_special_tokens=False), list(prompt)
-        entries = None
+        entries: list[_Entry] | None = None
         if logprobs is not None:
             scores = engine.prompt_logprobs(ids, logprobs=logprobs)
-            entries = [(ids[0], None, None)] + [(t.token_id, t.logprob, t.top_logprobs) for t in scores[1:] if t]
+            entries = [(ids[0], None, None)]
+            entries += [(t.token_id, t.logprob, t.top_logprobs) for t in scores[1:] if t]
         return _Echo(text, ids, entries)
 
     def legacy_logprobs(entries: list[_Entry], offset: int) -> dict[str, list[Any]]:
@@ -502,8 +503,8 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
             def start() -> None:
                 for pi, prompt in enumerate(prompts):
                     if req.echo:
-                        echoes[pi] = echo_of(prompt, req.logprobs)
-                        prompt = echoes[pi].ids  # the prompt generated from is the one scored
+                        echo = echoes[pi] = echo_of(prompt, req.logprobs)
+                        prompt = echo.ids  # the prompt generated from is the one scored
                     if not req.generates:
                         continue
                     for i in range(n):
@@ -544,10 +545,10 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
         for i, f in enumerate(finals):
             st = streams[i] if req.generates else None
             fin = f.finish_reason if f is not None else "cancelled"
-            e = choice_echo[i]
-            text = (e.text if e is not None else "") + (st.text if st is not None else "")
+            echo = choice_echo[i]
+            text = (echo.text if echo is not None else "") + (st.text if st is not None else "")
             lp = None if req.logprobs is None else logprobs_json(
-                entries_of(st.logprobs if st else None, len(st.token_ids) if st else 0, chat), e, chat)
+                entries_of(st.logprobs if st else None, len(st.token_ids) if st else 0, chat), echo, chat)
             if chat:
                 choices.append({"index": i, "message": {"role": "assistant", "content": text},
                                 "finish_reason": fin, "logprobs": lp})

@@ -1,7 +1,7 @@
 """Result types returned by the engine (frozen dataclasses)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 
@@ -59,7 +59,8 @@ class StreamChunk:
     finish_reason: Optional[str]  # "stop" | "length" | "cancelled" on the last chunk
     usage: Optional[Usage]  # on the last chunk
     step: Optional[StepEvent]  # with trace=True
-    logprobs: Optional[List[TokenLogprob]] = None  # with logprobs=k: one per token id (+ the ending EOS, see Completion)
+    # with logprobs=k: one per token id (+ the ending EOS, see Completion); empty without logprobs
+    logprobs: List[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -69,5 +70,6 @@ class Completion:
     finish_reason: str
     usage: Usage
     # with logprobs=k: one per token id, then, when the generation ended at an EOS token, that token's (the EOS is
-    # never in token_ids or text; OpenAI-style APIs list it, and loglikelihood clients count on the generated token)
-    logprobs: Optional[List[TokenLogprob]] = None
+    # never in token_ids or text; OpenAI-style APIs list it, and loglikelihood clients count on the generated token);
+    # empty without logprobs
+    logprobs: List[TokenLogprob] = field(default_factory=list)

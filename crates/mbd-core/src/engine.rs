@@ -568,7 +568,7 @@ impl Model {
                     let mut win = ids[s..e].to_vec();
                     win.extend(std::iter::repeat_n(mask_id, w));
                     let visible: Vec<Vec<std::ops::Range<usize>>> = (0..w)
-                        .map(|j| vec![0..s + j + 1])
+                        .map(|j| std::iter::once(0..s + j + 1).collect())
                         .chain((0..w).map(|j| vec![0..s + j, s + w + j..s + w + j + 1]))
                         .collect();
                     let first = usize::from(s == 0);
