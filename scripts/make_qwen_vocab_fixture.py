@@ -74,6 +74,53 @@ CHATML_TEMPLATE = (
     "{%- endif %}"
 )
 
+# A template in the shape of Qwen3's and SDAR's chat_template.jinja (written for these tests, not copied): no
+# default system turn; the last user query found by walking messages backwards (namespace, messages[::-1]); an
+# assistant turn's reasoning taken from `reasoning_content` or split out of "<think>...</think>" in its content and
+# shown only after the last query; `enable_thinking=False` (a template argument) closes an empty think block in the
+# generation prompt. Exercises the Python-style string methods (startswith, split, strip, lstrip, rstrip) and tests
+# (`is string`, `is defined`, `is false`) that templates in the wild rely on.
+QWEN3_STYLE_TEMPLATE = """\
+{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == 'user' and not (message.content.startswith('<tool_response>')
+        and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+    {%- elif message.role == 'assistant' %}
+        {%- set content = message.content %}
+        {%- set reasoning = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning = message.reasoning_content %}
+        {%- elif '</think>' in content %}
+            {%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index and (loop.last or reasoning) %}
+            {{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
+        {%- else %}
+            {{- '<|im_start|>assistant\\n' + content }}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+
 MASK_TOKEN = "<|MASK|>"
 # What the scripted model writes after "\n": multi-byte characters of 2, 3 and 4 UTF-8 bytes, no newline.
 SCRIPT_TEXT = "Grün ёж, 世界！東京 🦙🚀 ok"

@@ -435,3 +435,60 @@ def test_stop_string_never_matches_a_character_still_arriving(qwen, eng):
     for stop in ("\ufffd", "Gr\ufffd"):
         done = eng.chat(CONVERSATIONS[0], max_tokens=64, stop=[stop])
         assert (done.text, done.finish_reason) == (qwen.scripted["text"], "stop"), stop
+
+
+# --- (d) a Qwen3 / SDAR-shaped chat template ---------------------------------------------------------------------
+
+THINKING_CONVERSATIONS = [
+    [{"role": "user", "content": "東京?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+     {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n4"}, {"role": "user", "content": "再来 🦙"}],
+    [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "reasoning_content": "why b"},
+     {"role": "user", "content": "<tool_response>x</tool_response>"}],
+    [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>r</think>final"}],
+]
+
+
+@pytest.fixture(scope="session")
+def qwen3_chat(qwen, tmp_path_factory):
+    """The Qwen vocabulary model with a chat_template.jinja in the shape of Qwen3's and SDAR's."""
+    d = str(tmp_path_factory.mktemp("qwen3_chat"))
+    for name in os.listdir(qwen.model):
+        src = os.path.join(qwen.model, name)
+        try:
+            os.link(src, os.path.join(d, name))
+        except OSError:
+            shutil.copy(src, d)
+    with open(os.path.join(d, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(qwen.mod.QWEN3_STYLE_TEMPLATE)
+    return d
+
+
+def test_qwen3_style_template_matches_transformers(qwen3_chat):
+    """Rendered by minijinja (ours) and by transformers' jinja2 renderer from the same chat_template.jinja, with and
+    without the generation prompt and the enable_thinking template argument."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    pytest.importorskip("jinja2", reason="transformers renders chat templates with jinja2")
+    at = transformers.AutoTokenizer.from_pretrained(qwen3_chat, local_files_only=True)
+    eng = mbd_rs.Engine.load(qwen3_chat)
+    for msgs in THINKING_CONVERSATIONS:
+        for gen in (True, False):
+            for kw in ({}, {"enable_thinking": False}, {"enable_thinking": True}):
+                ours = eng.apply_chat_template(msgs, add_generation_prompt=gen, **kw)
+                assert ours == at.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen, **kw), (msgs, kw)
+    text = eng.apply_chat_template(THINKING_CONVERSATIONS[1], enable_thinking=False)
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") and "add them" not in text
+    last = eng.apply_chat_template(THINKING_CONVERSATIONS[3], add_generation_prompt=False)
+    assert last.endswith("<|im_start|>assistant\n<think>\nr\n</think>\n\nfinal<|im_end|>\n")
+
+
+def test_qwen3_style_chat_generates_and_scores(qwen3_chat):
+    """A chat through that template generates (the rendered prompt's control tokens are single tokens) and its
+    prompt scores left to right."""
+    eng = mbd_rs.Engine.load(qwen3_chat)
+    msgs = THINKING_CONVERSATIONS[1]
+    out = eng.chat(msgs, max_tokens=6, logprobs=1)
+    assert out.usage.prompt_tokens == len(eng.tokenize(eng.apply_chat_template(msgs)))
+    assert len(out.logprobs) >= len(out.token_ids)
+    scores = eng.prompt_logprobs(eng.apply_chat_template(msgs))
+    assert scores[0] is None and all(s is not None and s.logprob <= 0 for s in scores[1:])
