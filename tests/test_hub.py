@@ -150,3 +150,42 @@ def test_cli_network_refused_unknown_id(refused_env):
     assert "'nobody/no-such-model' is neither a local directory nor in the Hugging Face cache" in r.stderr
     r = _cli(["info", REPO, "--revision", "no-such-branch"], refused_env)
     assert r.returncode == 2 and "(revision 'no-such-branch')" in r.stderr, r.stderr
+
+
+# ------------------------------------------------------------------------------------------ load progress
+
+
+def _tensor_bytes(model_dir):
+    """The tensors' data bytes of a model directory's safetensors files, from their headers."""
+    import glob
+    import struct
+    total = 0
+    for p in glob.glob(os.path.join(model_dir, "*.safetensors")):
+        with open(p, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
+    return total
+
+
+def test_load_progress_callback_counts_the_checkpoint_bytes():
+    seen = []
+    Engine.load(progress=lambda done, total: seen.append((done, total)))
+    total = _tensor_bytes(DEFAULT_MODEL)
+    assert len(seen) > 10 and all(t == total for _, t in seen)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[-1][0] == total
+
+    def broken(done, total):
+        raise RuntimeError("a progress callback that fails")
+    assert Engine.load(progress=broken).generate("hi", max_tokens=2).usage.completion_tokens >= 0  # load goes on
+
+
+@pytest.mark.parametrize("progress,shown", [("True", True), ("None", False), ("False", False)])
+def test_load_progress_bar(progress, shown):
+    """progress=True draws a tqdm bar on stderr; the default draws none when stderr is not a terminal (or for a
+    checkpoint under 256 MB); False never."""
+    pytest.importorskip("tqdm")
+    code = f"import mbd_rs; mbd_rs.Engine.load(progress={progress})"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert ("loading weights" in r.stderr) == shown, r.stderr

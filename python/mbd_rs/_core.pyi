@@ -1,6 +1,6 @@
 """Type stubs for the Rust extension (crates/mbd-py). Parameter names, kinds and ranges live in the core
 (mbd_core::request::PARAMS); dict arguments take those names."""
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -20,7 +20,8 @@ class CoreModel:
              overrides: Optional[Mapping[str, Any]] = None, keep_bf16_weights: bool = True, skinny: bool = True,
              par_min_macs: Optional[int] = None, max_rows: Optional[int] = None, direct_attention: bool = False,
              max_batch: Optional[int] = None,
-             max_batch_rows: Optional[int] = None, quantize: Optional[str] = None) -> "CoreModel": ...
+             max_batch_rows: Optional[int] = None, quantize: Optional[str] = None,
+             progress: Optional[Callable[[int, int], None]] = None) -> "CoreModel": ...
     def batch_limits(self) -> Tuple[int, int]: ...
     def batch_stats(self) -> Tuple[int, int, int]: ...
     def set_batch_limits(self, max_batch: Optional[int] = None, max_batch_rows: Optional[int] = None) -> None: ...

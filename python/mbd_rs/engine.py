@@ -6,8 +6,9 @@ import errno
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -27,6 +28,10 @@ SCORE_PARAMS: "tuple[str, ...]" = _core.SCORE_PARAMS
 PARAMS: "dict[str, dict[str, str]]" = _core.PARAMS
 
 Prompt = Union[str, Sequence[int]]
+#: Engine.load's progress: None (a bar for large checkpoints on a terminal), True, False, or a callable.
+LoadProgress = Union[bool, Callable[[int, int], None], None]
+#: With progress=None, checkpoints smaller than this load without a bar.
+LOAD_BAR_MIN_BYTES = 256 << 20
 Message = Mapping[str, Any]
 
 
@@ -102,6 +107,43 @@ def resolve_model_path(path: "Optional[str | os.PathLike[str]]", revision: Optio
             text) from e
 
 
+class _LoadBar:
+    """Engine.load's progress (see its docstring): a tqdm bar over the checkpoint's bytes, created at the first
+    report (when the total is known), or the caller's callable."""
+
+    def __init__(self, progress: LoadProgress):
+        self.bar: Any = None
+        self.decided = False
+        self.user = progress if callable(progress) else None
+        self.tqdm: Any = None
+        if progress is False or self.user is not None:
+            return
+        if progress is None and not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()):
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:  # tqdm is optional (huggingface_hub brings it)
+            return
+        self.tqdm, self.forced = tqdm, progress is True
+
+    @property
+    def callback(self) -> Optional[Callable[[int, int], None]]:
+        return self.user if self.user is not None else (self.update if self.tqdm is not None else None)
+
+    def update(self, done: int, total: int) -> None:
+        if not self.decided:
+            self.decided = True
+            if self.forced or total >= LOAD_BAR_MIN_BYTES:
+                self.bar = self.tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="loading weights",
+                                     leave=False, file=sys.stderr)
+        if self.bar is not None:
+            self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 class Engine:
     """A loaded block-diffusion (or plain causal) Qwen2/Qwen3/Qwen3-MoE model."""
 
@@ -113,7 +155,7 @@ class Engine:
     def load(cls, path: "Optional[str | os.PathLike[str]]" = None, *, revision: Optional[str] = None,
              device: str = "auto", dtype: Optional[str] = None, quantize: Optional[str] = None,
              max_batch: Optional[int] = None, max_batch_rows: Optional[int] = None,
-             _kernels: Optional[Dict[str, Any]] = None,
+             progress: LoadProgress = None, _kernels: Optional[Dict[str, Any]] = None,
              **profile_overrides: Any) -> "Engine":
         """Load an HF-format model directory (default: the embedded mbd-tiny model), or a Hugging Face Hub id
         ("org/name", at `revision`: a branch, tag or commit; default "main") through the local Hub cache,
@@ -126,20 +168,27 @@ class Engine:
         the head get q8_0, a matrix whose rows do not split into whole q4_k blocks gets q8_0). `info.weight_format`
         and `info.weight_bytes` report what is held.
         max_batch, max_batch_rows: caps on continuous batching (see `set_batching`); default 16 streams, 1024 rows.
+        progress: None (default: a tqdm bar on stderr while the weights are read, when stderr is a terminal, tqdm is
+        installed and the checkpoint is over 256 MB), True (a bar whenever tqdm is installed), False (none), or a
+        callable(bytes_read, bytes_total) called after each tensor. Hub downloads show huggingface_hub's bars.
         profile_overrides: any of PROFILE_OVERRIDES: mask_token_id, block_size, attention
         ("causal"|"block_causal"|"full"), alignment ("absolute"|"prompt"), logits_shift (bool), eos_token_ids.
         _kernels: benchmark switches (keep_bf16_weights, skinny, par_min_macs, max_rows, direct_attention), not a
         stable API.
         """
         path = resolve_model_path(path, revision)
+        bar = _LoadBar(progress)
         try:
             core = _core.CoreModel.load(path, device, dtype, profile_overrides, max_batch=max_batch,
-                                        max_batch_rows=max_batch_rows, quantize=quantize, **(_kernels or {}))
+                                        max_batch_rows=max_batch_rows, quantize=quantize, progress=bar.callback,
+                                        **(_kernels or {}))
         except UnsupportedArchitectureError as e:  # the core's "no CUDA in this build", said of the CPU fallback
             if _cuda_libs.cuda_unavailable and isinstance(device, str) and device.startswith("cuda"):
                 raise UnsupportedArchitectureError(f"device {device!r}: this is the CUDA build of mbd-rs, but its "
                                                    f"CUDA core could not be loaded: {_cuda_libs.cuda_unavailable}") from e
             raise
+        finally:
+            bar.close()
         return cls(core)
 
     def __repr__(self) -> str:

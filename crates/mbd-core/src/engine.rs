@@ -48,6 +48,8 @@ pub struct LoadOptions {
     /// Quantize the matrices at load (`crate::quant`; CPU, float32 compute).
     pub quantize: Option<QuantFormat>,
     pub kernels: Kernels,
+    /// Told (bytes read, bytes in all) after each tensor of the checkpoint is read.
+    pub progress: Option<crate::weights::Progress>,
 }
 
 impl Default for LoadOptions {
@@ -60,6 +62,7 @@ impl Default for LoadOptions {
             keep_bf16_weights: true,
             quantize: None,
             kernels: Kernels::default(),
+            progress: None,
         }
     }
 }
@@ -272,7 +275,8 @@ impl Model {
             }
         }
         let files = checkpoint_files(dir)?;
-        let ws = Weights::open(&files, device, dtype, opts.keep_bf16_weights, opts.quantize)?;
+        let ws = Weights::open(&files, device, dtype, opts.keep_bf16_weights, opts.quantize)?
+            .with_progress(opts.progress.clone());
         let num_parameters = ws.num_parameters();
         let net = QwenModel::load(&config, &ws, device, dtype, opts.kernels)?;
         let weight_bytes = ws.loaded_bytes();

@@ -32,6 +32,16 @@ struct Shard {
     tensors: HashMap<String, TensorInfo>,
 }
 
+/// Reports loading progress: (checkpoint bytes read so far, checkpoint bytes in all), after each tensor.
+#[derive(Clone)]
+pub struct Progress(pub std::sync::Arc<dyn Fn(u64, u64) + Send + Sync>);
+
+impl std::fmt::Debug for Progress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Progress(..)")
+    }
+}
+
 pub struct Weights {
     shards: Vec<Shard>,
     index: HashMap<String, usize>,
@@ -42,6 +52,10 @@ pub struct Weights {
     quantize: Option<QuantFormat>,
     /// Bytes of the tensors handed out so far (as held in memory).
     loaded: std::cell::Cell<usize>,
+    /// Checkpoint bytes read so far, of `total` (the tensors' data in all shards), and who hears of it.
+    read: std::cell::Cell<u64>,
+    total: u64,
+    progress: Option<Progress>,
 }
 
 /// The safetensors files of a model directory: `model.safetensors`, or the shards listed by
@@ -313,6 +327,8 @@ impl Weights {
             }
             shards.push(shard);
         }
+        let total =
+            shards.iter().flat_map(|s| s.tensors.values()).map(|t| (t.data_offsets.1 - t.data_offsets.0) as u64).sum();
         Ok(Weights {
             shards,
             index,
@@ -321,7 +337,16 @@ impl Weights {
             keep_bf16,
             quantize,
             loaded: std::cell::Cell::new(0),
+            read: std::cell::Cell::new(0),
+            total,
+            progress: None,
         })
+    }
+
+    /// Report progress to `p` after each tensor read.
+    pub fn with_progress(mut self, p: Option<Progress>) -> Self {
+        self.progress = p;
+        self
     }
 
     pub fn contains(&self, name: &str) -> bool {
@@ -431,6 +456,10 @@ impl Weights {
             matrix && file_dtype == DType::BF16 && self.dtype == DType::F32 && self.device.is_cpu() && self.keep_bf16;
         let t = if keep_bf16 { t } else { t.to_dtype(self.dtype)?.to_device(&self.device)? };
         self.loaded.set(self.loaded.get() + t.elem_count() * t.dtype().size_in_bytes());
+        self.read.set(self.read.get() + (info.data_offsets.1 - info.data_offsets.0) as u64);
+        if let Some(p) = &self.progress {
+            (p.0)(self.read.get().min(self.total), self.total);
+        }
         Ok(t)
     }
 }

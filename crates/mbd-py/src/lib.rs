@@ -12,6 +12,7 @@ use mbd_core::request::{
 };
 use mbd_core::scheduler::{BatchLimits, Canceller, Scheduler, StreamHandle};
 use mbd_core::skinny::Kernels;
+use mbd_core::weights::Progress;
 use mbd_core::{Error, LoadOptions, Model, TokenLogprob};
 use numpy::{PyArray1, PyArrayMethods};
 use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
@@ -213,7 +214,7 @@ impl CoreModel {
     #[staticmethod]
     #[pyo3(signature = (path, device="auto", dtype=None, overrides=None, keep_bf16_weights=true, skinny=true,
                         par_min_macs=None, max_rows=None, direct_attention=false, max_batch=None,
-                        max_batch_rows=None, quantize=None))]
+                        max_batch_rows=None, quantize=None, progress=None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
         py: Python<'_>,
@@ -229,6 +230,7 @@ impl CoreModel {
         max_batch: Option<&Bound<'_, PyAny>>,
         max_batch_rows: Option<&Bound<'_, PyAny>>,
         quantize: Option<String>,
+        progress: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         let device = device.to_string();
         let quantize = quantize.as_deref().map(QuantFormat::parse).transpose().map_err(to_py)?;
@@ -242,10 +244,21 @@ impl CoreModel {
             ..d
         };
         let limits = batch_limits(BatchLimits::default(), max_batch, max_batch_rows)?;
+        // progress(bytes_read, bytes_total) after each tensor; its exceptions are the caller's to handle (ignored)
+        let progress = progress.filter(|p| !p.is_none(py)).map(|cb| {
+            Progress(Arc::new(move |done: u64, total: u64| {
+                Python::attach(|py| {
+                    let _ = cb.call1(py, (done, total));
+                })
+            }))
+        });
         let model = run(py, || {
             let dev = parse_device(&device)?;
             let dtype = parse_dtype(dtype.as_deref(), &dev)?;
-            Model::load(&path, &LoadOptions { device: dev, dtype, overrides, keep_bf16_weights, quantize, kernels })
+            Model::load(
+                &path,
+                &LoadOptions { device: dev, dtype, overrides, keep_bf16_weights, quantize, kernels, progress },
+            )
         })?;
         let inner = Arc::new(model);
         let scheduler = Scheduler::new(inner.clone(), limits).map_err(to_py)?;
