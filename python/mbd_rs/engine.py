@@ -121,7 +121,7 @@ class _LoadBar:
         if progress is None and not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()):
             return
         try:
-            from tqdm import tqdm
+            from tqdm import tqdm  # type: ignore[import-untyped,import-not-found,unused-ignore]
         except ImportError:  # tqdm is optional (huggingface_hub brings it)
             return
         self.tqdm, self.forced = tqdm, progress is True
