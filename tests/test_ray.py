@@ -172,3 +172,24 @@ def test_a_killed_replica_fails_its_requests_cleanly_and_the_survivor_serves(clu
             ok += 1
         except openai.APIError:
             time.sleep(0.5)
+
+
+def test_ray_config_file(tmp_path):
+    """--ray-config: a YAML (or JSON) mapping of deployment settings; unknown keys and non-mappings are refused
+    by name."""
+    from mbd_rs.ray_serve import CONFIG_KEYS, _read_config
+    good = tmp_path / "deploy.yaml"
+    good.write_text("num_replicas: 3\nautoscaling: {min_replicas: 1, max_replicas: 4}\nnum_gpus: 0.5\n")
+    assert _read_config(str(good)) == {"num_replicas": 3, "autoscaling": {"min_replicas": 1, "max_replicas": 4},
+                                       "num_gpus": 0.5}
+    js = tmp_path / "deploy.json"
+    js.write_text('{"max_concurrency": 8}')
+    assert _read_config(str(js)) == {"max_concurrency": 8}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("replicas: 2\n")
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['replicas'\]"):
+        _read_config(str(bad))
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="must be a mapping"):
+        _read_config(str(bad))
+    assert "num_replicas" in CONFIG_KEYS and "autoscaling" in CONFIG_KEYS
