@@ -115,3 +115,14 @@ def test_serve_ray_flags():
     except ImportError:
         r = cli("serve", "--ray", "--replicas", "2")
         assert r.returncode == 2 and "pip install 'mbd-rs[ray]'" in r.stderr
+
+
+def test_generate_json_with_logprobs():
+    want = mbd_rs.Engine.load().chat([{"role": "user", "content": "sort 3 1 2"}], max_tokens=8, logprobs=2)
+    r = cli("generate", "--chat", "sort 3 1 2", "--max-tokens", "8", "--logprobs", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)["logprobs"]
+    assert [t[0] for t in got] == [t.token_id for t in want.logprobs]
+    assert [t[1] for t in got] == [t.logprob for t in want.logprobs]
+    assert all(len(t[2]) == 2 for t in got)
+    assert "logprobs" not in json.loads(cli("generate", "hi", "--max-tokens", "2", "--json").stdout)

@@ -147,8 +147,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
             sys.stdout.flush()
     comp = stream.result()
     if a.json:
-        print(json.dumps({"text": comp.text, "token_ids": comp.token_ids, "finish_reason": comp.finish_reason,
-                          "usage": comp.usage.__dict__}))
+        out: dict[str, Any] = {"text": comp.text, "token_ids": comp.token_ids, "finish_reason": comp.finish_reason,
+                               "usage": comp.usage.__dict__}
+        if params.get("logprobs") is not None:  # --logprobs K: each token's, as [id, logprob, [[id, logprob], ...]]
+            out["logprobs"] = [[t.token_id, t.logprob, [list(x) for x in t.top_logprobs]] for t in comp.logprobs]
+        print(json.dumps(out))
     elif vis:
         print(f"\n{comp.text}")
     else:
