@@ -3,7 +3,9 @@
 The q8_0 reference below is written from the GGUF block format (blocks of 32 values along a row: d = max|x| / 127
 stored as float16, q = round-half-away(x / d) as int8, value = q * d) in numpy, independently of the engine: a
 checkpoint whose matrices are replaced by their q8_0 dequantization must give the logits the engine computes from
-the original checkpoint with quantize="q8_0". q4_k is checked against the unquantized model within a bound."""
+the original checkpoint with quantize="q8_0". The same holds for q5_0 (q4_k's format for rows that are not whole
+256-value super-blocks; its reference below is written from the format the same way). q4_k itself is checked
+against the unquantized model within a bound."""
 import json
 import shutil
 import threading
@@ -27,6 +29,18 @@ def q8_0_reference(w: np.ndarray) -> np.ndarray:
     return (q.astype(np.float32) * d16).reshape(w.shape)
 
 
+def q5_0_reference(w: np.ndarray) -> np.ndarray:
+    """Dequantized q5_0 of w along its last axis: per block of 32, d = (the value of largest magnitude, the first
+    such) / -16 stored as float16, q = min(31, floor(x / d + 16.5)) in 5 bits, value = (q - 16) * d (float32)."""
+    x = w.astype(np.float32).reshape(-1, 32)
+    m = np.take_along_axis(x, np.abs(x).argmax(axis=1)[:, None], axis=1)
+    d = (m / np.float32(-16)).astype(np.float32)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
+    q = np.minimum(31, np.floor((x * inv).astype(np.float32) + np.float32(16.5))).astype(np.int32)
+    d16 = d.astype(np.float16).astype(np.float32)
+    return ((q - 16).astype(np.float32) * d16).reshape(w.shape)
+
+
 def quantized_here(name: str, shape) -> bool:
     """Which tensors quantize="q8_0" quantizes: linear layers, the embedding table and the head, rows of whole
     blocks; not the MoE router, norms or biases."""
@@ -35,12 +49,18 @@ def quantized_here(name: str, shape) -> bool:
     return (table or linear) and len(shape) >= 2 and shape[-1] % 32 == 0
 
 
-def dequantized_twin(src, dst, values=None):
-    """A copy of checkpoint `src` whose quantized matrices hold their q8_0 dequantization, in float32 (`values`:
-    the directory to read the weights from, e.g. the float32 twin of a bfloat16 checkpoint: numpy has no bfloat16)."""
+def is_table(name: str) -> bool:
+    return name in ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def dequantized_twin(src, dst, values=None, linear=q8_0_reference):
+    """A copy of checkpoint `src` whose quantized matrices hold their dequantization, in float32: the tables q8_0,
+    the linear layers `linear` (`values`: the directory to read the weights from, e.g. the float32 twin of a
+    bfloat16 checkpoint: numpy has no bfloat16)."""
     shutil.copytree(src, dst)
     t = load_file((values or src) + "/model.safetensors")
-    out = {k: (q8_0_reference(v) if quantized_here(k, v.shape) else v.astype(np.float32)) for k, v in t.items()}
+    out = {k: ((q8_0_reference if is_table(k) else linear)(v) if quantized_here(k, v.shape) else v.astype(np.float32))
+           for k, v in t.items()}
     save_file(out, str(dst / "model.safetensors"))
     return dst
 
@@ -115,18 +135,28 @@ def test_q4_k_and_q8_0_stay_close_to_the_unquantized_model(tmp_path):
         assert e.info.weight_bytes < 1.05 * ratio * f32_bytes + 320 * 256 * (34 / 32 - 4 * ratio) + 20_000
 
 
-def test_q4_k_falls_back_to_q8_0_for_rows_of_partial_super_blocks():
-    # the parity model's rows are 64 or 96 values: q4_k gives every matrix q8_0, the same as quantize="q8_0"
-    src = parity_dir("qwen2_gqa_tied")
+@pytest.mark.parametrize("name", ["qwen2_gqa_tied", "qwen3moe_top2_norm"])
+def test_q4_k_falls_back_to_q5_0_for_rows_of_partial_super_blocks(tmp_path, name):
+    """The parity models' rows are 64 or 96 values, not whole q4_k super-blocks: under q4_k every linear matrix is
+    q5_0 (as llama.cpp's q4_K does) and the tables q8_0, the same as quantize="q5_0", and the engine computes the
+    checkpoint whose matrices hold those formats' dequantizations."""
+    src = parity_dir(name)
     a = mbd_rs.Engine.load(src, device="cpu", quantize="q4_k")
-    b = mbd_rs.Engine.load(src, device="cpu", quantize="q8_0")
+    b = mbd_rs.Engine.load(src, device="cpu", quantize="q5_0")
+    ref = mbd_rs.Engine.load(dequantized_twin(src, tmp_path / name, linear=q5_0_reference), device="cpu")
     ids = list(range(5, 30))
     assert a.info.weight_bytes == b.info.weight_bytes
     assert np.array_equal(a.logits(ids), b.logits(ids))
+    want = ref.logits(ids)
+    assert np.abs(a.logits(ids) - want).max() <= 1e-4 * np.abs(want).max()
+    t = load_file(src + "/model.safetensors")
+    held = sum((v.size // 32 * (34 if is_table(k) else 22)) if quantized_here(k, v.shape) else v.size * 4
+               for k, v in t.items())
+    assert a.info.weight_bytes == held
 
 
 def test_bad_quantize_options_are_clear_errors():
-    with pytest.raises(mbd_rs.InvalidRequestError, match="quantize must be 'q8_0' or 'q4_k', got 'int4'"):
+    with pytest.raises(mbd_rs.InvalidRequestError, match="quantize must be 'q8_0', 'q4_k' or 'q5_0', got 'int4'"):
         mbd_rs.Engine.load(device="cpu", quantize="int4")
     with pytest.raises(mbd_rs.InvalidRequestError, match="quantize must be"):
         mbd_rs.Engine.load(device="cpu", quantize="Q8_0")  # names are exact, as every string option

@@ -14,7 +14,9 @@
 //! router of a MoE layer stays as loaded (a few rows; its top-k decides which experts run). The embedding and
 //! the head are q8_0 in every format (the head's precision decides the logits; llama.cpp's q4_K_M keeps a
 //! 6-bit head for the same reason), so a tied checkpoint keeps one quantized table for both. A matrix whose
-//! rows do not split into whole blocks (q4_k: 256 values, q8_0: 32) falls back to q8_0, or stays as loaded.
+//! rows do not split into whole blocks falls back to the next format down the chain that fits, as llama.cpp
+//! does for q4_K: q4_k (256 values) -> q5_0 (32) -> q8_0 (32); q5_0 -> q8_0; else it stays as loaded. (Qwen2.5's
+//! 896-wide 0.5B rows are 3.5 super-blocks: under q4_k its matrices that take 896-value rows are q5_0.)
 
 use crate::error::{Error, Result};
 use crate::skinny::Kernels;
@@ -56,6 +58,9 @@ crate::string_enum! {
         /// 4-bit k-quant: super-blocks of 256 values in 8 sub-blocks with 6-bit scales and mins (144 bytes, 4.5
         /// bits per weight)
         Q4K = "q4_k",
+        /// 5-bit: blocks of 32 values, an f16 scale, 4 bytes of fifth bits and 16 of nibbles (22 bytes, 5.5 bits
+        /// per weight); q4_k's format for rows that do not split into super-blocks
+        Q5_0 = "q5_0",
     }
 }
 
@@ -63,7 +68,7 @@ impl QuantFormat {
     /// Values per block.
     pub fn block_values(self) -> usize {
         match self {
-            QuantFormat::Q8_0 => 32,
+            QuantFormat::Q8_0 | QuantFormat::Q5_0 => 32,
             QuantFormat::Q4K => 256,
         }
     }
@@ -72,6 +77,7 @@ impl QuantFormat {
         match self {
             QuantFormat::Q8_0 => 34,
             QuantFormat::Q4K => 144,
+            QuantFormat::Q5_0 => 22,
         }
     }
     /// Bytes of a row of `k` values (k a multiple of `block_values`).
@@ -82,13 +88,22 @@ impl QuantFormat {
         match self {
             QuantFormat::Q8_0 => GgmlDType::Q8_0,
             QuantFormat::Q4K => GgmlDType::Q4K,
+            QuantFormat::Q5_0 => GgmlDType::Q5_0,
+        }
+    }
+    /// This format and the ones a matrix falls back to, in order, when its rows do not split into its blocks.
+    fn chain(self) -> &'static [QuantFormat] {
+        match self {
+            QuantFormat::Q4K => &[QuantFormat::Q4K, QuantFormat::Q5_0, QuantFormat::Q8_0],
+            QuantFormat::Q5_0 => &[QuantFormat::Q5_0, QuantFormat::Q8_0],
+            QuantFormat::Q8_0 => &[QuantFormat::Q8_0],
         }
     }
     /// The format a matrix with rows of `k` values gets under this option (see the module note), None: it stays
     /// as loaded. `table`: the embedding table or the head.
     pub fn for_matrix(self, k: usize, table: bool) -> Option<QuantFormat> {
         let want = if table { QuantFormat::Q8_0 } else { self };
-        [want, QuantFormat::Q8_0].into_iter().find(|f| k > 0 && k.is_multiple_of(f.block_values()))
+        want.chain().iter().copied().find(|f| k > 0 && k.is_multiple_of(f.block_values()))
     }
 }
 
@@ -158,7 +173,8 @@ impl QMatrix {
     }
 
     /// Dequantize rows [j0, j0 + count) into `out` (count·k values, row-major), exactly as candle's (and
-    /// ggml's) dequantization: q8_0 `q·d`; q4_k `(d·sc)·q − dmin·m` per sub-block of 32.
+    /// ggml's) dequantization: q8_0 `q·d`; q4_k `(d·sc)·q − dmin·m` per sub-block of 32; q5_0 `(q − 16)·d` with
+    /// q's fifth bit from `qh` (value j of the block: bit j, its low nibble in byte j % 16, high half for j ≥ 16).
     #[inline(always)]
     pub fn dequantize_rows(&self, j0: usize, count: usize, out: &mut [f32]) {
         let rb = self.row_bytes();
@@ -190,6 +206,19 @@ impl QMatrix {
                             *yl = d1 * (q & 0xF) as f32 - m1;
                             *yh = d2 * (q >> 4) as f32 - m2;
                         }
+                    }
+                }
+            }
+            QuantFormat::Q5_0 => {
+                for (b, y) in src.chunks_exact(22).zip(out.chunks_exact_mut(32)) {
+                    let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
+                    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+                    let (lo, hi) = y.split_at_mut(16);
+                    for (j, (&q, (yl, yh))) in b[6..22].iter().zip(lo.iter_mut().zip(hi.iter_mut())).enumerate() {
+                        let h0 = ((qh >> j) << 4) & 0x10;
+                        let h1 = (qh >> (j + 12)) & 0x10;
+                        *yl = (((q & 0xF) as u32 | h0) as i32 - 16) as f32 * d;
+                        *yh = (((q >> 4) as u32 | h1) as i32 - 16) as f32 * d;
                     }
                 }
             }
@@ -239,7 +268,9 @@ mod tests {
 
     #[test]
     fn dequantization_equals_candles_and_stays_close_to_the_weights() {
-        for (format, k, tol) in [(QuantFormat::Q8_0, 96, 0.005), (QuantFormat::Q4K, 512, 0.06)] {
+        for (format, k, tol) in
+            [(QuantFormat::Q8_0, 96, 0.005), (QuantFormat::Q4K, 512, 0.06), (QuantFormat::Q5_0, 96, 0.035)]
+        {
             let w = randn(37, k, 3);
             // several quantize chunks: force a small chunk through a tall matrix too
             let q = QMatrix::quantize(&w, format).unwrap();
@@ -274,11 +305,13 @@ mod tests {
     #[test]
     fn formats_fall_back_by_row_length() {
         assert_eq!(QuantFormat::Q4K.for_matrix(4864, false), Some(QuantFormat::Q4K));
-        assert_eq!(QuantFormat::Q4K.for_matrix(896, false), Some(QuantFormat::Q8_0));
+        assert_eq!(QuantFormat::Q4K.for_matrix(896, false), Some(QuantFormat::Q5_0));
+        assert_eq!(QuantFormat::Q5_0.for_matrix(896, false), Some(QuantFormat::Q5_0));
+        assert_eq!(QuantFormat::Q5_0.for_matrix(896, true), Some(QuantFormat::Q8_0));
         assert_eq!(QuantFormat::Q4K.for_matrix(4864, true), Some(QuantFormat::Q8_0));
         assert_eq!(QuantFormat::Q8_0.for_matrix(40, false), None);
         assert_eq!(QuantFormat::parse("q4_k").unwrap(), QuantFormat::Q4K);
         let e = QuantFormat::parse("int4").unwrap_err().to_string();
-        assert_eq!(e, "quantize must be 'q8_0' or 'q4_k', got 'int4'");
+        assert_eq!(e, "quantize must be 'q8_0', 'q4_k' or 'q5_0', got 'int4'");
     }
 }

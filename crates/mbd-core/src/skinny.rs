@@ -333,12 +333,38 @@ mod x86 {
         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i)))
     }
 
-    /// Columns [n0, n0 + nw) of y = x · Wᵀ for a q8_0 W and 1 or 2 x rows, dequantizing in registers: the
-    /// same values (q·d) and the same multiply-adds in the same order as the f32 tile over the dequantized
+    /// A q8_0 block's 32 values: its bytes after the scale.
+    #[inline(always)]
+    unsafe fn q8_ints(block: *const u8, _buf: &mut [i8; 32]) -> *const u8 {
+        block.add(2)
+    }
+
+    /// A q5_0 block's 32 values q − 16 as i8, decoded into `buf`: byte j of `high` is 0x10 where bit j of qh is
+    /// set (qh's byte j / 8 broadcast to 8 bytes, each tested against its own bit), OR-ed into the nibbles
+    /// (values 0-15 the low ones, 16-31 the high ones).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn q5_ints(block: *const u8, buf: &mut [i8; 32]) -> *const u8 {
+        let pick = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+        let bit = _mm256_set1_epi64x(0x8040201008040201u64 as i64);
+        let low = _mm_set1_epi8(0xF);
+        let qh = u32::from_le_bytes([*block.add(2), *block.add(3), *block.add(4), *block.add(5)]);
+        let v = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), pick);
+        let high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(0x10));
+        let qs = _mm_loadu_si128(block.add(6) as *const __m128i);
+        let nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16::<4>(qs), low), _mm_and_si128(qs, low));
+        let vals = _mm256_sub_epi8(_mm256_or_si256(nib, high), _mm256_set1_epi8(16));
+        _mm256_storeu_si256(buf.as_mut_ptr() as *mut __m256i, vals);
+        buf.as_ptr() as *const u8
+    }
+
+    /// Columns [n0, n0 + nw) of y = x · Wᵀ for a q8_0 (or q5_0) W and a few x rows, dequantizing in registers:
+    /// the same values (q·d) and the same multiply-adds in the same order as the f32 tile over the dequantized
     /// scratch (`q_columns`), so the same results bit for bit, without the scratch's store and reload (a 1-row
-    /// window streams the weights once and is bound by memory).
+    /// window streams the weights once and is bound by memory). `$bb`: bytes per block of 32; `$ints`: a block's
+    /// 32 signed 8-bit values (q8_0: its bytes after the scale; q5_0: decoded into the buffer).
     macro_rules! q8_fused_fn {
-        ($name:ident, $feature:literal, $lanes:literal, $zero:ident, $loadx:ident, $loadq:ident, $set1:ident, $mul:ident, $fma:ident, $sum:ident) => {
+        ($name:ident, $feature:literal, $lanes:literal, $zero:ident, $loadx:ident, $loadq:ident, $set1:ident, $mul:ident, $fma:ident, $sum:ident, $bb:literal, $ints:ident) => {
             #[target_feature(enable = $feature)]
             pub unsafe fn $name(x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: usize, y: super::Out) {
                 #[inline(always)]
@@ -349,15 +375,18 @@ mod x86 {
                     k: usize,
                 ) -> [[f32; 4]; R] {
                     let mut acc = [[$zero(); 4]; R];
+                    let mut buf = [[0i8; 32]; 4];
                     for blk in 0..k / 32 {
                         if blk % 2 == 0 && pf.active() {
                             for c in 0..4 {
-                                _mm_prefetch::<_MM_HINT_T0>(pf.0[c].wrapping_add(34 * blk) as *const i8);
+                                _mm_prefetch::<_MM_HINT_T0>(pf.0[c].wrapping_add($bb * blk) as *const i8);
                             }
                         }
                         let mut d = [$zero(); 4];
+                        let mut qv = [std::ptr::null::<u8>(); 4];
                         for c in 0..4 {
-                            d[c] = $set1(scale(ws[c].add(34 * blk)));
+                            d[c] = $set1(scale(ws[c].add($bb * blk)));
+                            qv[c] = $ints(ws[c].add($bb * blk), &mut buf[c]);
                         }
                         for g in 0..32 / $lanes {
                             let i = 32 * blk + $lanes * g;
@@ -366,7 +395,7 @@ mod x86 {
                                 xv[r] = $loadx(xs[r].add(i));
                             }
                             for c in 0..4 {
-                                let wv = $mul($loadq(ws[c].add(34 * blk + 2 + $lanes * g)), d[c]);
+                                let wv = $mul($loadq(qv[c].add($lanes * g)), d[c]);
                                 for r in 0..R {
                                     acc[r][c] = $fma(xv[r], wv, acc[r][c]);
                                 }
@@ -510,6 +539,34 @@ mod x86 {
     );
 
     q8_fused_fn!(
+        q5_fused_avx2,
+        "avx2,fma,f16c",
+        8,
+        _mm256_setzero_ps,
+        _mm256_loadu_ps,
+        q8_8,
+        _mm256_set1_ps,
+        _mm256_mul_ps,
+        _mm256_fmadd_ps,
+        hsum256,
+        22,
+        q5_ints
+    );
+    q8_fused_fn!(
+        q5_fused_avx512,
+        "avx512f,avx2,fma,f16c",
+        16,
+        _mm512_setzero_ps,
+        _mm512_loadu_ps,
+        q8_16,
+        _mm512_set1_ps,
+        _mm512_mul_ps,
+        _mm512_fmadd_ps,
+        _mm512_reduce_add_ps,
+        22,
+        q5_ints
+    );
+    q8_fused_fn!(
         q8_fused_avx2,
         "avx2,fma,f16c",
         8,
@@ -519,7 +576,9 @@ mod x86 {
         _mm256_set1_ps,
         _mm256_mul_ps,
         _mm256_fmadd_ps,
-        hsum256
+        hsum256,
+        34,
+        q8_ints
     );
     q8_fused_fn!(
         q8_fused_avx512,
@@ -531,7 +590,9 @@ mod x86 {
         _mm512_set1_ps,
         _mm512_mul_ps,
         _mm512_fmadd_ps,
-        _mm512_reduce_add_ps
+        _mm512_reduce_add_ps,
+        34,
+        q8_ints
     );
 
     #[target_feature(enable = "avx512f")]
@@ -577,6 +638,16 @@ mod x86 {
                     for g in 0..4 {
                         let v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(8 * g) as *const __m128i));
                         _mm256_storeu_ps(o.add(32 * i + 8 * g), _mm256_mul_ps(_mm256_cvtepi32_ps(v), d));
+                    }
+                }
+            }
+            QuantFormat::Q5_0 => {
+                let mut q8 = [0i8; 32];
+                for (i, b) in src.chunks_exact(22).enumerate() {
+                    let d = _mm256_set1_ps(scale(b.as_ptr()));
+                    let p = q5_ints(b.as_ptr(), &mut q8);
+                    for g in 0..4 {
+                        _mm256_storeu_ps(o.add(32 * i + 8 * g), _mm256_mul_ps(q8_8(p.add(8 * g)), d));
                     }
                 }
             }
@@ -827,6 +898,8 @@ unsafe fn q_columns(isa: Isa, x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: u
     match (isa, q.format) {
         (Isa::Avx512, QuantFormat::Q8_0) if q8_in_registers(m, k) => return x86::q8_fused_avx512(x, m, q, n0, nw, y),
         (Isa::Avx2, QuantFormat::Q8_0) if q8_in_registers(m, k) => return x86::q8_fused_avx2(x, m, q, n0, nw, y),
+        (Isa::Avx512, QuantFormat::Q5_0) if q8_in_registers(m, k) => return x86::q5_fused_avx512(x, m, q, n0, nw, y),
+        (Isa::Avx2, QuantFormat::Q5_0) if q8_in_registers(m, k) => return x86::q5_fused_avx2(x, m, q, n0, nw, y),
         (Isa::Avx512, QuantFormat::Q4K) if m == 1 => return x86::q4k_fused_avx512(x, q, n0, nw, y),
         (Isa::Avx2, QuantFormat::Q4K) if m == 1 => return x86::q4k_fused_avx2(x, q, n0, nw, y),
         _ => {}
@@ -1086,6 +1159,7 @@ mod tests {
             (crate::quant::QuantFormat::Q8_0, 96, 37),
             (crate::quant::QuantFormat::Q4K, 512, 21),
             (crate::quant::QuantFormat::Q8_0, 2304, 13),
+            (crate::quant::QuantFormat::Q5_0, 896, 11),
         ] {
             let wv: Vec<f32> = (0..n * k).map(|_| rnd()).collect();
             let w = Tensor::from_vec(wv, (n, k), &candle_core::Device::Cpu).unwrap();
