@@ -627,7 +627,7 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
             if entries:
                 lp = chat_logprobs(entries) if chat else legacy_logprobs(entries, offsets[i])
                 if not chat:
-                    offsets[i] += sum(len(piece(t)) for t, _, _ in entries)
+                    offsets[i] += sum(len(t) for t in lp["tokens"])
             if chat:
                 delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
                 return {"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}

@@ -596,8 +596,7 @@ impl Model {
                 };
                 cache.commit(w)?;
                 let tokens: Vec<u32> = scored.iter().map(|&q| ids[q]).collect();
-                let all: Vec<usize> = (0..scored.len()).collect();
-                for (q, t) in scored.into_iter().zip(token_logprobs(&logits, &all, &tokens, k)?) {
+                for (q, t) in scored.into_iter().zip(token_logprobs(&logits, None, &tokens, k)?) {
                     out[q] = Some(t);
                 }
             }

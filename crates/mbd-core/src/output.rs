@@ -159,7 +159,7 @@ impl Output {
             .collect::<Option<Vec<usize>>>()
             .ok_or_else(|| Error::Internal("a written position has no logits row".into()))?;
         let tokens: Vec<u32> = dec.last_decoded.iter().map(|&p| dec.tokens[p - lp]).collect();
-        for (&p, t) in dec.last_decoded.iter().zip(token_logprobs(logits, &rows, &tokens, *k)?) {
+        for (&p, t) in dec.last_decoded.iter().zip(token_logprobs(logits, Some(&rows), &tokens, *k)?) {
             lps[p - lp] = Some(t);
         }
         Ok(())

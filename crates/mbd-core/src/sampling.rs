@@ -71,14 +71,21 @@ pub fn token_logprob(row: &[f32], token: u32, k: usize) -> TokenLogprob {
     TokenLogprob { token, logprob: lp(token as usize), top }
 }
 
-/// `token_logprob` for rows `rows[i]` of `logits` (R, V) and their tokens (`tokens[i]`): the rows come to the
-/// host (on a GPU only these rows), and are scored in parallel on the calling pool.
-pub fn token_logprobs(logits: &Tensor, rows: &[usize], tokens: &[u32], k: usize) -> Result<Vec<TokenLogprob>> {
-    if rows.is_empty() {
+/// `token_logprob` for rows `rows[i]` of `logits` (R, V) (None: every row, in order) and their tokens
+/// (`tokens[i]`): the rows come to the host (on a GPU only these rows), and are scored in parallel on the calling
+/// pool.
+pub fn token_logprobs(logits: &Tensor, rows: Option<&[usize]>, tokens: &[u32], k: usize) -> Result<Vec<TokenLogprob>> {
+    if tokens.is_empty() {
         return Ok(vec![]);
     }
-    let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-    let sel = logits.index_select(&Tensor::new(idx.as_slice(), logits.device())?, 0)?.to_dtype(DType::F32)?;
+    let sel = match rows {
+        Some(rows) => {
+            let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+            logits.index_select(&Tensor::new(idx.as_slice(), logits.device())?, 0)?
+        }
+        None => logits.clone(),
+    }
+    .to_dtype(DType::F32)?;
     let v = sel.dim(1)?;
     let flat = sel.flatten_all()?.to_vec1::<f32>()?;
     let out: Vec<TokenLogprob> =

@@ -631,21 +631,13 @@ mod x86 {
         let out = &mut out[..count * q.k];
         let o = out.as_mut_ptr();
         match q.format {
-            QuantFormat::Q8_0 => {
-                for (i, b) in src.chunks_exact(34).enumerate() {
+            // q8_0 and q5_0: a block's 32 signed bytes (its own, or q5_0's decoded), times its scale
+            QuantFormat::Q8_0 | QuantFormat::Q5_0 => {
+                let five = q.format == QuantFormat::Q5_0;
+                let mut buf = [0i8; 32];
+                for (i, b) in src.chunks_exact(q.format.block_bytes()).enumerate() {
                     let d = _mm256_set1_ps(scale(b.as_ptr()));
-                    let p = b.as_ptr().add(2);
-                    for g in 0..4 {
-                        let v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(8 * g) as *const __m128i));
-                        _mm256_storeu_ps(o.add(32 * i + 8 * g), _mm256_mul_ps(_mm256_cvtepi32_ps(v), d));
-                    }
-                }
-            }
-            QuantFormat::Q5_0 => {
-                let mut q8 = [0i8; 32];
-                for (i, b) in src.chunks_exact(22).enumerate() {
-                    let d = _mm256_set1_ps(scale(b.as_ptr()));
-                    let p = q5_ints(b.as_ptr(), &mut q8);
+                    let p = if five { q5_ints(b.as_ptr(), &mut buf) } else { q8_ints(b.as_ptr(), &mut buf) };
                     for g in 0..4 {
                         _mm256_storeu_ps(o.add(32 * i + 8 * g), _mm256_mul_ps(q8_8(p.add(8 * g)), d));
                     }
