@@ -1,11 +1,14 @@
 """One decode forward, side by side in one process: mbd-rs against PyTorch eager (HF transformers, same
 computation: a W-token window over a P-token KV cache, logits for every window row, same thread count), and
-mbd-rs with its skinny kernel switched off (candle's matmul everywhere) as an A/B of that kernel. The three
-alternate over --rounds rounds (the machine is shared and noisy); each number is the median of all repetitions.
+mbd-rs with its skinny kernel switched off (candle's matmul everywhere) as an A/B of that kernel, and mbd-rs with
+its many-row panel products switched off (long windows through candle's matmul, a bf16 matrix widened whole per
+call) as an A/B of those. The columns alternate over --rounds rounds (the machine is shared and noisy); each number
+is the median of all repetitions. A case P:W:last asks for the last row's logits only (a prefill that goes on to
+decode; PyTorch: logits_to_keep=1), P:W for every row's.
 
     python scripts/make_bench_model.py /tmp/mbd-bench/qwen2.5-0.5b-shape     # once, numpy + safetensors
-    python benches/compare_forward.py [--model DIR] [--reps 7]
-Needs torch + transformers in the same environment as mbd_rs. Writes benches/compare_forward.json.
+    python benches/compare_forward.py [--model DIR] [--reps 7] [--cases 0:512,0:512:last] [--out FILE]
+Needs torch + transformers in the same environment as mbd_rs. Writes --out (benches/compare_forward.json).
 """
 import argparse
 import json
@@ -27,39 +30,49 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--cases", default="512:32,512:4,2048:32,0:32")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benches", "compare_forward.json"))
     args = ap.parse_args()
     threads = os.cpu_count()
     torch.set_num_threads(threads)
-    eng = mbd_rs.Engine.load(args.model, device="cpu")
-    # candle's matmul only, on f32-held weights (the engine before the skinny kernel): a second load
-    gemm_eng = mbd_rs.Engine.load(args.model, device="cpu", _kernels=dict(skinny=False, keep_bf16_weights=False))
+    engines = {
+        "mbd_rs": mbd_rs.Engine.load(args.model, device="cpu"),
+        # long windows through candle's matmul (a bf16 matrix widened to f32 whole for each product)
+        "panels_off": mbd_rs.Engine.load(args.model, device="cpu", _kernels=dict(panels=False)),
+        # candle's matmul only, on f32-held weights (the engine before the skinny kernel)
+        "gemm_only": mbd_rs.Engine.load(args.model, device="cpu",
+                                        _kernels=dict(skinny=False, panels=False, keep_bf16_weights=False)),
+    }
     hf = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="eager").eval()
     rows = []
     for case in args.cases.split(","):
-        p, w = map(int, case.split(":"))
+        p, w, *last = case.split(":")
+        p, w, last = int(p), int(w), last == ["last"]
         ids = torch.randint(0, 150000, (1, p + w), generator=torch.Generator().manual_seed(0))
+        times = {"torch_eager": [], **{name: [] for name in engines}}
         with torch.no_grad():
             cache = transformers.DynamicCache(config=hf.config)
             if p:
                 hf(ids[:, :p], past_key_values=cache, use_cache=True)
-            times, ours, gemm = [], [], []
             for _ in range(args.rounds):
                 for i in range(args.reps + 1):
                     t = time.perf_counter()
-                    hf(ids[:, p:], past_key_values=cache, use_cache=True,
+                    hf(ids[:, p:], past_key_values=cache, use_cache=True, logits_to_keep=1 if last else 0,
                        position_ids=torch.arange(p, p + w)[None], attention_mask=torch.ones(1, p + w, dtype=torch.long))
                     if i:  # the first is a warm-up
-                        times.append(time.perf_counter() - t)
+                        times["torch_eager"].append(time.perf_counter() - t)
                     cache.crop(-w)  # drop the window again (transformers >= 5: negative = tokens to remove)
-                ours += eng._core.bench_forward(p, w, args.reps + 1)[1:]
-                gemm += gemm_eng._core.bench_forward(p, w, args.reps + 1)[1:]
-        torch_ms, ours_ms, gemm_ms = (1e3 * statistics.median(x) for x in (times, ours, gemm))
-        rows.append(dict(prefix=p, window=w, mbd_rs_ms=ours_ms, mbd_rs_gemm_only_ms=gemm_ms, torch_eager_ms=torch_ms,
-                         ratio=ours_ms / torch_ms, ratio_gemm_only=gemm_ms / torch_ms))
-        print(f"prefix {p:5d} W {w:3d}: mbd-rs {ours_ms:8.1f} ms  (gemm only {gemm_ms:8.1f})  torch eager {torch_ms:8.1f} ms  "
-              f"ratio {ours_ms / torch_ms:.2f} (gemm only {gemm_ms / torch_ms:.2f})", flush=True)
-    out = dict(model=args.model, threads=threads, rounds=args.rounds, reps=args.reps, torch=torch.__version__, transformers=transformers.__version__, rows=rows)
-    json.dump(out, open(os.path.join(ROOT, "benches", "compare_forward.json"), "w"), indent=1)
+                for name, eng in engines.items():
+                    times[name] += eng._core.bench_forward(p, w, args.reps + 1, last_row=last)[1:]
+        ms = {name: 1e3 * statistics.median(x) for name, x in times.items()}
+        row = dict(prefix=p, window=w, logits="last row" if last else "every row",
+                   **{f"{name}_ms": v for name, v in ms.items()},
+                   **{f"ratio_{name}": ms[name] / ms["torch_eager"] for name in engines})
+        rows.append(row)
+        print(f"prefix {p:5d} W {w:3d} ({row['logits']}): torch eager {ms['torch_eager']:8.1f} ms; "
+              + "; ".join(f"{name} {ms[name]:8.1f} ms = {row['ratio_' + name]:.2f}x" for name in engines), flush=True)
+    out = dict(model=args.model, threads=threads, rounds=args.rounds, reps=args.reps, torch=torch.__version__,
+               transformers=transformers.__version__, rows=rows)
+    json.dump(out, open(args.out, "w"), indent=1)
 
 
 if __name__ == "__main__":

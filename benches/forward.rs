@@ -48,12 +48,12 @@ fn main() {
     };
     for prefix in [0usize, 512, 2048] {
         for w in [1usize, 4, 16, 32, 64] {
-            let (med, min) = median(model.bench_forward(prefix, w, reps + 1).expect("forward"));
+            let (med, min) = median(model.bench_forward(prefix, w, reps + 1, false).expect("forward"));
             let held = match &f32_twin {
-                Some(m) => format!("{:.2}", median(m.bench_forward(prefix, w, reps + 1).expect("forward")).0),
+                Some(m) => format!("{:.2}", median(m.bench_forward(prefix, w, reps + 1, false).expect("forward")).0),
                 None => "-".into(),
             };
-            let (gemm, _) = median(gemm_only.bench_forward(prefix, w, reps + 1).expect("forward"));
+            let (gemm, _) = median(gemm_only.bench_forward(prefix, w, reps + 1, false).expect("forward"));
             println!("{prefix:>7} {w:>4} {med:>10.2} {min:>10.2} {held:>14} {gemm:>14.2} {:>7.2}", med / gemm);
         }
     }

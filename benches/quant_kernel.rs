@@ -40,11 +40,11 @@ fn run() {
                 linear(&x, &w, &kn, true).unwrap();
                 a.push(t.elapsed().as_secs_f64() * 1e3);
                 let t = std::time::Instant::now();
-                linear_q(&x, &q8, &kn).unwrap();
+                linear_q(&x, &q8, &kn, true).unwrap();
                 b.push(t.elapsed().as_secs_f64() * 1e3);
                 if let Some(q4) = &q4 {
                     let t = std::time::Instant::now();
-                    linear_q(&x, q4, &kn).unwrap();
+                    linear_q(&x, q4, &kn, true).unwrap();
                     c.push(t.elapsed().as_secs_f64() * 1e3);
                 }
             }

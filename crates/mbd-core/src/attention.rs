@@ -204,3 +204,101 @@ mod tests {
         }
     }
 }
+
+/// softmax(att · scale + mask) over the last dimension, for candle's attention path: att (.., n, s) scores, mask
+/// (n, s) additive or none. On the CPU (f32, contiguous) one parallel pass per row instead of three tensor ops
+/// (two of them on one thread, each allocating the whole score tensor); the same arithmetic as candle's
+/// `affine`, `broadcast_add` and `softmax_last_dim` in that order (its max and its vectorised sum), so the same bits.
+pub fn scaled_softmax(
+    att: &candle_core::Tensor,
+    scale: f64,
+    mask: Option<&candle_core::Tensor>,
+) -> candle_core::Result<candle_core::Tensor> {
+    use candle_core::cpu::kernels::VecOps;
+    use candle_core::{DType, Storage, Tensor};
+    let dims = att.dims().to_vec();
+    let (n, s) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+    let cpu_f32 = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous();
+    let fits = dims.len() >= 2 && cpu_f32(att) && mask.is_none_or(|m| cpu_f32(m) && m.dims() == [n, s]);
+    if !fits || s == 0 {
+        let att = att.affine(scale, 0.0)?;
+        let att = match mask {
+            Some(m) => att.broadcast_add(m)?,
+            None => att,
+        };
+        return candle_nn::ops::softmax_last_dim(&att);
+    }
+    let (a_st, a_l) = att.storage_and_layout();
+    let Storage::Cpu(candle_core::CpuStorage::F32(a)) = &*a_st else { unreachable!("checked: f32 on the CPU") };
+    let a = &a[a_l.start_offset()..a_l.start_offset() + att.elem_count()];
+    let m_guard = mask.map(|m| m.storage_and_layout());
+    let m: Option<&[f32]> = match &m_guard {
+        Some((st, l)) => match &**st {
+            Storage::Cpu(candle_core::CpuStorage::F32(v)) => Some(&v[l.start_offset()..l.start_offset() + n * s]),
+            _ => unreachable!("checked: f32 on the CPU"),
+        },
+        None => None,
+    };
+    let (mul, add) = (scale as f32, 0f32);
+    let mut out = vec![0f32; a.len()];
+    out.par_chunks_mut(s).zip(a.par_chunks(s)).enumerate().for_each(|(r, (y, x))| {
+        match m {
+            Some(m) => {
+                let mr = &m[(r % n) * s..(r % n + 1) * s];
+                for ((y, &x), &mv) in y.iter_mut().zip(x).zip(mr) {
+                    *y = (x * mul + add) + mv;
+                }
+            }
+            None => {
+                for (y, &x) in y.iter_mut().zip(x) {
+                    *y = x * mul + add;
+                }
+            }
+        }
+        let mut max = f32::NEG_INFINITY;
+        // SAFETY: y has s > 0 elements.
+        unsafe { <f32 as VecOps>::vec_reduce_max(y.as_ptr(), &mut max, s) };
+        for y in y.iter_mut() {
+            *y = (*y - max).exp();
+        }
+        let mut sum = 0f32;
+        // SAFETY: as above.
+        unsafe { <f32 as VecOps>::vec_reduce_sum(y.as_ptr(), &mut sum, s) };
+        for y in y.iter_mut() {
+            *y /= sum;
+        }
+    });
+    drop(m_guard);
+    drop(a_st);
+    Tensor::from_vec(out, dims, att.device())
+}
+
+#[cfg(test)]
+mod scaled_softmax_tests {
+    use super::scaled_softmax;
+    use candle_core::{Device, Tensor};
+
+    #[test]
+    fn equals_candles_three_ops_bit_for_bit() {
+        let att = Tensor::randn(0f32, 4.0, (2, 3, 5, 37), &Device::Cpu).unwrap();
+        let mut m = vec![0f32; 5 * 37];
+        for (i, v) in m.iter_mut().enumerate() {
+            if i % 7 == 3 {
+                *v = f32::NEG_INFINITY;
+            }
+        }
+        let mask = Tensor::from_vec(m, (5, 37), &Device::Cpu).unwrap();
+        for mask in [Some(&mask), None] {
+            let want = att.affine(0.125, 0.0).unwrap();
+            let want = match mask {
+                Some(m) => want.broadcast_add(m).unwrap(),
+                None => want,
+            };
+            let want =
+                candle_nn::ops::softmax_last_dim(&want).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let got = scaled_softmax(&att, 0.125, mask).unwrap();
+            assert_eq!(got.dims(), att.dims());
+            assert_eq!(got.flatten_all().unwrap().to_vec1::<f32>().unwrap(), want);
+        }
+    }
+}

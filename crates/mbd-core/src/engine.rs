@@ -606,9 +606,10 @@ impl Model {
     }
 
     /// Time `reps` decode forwards of a `window`-token block over a committed prefix of `prefix` tokens
-    /// (block-causal: one block, no mask; logits for every window row). Returns seconds per forward.
+    /// (block-causal: one block, no mask; logits for every window row, or only the last with `last_row`, as a
+    /// prefill that continues into decoding needs). Returns seconds per forward.
     /// Used by the benchmarks to compare with other engines on the same computation.
-    pub fn bench_forward(&self, prefix: usize, window: usize, reps: usize) -> Result<Vec<f64>> {
+    pub fn bench_forward(&self, prefix: usize, window: usize, reps: usize, last_row: bool) -> Result<Vec<f64>> {
         let v = self.config.vocab_size as u64;
         let mut x: u64 = 0x9E3779B97F4A7C15;
         let mut next = || {
@@ -630,7 +631,8 @@ impl Model {
             let mut out = Vec::with_capacity(reps);
             for _ in 0..reps {
                 let t = std::time::Instant::now();
-                let l = self.net.forward(&mut cache, &win, &one_block, None)?;
+                let last = [window.saturating_sub(1)];
+                let l = self.net.forward(&mut cache, &win, &one_block, last_row.then_some(&last[..]))?;
                 // make sure the work is done (device sync) before stopping the clock
                 let _ = l.narrow(0, 0, 1)?.narrow(1, 0, 1)?.flatten_all()?.to_vec1::<f32>()?;
                 out.push(t.elapsed().as_secs_f64());

@@ -41,6 +41,7 @@ pub mod decoder;
 pub mod kv_cache;
 pub mod mask;
 pub mod output;
+pub mod panels;
 pub mod quant;
 pub mod sampling;
 pub mod scheduler;

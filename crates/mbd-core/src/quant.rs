@@ -37,7 +37,7 @@ impl Matrix {
     pub fn linear(&self, x: &Tensor, k: &Kernels, few: bool) -> candle_core::Result<Tensor> {
         match self {
             Matrix::Dense(w) => crate::skinny::linear(x, w, k, few),
-            Matrix::Quant(q) => crate::skinny::linear_q(x, q, k),
+            Matrix::Quant(q) => crate::skinny::linear_q(x, q, k, few),
         }
     }
 

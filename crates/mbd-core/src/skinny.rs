@@ -38,6 +38,9 @@ pub struct Kernels {
     /// tiny model and the 0.5B shape it measured even with candle's path, batched or not (benches/RESULTS.md,
     /// issue #20), so it has not earned the default yet.
     pub direct_attention: bool,
+    /// Long windows' products on the CPU through `panels` (W widened or dequantized a panel at a time, gemm per
+    /// panel). false: candle's matmul (a bf16 W widened whole per call; a quantized W through this kernel).
+    pub panels: bool,
 }
 
 impl Default for Kernels {
@@ -48,6 +51,7 @@ impl Default for Kernels {
             max_rows: 64,
             attention_score_bytes: 256 << 20,
             direct_attention: false,
+            panels: true,
         }
     }
 }
@@ -872,6 +876,24 @@ unsafe fn q_columns_on(isa: Isa, x: &[f32], m: usize, q: &QMatrix, n0: usize, nw
     }
 }
 
+/// Rows `j0..j0 + count` of a quantized matrix as f32 into `out` (`QMatrix::dequantize_rows`, vectorised where
+/// the CPU allows; the same values either way).
+pub(crate) fn dequantize_rows(q: &QMatrix, j0: usize, count: usize, out: &mut [f32]) {
+    // SAFETY: `isa()` is an instruction set this CPU has.
+    unsafe { dequantize_rows_on(isa(), q, j0, count, out) }
+}
+
+/// # Safety
+/// `isa` is one this CPU has.
+#[inline(always)]
+unsafe fn dequantize_rows_on(isa: Isa, q: &QMatrix, j0: usize, count: usize, out: &mut [f32]) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx2 => x86::dequantize_rows_avx2(q, j0, count, out),
+        Isa::Baseline => q.dequantize_rows(j0, count, out),
+    }
+}
+
 /// Whether an m-row window multiplies a q8_0 matrix with rows of k values dequantizing in registers rather than
 /// through the scratch (the same bits either way): one or two rows (no store and reload where the weights stream
 /// from memory), and up to 8 rows of long rows, whose 4-row scratch (16·k bytes) would not stay in L1.
@@ -898,11 +920,7 @@ unsafe fn q_columns(isa: Isa, x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: u
     }
     for j in (n0..n0 + nw).step_by(4) {
         let valid = (n0 + nw - j).min(4);
-        match isa {
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 | Isa::Avx2 => x86::dequantize_rows_avx2(q, j, valid, scratch),
-            Isa::Baseline => q.dequantize_rows(j, valid, scratch),
-        }
+        dequantize_rows_on(isa, q, j, valid, scratch);
         for r0 in (0..m).step_by(ROW_BLOCK) {
             let mb = ROW_BLOCK.min(m - r0);
             columns_on(isa, &x[r0 * k..(r0 + mb) * k], mb, k, &scratch[..valid * k], 0, valid, n, y.offset(r0 * n + j));
@@ -964,13 +982,15 @@ pub fn few_rows(rows: usize, k: &Kernels) -> bool {
 }
 
 /// `x · wᵀ` for x (m, k) and w (n, k): the skinny kernel when `few` (the rows are few-row windows, see `few_rows`)
-/// and it `supports` the operands, candle's matmul otherwise (a bf16 w is then widened to f32 for the call: long
-/// windows, where the product costs far more than the conversion).
+/// and it `supports` the operands; otherwise (a long window) `panels` on the CPU, candle's matmul elsewhere (or
+/// with `Kernels::panels` off; a bf16 w is then widened to f32 for the call).
 pub fn linear(x: &Tensor, w: &Tensor, k: &Kernels, few: bool) -> candle_core::Result<Tensor> {
     // bf16 weights exist only on the CPU and only this kernel reads them: give it a contiguous x
     let x = if w.dtype() == DType::BF16 && !x.is_contiguous() { x.contiguous()? } else { x.clone() };
     if few && supports(&x, w, k) {
         x.apply_op2_no_bwd(w, &SkinnyMatmulT { par_min_macs: k.par_min_macs })
+    } else if k.panels && supports(&x, w, &Kernels { skinny: true, ..*k }) {
+        x.apply_op2_no_bwd(w, &PanelMatmulT { par_min_macs: k.par_min_macs })
     } else if w.dtype() == DType::BF16 {
         x.matmul(&w.to_dtype(x.dtype())?.t()?)
     } else {
@@ -978,10 +998,47 @@ pub fn linear(x: &Tensor, w: &Tensor, k: &Kernels, few: bool) -> candle_core::Re
     }
 }
 
+/// The candle op of `panels::matmul_t` for a dense W: x (m, k) f32, w (n, k) f32 or bf16, both contiguous on the
+/// CPU -> (m, n).
+struct PanelMatmulT {
+    par_min_macs: usize,
+}
+
+impl CustomOp2 for PanelMatmulT {
+    fn name(&self) -> &'static str {
+        "panel-matmul-t"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        use crate::panels::{matmul_t, Weights};
+        let ((m, k), (n, k2)) = (l1.shape().dims2()?, l2.shape().dims2()?);
+        if k != k2 {
+            candle_core::bail!("panel-matmul-t: inner dimensions differ ({k} vs {k2})");
+        }
+        let (Some((a0, a1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
+            candle_core::bail!("panel-matmul-t: operands must be contiguous");
+        };
+        let w = match s2 {
+            CpuStorage::F32(w) => Weights::F32(&w[b0..b1]),
+            CpuStorage::BF16(w) => Weights::Bf16(&w[b0..b1]),
+            _ => candle_core::bail!("panel-matmul-t: w must be f32 or bf16"),
+        };
+        let CpuStorage::F32(x) = s1 else { candle_core::bail!("panel-matmul-t: x must be f32") };
+        Ok((CpuStorage::F32(matmul_t(&x[a0..a1], m, k, w, n, self.par_min_macs)), Shape::from((m, n))))
+    }
+}
+
 /// The candle op for a quantized W: x (m, k) contiguous f32 on the CPU -> (m, n).
 struct QuantMatmulT<'a> {
     q: &'a QMatrix,
     par_min_macs: usize,
+    /// a long window: through `panels` (dequantize a panel, gemm) rather than this kernel
+    panels: bool,
 }
 
 impl CustomOp1 for QuantMatmulT<'_> {
@@ -996,15 +1053,22 @@ impl CustomOp1 for QuantMatmulT<'_> {
         let (CpuStorage::F32(x), Some((a0, a1))) = (s, l.contiguous_offsets()) else {
             candle_core::bail!("quant-matmul-t: x must be contiguous f32");
         };
-        Ok((CpuStorage::F32(matmul_q(&x[a0..a1], m, self.q, self.par_min_macs)), Shape::from((m, self.q.n))))
+        let x = &x[a0..a1];
+        let y = if self.panels {
+            crate::panels::matmul_t(x, m, k, crate::panels::Weights::Quant(self.q), self.q.n, self.par_min_macs)
+        } else {
+            matmul_q(x, m, self.q, self.par_min_macs)
+        };
+        Ok((CpuStorage::F32(y), Shape::from((m, self.q.n))))
     }
 }
 
-/// `x · wᵀ` for a quantized w (CPU): every row count takes the kernel (`matmul_q`; a long window streams the
-/// weights once per ROW_BLOCK rows, each time dequantizing them again, about 1/64 of the arithmetic).
-pub fn linear_q(x: &Tensor, q: &QMatrix, k: &Kernels) -> candle_core::Result<Tensor> {
+/// `x · wᵀ` for a quantized w (CPU): few-row windows (`few`) take this kernel (`matmul_q`), long windows
+/// `panels` (each panel dequantized once, then gemm), or this kernel too with `Kernels::panels` off (it streams
+/// the weights once per ROW_BLOCK rows, each time dequantizing them again).
+pub fn linear_q(x: &Tensor, q: &QMatrix, k: &Kernels, few: bool) -> candle_core::Result<Tensor> {
     let x = if x.dtype() == DType::F32 { x.contiguous()? } else { x.to_dtype(DType::F32)?.contiguous()? };
-    x.apply_op1_no_bwd(&QuantMatmulT { q, par_min_macs: k.par_min_macs })
+    x.apply_op1_no_bwd(&QuantMatmulT { q, par_min_macs: k.par_min_macs, panels: k.panels && !few })
 }
 
 #[cfg(test)]
@@ -1178,8 +1242,8 @@ mod tests {
         )
         .unwrap();
         let x = Tensor::randn(0f32, 1.0, (9, 64), &candle_core::Device::Cpu).unwrap();
-        let all = linear_q(&x, &q, &Kernels::default()).unwrap();
-        let one = linear_q(&x.narrow(0, 4, 1).unwrap(), &q, &Kernels::default()).unwrap();
+        let all = linear_q(&x, &q, &Kernels::default(), true).unwrap();
+        let one = linear_q(&x.narrow(0, 4, 1).unwrap(), &q, &Kernels::default(), true).unwrap();
         assert_eq!(all.narrow(0, 4, 1).unwrap().to_vec2::<f32>().unwrap(), one.to_vec2::<f32>().unwrap());
     }
 }

@@ -213,7 +213,7 @@ impl CoreModel {
     /// load options for benchmarks' A/B runs.
     #[staticmethod]
     #[pyo3(signature = (path, device="auto", dtype=None, overrides=None, keep_bf16_weights=true, skinny=true,
-                        par_min_macs=None, max_rows=None, direct_attention=false, max_batch=None,
+                        par_min_macs=None, max_rows=None, direct_attention=false, panels=true, max_batch=None,
                         max_batch_rows=None, quantize=None, progress=None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
@@ -227,6 +227,7 @@ impl CoreModel {
         par_min_macs: Option<usize>,
         max_rows: Option<usize>,
         direct_attention: bool,
+        panels: bool,
         max_batch: Option<&Bound<'_, PyAny>>,
         max_batch_rows: Option<&Bound<'_, PyAny>>,
         quantize: Option<String>,
@@ -241,6 +242,7 @@ impl CoreModel {
             par_min_macs: par_min_macs.unwrap_or(d.par_min_macs),
             max_rows: max_rows.unwrap_or(d.max_rows),
             direct_attention,
+            panels,
             ..d
         };
         let limits = batch_limits(BatchLimits::default(), max_batch, max_batch_rows)?;
@@ -353,9 +355,17 @@ impl CoreModel {
     }
 
     /// Seconds per decode forward of `window` tokens over a `prefix`-token cache (benchmarks).
-    fn bench_forward(&self, py: Python<'_>, prefix: usize, window: usize, reps: usize) -> PyResult<Vec<f64>> {
+    #[pyo3(signature = (prefix, window, reps, last_row=false))]
+    fn bench_forward(
+        &self,
+        py: Python<'_>,
+        prefix: usize,
+        window: usize,
+        reps: usize,
+        last_row: bool,
+    ) -> PyResult<Vec<f64>> {
         let m = self.inner.clone();
-        run(py, move || m.bench_forward(prefix, window, reps))
+        run(py, move || m.bench_forward(prefix, window, reps, last_row))
     }
 
     /// Render chat messages (JSON text of a list of {role, content}) with the model's template.

@@ -79,9 +79,56 @@ impl Mlp {
                 .collect::<Result<Vec<_>>>()?;
             return Ok(Tensor::cat(&parts, 0)?);
         }
-        let g = self.gate.forward(x, k, few)?.silu()?;
+        let g = self.gate.forward(x, k, few)?;
         let u = self.up.forward(x, k, few)?;
-        self.down.forward(&(g * u)?, k, few)
+        self.down.forward(&silu_mul(&g, &u)?, k, few)
+    }
+}
+
+/// silu(g) · u, the MLP's gate. On the CPU one pass over f32 rows, in parallel for long windows (candle's unary
+/// and binary maps run on one thread and allocate twice); the same formula as candle's silu, so the same bits.
+fn silu_mul(g: &Tensor, u: &Tensor) -> Result<Tensor> {
+    if g.device().is_cpu() && g.dtype() == DType::F32 && u.dtype() == DType::F32 && g.dims() == u.dims() {
+        let (g, u) = (g.contiguous()?, u.contiguous()?);
+        return Ok(g.apply_op2_no_bwd(&u, &SiluMul)?);
+    }
+    Ok((g.silu()? * u)?)
+}
+
+struct SiluMul;
+
+impl candle_core::CustomOp2 for SiluMul {
+    fn name(&self) -> &'static str {
+        "silu-mul"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &candle_core::CpuStorage,
+        l1: &candle_core::Layout,
+        s2: &candle_core::CpuStorage,
+        l2: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        use rayon::prelude::*;
+        let (candle_core::CpuStorage::F32(g), candle_core::CpuStorage::F32(u)) = (s1, s2) else {
+            candle_core::bail!("silu-mul: f32 operands expected");
+        };
+        let (Some((a0, a1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
+            candle_core::bail!("silu-mul: contiguous operands expected");
+        };
+        let (g, u) = (&g[a0..a1], &u[b0..b1]);
+        let mut y = vec![0f32; g.len()];
+        let f = |(y, (g, u)): (&mut [f32], (&[f32], &[f32]))| {
+            for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
+                *y = g / (1.0 + (-g).exp()) * u;
+            }
+        };
+        const CHUNK: usize = 1 << 14;
+        if g.len() >= 4 * CHUNK {
+            y.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK))).for_each(f);
+        } else {
+            f((&mut y, (g, u)));
+        }
+        Ok((candle_core::CpuStorage::F32(y), l1.shape().clone()))
     }
 }
 
@@ -689,13 +736,8 @@ impl Attention {
                 let (r0, n, mask) = chunk?;
                 let qc = if n == w { qs.clone() } else { qs.narrow(1, r0, n)?.contiguous()? };
                 // GQA without repeating K/V: the n_rep query heads of a group are adjacent, so fold them into rows.
-                let att = qc.reshape((nkv, n_rep * n, d))?.matmul(&kt)?.affine(scale, 0.0)?;
-                let att = att.reshape((nkv, n_rep, n, s))?;
-                let att = match mask {
-                    Some(m) => att.broadcast_add(&m)?,
-                    None => att,
-                };
-                let att = candle_nn::ops::softmax_last_dim(&att)?.to_dtype(vv.dtype())?;
+                let att = qc.reshape((nkv, n_rep * n, d))?.matmul(&kt)?.reshape((nkv, n_rep, n, s))?;
+                let att = crate::attention::scaled_softmax(&att, scale, mask.as_ref())?.to_dtype(vv.dtype())?;
                 parts.push(att.reshape((nkv, n_rep * n, s))?.matmul(&vv)?.reshape((nh, n, d))?);
             }
             ys.push((i, parts));
@@ -757,3 +799,19 @@ const _: fn() = || {
     fn f<T: Send + Sync>() {}
     f::<QwenModel>();
 };
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn silu_mul_gives_the_bits_of_candles_silu_then_mul() {
+        // one-thread and parallel sizes, and a non-contiguous operand
+        for rows in [3usize, 64] {
+            let g = Tensor::randn(0f32, 3.0, (rows, 1100), &Device::Cpu).unwrap();
+            let u = Tensor::randn(0f32, 1.0, (1100, rows), &Device::Cpu).unwrap().t().unwrap();
+            let want = (g.silu().unwrap() * &u).unwrap().to_vec2::<f32>().unwrap();
+            assert_eq!(silu_mul(&g, &u).unwrap().to_vec2::<f32>().unwrap(), want);
+        }
+    }
+}
