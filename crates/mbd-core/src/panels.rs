@@ -64,6 +64,9 @@ pub fn matmul_t(x: &[f32], m: usize, k: usize, w: Weights<'_>, n: usize, par_min
 
 /// Fill the first `len` values of `scratch` (rows of `k`) with `f(first_row, rows' values)`, in parallel chunks.
 fn fill(scratch: &mut Vec<f32>, len: usize, f: impl Fn(usize, &mut [f32]) + Sync, k: usize) {
+    if len == 0 {
+        return;
+    }
     if scratch.len() < len {
         scratch.resize(len, 0.0);
     }
@@ -76,7 +79,7 @@ const FILL_CHUNK: usize = 1 << 15;
 
 /// Weight rows per panel: about `PANEL_VALUES` values (16-row multiples, gemm's tile), at most all n.
 fn panel_rows(n: usize, k: usize) -> usize {
-    ((PANEL_VALUES / k.max(1)).div_ceil(16) * 16).clamp(16, n.max(1))
+    ((PANEL_VALUES / k.max(1)).div_ceil(16) * 16).max(16).min(n.max(1))
 }
 
 /// Values of W converted to f32 at a time (the scratch: 8 MB, about the last-level cache).
@@ -167,15 +170,22 @@ mod tests {
 
     #[test]
     fn panels_match_a_reference_for_every_weight_form_and_split() {
-        // n not a multiple of the panel width, several panels, serial and parallel splits
-        let (m, k, n) = (67, 256, 530);
+        // n not a multiple of the panel width, several panels, serial and parallel splits; and tiny matrices
+        // (8300 rows of 256: two panels)
+        for (m, k, n) in [(67usize, 256usize, 530usize), (5, 256, 8300), (70, 32, 5), (3, 32, 1)] {
+            one_shape(m, k, n);
+        }
+    }
+
+    fn one_shape(m: usize, k: usize, n: usize) {
         let x = randn(m * k, 1);
         let w = randn(n * k, 2);
         let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
         let wb32: Vec<f32> = wb.iter().map(|v| v.to_f32()).collect();
+        let format = if k % 256 == 0 { QuantFormat::Q4K } else { QuantFormat::Q8_0 };
         let q = QMatrix::quantize(
             &candle_core::Tensor::from_vec(w.clone(), (n, k), &candle_core::Device::Cpu).unwrap(),
-            QuantFormat::Q4K,
+            format,
         )
         .unwrap();
         let mut wq = vec![0f32; n * k];
