@@ -182,7 +182,7 @@ mod tests {
         let w = randn(n * k, 2);
         let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
         let wb32: Vec<f32> = wb.iter().map(|v| v.to_f32()).collect();
-        let format = if k % 256 == 0 { QuantFormat::Q4K } else { QuantFormat::Q8_0 };
+        let format = if k.is_multiple_of(256) { QuantFormat::Q4K } else { QuantFormat::Q8_0 };
         let q = QMatrix::quantize(
             &candle_core::Tensor::from_vec(w.clone(), (n, k), &candle_core::Device::Cpu).unwrap(),
             format,
