@@ -48,8 +48,9 @@ fn run() {
                 let y2 = x
                     .apply_op2_no_bwd(
                         &w,
-                        &mbd_core::skinny::SkinnyMatmulT {
+                        &mbd_core::skinny::DenseMatmulT {
                             par_min_macs: mbd_core::skinny::Kernels::default().par_min_macs,
+                            panels: false,
                         },
                     )
                     .unwrap();

@@ -15,6 +15,7 @@
 //! Opt-in (`Kernels::direct_attention`): measured even with candle's path so far (attention is ~5% of a batched
 //! forward on the tiny model; the linear layers dominate), so it is not the default yet.
 
+use crate::error::{Error, Result};
 use rayon::prelude::*;
 use std::ops::Range;
 
@@ -213,30 +214,27 @@ pub fn scaled_softmax(
     att: &candle_core::Tensor,
     scale: f64,
     mask: Option<&candle_core::Tensor>,
-) -> candle_core::Result<candle_core::Tensor> {
+) -> Result<candle_core::Tensor> {
     use candle_core::cpu::kernels::VecOps;
-    use candle_core::{DType, Storage, Tensor};
+    use candle_core::{DType, Tensor};
     let dims = att.dims().to_vec();
-    let (n, s) = (dims[dims.len() - 2], dims[dims.len() - 1]);
-    let cpu_f32 = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous();
-    let fits = dims.len() >= 2 && cpu_f32(att) && mask.is_none_or(|m| cpu_f32(m) && m.dims() == [n, s]);
-    if !fits || s == 0 {
-        let att = att.affine(scale, 0.0)?;
-        let att = match mask {
-            Some(m) => att.broadcast_add(m)?,
-            None => att,
-        };
-        return candle_nn::ops::softmax_last_dim(&att);
-    }
+    let on_cpu = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous();
+    let (n, s) = match dims[..] {
+        [.., n, s] if s > 0 && on_cpu(att) && mask.is_none_or(|m| on_cpu(m) && m.dims() == [n, s]) => (n, s),
+        _ => {
+            let att = att.affine(scale, 0.0)?;
+            let att = match mask {
+                Some(m) => att.broadcast_add(m)?,
+                None => att,
+            };
+            return Ok(candle_nn::ops::softmax_last_dim(&att)?);
+        }
+    };
     let (a_st, a_l) = att.storage_and_layout();
-    let Storage::Cpu(candle_core::CpuStorage::F32(a)) = &*a_st else { unreachable!("checked: f32 on the CPU") };
-    let a = &a[a_l.start_offset()..a_l.start_offset() + att.elem_count()];
+    let a = cpu_f32(&a_st, a_l.start_offset(), att.elem_count())?;
     let m_guard = mask.map(|m| m.storage_and_layout());
-    let m: Option<&[f32]> = match &m_guard {
-        Some((st, l)) => match &**st {
-            Storage::Cpu(candle_core::CpuStorage::F32(v)) => Some(&v[l.start_offset()..l.start_offset() + n * s]),
-            _ => unreachable!("checked: f32 on the CPU"),
-        },
+    let m = match &m_guard {
+        Some((st, l)) => Some(cpu_f32(st, l.start_offset(), n * s)?),
         None => None,
     };
     let (mul, add) = (scale as f32, 0f32);
@@ -268,9 +266,17 @@ pub fn scaled_softmax(
             *y /= sum;
         }
     });
-    drop(m_guard);
-    drop(a_st);
-    Tensor::from_vec(out, dims, att.device())
+    Ok(Tensor::from_vec(out, dims, att.device())?)
+}
+
+/// The f32 values [offset, offset + n) of a CPU storage.
+pub(crate) fn cpu_f32(s: &candle_core::Storage, offset: usize, n: usize) -> Result<&[f32]> {
+    match s {
+        candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) if offset + n <= v.len() => {
+            Ok(&v[offset..offset + n])
+        }
+        _ => Err(Error::Internal("CPU attention needs f32 CPU tensors".into())),
+    }
 }
 
 #[cfg(test)]

@@ -17,14 +17,14 @@ use rayon::prelude::*;
 
 /// A weight matrix (n × k, row-major) as the panels read it.
 #[derive(Clone, Copy)]
-pub enum Weights<'a> {
+pub enum Source<'a> {
     F32(&'a [f32]),
     Bf16(&'a [bf16]),
     Quant(&'a QMatrix),
 }
 
 /// y (m × n) = x (m × k) · Wᵀ, each gemm call parallel on the calling pool from `par_min_macs` multiply-adds.
-pub fn matmul_t(x: &[f32], m: usize, k: usize, w: Weights<'_>, n: usize, par_min_macs: usize) -> Vec<f32> {
+pub fn matmul_t(x: &[f32], m: usize, k: usize, w: Source<'_>, n: usize, par_min_macs: usize) -> Vec<f32> {
     assert_eq!(x.len(), m * k);
     thread_local! {
         static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -33,18 +33,18 @@ pub fn matmul_t(x: &[f32], m: usize, k: usize, w: Weights<'_>, n: usize, par_min
     let out = y.as_mut_ptr();
     let threads = rayon::current_num_threads();
     // f32 weights need no conversion: one panel, the whole matrix
-    let rows = if let Weights::F32(_) = w { n.max(1) } else { panel_rows(n, k) };
+    let rows = if let Source::F32(_) = w { n.max(1) } else { panel_rows(n, k) };
     SCRATCH.with(|s| {
         let mut s = s.borrow_mut();
         for n0 in (0..n).step_by(rows) {
             let nw = rows.min(n - n0);
             let panel: &[f32] = match w {
-                Weights::F32(w) => &w[n0 * k..(n0 + nw) * k],
-                Weights::Bf16(w) => {
+                Source::F32(w) => &w[n0 * k..(n0 + nw) * k],
+                Source::Bf16(w) => {
                     fill(&mut s, nw * k, |r0, dst| widen(&w[(n0 + r0) * k..(n0 + r0) * k + dst.len()], dst), k);
                     &s[..nw * k]
                 }
-                Weights::Quant(q) => {
+                Source::Quant(q) => {
                     fill(&mut s, nw * k, |r0, dst| dequantize_rows(q, n0 + r0, dst.len() / k, dst), k);
                     &s[..nw * k]
                 }
@@ -191,9 +191,9 @@ mod tests {
         let mut wq = vec![0f32; n * k];
         q.dequantize_rows(0, n, &mut wq);
         for par in [usize::MAX, 1] {
-            close(&matmul_t(&x, m, k, Weights::F32(&w), n, par), &reference(&x, m, k, &w, n), k);
-            close(&matmul_t(&x, m, k, Weights::Bf16(&wb), n, par), &reference(&x, m, k, &wb32, n), k);
-            close(&matmul_t(&x, m, k, Weights::Quant(&q), n, par), &reference(&x, m, k, &wq, n), k);
+            close(&matmul_t(&x, m, k, Source::F32(&w), n, par), &reference(&x, m, k, &w, n), k);
+            close(&matmul_t(&x, m, k, Source::Bf16(&wb), n, par), &reference(&x, m, k, &wb32, n), k);
+            close(&matmul_t(&x, m, k, Source::Quant(&q), n, par), &reference(&x, m, k, &wq, n), k);
         }
     }
 
@@ -206,7 +206,7 @@ mod tests {
         let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
         let wb32: Vec<f32> = wb.iter().map(|v| v.to_f32()).collect();
         let par = 1;
-        assert_eq!(matmul_t(&x, m, k, Weights::Bf16(&wb), n, par), matmul_t(&x, m, k, Weights::F32(&wb32), n, par));
+        assert_eq!(matmul_t(&x, m, k, Source::Bf16(&wb), n, par), matmul_t(&x, m, k, Source::F32(&wb32), n, par));
         let q = QMatrix::quantize(
             &candle_core::Tensor::from_vec(w, (n, k), &candle_core::Device::Cpu).unwrap(),
             QuantFormat::Q8_0,
@@ -214,6 +214,6 @@ mod tests {
         .unwrap();
         let mut wq = vec![0f32; n * k];
         q.dequantize_rows(0, n, &mut wq);
-        assert_eq!(matmul_t(&x, m, k, Weights::Quant(&q), n, par), matmul_t(&x, m, k, Weights::F32(&wq), n, par));
+        assert_eq!(matmul_t(&x, m, k, Source::Quant(&q), n, par), matmul_t(&x, m, k, Source::F32(&wq), n, par));
     }
 }

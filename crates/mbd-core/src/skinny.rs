@@ -928,14 +928,16 @@ unsafe fn q_columns(isa: Isa, x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: u
     }
 }
 
-/// The candle op: (x: (m, k), w: (n, k)) -> (m, n), both contiguous f32 on the CPU.
-pub struct SkinnyMatmulT {
+/// The candle op for a dense W: (x: (m, k) f32, w: (n, k) f32 or bf16) -> (m, n), both contiguous on the CPU;
+/// this kernel (`matmul_t`), or `panels::matmul_t` for a long window (`panels`).
+pub struct DenseMatmulT {
     pub par_min_macs: usize,
+    pub panels: bool,
 }
 
-impl CustomOp2 for SkinnyMatmulT {
+impl CustomOp2 for DenseMatmulT {
     fn name(&self) -> &'static str {
-        "skinny-matmul-t"
+        "dense-matmul-t"
     }
     fn cpu_fwd(
         &self,
@@ -944,27 +946,35 @@ impl CustomOp2 for SkinnyMatmulT {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
+        use crate::panels::Source;
         let ((m, k), (n, k2)) = (l1.shape().dims2()?, l2.shape().dims2()?);
         if k != k2 {
-            candle_core::bail!("skinny-matmul-t: inner dimensions differ ({k} vs {k2})");
+            candle_core::bail!("dense-matmul-t: inner dimensions differ ({k} vs {k2})");
         }
         let (Some((a0, a1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
-            candle_core::bail!("skinny-matmul-t: operands must be contiguous");
+            candle_core::bail!("dense-matmul-t: operands must be contiguous");
         };
-        let y = match (s1, s2) {
-            (CpuStorage::F32(x), CpuStorage::F32(w)) => matmul_t(&x[a0..a1], m, k, &w[b0..b1], n, self.par_min_macs),
-            (CpuStorage::F32(x), CpuStorage::BF16(w)) => matmul_t(&x[a0..a1], m, k, &w[b0..b1], n, self.par_min_macs),
-            _ => candle_core::bail!("skinny-matmul-t: x must be f32 and w f32 or bf16"),
+        let (CpuStorage::F32(x), w) = (s1, s2) else { candle_core::bail!("dense-matmul-t: x must be f32") };
+        let (x, par) = (&x[a0..a1], self.par_min_macs);
+        let y = match (w, self.panels) {
+            (CpuStorage::F32(w), false) => matmul_t(x, m, k, &w[b0..b1], n, par),
+            (CpuStorage::BF16(w), false) => matmul_t(x, m, k, &w[b0..b1], n, par),
+            (CpuStorage::F32(w), true) => crate::panels::matmul_t(x, m, k, Source::F32(&w[b0..b1]), n, par),
+            (CpuStorage::BF16(w), true) => crate::panels::matmul_t(x, m, k, Source::Bf16(&w[b0..b1]), n, par),
+            _ => candle_core::bail!("dense-matmul-t: w must be f32 or bf16"),
         };
         Ok((CpuStorage::F32(y), Shape::from((m, n))))
     }
 }
 
-/// Whether this kernel can compute `x · wᵀ`: CPU, x f32 2-D contiguous, w f32 or bf16 2-D contiguous, and the
-/// kernel switched on.
+/// Whether this kernel can compute `x · wᵀ`: the operands fit `DenseMatmulT` and the kernel is switched on.
 pub fn supports(x: &Tensor, w: &Tensor, k: &Kernels) -> bool {
-    k.skinny
-        && x.device().is_cpu()
+    k.skinny && dense_operands(x, w)
+}
+
+/// Whether `DenseMatmulT` takes these operands: CPU, x f32 2-D contiguous, w f32 or bf16 2-D contiguous.
+fn dense_operands(x: &Tensor, w: &Tensor) -> bool {
+    x.device().is_cpu()
         && x.dtype() == DType::F32
         && matches!(w.dtype(), DType::F32 | DType::BF16)
         && x.rank() == 2
@@ -988,48 +998,13 @@ pub fn linear(x: &Tensor, w: &Tensor, k: &Kernels, few: bool) -> candle_core::Re
     // bf16 weights exist only on the CPU and only this kernel reads them: give it a contiguous x
     let x = if w.dtype() == DType::BF16 && !x.is_contiguous() { x.contiguous()? } else { x.clone() };
     if few && supports(&x, w, k) {
-        x.apply_op2_no_bwd(w, &SkinnyMatmulT { par_min_macs: k.par_min_macs })
-    } else if k.panels && supports(&x, w, &Kernels { skinny: true, ..*k }) {
-        x.apply_op2_no_bwd(w, &PanelMatmulT { par_min_macs: k.par_min_macs })
+        x.apply_op2_no_bwd(w, &DenseMatmulT { par_min_macs: k.par_min_macs, panels: false })
+    } else if k.panels && dense_operands(&x, w) {
+        x.apply_op2_no_bwd(w, &DenseMatmulT { par_min_macs: k.par_min_macs, panels: true })
     } else if w.dtype() == DType::BF16 {
         x.matmul(&w.to_dtype(x.dtype())?.t()?)
     } else {
         x.matmul(&w.t()?)
-    }
-}
-
-/// The candle op of `panels::matmul_t` for a dense W: x (m, k) f32, w (n, k) f32 or bf16, both contiguous on the
-/// CPU -> (m, n).
-struct PanelMatmulT {
-    par_min_macs: usize,
-}
-
-impl CustomOp2 for PanelMatmulT {
-    fn name(&self) -> &'static str {
-        "panel-matmul-t"
-    }
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        use crate::panels::{matmul_t, Weights};
-        let ((m, k), (n, k2)) = (l1.shape().dims2()?, l2.shape().dims2()?);
-        if k != k2 {
-            candle_core::bail!("panel-matmul-t: inner dimensions differ ({k} vs {k2})");
-        }
-        let (Some((a0, a1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
-            candle_core::bail!("panel-matmul-t: operands must be contiguous");
-        };
-        let w = match s2 {
-            CpuStorage::F32(w) => Weights::F32(&w[b0..b1]),
-            CpuStorage::BF16(w) => Weights::Bf16(&w[b0..b1]),
-            _ => candle_core::bail!("panel-matmul-t: w must be f32 or bf16"),
-        };
-        let CpuStorage::F32(x) = s1 else { candle_core::bail!("panel-matmul-t: x must be f32") };
-        Ok((CpuStorage::F32(matmul_t(&x[a0..a1], m, k, w, n, self.par_min_macs)), Shape::from((m, n))))
     }
 }
 
@@ -1055,7 +1030,7 @@ impl CustomOp1 for QuantMatmulT<'_> {
         };
         let x = &x[a0..a1];
         let y = if self.panels {
-            crate::panels::matmul_t(x, m, k, crate::panels::Weights::Quant(self.q), self.q.n, self.par_min_macs)
+            crate::panels::matmul_t(x, m, k, crate::panels::Source::Quant(self.q), self.q.n, self.par_min_macs)
         } else {
             matmul_q(x, m, self.q, self.par_min_macs)
         };

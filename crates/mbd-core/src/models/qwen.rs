@@ -751,7 +751,7 @@ impl Attention {
             {
                 let q = q.contiguous()?;
                 let (qs, ql) = q.storage_and_layout();
-                let qv = cpu_f32(&qs, ql.start_offset(), nh * r * d)?;
+                let qv = crate::attention::cpu_f32(&qs, ql.start_offset(), nh * r * d)?;
                 let guards: Vec<_> = order
                     .iter()
                     .filter(|&&i| masks[i].visible.is_some())
@@ -763,8 +763,8 @@ impl Attention {
                 let mut kvs = Vec::with_capacity(guards.len());
                 for (i, (ks, kl), (vs, vl), cap) in &guards {
                     kvs.push(crate::attention::SegmentKv {
-                        k: cpu_f32(ks, kl.start_offset(), nkv * cap * d)?,
-                        v: cpu_f32(vs, vl.start_offset(), nkv * cap * d)?,
+                        k: crate::attention::cpu_f32(ks, kl.start_offset(), nkv * cap * d)?,
+                        v: crate::attention::cpu_f32(vs, vl.start_offset(), nkv * cap * d)?,
                         capacity: *cap,
                         row0: spans[*i].0,
                         visible: masks[*i].visible.as_deref().expect("direct segment"),
@@ -781,16 +781,6 @@ impl Attention {
             Tensor::from_vec(out, (r, nh * d), x.device())?
         };
         groups.apply(&y, |y, few| self.o.forward(y, kn, few))
-    }
-}
-
-/// The f32 values [offset, offset + n) of a CPU storage.
-fn cpu_f32(s: &candle_core::Storage, offset: usize, n: usize) -> Result<&[f32]> {
-    match s {
-        candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) if offset + n <= v.len() => {
-            Ok(&v[offset..offset + n])
-        }
-        _ => Err(Error::Internal("direct attention needs f32 CPU tensors".into())),
     }
 }
 
