@@ -157,7 +157,8 @@ class Engine:
              max_batch: Optional[int] = None, max_batch_rows: Optional[int] = None,
              progress: LoadProgress = None, _kernels: Optional[Dict[str, Any]] = None,
              **profile_overrides: Any) -> "Engine":
-        """Load an HF-format model directory (default: the embedded mbd-tiny model), or a Hugging Face Hub id
+        """Load an HF-format model directory (default: the embedded mbd-tiny model), a GGUF file (llama.cpp's
+        format: qwen2, qwen3, qwen3moe and dream architectures; see the README), or a Hugging Face Hub id
         ("org/name", at `revision`: a branch, tag or commit; default "main") through the local Hub cache,
         downloading what is missing (see resolve_model_path).
 

@@ -53,6 +53,14 @@ impl ChatTemplate {
             }
         };
         let Some(source) = source else { return Ok(None) };
+        let bos_token = token_string(tc.as_ref().and_then(|m| m.get("bos_token")));
+        let eos_token = token_string(tc.as_ref().and_then(|m| m.get("eos_token")));
+        Self::new(source, bos_token, eos_token, &dir.display().to_string()).map(Some)
+    }
+
+    /// A template from its source and the bos/eos token strings it may use (`label`: where it came from, for
+    /// the parse error).
+    pub fn new(source: String, bos_token: String, eos_token: String, label: &str) -> Result<ChatTemplate> {
         let mut env = minijinja::Environment::new();
         // A template comes from the model directory: bound its work (loops included) per render.
         env.set_fuel(Some(TEMPLATE_FUEL));
@@ -63,10 +71,8 @@ impl ChatTemplate {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });
         env.add_template_owned("chat", source)
-            .map_err(|e| Error::config(format!("{}: chat template does not parse: {e}", dir.display())))?;
-        let bos_token = token_string(tc.as_ref().and_then(|m| m.get("bos_token")));
-        let eos_token = token_string(tc.as_ref().and_then(|m| m.get("eos_token")));
-        Ok(Some(ChatTemplate { env, bos_token, eos_token }))
+            .map_err(|e| Error::config(format!("{label}: chat template does not parse: {e}")))?;
+        Ok(ChatTemplate { env, bos_token, eos_token })
     }
 
     /// `messages`: a JSON list of {"role", "content"} objects.

@@ -168,7 +168,13 @@ fn load_tokenizer(dir: &Path) -> Result<tokenizers::Tokenizer> {
     }
     let bad = |why: String| Error::load(format!("{}: not a valid tokenizer: {why}", p.display()));
     let text = std::fs::read_to_string(&p).map_err(|e| bad(e.to_string()))?;
-    serde_json::from_str::<serde::de::IgnoredAny>(&text).map_err(|e| {
+    tokenizer_from_json(&text, &p.display().to_string())
+}
+
+/// A tokenizer from the text of a tokenizer.json (`label`: where it came from, for messages).
+fn tokenizer_from_json(text: &str, label: &str) -> Result<tokenizers::Tokenizer> {
+    let bad = |why: String| Error::load(format!("{label}: not a valid tokenizer: {why}"));
+    serde_json::from_str::<serde::de::IgnoredAny>(text).map_err(|e| {
         bad(format!("malformed JSON ({:?} error at line {} column {})", e.classify(), e.line(), e.column()))
     })?;
     let built = std::panic::catch_unwind(|| text.parse::<tokenizers::Tokenizer>());
@@ -184,7 +190,7 @@ fn load_tokenizer(dir: &Path) -> Result<tokenizers::Tokenizer> {
         }
     };
     tok.with_padding(None);
-    tok.with_truncation(None).map_err(|e| Error::load(format!("{}: {e}", p.display())))?;
+    tok.with_truncation(None).map_err(|e| Error::load(format!("{label}: {e}")))?;
     Ok(tok)
 }
 
@@ -223,25 +229,38 @@ pub fn chunks(grid: &BlockGrid, start: usize, stop: usize) -> Vec<(usize, usize)
 }
 
 impl Model {
+    /// Load a model directory (config.json, tokenizer.json, safetensors) or a GGUF file (`crate::gguf`).
     pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Model> {
         let (device, dtype, ov) = (&opts.device, opts.dtype, &opts.overrides);
-        if !dir.is_dir() {
+        let gguf = if dir.is_file() {
+            Some(crate::gguf::GgufFile::read(dir)?)
+        } else if dir.is_dir() {
+            None
+        } else {
             return Err(Error::FileNotFound {
                 path: dir.to_path_buf(),
-                what: "no such model directory (expected config.json, tokenizer.json and *.safetensors)".into(),
+                what: "no such model directory (expected config.json, tokenizer.json and *.safetensors) or GGUF file"
+                    .into(),
             });
-        }
+        };
         let cfg_path = dir.join("config.json");
-        let cfg_map = read_json(&cfg_path)?;
-        let cfg_file = cfg_path.display().to_string();
+        let (cfg_map, cfg_file) = match &gguf {
+            Some(g) => (g.hf_config()?, format!("{} (GGUF metadata as config.json)", dir.display())),
+            None => (read_json(&cfg_path)?, cfg_path.display().to_string()),
+        };
         let cfg_fields = Fields { file: &cfg_file, map: &cfg_map };
         let (family, architecture) = detect_family(&cfg_fields)?;
         let config = ModelConfig::from_json(&cfg_fields, family.arch())?;
         let gen_path = dir.join("generation_config.json");
         let gen_file = gen_path.display().to_string();
-        let gen_map = if gen_path.exists() { Some(read_json(&gen_path)?) } else { None };
+        let gen_map = if gguf.is_none() && gen_path.exists() { Some(read_json(&gen_path)?) } else { None };
         let gen_fields = gen_map.as_ref().map(|m| Fields { file: &gen_file, map: m });
-        let tokenizer = load_tokenizer(dir)?;
+        let tokenizer = match &gguf {
+            Some(g) => {
+                tokenizer_from_json(&g.tokenizer_json()?.to_string(), &format!("{} (GGUF tokenizer)", dir.display()))?
+            }
+            None => load_tokenizer(dir)?,
+        };
         let profile = Profile::resolve(
             family,
             architecture,
@@ -274,19 +293,31 @@ impl Model {
                 )));
             }
         }
-        let files = checkpoint_files(dir)?;
-        let ws = Weights::open(&files, device, dtype, opts.keep_bf16_weights, opts.quantize)?
-            .with_progress(opts.progress.clone());
+        let ws = match &gguf {
+            Some(g) => Weights::open_gguf(g, device, dtype, opts.keep_bf16_weights, opts.quantize)?,
+            None => Weights::open(&checkpoint_files(dir)?, device, dtype, opts.keep_bf16_weights, opts.quantize)?,
+        }
+        .with_progress(opts.progress.clone());
         let num_parameters = ws.num_parameters();
         let net = QwenModel::load(&config, &ws, device, dtype, opts.kernels)?;
         let weight_bytes = ws.loaded_bytes();
+        let held = ws.held_formats();
         let weight_format = match (opts.quantize, net.table_dtype()) {
-            (Some(q), _) => q.name(),
-            (None, Some(d)) => dtype_name(d),
+            (Some(q), _) => q.name().to_string(),
+            // A GGUF file's block formats, as held.
+            (None, _) if !held.is_empty() => held.join("+"),
+            (None, Some(d)) => dtype_name(d).to_string(),
             (None, None) => return Err(Error::Internal("a quantized table without the quantize option".into())),
-        }
-        .to_string();
-        let chat_template = crate::chat::ChatTemplate::from_dir(dir)?;
+        };
+        let chat_template = match &gguf {
+            Some(g) => match g.chat_template()? {
+                Some((src, bos, eos)) => {
+                    Some(crate::chat::ChatTemplate::new(src, bos, eos, &format!("{} (GGUF metadata)", dir.display()))?)
+                }
+                None => None,
+            },
+            None => crate::chat::ChatTemplate::from_dir(dir)?,
+        };
         let max_token_bytes = tokenizer.get_vocab(true).keys().map(|t| t.len()).max().unwrap_or(1);
         let mut special_tokens: Vec<String> =
             tokenizer.get_added_tokens_decoder().into_values().filter(|t| t.special).map(|t| t.content).collect();

@@ -6,7 +6,8 @@
 //! - `request`: every request parameter (name, kind, range, help), written once; `GenRequest` and friends.
 //! - `engine`: a loaded model directory (`Model`: weights, tokenizer, profile, chat template) and its calls.
 //! - `models::qwen`: the Qwen2/Qwen3/Qwen3-MoE forward over a prefix KV cache (`kv_cache`).
-//! - `weights`: safetensors checkpoints, read tensor by tensor into the model's buffers.
+//! - `weights`: safetensors checkpoints (and GGUF files' tensors), read tensor by tensor into the model's buffers.
+//! - `gguf`: a model as one GGUF file: its metadata as config fields, its tokenizer, its tensors' names.
 //! - `config`: model directory JSON → dimensions (`ModelConfig`), decoding profile (`Profile`), family defaults.
 //! - `chat`: the model's chat template (minijinja).
 //! - `window`: which positions a step forwards and which K/V it commits (exact prefix cache or recompute).
@@ -38,6 +39,7 @@ pub mod chat;
 pub mod config;
 pub mod cpu_pool;
 pub mod decoder;
+pub mod gguf;
 pub mod kv_cache;
 pub mod mask;
 pub mod output;

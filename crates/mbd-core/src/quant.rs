@@ -84,6 +84,15 @@ impl QuantFormat {
     pub fn row_bytes(self, k: usize) -> usize {
         k / self.block_values() * self.block_bytes()
     }
+    /// The format of a GGUF block type, when the kernel multiplies it.
+    pub fn from_ggml(g: GgmlDType) -> Option<QuantFormat> {
+        match g {
+            GgmlDType::Q8_0 => Some(QuantFormat::Q8_0),
+            GgmlDType::Q4K => Some(QuantFormat::Q4K),
+            GgmlDType::Q5_0 => Some(QuantFormat::Q5_0),
+            _ => None,
+        }
+    }
     fn ggml(self) -> GgmlDType {
         match self {
             QuantFormat::Q8_0 => GgmlDType::Q8_0,
@@ -152,7 +161,8 @@ impl QMatrix {
         Ok(QMatrix { format, n, k, data })
     }
 
-    /// Build from GGUF block bytes (n rows of k values in `format`).
+    /// Build from GGUF block bytes (n rows of k values in `format`). Refuses blocks whose f16 scale (or q4_k's
+    /// min scale) is NaN or infinite: such a matrix would only ever give NaN logits.
     pub fn from_bytes(format: QuantFormat, n: usize, k: usize, data: Vec<u8>) -> Result<QMatrix> {
         if k == 0 || !k.is_multiple_of(format.block_values()) || data.len() != n * format.row_bytes(k) {
             return Err(Error::invalid(format!(
@@ -160,6 +170,18 @@ impl QMatrix {
                 data.len(),
                 format.name()
             )));
+        }
+        let scales: &[usize] = if format == QuantFormat::Q4K { &[0, 2] } else { &[0] };
+        let bb = format.block_bytes();
+        for (b, block) in data.chunks_exact(bb).enumerate() {
+            for &o in scales {
+                if !f16::from_le_bytes([block[o], block[o + 1]]).is_finite() {
+                    return Err(Error::load(format!(
+                        "block {b} (row {}) has a non-finite scale; refused (it would give NaN logits)",
+                        b * format.block_values() / k
+                    )));
+                }
+            }
         }
         Ok(QMatrix { format, n, k, data })
     }

@@ -14,6 +14,7 @@
 
 use crate::error::{Error, Result};
 use crate::quant::{Matrix, QMatrix, QuantFormat};
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor, WithDType};
 use safetensors::tensor::{Dtype, TensorInfo};
 use std::collections::HashMap;
@@ -27,9 +28,38 @@ const MAX_HEADER: u64 = 100_000_000;
 struct Shard {
     path: PathBuf,
     file: File,
-    /// Offset of the data section (8 + header length).
+    /// Offset of the data section (safetensors: 8 + header length; GGUF: after the aligned header).
     data_start: u64,
-    tensors: HashMap<String, TensorInfo>,
+    tensors: HashMap<String, Entry>,
+}
+
+/// How a stored tensor's elements are encoded.
+#[derive(Clone, Copy, Debug)]
+enum Element {
+    /// Floats: safetensors F32/F16/BF16/F64, GGUF f32/f16/bf16.
+    Float(DType),
+    /// A GGUF block format (q8_0, q4_k, q6_k, ...).
+    Block(GgmlDType),
+    /// A safetensors dtype we do not read (named in the error when the tensor is asked for).
+    Other(Dtype),
+}
+
+impl Element {
+    fn name(&self) -> String {
+        match self {
+            Element::Float(d) => format!("{d:?}").to_uppercase(),
+            Element::Block(g) => crate::gguf::dtype_name(*g).to_string(),
+            Element::Other(d) => format!("{d:?}"),
+        }
+    }
+}
+
+/// One stored tensor: its shape (PyTorch order), encoding and byte range inside its file's data section.
+struct Entry {
+    shape: Vec<usize>,
+    element: Element,
+    start: u64,
+    end: u64,
 }
 
 /// Reports loading progress: (checkpoint bytes read so far, checkpoint bytes in all), after each tensor.
@@ -50,6 +80,8 @@ pub struct Weights {
     keep_bf16: bool,
     /// The `quantize` load option: the format of the matrices `weight` and `table` hand out.
     quantize: Option<QuantFormat>,
+    /// The block formats of the quantized matrices handed out so far.
+    held: std::cell::RefCell<std::collections::BTreeSet<&'static str>>,
     /// Bytes of the tensors handed out so far (as held in memory).
     loaded: std::cell::Cell<usize>,
     /// Checkpoint bytes read so far, of `total` (the tensors' data in all shards), and who hears of it.
@@ -221,7 +253,8 @@ fn open_shard(path: &Path) -> Result<Shard> {
         if s < e {
             ranges.push((s, e, name.clone()));
         }
-        tensors.insert(name, info);
+        let element = element_dtype(info.dtype).map(Element::Float).unwrap_or(Element::Other(info.dtype));
+        tensors.insert(name, Entry { shape: info.shape, element, start: s as u64, end: e as u64 });
     }
     ranges.sort();
     for w in ranges.windows(2) {
@@ -327,20 +360,68 @@ impl Weights {
             }
             shards.push(shard);
         }
-        let total =
-            shards.iter().flat_map(|s| s.tensors.values()).map(|t| (t.data_offsets.1 - t.data_offsets.0) as u64).sum();
-        Ok(Weights {
+        Ok(Self::from_shards(shards, index, device, dtype, keep_bf16, quantize))
+    }
+
+    /// The tensors of a GGUF file (`crate::gguf`), under the Hugging Face names the model asks for. Block-format
+    /// matrices our kernel multiplies (q8_0, q4_k, q5_0) are kept as stored on the CPU in float32; other block
+    /// formats are dequantized at load and held as q8_0 (or in the `quantize` format when one is asked for); on
+    /// other devices every matrix is dequantized to the compute dtype.
+    pub fn open_gguf(
+        g: &crate::gguf::GgufFile,
+        device: &Device,
+        dtype: DType,
+        keep_bf16: bool,
+        quantize: Option<QuantFormat>,
+    ) -> Result<Self> {
+        if cfg!(target_endian = "big") {
+            return Err(Error::load("GGUF files are little-endian; big-endian hosts are not supported"));
+        }
+        let file = File::open(&g.path).map_err(|e| Error::load(format!("{}: cannot read: {e}", g.path.display())))?;
+        let mut tensors = HashMap::new();
+        for t in g.hf_tensors()? {
+            let element = match t.dtype {
+                GgmlDType::F32 => Element::Float(DType::F32),
+                GgmlDType::F16 => Element::Float(DType::F16),
+                GgmlDType::BF16 => Element::Float(DType::BF16),
+                b => Element::Block(b),
+            };
+            let e = Entry { shape: t.shape, element, start: t.start, end: t.end };
+            if tensors.insert(t.name.clone(), e).is_some() {
+                return Err(Error::load(format!(
+                    "{}: two tensors of the file are both '{}' under Hugging Face names",
+                    g.path.display(),
+                    t.name
+                )));
+            }
+        }
+        let index = tensors.keys().map(|k| (k.clone(), 0)).collect();
+        let shard = Shard { path: g.path.clone(), file, data_start: g.data_start, tensors };
+        Ok(Self::from_shards(vec![shard], index, device, dtype, keep_bf16, quantize))
+    }
+
+    fn from_shards(
+        shards: Vec<Shard>,
+        index: HashMap<String, usize>,
+        device: &Device,
+        dtype: DType,
+        keep_bf16: bool,
+        quantize: Option<QuantFormat>,
+    ) -> Self {
+        let total = shards.iter().flat_map(|s| s.tensors.values()).map(|t| t.end - t.start).sum();
+        Weights {
             shards,
             index,
             device: device.clone(),
             dtype,
             keep_bf16,
             quantize,
+            held: Default::default(),
             loaded: std::cell::Cell::new(0),
             read: std::cell::Cell::new(0),
             total,
             progress: None,
-        })
+        }
     }
 
     /// Report progress to `p` after each tensor read.
@@ -396,69 +477,151 @@ impl Weights {
     /// A linear layer's weight matrix: quantized under the `quantize` option (in the format
     /// `QuantFormat::for_matrix` picks), else as `get_matrix`.
     pub fn weight(&self, name: &str, shape: &[usize]) -> Result<Matrix> {
-        let t = self.get_matrix(name, shape)?;
-        self.to_weight(t, false)
+        self.matrix(name, shape, false)
     }
 
     /// The embedding table or the head: as `weight`, in the format a table gets (see `quant`).
     pub fn table(&self, name: &str, shape: &[usize]) -> Result<Matrix> {
+        self.matrix(name, shape, true)
+    }
+
+    /// The block formats of the quantized matrices handed out so far, sorted.
+    pub fn held_formats(&self) -> Vec<&'static str> {
+        self.held.borrow().iter().copied().collect()
+    }
+
+    fn matrix(&self, name: &str, shape: &[usize], table: bool) -> Result<Matrix> {
+        let quant_cpu = self.device.is_cpu() && self.dtype == DType::F32;
+        let block = self.entry(name, shape)?.1.element;
+        if let (Element::Block(g), true) = (block, quant_cpu) {
+            if let (Some(format), [n, k]) = (QuantFormat::from_ggml(g), shape) {
+                // Kept as stored: the kernel multiplies this format.
+                let (shard, e) = self.entry(name, shape)?;
+                let data = self.read_bytes(shard, e, name)?;
+                let q = QMatrix::from_bytes(format, *n, *k, data)
+                    .map_err(|err| Error::load(format!("{}: tensor '{name}': {err}", shard.path.display())))?;
+                self.count(q.bytes().len(), e);
+                self.held.borrow_mut().insert(format.name());
+                return Ok(Matrix::Quant(std::sync::Arc::new(q)));
+            }
+            // A block format the kernel lacks: dequantized here, then held as q8_0 (or the `quantize` format).
+            let t = self.get_matrix(name, shape)?;
+            return self.quantize_as(t, table, Some(self.quantize.unwrap_or(QuantFormat::Q8_0)));
+        }
         let t = self.get_matrix(name, shape)?;
-        self.to_weight(t, true)
+        self.to_weight(t, table)
     }
 
     /// A matrix already handed out by this loader (e.g. one expert's slice of a fused tensor) as a linear
     /// layer's weight (`table`: the embedding or the head): quantized under the `quantize` option, its bytes
     /// counted as quantized.
     pub fn to_weight(&self, t: Tensor, table: bool) -> Result<Matrix> {
-        let Some(format) = self.quantize.and_then(|f| f.for_matrix(t.dim(1).unwrap_or(0), table)) else {
+        self.quantize_as(t, table, self.quantize)
+    }
+
+    fn quantize_as(&self, t: Tensor, table: bool, quantize: Option<QuantFormat>) -> Result<Matrix> {
+        let Some(format) = quantize.and_then(|f| f.for_matrix(t.dim(1).unwrap_or(0), table)) else {
             return Ok(Matrix::Dense(t));
         };
         let q = QMatrix::quantize(&t, format)?;
         let held = t.elem_count() * t.dtype().size_in_bytes();
         self.loaded.set(self.loaded.get() - held.min(self.loaded.get()) + q.bytes().len());
+        self.held.borrow_mut().insert(format.name());
         Ok(Matrix::Quant(std::sync::Arc::new(q)))
     }
 
-    fn load(&self, name: &str, shape: &[usize], matrix: bool) -> Result<Tensor> {
+    /// The shard and entry of tensor `name`, its shape checked.
+    fn entry(&self, name: &str, shape: &[usize]) -> Result<(&Shard, &Entry)> {
         let i = *self.index.get(name).ok_or_else(|| {
             Error::load(format!("{}: tensor '{name}' is missing (expected shape {shape:?})", self.where_()))
         })?;
         let shard = &self.shards[i];
+        let e = &shard.tensors[name];
+        if e.shape != shape {
+            return Err(Error::load(format!(
+                "{}: tensor '{name}' has shape {:?}, expected {shape:?}",
+                shard.path.display(),
+                e.shape
+            )));
+        }
+        Ok((shard, e))
+    }
+
+    /// A tensor's stored bytes, in a fallibly allocated buffer.
+    fn read_bytes(&self, shard: &Shard, e: &Entry, name: &str) -> Result<Vec<u8>> {
         let path = shard.path.display();
-        let info = &shard.tensors[name];
-        if info.shape != shape {
-            return Err(Error::load(format!("{path}: tensor '{name}' has shape {:?}, expected {shape:?}", info.shape)));
+        let n = (e.end - e.start) as usize;
+        let mut buf = try_zeroed(n, 0u8, &|| format!("{path}: tensor '{name}'"))?;
+        let mut f = &shard.file;
+        f.seek(SeekFrom::Start(shard.data_start + e.start))
+            .and_then(|_| f.read_exact(&mut buf))
+            .map_err(|err| Error::load(format!("{path}: tensor '{name}': cannot read its data: {err}")))?;
+        Ok(buf)
+    }
+
+    /// Count a tensor as loaded (`held` bytes in memory) and report progress.
+    fn count(&self, held: usize, e: &Entry) {
+        self.loaded.set(self.loaded.get() + held);
+        self.read.set(self.read.get() + (e.end - e.start));
+        if let Some(p) = &self.progress {
+            (p.0)(self.read.get().min(self.total), self.total);
         }
-        let file_dtype = element_dtype(info.dtype).ok_or_else(|| {
-            Error::load(format!(
-                "{path}: tensor '{name}' has dtype {:?}; supported weight dtypes are F32, F16, BF16 and F64",
-                info.dtype
-            ))
-        })?;
+    }
+
+    fn load(&self, name: &str, shape: &[usize], matrix: bool) -> Result<Tensor> {
+        let (shard, e) = self.entry(name, shape)?;
+        let path = shard.path.display();
         let numel: usize = shape.iter().product();
-        let offset = shard.data_start + info.data_offsets.0 as u64;
-        let what = || format!("{path}: tensor '{name}' ({:?}, shape {shape:?})", info.dtype);
-        let t = match file_dtype {
-            DType::F32 => read_typed::<f32>(&shard.file, offset, numel, shape, &what),
-            DType::F16 => read_typed::<half::f16>(&shard.file, offset, numel, shape, &what),
-            DType::BF16 => read_typed::<half::bf16>(&shard.file, offset, numel, shape, &what),
-            _ => read_typed::<f64>(&shard.file, offset, numel, shape, &what),
-        }
-        .map_err(|e| match e {
-            ReadError::Io(e) => Error::load(format!("{path}: tensor '{name}': cannot read its data: {e}")),
-            ReadError::Alloc(e) => e,
-            ReadError::NonFinite(i, x) => Error::load(format!(
-                "{path}: tensor '{name}' holds a non-finite value ({x}) at flat index {i}; refused (transformers \
-                 would load it and compute NaN logits)"
-            )),
-        })?;
+        let offset = shard.data_start + e.start;
+        let what = || format!("{path}: tensor '{name}' ({}, shape {shape:?})", e.element.name());
+        let (t, file_dtype) = match e.element {
+            Element::Other(d) => {
+                return Err(Error::load(format!(
+                    "{path}: tensor '{name}' has dtype {d:?}; supported weight dtypes are F32, F16, BF16 and F64"
+                )))
+            }
+            Element::Float(dt) => {
+                let t = match dt {
+                    DType::F32 => read_typed::<f32>(&shard.file, offset, numel, shape, &what),
+                    DType::F16 => read_typed::<half::f16>(&shard.file, offset, numel, shape, &what),
+                    DType::BF16 => read_typed::<half::bf16>(&shard.file, offset, numel, shape, &what),
+                    _ => read_typed::<f64>(&shard.file, offset, numel, shape, &what),
+                }
+                .map_err(|err| match err {
+                    ReadError::Io(err) => Error::load(format!("{path}: tensor '{name}': cannot read its data: {err}")),
+                    ReadError::Alloc(err) => err,
+                    ReadError::NonFinite(i, x) => Error::load(format!(
+                        "{path}: tensor '{name}' holds a non-finite value ({x}) at flat index {i}; refused (transformers \
+                         would load it and compute NaN logits)"
+                    )),
+                })?;
+                (t, dt)
+            }
+            Element::Block(g) => (self.dequantize(shard, e, name, g, shape)?, DType::F32),
+        };
         let keep_bf16 =
             matrix && file_dtype == DType::BF16 && self.dtype == DType::F32 && self.device.is_cpu() && self.keep_bf16;
         let t = if keep_bf16 { t } else { t.to_dtype(self.dtype)?.to_device(&self.device)? };
-        self.loaded.set(self.loaded.get() + t.elem_count() * t.dtype().size_in_bytes());
-        self.read.set(self.read.get() + (info.data_offsets.1 - info.data_offsets.0) as u64);
-        if let Some(p) = &self.progress {
-            (p.0)(self.read.get().min(self.total), self.total);
+        self.count(t.elem_count() * t.dtype().size_in_bytes(), e);
+        Ok(t)
+    }
+
+    /// A block-format tensor dequantized to f32 on the CPU (candle's dequantization, which follows ggml's).
+    fn dequantize(&self, shard: &Shard, e: &Entry, name: &str, g: GgmlDType, shape: &[usize]) -> Result<Tensor> {
+        let path = shard.path.display();
+        let data = self.read_bytes(shard, e, name)?;
+        let bad =
+            |err: candle_core::Error| Error::load(format!("{path}: tensor '{name}' ({}): {err}", e.element.name()));
+        // The byte count was checked against the shape when the file was opened (gguf::GgufFile::read).
+        let q = candle_core::quantized::ggml_file::qtensor_from_ggml(g, &data, shape.to_vec(), &Device::Cpu)
+            .map_err(bad)?;
+        let t = q.dequantize(&Device::Cpu).map_err(bad)?;
+        let v = t.flatten_all()?.to_vec1::<f32>()?;
+        if let Some(i) = f32::first_non_finite(&v) {
+            return Err(Error::load(format!(
+                "{path}: tensor '{name}' ({}) dequantizes to a non-finite value at flat index {i}; refused",
+                e.element.name()
+            )));
         }
         Ok(t)
     }
