@@ -230,6 +230,7 @@ impl GgufFile {
         }
         let mut tensors = Vec::new();
         let mut raw: Vec<(Vec<u64>, u32, u64)> = Vec::new();
+        let mut names = std::collections::HashSet::new();
         for i in 0..n_tensors {
             let name = h.string(&|| format!("the name of tensor {i}"))?;
             let nd = h.u32()?;
@@ -239,7 +240,7 @@ impl GgufFile {
             let dims: Vec<u64> = (0..nd).map(|_| h.u64()).collect::<Result<_>>()?;
             let t = h.u32()?;
             let off = h.u64()?;
-            if tensors.iter().any(|x: &GgufTensor| x.name == name) {
+            if !names.insert(name.clone()) {
                 return Err(h.bad(format!("tensor '{name}' is stored twice")));
             }
             tensors.push(GgufTensor { name, shape: vec![], dtype: GgmlDType::F32, start: off, end: off });

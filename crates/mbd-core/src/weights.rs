@@ -492,11 +492,10 @@ impl Weights {
 
     fn matrix(&self, name: &str, shape: &[usize], table: bool) -> Result<Matrix> {
         let quant_cpu = self.device.is_cpu() && self.dtype == DType::F32;
-        let block = self.entry(name, shape)?.1.element;
-        if let (Element::Block(g), true) = (block, quant_cpu) {
+        let (shard, e) = self.entry(name, shape)?;
+        if let (Element::Block(g), true) = (e.element, quant_cpu) {
             if let (Some(format), [n, k]) = (QuantFormat::from_ggml(g), shape) {
                 // Kept as stored: the kernel multiplies this format.
-                let (shard, e) = self.entry(name, shape)?;
                 let data = self.read_bytes(shard, e, name)?;
                 let q = QMatrix::from_bytes(format, *n, *k, data)
                     .map_err(|err| Error::load(format!("{}: tensor '{name}': {err}", shard.path.display())))?;
