@@ -1,6 +1,8 @@
-//! x · Wᵀ on the CPU for the row counts of decode windows: bf16-held weights against q8_0 and q4_k (issue #18),
-//! all through the skinny kernel, interleaved (rounds alternate the formats), on the Qwen2.5-0.5B shapes. For
-//! one row the weight bytes streamed per second are printed too (a one-row product is bandwidth-bound).
+//! x · Wᵀ on the CPU for the row counts of decode windows: bf16-held weights against q8_0, q4_k and q6_k (issue
+//! #18), all through the skinny kernel, interleaved (each repetition runs every format in turn), on the
+//! Qwen2.5-0.5B shapes and the Qwen3-1.7B MLP's. For one row the weight bytes streamed per second are printed
+//! too (a one-row product is bandwidth-bound). The k-quants need rows of whole 256-value super-blocks ("-" where
+//! they do not split).
 //!
 //!     cargo bench -p mbd-core --bench quant_kernel
 
@@ -12,6 +14,8 @@ use mbd_core::skinny::{linear, linear_q, Kernels};
 mod common;
 use common::median;
 
+const FORMATS: [QuantFormat; 3] = [QuantFormat::Q8_0, QuantFormat::Q4K, QuantFormat::Q6K];
+
 fn main() {
     mbd_core::cpu_pool::on_cpu_pool(run)
 }
@@ -20,45 +24,58 @@ fn run() {
     let threads = mbd_core::cpu_pool::pin_thread_count();
     let dev = Device::Cpu;
     let kn = Kernels::default();
-    println!("{threads} threads; ms (median), GB/s of weights for one row");
-    println!(
-        "{:>18} {:>4} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>7}",
-        "W (n x k)", "rows", "bf16", "q8_0", "q4_k", "q8/bf", "q4/bf", "GB/s q8", "GB/s bf"
-    );
-    for (n, k, name) in
-        [(4864usize, 896usize, "gate/up 4864x896"), (896, 4864, "down 896x4864"), (151936, 896, "head 151936x896")]
-    {
+    println!("{threads} threads; ms (median), each format's time over bf16's, GB/s of weights for one row");
+    print!("{:>22} {:>4} {:>8}", "W (n x k)", "rows", "bf16");
+    for f in FORMATS {
+        print!(" {:>8} {:>6}", f.name(), "/bf16");
+    }
+    println!(" {:>7} {:>7} {:>7} {:>7}", "GB/s bf", "GB/s q8", "GB/s q4", "GB/s q6");
+    for (n, k, name) in [
+        (4864usize, 896usize, "gate/up 4864x896"),
+        (896, 4864, "down 896x4864"),
+        (151936, 896, "head 151936x896"),
+        (6144, 2048, "1.7B gate/up 6144x2048"),
+        (2048, 6144, "1.7B down 2048x6144"),
+    ] {
         let w = Tensor::randn(0f32, 0.02, (n, k), &dev).unwrap().to_dtype(DType::BF16).unwrap();
-        let q8 = QMatrix::quantize(&w, QuantFormat::Q8_0).unwrap();
-        let q4 = if k % 256 == 0 { Some(QMatrix::quantize(&w, QuantFormat::Q4K).unwrap()) } else { None };
+        let qs: Vec<Option<QMatrix>> = FORMATS
+            .iter()
+            .map(|&f| k.is_multiple_of(f.block_values()).then(|| QMatrix::quantize(&w, f).unwrap()))
+            .collect();
         for m in [1usize, 2, 4, 8, 16, 32, 64] {
             let x = Tensor::randn(0f32, 1.0, (m, k), &dev).unwrap();
             let reps = if n > 100_000 { 9 } else { 61 };
-            let (mut a, mut b, mut c) = (vec![], vec![], vec![]);
+            let mut times = vec![vec![]; 1 + FORMATS.len()];
             for _ in 0..reps {
                 let t = std::time::Instant::now();
                 linear(&x, &w, &kn, true).unwrap();
-                a.push(t.elapsed().as_secs_f64() * 1e3);
-                let t = std::time::Instant::now();
-                linear_q(&x, &q8, &kn, true).unwrap();
-                b.push(t.elapsed().as_secs_f64() * 1e3);
-                if let Some(q4) = &q4 {
-                    let t = std::time::Instant::now();
-                    linear_q(&x, q4, &kn, true).unwrap();
-                    c.push(t.elapsed().as_secs_f64() * 1e3);
+                times[0].push(t.elapsed().as_secs_f64() * 1e3);
+                for (i, q) in qs.iter().enumerate() {
+                    if let Some(q) = q {
+                        let t = std::time::Instant::now();
+                        linear_q(&x, q, &kn, true).unwrap();
+                        times[i + 1].push(t.elapsed().as_secs_f64() * 1e3);
+                    }
                 }
             }
-            let (ta, tb) = (median(a), median(b));
-            let tc = if c.is_empty() { f64::NAN } else { median(c) };
-            let gbs =
-                |bytes: usize, ms: f64| if m == 1 { format!("{:.1}", bytes as f64 / ms / 1e6) } else { "".into() };
-            println!(
-                "{name:>18} {m:>4} {ta:>9.3} {tb:>9.3} {tc:>9.3} {:>7.2} {:>7.2} {:>7} {:>7}",
-                tb / ta,
-                tc / ta,
-                gbs(q8.bytes().len(), tb),
-                gbs(n * k * 2, ta)
-            );
+            let ms: Vec<Option<f64>> = times.into_iter().map(|t| (!t.is_empty()).then(|| median(t))).collect();
+            let bf = ms[0].unwrap();
+            print!("{name:>22} {m:>4} {bf:>8.3}");
+            for t in &ms[1..] {
+                match t {
+                    Some(t) => print!(" {t:>8.3} {:>6.2}", t / bf),
+                    None => print!(" {:>8} {:>6}", "-", "-"),
+                }
+            }
+            let gbs = |bytes: usize, t: Option<f64>| match t {
+                Some(t) if m == 1 => format!("{:.1}", bytes as f64 / t / 1e6),
+                _ => "".into(),
+            };
+            print!(" {:>7}", gbs(n * k * 2, ms[0]));
+            for (q, t) in qs.iter().zip(&ms[1..]) {
+                print!(" {:>7}", gbs(q.as_ref().map_or(0, |q| q.bytes().len()), *t));
+            }
+            println!();
         }
     }
 }

@@ -61,6 +61,9 @@ crate::string_enum! {
         /// 5-bit: blocks of 32 values, an f16 scale, 4 bytes of fifth bits and 16 of nibbles (22 bytes, 5.5 bits
         /// per weight); q4_k's format for rows that do not split into super-blocks
         Q5_0 = "q5_0",
+        /// 6-bit k-quant: super-blocks of 256 values, 16 signed 8-bit scales (one per 16 values) and an f16 scale
+        /// (210 bytes, 6.56 bits per weight); llama.cpp's Q4_K_M and Q6_K files hold it
+        Q6K = "q6_k",
     }
 }
 
@@ -69,7 +72,7 @@ impl QuantFormat {
     pub fn block_values(self) -> usize {
         match self {
             QuantFormat::Q8_0 | QuantFormat::Q5_0 => 32,
-            QuantFormat::Q4K => 256,
+            QuantFormat::Q4K | QuantFormat::Q6K => 256,
         }
     }
     /// Bytes per block.
@@ -78,6 +81,15 @@ impl QuantFormat {
             QuantFormat::Q8_0 => 34,
             QuantFormat::Q4K => 144,
             QuantFormat::Q5_0 => 22,
+            QuantFormat::Q6K => 210,
+        }
+    }
+    /// Byte offsets of a block's f16 scales (q4_k: d and dmin; q6_k: d, after the values and sub-scales).
+    fn scale_offsets(self) -> &'static [usize] {
+        match self {
+            QuantFormat::Q8_0 | QuantFormat::Q5_0 => &[0],
+            QuantFormat::Q4K => &[0, 2],
+            QuantFormat::Q6K => &[208],
         }
     }
     /// Bytes of a row of `k` values (k a multiple of `block_values`).
@@ -90,6 +102,7 @@ impl QuantFormat {
             GgmlDType::Q8_0 => Some(QuantFormat::Q8_0),
             GgmlDType::Q4K => Some(QuantFormat::Q4K),
             GgmlDType::Q5_0 => Some(QuantFormat::Q5_0),
+            GgmlDType::Q6K => Some(QuantFormat::Q6K),
             _ => None,
         }
     }
@@ -98,6 +111,7 @@ impl QuantFormat {
             QuantFormat::Q8_0 => GgmlDType::Q8_0,
             QuantFormat::Q4K => GgmlDType::Q4K,
             QuantFormat::Q5_0 => GgmlDType::Q5_0,
+            QuantFormat::Q6K => GgmlDType::Q6K,
         }
     }
     /// This format and the ones a matrix falls back to, in order, when its rows do not split into its blocks.
@@ -105,6 +119,7 @@ impl QuantFormat {
         match self {
             QuantFormat::Q4K => &[QuantFormat::Q4K, QuantFormat::Q5_0, QuantFormat::Q8_0],
             QuantFormat::Q5_0 => &[QuantFormat::Q5_0, QuantFormat::Q8_0],
+            QuantFormat::Q6K => &[QuantFormat::Q6K, QuantFormat::Q8_0],
             QuantFormat::Q8_0 => &[QuantFormat::Q8_0],
         }
     }
@@ -162,7 +177,8 @@ impl QMatrix {
     }
 
     /// Build from GGUF block bytes (n rows of k values in `format`). Refuses blocks whose f16 scale (or q4_k's
-    /// min scale) is NaN or infinite: such a matrix would only ever give NaN logits.
+    /// min scale) is NaN or infinite: such a matrix would only ever give NaN logits (q6_k's 8-bit sub-scales
+    /// times a finite d stay finite).
     pub fn from_bytes(format: QuantFormat, n: usize, k: usize, data: Vec<u8>) -> Result<QMatrix> {
         if k == 0 || !k.is_multiple_of(format.block_values()) || data.len() != n * format.row_bytes(k) {
             return Err(Error::invalid(format!(
@@ -171,7 +187,7 @@ impl QMatrix {
                 format.name()
             )));
         }
-        let scales: &[usize] = if format == QuantFormat::Q4K { &[0, 2] } else { &[0] };
+        let scales = format.scale_offsets();
         let bb = format.block_bytes();
         for (b, block) in data.chunks_exact(bb).enumerate() {
             for &o in scales {
@@ -196,7 +212,8 @@ impl QMatrix {
 
     /// Dequantize rows [j0, j0 + count) into `out` (count·k values, row-major), exactly as candle's (and
     /// ggml's) dequantization: q8_0 `q·d`; q4_k `(d·sc)·q − dmin·m` per sub-block of 32; q5_0 `(q − 16)·d` with
-    /// q's fifth bit from `qh` (value j of the block: bit j, its low nibble in byte j % 16, high half for j ≥ 16).
+    /// q's fifth bit from `qh` (value j of the block: bit j, its low nibble in byte j % 16, high half for j ≥ 16);
+    /// q6_k `(d·sc)·(q − 32)` per sub-block of 16 (see `q6k_value`).
     #[inline(always)]
     pub fn dequantize_rows(&self, j0: usize, count: usize, out: &mut [f32]) {
         let rb = self.row_bytes();
@@ -244,6 +261,14 @@ impl QMatrix {
                     }
                 }
             }
+            QuantFormat::Q6K => {
+                for (b, y) in src.chunks_exact(210).zip(out.chunks_exact_mut(256)) {
+                    let d = f16::from_le_bytes([b[208], b[209]]).to_f32();
+                    for (v, y) in y.iter_mut().enumerate() {
+                        *y = (d * (b[192 + v / 16] as i8) as f32) * q6k_value(b, v) as f32;
+                    }
+                }
+            }
         }
     }
 
@@ -259,6 +284,19 @@ impl QMatrix {
         }
         Ok(out)
     }
+}
+
+/// Value v (0-255) of a q6_k super-block, q − 32 in [−32, 31]. The block holds 128 bytes of low nibbles
+/// (`ql`), 64 bytes of 2-bit high pairs (`qh`), 16 signed sub-scales, then d. Each half of 128 values uses 64
+/// bytes of `ql` and 32 of `qh`; its quarter g (32 values, l = 0..31) takes byte l of `ql` (g = 0, 2) or byte
+/// 32 + l (g = 1, 3), the low nibble for g < 2 and the high one after, and bits 2g, 2g + 1 of `qh` byte l.
+#[inline(always)]
+pub(crate) fn q6k_value(b: &[u8], v: usize) -> i8 {
+    let (half, g, l) = (v / 128, v % 128 / 32, v % 32);
+    let ql = b[64 * half + 32 * (g % 2) + l];
+    let nib = if g < 2 { ql & 0xF } else { ql >> 4 };
+    let hi = (b[128 + 32 * half + l] >> (2 * g)) & 3;
+    (nib | (hi << 4)) as i8 - 32
 }
 
 /// The 6-bit scale and min of sub-block j of a q4_k super-block (GGUF's packing of 8 pairs into 12 bytes).
@@ -290,9 +328,12 @@ mod tests {
 
     #[test]
     fn dequantization_equals_candles_and_stays_close_to_the_weights() {
-        for (format, k, tol) in
-            [(QuantFormat::Q8_0, 96, 0.005), (QuantFormat::Q4K, 512, 0.06), (QuantFormat::Q5_0, 96, 0.035)]
-        {
+        for (format, k, tol) in [
+            (QuantFormat::Q8_0, 96, 0.005),
+            (QuantFormat::Q4K, 512, 0.06),
+            (QuantFormat::Q5_0, 96, 0.035),
+            (QuantFormat::Q6K, 512, 0.02),
+        ] {
             let w = randn(37, k, 3);
             // several quantize chunks: force a small chunk through a tall matrix too
             let q = QMatrix::quantize(&w, format).unwrap();
@@ -334,6 +375,8 @@ mod tests {
         assert_eq!(QuantFormat::Q8_0.for_matrix(40, false), None);
         assert_eq!(QuantFormat::parse("q4_k").unwrap(), QuantFormat::Q4K);
         let e = QuantFormat::parse("int4").unwrap_err().to_string();
-        assert_eq!(e, "quantize must be 'q8_0', 'q4_k' or 'q5_0', got 'int4'");
+        assert_eq!(QuantFormat::Q6K.for_matrix(512, false), Some(QuantFormat::Q6K));
+        assert_eq!(QuantFormat::Q6K.for_matrix(896, false), Some(QuantFormat::Q8_0));
+        assert_eq!(e, "quantize must be 'q8_0', 'q4_k', 'q5_0' or 'q6_k', got 'int4'");
     }
 }

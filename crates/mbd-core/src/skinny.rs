@@ -362,6 +362,106 @@ mod x86 {
         buf.as_ptr() as *const u8
     }
 
+    /// A q6_k super-block's 256 values q − 32 as i8 (`quant::q6k_value`), decoded into `buf`: per half, the 32
+    /// bytes of `qh` give each quarter's fifth and sixth bits (shifted to bits 4-5 in 16-bit lanes, where no bit
+    /// crosses into the masked byte), OR-ed into the low or high nibbles of `ql`'s first or second 32 bytes.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn q6_ints(block: *const u8, buf: &mut [i8; 256]) {
+        let low = _mm256_set1_epi8(0xF);
+        let two = _mm256_set1_epi8(0x30);
+        let bias = _mm256_set1_epi8(32);
+        for half in 0..2 {
+            let ql0 = _mm256_loadu_si256(block.add(64 * half) as *const __m256i);
+            let ql1 = _mm256_loadu_si256(block.add(64 * half + 32) as *const __m256i);
+            let qh = _mm256_loadu_si256(block.add(128 + 32 * half) as *const __m256i);
+            let quarters = [
+                (_mm256_and_si256(ql0, low), _mm256_slli_epi16::<4>(qh)),
+                (_mm256_and_si256(ql1, low), _mm256_slli_epi16::<2>(qh)),
+                (_mm256_and_si256(_mm256_srli_epi16::<4>(ql0), low), qh),
+                (_mm256_and_si256(_mm256_srli_epi16::<4>(ql1), low), _mm256_srli_epi16::<2>(qh)),
+            ];
+            for (g, (nib, high)) in quarters.into_iter().enumerate() {
+                let v = _mm256_sub_epi8(_mm256_or_si256(nib, _mm256_and_si256(high, two)), bias);
+                _mm256_storeu_si256(buf.as_mut_ptr().add(128 * half + 32 * g) as *mut __m256i, v);
+            }
+        }
+    }
+
+    /// Columns [n0, n0 + nw) of y = x · Wᵀ for a q6_k W and one x row, dequantizing in registers: a super-block
+    /// of each of the 4 weight rows decoded to bytes (`q6_ints`), then per sub-block of 16 the value (d·sc)·q and
+    /// the multiply-adds in the order of the f32 tile over the dequantized scratch, so the same bits.
+    macro_rules! q6k_fused_fn {
+        ($name:ident, $feature:literal, $lanes:literal, $zero:ident, $loadx:ident, $loadq:ident, $set1:ident, $mul:ident, $fma:ident, $sum:ident) => {
+            #[target_feature(enable = $feature)]
+            pub unsafe fn $name(x: &[f32], q: &QMatrix, n0: usize, nw: usize, y: super::Out) {
+                #[inline(always)]
+                unsafe fn tile(xp: *const f32, ws: [*const u8; 4], pf: super::Prefetch, k: usize) -> [f32; 4] {
+                    let mut acc = [$zero(); 4];
+                    let mut buf = [[0i8; 256]; 4];
+                    for sb in 0..k / 256 {
+                        let b = ws.map(|w| w.add(210 * sb));
+                        for c in 0..4 {
+                            for l in 0..4 {
+                                _mm_prefetch::<_MM_HINT_T0>(pf.0[c].wrapping_add(210 * sb + 64 * l) as *const i8);
+                            }
+                            q6_ints(b[c], &mut buf[c]);
+                        }
+                        let d = b.map(|p| scale(p.add(208)));
+                        for s in 0..16 {
+                            let mut ds = [$zero(); 4];
+                            for c in 0..4 {
+                                ds[c] = $set1(d[c] * (*b[c].add(192 + s) as i8) as f32);
+                            }
+                            for t in 0..16 / $lanes {
+                                let xv = $loadx(xp.add(256 * sb + 16 * s + $lanes * t));
+                                for c in 0..4 {
+                                    let qv = $loadq(buf[c].as_ptr().add(16 * s + $lanes * t) as *const u8);
+                                    acc[c] = $fma(xv, $mul(ds[c], qv), acc[c]);
+                                }
+                            }
+                        }
+                    }
+                    acc.map(|a| $sum(a))
+                }
+                let (k, rb) = (q.k, q.row_bytes());
+                let base = q.bytes().as_ptr();
+                let end = n0 + nw;
+                for j in (n0..end).step_by(4) {
+                    let acc =
+                        tile(x.as_ptr(), super::rows4(base, j, end, rb), super::Prefetch::after(base, j, end, rb), k);
+                    for c in 0..(end - j).min(4) {
+                        y.write(j + c, acc[c]);
+                    }
+                }
+            }
+        };
+    }
+    q6k_fused_fn!(
+        q6k_fused_avx2,
+        "avx2,fma,f16c",
+        8,
+        _mm256_setzero_ps,
+        _mm256_loadu_ps,
+        q8_8,
+        _mm256_set1_ps,
+        _mm256_mul_ps,
+        _mm256_fmadd_ps,
+        hsum256
+    );
+    q6k_fused_fn!(
+        q6k_fused_avx512,
+        "avx512f,avx2,fma,f16c",
+        16,
+        _mm512_setzero_ps,
+        _mm512_loadu_ps,
+        q8_16,
+        _mm512_set1_ps,
+        _mm512_mul_ps,
+        _mm512_fmadd_ps,
+        _mm512_reduce_add_ps
+    );
+
     /// Columns [n0, n0 + nw) of y = x · Wᵀ for a q8_0 (or q5_0) W and a few x rows, dequantizing in registers:
     /// the same values (q·d) and the same multiply-adds in the same order as the f32 tile over the dequantized
     /// scratch (`q_columns`), so the same results bit for bit, without the scratch's store and reload (a 1-row
@@ -673,6 +773,20 @@ mod x86 {
                     }
                 }
             }
+            QuantFormat::Q6K => {
+                let mut buf = [0i8; 256];
+                for (i, b) in src.chunks_exact(210).enumerate() {
+                    let d = scale(b.as_ptr().add(208));
+                    q6_ints(b.as_ptr(), &mut buf);
+                    for s in 0..16 {
+                        let ds = _mm256_set1_ps(d * b[192 + s] as i8 as f32);
+                        for h in 0..2 {
+                            let v = q8_8(buf.as_ptr().add(16 * s + 8 * h) as *const u8);
+                            _mm256_storeu_ps(o.add(256 * i + 16 * s + 8 * h), _mm256_mul_ps(ds, v));
+                        }
+                    }
+                }
+            }
         }
     }
 
@@ -916,6 +1030,8 @@ unsafe fn q_columns(isa: Isa, x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: u
         (Isa::Avx2, QuantFormat::Q5_0) if q8_in_registers(m, k) => return x86::q5_fused_avx2(x, m, q, n0, nw, y),
         (Isa::Avx512, QuantFormat::Q4K) if m == 1 => return x86::q4k_fused_avx512(x, q, n0, nw, y),
         (Isa::Avx2, QuantFormat::Q4K) if m == 1 => return x86::q4k_fused_avx2(x, q, n0, nw, y),
+        (Isa::Avx512, QuantFormat::Q6K) if m == 1 => return x86::q6k_fused_avx512(x, q, n0, nw, y),
+        (Isa::Avx2, QuantFormat::Q6K) if m == 1 => return x86::q6k_fused_avx2(x, q, n0, nw, y),
         _ => {}
     }
     for j in (n0..n0 + nw).step_by(4) {
@@ -1191,6 +1307,7 @@ mod tests {
             (crate::quant::QuantFormat::Q4K, 512, 21),
             (crate::quant::QuantFormat::Q8_0, 2304, 13),
             (crate::quant::QuantFormat::Q5_0, 896, 11),
+            (crate::quant::QuantFormat::Q6K, 768, 13),
         ] {
             let wv: Vec<f32> = (0..n * k).map(|_| rnd()).collect();
             let w = Tensor::from_vec(wv, (n, k), &candle_core::Device::Cpu).unwrap();
