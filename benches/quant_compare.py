@@ -14,6 +14,11 @@ Formats (mbd-rs side / llama.cpp side):
     q8_0   bf16 checkpoint, quantize="q8_0"    / model-q8_0.gguf
     q4_k   bf16 checkpoint, quantize="q4_k"    / model-q4_k_m.gguf (Q4_K_M; on hidden 896 most of it falls back to
                                                   Q5_0/Q8_0, see benches/llamacpp/README.md)
+    q6_k   bf16 checkpoint, quantize="q6_k"    / model-q6_k.gguf
+With --same-file, mbd-rs loads the quantized formats from the very GGUF file llama.cpp runs (model-q8_0.gguf,
+model-q4_k_m.gguf, model-q6_k.gguf in --gguf-dir; such files must carry a vocabulary mbd-rs reads: write the f32
+GGUF with scripts/write_gguf.py and quantize it with llama-quantize, see benches/llamacpp/README.md): the same
+bytes on both sides.
 
     benches/llamacpp/build.sh && benches/llamacpp/convert.sh /tmp/mbd-bench/qwen2.5-0.5b-shape-bf16 /tmp/llamacpp/gguf
     python scripts/make_bench_model.py                      # the f32 checkpoint (the bf16 one: --bf16)
@@ -34,9 +39,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FORMATS = ("f32", "bf16", "q8_0", "q4_k")
-QUANTIZE = {"q8_0": "q8_0", "q4_k": "q4_k"}  # mbd-rs load-time quantization per format
-GGUFS = {"f32": ("f32",), "bf16": ("bf16", "f16"), "q8_0": ("q8_0",), "q4_k": ("q4_k_m",)}
+FORMATS = ("f32", "bf16", "q8_0", "q4_k", "q6_k")
+QUANTIZE = {"q8_0": "q8_0", "q4_k": "q4_k", "q6_k": "q6_k"}  # mbd-rs load-time quantization per format
+GGUFS = {"f32": ("f32",), "bf16": ("bf16", "f16"), "q8_0": ("q8_0",), "q4_k": ("q4_k_m",), "q6_k": ("q6_k",)}
 SEEN_STDERR = set()
 
 
@@ -159,6 +164,8 @@ def main():
     ap.add_argument("--driver", default=os.path.join(os.environ.get("LLAMACPP_WORK", "/tmp/llamacpp"), "build", "bin",
                                                      "mbd-llama-driver"))
     ap.add_argument("--no-f16", action="store_true", help="skip llama.cpp's f16 GGUF next to bf16")
+    ap.add_argument("--same-file", action="store_true",
+                    help="mbd-rs loads the quantized formats from llama.cpp's GGUF files (the same bytes)")
     ap.add_argument("--wait-idle", type=float, default=180.0, help="seconds to wait at most for an idle machine")
     ap.add_argument("--idle-cores", type=float, default=0.3, help="busy CPU (cores) that still counts as idle")
     ap.add_argument("--out", default=os.path.join(ROOT, "benches", "quant_compare.json"))
@@ -183,8 +190,13 @@ def main():
                 sys.exit(f"quant_compare: no {path}: run benches/llamacpp/convert.sh (see benches/llamacpp/README.md)")
     if not os.access(args.driver, os.X_OK):
         sys.exit(f"quant_compare: no driver at {args.driver}: run benches/llamacpp/build.sh")
-    mbd_dir = {"f32": args.model_f32, "bf16": args.model_bf16, "q8_0": args.model_bf16, "q4_k": args.model_bf16}
+    mbd_dir = {"f32": args.model_f32, "bf16": args.model_bf16, "q8_0": args.model_bf16, "q4_k": args.model_bf16,
+               "q6_k": args.model_bf16}
+    if args.same_file:
+        mbd_dir.update({f: os.path.join(args.gguf_dir, f"model-{GGUFS[f][0]}.gguf") for f in QUANTIZE})
     for f in formats:
+        if args.same_file and f in QUANTIZE:
+            continue  # the GGUF file, checked above
         if not os.path.isfile(os.path.join(mbd_dir[f], "config.json")):
             sys.exit(f"quant_compare: no checkpoint at {mbd_dir[f]} for {f}: run scripts/make_bench_model.py "
                      f"{'--bf16' if f != 'f32' else ''}")
@@ -216,7 +228,7 @@ def main():
         for f in order:
             if f in formats:
                 busy, waited = wait_idle(args.wait_idle, args.idle_cores, log)
-                kw = {"quantize": QUANTIZE[f]} if f in QUANTIZE else {}
+                kw = {"quantize": QUANTIZE[f]} if f in QUANTIZE and not args.same_file else {}
                 t = time.perf_counter()
                 eng = mbd_rs.Engine.load(mbd_dir[f], device="cpu", **kw)
                 load_s = time.perf_counter() - t

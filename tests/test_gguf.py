@@ -44,7 +44,7 @@ def _writer():
 
 
 W = _writer()
-read_hf, write_gguf, write_dir = W.read_hf, W.write_gguf, W.write_dir
+read_hf, write_gguf, write_dir, CHATML = W.read_hf, W.write_gguf, W.write_dir, W.CHATML
 
 
 # --- (a) float files of the parity fixtures give transformers' logits --------------------------------------------
@@ -215,6 +215,11 @@ def test_tokenizer_matches_tokenizers_library(tmp_path):
     prompt = eng.apply_chat_template([{"role": "user", "content": "hi"}])
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert eng.info.eos_token_ids == [0]
+    assert eng.info.chat_template == CHATML
+    if importlib.util.find_spec("starlette") is not None:  # the server's /tokenizer_info reports it too
+        from mbd_rs.server import _tokenizer_info
+        info = _tokenizer_info(eng)
+        assert info["chat_template"] == CHATML and info["eos_token_ids"] == [0]
     out = eng.generate("hello", max_tokens=6, block_size=1)
     assert out.usage.completion_tokens >= 1
 

@@ -44,6 +44,7 @@ class ModelInfo:
     num_parameters: int
     weight_bytes: int  # the weights as held in memory
     weight_format: str  # how the matrices are held: "q8_0" / "q4_k" when quantized, else a dtype name
+    chat_template: Optional[str]  # the Jinja source chat() renders (chat_template.jinja, tokenizer_config, GGUF)
     vocab_size: int
     hidden_size: int
     intermediate_size: int

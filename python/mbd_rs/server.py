@@ -334,8 +334,9 @@ def _detokenize(engine: Engine, body: dict[str, Any]) -> dict[str, Any]:
 
 def _tokenizer_info(engine: Engine) -> dict[str, Any]:
     """GET /tokenizer_info: what lm-evaluation-harness's remote tokenizer reads (eos_token, bos_token, pad_token,
-    chat_template) plus the context length, from the model directory's tokenizer_config.json /
-    chat_template.jinja; eos_token falls back to the text of the model's first EOS id."""
+    chat_template) plus the context length: the chat template the engine renders (`info.chat_template`: from
+    chat_template.jinja, tokenizer_config.json or a GGUF file's metadata), the tokens from the model directory's
+    tokenizer_config.json; eos_token falls back to the text of the model's first EOS id."""
     path = engine.info.path
     cfg: dict[str, Any] = {}
     try:
@@ -352,22 +353,12 @@ def _tokenizer_info(engine: Engine) -> dict[str, Any]:
             v = v.get("content")
         return v if isinstance(v, str) else None
 
-    template: Any = cfg.get("chat_template")
-    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    try:
-        with open(os.path.join(path, "chat_template.jinja"), encoding="utf-8") as f:
-            template = f.read()
-    except OSError:
-        pass
     eos = token("eos_token")
     if eos is None and engine.info.eos_token_ids:
         eos = engine.detokenize(engine.info.eos_token_ids[:1], skip_special_tokens=False)
     return {"tokenizer_class": cfg.get("tokenizer_class") if isinstance(cfg.get("tokenizer_class"), str) else None,
             "eos_token": eos, "bos_token": token("bos_token"), "pad_token": token("pad_token"),
-            "eos_token_ids": list(engine.info.eos_token_ids), "chat_template": template if isinstance(template, str)
-            else None, "model_max_length": engine.info.max_context, "max_model_len": engine.info.max_context,
+            "eos_token_ids": list(engine.info.eos_token_ids), "chat_template": engine.info.chat_template, "model_max_length": engine.info.max_context, "max_model_len": engine.info.max_context,
             "vocab_size": engine.info.vocab_size}
 
 

@@ -12,6 +12,7 @@ pub const TEMPLATE_FUEL: u64 = 20_000_000;
 
 pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
+    source: String,
     bos_token: String,
     eos_token: String,
 }
@@ -70,9 +71,14 @@ impl ChatTemplate {
         env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });
-        env.add_template_owned("chat", source)
+        env.add_template_owned("chat", source.clone())
             .map_err(|e| Error::config(format!("{label}: chat template does not parse: {e}")))?;
-        Ok(ChatTemplate { env, bos_token, eos_token })
+        Ok(ChatTemplate { env, source, bos_token, eos_token })
+    }
+
+    /// The template's Jinja source, as loaded.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// `messages`: a JSON list of {"role", "content"} objects.

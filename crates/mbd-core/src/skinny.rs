@@ -362,6 +362,68 @@ mod x86 {
         buf.as_ptr() as *const u8
     }
 
+    /// The loop of a fused kernel that takes windows of one or two x rows, each count its own function (one tile
+    /// shape per function: with both inlined into one, LLVM stopped unrolling the k-quant tiles, 1.5x slower).
+    macro_rules! fused_rows_1_2 {
+        ($feature:literal, $tile:ident, $x:ident, $m:ident, $q:ident, $n0:ident, $nw:ident, $y:ident) => {
+            #[target_feature(enable = $feature)]
+            unsafe fn run<const R: usize>(x: &[f32], q: &QMatrix, n0: usize, nw: usize, y: super::Out) {
+                let (n, k, rb) = (q.n, q.k, q.row_bytes());
+                let base = q.bytes().as_ptr();
+                let end = n0 + nw;
+                let xs: [*const f32; R] = std::array::from_fn(|r| x.as_ptr().add(r * k));
+                for j in (n0..end).step_by(4) {
+                    let a = $tile::<R>(xs, super::rows4(base, j, end, rb), super::Prefetch::after(base, j, end, rb), k);
+                    for r in 0..R {
+                        for c in 0..(end - j).min(4) {
+                            y.write(r * n + j + c, a[r][c]);
+                        }
+                    }
+                }
+            }
+            debug_assert!($m <= 2, "fused k-quant kernels take 1 or 2 rows");
+            match $m {
+                0 => {}
+                1 => run::<1>($x, $q, $n0, $nw, $y),
+                _ => run::<2>($x, $q, $n0, $nw, $y),
+            }
+        };
+    }
+
+    /// The loop of the fused (in-register) kernels over columns [n0, n0 + nw): 4 weight rows at a time (the next
+    /// 4 fetched ahead), x rows two at a time (`tile::<2>`; the first pair issues the prefetches), then the odd one.
+    macro_rules! fused_rows {
+        ($tile:ident, $x:ident, $m:ident, $q:ident, $n0:ident, $nw:ident, $y:ident) => {
+            let (n, k, rb) = ($q.n, $q.k, $q.row_bytes());
+            let base = $q.bytes().as_ptr();
+            let end = $n0 + $nw;
+            for j in ($n0..end).step_by(4) {
+                let ws = super::rows4(base, j, end, rb);
+                let pf = super::Prefetch::after(base, j, end, rb);
+                let valid = (end - j).min(4);
+                let xp = $x.as_ptr();
+                let mut r = 0;
+                while r < $m {
+                    let fetch = if r == 0 { pf } else { super::Prefetch::NONE };
+                    if r + 2 <= $m {
+                        let a = $tile::<2>([xp.add(r * k), xp.add((r + 1) * k)], ws, fetch, k);
+                        for c in 0..valid {
+                            $y.write(r * n + j + c, a[0][c]);
+                            $y.write((r + 1) * n + j + c, a[1][c]);
+                        }
+                        r += 2;
+                    } else {
+                        let a = $tile::<1>([xp.add(r * k)], ws, fetch, k);
+                        for c in 0..valid {
+                            $y.write(r * n + j + c, a[0][c]);
+                        }
+                        r += 1;
+                    }
+                }
+            }
+        };
+    }
+
     /// A q6_k super-block's 256 values q − 32 as i8 (`quant::q6k_value`), decoded into `buf`: per half, the 32
     /// bytes of `qh` give each quarter's fifth and sixth bits (shifted to bits 4-5 in 16-bit lanes, where no bit
     /// crosses into the masked byte), OR-ed into the low or high nibbles of `ql`'s first or second 32 bytes.
@@ -388,22 +450,29 @@ mod x86 {
         }
     }
 
-    /// Columns [n0, n0 + nw) of y = x · Wᵀ for a q6_k W and one x row, dequantizing in registers: a super-block
-    /// of each of the 4 weight rows decoded to bytes (`q6_ints`), then per sub-block of 16 the value (d·sc)·q and
-    /// the multiply-adds in the order of the f32 tile over the dequantized scratch, so the same bits.
+    /// Columns [n0, n0 + nw) of y = x · Wᵀ for a q6_k W and one or two x rows, dequantizing in registers: a
+    /// super-block of each of the 4 weight rows decoded to bytes (`q6_ints`), then per sub-block of 16 the value
+    /// (d·sc)·q and the multiply-adds in the order of the f32 tile over the dequantized scratch, so the same bits.
     macro_rules! q6k_fused_fn {
         ($name:ident, $feature:literal, $lanes:literal, $zero:ident, $loadx:ident, $loadq:ident, $set1:ident, $mul:ident, $fma:ident, $sum:ident) => {
             #[target_feature(enable = $feature)]
-            pub unsafe fn $name(x: &[f32], q: &QMatrix, n0: usize, nw: usize, y: super::Out) {
+            pub unsafe fn $name(x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: usize, y: super::Out) {
                 #[inline(always)]
-                unsafe fn tile(xp: *const f32, ws: [*const u8; 4], pf: super::Prefetch, k: usize) -> [f32; 4] {
-                    let mut acc = [$zero(); 4];
+                unsafe fn tile<const R: usize>(
+                    xs: [*const f32; R],
+                    ws: [*const u8; 4],
+                    pf: super::Prefetch,
+                    k: usize,
+                ) -> [[f32; 4]; R] {
+                    let mut acc = [[$zero(); 4]; R];
                     let mut buf = [[0i8; 256]; 4];
                     for sb in 0..k / 256 {
                         let b = ws.map(|w| w.add(210 * sb));
                         for c in 0..4 {
-                            for l in 0..4 {
-                                _mm_prefetch::<_MM_HINT_T0>(pf.0[c].wrapping_add(210 * sb + 64 * l) as *const i8);
+                            if pf.active() {
+                                for l in 0..4 {
+                                    _mm_prefetch::<_MM_HINT_T0>(pf.0[c].wrapping_add(210 * sb + 64 * l) as *const i8);
+                                }
                             }
                             q6_ints(b[c], &mut buf[c]);
                         }
@@ -414,26 +483,23 @@ mod x86 {
                                 ds[c] = $set1(d[c] * (*b[c].add(192 + s) as i8) as f32);
                             }
                             for t in 0..16 / $lanes {
-                                let xv = $loadx(xp.add(256 * sb + 16 * s + $lanes * t));
+                                let i = 256 * sb + 16 * s + $lanes * t;
+                                let mut xv = [$zero(); R];
+                                for r in 0..R {
+                                    xv[r] = $loadx(xs[r].add(i));
+                                }
                                 for c in 0..4 {
-                                    let qv = $loadq(buf[c].as_ptr().add(16 * s + $lanes * t) as *const u8);
-                                    acc[c] = $fma(xv, $mul(ds[c], qv), acc[c]);
+                                    let wv = $mul(ds[c], $loadq(buf[c].as_ptr().add(16 * s + $lanes * t) as *const u8));
+                                    for r in 0..R {
+                                        acc[r][c] = $fma(xv[r], wv, acc[r][c]);
+                                    }
                                 }
                             }
                         }
                     }
-                    acc.map(|a| $sum(a))
+                    acc.map(|a| a.map(|v| $sum(v)))
                 }
-                let (k, rb) = (q.k, q.row_bytes());
-                let base = q.bytes().as_ptr();
-                let end = n0 + nw;
-                for j in (n0..end).step_by(4) {
-                    let acc =
-                        tile(x.as_ptr(), super::rows4(base, j, end, rb), super::Prefetch::after(base, j, end, rb), k);
-                    for c in 0..(end - j).min(4) {
-                        y.write(j + c, acc[c]);
-                    }
-                }
+                fused_rows_1_2!($feature, tile, x, m, q, n0, nw, y);
             }
         };
     }
@@ -514,34 +580,7 @@ mod x86 {
                     }
                     out
                 }
-                let (n, k, rb) = (q.n, q.k, q.row_bytes());
-                let base = q.bytes().as_ptr();
-                let end = n0 + nw;
-                for j in (n0..end).step_by(4) {
-                    let ws = super::rows4(base, j, end, rb);
-                    let pf = super::Prefetch::after(base, j, end, rb);
-                    let valid = (end - j).min(4);
-                    let xp = x.as_ptr();
-                    // x rows two at a time (the first pair fetches the next tile ahead), then the odd one
-                    let mut r = 0;
-                    while r < m {
-                        let fetch = if r == 0 { pf } else { super::Prefetch::NONE };
-                        if r + 2 <= m {
-                            let a = tile::<2>([xp.add(r * k), xp.add((r + 1) * k)], ws, fetch, k);
-                            for c in 0..valid {
-                                y.write(r * n + j + c, a[0][c]);
-                                y.write((r + 1) * n + j + c, a[1][c]);
-                            }
-                            r += 2;
-                        } else {
-                            let a = tile::<1>([xp.add(r * k)], ws, fetch, k);
-                            for c in 0..valid {
-                                y.write(r * n + j + c, a[0][c]);
-                            }
-                            r += 1;
-                        }
-                    }
-                }
+                fused_rows!(tile, x, m, q, n0, nw, y);
             }
         };
     }
@@ -974,7 +1013,7 @@ fn matmul_q_with(isa: Isa, x: &[f32], m: usize, q: &QMatrix, par_min_macs: usize
 }
 
 /// Columns [n0, n0 + nw) of y = x · Wᵀ for a quantized W, 4 weight rows at a time through `scratch` (4·k);
-/// windows of 1-2 rows (q8_0) or 1 row (q4_k) dequantize in registers instead (same values, same order of
+/// windows of 1-2 rows (q4_k: 1; q8_0 / q5_0: up to 8 long rows) dequantize in registers instead (same values, same order of
 /// multiply-adds, so the same bits: no store and reload where the weights stream from memory).
 ///
 /// # Safety
@@ -1030,8 +1069,8 @@ unsafe fn q_columns(isa: Isa, x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: u
         (Isa::Avx2, QuantFormat::Q5_0) if q8_in_registers(m, k) => return x86::q5_fused_avx2(x, m, q, n0, nw, y),
         (Isa::Avx512, QuantFormat::Q4K) if m == 1 => return x86::q4k_fused_avx512(x, q, n0, nw, y),
         (Isa::Avx2, QuantFormat::Q4K) if m == 1 => return x86::q4k_fused_avx2(x, q, n0, nw, y),
-        (Isa::Avx512, QuantFormat::Q6K) if m == 1 => return x86::q6k_fused_avx512(x, q, n0, nw, y),
-        (Isa::Avx2, QuantFormat::Q6K) if m == 1 => return x86::q6k_fused_avx2(x, q, n0, nw, y),
+        (Isa::Avx512, QuantFormat::Q6K) if m <= 2 => return x86::q6k_fused_avx512(x, m, q, n0, nw, y),
+        (Isa::Avx2, QuantFormat::Q6K) if m <= 2 => return x86::q6k_fused_avx2(x, m, q, n0, nw, y),
         _ => {}
     }
     for j in (n0..n0 + nw).step_by(4) {

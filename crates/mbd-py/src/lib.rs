@@ -301,6 +301,7 @@ impl CoreModel {
         d.set_item("num_parameters", m.num_parameters)?;
         d.set_item("weight_bytes", m.weight_bytes)?;
         d.set_item("weight_format", &m.weight_format)?;
+        d.set_item("chat_template", m.chat_template.as_ref().map(|t| t.source()))?;
         d.set_item("vocab_size", c.vocab_size)?;
         d.set_item("hidden_size", c.hidden_size)?;
         d.set_item("intermediate_size", c.intermediate_size)?;
