@@ -584,73 +584,76 @@ mod x86 {
             }
         };
     }
+    /// A q4_k super-block's 256 nibbles as bytes 0-15 in value order (`buf`): each 32 bytes of `qs` hold the low
+    /// nibbles of one sub-block of 32 and the high nibbles of the next.
     #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q4_8(p: *const u8, hi: bool) -> __m256 {
-        let b = _mm_loadl_epi64(p as *const __m128i);
-        let b = if hi { _mm_srli_epi16::<4>(b) } else { b };
-        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0xF))))
-    }
-    #[inline]
-    #[target_feature(enable = "avx512f,f16c")]
-    unsafe fn q4_16(p: *const u8, hi: bool) -> __m512 {
-        let b = _mm_loadu_si128(p as *const __m128i);
-        let b = if hi { _mm_srli_epi16::<4>(b) } else { b };
-        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0xF))))
+    #[target_feature(enable = "avx2")]
+    unsafe fn q4_ints(block: *const u8, buf: &mut [i8; 256]) {
+        let low = _mm256_set1_epi8(0xF);
+        for g in 0..4 {
+            let qs = _mm256_loadu_si256(block.add(16 + 32 * g) as *const __m256i);
+            let o = buf.as_mut_ptr().add(64 * g) as *mut __m256i;
+            _mm256_storeu_si256(o, _mm256_and_si256(qs, low));
+            _mm256_storeu_si256(o.add(1), _mm256_and_si256(_mm256_srli_epi16::<4>(qs), low));
+        }
     }
 
-    /// Columns [n0, n0 + nw) of y = x · Wᵀ for a q4_k W and one x row, dequantizing in registers: per sub-block
-    /// of 32 the value (d·sc)·q − dmin·m and the multiply-adds in the order of the f32 tile over the dequantized
-    /// scratch, so the same bits.
+    /// Columns [n0, n0 + nw) of y = x · Wᵀ for a q4_k W and one or two x rows, dequantizing in registers: a
+    /// super-block of each of the 4 weight rows decoded to bytes (`q4_ints`), then per sub-block of 32 the value
+    /// (d·sc)·q − dmin·m and the multiply-adds in the order of the f32 tile over the dequantized scratch, so the
+    /// same bits.
     macro_rules! q4k_fused_fn {
         ($name:ident, $feature:literal, $lanes:literal, $zero:ident, $loadx:ident, $loadq:ident, $set1:ident, $mul:ident, $sub:ident, $fma:ident, $sum:ident) => {
             #[target_feature(enable = $feature)]
-            pub unsafe fn $name(x: &[f32], q: &QMatrix, n0: usize, nw: usize, y: super::Out) {
+            pub unsafe fn $name(x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: usize, y: super::Out) {
                 #[inline(always)]
-                unsafe fn tile(xp: *const f32, ws: [*const u8; 4], pf: super::Prefetch, k: usize) -> [f32; 4] {
-                    let mut acc = [$zero(); 4];
+                unsafe fn tile<const R: usize>(
+                    xs: [*const f32; R],
+                    ws: [*const u8; 4],
+                    pf: super::Prefetch,
+                    k: usize,
+                ) -> [[f32; 4]; R] {
+                    let mut acc = [[$zero(); 4]; R];
+                    let mut buf = [[0i8; 256]; 4];
+                    let mut dm = [[(0f32, 0f32); 8]; 4];
                     for sb in 0..k / 256 {
                         let b = ws.map(|w| w.add(144 * sb));
                         for c in 0..4 {
-                            for l in 0..3 {
-                                _mm_prefetch::<_MM_HINT_T0>(pf.0[c].wrapping_add(144 * sb + 64 * l) as *const i8);
+                            if pf.active() {
+                                for l in 0..3 {
+                                    _mm_prefetch::<_MM_HINT_T0>(pf.0[c].wrapping_add(144 * sb + 64 * l) as *const i8);
+                                }
+                            }
+                            q4_ints(b[c], &mut buf[c]);
+                            let (d, dmin) = (scale(b[c]), scale(b[c].add(2)));
+                            let sc = std::slice::from_raw_parts(b[c].add(4), 12);
+                            for j in 0..8 {
+                                let (s, m) = crate::quant::scale_min_k4(j, sc);
+                                dm[c][j] = (d * s as f32, dmin * m as f32);
                             }
                         }
-                        let d = b.map(|p| scale(p));
-                        let dmin = b.map(|p| scale(p.add(2)));
-                        for g in 0..4 {
-                            for half in 0..2 {
-                                let mut d1 = [$zero(); 4];
-                                let mut m1 = [$zero(); 4];
-                                for c in 0..4 {
-                                    let sc = std::slice::from_raw_parts(b[c].add(4), 12);
-                                    let (s, m) = crate::quant::scale_min_k4(2 * g + half, sc);
-                                    d1[c] = $set1(d[c] * s as f32);
-                                    m1[c] = $set1(dmin[c] * m as f32);
+                        for j in 0..8 {
+                            let d1 = dm.map(|r| $set1(r[j].0));
+                            let m1 = dm.map(|r| $set1(r[j].1));
+                            for t in 0..32 / $lanes {
+                                let i = 256 * sb + 32 * j + $lanes * t;
+                                let mut xv = [$zero(); R];
+                                for r in 0..R {
+                                    xv[r] = $loadx(xs[r].add(i));
                                 }
-                                for t in 0..32 / $lanes {
-                                    let xv = $loadx(xp.add(256 * sb + 64 * g + 32 * half + $lanes * t));
-                                    for c in 0..4 {
-                                        let qv = $loadq(b[c].add(16 + 32 * g + $lanes * t), half == 1);
-                                        let wv = $sub($mul(d1[c], qv), m1[c]);
-                                        acc[c] = $fma(xv, wv, acc[c]);
+                                for c in 0..4 {
+                                    let qv = $loadq(buf[c].as_ptr().add(32 * j + $lanes * t) as *const u8);
+                                    let wv = $sub($mul(d1[c], qv), m1[c]);
+                                    for r in 0..R {
+                                        acc[r][c] = $fma(xv[r], wv, acc[r][c]);
                                     }
                                 }
                             }
                         }
                     }
-                    acc.map(|a| $sum(a))
+                    acc.map(|a| a.map(|v| $sum(v)))
                 }
-                let (k, rb) = (q.k, q.row_bytes());
-                let base = q.bytes().as_ptr();
-                let end = n0 + nw;
-                for j in (n0..end).step_by(4) {
-                    let acc =
-                        tile(x.as_ptr(), super::rows4(base, j, end, rb), super::Prefetch::after(base, j, end, rb), k);
-                    for c in 0..(end - j).min(4) {
-                        y.write(j + c, acc[c]);
-                    }
-                }
+                fused_rows_1_2!($feature, tile, x, m, q, n0, nw, y);
             }
         };
     }
@@ -660,7 +663,7 @@ mod x86 {
         8,
         _mm256_setzero_ps,
         _mm256_loadu_ps,
-        q4_8,
+        q8_8,
         _mm256_set1_ps,
         _mm256_mul_ps,
         _mm256_sub_ps,
@@ -669,11 +672,11 @@ mod x86 {
     );
     q4k_fused_fn!(
         q4k_fused_avx512,
-        "avx512f,f16c",
+        "avx512f,avx2,fma,f16c",
         16,
         _mm512_setzero_ps,
         _mm512_loadu_ps,
-        q4_16,
+        q8_16,
         _mm512_set1_ps,
         _mm512_mul_ps,
         _mm512_sub_ps,
@@ -1013,7 +1016,7 @@ fn matmul_q_with(isa: Isa, x: &[f32], m: usize, q: &QMatrix, par_min_macs: usize
 }
 
 /// Columns [n0, n0 + nw) of y = x · Wᵀ for a quantized W, 4 weight rows at a time through `scratch` (4·k);
-/// windows of 1-2 rows (q4_k: 1; q8_0 / q5_0: up to 8 long rows) dequantize in registers instead (same values, same order of
+/// windows of 1-2 rows (q8_0 / q5_0: up to 8 long rows) dequantize in registers instead (same values, same order of
 /// multiply-adds, so the same bits: no store and reload where the weights stream from memory).
 ///
 /// # Safety
@@ -1067,8 +1070,8 @@ unsafe fn q_columns(isa: Isa, x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: u
         (Isa::Avx2, QuantFormat::Q8_0) if q8_in_registers(m, k) => return x86::q8_fused_avx2(x, m, q, n0, nw, y),
         (Isa::Avx512, QuantFormat::Q5_0) if q8_in_registers(m, k) => return x86::q5_fused_avx512(x, m, q, n0, nw, y),
         (Isa::Avx2, QuantFormat::Q5_0) if q8_in_registers(m, k) => return x86::q5_fused_avx2(x, m, q, n0, nw, y),
-        (Isa::Avx512, QuantFormat::Q4K) if m == 1 => return x86::q4k_fused_avx512(x, q, n0, nw, y),
-        (Isa::Avx2, QuantFormat::Q4K) if m == 1 => return x86::q4k_fused_avx2(x, q, n0, nw, y),
+        (Isa::Avx512, QuantFormat::Q4K) if m <= 2 => return x86::q4k_fused_avx512(x, m, q, n0, nw, y),
+        (Isa::Avx2, QuantFormat::Q4K) if m <= 2 => return x86::q4k_fused_avx2(x, m, q, n0, nw, y),
         (Isa::Avx512, QuantFormat::Q6K) if m <= 2 => return x86::q6k_fused_avx512(x, m, q, n0, nw, y),
         (Isa::Avx2, QuantFormat::Q6K) if m <= 2 => return x86::q6k_fused_avx2(x, m, q, n0, nw, y),
         _ => {}
