@@ -5,6 +5,7 @@
 //! they do not split).
 //!
 //!     cargo bench -p mbd-core --bench quant_kernel
+//!     MBD_BENCH_ROWS=1,2 cargo bench -p mbd-core --bench quant_kernel     # only these row counts (e.g. for perf)
 
 use candle_core::{DType, Device, Tensor};
 use mbd_core::quant::{QMatrix, QuantFormat};
@@ -24,6 +25,10 @@ fn run() {
     let threads = mbd_core::cpu_pool::pin_thread_count();
     let dev = Device::Cpu;
     let kn = Kernels::default();
+    let rows: Vec<usize> = match std::env::var("MBD_BENCH_ROWS") {
+        Ok(v) => v.split(',').map(|r| r.trim().parse().expect("MBD_BENCH_ROWS: row counts, e.g. 1,2,4")).collect(),
+        Err(_) => vec![1, 2, 4, 8, 16, 32, 64],
+    };
     println!("{threads} threads; ms (median), each format's time over bf16's, GB/s of weights for one row");
     print!("{:>22} {:>4} {:>8}", "W (n x k)", "rows", "bf16");
     for f in FORMATS {
@@ -42,7 +47,7 @@ fn run() {
             .iter()
             .map(|&f| k.is_multiple_of(f.block_values()).then(|| QMatrix::quantize(&w, f).unwrap()))
             .collect();
-        for m in [1usize, 2, 4, 8, 16, 32, 64] {
+        for m in rows.iter().copied() {
             let x = Tensor::randn(0f32, 1.0, (m, k), &dev).unwrap();
             let reps = if n > 100_000 { 9 } else { 61 };
             let mut times = vec![vec![]; 1 + FORMATS.len()];
