@@ -1,7 +1,7 @@
-//! x · Wᵀ on the CPU for the row counts of decode windows: bf16-held weights against q8_0, q4_k and q6_k (issue
+//! x · Wᵀ on the CPU for the row counts of decode windows: bf16-held weights against q8_0, q5_0, q4_k and q6_k (issue
 //! #18), all through the skinny kernel, interleaved (each repetition runs every format in turn), on the
 //! Qwen2.5-0.5B shapes and the Qwen3-1.7B MLP's. For one row the weight bytes streamed per second are printed
-//! too (a one-row product is bandwidth-bound). The k-quants need rows of whole 256-value super-blocks ("-" where
+//! too (a one-row product is bandwidth-bound; the last columns, under each format's name). The k-quants need rows of whole 256-value super-blocks ("-" where
 //! they do not split).
 //!
 //!     cargo bench -p mbd-core --bench quant_kernel
@@ -15,7 +15,7 @@ use mbd_core::skinny::{linear, linear_q, Kernels};
 mod common;
 use common::median;
 
-const FORMATS: [QuantFormat; 3] = [QuantFormat::Q8_0, QuantFormat::Q4K, QuantFormat::Q6K];
+const FORMATS: [QuantFormat; 4] = [QuantFormat::Q8_0, QuantFormat::Q5_0, QuantFormat::Q4K, QuantFormat::Q6K];
 
 fn main() {
     mbd_core::cpu_pool::on_cpu_pool(run)
@@ -34,7 +34,11 @@ fn run() {
     for f in FORMATS {
         print!(" {:>8} {:>6}", f.name(), "/bf16");
     }
-    println!(" {:>7} {:>7} {:>7} {:>7}", "GB/s bf", "GB/s q8", "GB/s q4", "GB/s q6");
+    print!(" {:>7}", "GB/s bf");
+    for f in FORMATS {
+        print!(" {:>7}", f.name());
+    }
+    println!();
     for (n, k, name) in [
         (4864usize, 896usize, "gate/up 4864x896"),
         (896, 4864, "down 896x4864"),

@@ -1,11 +1,13 @@
 """Quantized weights (issue #18): what they cost in accuracy and what they save in memory, per format.
 
-Accuracy: logits of one call over N positions (random ids, the model's own attention) with the weights as loaded
-against quantize="q8_0" / "q4_k": max and mean relative error (|q - ref| over max / mean |ref|) and top-1
+Accuracy: logits of one call over N positions (random ids, causal attention) with the weights as loaded
+against quantize="q8_0" / "q4_k" / "q6_k" (and GGUF files of the same weights, --gguf): max and mean relative error (|q - ref| over max / mean |ref|) and top-1
 agreement. Memory: each format is loaded in a fresh child process, which reports its peak and current RSS after
 loading against the weight bytes held (`info.weight_bytes`).
 
     python benches/quant_quality.py [--model DIR] [--positions 1024]      # default: the 0.5B-shaped bf16 checkpoint
+    python benches/quant_quality.py --model /tmp/mbd-bench/qwen2.5-0.5b-shape --out /tmp/q.json \
+        --gguf /tmp/llamacpp/ours/model-q4_k_m.gguf --gguf /tmp/llamacpp/ours/model-q6_k.gguf   # llama.cpp's files
 Writes benches/quant_quality.json (or --out) and prints a markdown table.
 """
 import argparse
@@ -19,7 +21,7 @@ import numpy as np
 import mbd_rs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FORMATS = [None, "q8_0", "q4_k"]
+FORMATS = [None, "q8_0", "q4_k", "q6_k"]
 
 CHILD = r"""
 import json, sys, mbd_rs
@@ -38,6 +40,8 @@ def main():
     ap.add_argument("--model", default="/tmp/mbd-bench/qwen2.5-0.5b-shape-bf16")
     ap.add_argument("--positions", type=int, default=1024)
     ap.add_argument("--out", default=os.path.join(ROOT, "benches", "quant_quality.json"))
+    ap.add_argument("--gguf", action="append", default=[],
+                    help="a GGUF file of the same weights (e.g. llama-quantize's), measured as stored; repeatable")
     args = ap.parse_args()
     # a bare interpreter with mbd_rs imported, for the RSS baseline
     base = subprocess.run([sys.executable, "-c", "import resource, mbd_rs; print(int(open('/proc/self/statm').read().split()[1]) * 4096)"],
@@ -45,17 +49,20 @@ def main():
     baseline = int(base.stdout)
     rows = []
     ref = ids = None
-    for q in FORMATS:
-        r = subprocess.run([sys.executable, "-c", CHILD, args.model, q or "none"], capture_output=True, text=True, check=True)
+    for path, q in [(args.model, q) for q in FORMATS] + [(g, None) for g in args.gguf]:
+        r = subprocess.run([sys.executable, "-c", CHILD, path, q or "none"], capture_output=True, text=True, check=True)
         mem = json.loads(r.stdout)
-        eng = mbd_rs.Engine.load(args.model, device="cpu", quantize=q)
+        eng = mbd_rs.Engine.load(path, device="cpu", quantize=q)
         if ids is None:
             ids = np.random.default_rng(0).integers(0, eng.info.vocab_size, args.positions).tolist()
-        got = eng.logits(ids)
+        # causal attention for every row: a GGUF carries no block-diffusion fields, so its own attention would be
+        # plain causal where the checkpoint's config says block-causal
+        got = eng.logits(ids, attention="causal")
         if ref is None:
             ref = got
         err = np.abs(got - ref)
-        row = dict(weights=mem["weight_format"], weight_bytes=mem["weight_bytes"], peak_rss=mem["peak_rss"], rss=mem["rss"],
+        label = mem["weight_format"] if path == args.model else f"{os.path.basename(path)} ({mem['weight_format']})"
+        row = dict(weights=label, weight_bytes=mem["weight_bytes"], peak_rss=mem["peak_rss"], rss=mem["rss"],
                    rss_minus_baseline_over_weights=(mem["rss"] - baseline) / mem["weight_bytes"],
                    peak_minus_baseline_over_weights=(mem["peak_rss"] - baseline) / mem["weight_bytes"],
                    max_rel=float(err.max() / np.abs(ref).max()), mean_rel=float(err.mean() / np.abs(ref).mean()),

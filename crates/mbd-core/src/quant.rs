@@ -21,7 +21,7 @@
 use crate::error::{Error, Result};
 use crate::skinny::Kernels;
 use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use half::f16;
 use std::sync::Arc;
 
@@ -161,7 +161,12 @@ impl QMatrix {
         let chunk = (QUANTIZE_ROWS_BYTES / (4 * k)).max(1);
         for r0 in (0..n).step_by(chunk) {
             let rows = chunk.min(n - r0);
-            let q = QTensor::quantize(&w.narrow(0, r0, rows)?, format.ggml())?;
+            // candle's quantizer reads the source's storage from its start, ignoring a view's offset: hand it an
+            // f32 tensor of its own (a float32 chunk, or a slice such as one expert of a stacked tensor, is a
+            // view into a larger storage, and neither to_dtype to its own dtype nor copy() drops the offset)
+            let part = w.narrow(0, r0, rows)?.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            let part = Tensor::from_vec(part, (rows, k), &Device::Cpu)?;
+            let q = QTensor::quantize(&part, format.ggml())?;
             let bytes = q.data()?;
             if bytes.len() != rows * row_bytes {
                 return Err(Error::Internal(format!(
@@ -358,11 +363,21 @@ mod tests {
 
     #[test]
     fn quantizing_in_chunks_equals_quantizing_whole() {
+        // bf16 and f32 sources, and a view into a larger tensor (rows 3.. of it: a storage offset), quantized in
+        // chunks, give candle's quantization of the same values as one fresh tensor
         let k = 8192; // QUANTIZE_ROWS_BYTES / (4k) = 512 rows per chunk: 1100 rows are 3 chunks
-        let w = randn(1100, k, 9).to_dtype(DType::BF16).unwrap();
-        let q = QMatrix::quantize(&w, QuantFormat::Q8_0).unwrap();
-        let whole = QTensor::quantize(&w.to_dtype(DType::F32).unwrap(), GgmlDType::Q8_0).unwrap();
-        assert_eq!(q.bytes(), &whole.data().unwrap()[..]);
+        let f = randn(1103, k, 9);
+        for w in [f.to_dtype(DType::BF16).unwrap(), f.clone(), f.narrow(0, 3, 1100).unwrap()] {
+            let q = QMatrix::quantize(&w, QuantFormat::Q8_0).unwrap();
+            let fresh = Tensor::from_vec(
+                w.flatten_all().unwrap().to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap(),
+                w.dims(),
+                &Device::Cpu,
+            )
+            .unwrap();
+            let whole = QTensor::quantize(&fresh, GgmlDType::Q8_0).unwrap();
+            assert!(q.bytes() == &whole.data().unwrap()[..], "{:?} {:?}", w.dtype(), w.dims());
+        }
     }
 
     #[test]
