@@ -260,6 +260,24 @@ mod x86 {
         _mm_cvtss_f32(s)
     }
 
+    /// One step of every tile below: the x lanes `$x` of each of the R x rows (`$ri` names the row), the weight
+    /// lanes `$w` of each of the 4 weight rows (`$ci` names it; formed once, shared by the R x rows), and
+    /// acc[r][c] += x_r · w_c.
+    macro_rules! tile_step {
+        ($r:ident, $zero:ident, $loadx:ident, $fma:ident, $acc:ident, |$ri:ident| $x:expr, |$ci:ident| $w:expr) => {{
+            let mut xv = [$zero(); $r];
+            for $ri in 0..$r {
+                xv[$ri] = $loadx($x);
+            }
+            for $ci in 0..4 {
+                let wv = $w;
+                for r in 0..$r {
+                    $acc[r][$ci] = $fma(xv[r], wv, $acc[r][$ci]);
+                }
+            }
+        }};
+    }
+
     /// One tile function per instruction set: `$lanes` f32 lanes per register, x loads shared by the 4 weight
     /// rows, each weight load shared by the R x rows, one reduction per accumulator at the end.
     macro_rules! tile_fn {
@@ -281,16 +299,9 @@ mod x86 {
                             _mm_prefetch::<_MM_HINT_T0>(pf.0[c].wrapping_add(i * es) as *const i8);
                         }
                     }
-                    let mut xv = [$zero(); R];
-                    for r in 0..R {
-                        xv[r] = $loadx(xs[r].as_ptr().add(i));
-                    }
-                    for c in 0..4 {
-                        let wv = $loadw(ws[c].as_ptr().add(i));
-                        for r in 0..R {
-                            acc[r][c] = $fma(xv[r], wv, acc[r][c]);
-                        }
-                    }
+                    tile_step!(R, $zero, $loadx, $fma, acc, |r| xs[r].as_ptr().add(i), |c| $loadw(
+                        ws[c].as_ptr().add(i)
+                    ));
                     i += $lanes;
                 }
                 let mut out = [[0f32; 4]; R];
@@ -484,16 +495,10 @@ mod x86 {
                             }
                             for t in 0..16 / $lanes {
                                 let i = 256 * sb + 16 * s + $lanes * t;
-                                let mut xv = [$zero(); R];
-                                for r in 0..R {
-                                    xv[r] = $loadx(xs[r].add(i));
-                                }
-                                for c in 0..4 {
-                                    let wv = $mul(ds[c], $loadq(buf[c].as_ptr().add(16 * s + $lanes * t) as *const u8));
-                                    for r in 0..R {
-                                        acc[r][c] = $fma(xv[r], wv, acc[r][c]);
-                                    }
-                                }
+                                tile_step!(R, $zero, $loadx, $fma, acc, |r| xs[r].add(i), |c| $mul(
+                                    ds[c],
+                                    $loadq(buf[c].as_ptr().add(16 * s + $lanes * t) as *const u8)
+                                ));
                             }
                         }
                     }
@@ -560,16 +565,10 @@ mod x86 {
                         }
                         for g in 0..32 / $lanes {
                             let i = 32 * blk + $lanes * g;
-                            let mut xv = [$zero(); R];
-                            for r in 0..R {
-                                xv[r] = $loadx(xs[r].add(i));
-                            }
-                            for c in 0..4 {
-                                let wv = $mul($loadq(qv[c].add($lanes * g)), d[c]);
-                                for r in 0..R {
-                                    acc[r][c] = $fma(xv[r], wv, acc[r][c]);
-                                }
-                            }
+                            tile_step!(R, $zero, $loadx, $fma, acc, |r| xs[r].add(i), |c| $mul(
+                                $loadq(qv[c].add($lanes * g)),
+                                d[c]
+                            ));
                         }
                     }
                     let mut out = [[0f32; 4]; R];
@@ -637,17 +636,10 @@ mod x86 {
                             let m1 = dm.map(|r| $set1(r[j].1));
                             for t in 0..32 / $lanes {
                                 let i = 256 * sb + 32 * j + $lanes * t;
-                                let mut xv = [$zero(); R];
-                                for r in 0..R {
-                                    xv[r] = $loadx(xs[r].add(i));
-                                }
-                                for c in 0..4 {
-                                    let qv = $loadq(buf[c].as_ptr().add(32 * j + $lanes * t) as *const u8);
-                                    let wv = $sub($mul(d1[c], qv), m1[c]);
-                                    for r in 0..R {
-                                        acc[r][c] = $fma(xv[r], wv, acc[r][c]);
-                                    }
-                                }
+                                tile_step!(R, $zero, $loadx, $fma, acc, |r| xs[r].add(i), |c| $sub(
+                                    $mul(d1[c], $loadq(buf[c].as_ptr().add(32 * j + $lanes * t) as *const u8)),
+                                    m1[c]
+                                ));
                             }
                         }
                     }
