@@ -35,21 +35,27 @@ answer ++ <|im_end|> ++ pad tokens up to a per-sample canvas end, so the model l
   dream one noisy sequence under FULL attention, one ratio t ~ U(0.001, 1] per sample (stratified over the batch)
         over the whole answer region, loss weighted by 1/t and normalised by the number of answer tokens (the
         masked-diffusion ELBO that Dream and LLaDA train with; Dream's CART re-weighting is not used).
+  dream_prog  FULL attention too, but the answer region is cut into blocks of B from the answer's start and block k
+        gets its own ratio t_k ~ U(0.001, 1], sorted ascending (D2F's progressive noise: clean-ish left, masked
+        right, the shape semi-AR and multi-block decoding of a full-attention model meet); plain mean cross-entropy
+        over the masked tokens. Our addition for a small CPU budget: with `dream` alone a 1.6M-parameter twin had
+        not learned to copy from the prompt after 95 minutes.
 With shifted logits (dream, fast_dllm_v2) the target at position p is read from the logit at p-1. In bd3/bd3c the
 first position of a block is predicted from the CLEAN copy's last position of the previous block (at inference that
 logit comes from the committed previous block, the "carry" row); the other positions from the noisy p-1.
 
 Mixtures (per batch, seeded; block size B per batch):
   tiny          objective d2f 3/4, bd3 1/4;  B from {1:1, 2:1, 4:3, 8:2, 16:1} (B=1 is autoregressive)
-  dream         objective dream;              (no blocks)
+  dream         objective dream 1/2, dream_prog 1/2;  B = 8 (dream_prog's blocks)
   fast_dllm_v2  objective bd3c 3/4, d2f 1/4;  B from {8:3, 4:1}, config bd_size 8. The d2f quarter (noisy earlier
                 blocks) and the B=4 batches are our additions so that multi-block decoding and block_size=4 are
                 in distribution; real Fast-dLLM v2 trains bd3c at bd_size only.
 Tasks (weights): sort 1, reverse 1, repeat 1, hello 0.5, add 2, count 2 (add and count are the hard ones).
 Canvas: prompt ++ answer ++ <|im_end|> ++ pad, cut at prompt + answer + 1 + U{0..16} tokens (the engine's canvas is
 prompt + max_tokens, so the model sees canvases of varying length); for dream (full attention: every trailing
-mask is seen) the answer region is U{answer + 1..48} positions long, as max_tokens up to 48 gives. Batches of --batch sequences (48 on CPU) are
-packed first-fit-decreasing into rows of 96 positions: position ids restart at 0 in every sequence (so block grids
+mask is seen) a quarter of the samples have an answer region U{answer + 1..48} positions long, as max_tokens up to
+48 gives. Batches of --batch sequences (48 on CPU) are packed first-fit-decreasing into rows of 96 positions (128
+for dream): position ids restart at 0 in every sequence (so block grids
 stay aligned at each sequence's position 0) and attention never crosses sequences (no padding compute).
 Optimiser: AdamW (0.9, 0.98), weight decay 0.01, grad-norm clip 1.0, linear warm-up 100 steps then cosine to 0
 over --steps; seeds: torch 0, data random.Random(0) (+ --seed).
@@ -88,9 +94,12 @@ from tasks import CHAT_TEMPLATE, TASKS, held_out_set, render, sample  # noqa: E4
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
 MAX_POS = 256
 EXTRA_PAD = 16           # block-causal families: canvas = prompt + answer + <|im_end|> + U{0..EXTRA_PAD} pads
-DREAM_CANVAS = 48        # dream: answer region (answer + <|im_end|> + pads) ~ U{len(answer)+1..48} positions
+DREAM_CANVAS = 48        # full attention: in DREAM_LONG of the samples the answer region (answer + <|im_end|> + pads)
+DREAM_LONG = 0.25        # is U{len(answer)+1..48} positions long (as max_tokens up to 48 gives), else as EXTRA_PAD
 TASK_WEIGHTS = {"sort": 1.0, "reverse": 1.0, "repeat": 1.0, "hello": 0.5, "add": 2.0, "count": 2.0}
 T_EPS = 1e-3
+FULL_OBJECTIVES = ("dream", "dream_prog")
+STAGE_KEYS = ("step", "steps", "minutes", "batch", "lr", "device", "threads", "train_seconds", "loss_ema", "objectives", "seed")   # full bidirectional attention over the whole canvas
 
 FAMILIES = {
     "tiny": dict(
@@ -101,7 +110,7 @@ FAMILIES = {
     "dream": dict(
         arch="qwen2", hidden=192, layers=5, heads=6, kv_heads=2, head_dim=32, inter=384, tie=False,
         specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], mask_str="<|mask|>", mask_last=True,
-        pad="<|endoftext|>", shift=True, objectives={"dream": 1}, blocks={8: 1}, eval_block=8,
+        pad="<|endoftext|>", shift=True, objectives={"dream": 1, "dream_prog": 1}, blocks={8: 1}, eval_block=8, row=128,
         name="mbd-dream-tiny (Dream-style twin)"),
     "fast_dllm_v2": dict(
         arch="qwen2", hidden=192, layers=5, heads=6, kv_heads=2, head_dim=32, inter=384, tie=False,
@@ -147,14 +156,18 @@ def pick(r, weights):
 
 def draw_samples(r, ids, n, full=False):
     """n training instances: (prompt ids, target ids = answer ++ <|im_end|> ++ pads up to the canvas end).
-    full (full attention): every position of the canvas is seen, so the canvas spans what max_tokens does at
-    inference (up to DREAM_CANVAS), not just a few pads past the answer."""
+    full (full attention): every position of the canvas is seen, so in DREAM_LONG of the samples the canvas spans
+    what max_tokens does at inference (up to DREAM_CANVAS), not just a few pads past the answer (the rest keep the
+    short canvases: mostly-pad canvases spend the compute on trivially predicted pads)."""
     out = []
     for _ in range(n):
         _, p, a = sample(r, held_out=False, task=pick(r, TASK_WEIGHTS))
         pr = ids.encode(render(p))
         an = ids.encode(a) + [ids.im_end]
-        extra = r.randint(0, max(0, DREAM_CANVAS - len(an))) if full else r.randint(0, EXTRA_PAD)
+        if full and r.random() < DREAM_LONG:
+            extra = r.randint(0, max(0, DREAM_CANVAS - len(an)))
+        else:
+            extra = r.randint(0, EXTRA_PAD)
         an = an + [ids.pad] * extra
         out.append((pr, an))
     return out
@@ -183,6 +196,11 @@ def noise(r, g, samples, obj, B):
             t = float(ts[i])
             out.append((toks, lp, ans & (u < t), 1.0 / t))
             continue
+        if obj == "dream_prog":  # blocks of B from the answer's start (prompt-aligned, as full-attention decoding)
+            blk = (torch.arange(n) - lp).clamp(min=0) // B
+            t = block_t(g, int(blk[-1]) + 1, sort=True)
+            out.append((toks, lp, ans & (u < t[blk]), None))
+            continue
         blk = torch.arange(n) // B
         t = block_t(g, int(blk[-1]) + 1, sort=obj == "d2f" and r.random() < 0.5)
         m = ans & (u < t[blk])
@@ -208,10 +226,10 @@ def pack(items, row_len):
     return [r[1] for r in rows]
 
 
-def build(items, obj, B, shift, ids):
+def build(items, obj, B, shift, ids, row_len=96):
     """Model inputs (ids, additive 4-D mask, position ids) and the loss selection for packed samples.
     d2f: block-causal on one noisy copy; dream: full attention on one noisy copy; bd3/bd3c: noisy ++ clean (2R)."""
-    R = max(96, max(len(it[0]) for it in items))
+    R = max(row_len, max(len(it[0]) for it in items))
     rows = pack(sorted(items, key=lambda it: -len(it[0])), R)
     nr = len(rows)
     two = obj in ("bd3", "bd3c")
@@ -251,7 +269,7 @@ def build(items, obj, B, shift, ids):
     same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] >= 0)
     bq, bk = blk[:, :, None], blk[:, None, :]
     cq, ck = clean[:, :, None], clean[:, None, :]
-    if obj == "dream":
+    if obj in FULL_OBJECTIVES:
         rule = torch.ones_like(same)
     elif two:
         rule = (~cq & ~ck & (bk == bq)) | (~cq & ck & (bk < bq)) | (cq & ck & (bk <= bq))
@@ -273,8 +291,8 @@ def make_batch(r, g, ids, spec, bsz):
     obj = pick(r, spec["objectives"])
     B = pick(r, spec["blocks"])
     n = bsz // 2 if obj == "bd3c" else bsz
-    items = noise(r, g, draw_samples(r, ids, n, full=obj == "dream"), obj, B)
-    inp, mask, posid, sel = build(items, obj, B, spec["shift"], ids)
+    items = noise(r, g, draw_samples(r, ids, n, full=obj in FULL_OBJECTIVES), obj, B)
+    inp, mask, posid, sel = build(items, obj, B, spec["shift"], ids, spec.get("row", 96))
     return obj, B, inp, mask, posid, sel
 
 
@@ -465,7 +483,7 @@ def write_card(out, family, spec, ids, st):
              "`training/tasks.py` task families (sort, reverse, add, repeat, count, hello), training split only: a prompt "
              "is held out iff the sum of its character codes is a multiple of 7. Task weights "
              + ", ".join(f"{k} {v}" for k, v in TASK_WEIGHTS.items()) + ". Fresh samples every step "
-             f"(about {st['step'] * st['batch']} sequences seen).", "",
+             f"(about {sum(sg['step'] * sg['batch'] for sg in st.get('stages') or [st])} sequences seen).", "",
              "## Training",
              f"Objectives {spec['objectives']} (see the docstring of training/train.py), block sizes {spec['blocks']}"
              f"{' (unused: full attention)' if family == 'dream' else ''}. Batch {st['batch']}, AdamW lr {st['lr']} "
@@ -473,7 +491,16 @@ def write_card(out, family, spec, ids, st):
              f"{' or ' + str(st['minutes']) + ' minutes of wall time, whichever ends first' if st.get('minutes') else ''}), "
              f"weight decay 0.01, clip 1.0. Steps done: {st['step']}. Device {st['device']}, "
              f"{st['train_seconds'] / 60:.1f} min. Loss (EMA 0.98) at the last step: {st['loss_ema']:.4f}. "
-             "Loss curve: `train.log`.", "",
+             "Loss curve: `train.log`.", ""]
+    if len(st.get("stages", [])) > 1:
+        lines += ["Stages (each a warm restart from the previous stage's bf16 weights, `--init`: fresh optimiser, "
+                  "warm-up and cosine again):", "", "| stage | steps | minutes | device, threads | objectives | loss at end |",
+                  "|---|---|---|---|---|---|"]
+        for k, sg in enumerate(st["stages"]):
+            lines.append(f"| {k + 1} | {sg['step']} | {sg['train_seconds'] / 60:.0f} | {sg['device']}, "
+                         f"{sg.get('threads')} | {sg.get('objectives')} | {sg['loss_ema']:.4f} |")
+        lines.append("")
+    lines += [
              "## Results (held-out split, PyTorch reference decoder of training/train.py)"]
     if ev:
         lines.append(f"Block size {ev['block_size']}, {ev['instances']} held-out instances, max 40 new tokens, exact match.")
@@ -496,14 +523,14 @@ class Batches(torch.utils.data.IterableDataset):
     loader takes the workers round-robin, so a run is reproducible for a given worker count (but not resumable mid-
     stream: a resumed run starts new streams)."""
 
-    def __init__(self, family, bsz, seed):
-        self.family, self.bsz, self.seed = family, bsz, seed
+    def __init__(self, family, bsz, seed, objectives):
+        self.family, self.bsz, self.seed, self.objectives = family, bsz, seed, objectives
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         k = info.id if info is not None else 0
         torch.set_num_threads(1)
-        spec = FAMILIES[self.family]
+        spec = dict(FAMILIES[self.family], objectives=self.objectives)
         ids = Ids(make_tokenizer(spec), spec)
         r = random.Random(self.seed * 1000 + k)
         g = torch.Generator().manual_seed(self.seed * 1000 + k + 1)
@@ -513,6 +540,8 @@ class Batches(torch.utils.data.IterableDataset):
 
 def train(args):
     family, spec = args.family, FAMILIES[args.family]
+    if args.objectives:
+        spec = dict(spec, objectives={k: float(v) for k, v in (kv.split(":") for kv in args.objectives.split(","))})
     dev = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.set_num_threads(args.threads)
     if dev.type == "cuda":
@@ -528,6 +557,16 @@ def train(args):
     os.makedirs(args.out, exist_ok=True)
     state_path = os.path.join(args.out, "train_state.pt")
     start, ema, t_prev = 0, None, 0.0
+    stages = []   # earlier training stages this run continues (--init), for the card
+    if args.init:
+        from safetensors.torch import load_file
+        sd = load_file(os.path.join(args.init, "model.safetensors"))
+        if spec["tie"]:
+            sd.pop("lm_head.weight", None)
+        missing, unexpected = model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
+        assert not unexpected and all(k == "lm_head.weight" for k in missing), (missing, unexpected)
+        prev = json.load(open(os.path.join(args.init, "training_log.json")))
+        stages = prev.get("stages") or [{k: prev.get(k) for k in STAGE_KEYS}]
     if args.resume and os.path.exists(state_path):
         s = torch.load(state_path, map_location="cpu", weights_only=False)
         model.load_state_dict(s["model"])
@@ -536,7 +575,7 @@ def train(args):
         g.set_state(s["torch_rng"])
         start, ema, t_prev = s["step"], s["ema"], s["train_seconds"]
     if args.workers > 0:
-        loader = iter(torch.utils.data.DataLoader(Batches(family, args.batch, args.seed + start), batch_size=None,
+        loader = iter(torch.utils.data.DataLoader(Batches(family, args.batch, args.seed + start, spec["objectives"]), batch_size=None,
                                                   num_workers=args.workers, prefetch_factor=4, persistent_workers=True))
         next_batch = lambda: next(loader)
     else:
@@ -566,7 +605,8 @@ def train(args):
     def checkpoint(step, status, do_eval):
         st = dict(status=status, step=step, steps=args.steps, minutes=args.minutes, batch=args.batch, lr=args.lr, device=str(dev),
                   train_seconds=time.time() - t0, loss_ema=ema if ema is not None else float("nan"), parameters=n_params,
-                  family=family, seed=args.seed)
+                  family=family, seed=args.seed, objectives=spec["objectives"], threads=args.threads)
+        st["stages"] = stages + [{k: st.get(k) for k in STAGE_KEYS}]
         if do_eval:
             te = time.time()
             st["eval"] = evaluate(model, family, spec, ids, per_task=args.eval_per_task)
@@ -650,6 +690,7 @@ def main():
     ap.add_argument("--minutes", type=float, default=None,
                     help="wall-time budget: the cosine schedule runs on max(step/steps, elapsed/budget) and training "
                          "stops when it reaches 1 (--steps is then an upper bound)")
+    ap.add_argument("--objectives", help="override the family's objective mixture, e.g. dream:1,dream_prog:1")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
@@ -661,6 +702,8 @@ def main():
     ap.add_argument("--eval-partial", action="store_true", help="also evaluate at partial checkpoints")
     ap.add_argument("--eval-per-task", type=int, default=20)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--init", metavar="DIR", help="start from the weights of a checkpoint written by this script (a "
+                    "fresh optimiser and schedule: a warm restart); its card lists the earlier stages")
     ap.add_argument("--check", metavar="DIR", help="only check a written checkpoint (HF load + reference decode)")
     args = ap.parse_args()
     if args.check:
