@@ -56,6 +56,8 @@ for label, extra in [("none", dict(cache="none")), ("prefix delay 1", dict(cache
                      ("prefix delay 2", dict(cache="prefix", cache_delay=2)),
                      ("prefix delay 4", dict(cache="prefix", cache_delay=4)),
                      ("prefix delay 1 refresh 4", dict(cache="prefix", cache_delay=1, refresh_interval=4)),
+                     ("prefix delay 1 created", dict(cache="prefix", cache_delay=1, prefix_window="created")),
+                     ("prefix delay 2 created", dict(cache="prefix", cache_delay=2, prefix_window="created")),
                      ("dual", dict(cache="dual"))]:
     CACHE_CONFIGS.append((f"multi-block {label}", dict(CACHE_BASE, **extra)))
     CACHE_CONFIGS.append((f"single-block {label}", dict(CACHE_BASE, block_add_threshold=1.0, **extra)))

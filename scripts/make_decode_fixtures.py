@@ -58,8 +58,8 @@ def prompt_scores(model, ids, shift):
     return lps, tops
 
 
-def PREFIX(delay, refresh=None):
-    return dict(mode="prefix", delay=delay, refresh=refresh)
+def PREFIX(delay, refresh=None, window=None):
+    return dict(mode="prefix", delay=delay, refresh=refresh, window=window)
 
 
 def S2D2(policy, **kw):
@@ -128,6 +128,10 @@ def main():
                                            cache=PREFIX(2, 3)),
                 "prefix_d1_single_block_eos": dict(attention="full", threshold=h50, logits_shift=True, block_size=4,
                                                    alpha=1.0, eos=[0, eos], cache=PREFIX(1)),
+                "prefix_d1_created": dict(attention="full", threshold=h50, logits_shift=True, block_size=4,
+                                          cache=PREFIX(1, window="created")),
+                "prefix_d2_refresh3_created_unshifted": dict(attention="full", threshold=h50, block_size=5,
+                                                             cache=PREFIX(2, 3, window="created")),
                 # Fast-dLLM v1's dual cache for full attention (issue #14)
                 "dual": dict(attention="full", threshold=h50, logits_shift=True, block_size=4, cache=dict(mode="dual")),
                 "dual_single_block_unshifted": dict(attention="full", threshold=h50, block_size=4, alpha=1.0,

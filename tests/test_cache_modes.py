@@ -56,6 +56,22 @@ def test_periodic_refresh_recomputes():
     assert a.positions_forwarded < b.positions_forwarded < full
 
 
+def test_prefix_window_created_stops_at_the_last_created_block():
+    """prefix_window='created': no forward reaches past the last created block, so with small blocks every step
+    forwards fewer positions than with the canvas window (token equality with d3LLM-style semantics is checked
+    against the reference decoder in test_decode_parity.py, the prefix_*_created cases)."""
+    eng = dream_like()
+    canvas = eng.generate(PROMPT, cache="prefix", **KW)
+    created = eng.generate(PROMPT, cache="prefix", prefix_window="created", **KW)
+    explicit = eng.generate(PROMPT, cache="prefix", prefix_window="canvas", **KW)
+    assert explicit.token_ids == canvas.token_ids
+    usage = lambda u: (u.forward_passes, u.positions_forwarded)  # noqa: E731
+    assert usage(explicit.usage) == usage(canvas.usage)
+    per_step = lambda u: u.positions_forwarded / u.forward_passes  # noqa: E731
+    assert per_step(created.usage) < per_step(canvas.usage)
+    assert created.usage.positions_forwarded <= created.usage.forward_passes * (len(PROMPT) + 24)
+
+
 def test_dual_cache_forwards_the_region_between_rebuilds():
     eng = dream_like()
     none = eng.generate(PROMPT, cache="none", **KW)
@@ -87,6 +103,8 @@ def test_exact_stays_the_default_where_kv_are_final():
     (True, dict(cache="none", refresh_interval=5), "refresh_interval only with cache='prefix'"),
     (True, dict(cache="prefix", refresh_interval=0), "refresh_interval must be >= 1"),
     (True, dict(cache="prefix", cache_delay=-1), "cache_delay must be >= 0"),
+    (True, dict(prefix_window="created"), "prefix_window only with cache='prefix'"),
+    (True, dict(cache="prefix", prefix_window="block"), "prefix_window must be"),
     (True, dict(cache="dual-ish"), "cache must be"),
     (True, dict(cache=True), "cache must be a string"),
 ])

@@ -41,6 +41,8 @@ def run(case, use_cache):
             extra["cache_delay"] = p["cache"]["delay"]
         if p["cache"].get("refresh"):
             extra["refresh_interval"] = p["cache"]["refresh"]
+        if p["cache"].get("window"):
+            extra["prefix_window"] = p["cache"]["window"]
     if p.get("sub_block"):
         extra["sub_block_size"] = p["sub_block"]
     return eng.generate(case["prompt"], max_tokens=case["max_tokens"], block_size=p["block_size"],

@@ -72,7 +72,7 @@ def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignm
     logits row of the forward that decided it (log-softmax, float64), the 3 most likely ids of that row).
     s2d2: None, or dict(policy=always|min_span|score|hysteresis, min_span=, score_threshold=, penalty=,
     penalty_kind=static|dynamic, hysteresis=(on, off)).
-    cache: None (recompute every step), or for full attention dict(mode="prefix", delay=, refresh=): d3LLM's
+    cache: None (recompute every step), or for full attention dict(mode="prefix", delay=, refresh=, window=): d3LLM's
     approximate prefix cache (`_sample_multi_block_kv_cache`), or dict(mode="dual"): Fast-dLLM v1's dual cache
     over the active region (first incomplete created block .. end of the last created block), both kept in a
     transformers DynamicCache."""
@@ -245,14 +245,16 @@ def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignm
             waiting = any(i in completed_at and not cached.get(i) and full_span(sp) for i, sp in enumerate(spans))
             periodic = cache.get("refresh") and step % cache["refresh"] == 0
             zeros = lambda w, c: torch.zeros(1, 1, w, c + w)  # noqa: E731  (full attention)
+            # forwards end at the canvas end (d3LLM), or with window="created" at the last created block's end
+            end = max(b[1] for k, b in enumerate(blocks) if created[k]) if cache.get("window") == "created" else total
             with torch.no_grad():
                 if to is not None or (kv_len > 0 and not waiting and not periodic):
                     start = kv_len
-                    w = total - kv_len
+                    w = end - kv_len
                     if kv is None:
                         kv = DynamicCache()
-                    out = model(torch.tensor([x[kv_len:]]), past_key_values=kv, use_cache=True,
-                                attention_mask=zeros(w, kv_len), position_ids=torch.arange(kv_len, total)[None])
+                    out = model(torch.tensor([x[kv_len:end]]), past_key_values=kv, use_cache=True,
+                                attention_mask=zeros(w, kv_len), position_ids=torch.arange(kv_len, end)[None])
                     keep = to if to is not None else kv_len
                     keep_first(kv, keep)
                     logits = out.logits[0]
@@ -261,7 +263,7 @@ def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignm
                     kv_len = keep
                 else:
                     fresh = DynamicCache()
-                    out = model(torch.tensor([x]), past_key_values=fresh, use_cache=True, attention_mask=zeros(total, 0))
+                    out = model(torch.tensor([x[:end]]), past_key_values=fresh, use_cache=True, attention_mask=zeros(end, 0))
                     logits = out.logits[0]
                     if kv_len > 0:
                         keep_first(fresh, kv_len)

@@ -9,7 +9,7 @@ use crate::decoder::{Acceptance, ForcedProgress};
 use crate::error::{Error, Result};
 use crate::mask::{Alignment, AttentionKind};
 use crate::speculative::{PenaltyKind, Speculative, VerifyPolicy};
-use crate::window::CacheMode;
+use crate::window::{CacheMode, PrefixWindow};
 use std::fmt::Display;
 
 crate::string_enum! {
@@ -154,6 +154,13 @@ pub const PARAMS: &[ParamSpec] = &[
         K::Int,
         R::AtLeast(1.0),
         "cache='prefix': recompute the whole canvas every this many steps (default: never)",
+    ),
+    p(
+        "prefix_window",
+        K::Str,
+        R::Any,
+        "cache='prefix': forwards end at the canvas end (canvas, the default, as d3LLM) or at the end of the last \
+         created block (created)",
     ),
     p("max_forward_passes", K::Int, R::AtLeast(1.0), "stop after this many forward passes (default: 10000)"),
     p(
@@ -314,7 +321,17 @@ macro_rules! from_name {
         }
     )*};
 }
-from_name!(Acceptance, ForcedProgress, AttentionKind, Alignment, Speculative, VerifyPolicy, PenaltyKind, CacheMode);
+from_name!(
+    Acceptance,
+    ForcedProgress,
+    AttentionKind,
+    Alignment,
+    Speculative,
+    VerifyPolicy,
+    PenaltyKind,
+    CacheMode,
+    PrefixWindow
+);
 
 impl FromValue for Vec<f64> {
     fn from_value(name: &str, v: Value) -> Result<Self> {
@@ -426,6 +443,7 @@ request! {
         cache: CacheMode,
         cache_delay: usize,
         refresh_interval: usize,
+        prefix_window: PrefixWindow,
         max_forward_passes: usize,
         sub_block_size: usize,
         speculative: Speculative,

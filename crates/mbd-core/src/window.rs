@@ -38,7 +38,8 @@ pub enum CachePolicy {
     /// d3LLM's approximate prefix cache for full attention: a block (the prompt first) is committed once it has
     /// been complete for `delay` steps, from a forward over [cache end, canvas end); while a complete block
     /// waits, and every `refresh` steps, the step recomputes the whole canvas and rebuilds the cached K/V.
-    Prefix { delay: usize, refresh: Option<usize> },
+    /// `window` says where the forwards end: the canvas end (d3LLM) or the last created block's end.
+    Prefix { delay: usize, refresh: Option<usize>, window: PrefixWindow },
     /// Fast-dLLM v1's dual cache for full attention: the K/V before and after the active region (from the first
     /// incomplete created block to the end of the last created block) are cached from a forward over the whole
     /// canvas, taken whenever the region changes; other steps forward only the region.
@@ -59,12 +60,22 @@ crate::string_enum! {
     }
 }
 
+crate::string_enum! {
+    /// The `prefix_window` request parameter: where the prefix cache's forwards end.
+    pub enum PrefixWindow ("prefix_window") {
+        /// the canvas end (prompt + max_tokens): every trailing mask is seen, as d3LLM does
+        Canvas = "canvas",
+        /// the end of the last created block: the masks of blocks not yet created are not attended to
+        Created = "created",
+    }
+}
+
 impl CachePolicy {
     /// The policy of a request: `cache` (with `cache_delay`, `refresh_interval`) and `use_cache`, over the
     /// model's attention. Default: exact where K/V become final (block-causal, causal), none for full attention.
     pub fn resolve(attention: AttentionKind, req: &GenRequest) -> Result<CachePolicy> {
         let (cache, use_cache, delay, refresh) = (req.cache, req.use_cache, req.cache_delay, req.refresh_interval);
-        let prefix_only = req.given(&["cache_delay", "refresh_interval"]);
+        let prefix_only = req.given(&["cache_delay", "refresh_interval", "prefix_window"]);
         if cache != Some(CacheMode::Prefix) && !prefix_only.is_empty() {
             return Err(Error::invalid(format!("{} only with cache='prefix'", prefix_only.join(" and "))));
         }
@@ -83,9 +94,11 @@ impl CachePolicy {
                 c.name()
             ))),
             (Some(CacheMode::Dual), _) => Ok(CachePolicy::Dual),
-            (Some(CacheMode::Prefix), _) => {
-                Ok(CachePolicy::Prefix { delay: delay.unwrap_or(DEFAULT_CACHE_DELAY), refresh })
-            }
+            (Some(CacheMode::Prefix), _) => Ok(CachePolicy::Prefix {
+                delay: delay.unwrap_or(DEFAULT_CACHE_DELAY),
+                refresh,
+                window: req.prefix_window.unwrap_or(PrefixWindow::Canvas),
+            }),
             (Some(CacheMode::None), _) | (None, Some(false)) => Ok(CachePolicy::Recompute),
             _ if full => Ok(CachePolicy::Recompute),
             _ => Ok(CachePolicy::Exact),
@@ -250,10 +263,14 @@ impl Window {
                     (0, dec.prompt_len + dec.n)
                 }
             }
-            (_, CachePolicy::Prefix { delay, refresh }) => {
+            (_, CachePolicy::Prefix { delay, refresh, window }) => {
                 let (start, commit) = self.prefix_schedule(dec, delay, refresh)?;
                 commit_end = Some(commit);
-                (start, dec.prompt_len + dec.n)
+                let end = match window {
+                    PrefixWindow::Canvas => dec.prompt_len + dec.n,
+                    PrefixWindow::Created => dec.created_end(),
+                };
+                (start, end)
             }
             (AttentionKind::Full, _) => (0, dec.prompt_len + dec.n),
             (_, CachePolicy::Exact) => {
