@@ -24,6 +24,7 @@ MODES = [
     ("prefix delay 2", dict(cache="prefix", cache_delay=2)),
     ("prefix delay 4", dict(cache="prefix", cache_delay=4)),
     ("prefix delay 1, refresh 4", dict(cache="prefix", cache_delay=1, refresh_interval=4)),
+    ("prefix delay 1 created", dict(cache="prefix", cache_delay=1, prefix_window="created")),
     ("dual", dict(cache="dual")),
 ]
 
