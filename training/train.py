@@ -38,8 +38,8 @@ answer ++ <|im_end|> ++ pad tokens up to a per-sample canvas end, so the model l
   dream_prog  FULL attention too, but the answer region is cut into blocks of B from the answer's start and block k
         gets its own ratio t_k ~ U(0.001, 1], sorted ascending (D2F's progressive noise: clean-ish left, masked
         right, the shape semi-AR and multi-block decoding of a full-attention model meet); plain mean cross-entropy
-        over the masked tokens. Our addition for a small CPU budget: with `dream` alone a 1.6M-parameter twin had
-        not learned to copy from the prompt after 95 minutes.
+        over the masked tokens. Our addition for a small CPU budget (with `dream` alone a 1.6M-parameter twin had
+        not learned to copy from the prompt after 95 minutes; with the mix it still had not after 75: RESULTS.md).
 With shifted logits (dream, fast_dllm_v2) the target at position p is read from the logit at p-1. In bd3/bd3c the
 first position of a block is predicted from the CLEAN copy's last position of the previous block (at inference that
 logit comes from the committed previous block, the "carry" row); the other positions from the noisy p-1.
@@ -98,8 +98,10 @@ DREAM_CANVAS = 48        # full attention: in DREAM_LONG of the samples the answ
 DREAM_LONG = 0.25        # is U{len(answer)+1..48} positions long (as max_tokens up to 48 gives), else as EXTRA_PAD
 TASK_WEIGHTS = {"sort": 1.0, "reverse": 1.0, "repeat": 1.0, "hello": 0.5, "add": 2.0, "count": 2.0}
 T_EPS = 1e-3
-FULL_OBJECTIVES = ("dream", "dream_prog")
-STAGE_KEYS = ("step", "steps", "minutes", "batch", "lr", "device", "threads", "train_seconds", "loss_ema", "objectives", "seed")   # full bidirectional attention over the whole canvas
+ROW_LEN = 96             # packed row length (a family's "row" overrides it)
+FULL_OBJECTIVES = ("dream", "dream_prog")   # full bidirectional attention over the whole canvas
+STAGE_KEYS = ("step", "steps", "minutes", "batch", "lr", "device", "threads", "train_seconds", "loss_ema", "objectives",
+              "seed")     # a training stage's record in training_log.json (--init continues the list)
 
 FAMILIES = {
     "tiny": dict(
@@ -226,7 +228,7 @@ def pack(items, row_len):
     return [r[1] for r in rows]
 
 
-def build(items, obj, B, shift, ids, row_len=96):
+def build(items, obj, B, shift, ids, row_len):
     """Model inputs (ids, additive 4-D mask, position ids) and the loss selection for packed samples.
     d2f: block-causal on one noisy copy; dream: full attention on one noisy copy; bd3/bd3c: noisy ++ clean (2R)."""
     R = max(row_len, max(len(it[0]) for it in items))
@@ -292,7 +294,7 @@ def make_batch(r, g, ids, spec, bsz):
     B = pick(r, spec["blocks"])
     n = bsz // 2 if obj == "bd3c" else bsz
     items = noise(r, g, draw_samples(r, ids, n, full=obj in FULL_OBJECTIVES), obj, B)
-    inp, mask, posid, sel = build(items, obj, B, spec["shift"], ids, spec.get("row", 96))
+    inp, mask, posid, sel = build(items, obj, B, spec["shift"], ids, spec.get("row", ROW_LEN))
     return obj, B, inp, mask, posid, sel
 
 
@@ -486,7 +488,7 @@ def write_card(out, family, spec, ids, st):
              f"(about {sum(sg['step'] * sg['batch'] for sg in st.get('stages') or [st])} sequences seen).", "",
              "## Training",
              f"Objectives {spec['objectives']} (see the docstring of training/train.py), block sizes {spec['blocks']}"
-             f"{' (unused: full attention)' if family == 'dream' else ''}. Batch {st['batch']}, AdamW lr {st['lr']} "
+             f"{' (the blocks of dream_prog; dream has none)' if family == 'dream' else ''}. Batch {st['batch']}, AdamW lr {st['lr']} "
              f"(warm-up 100, cosine over {st['steps']} steps"
              f"{' or ' + str(st['minutes']) + ' minutes of wall time, whichever ends first' if st.get('minutes') else ''}), "
              f"weight decay 0.01, clip 1.0. Steps done: {st['step']}. Device {st['device']}, "
@@ -575,8 +577,9 @@ def train(args):
         g.set_state(s["torch_rng"])
         start, ema, t_prev = s["step"], s["ema"], s["train_seconds"]
     if args.workers > 0:
-        loader = iter(torch.utils.data.DataLoader(Batches(family, args.batch, args.seed + start, spec["objectives"]), batch_size=None,
-                                                  num_workers=args.workers, prefetch_factor=4, persistent_workers=True))
+        batches = Batches(family, args.batch, args.seed + start, spec["objectives"])
+        loader = iter(torch.utils.data.DataLoader(batches, batch_size=None, num_workers=args.workers, prefetch_factor=4,
+                                                  persistent_workers=True))
         next_batch = lambda: next(loader)
     else:
         next_batch = lambda: make_batch(r, g, ids, spec, args.batch)

@@ -323,7 +323,8 @@ impl Window {
     /// incomplete block). Then: a block to cache -> forward [cache end, canvas end) and commit through it; else a
     /// cache and no complete block waiting and no periodic refresh due -> forward [cache end, canvas end); else a
     /// cache -> refresh: recompute [0, canvas end) and rebuild the cached K/V from it; else (no cache yet) ->
-    /// recompute [0, canvas end). d3LLM's refresh extends its cache to the latest waiting block's start without
+    /// recompute [0, canvas end). (The caller ends each forward at the window's end instead of the canvas end when
+    /// `prefix_window` is "created".) d3LLM's refresh extends its cache to the latest waiting block's start without
     /// advancing its length counter (its next forwards see those positions twice); here a refresh rebuilds the
     /// cached region only.
     fn prefix_schedule(&mut self, dec: &Decoder, delay: usize, refresh: Option<usize>) -> Result<(usize, usize)> {
