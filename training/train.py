@@ -45,12 +45,17 @@ first position of a block is predicted from the CLEAN copy's last position of th
 logit comes from the committed previous block, the "carry" row); the other positions from the noisy p-1.
 
 Mixtures (per batch, seeded; block size B per batch):
-  tiny          objective d2f 3/4, bd3 1/4;  B from {1:1, 2:1, 4:3, 8:2, 16:1} (B=1 is autoregressive)
-  dream         objective dream 1/2, dream_prog 1/2;  B = 8 (dream_prog's blocks)
-  fast_dllm_v2  objective bd3c 3/4, d2f 1/4;  B from {8:3, 4:1}, config bd_size 8. The d2f quarter (noisy earlier
-                blocks) and the B=4 batches are our additions so that multi-block decoding and block_size=4 are
-                in distribution; real Fast-dLLM v2 trains bd3c at bd_size only.
-Tasks (weights): sort 1, reverse 1, repeat 1, hello 0.5, add 2, count 2 (add and count are the hard ones).
+  tiny          objective d2f 3/4, bd3 1/4;  B from {1:1, 2:1, 4:3, 8:2, 16:1} (B=1 is autoregressive); lr 2e-3
+  dream         objective dream 1/2, dream_prog 1/2;  B from {1:1, 2:1, 4:2, 8:1} (dream_prog's blocks); lr 5e-4
+  fast_dllm_v2  objective bd3c 1/2, d2f 1/2;  B from {1:1, 2:1, 4:2, 8:2}, config bd_size 8; lr 5e-4. The d2f half
+                (noisy earlier blocks) and the blocks below 8 are our additions so that multi-block decoding and
+                small blocks are in distribution; real Fast-dLLM v2 trains bd3c at bd_size only.
+Tasks (weights): tiny sort 1, reverse 1, repeat 1, hello 0.5, add 2, count 2 (add and count are the hard ones); the
+twins uniform, as v1 (a copy-heavy mix: copying from the prompt has to be learned first).
+Why the twins differ from the tiny recipe (RESULTS.md, issue #13): Qwen2 has no QK-norm, and at lr 2e-3 the twins'
+attention collapsed early (mean head entropy 0.4-1.6 nats over a 36-token canvas, against 2-3.7 for v1 and for
+the twin at 5e-4) and they never learned to copy from the prompt; blocks of 1 and 2 (semi-autoregressive) make
+copying easy to find; and v1's depth and width (6 layers, MLP 576) instead of 5 and 384.
 Canvas: prompt ++ answer ++ <|im_end|> ++ pad, cut at prompt + answer + 1 + U{0..16} tokens (the engine's canvas is
 prompt + max_tokens, so the model sees canvases of varying length); for dream (full attention: every trailing
 mask is seen) a quarter of the samples have an answer region U{answer + 1..48} positions long, as max_tokens up to
@@ -69,7 +74,9 @@ Commands (from the repository root; developer tool, not a runtime dependency):
     nohup bash training/cpu_run.sh > /work/trained/cpu_run.log 2>&1 &   # all three on CPU, ~110 min, --minutes
     bash training/gpu_run.sh                                             # all three on a GPU (writes to $OUT)
 Sizes: tiny 4.62M parameters (hidden 256, 7 layers, 8 heads / 2 KV x 32, MLP 640, tied; 9.2 MB bf16); the twins
-1.64M each (hidden 192, 5 layers, 6 heads / 2 KV x 32, MLP 384, untied head as the 7B originals).
+2.62M each (hidden 192, 6 layers, 6 heads / 2 KV x 32, MLP 576, untied head as the 7B originals; 5.2 MB bf16).
+--objectives, --blocks, --tasks, --layers, --inter and --lr override the family's mixture and size (recorded in
+training_log.json and the card).
 --resume continues from OUT/train_state.pt (model, optimiser, data RNG) up to the new --steps (the cosine schedule
 is recomputed for the new total). A checkpoint (HF dir + train_state.pt + README.md card) is written every
 --save-every steps / --save-minutes minutes, so partial progress is usable. OUT/train.log has the loss curve.
@@ -96,12 +103,13 @@ MAX_POS = 256
 EXTRA_PAD = 16           # block-causal families: canvas = prompt + answer + <|im_end|> + U{0..EXTRA_PAD} pads
 DREAM_CANVAS = 48        # full attention: in DREAM_LONG of the samples the answer region (answer + <|im_end|> + pads)
 DREAM_LONG = 0.25        # is U{len(answer)+1..48} positions long (as max_tokens up to 48 gives), else as EXTRA_PAD
-TASK_WEIGHTS = {"sort": 1.0, "reverse": 1.0, "repeat": 1.0, "hello": 0.5, "add": 2.0, "count": 2.0}
+TASK_WEIGHTS = {"sort": 1.0, "reverse": 1.0, "repeat": 1.0, "hello": 0.5, "add": 2.0, "count": 2.0}   # default mix
+UNIFORM_TASKS = {t: 1.0 for t in ("sort", "reverse", "repeat", "hello", "add", "count")}   # v1's mix (the twins')
 T_EPS = 1e-3
 ROW_LEN = 96             # packed row length (a family's "row" overrides it)
 FULL_OBJECTIVES = ("dream", "dream_prog")   # full bidirectional attention over the whole canvas
 STAGE_KEYS = ("step", "steps", "minutes", "batch", "lr", "device", "threads", "train_seconds", "loss_ema", "objectives",
-              "seed")     # a training stage's record in training_log.json (--init continues the list)
+              "blocks", "tasks", "seed")     # a training stage's record in training_log.json (--init continues the list)
 
 FAMILIES = {
     "tiny": dict(
@@ -110,14 +118,16 @@ FAMILIES = {
         pad="<|endoftext|>", shift=False, objectives={"d2f": 3, "bd3": 1}, blocks={1: 1, 2: 1, 4: 3, 8: 2, 16: 1},
         eval_block=4, name="mbd-tiny v2"),
     "dream": dict(
-        arch="qwen2", hidden=192, layers=5, heads=6, kv_heads=2, head_dim=32, inter=384, tie=False,
+        arch="qwen2", hidden=192, layers=6, heads=6, kv_heads=2, head_dim=32, inter=576, tie=False, lr=5e-4,
         specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], mask_str="<|mask|>", mask_last=True,
-        pad="<|endoftext|>", shift=True, objectives={"dream": 1, "dream_prog": 1}, blocks={8: 1}, eval_block=8, row=128,
+        pad="<|endoftext|>", shift=True, objectives={"dream": 1, "dream_prog": 1}, blocks={1: 1, 2: 1, 4: 2, 8: 1},
+        tasks=UNIFORM_TASKS, eval_block=8, row=128,
         name="mbd-dream-tiny (Dream-style twin)"),
     "fast_dllm_v2": dict(
-        arch="qwen2", hidden=192, layers=5, heads=6, kv_heads=2, head_dim=32, inter=384, tie=False,
+        arch="qwen2", hidden=192, layers=6, heads=6, kv_heads=2, head_dim=32, inter=576, tie=False, lr=5e-4,
         specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], mask_str="|<MASK>|", mask_last=True,
-        pad="<|im_end|>", shift=True, objectives={"bd3c": 3, "d2f": 1}, blocks={8: 3, 4: 1}, eval_block=8, bd_size=8,
+        pad="<|im_end|>", shift=True, objectives={"bd3c": 1, "d2f": 1}, blocks={1: 1, 2: 1, 4: 2, 8: 2},
+        tasks=UNIFORM_TASKS, eval_block=8, bd_size=8,
         name="mbd-fdv2-tiny (Fast-dLLM-v2-style twin)"),
 }
 
@@ -156,14 +166,14 @@ def pick(r, weights):
     return r.choices(keys, weights=[weights[k] for k in keys])[0]
 
 
-def draw_samples(r, ids, n, full=False):
+def draw_samples(r, ids, n, tasks, full=False):
     """n training instances: (prompt ids, target ids = answer ++ <|im_end|> ++ pads up to the canvas end).
     full (full attention): every position of the canvas is seen, so in DREAM_LONG of the samples the canvas spans
     what max_tokens does at inference (up to DREAM_CANVAS), not just a few pads past the answer (the rest keep the
     short canvases: mostly-pad canvases spend the compute on trivially predicted pads)."""
     out = []
     for _ in range(n):
-        _, p, a = sample(r, held_out=False, task=pick(r, TASK_WEIGHTS))
+        _, p, a = sample(r, held_out=False, task=pick(r, tasks))
         pr = ids.encode(render(p))
         an = ids.encode(a) + [ids.im_end]
         if full and r.random() < DREAM_LONG:
@@ -293,7 +303,7 @@ def make_batch(r, g, ids, spec, bsz):
     obj = pick(r, spec["objectives"])
     B = pick(r, spec["blocks"])
     n = bsz // 2 if obj == "bd3c" else bsz
-    items = noise(r, g, draw_samples(r, ids, n, full=obj in FULL_OBJECTIVES), obj, B)
+    items = noise(r, g, draw_samples(r, ids, n, spec["tasks"], full=obj in FULL_OBJECTIVES), obj, B)
     inp, mask, posid, sel = build(items, obj, B, spec["shift"], ids, spec.get("row", ROW_LEN))
     return obj, B, inp, mask, posid, sel
 
@@ -484,7 +494,7 @@ def write_card(out, family, spec, ids, st):
              "## Data",
              "`training/tasks.py` task families (sort, reverse, add, repeat, count, hello), training split only: a prompt "
              "is held out iff the sum of its character codes is a multiple of 7. Task weights "
-             + ", ".join(f"{k} {v}" for k, v in TASK_WEIGHTS.items()) + ". Fresh samples every step "
+             + ", ".join(f"{k} {v}" for k, v in spec["tasks"].items()) + ". Fresh samples every step "
              f"(about {sum(sg['step'] * sg['batch'] for sg in st.get('stages') or [st])} sequences seen).", "",
              "## Training",
              f"Objectives {spec['objectives']} (see the docstring of training/train.py), block sizes {spec['blocks']}"
@@ -496,11 +506,13 @@ def write_card(out, family, spec, ids, st):
              "Loss curve: `train.log`.", ""]
     if len(st.get("stages", [])) > 1:
         lines += ["Stages (each a warm restart from the previous stage's bf16 weights, `--init`: fresh optimiser, "
-                  "warm-up and cosine again):", "", "| stage | steps | minutes | device, threads | objectives | loss at end |",
-                  "|---|---|---|---|---|---|"]
+                  "warm-up and cosine again):", "",
+                  "| stage | steps | minutes | device, threads | lr | objectives | block sizes | tasks | loss at end |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for k, sg in enumerate(st["stages"]):
             lines.append(f"| {k + 1} | {sg['step']} | {sg['train_seconds'] / 60:.0f} | {sg['device']}, "
-                         f"{sg.get('threads')} | {sg.get('objectives')} | {sg['loss_ema']:.4f} |")
+                         f"{sg.get('threads')} | {sg.get('lr')} | {sg.get('objectives')} | {sg.get('blocks', '-')} | "
+                         f"{sg.get('tasks', '-')} | {sg['loss_ema']:.4f} |")
         lines.append("")
     lines += [
              "## Results (held-out split, PyTorch reference decoder of training/train.py)"]
@@ -525,14 +537,14 @@ class Batches(torch.utils.data.IterableDataset):
     loader takes the workers round-robin, so a run is reproducible for a given worker count (but not resumable mid-
     stream: a resumed run starts new streams)."""
 
-    def __init__(self, family, bsz, seed, objectives):
-        self.family, self.bsz, self.seed, self.objectives = family, bsz, seed, objectives
+    def __init__(self, spec, bsz, seed):
+        self.spec, self.bsz, self.seed = spec, bsz, seed
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         k = info.id if info is not None else 0
         torch.set_num_threads(1)
-        spec = dict(FAMILIES[self.family], objectives=self.objectives)
+        spec = self.spec
         ids = Ids(make_tokenizer(spec), spec)
         r = random.Random(self.seed * 1000 + k)
         g = torch.Generator().manual_seed(self.seed * 1000 + k + 1)
@@ -540,10 +552,32 @@ class Batches(torch.utils.data.IterableDataset):
             yield make_batch(r, g, ids, spec, self.bsz)
 
 
-def train(args):
-    family, spec = args.family, FAMILIES[args.family]
+def mixture(text, key_type):
+    """'k:v,k:v' -> {k: weight} (the --objectives / --blocks / --tasks overrides)."""
+    return {key_type(k): float(v) for k, v in (kv.split(":") for kv in text.split(","))}
+
+
+def family_spec(args):
+    """The family's spec with the command line's overrides (recorded in training_log.json and the card)."""
+    spec = dict(FAMILIES[args.family])
+    spec.setdefault("tasks", TASK_WEIGHTS)
     if args.objectives:
-        spec = dict(spec, objectives={k: float(v) for k, v in (kv.split(":") for kv in args.objectives.split(","))})
+        spec["objectives"] = mixture(args.objectives, str)
+    if args.blocks:
+        spec["blocks"] = {int(k): v for k, v in mixture(args.blocks, int).items()}
+    if args.tasks:
+        spec["tasks"] = mixture(args.tasks, str)
+        assert set(spec["tasks"]) <= set(TASKS), f"unknown task in --tasks (known: {', '.join(TASKS)})"
+    args.lr = args.lr or spec.get("lr", 2e-3)
+    if args.layers:
+        spec["layers"] = args.layers
+    if args.inter:
+        spec["inter"] = args.inter
+    return spec
+
+
+def train(args):
+    family, spec = args.family, family_spec(args)
     dev = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.set_num_threads(args.threads)
     if dev.type == "cuda":
@@ -577,7 +611,7 @@ def train(args):
         g.set_state(s["torch_rng"])
         start, ema, t_prev = s["step"], s["ema"], s["train_seconds"]
     if args.workers > 0:
-        batches = Batches(family, args.batch, args.seed + start, spec["objectives"])
+        batches = Batches(spec, args.batch, args.seed + start)
         loader = iter(torch.utils.data.DataLoader(batches, batch_size=None, num_workers=args.workers, prefetch_factor=4,
                                                   persistent_workers=True))
         next_batch = lambda: next(loader)
@@ -608,7 +642,8 @@ def train(args):
     def checkpoint(step, status, do_eval):
         st = dict(status=status, step=step, steps=args.steps, minutes=args.minutes, batch=args.batch, lr=args.lr, device=str(dev),
                   train_seconds=time.time() - t0, loss_ema=ema if ema is not None else float("nan"), parameters=n_params,
-                  family=family, seed=args.seed, objectives=spec["objectives"], threads=args.threads)
+                  family=family, seed=args.seed, objectives=spec["objectives"], threads=args.threads,
+                  blocks=spec["blocks"], tasks=spec["tasks"])
         st["stages"] = stages + [{k: st.get(k) for k in STAGE_KEYS}]
         if do_eval:
             te = time.time()
@@ -689,11 +724,15 @@ def main():
     ap.add_argument("--out")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--batch", type=int, default=48)
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the family's, else 2e-3)")
     ap.add_argument("--minutes", type=float, default=None,
                     help="wall-time budget: the cosine schedule runs on max(step/steps, elapsed/budget) and training "
                          "stops when it reaches 1 (--steps is then an upper bound)")
     ap.add_argument("--objectives", help="override the family's objective mixture, e.g. dream:1,dream_prog:1")
+    ap.add_argument("--blocks", help="override the family's block-size mixture, e.g. 1:1,2:1,4:2,8:1")
+    ap.add_argument("--tasks", help="override the task mixture, e.g. sort:1,reverse:1,repeat:1,hello:1,add:1,count:1")
+    ap.add_argument("--layers", type=int, help="override the family's layer count")
+    ap.add_argument("--inter", type=int, help="override the family's MLP width")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
