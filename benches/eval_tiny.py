@@ -107,6 +107,8 @@ def main():
     ar_outputs = None
     outputs_of = {}
     configs, stem = SUITES[args.suite]
+    if args.model:  # another model's results go beside the embedded model's, not over them
+        stem += "_" + os.path.basename(os.path.normpath(args.model))
     for name, cfg in configs:
         correct, toks, fwd, secs, same_as_ar, positions = 0, 0, 0, 0.0, 0, 0
         ver, proposed, accepted = 0, 0, 0
@@ -171,11 +173,12 @@ def main():
         ax.plot([r["tokens_per_forward"] for r in pts], [100 * r["accuracy"] for r in pts], marker=mk, label=label)
     ax.set_xlabel("tokens per forward")
     ax.set_ylabel("exact-match accuracy on held-out (%)")
-    ax.set_title(f"mbd-tiny: accuracy vs parallelism ({len(data)} held-out instances)")
+    ax.set_title(f"{os.path.basename(eng.info.path)}: accuracy vs parallelism ({len(data)} held-out instances)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(ROOT, "benches", "tiny_accuracy_vs_tpf.png"), dpi=110)
+    png = stem + ".png" if args.model else "tiny_accuracy_vs_tpf.png"
+    fig.savefig(os.path.join(ROOT, "benches", png), dpi=110)
 
 
 if __name__ == "__main__":

@@ -526,7 +526,7 @@ def write_card(out, family, spec, ids, st):
                          + " | ".join(f"{100 * v['per_task'][t]:.0f}" for t in TASKS) + " |")
     else:
         lines.append("(not evaluated yet)")
-    lines += ["", "Engine results (`benches/eval_tiny.py --model DIR`): to be filled in.", ""]
+    lines += ["", "Engine results (`benches/eval_tiny.py --model DIR`): benches/RESULTS.md.", ""]
     open(os.path.join(out, "README.md"), "w").write("\n".join(lines))
 
 
@@ -691,6 +691,35 @@ def train(args):
 
 
 # ------------------------------------------------------------------------------------------------------- check
+def recard(path, per_task):
+    """Evaluate a written checkpoint with the reference decoder and rewrite its training_log.json and card (for a
+    run stopped between checkpoints: its last checkpoint has no evaluation)."""
+    st = json.load(open(os.path.join(path, "training_log.json")))
+    family = st["family"]
+    spec = dict(FAMILIES[family], objectives=st["objectives"], lr=st["lr"])
+    spec.update({k: st[k] for k in ("blocks", "tasks") if k in st})
+    spec["blocks"] = {int(k): v for k, v in spec["blocks"].items()}
+    model, ids = load_checkpoint(path, spec)
+    spec.update(layers=model.config.num_hidden_layers, inter=model.config.intermediate_size)
+    st["eval"] = evaluate(model, family, spec, ids, per_task=per_task)
+    if st["status"] == "partial" and st.get("minutes"):
+        st["status"] = (f"partial: the run was stopped after this checkpoint, {st['train_seconds'] / 60:.0f} minutes "
+                        f"into its {st['minutes']:g}-minute schedule (the learning rate had not decayed to 0)")
+    json.dump(st, open(os.path.join(path, "training_log.json"), "w"), indent=1)
+    write_card(path, family, spec, ids, st)
+    print(json.dumps(st["eval"]["results"]))
+
+
+def load_checkpoint(path, spec):
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    cls, ccls = (Qwen3ForCausalLM, Qwen3Config) if spec["arch"] == "qwen3" else (Qwen2ForCausalLM, Qwen2Config)
+    hf_cfg = ccls.from_dict({k: v for k, v in cfg.items() if k not in ("model_type", "architectures")})
+    model = cls.from_pretrained(path, config=hf_cfg, dtype=torch.float32)
+    model.config._attn_implementation = "sdpa"
+    model.eval()
+    return model, Ids(Tokenizer.from_file(os.path.join(path, "tokenizer.json")), spec)
+
+
 def check(path, per_task):
     """transformers loads the weights with no missing/unexpected keys; the reference decoder's held-out accuracy."""
     cfg = json.load(open(os.path.join(path, "config.json")))
@@ -746,11 +775,12 @@ def main():
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--init", metavar="DIR", help="start from the weights of a checkpoint written by this script (a "
                     "fresh optimiser and schedule: a warm restart); its card lists the earlier stages")
+    ap.add_argument("--recard", metavar="DIR", help="evaluate a written checkpoint and rewrite its card")
     ap.add_argument("--check", metavar="DIR", help="only check a written checkpoint (HF load + reference decode)")
     args = ap.parse_args()
-    if args.check:
+    if args.check or args.recard:
         torch.set_num_threads(args.threads)
-        check(args.check, args.eval_per_task)
+        (check if args.check else recard)(args.check or args.recard, args.eval_per_task)
         return
     if not args.family or not args.out:
         ap.error("--family and --out are required for training")
