@@ -711,10 +711,14 @@ def recard(path, per_task):
 
 
 def load_checkpoint(path, spec):
+    """A written checkpoint in f32 through transformers' Qwen class; asserts no missing/unexpected weights."""
     cfg = json.load(open(os.path.join(path, "config.json")))
     cls, ccls = (Qwen3ForCausalLM, Qwen3Config) if spec["arch"] == "qwen3" else (Qwen2ForCausalLM, Qwen2Config)
     hf_cfg = ccls.from_dict({k: v for k, v in cfg.items() if k not in ("model_type", "architectures")})
-    model = cls.from_pretrained(path, config=hf_cfg, dtype=torch.float32)
+    model, info = cls.from_pretrained(path, config=hf_cfg, dtype=torch.float32, output_loading_info=True)
+    bad = {k: v for k, v in info.items() if v}
+    print(f"{path}: {cls.__name__} from_pretrained, loading info problems: {bad or 'none'}")
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
     model.config._attn_implementation = "sdpa"
     model.eval()
     return model, Ids(Tokenizer.from_file(os.path.join(path, "tokenizer.json")), spec)
@@ -726,19 +730,9 @@ def check(path, per_task):
     arch = cfg["architectures"][0]
     family = {"DreamModel": "dream", "Fast_dLLM_QwenForCausalLM": "fast_dllm_v2"}.get(arch, "tiny")
     spec = FAMILIES[family]
-    cls, ccls = (Qwen3ForCausalLM, Qwen3Config) if spec["arch"] == "qwen3" else (Qwen2ForCausalLM, Qwen2Config)
-    hf_cfg = ccls.from_dict({k: v for k, v in cfg.items() if k not in ("model_type", "architectures")})
-    model, info = cls.from_pretrained(path, config=hf_cfg, dtype=torch.float32, output_loading_info=True)
-    bad = {k: v for k, v in info.items() if v}
-    print(f"{path}: {cls.__name__} from_pretrained, loading info problems: {bad or 'none'}")
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-    ids = Ids(tok, spec)
-    mask_cfg = cfg.get("mask_token_id")
-    print(f"family {family}: mask id config={mask_cfg} tokenizer({spec['mask_str']})={ids.mask}; eos {cfg.get('eos_token_id')}"
-          f"; block {cfg.get('block_size', cfg.get('bd_size'))}")
-    model.config._attn_implementation = "sdpa"
-    model.eval()
+    model, ids = load_checkpoint(path, spec)
+    print(f"family {family}: mask id config={cfg.get('mask_token_id')} tokenizer({spec['mask_str']})={ids.mask}; "
+          f"eos {cfg.get('eos_token_id')}; block {cfg.get('block_size', cfg.get('bd_size'))}")
     for task, p, a in held_out_set(1):
         text, n, f = ref_generate(model, ids, spec["shift"], attention_of(family), ids.encode(render(p)), N=40,
                                   B=spec["eval_block"], tau=0.9)
