@@ -2,8 +2,9 @@
 # Prove the release artifacts from scripts/build-wheels.sh install and run as a user would get them:
 # - each CPU wheel for this machine's architecture goes into a fresh venv with NO cargo, rustc or C compiler on
 #   PATH; `mbd-rs --version` must be the wheel's version, `mbd-rs generate --chat "sort 7 2 9 4 1"` must answer
-#   "1 2 4 7 9", and the test suite runs from a copy of tests/ (with README.md and training/'s task definitions) against the
-#   installed package, never the source tree (the few tests of the repository's own files are deselected);
+#   "1 2 4 7 9", and the test suite runs from a copy of tests/ (with README.md, the trained twins in models/ and
+#   training/'s task definitions) against the installed package, never the source tree (the few tests of the
+#   repository's own files are deselected);
 # - the sdist goes into another fresh venv, compiled by pip with Rust, and gets the same checks;
 # - wheels for another architecture (aarch64 here) cannot run on this machine: their tags, ELF machine and linked
 #   libraries were checked by build-wheels.sh, and this script says so.
@@ -44,10 +45,10 @@ done
 NOCC_PATH=$WORK/bin
 
 # The checks on an installed package, run from a directory holding only copies of tests/, README.md and the
-# held-out tasks' definitions (training/*.py, which test_tiny_model.py imports).
+# held-out tasks' definitions (training/*.py, which test_tiny_model.py imports) and models/ (test_trained_twins.py).
 check_installed() {  # venv label version
   local venv=$1 label=$2 version=$3 run=$WORK/run-$2
-  mkdir -p "$run/training" && cp -r "$ROOT/tests" "$ROOT/README.md" "$run/" && cp "$ROOT"/training/*.py "$run/training/"
+  mkdir -p "$run/training" && cp -r "$ROOT/tests" "$ROOT/README.md" "$ROOT/models" "$run/" && cp "$ROOT"/training/*.py "$run/training/"
   (
     cd "$run"
     export PATH="$venv/bin:$NOCC_PATH"
@@ -107,7 +108,7 @@ check_aarch64_emulated() {  # wheel
   python3 -m pip install -q --disable-pip-version-check --target "$site" --platform manylinux_2_28_aarch64 \
     --platform manylinux2014_aarch64 --platform linux_aarch64 --python-version 3.11 --implementation cp \
     --only-binary=:all: -r scripts/test-requirements.txt "$whl"
-  mkdir -p "$run/training" && cp -r "$ROOT/tests" "$ROOT/README.md" "$run/" && cp "$ROOT"/training/*.py "$run/training/"
+  mkdir -p "$run/training" && cp -r "$ROOT/tests" "$ROOT/README.md" "$ROOT/models" "$run/" && cp "$ROOT"/training/*.py "$run/training/"
   ( cd "$run" && qemu-aarch64 -L "$root" "$root/usr/bin/python3.11" - "$site" <<'EOF'
 import platform, sys
 sys.path.insert(0, sys.argv[1])
