@@ -11,17 +11,12 @@ import mbd_rs
 from conftest import HERE
 
 sys.path.insert(0, os.path.join(HERE, "..", "training"))
-from tasks import TASKS, is_held_out, sample  # noqa: E402
+from tasks import TASKS, held_out, is_held_out, sample  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def eng():
     return mbd_rs.Engine.load()
-
-
-def held_out(task, n, seed=7):
-    r = random.Random(seed)
-    return [sample(r, True, task)[1:] for _ in range(n)]
 
 
 def test_embedded_model_is_a_real_hf_checkpoint(eng):

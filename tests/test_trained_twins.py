@@ -4,7 +4,6 @@ held-out instances of the task families it learned, and multi-block decoding com
 forward (measured with blocks of 8, entropy 0.5: dream 3.6, fdv2 2.2). Bars are set from the measurements in benches/RESULTS.md, with margin."""
 import json
 import os
-import random
 import sys
 
 import pytest
@@ -13,7 +12,7 @@ import mbd_rs
 from conftest import HERE
 
 sys.path.insert(0, os.path.join(HERE, "..", "training"))
-from tasks import TASKS, sample  # noqa: E402
+from tasks import TASKS, held_out  # noqa: E402
 
 MODELS = os.path.join(HERE, "..", "models")
 # family profile the loader must find in each checkpoint, untouched: (family, attention, logits_shift)
@@ -30,11 +29,6 @@ AR = dict(block_size=1, block_add_threshold=1.0, acceptance="confidence", thresh
 @pytest.fixture(scope="module", params=sorted(PROFILES))
 def twin(request):
     return request.param, mbd_rs.Engine.load(os.path.join(MODELS, request.param))
-
-
-def held_out(task, n, seed=7):
-    r = random.Random(seed)
-    return [sample(r, True, task)[1:] for _ in range(n)]
 
 
 def test_loads_as_its_family(twin):

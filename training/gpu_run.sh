@@ -12,8 +12,8 @@
 #                 with README.md (model card), train.log, training_log.json (not train_state.pt: too big to
 #                 bring back; it stays in WORK_DIR, default /tmp/mbd_gpu_train, for RESUME=1 on the same machine)
 #   FAMILIES      which to train, in order (default "dream fast_dllm_v2 tiny")
-#   MIN_DREAM / MIN_FDV2 / MIN_TINY (minutes), STEPS, BATCH (256), LR, SEED, WORKERS (8 batch-building
-#   processes), EVAL_PER_TASK
+#   MIN_DREAM / MIN_FDV2 / MIN_TINY (minutes), STEPS, BATCH (256), LR (default: each family's), SEED,
+#   WORKERS (8 batch-building processes), EVAL_PER_TASK
 #   RESUME=1      continue from $OUT/<name>/train_state.pt
 # The device is picked by train.py (cuda when torch sees one); nothing here downloads anything.
 set -euo pipefail
@@ -23,7 +23,7 @@ FAMILIES="${FAMILIES:-dream fast_dllm_v2 tiny}"
 BATCH="${BATCH:-256}"
 STEPS="${STEPS:-200000}"
 WORKERS="${WORKERS:-8}"
-LR="${LR:-2e-3}"
+LR="${LR:-}"   # empty: each family's own (train.py FAMILIES: tiny 2e-3, the twins 5e-4)
 SEED="${SEED:-0}"
 EVAL_PER_TASK="${EVAL_PER_TASK:-40}"
 PY="${PYTHON:-python3}"
@@ -48,9 +48,10 @@ for fam in $FAMILIES; do
   esac
   extra=()
   if [ "${RESUME:-0}" = 1 ]; then extra+=(--resume); fi
+  if [ -n "$LR" ]; then extra+=(--lr "$LR"); fi
   echo "== $fam -> $OUT/$name ($min min, batch $BATCH)"
   "$PY" training/train.py --family "$fam" --out "$WORK_DIR/$name" --minutes "$min" --steps "$STEPS" --batch "$BATCH" \
-    --lr "$LR" --seed "$SEED" --threads 4 --workers "$WORKERS" --save-every 2000 --save-minutes 3 \
+    --seed "$SEED" --threads 4 --workers "$WORKERS" --save-every 2000 --save-minutes 3 \
     --eval-per-task "$EVAL_PER_TASK" --log-every 100 \
     ${extra[@]+"${extra[@]}"} 2>&1 | grep -v -E "Writing model shards|Warning" | tee "$OUT/$name.stdout.log"
   "$PY" training/train.py --check "$WORK_DIR/$name" --eval-per-task 5 --threads 4 2>&1 \

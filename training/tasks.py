@@ -67,6 +67,12 @@ def render(prompt: str) -> str:
     return f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
 
 
+def held_out(task, n, seed=7):
+    """n held-out (prompt, answer) instances of one task family, seeded, repeats allowed (the trained models' tests)."""
+    r = random.Random(seed)
+    return [sample(r, True, task)[1:] for _ in range(n)]
+
+
 def held_out_set(per_task, seed=1234):
     """Up to `per_task` distinct held-out (task, prompt, answer) instances per task family, seeded (the same list
     for training checks and benches/eval_tiny.py)."""

@@ -116,7 +116,7 @@ FAMILIES = {
         arch="qwen3", hidden=256, layers=7, heads=8, kv_heads=2, head_dim=32, inter=640, tie=True,
         specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"], mask_str="<|mask|>", mask_last=False,
         pad="<|endoftext|>", shift=False, objectives={"d2f": 3, "bd3": 1}, blocks={1: 1, 2: 1, 4: 3, 8: 2, 16: 1},
-        eval_block=4, name="mbd-tiny v2"),
+        tasks=TASK_WEIGHTS, lr=2e-3, eval_block=4, name="mbd-tiny v2"),
     "dream": dict(
         arch="qwen2", hidden=192, layers=6, heads=6, kv_heads=2, head_dim=32, inter=576, tie=False, lr=5e-4,
         specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], mask_str="<|mask|>", mask_last=True,
@@ -560,15 +560,15 @@ def mixture(text, key_type):
 def family_spec(args):
     """The family's spec with the command line's overrides (recorded in training_log.json and the card)."""
     spec = dict(FAMILIES[args.family])
-    spec.setdefault("tasks", TASK_WEIGHTS)
+    if args.lr:
+        spec["lr"] = args.lr
     if args.objectives:
         spec["objectives"] = mixture(args.objectives, str)
     if args.blocks:
-        spec["blocks"] = {int(k): v for k, v in mixture(args.blocks, int).items()}
+        spec["blocks"] = mixture(args.blocks, int)
     if args.tasks:
         spec["tasks"] = mixture(args.tasks, str)
         assert set(spec["tasks"]) <= set(TASKS), f"unknown task in --tasks (known: {', '.join(TASKS)})"
-    args.lr = args.lr or spec.get("lr", 2e-3)
     if args.layers:
         spec["layers"] = args.layers
     if args.inter:
@@ -589,7 +589,7 @@ def train(args):
     ids = Ids(make_tokenizer(spec), spec)
     model = build_model(spec, ids).to(dev)
     n_params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], betas=(0.9, 0.98), weight_decay=0.01)
     os.makedirs(args.out, exist_ok=True)
     state_path = os.path.join(args.out, "train_state.pt")
     start, ema, t_prev = 0, None, 0.0
@@ -626,7 +626,7 @@ def train(args):
             p = max(p, (time.time() - t0) / (60 * args.minutes))
         return min(1.0, p)
 
-    lr_at = lambda s, p: args.lr * min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * p))
+    lr_at = lambda s, p: spec["lr"] * min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * p))
     log = open(os.path.join(args.out, "train.log"), "a")
 
     def say(msg):
@@ -635,12 +635,12 @@ def train(args):
         log.flush()
 
     say(f"# {spec['name']}: family {family}, {n_params / 1e6:.3f}M parameters, device {dev}, threads {args.threads}, "
-        f"workers {args.workers}, batch {args.batch}, lr {args.lr}, steps {args.steps}, seed {args.seed}, start {start}")
+        f"workers {args.workers}, batch {args.batch}, lr {spec['lr']}, steps {args.steps}, seed {args.seed}, start {start}")
     t0 = time.time() - t_prev
     last_save = time.time()
 
     def checkpoint(step, status, do_eval):
-        st = dict(status=status, step=step, steps=args.steps, minutes=args.minutes, batch=args.batch, lr=args.lr, device=str(dev),
+        st = dict(status=status, step=step, steps=args.steps, minutes=args.minutes, batch=args.batch, lr=spec["lr"], device=str(dev),
                   train_seconds=time.time() - t0, loss_ema=ema if ema is not None else float("nan"), parameters=n_params,
                   family=family, seed=args.seed, objectives=spec["objectives"], threads=args.threads,
                   blocks=spec["blocks"], tasks=spec["tasks"])
@@ -698,7 +698,7 @@ def recard(path, per_task):
     family = st["family"]
     spec = dict(FAMILIES[family], objectives=st["objectives"], lr=st["lr"])
     spec.update({k: st[k] for k in ("blocks", "tasks") if k in st})
-    spec["blocks"] = {int(k): v for k, v in spec["blocks"].items()}
+    spec["blocks"] = {int(k): v for k, v in spec["blocks"].items()}   # JSON keys are strings
     model, ids = load_checkpoint(path, spec)
     spec.update(layers=model.config.num_hidden_layers, inter=model.config.intermediate_size)
     st["eval"] = evaluate(model, family, spec, ids, per_task=per_task)
@@ -747,7 +747,7 @@ def main():
     ap.add_argument("--out")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--batch", type=int, default=48)
-    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the family's, else 2e-3)")
+    ap.add_argument("--lr", type=float, default=None, help="override the family's peak learning rate")
     ap.add_argument("--minutes", type=float, default=None,
                     help="wall-time budget: the cosine schedule runs on max(step/steps, elapsed/budget) and training "
                          "stops when it reaches 1 (--steps is then an upper bound)")
