@@ -187,6 +187,11 @@ impl Decoder {
             .map_or_else(|| self.created_end(), |k| self.blocks[k].start)
     }
 
+    /// End (exclusive, absolute) of the canvas: the prompt and every generated position.
+    pub fn canvas_end(&self) -> usize {
+        self.prompt_len + self.n
+    }
+
     /// End (exclusive, absolute) of the last created block.
     pub fn created_end(&self) -> usize {
         self.blocks.iter().filter(|b| b.created).map(|b| b.end).max().unwrap_or(self.prompt_len)

@@ -260,19 +260,19 @@ impl Window {
                     self.dual = Some((a, b));
                     commit_end = Some(a);
                     suffix = Some(b);
-                    (0, dec.prompt_len + dec.n)
+                    (0, dec.canvas_end())
                 }
             }
             (_, CachePolicy::Prefix { delay, refresh, window }) => {
                 let (start, commit) = self.prefix_schedule(dec, delay, refresh)?;
                 commit_end = Some(commit);
                 let end = match window {
-                    PrefixWindow::Canvas => dec.prompt_len + dec.n,
+                    PrefixWindow::Canvas => dec.canvas_end(),
                     PrefixWindow::Created => dec.created_end(),
                 };
                 (start, end)
             }
-            (AttentionKind::Full, _) => (0, dec.prompt_len + dec.n),
+            (AttentionKind::Full, _) => (0, dec.canvas_end()),
             (_, CachePolicy::Exact) => {
                 let base = self.pieces.back().map_or(self.cache.len(), |p| p.end);
                 (base, dec.created_end())
