@@ -1,7 +1,8 @@
 """Accuracy vs speed of the embedded mbd-tiny model on the held-out split of its task families.
 
 Suite `modes` (default): AR (block_size 1), single-block (alpha 1.0) and multi-block decoding (alpha 0.1,
-beta 0.95) at several thresholds for both acceptance policies. Writes benches/tiny_eval.json and (with
+beta 0.95) at several thresholds for both acceptance policies and the EB rule (accept in order of entropy while
+the accepted entropies sum to at most the threshold). Writes benches/tiny_eval.json and (with
 matplotlib installed) benches/tiny_accuracy_vs_tpf.png.
 Suite `s2d2` (issue #19): AR, single-block and multi-block, each plain and with S2D2 verification (always,
 score, hysteresis); also how often each output equals the AR output. Writes benches/s2d2_tiny.json and
@@ -32,6 +33,8 @@ for tau in (0.05, 0.2, 0.5, 1.0):
     CONFIGS.append((f"multi-block entropy {tau}", dict(block_size=4, acceptance="entropy", threshold=tau)))
 for tau in (0.95, 0.9, 0.7, 0.5):
     CONFIGS.append((f"multi-block confidence {tau}", dict(block_size=4, acceptance="confidence", threshold=tau)))
+for tau in (0.1, 0.5, 1.0):
+    CONFIGS.append((f"multi-block EB {tau}", dict(block_size=4, acceptance="eb", threshold=tau)))
 for tau in (0.2, 0.5):
     CONFIGS.append((f"multi-block B8 entropy {tau}", dict(block_size=8, acceptance="entropy", threshold=tau)))
 
@@ -168,7 +171,8 @@ def main():
         fig.savefig(os.path.join(ROOT, "benches", stem + ".png"), dpi=110)
         return
     for label, pick, mk in [("AR", "AR", "s"), ("single-block", "single", "^"), ("multi-block entropy", "multi-block entropy", "o"),
-                            ("multi-block confidence", "multi-block confidence", "D"), ("multi-block B8", "B8", "x")]:
+                            ("multi-block confidence", "multi-block confidence", "D"), ("multi-block EB", "multi-block EB", "v"),
+                            ("multi-block B8", "B8", "x")]:
         pts = [r for r in results if pick in r["config"]]
         ax.plot([r["tokens_per_forward"] for r in pts], [100 * r["accuracy"] for r in pts], marker=mk, label=label)
     ax.set_xlabel("tokens per forward")
