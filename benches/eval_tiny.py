@@ -37,6 +37,8 @@ for tau in (0.1, 0.5, 1.0):
     CONFIGS.append((f"multi-block EB {tau}", dict(block_size=4, acceptance="eb", threshold=tau)))
 for tau in (0.2, 0.5):
     CONFIGS.append((f"multi-block B8 entropy {tau}", dict(block_size=8, acceptance="entropy", threshold=tau)))
+for tau in (0.5, 2.0):
+    CONFIGS.append((f"multi-block B16 entropy {tau}", dict(block_size=16, acceptance="entropy", threshold=tau)))
 
 S2D2 = dict(speculative="s2d2")
 SINGLE = dict(block_size=4, block_add_threshold=1.0, acceptance="confidence", threshold=0.9)
@@ -64,7 +66,8 @@ for label, extra in [("none", dict(cache="none")), ("prefix delay 1", dict(cache
                      ("dual", dict(cache="dual"))]:
     CACHE_CONFIGS.append((f"multi-block {label}", dict(CACHE_BASE, **extra)))
     CACHE_CONFIGS.append((f"single-block {label}", dict(CACHE_BASE, block_add_threshold=1.0, **extra)))
-QUANT_CONFIGS = [CONFIGS[0], CONFIGS[1], ("multi-block entropy 0.5", CONFIGS[5][1]), CONFIGS[-1]]
+QUANT_CONFIGS = [CONFIGS[0], CONFIGS[1], ("multi-block entropy 0.5", CONFIGS[5][1]),
+                 next(c for c in CONFIGS if c[0] == "multi-block B8 entropy 0.5")]
 SUITES = {"modes": (CONFIGS, "tiny_eval"), "s2d2": (S2D2_CONFIGS, "s2d2_tiny"), "cache": (CACHE_CONFIGS, "cache_dream"),
           "quant": (QUANT_CONFIGS, "quant_tiny")}
 QUANT_FORMATS = [None, "q8_0", "q4_k"]
@@ -172,7 +175,7 @@ def main():
         return
     for label, pick, mk in [("AR", "AR", "s"), ("single-block", "single", "^"), ("multi-block entropy", "multi-block entropy", "o"),
                             ("multi-block confidence", "multi-block confidence", "D"), ("multi-block EB", "multi-block EB", "v"),
-                            ("multi-block B8", "B8", "x")]:
+                            ("multi-block B8", "B8", "x"), ("multi-block B16", "B16", "P")]:
         pts = [r for r in results if pick in r["config"]]
         ax.plot([r["tokens_per_forward"] for r in pts], [100 * r["accuracy"] for r in pts], marker=mk, label=label)
     ax.set_xlabel("tokens per forward")

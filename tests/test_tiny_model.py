@@ -1,6 +1,7 @@
-"""The embedded mbd-tiny model (trained here by training/train_tiny.py): it loads, solves held-out
-instances of the task families it learned, and decodes several tokens per forward in multi-block mode.
-Bars are set from benches/RESULTS.md with margin."""
+"""The embedded mbd-tiny v2 model (trained here by training/train.py --family tiny): it loads, solves held-out
+instances of the task families it learned (all but `hello`, whose held-out names never occur in training), and
+decodes several tokens per forward in multi-block mode. Bars are set from benches/RESULTS.md with margin
+(measured on these instances: 10/10 for sort, reverse, repeat and count, 9/10 for add; 2.84 tokens/forward)."""
 import os
 import random
 import sys
@@ -39,11 +40,11 @@ def test_split_is_by_property():
     assert not train & test and all(is_held_out(p) for p in test) and not any(is_held_out(p) for p in train)
 
 
-@pytest.mark.parametrize("task", ["sort", "reverse", "repeat"])
-def test_solves_held_out_instances(eng, task):
+@pytest.mark.parametrize("task,bar", [("sort", 9), ("reverse", 9), ("repeat", 9), ("count", 9), ("add", 8)])
+def test_solves_held_out_instances(eng, task, bar):
     data = held_out(task, 10)
     ok = sum(eng.chat([{"role": "user", "content": p}], max_tokens=40).text == a for p, a in data)
-    assert ok >= 9, f"{task}: {ok}/10"
+    assert ok >= bar, f"{task}: {ok}/10"
 
 
 def test_multi_block_decodes_several_tokens_per_forward(eng):
@@ -53,7 +54,7 @@ def test_multi_block_decodes_several_tokens_per_forward(eng):
             u = eng.chat([{"role": "user", "content": p}], max_tokens=40).usage
             toks += u.completion_tokens
             fwd += u.forward_passes
-    assert toks / fwd >= 2.0, toks / fwd
+    assert toks / fwd >= 2.3, toks / fwd
 
 
 def test_multi_block_agrees_with_ar(eng):

@@ -2,11 +2,11 @@
 training/tasks.py (same generator, same held-out split: a prompt is held out iff the sum of its character codes
 is a multiple of 7). One seeded script; the device is picked automatically (CUDA when available).
 
-    --family tiny          mbd-tiny v2, the embedded default. SDAR layout exactly as v1: Qwen3 weights,
-                           `"mbd_family": "mbd-tiny"`, block-causal attention aligned at absolute position 0,
-                           UNSHIFTED logits (position i predicts token i), `mask_token_id` and `block_size` in
-                           config.json, v1's tokenizer (ids 0..3 = <|endoftext|> <|im_start|> <|im_end|> <|mask|>)
-                           and chat template.
+    --family tiny          mbd-tiny v2, the embedded default (python/mbd_rs/models/mbd-tiny). SDAR layout exactly
+                           as v1: Qwen3 weights, `"mbd_family": "mbd-tiny"`, block-causal attention aligned at
+                           absolute position 0, UNSHIFTED logits (position i predicts token i), `mask_token_id` and
+                           `block_size` in config.json, v1's tokenizer (ids 0..3 = <|endoftext|> <|im_start|>
+                           <|im_end|> <|mask|>) and chat template.
     --family dream         Dream-style twin: Qwen2 weights (q/k/v bias, untied head), config.json with
                            `architectures ["DreamModel"]`, `model_type "Dream"`, `mask_token_id` (as Dream's config
                            has; our loader reads the Dream mask id from config.json only), FULL bidirectional
@@ -80,7 +80,9 @@ training_log.json and the card).
 --resume continues from OUT/train_state.pt (model, optimiser, data RNG) up to the new --steps (the cosine schedule
 is recomputed for the new total). A checkpoint (HF dir + train_state.pt + README.md card) is written every
 --save-every steps / --save-minutes minutes, so partial progress is usable. OUT/train.log has the loss curve.
-v1 (the 2.6M model shipped before) was trained by training/train_tiny.py, kept unchanged for reproducibility.
+mbd-tiny v2 is the embedded default since 2026-11-24 (`--family tiny --minutes 100 --threads 2`, its card says how
+it ran). v1 (2.6M parameters, shipped before) was trained by training/train_tiny.py, removed then; it is in git
+history at commit c52105d.
 """
 import argparse
 import json
