@@ -66,8 +66,8 @@ for label, extra in [("none", dict(cache="none")), ("prefix delay 1", dict(cache
                      ("dual", dict(cache="dual"))]:
     CACHE_CONFIGS.append((f"multi-block {label}", dict(CACHE_BASE, **extra)))
     CACHE_CONFIGS.append((f"single-block {label}", dict(CACHE_BASE, block_add_threshold=1.0, **extra)))
-QUANT_CONFIGS = [CONFIGS[0], CONFIGS[1], ("multi-block entropy 0.5", CONFIGS[5][1]),
-                 next(c for c in CONFIGS if c[0] == "multi-block B8 entropy 0.5")]
+QUANT_CONFIGS = [(name, dict(CONFIGS)[name]) for name in ("AR (block 1)", "single-block confidence 0.9",
+                                                          "multi-block entropy 0.5", "multi-block B8 entropy 0.5")]
 SUITES = {"modes": (CONFIGS, "tiny_eval"), "s2d2": (S2D2_CONFIGS, "s2d2_tiny"), "cache": (CACHE_CONFIGS, "cache_dream"),
           "quant": (QUANT_CONFIGS, "quant_tiny")}
 QUANT_FORMATS = [None, "q8_0", "q4_k"]
