@@ -22,16 +22,16 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "training"))
-from tasks import TASKS, held_out_set  # noqa: E402
+from tasks import TASKS, correct, held_out_set  # noqa: E402
 
 import mbd_rs  # noqa: E402
 
 CONFIGS = [("AR (block 1)", dict(block_size=1, block_add_threshold=1.0, acceptance="confidence", threshold=1.0))]
 for tau in (0.9, 0.7):
     CONFIGS.append((f"single-block confidence {tau}", dict(block_size=4, block_add_threshold=1.0, acceptance="confidence", threshold=tau)))
-for tau in (0.05, 0.2, 0.5, 1.0):
+for tau in (0.05, 0.2, 0.5, 1.0, 2.0):
     CONFIGS.append((f"multi-block entropy {tau}", dict(block_size=4, acceptance="entropy", threshold=tau)))
-for tau in (0.95, 0.9, 0.7, 0.5):
+for tau in (0.95, 0.9, 0.7, 0.5, 0.3, 0.1):
     CONFIGS.append((f"multi-block confidence {tau}", dict(block_size=4, acceptance="confidence", threshold=tau)))
 for tau in (0.1, 0.5, 1.0):
     CONFIGS.append((f"multi-block EB {tau}", dict(block_size=4, acceptance="eb", threshold=tau)))
@@ -80,15 +80,15 @@ def quant_suite(args, data):
         eng = mbd_rs.Engine.load(args.model, device="cpu", quantize=q)
         fmt = eng.info.weight_format
         for name, cfg in QUANT_CONFIGS:
-            correct, toks, fwd, outs = 0, 0, 0, []
+            solved, toks, fwd, outs = 0, 0, 0, []
             for task, p, a in data:
                 c = eng.chat([{"role": "user", "content": p}], max_tokens=args.max_tokens, **cfg)
-                correct += c.text == a
+                solved += correct(task, p, a, c.text)
                 toks += c.usage.completion_tokens
                 fwd += c.usage.forward_passes
                 outs.append(c.token_ids)
             base = reference.setdefault(name, outs)
-            row = dict(weights=fmt, weight_bytes=eng.info.weight_bytes, config=name, accuracy=correct / len(data),
+            row = dict(weights=fmt, weight_bytes=eng.info.weight_bytes, config=name, accuracy=solved / len(data),
                        tokens_per_forward=toks / fwd, same_as_unquantized=sum(o == r for o, r in zip(outs, base)) / len(data))
             rows.append(row)
             print(f"{fmt:9s} {eng.info.weight_bytes / 2**20:6.2f} MiB  {name:28s} acc {row['accuracy'] * 100:5.1f}%  "
@@ -116,7 +116,7 @@ def main():
     if args.model:  # another model's results go beside the embedded model's, not over them
         stem += "_" + os.path.basename(os.path.normpath(args.model))
     for name, cfg in configs:
-        correct, toks, fwd, secs, same_as_ar, positions = 0, 0, 0, 0.0, 0, 0
+        solved, toks, fwd, secs, same_as_ar, positions = 0, 0, 0, 0.0, 0, 0
         ver, proposed, accepted = 0, 0, 0
         per_task = {t: [0, 0] for t in TASKS}
         outputs = []
@@ -124,8 +124,8 @@ def main():
             t = time.perf_counter()
             c = eng.chat([{"role": "user", "content": p}], max_tokens=args.max_tokens, **cfg)
             secs += time.perf_counter() - t
-            ok = c.text == a
-            correct += ok
+            ok = correct(task, p, a, c.text)
+            solved += ok
             per_task[task][0] += ok
             per_task[task][1] += 1
             toks += c.usage.completion_tokens
@@ -139,7 +139,7 @@ def main():
         outputs_of[name] = outputs
         # cache suite: agreement with the same decoding mode without a cache (the approximation's effect)
         base = outputs_of.get(name.split(" ")[0] + " none")
-        row = dict(config=name, params=cfg, accuracy=correct / len(data), tokens_per_forward=toks / fwd,
+        row = dict(config=name, params=cfg, accuracy=solved / len(data), tokens_per_forward=toks / fwd,
                    forwards_per_token=fwd / toks, tokens_per_second=toks / secs, same_as_ar=same_as_ar / len(data),
                    verifications=ver, draft_acceptance=accepted / proposed if proposed else None,
                    positions_per_forward=positions / fwd,

@@ -1,7 +1,9 @@
-"""The embedded mbd-tiny v2 model (trained here by training/train.py --family tiny): it loads, solves held-out
-instances of the task families it learned (all but `hello`, whose held-out names never occur in training), and
-decodes several tokens per forward in multi-block mode. Bars are set from benches/RESULTS.md with margin
-(measured on these instances: 10/10 for sort, reverse, repeat and count, 9/10 for add; 2.84 tokens/forward)."""
+"""The embedded mbd-tiny v3 model (trained here by training/train.py --family tiny): it loads, solves held-out
+instances of every task family it learned, decodes several tokens per forward in multi-block mode, and shows the
+speed/quality trade-off on `shuffle` (many right answers: a loose threshold commits letters in parallel from their
+separate marginals and repeats some). Bars are set from benches/RESULTS.md with margin (measured on these
+instances: 10/10 for every family but shuffle, 9/10 for shuffle; shuffle at confidence 0.1: 4/10 at 2.71 tokens
+per forward against 9/10 at 0.89 one token per forward)."""
 import os
 import random
 import sys
@@ -12,7 +14,7 @@ import mbd_rs
 from conftest import HERE
 
 sys.path.insert(0, os.path.join(HERE, "..", "training"))
-from tasks import TASKS, held_out, is_held_out, sample  # noqa: E402
+from tasks import TASKS, correct, held_out, is_held_out, sample  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +42,26 @@ def test_split_is_by_property():
     assert not train & test and all(is_held_out(p) for p in test) and not any(is_held_out(p) for p in train)
 
 
-@pytest.mark.parametrize("task,bar", [("sort", 9), ("reverse", 9), ("repeat", 9), ("count", 9), ("add", 8)])
+@pytest.mark.parametrize("task,bar", [("sort", 9), ("reverse", 9), ("repeat", 9), ("count", 9), ("add", 9), ("hello", 9),
+                                      ("shuffle", 7)])
 def test_solves_held_out_instances(eng, task, bar):
     data = held_out(task, 10)
-    ok = sum(eng.chat([{"role": "user", "content": p}], max_tokens=40).text == a for p, a in data)
+    ok = sum(correct(task, p, a, eng.chat([{"role": "user", "content": p}], max_tokens=40).text) for p, a in data)
     assert ok >= bar, f"{task}: {ok}/10"
+
+
+def test_loose_threshold_trades_accuracy_for_speed(eng):
+    """Issue #13's trade-off: on shuffle, confidence 0.1 commits letters together and solves fewer instances than
+    one token per forward."""
+    data = held_out("shuffle", 10)
+    runs = {}
+    for name, kw in [("AR", dict(block_size=1, block_add_threshold=1.0, acceptance="confidence", threshold=1.0)),
+                     ("loose", dict(acceptance="confidence", threshold=0.1))]:
+        cs = [(p, a, eng.chat([{"role": "user", "content": p}], max_tokens=40, **kw)) for p, a in data]
+        runs[name] = (sum(correct("shuffle", p, a, c.text) for p, a, c in cs),
+                      sum(c.usage.completion_tokens for *_, c in cs) / sum(c.usage.forward_passes for *_, c in cs))
+    (ar_ok, ar_tpf), (loose_ok, loose_tpf) = runs["AR"], runs["loose"]
+    assert loose_tpf > 2 * ar_tpf and loose_ok <= ar_ok - 3, runs
 
 
 def test_multi_block_decodes_several_tokens_per_forward(eng):

@@ -1,4 +1,7 @@
-"""Task families for the tiny block-diffusion model: each instance has exactly one right answer.
+"""Task families for the tiny block-diffusion models. Every family but `shuffle` has exactly one right answer;
+`shuffle` has many (any ordering of the given letters), so decoding several of its positions in one forward from
+their separate marginals can produce a wrong answer (a letter twice): the family that makes the threshold of an
+acceptance rule matter (issue #13). `correct()` is the one judge of an answer.
 Held-out instances are chosen by a property of the input (the sum of its character codes is a multiple
 of 7), so they never occur in training data."""
 import random
@@ -20,8 +23,15 @@ def reverse_task(r):
     return "reverse " + " ".join(xs), " ".join(reversed(xs))
 
 
+def operand(r):
+    """0-999 with a uniformly drawn digit count (1, 2 or 3): v1/v2 drew 0-999 uniformly, so 99% of their pairs had a
+    3-digit operand and v2 could not add two small numbers."""
+    d = r.randint(1, 3)
+    return r.randint(0 if d == 1 else 10 ** (d - 1), 10 ** d - 1)
+
+
 def add_task(r):
-    a, b = r.randint(0, 999), r.randint(0, 999)
+    a, b = operand(r), operand(r)
     return f"add {a}+{b}", str(a + b)
 
 
@@ -37,13 +47,35 @@ def count_task(r):
     return f"count {c} in {s}", str(s.count(c))
 
 
+def made_up_name(r):
+    return r.choice(LETTERS).upper() + "".join(r.choice(LETTERS) for _ in range(r.randint(1, 6)))
+
+
 def hello_task(r):
-    n = r.choice(NAMES)
+    # half the names are made up, so the name has to be copied from the prompt (v2 saw only NAMES and could not
+    # greet the three held-out ones)
+    n = r.choice(NAMES) if r.random() < 0.5 else made_up_name(r)
     return f"hello {n}", f"Hello, {n}! Nice to meet you."
 
 
+def shuffle_task(r):
+    xs = r.sample(LETTERS, r.randint(3, 6))
+    ys = r.sample(xs, len(xs))
+    return "shuffle " + " ".join(xs), " ".join(ys)
+
+
 TASKS = {"sort": sort_task, "reverse": reverse_task, "add": add_task, "repeat": repeat_task, "count": count_task,
-         "hello": hello_task}
+         "hello": hello_task, "shuffle": shuffle_task}
+V1_TASKS = ("sort", "reverse", "add", "repeat", "count", "hello")   # the families v1, v2 and the twins learned
+MANY_ANSWERS = ("shuffle",)   # families whose instances have more than one right answer
+
+
+def correct(task: str, prompt: str, answer: str, text: str) -> bool:
+    """Whether a completion solves an instance: an exact match of the one answer, or for `shuffle` the given letters
+    in any order (space-separated, each once)."""
+    if task in MANY_ANSWERS:
+        return text.split(" ") != [""] and sorted(text.split(" ")) == sorted(prompt.split(" ")[1:])
+    return text == answer
 
 
 def is_held_out(prompt: str) -> bool:

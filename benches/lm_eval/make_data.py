@@ -1,12 +1,13 @@
 """Writes benches/lm_eval/mbd_tiny_heldout.jsonl: the held-out items of the embedded mbd-tiny model that
 benches/eval_tiny.py scores (training/tasks.py `held_out_set(40)`, its default --per-task), keeping the first
-`--per-task` items of each task family in that list's order (a subset of exactly eval_tiny's items; the `hello`
-family has only 3 distinct held-out inputs). One JSON object per line:
+`--per-task` items of each task family in that list's order (a subset of exactly eval_tiny's items; `shuffle` is
+left out: its instances have many right answers). One JSON object per line:
 
     task      the task family (sort, reverse, add, repeat, count, hello)
     prompt    the chat task text: the user message's content, as eval_tiny.py sends it
     rendered  that message rendered by the model's chat template with the generation prompt (for /v1/completions)
-    answer    the expected answer; scored by exact match, no normalisation (eval_tiny.py: `c.text == a`)
+    answer    the expected answer; scored by exact match, no normalisation (training/tasks.py `correct()` for
+              these families)
     choices   the answer and up to 3 near misses (distractors(): the input as given, an off-by-one, a swap, ...),
               in a fixed shuffled order, for the loglikelihood task (mbd_tiny_choice.yaml)
     gold      the answer's index in choices
@@ -23,7 +24,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(ROOT, "training"))
-from tasks import held_out_set, render  # noqa: E402
+from tasks import MANY_ANSWERS, held_out_set, render  # noqa: E402
 
 EVAL_TINY_PER_TASK = 40  # benches/eval_tiny.py's default --per-task
 DEFAULT_OUT = os.path.join(HERE, "mbd_tiny_heldout.jsonl")
@@ -68,10 +69,11 @@ def row(task, prompt, answer):
 
 
 def items(per_task):
-    """(task, prompt, answer) triples: the first `per_task` of each family in eval_tiny's held-out list."""
+    """(task, prompt, answer) triples: the first `per_task` of each family in eval_tiny's held-out list (families
+    with one right answer only: exact match and multiple choice need one)."""
     kept, out = {}, []
     for task, p, a in held_out_set(EVAL_TINY_PER_TASK):
-        if kept.get(task, 0) < per_task:
+        if task not in MANY_ANSWERS and kept.get(task, 0) < per_task:
             kept[task] = kept.get(task, 0) + 1
             out.append((task, p, a))
     return out

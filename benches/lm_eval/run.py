@@ -215,7 +215,7 @@ def main():
         issue=15, lm_eval_version=lm_eval.__version__ if hasattr(lm_eval, "__version__") else None,
         model=MODEL_NAME, items=len(rows), per_task_items={k: len(v) for k, v in per_task.items()},
         max_gen_toks=MAX_TOKENS, decoding="greedy (temperature 0), the model's default block-diffusion settings",
-        metric="exact_match, no normalisation (eval_tiny.py: text == answer)",
+        metric="exact_match, no normalisation (eval_tiny.py: tasks.correct, text == answer for these families)",
         server_command=portable(serve_cmd, port, work),
         server_start_seconds=round(server_start, 2),
         lm_eval={k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in runs.items()},

@@ -16,7 +16,7 @@ from . import _core, _cuda_libs
 from .errors import InvalidRequestError, ModelFileNotFoundError, UnsupportedArchitectureError
 from .types import Completion, StepEvent, StreamChunk, TokenLogprob, Usage
 
-#: The model shipped inside the package (mbd-tiny v2, trained here by training/train.py --family tiny): used when no
+#: The model shipped inside the package (mbd-tiny v3, trained here by training/train.py --family tiny): used when no
 #: path is given.
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "mbd-tiny")
 
