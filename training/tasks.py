@@ -74,7 +74,7 @@ def correct(task: str, prompt: str, answer: str, text: str) -> bool:
     """Whether a completion solves an instance: an exact match of the one answer, or for `shuffle` the given letters
     in any order (space-separated, each once)."""
     if task in MANY_ANSWERS:
-        return text.split(" ") != [""] and sorted(text.split(" ")) == sorted(prompt.split(" ")[1:])
+        return sorted(text.split(" ")) == sorted(prompt.split(" ")[1:])
     return text == answer
 
 

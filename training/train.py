@@ -82,8 +82,9 @@ training_log.json and the card).
 is recomputed for the new total). A checkpoint (HF dir + train_state.pt + README.md card) is written every
 --save-every steps / --save-minutes minutes, so partial progress is usable. OUT/train.log has the loss curve.
 mbd-tiny v3 is the embedded default since session 15: v2's weights (`--family tiny --minutes 100 --threads 2`,
-session 14) continued with v3's task mix (`--init <v2> --minutes 65 --threads 2 --lr 1e-3`: the shuffle family,
-made-up hello names, add operands of 1-3 digits); its card lists both stages. v1 (2.6M parameters) was trained by
+session 14) continued in two warm restarts with v3's families (the shuffle family, made-up hello names, add operands
+of 1-3 digits): `--init <v2> --minutes 65 --threads 2 --lr 1e-3`, then `--init <that> --minutes 30 --threads 2
+--lr 1e-3 --tasks sort:1,reverse:1,repeat:1,hello:0.5,add:1.5,count:1,shuffle:3`; its card lists all three stages. v1 (2.6M parameters) was trained by
 training/train_tiny.py, since removed; it is in git history at commit c52105d.
 """
 import argparse
