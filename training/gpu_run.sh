@@ -15,6 +15,8 @@
 #   MIN_DREAM / MIN_FDV2 / MIN_TINY (minutes), STEPS, BATCH (256), LR (default: each family's), SEED,
 #   WORKERS (8 batch-building processes), EVAL_PER_TASK
 #   RESUME=1      continue from $OUT/<name>/train_state.pt
+#   INIT=1        start each twin from its committed checkpoint (models/<name>: train.py --init, a warm restart
+#                 whose card lists the earlier stages); the tiny family from python/mbd_rs/models/mbd-tiny
 # The device is picked by train.py (cuda when torch sees one); nothing here downloads anything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,6 +51,9 @@ for fam in $FAMILIES; do
   extra=()
   if [ "${RESUME:-0}" = 1 ]; then extra+=(--resume); fi
   if [ -n "$LR" ]; then extra+=(--lr "$LR"); fi
+  if [ "${INIT:-0}" = 1 ]; then
+    if [ "$fam" = tiny ]; then extra+=(--init python/mbd_rs/models/mbd-tiny); else extra+=(--init "models/$name"); fi
+  fi
   echo "== $fam -> $OUT/$name ($min min, batch $BATCH)"
   "$PY" training/train.py --family "$fam" --out "$WORK_DIR/$name" --minutes "$min" --steps "$STEPS" --batch "$BATCH" \
     --seed "$SEED" --threads 4 --workers "$WORKERS" --save-every 2000 --save-minutes 3 \

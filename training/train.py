@@ -526,7 +526,9 @@ def write_card(out, family, spec, ids, st):
         lines.append(f"Block size {ev['block_size']}, {ev['instances']} held-out instances, max 40 new tokens, "
                      "exact match (shuffle: the given letters in any order, each once).")
         lines.append("")
-        lines.append("| decoding | accuracy | tokens/forward | " + " | ".join(TASKS) + " |")
+        # a family outside this model's training mix (the twins learned v1's six) is marked untrained
+        lines.append("| decoding | accuracy | tokens/forward | "
+                     + " | ".join(t if t in spec["tasks"] else f"{t} (untrained)" for t in TASKS) + " |")
         lines.append("|---|---|---|" + "---|" * len(TASKS))
         for k, v in ev["results"].items():
             lines.append(f"| {k} | {100 * v['accuracy']:.1f}% | {v['tokens_per_forward']:.2f} | "
@@ -700,7 +702,8 @@ def train(args):
 # ------------------------------------------------------------------------------------------------------- check
 def recard(path, per_task):
     """Evaluate a written checkpoint with the reference decoder and rewrite its training_log.json and card (for a
-    run stopped between checkpoints: its last checkpoint has no evaluation)."""
+    run stopped between checkpoints: its last checkpoint has no evaluation). `per_task` 0: keep the recorded
+    evaluation, rewrite the card only."""
     st = json.load(open(os.path.join(path, "training_log.json")))
     family = st["family"]
     spec = dict(FAMILIES[family], objectives=st["objectives"], lr=st["lr"])
@@ -708,13 +711,14 @@ def recard(path, per_task):
     spec["blocks"] = {int(k): v for k, v in spec["blocks"].items()}   # JSON keys are strings
     model, ids = load_checkpoint(path, spec)
     spec.update(layers=model.config.num_hidden_layers, inter=model.config.intermediate_size)
-    st["eval"] = evaluate(model, family, spec, ids, per_task=per_task)
+    if per_task > 0:   # --eval-per-task 0: rewrite the card from the recorded evaluation
+        st["eval"] = evaluate(model, family, spec, ids, per_task=per_task)
     if st["status"] == "partial" and st.get("minutes"):
         st["status"] = (f"partial: the run was stopped after this checkpoint, {st['train_seconds'] / 60:.0f} minutes "
                         f"into its {st['minutes']:g}-minute schedule (the learning rate had not decayed to 0)")
     json.dump(st, open(os.path.join(path, "training_log.json"), "w"), indent=1)
     write_card(path, family, spec, ids, st)
-    print(json.dumps(st["eval"]["results"]))
+    print(json.dumps(st.get("eval", {}).get("results")))
 
 
 def load_checkpoint(path, spec):

@@ -11,6 +11,7 @@
 #   speed    benches/gpu/speed.py --shape sdar-1.7b --e2e: one forward vs the bandwidth floor and PyTorch eager,
 #            end-to-end tokens/s, 1/8/32 streams
 #   speed8b  the Qwen3-8B shape (SDAR-8B / TraDo-8B), one forward
+#   profile  benches/gpu/kernels.py: kernels per forward, GPU busy time vs wall time, the costliest kernels
 # Everything goes to $OUT (default ./gpu_out): JSON per stage, logs, nvidia-smi.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -51,6 +52,9 @@ for stage in $stages; do
       install > /dev/null
       "$PY" benches/gpu/speed.py --shape qwen3-8b --cases 512:1,512:32,2048:1,2048:32 --rounds 1 \
         --out "$OUT/gpu_speed_qwen3-8b.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/speed8b.log" ;;
-    *) echo "unknown stage $stage (install|parity|speed|speed8b|all)" >&2; exit 2 ;;
+    profile)
+      install > /dev/null
+      "$PY" benches/gpu/kernels.py --out "$OUT/gpu_profile.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/profile.log" ;;
+    *) echo "unknown stage $stage (install|parity|speed|speed8b|profile|all)" >&2; exit 2 ;;
   esac
 done
