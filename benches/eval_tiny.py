@@ -166,7 +166,7 @@ def main():
         for r, mk in zip(results, "sovD^<>px*hH+8d|_"):
             ax.plot([r["tokens_per_forward"]], [100 * r["accuracy"]], marker=mk, linestyle="", label=r["config"])
         ax.set_xlabel("tokens per forward" + (" (verification forwards counted)" if args.suite == "s2d2" else ""))
-        ax.set_ylabel("exact-match accuracy on held-out (%)")
+        ax.set_ylabel("held-out accuracy (%, tasks.correct)")
         ax.set_title(f"{os.path.basename(eng.info.path)}: {args.suite} ({len(data)} held-out instances)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -179,7 +179,7 @@ def main():
         pts = [r for r in results if pick in r["config"]]
         ax.plot([r["tokens_per_forward"] for r in pts], [100 * r["accuracy"] for r in pts], marker=mk, label=label)
     ax.set_xlabel("tokens per forward")
-    ax.set_ylabel("exact-match accuracy on held-out (%)")
+    ax.set_ylabel("held-out accuracy (%, tasks.correct)")
     ax.set_title(f"{os.path.basename(eng.info.path)}: accuracy vs parallelism ({len(data)} held-out instances)")
     ax.grid(alpha=0.3)
     ax.legend()

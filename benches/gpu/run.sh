@@ -12,6 +12,8 @@
 #            end-to-end tokens/s, 1/8/32 streams
 #   speed8b  the Qwen3-8B shape (SDAR-8B / TraDo-8B), one forward
 #   profile  benches/gpu/kernels.py: kernels per forward, GPU busy time vs wall time, the costliest kernels
+#   batching tests/test_batching.py on the GPU (device "auto" is CUDA there, bf16): do concurrent streams, batched
+#            into shared forwards, still give their lone outputs token for token?
 # Everything goes to $OUT (default ./gpu_out): JSON per stage, logs, nvidia-smi.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -55,6 +57,10 @@ for stage in $stages; do
     profile)
       install > /dev/null
       "$PY" benches/gpu/kernels.py --out "$OUT/gpu_profile.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/profile.log" ;;
-    *) echo "unknown stage $stage (install|parity|speed|speed8b|profile|all)" >&2; exit 2 ;;
+    batching)
+      install > /dev/null
+      (cd /tmp && "$PY" -m pytest -q -p no:cacheprovider -rf --tb=line "$OLDPWD/tests/test_batching.py" 2>&1 | tail -25) \
+        | tee "$OUT/batching.log" ;;
+    *) echo "unknown stage $stage (install|parity|speed|speed8b|profile|batching|all)" >&2; exit 2 ;;
   esac
 done
