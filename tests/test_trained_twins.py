@@ -21,6 +21,8 @@ PROFILES = {"mbd-dream-tiny": ("dream", "full", True), "mbd-fdv2-tiny": ("fast_d
 # held-out instances solved out of 10 with greedy one-token-per-forward decoding, for each family the twins learned
 # (V1_TASKS; measured after their GPU stage, session 16: 10/10 for every family and both twins)
 SOLVED = {name: {task: 9 for task in V1_TASKS} for name in PROFILES}
+# tokens per forward with blocks of 8 at entropy 0.5 must reach (measured: dream 5.6, fdv2 2.7)
+MIN_TOKENS_PER_FORWARD = {"mbd-dream-tiny": 4.0, "mbd-fdv2-tiny": 2.0}
 AR = dict(block_size=1, block_add_threshold=1.0, acceptance="confidence", threshold=1.0)
 
 
@@ -59,4 +61,4 @@ def test_multi_block_decodes_several_tokens_per_forward(twin):
                          threshold=0.5).usage
             toks += u.completion_tokens
             fwd += u.forward_passes
-    assert toks / fwd >= {"mbd-dream-tiny": 4.0, "mbd-fdv2-tiny": 2.0}[name], f"{name}: {toks / fwd:.2f} tokens per forward"
+    assert toks / fwd >= MIN_TOKENS_PER_FORWARD[name], f"{name}: {toks / fwd:.2f} tokens per forward"

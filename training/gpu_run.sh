@@ -43,7 +43,7 @@ EOF
 
 for fam in $FAMILIES; do
   case "$fam" in
-    tiny)         name=mbd-tiny-v2;    min="${MIN_TINY:-4}" ;;
+    tiny)         name=mbd-tiny;       min="${MIN_TINY:-4}" ;;
     dream)        name=mbd-dream-tiny; min="${MIN_DREAM:-2}" ;;
     fast_dllm_v2) name=mbd-fdv2-tiny;  min="${MIN_FDV2:-2}" ;;
     *) echo "unknown family $fam" >&2; exit 2 ;;
