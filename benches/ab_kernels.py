@@ -1,9 +1,12 @@
 """A/B of the CPU kernel settings in one process, configurations interleaved round by round (the machine is shared
 and noisy, so only same-run ratios mean anything): candle's matmul everywhere vs the skinny kernel at several
 parallel thresholds and row limits, with a bf16 checkpoint's weights held as f32 or as bf16 (* = the defaults). Reports the median over rounds of (a) one forward of a W-token window over a P-token prefix
-and (b) end-to-end chat requests with multi-block and AR decoding.
+and (b) end-to-end chat requests with multi-block and AR decoding. `--set stack`: q/k/v and gate/up as one
+stacked matrix each (the default) vs one product per layer (`_kernels=dict(stack=False)`), any checkpoint and
+`--quantize` format.
 
     python benches/ab_kernels.py [--model DIR] [--rounds 15]
+    python benches/ab_kernels.py --set stack [--model DIR] [--quantize q8_0] [--forward 0:1,16:4] [--no-e2e]
 """
 import argparse
 import statistics
@@ -21,6 +24,8 @@ CONFIGS = {"f32 w, gemm only": ("f32", dict(skinny=False, par_min_macs=1 << 14, 
            "f32 w, skinny <=64, par 2^14": ("f32", dict(skinny=True, par_min_macs=1 << 14, max_rows=64)),
            "f32 w, skinny <=128, par 2^14": ("f32", dict(skinny=True, par_min_macs=1 << 14, max_rows=128)),
            "bf16 w, skinny <=64, par 2^14 *": ("bf16", dict(skinny=True, par_min_macs=1 << 14, max_rows=64))}
+SETS = {"kernels": CONFIGS,
+        "stack": {"separate products": ("bf16", dict(stack=False)), "stacked q/k/v, gate/up *": ("bf16", {})}}
 
 
 def main():
@@ -28,22 +33,30 @@ def main():
     ap.add_argument("--model", default=None)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--forward", default="0:1,16:2,16:4,16:12,16:35,0:64,0:100", help="P:W pairs")
+    ap.add_argument("--set", choices=sorted(SETS), default="kernels")
+    ap.add_argument("--quantize", default=None)
+    ap.add_argument("--reps", type=int, default=6, help="forwards per case and round (the first is dropped)")
+    ap.add_argument("--no-e2e", action="store_true", help="forwards only (no chat requests)")
     args = ap.parse_args()
+    configs = SETS[args.set]
     # one engine per configuration: kernel choices are load options (the tiny model loads in milliseconds)
-    engines = {c: mbd_rs.Engine.load(args.model, device="cpu", _kernels=dict(keep_bf16_weights=held == "bf16", **tuning))
-               for c, (held, tuning) in CONFIGS.items()}
-    held_bytes = {held: engines[c].info.weight_bytes for c, (held, _) in CONFIGS.items()}
+    engines = {c: mbd_rs.Engine.load(args.model, device="cpu", quantize=args.quantize,
+                                     _kernels=dict(keep_bf16_weights=held == "bf16", **tuning))
+               for c, (held, tuning) in configs.items()}
+    held_bytes = {held: engines[c].info.weight_bytes for c, (held, _) in configs.items()}
     pw = [tuple(map(int, x.split(":"))) for x in args.forward.split(",")]
     prompts = ["sort 5 3 8 1 9 2", "reverse hello world", "repeat ab 3", "add 12+30"]
     modes = {"multi-block": {}, "AR": dict(block_size=1, block_add_threshold=1.0, acceptance="confidence", threshold=1.0)}
-    fwd = {(c, p, w): [] for c in CONFIGS for p, w in pw}
-    e2e = {(c, m): [] for c in CONFIGS for m in modes}
+    if args.no_e2e:
+        modes = {}
+    fwd = {(c, p, w): [] for c in configs for p, w in pw}
+    e2e = {(c, m): [] for c in configs for m in modes}
     for r in range(args.rounds):
-        order = list(CONFIGS) if r % 2 == 0 else list(reversed(CONFIGS))
+        order = list(configs) if r % 2 == 0 else list(reversed(configs))
         for c in order:
             eng = engines[c]
             for p, w in pw:
-                fwd[(c, p, w)].append(statistics.median(eng._core.bench_forward(p, w, 6)[1:]))
+                fwd[(c, p, w)].append(statistics.median(eng._core.bench_forward(p, w, args.reps)[1:]))
             for m, kw in modes.items():
                 t = time.perf_counter()
                 toks = 0
@@ -51,14 +64,21 @@ def main():
                     toks += eng.chat([{"role": "user", "content": q}], max_tokens=40, **kw).usage.completion_tokens
                 e2e[(c, m)].append(toks / (time.perf_counter() - t))
     print(f"model {eng.info.path}, {_core.cpu_threads} threads, median of {args.rounds} interleaved rounds; weights "
-          f"held: {held_bytes['f32'] / 2**20:.1f} MiB as f32, {held_bytes['bf16'] / 2**20:.1f} MiB as bf16")
+          "held: " + ", ".join(f"{b / 2**20:.1f} MiB as {h}" for h, b in held_bytes.items())
+          + (f" (quantize={args.quantize})" if args.quantize else ""))
     print(f"{'config':32s} " + " ".join(f"{f'P{p} W{w}':>9s}" for p, w in pw) + "  (ms per forward)  "
-          + " ".join(f"{m + ' tok/s':>17s}" for m in modes) + "  multi/AR")
-    for c in CONFIGS:
+          + " ".join(f"{m + ' tok/s':>17s}" for m in modes) + ("  multi/AR" if modes else ""))
+    for c in configs:
         ms = [1e3 * statistics.median(fwd[(c, p, w)]) for p, w in pw]
         tps = [statistics.median(e2e[(c, m)]) for m in modes]
         print(f"{c:32s} " + " ".join(f"{x:9.3f}" for x in ms) + " " * 19 + " ".join(f"{x:17.1f}" for x in tps)
-              + f"  {tps[0] / tps[1]:8.2f}")
+              + (f"  {tps[0] / tps[1]:8.2f}" if modes else ""))
+    if args.set == "stack":
+        a, b = list(configs)
+        print("stacked / separate, per forward case: " + ", ".join(
+            f"P{p} W{w} {statistics.median(fwd[(b, p, w)]) / statistics.median(fwd[(a, p, w)]):.3f}" for p, w in pw)
+            + "".join(f"; {m} tok/s {statistics.median(e2e[(b, m)]) / statistics.median(e2e[(a, m)]):.3f}"
+                      for m in modes))
 
 
 if __name__ == "__main__":

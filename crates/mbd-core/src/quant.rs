@@ -41,6 +41,44 @@ impl Matrix {
         }
     }
 
+    /// Matrices with the same input width stacked into one (their rows one after another), when they are held
+    /// alike: all dense in one dtype, or all quantized in one format. None otherwise (e.g. a GGUF file whose
+    /// q/k/v tensors were written in different formats).
+    pub fn stack(parts: &[Matrix]) -> Result<Option<Matrix>> {
+        match parts {
+            [] => Ok(None),
+            [one] => Ok(Some(one.clone())),
+            [Matrix::Dense(first), ..] => {
+                let mut ts = Vec::with_capacity(parts.len());
+                for m in parts {
+                    match m {
+                        Matrix::Dense(t) if t.dtype() == first.dtype() && t.dim(1)? == first.dim(1)? => ts.push(t),
+                        _ => return Ok(None),
+                    }
+                }
+                Ok(Some(Matrix::Dense(Tensor::cat(&ts, 0)?)))
+            }
+            [Matrix::Quant(first), ..] => {
+                let mut qs = Vec::with_capacity(parts.len());
+                for m in parts {
+                    match m {
+                        Matrix::Quant(q) if q.format == first.format && q.k == first.k => qs.push(q),
+                        _ => return Ok(None),
+                    }
+                }
+                let n = qs.iter().map(|q| q.n).sum();
+                let mut data = Vec::new();
+                data.try_reserve_exact(qs.iter().map(|q| q.data.len()).sum()).map_err(|_| {
+                    Error::load(format!("cannot allocate a stacked {n}x{} {} matrix", first.k, first.format.name()))
+                })?;
+                for q in qs {
+                    data.extend_from_slice(&q.data);
+                }
+                Ok(Some(Matrix::Quant(Arc::new(QMatrix { format: first.format, n, k: first.k, data }))))
+            }
+        }
+    }
+
     /// Rows `ids` (an embedding lookup), in the dtype they are held in (quantized: f32).
     pub fn rows(&self, ids: &[u32], dev: &Device) -> Result<Tensor> {
         Ok(match self {

@@ -41,6 +41,9 @@ pub struct Kernels {
     /// Long windows' products on the CPU through `panels` (W widened or dequantized a panel at a time, gemm per
     /// panel). false: candle's matmul (a bf16 W widened whole per call; a quantized W through this kernel).
     pub panels: bool,
+    /// Linear layers of one input held as one matrix (q/k/v, gate/up: `models::qwen::Stacked`), one product
+    /// instead of several. false: each its own product (the same bits; for A/B runs).
+    pub stack: bool,
 }
 
 impl Default for Kernels {
@@ -52,6 +55,7 @@ impl Default for Kernels {
             attention_score_bytes: 256 << 20,
             direct_attention: false,
             panels: true,
+            stack: true,
         }
     }
 }
@@ -60,10 +64,12 @@ impl Default for Kernels {
 /// in cache while the task's weight rows stream by).
 const ROW_BLOCK: usize = 64;
 
-/// Weight rows per parallel task: about 2 tasks per thread for small matrices (4-row multiples, at least 16),
-/// at most 256 rows for large ones so that work stays balanced.
+/// Weight rows per parallel task: 4-row multiples, at least 16 and at most about 256, for a task count that is a
+/// multiple of the threads (at least 2 per thread), so that work stays balanced (5 equal tasks on 2 threads
+/// would leave one idle for a fifth of the product).
 fn rows_per_task(n: usize, threads: usize) -> usize {
-    (n.div_ceil(2 * threads).div_ceil(4) * 4).clamp(16, 256)
+    let tasks = n.div_ceil(256).max(2 * threads).div_ceil(threads) * threads;
+    (n.div_ceil(tasks).div_ceil(4) * 4).max(16)
 }
 
 /// Element type of a weight matrix the kernel reads: f32, or bf16 widened to f32 as it is loaded (exact: a bf16

@@ -213,7 +213,7 @@ impl CoreModel {
     /// load options for benchmarks' A/B runs.
     #[staticmethod]
     #[pyo3(signature = (path, device="auto", dtype=None, overrides=None, keep_bf16_weights=true, skinny=true,
-                        par_min_macs=None, max_rows=None, direct_attention=false, panels=true, max_batch=None,
+                        par_min_macs=None, max_rows=None, direct_attention=false, panels=true, stack=true, max_batch=None,
                         max_batch_rows=None, quantize=None, progress=None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
@@ -228,6 +228,7 @@ impl CoreModel {
         max_rows: Option<usize>,
         direct_attention: bool,
         panels: bool,
+        stack: bool,
         max_batch: Option<&Bound<'_, PyAny>>,
         max_batch_rows: Option<&Bound<'_, PyAny>>,
         quantize: Option<String>,
@@ -243,6 +244,7 @@ impl CoreModel {
             max_rows: max_rows.unwrap_or(d.max_rows),
             direct_attention,
             panels,
+            stack,
             ..d
         };
         let limits = batch_limits(BatchLimits::default(), max_batch, max_batch_rows)?;

@@ -39,6 +39,47 @@ impl Linear {
     }
 }
 
+/// Linear layers of one input computed as one product (q/k/v, gate/up): their matrices and biases stacked at
+/// load when they are held alike (`Matrix::stack`), so one call of the kernel (one pass over x, one launch on a
+/// GPU) gives every output side by side. The few-row kernel computes each output column alone, so there
+/// stacking changes no bit; gemm (long windows) may block the wider matrix differently (rounding-level
+/// differences; batch invariance is unaffected: a window is computed the same way alone or batched). Matrices
+/// that cannot be stacked (a GGUF file may store q, k and v in different block formats) run one by one and
+/// their outputs are concatenated.
+struct Stacked {
+    parts: Vec<Linear>,
+}
+
+impl Stacked {
+    /// `specs`: (name prefix, output features) of each layer, in output order. `stack`: `Kernels::stack`.
+    fn load(ws: &Weights, specs: &[(String, usize)], in_f: usize, bias: bool, stack: bool) -> Result<Self> {
+        let parts =
+            specs.iter().map(|(p, out_f)| Linear::load(ws, p, *out_f, in_f, bias)).collect::<Result<Vec<_>>>()?;
+        if !stack || parts.len() < 2 {
+            return Ok(Stacked { parts });
+        }
+        let ws: Vec<Matrix> = parts.iter().map(|l| l.w.clone()).collect();
+        Ok(match Matrix::stack(&ws)? {
+            Some(w) => {
+                let b = match parts.iter().map(|l| l.b.clone()).collect::<Option<Vec<_>>>() {
+                    Some(bs) => Some(Tensor::cat(&bs, 0)?),
+                    None => None,
+                };
+                Stacked { parts: vec![Linear { w, b }] }
+            }
+            _ => Stacked { parts },
+        })
+    }
+    /// (rows, Σ outputs): every layer's outputs side by side, in load order.
+    fn forward(&self, x: &Tensor, k: &Kernels, few: bool) -> Result<Tensor> {
+        if let [one] = self.parts.as_slice() {
+            return one.forward(x, k, few);
+        }
+        let ys = self.parts.iter().map(|l| l.forward(x, k, few)).collect::<Result<Vec<_>>>()?;
+        Ok(Tensor::cat(&ys, 1)?)
+    }
+}
+
 struct RmsNorm {
     w: Tensor,
     eps: f32,
@@ -55,16 +96,21 @@ impl RmsNorm {
 }
 
 struct Mlp {
-    gate: Linear,
-    up: Linear,
+    /// gate_proj and up_proj side by side: (rows, 2 · intermediate)
+    gate_up: Stacked,
     down: Linear,
 }
 
 impl Mlp {
-    fn load(ws: &Weights, prefix: &str, hidden: usize, inter: usize) -> Result<Self> {
+    fn load(ws: &Weights, prefix: &str, hidden: usize, inter: usize, stack: bool) -> Result<Self> {
         Ok(Mlp {
-            gate: Linear::load(ws, &format!("{prefix}.gate_proj"), inter, hidden, false)?,
-            up: Linear::load(ws, &format!("{prefix}.up_proj"), inter, hidden, false)?,
+            gate_up: Stacked::load(
+                ws,
+                &[(format!("{prefix}.gate_proj"), inter), (format!("{prefix}.up_proj"), inter)],
+                hidden,
+                false,
+                stack,
+            )?,
             down: Linear::load(ws, &format!("{prefix}.down_proj"), hidden, inter, false)?,
         })
     }
@@ -79,56 +125,65 @@ impl Mlp {
                 .collect::<Result<Vec<_>>>()?;
             return Ok(Tensor::cat(&parts, 0)?);
         }
-        let g = self.gate.forward(x, k, few)?;
-        let u = self.up.forward(x, k, few)?;
-        self.down.forward(&silu_mul(&g, &u)?, k, few)
+        let gu = self.gate_up.forward(x, k, few)?;
+        self.down.forward(&silu_mul(&gu)?, k, few)
     }
 }
 
-/// silu(g) · u, the MLP's gate. On the CPU one pass over f32 rows, in parallel for long windows (candle's unary
-/// and binary maps run on one thread and allocate twice); the same formula as candle's silu, so the same bits.
-fn silu_mul(g: &Tensor, u: &Tensor) -> Result<Tensor> {
-    if g.device().is_cpu() && g.dtype() == DType::F32 && u.dtype() == DType::F32 && g.dims() == u.dims() {
-        let (g, u) = (g.contiguous()?, u.contiguous()?);
-        return Ok(g.apply_op2_no_bwd(&u, &SiluMul)?);
+/// silu(g) · u, the MLP's gate, from `gu` = (rows, 2I): g its first I columns, u the last I. On the CPU one pass
+/// over f32 rows, in parallel for long windows (candle's unary and binary maps run on one thread and allocate
+/// twice); the same formula as candle's silu, so the same bits.
+fn silu_mul(gu: &Tensor) -> Result<Tensor> {
+    if gu.device().is_cpu() && gu.dtype() == DType::F32 {
+        return Ok(gu.contiguous()?.apply_op1_no_bwd(&SiluMul)?);
     }
-    Ok((g.silu()? * u)?)
+    let i = gu.dim(1)? / 2;
+    Ok((gu.narrow(1, 0, i)?.silu()? * gu.narrow(1, i, i)?)?)
 }
 
 struct SiluMul;
 
-impl candle_core::CustomOp2 for SiluMul {
+impl candle_core::CustomOp1 for SiluMul {
     fn name(&self) -> &'static str {
         "silu-mul"
     }
     fn cpu_fwd(
         &self,
-        s1: &candle_core::CpuStorage,
-        l1: &candle_core::Layout,
-        s2: &candle_core::CpuStorage,
-        l2: &candle_core::Layout,
+        s: &candle_core::CpuStorage,
+        l: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
         use rayon::prelude::*;
-        let (candle_core::CpuStorage::F32(g), candle_core::CpuStorage::F32(u)) = (s1, s2) else {
-            candle_core::bail!("silu-mul: f32 operands expected");
+        let candle_core::CpuStorage::F32(gu) = s else {
+            candle_core::bail!("silu-mul: an f32 operand expected");
         };
-        let (Some((a0, a1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
-            candle_core::bail!("silu-mul: contiguous operands expected");
+        let (Some((a0, a1)), Ok((rows, two_i))) = (l.contiguous_offsets(), l.shape().dims2()) else {
+            candle_core::bail!("silu-mul: a contiguous (rows, 2I) operand expected");
         };
-        let (g, u) = (&g[a0..a1], &u[b0..b1]);
-        let mut y = vec![0f32; g.len()];
-        let f = |(y, (g, u)): (&mut [f32], (&[f32], &[f32]))| {
-            for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
-                *y = g / (1.0 + (-g).exp()) * u;
+        if two_i % 2 != 0 {
+            candle_core::bail!("silu-mul: an even number of columns expected, got {two_i}");
+        }
+        let i = two_i / 2;
+        let gu = &gu[a0..a1];
+        let mut y = vec![0f32; rows * i];
+        if i == 0 {
+            return Ok((candle_core::CpuStorage::F32(y), (rows, 0).into()));
+        }
+        let f = |(y, gu): (&mut [f32], &[f32])| {
+            for (y, gu) in y.chunks_exact_mut(i).zip(gu.chunks_exact(two_i)) {
+                let (g, u) = gu.split_at(i);
+                for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
+                    *y = g / (1.0 + (-g).exp()) * u;
+                }
             }
         };
-        const CHUNK: usize = 1 << 14;
-        if g.len() >= 4 * CHUNK {
-            y.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK))).for_each(f);
+        // rows per parallel chunk: about 16k outputs
+        let chunk = ((1 << 14) / i).max(1);
+        if rows * i >= 4 << 14 {
+            y.par_chunks_mut(chunk * i).zip(gu.par_chunks(chunk * two_i)).for_each(f);
         } else {
-            f((&mut y, (g, u)));
+            f((&mut y, gu));
         }
-        Ok((candle_core::CpuStorage::F32(y), l1.shape().clone()))
+        Ok((candle_core::CpuStorage::F32(y), (rows, i).into()))
     }
 }
 
@@ -144,7 +199,7 @@ struct Moe {
 }
 
 impl Moe {
-    fn load(ws: &Weights, prefix: &str, hidden: usize, m: &crate::config::MoeConfig) -> Result<Self> {
+    fn load(ws: &Weights, prefix: &str, hidden: usize, m: &crate::config::MoeConfig, stack: bool) -> Result<Self> {
         // the router stays as loaded (see `quant`)
         let router = Linear {
             w: Matrix::Dense(ws.get_matrix(&format!("{prefix}.gate.weight"), &[m.num_experts, hidden])?),
@@ -160,15 +215,27 @@ impl Moe {
                 .map(|e| {
                     let gue = gu.get(e)?;
                     Ok(Mlp {
-                        gate: Linear { w: ws.to_weight(gue.narrow(0, 0, inter)?.contiguous()?, false)?, b: None },
-                        up: Linear { w: ws.to_weight(gue.narrow(0, inter, inter)?.contiguous()?, false)?, b: None },
+                        // stored stacked: gate_proj's rows, then up_proj's
+                        gate_up: Stacked {
+                            parts: if stack {
+                                vec![Linear { w: ws.to_weight(gue.contiguous()?, false)?, b: None }]
+                            } else {
+                                let half = |o| -> Result<Linear> {
+                                    Ok(Linear {
+                                        w: ws.to_weight(gue.narrow(0, o, inter)?.contiguous()?, false)?,
+                                        b: None,
+                                    })
+                                };
+                                vec![half(0)?, half(inter)?]
+                            },
+                        },
                         down: Linear { w: ws.to_weight(dn.get(e)?.contiguous()?, false)?, b: None },
                     })
                 })
                 .collect::<Result<Vec<_>>>()?
         } else {
             (0..m.num_experts)
-                .map(|e| Mlp::load(ws, &format!("{prefix}.experts.{e}"), hidden, inter))
+                .map(|e| Mlp::load(ws, &format!("{prefix}.experts.{e}"), hidden, inter, stack))
                 .collect::<Result<Vec<_>>>()?
         };
         Ok(Moe { router, experts, top_k: m.num_experts_per_tok, norm_topk_prob: m.norm_topk_prob })
@@ -211,9 +278,8 @@ enum Ffn {
 }
 
 struct Attention {
-    q: Linear,
-    k: Linear,
-    v: Linear,
+    /// q_proj, k_proj and v_proj side by side: (rows, (heads + 2 · kv heads) · head_dim)
+    qkv: Stacked,
     o: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
@@ -310,9 +376,17 @@ impl QwenModel {
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
             let attn = Attention {
-                q: Linear::load(ws, &format!("{p}.self_attn.q_proj"), nh * d, h, cfg.qkv_bias)?,
-                k: Linear::load(ws, &format!("{p}.self_attn.k_proj"), nkv * d, h, cfg.qkv_bias)?,
-                v: Linear::load(ws, &format!("{p}.self_attn.v_proj"), nkv * d, h, cfg.qkv_bias)?,
+                qkv: Stacked::load(
+                    ws,
+                    &[
+                        (format!("{p}.self_attn.q_proj"), nh * d),
+                        (format!("{p}.self_attn.k_proj"), nkv * d),
+                        (format!("{p}.self_attn.v_proj"), nkv * d),
+                    ],
+                    h,
+                    cfg.qkv_bias,
+                    kernels.stack,
+                )?,
                 o: Linear::load(ws, &format!("{p}.self_attn.o_proj"), h, nh * d, cfg.o_bias)?,
                 q_norm: if cfg.qk_norm {
                     Some(RmsNorm::load(ws, &format!("{p}.self_attn.q_norm.weight"), d, cfg.rms_norm_eps)?)
@@ -333,9 +407,9 @@ impl QwenModel {
                 None => false,
             };
             let ffn = if sparse {
-                Ffn::Sparse(Moe::load(ws, &format!("{p}.mlp"), h, cfg.moe.as_ref().unwrap())?)
+                Ffn::Sparse(Moe::load(ws, &format!("{p}.mlp"), h, cfg.moe.as_ref().unwrap(), kernels.stack)?)
             } else {
-                Ffn::Dense(Mlp::load(ws, &format!("{p}.mlp"), h, cfg.intermediate_size)?)
+                Ffn::Dense(Mlp::load(ws, &format!("{p}.mlp"), h, cfg.intermediate_size, kernels.stack)?)
             };
             layers.push(Layer {
                 attn,
@@ -692,9 +766,10 @@ impl Attention {
     ) -> Result<Tensor> {
         let r = x.dim(0)?;
         let (nh, nkv, d) = (self.n_heads, self.n_kv, self.head_dim);
-        let q = groups.apply(x, |x, few| self.q.forward(x, kn, few))?.reshape((r, nh, d))?;
-        let k = groups.apply(x, |x, few| self.k.forward(x, kn, few))?.reshape((r, nkv, d))?;
-        let v = groups.apply(x, |x, few| self.v.forward(x, kn, few))?.reshape((r, nkv, d))?;
+        let qkv = groups.apply(x, |x, few| self.qkv.forward(x, kn, few))?.reshape((r, nh + 2 * nkv, d))?;
+        let q = qkv.narrow(1, 0, nh)?;
+        let k = qkv.narrow(1, nh, nkv)?;
+        let v = qkv.narrow(1, nh + nkv, nkv)?;
         let q = match &self.q_norm {
             Some(n) => n.forward(&q)?,
             None => q,
@@ -801,7 +876,10 @@ mod tests {
             let g = Tensor::randn(0f32, 3.0, (rows, 1100), &Device::Cpu).unwrap();
             let u = Tensor::randn(0f32, 1.0, (1100, rows), &Device::Cpu).unwrap().t().unwrap();
             let want = (g.silu().unwrap() * &u).unwrap().to_vec2::<f32>().unwrap();
-            assert_eq!(silu_mul(&g, &u).unwrap().to_vec2::<f32>().unwrap(), want);
+            let gu = Tensor::cat(&[&g, &u], 1).unwrap();
+            assert_eq!(silu_mul(&gu).unwrap().to_vec2::<f32>().unwrap(), want);
+            let gu_t = gu.t().unwrap().contiguous().unwrap().t().unwrap();
+            assert_eq!(silu_mul(&gu_t).unwrap().to_vec2::<f32>().unwrap(), want);
         }
     }
 }
