@@ -5,7 +5,9 @@ nsys is not on the GPU machine; PyTorch's profiler is, and its CUPTI activity tr
 process launches, including candle's and cuBLAS's launched by mbd-rs through the driver API. For each window size
 (--cases P:W, the SDAR-1.7B shape of speed.py, random bf16 weights): the wall time of one forward (under the
 profiler), the number of kernels it launches, the summed kernel time (GPU busy time; wall minus busy is time the
-GPU waited for the host), and the kernels that cost most. Writes one JSON (--out) and prints a short table.
+GPU waited for the host), and the kernels that cost most. `--configs stacked,separate`: the same for each load
+configuration (`separate`: one product per q/k/v and gate/up layer instead of the stacked default). Writes one
+JSON (--out) and prints a short table.
 """
 import argparse
 import collections
@@ -22,6 +24,9 @@ import speed  # noqa: E402  (same checkpoint maker)
 
 import mbd_rs  # noqa: E402
 
+# load configurations (`Engine.load(..., _kernels=...)`)
+CONFIGS = {"stacked": {}, "separate": dict(stack=False)}
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -30,14 +35,24 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dir", default="/tmp/mbd-gpu")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_profile.json"))
+    ap.add_argument("--configs", default="stacked", help="comma-separated: " + ", ".join(CONFIGS))
     args = ap.parse_args()
     dev = torch.device("cuda")
     path = os.path.join(args.dir, args.shape)
     hf = speed.make_checkpoint(args.shape, path, dev, torch.bfloat16)
     del hf
     torch.cuda.empty_cache()
-    eng = mbd_rs.Engine.load(path, device="cuda")
     report = {"gpu": torch.cuda.get_device_name(dev), "shape": args.shape, "cases": []}
+    for config in args.configs.split(","):
+        eng = mbd_rs.Engine.load(path, device="cuda", _kernels=CONFIGS[config])
+        profile_cases(eng, config, args, report)
+        del eng
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print("wrote", args.out)
+
+
+def profile_cases(eng, config, args, report):
     for case in args.cases.split(","):
         p, w = map(int, case.split(":"))
         eng._core.bench_forward(p, w, 3)  # warm-up (module loads, cuBLAS handles)
@@ -56,19 +71,16 @@ def main():
         n_kernels = sum(v[0] for v in by_name.values())
         busy = sum(v[1] for v in by_name.values()) / args.reps
         top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]
-        row = dict(prefix=p, window=w, wall_ms=round(1e3 * statistics.median(walls[1:]), 3),
+        row = dict(config=config, prefix=p, window=w, wall_ms=round(1e3 * statistics.median(walls[1:]), 3),
                    kernels_per_forward=round(n_kernels / args.reps, 1),
                    gpu_busy_ms=round(busy, 3),
                    top=[dict(name=n[:120], per_forward=c / args.reps, ms_per_forward=round(ms / args.reps, 3))
                         for n, (c, ms) in top])
         report["cases"].append(row)
-        print(f"P {p} W {w}: wall {row['wall_ms']:.2f} ms, {row['kernels_per_forward']:.0f} kernels/forward, "
+        print(f"{config}: P {p} W {w}: wall {row['wall_ms']:.2f} ms, {row['kernels_per_forward']:.0f} kernels/forward, "
               f"GPU busy {busy:.2f} ms", flush=True)
         for t in row["top"]:
             print(f"   {t['ms_per_forward']:8.3f} ms  x{t['per_forward']:5.0f}  {t['name'][:90]}")
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    print("wrote", args.out)
 
 
 if __name__ == "__main__":

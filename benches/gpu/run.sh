@@ -56,7 +56,7 @@ for stage in $stages; do
         --out "$OUT/gpu_speed_qwen3-8b.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/speed8b.log" ;;
     profile)
       install > /dev/null
-      "$PY" benches/gpu/kernels.py --out "$OUT/gpu_profile.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/profile.log" ;;
+      "$PY" benches/gpu/kernels.py --configs stacked,separate --out "$OUT/gpu_profile.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/profile.log" ;;
     batching)
       install > /dev/null
       (cd /tmp && "$PY" -m pytest -q -p no:cacheprovider -rf --tb=line "$OLDPWD/tests/test_batching.py" 2>&1 | tail -25) \
