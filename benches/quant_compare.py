@@ -14,6 +14,8 @@ Formats (mbd-rs side / llama.cpp side):
     q8_0   bf16 checkpoint, quantize="q8_0"    / model-q8_0.gguf
     q4_k   bf16 checkpoint, quantize="q4_k"    / model-q4_k_m.gguf (Q4_K_M; on hidden 896 most of it falls back to
                                                   Q5_0/Q8_0, see benches/llamacpp/README.md)
+    q5_k   bf16 checkpoint, quantize="q5_k"    / model-q5_k_m.gguf (Q5_K_M: on hidden 896 mostly Q5_1, which mbd-rs
+                                                  holds as q8_0; use a shape of whole super-blocks, e.g. hidden 1024)
     q6_k   bf16 checkpoint, quantize="q6_k"    / model-q6_k.gguf
 With --same-file, mbd-rs loads the quantized formats from the very GGUF file llama.cpp runs (model-q8_0.gguf,
 model-q4_k_m.gguf, model-q6_k.gguf in --gguf-dir; such files must carry a vocabulary mbd-rs reads: write the f32
@@ -39,9 +41,10 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FORMATS = ("f32", "bf16", "q8_0", "q4_k", "q6_k")
-QUANTIZE = {"q8_0": "q8_0", "q4_k": "q4_k", "q6_k": "q6_k"}  # mbd-rs load-time quantization per format
-GGUFS = {"f32": ("f32",), "bf16": ("bf16", "f16"), "q8_0": ("q8_0",), "q4_k": ("q4_k_m",), "q6_k": ("q6_k",)}
+FORMATS = ("f32", "bf16", "q8_0", "q4_k", "q5_k", "q6_k")
+QUANTIZE = {"q8_0": "q8_0", "q4_k": "q4_k", "q5_k": "q5_k", "q6_k": "q6_k"}  # mbd-rs load-time quantization per format
+GGUFS = {"f32": ("f32",), "bf16": ("bf16", "f16"), "q8_0": ("q8_0",), "q4_k": ("q4_k_m",), "q5_k": ("q5_k_m",),
+         "q6_k": ("q6_k",)}
 SEEN_STDERR = set()
 
 
@@ -191,7 +194,7 @@ def main():
     if not os.access(args.driver, os.X_OK):
         sys.exit(f"quant_compare: no driver at {args.driver}: run benches/llamacpp/build.sh")
     mbd_dir = {"f32": args.model_f32, "bf16": args.model_bf16, "q8_0": args.model_bf16, "q4_k": args.model_bf16,
-               "q6_k": args.model_bf16}
+               "q5_k": args.model_bf16, "q6_k": args.model_bf16}
     if args.same_file:
         mbd_dir.update({f: os.path.join(args.gguf_dir, f"model-{GGUFS[f][0]}.gguf") for f in QUANTIZE})
     for f in formats:

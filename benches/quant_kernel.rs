@@ -1,4 +1,4 @@
-//! x · Wᵀ on the CPU for the row counts of decode windows: bf16-held weights against q8_0, q5_0, q4_k and q6_k (issue
+//! x · Wᵀ on the CPU for the row counts of decode windows: bf16-held weights against q8_0, q5_0, q4_k, q5_k and q6_k (issue
 //! #18), all through the skinny kernel, interleaved (each repetition runs every format in turn), on the
 //! Qwen2.5-0.5B shapes and the Qwen3-1.7B MLP's. For one row the weight bytes streamed per second are printed
 //! too (a one-row product is bandwidth-bound; the last columns, under each format's name). The k-quants need rows of whole 256-value super-blocks ("-" where
@@ -15,7 +15,8 @@ use mbd_core::skinny::{linear, linear_q, Kernels};
 mod common;
 use common::median;
 
-const FORMATS: [QuantFormat; 4] = [QuantFormat::Q8_0, QuantFormat::Q5_0, QuantFormat::Q4K, QuantFormat::Q6K];
+const FORMATS: [QuantFormat; 5] =
+    [QuantFormat::Q8_0, QuantFormat::Q5_0, QuantFormat::Q4K, QuantFormat::Q5K, QuantFormat::Q6K];
 
 fn main() {
     mbd_core::cpu_pool::on_cpu_pool(run)

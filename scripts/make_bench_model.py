@@ -2,7 +2,9 @@
 intermediate 4864, vocab 151936, tied embeddings) for the benchmarks. Not committed (about 2 GB in f32).
 Needs only numpy + safetensors:
     python scripts/make_bench_model.py [/tmp/mbd-bench/qwen2.5-0.5b-shape] [--bf16]
---bf16 stores the same weights rounded to bfloat16 (1 GB), as real checkpoints ship.
+--bf16 stores the same weights rounded to bfloat16 (1 GB), as real checkpoints ship. --hidden/--layers/--heads/
+--inter change the shape (e.g. `--hidden 1024 --layers 4 --heads 16 --inter 2816`: rows of whole 256-value
+k-quant super-blocks, which the 0.5B's 896-wide rows are not); give such a checkpoint its own directory.
 """
 import json
 import os
@@ -12,10 +14,17 @@ import sys
 import numpy as np
 from safetensors.numpy import save_file
 
-ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
-BF16 = "--bf16" in sys.argv[1:]
+SHAPE = {"--hidden": 896, "--layers": 24, "--heads": 14, "--inter": 4864}
+ARGV = sys.argv[1:]
+for _flag in SHAPE:
+    if _flag in ARGV:
+        _i = ARGV.index(_flag)
+        SHAPE[_flag] = int(ARGV[_i + 1])
+        del ARGV[_i:_i + 2]
+ARGS = [a for a in ARGV if not a.startswith("--")]
+BF16 = "--bf16" in ARGV
 OUT = ARGS[0] if ARGS else "/tmp/mbd-bench/qwen2.5-0.5b-shape" + ("-bf16" if BF16 else "")
-H, L, NH, NKV, I, V = 896, 24, 14, 2, 4864, 151936
+H, L, NH, NKV, I, V = SHAPE["--hidden"], SHAPE["--layers"], SHAPE["--heads"], 2, SHAPE["--inter"], 151936
 D = H // NH
 
 

@@ -3,10 +3,10 @@
 The files are written here with llama.cpp's own Python package (`gguf`, the writer its converter uses; tensor names
 from its `TensorNameMap`), never by this engine. Expected values come from elsewhere:
 (a) float GGUFs of the parity fixtures give transformers' recorded logits (tests/fixtures/parity/*/expected.npz);
-(b) block formats the kernel multiplies (q8_0, q5_0 written by gguf's quantizer, q4_k and q6_k as random blocks) compute
+(b) block formats the kernel multiplies (q8_0, q5_0 written by gguf's quantizer, q4_k, q5_k and q6_k as random blocks) compute
     exactly what the same model does from an f32 safetensors checkpoint holding gguf's own dequantization of
     those blocks (bit for bit: a quantized matrix computes as its dequantized f32 matrix);
-(c) block formats it lacks (q4_0, q5_1, q2_k, q3_k, q5_k) are held as q8_0: the same logits as that
+(c) block formats it lacks (q4_0, q5_1, q2_k, q3_k) are held as q8_0: the same logits as that
     dequantized checkpoint loaded with quantize="q8_0";
 (d) the tokenizer built from the GGUF's vocabulary encodes as the `tokenizers` library does with the fixture's
     tokenizer.json, and, for Qwen2's real vocabulary GGUF, as llama.cpp's golden vectors say;
@@ -147,7 +147,7 @@ def block_model(tmp_path, formats):
 
 
 def native_formats(name):
-    for part, q in (("q_proj", Q.Q4_K), ("k_proj", Q.Q8_0), ("v_proj", Q.Q6_K), ("o_proj", Q.Q4_K),
+    for part, q in (("q_proj", Q.Q4_K), ("k_proj", Q.Q8_0), ("v_proj", Q.Q6_K), ("o_proj", Q.Q5_K),
                     ("gate_proj", Q.Q4_K), ("up_proj", Q.Q5_0), ("down_proj", Q.Q6_K), ("embed", Q.Q8_0),
                     ("lm_head", Q.Q6_K)):
         if part in name:
@@ -156,8 +156,8 @@ def native_formats(name):
 
 
 def other_formats(name):
-    for part, q in (("q_proj", Q.Q5_K), ("k_proj", Q.Q4_0), ("v_proj", Q.Q5_1), ("o_proj", Q.Q2_K),
-                    ("gate_proj", Q.Q3_K), ("up_proj", Q.Q5_K), ("down_proj", Q.Q3_K), ("embed", Q.Q4_0),
+    for part, q in (("q_proj", Q.Q3_K), ("k_proj", Q.Q4_0), ("v_proj", Q.Q5_1), ("o_proj", Q.Q2_K),
+                    ("gate_proj", Q.Q3_K), ("up_proj", Q.Q2_K), ("down_proj", Q.Q3_K), ("embed", Q.Q4_0),
                     ("lm_head", Q.Q2_K)):
         if part in name:
             return q
@@ -171,7 +171,7 @@ def test_native_block_formats_compute_their_dequantization(tmp_path):
     path, deq = block_model(tmp_path, native_formats)
     a = mbd_rs.Engine.load(path, device="cpu")
     b = mbd_rs.Engine.load(deq, device="cpu")
-    assert a.info.weight_format == "q4_k+q5_0+q6_k+q8_0"
+    assert a.info.weight_format == "q4_k+q5_0+q5_k+q6_k+q8_0"
     assert a.info.weight_bytes < 0.4 * b.info.weight_bytes
     for n, prefix in ((1, 0), (3, 8), (8, 16), (80, 0), (20, 60)):  # few-row kernel and long windows
         ids = IDS[: prefix + n]

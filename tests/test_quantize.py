@@ -4,7 +4,7 @@ The q8_0 reference below is written from the GGUF block format (blocks of 32 val
 stored as float16, q = round-half-away(x / d) as int8, value = q * d) in numpy, independently of the engine: a
 checkpoint whose matrices are replaced by their q8_0 dequantization must give the logits the engine computes from
 the original checkpoint with quantize="q8_0". The same holds for q5_0 (q4_k's format for rows that are not whole
-256-value super-blocks; its reference below is written from the format the same way). q4_k and q6_k themselves are
+256-value super-blocks; its reference below is written from the format the same way). q4_k, q5_k and q6_k are
 checked against the unquantized model within a bound (and, stored in GGUF files, against gguf's dequantization of
 them in test_gguf.py)."""
 import json
@@ -119,14 +119,14 @@ def random_checkpoint(path, hidden=256, inter=512, layers=2, seed=0):
     return path
 
 
-def test_q8_0_q4_k_q6_k_stay_close_to_the_unquantized_model(tmp_path):
+def test_k_quants_and_q8_0_stay_close_to_the_unquantized_model(tmp_path):
     d = random_checkpoint(tmp_path / "m")
     base = mbd_rs.Engine.load(d, device="cpu")
     ids = list(np.random.default_rng(1).integers(0, 320, 64))
     ref = base.logits(ids)
     f32_bytes = base.info.weight_bytes
     for fmt, max_rel, min_top1, ratio in [("q8_0", 0.01, 0.95, 34 / 128), ("q4_k", 0.08, 0.9, 144 / 1024),
-                                          ("q6_k", 0.02, 0.95, 210 / 1024)]:
+                                          ("q5_k", 0.04, 0.9, 176 / 1024), ("q6_k", 0.02, 0.95, 210 / 1024)]:
         e = mbd_rs.Engine.load(d, device="cpu", quantize=fmt)
         got = e.logits(ids)
         rel = np.abs(got - ref).max() / np.abs(ref).max()
@@ -158,7 +158,7 @@ def test_q4_k_falls_back_to_q5_0_for_rows_of_partial_super_blocks(tmp_path, name
 
 
 def test_bad_quantize_options_are_clear_errors():
-    with pytest.raises(mbd_rs.InvalidRequestError, match="quantize must be 'q8_0', 'q4_k', 'q5_0' or 'q6_k', got 'int4'"):
+    with pytest.raises(mbd_rs.InvalidRequestError, match="quantize must be 'q8_0', 'q4_k', 'q5_0', 'q5_k' or 'q6_k', got 'int4'"):
         mbd_rs.Engine.load(device="cpu", quantize="int4")
     with pytest.raises(mbd_rs.InvalidRequestError, match="quantize must be"):
         mbd_rs.Engine.load(device="cpu", quantize="Q8_0")  # names are exact, as every string option

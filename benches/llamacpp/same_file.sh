@@ -17,7 +17,7 @@ QUANTIZE=$WORK/build/bin/llama-quantize
 [ -x "$QUANTIZE" ] || { echo "no $QUANTIZE: run benches/llamacpp/build.sh" >&2; exit 1; }
 mkdir -p "$OUT"
 "$PYTHON" "$ROOT/scripts/write_gguf.py" "$SRC" "$OUT/model-f32.gguf" --type f32
-for t in Q8_0 Q4_K_M Q6_K; do
+for t in ${TYPES:-Q8_0 Q4_K_M Q5_K_M Q6_K}; do
     lower=$(echo "$t" | tr 'A-Z' 'a-z')
     "$QUANTIZE" "$OUT/model-f32.gguf" "$OUT/model-$lower.gguf" "$t" "${QTHREADS:-2}" > "$OUT/quantize-$t.log" 2>&1
     echo "$OUT/model-$lower.gguf: $(grep -o 'quant size *= *[0-9.]* MiB.*' "$OUT/quantize-$t.log")"

@@ -99,6 +99,9 @@ crate::string_enum! {
         /// 5-bit: blocks of 32 values, an f16 scale, 4 bytes of fifth bits and 16 of nibbles (22 bytes, 5.5 bits
         /// per weight); q4_k's format for rows that do not split into super-blocks
         Q5_0 = "q5_0",
+        /// 5-bit k-quant: q4_k's super-blocks with a fifth bit per value (176 bytes, 5.5 bits per weight);
+        /// llama.cpp's Q5_K_M and Q5_K_S files hold it
+        Q5K = "q5_k",
         /// 6-bit k-quant: super-blocks of 256 values, 16 signed 8-bit scales (one per 16 values) and an f16 scale
         /// (210 bytes, 6.56 bits per weight); llama.cpp's Q4_K_M and Q6_K files hold it
         Q6K = "q6_k",
@@ -110,7 +113,7 @@ impl QuantFormat {
     pub fn block_values(self) -> usize {
         match self {
             QuantFormat::Q8_0 | QuantFormat::Q5_0 => 32,
-            QuantFormat::Q4K | QuantFormat::Q6K => 256,
+            QuantFormat::Q4K | QuantFormat::Q5K | QuantFormat::Q6K => 256,
         }
     }
     /// Bytes per block.
@@ -119,14 +122,15 @@ impl QuantFormat {
             QuantFormat::Q8_0 => 34,
             QuantFormat::Q4K => 144,
             QuantFormat::Q5_0 => 22,
+            QuantFormat::Q5K => 176,
             QuantFormat::Q6K => 210,
         }
     }
-    /// Byte offsets of a block's f16 scales (q4_k: d and dmin; q6_k: d, after the values and sub-scales).
+    /// Byte offsets of a block's f16 scales (q4_k, q5_k: d and dmin; q6_k: d, after the values and sub-scales).
     fn scale_offsets(self) -> &'static [usize] {
         match self {
             QuantFormat::Q8_0 | QuantFormat::Q5_0 => &[0],
-            QuantFormat::Q4K => &[0, 2],
+            QuantFormat::Q4K | QuantFormat::Q5K => &[0, 2],
             QuantFormat::Q6K => &[208],
         }
     }
@@ -140,6 +144,7 @@ impl QuantFormat {
             GgmlDType::Q8_0 => Some(QuantFormat::Q8_0),
             GgmlDType::Q4K => Some(QuantFormat::Q4K),
             GgmlDType::Q5_0 => Some(QuantFormat::Q5_0),
+            GgmlDType::Q5K => Some(QuantFormat::Q5K),
             GgmlDType::Q6K => Some(QuantFormat::Q6K),
             _ => None,
         }
@@ -149,6 +154,7 @@ impl QuantFormat {
             QuantFormat::Q8_0 => GgmlDType::Q8_0,
             QuantFormat::Q4K => GgmlDType::Q4K,
             QuantFormat::Q5_0 => GgmlDType::Q5_0,
+            QuantFormat::Q5K => GgmlDType::Q5K,
             QuantFormat::Q6K => GgmlDType::Q6K,
         }
     }
@@ -157,6 +163,7 @@ impl QuantFormat {
         match self {
             QuantFormat::Q4K => &[QuantFormat::Q4K, QuantFormat::Q5_0, QuantFormat::Q8_0],
             QuantFormat::Q5_0 => &[QuantFormat::Q5_0, QuantFormat::Q8_0],
+            QuantFormat::Q5K => &[QuantFormat::Q5K, QuantFormat::Q8_0],
             QuantFormat::Q6K => &[QuantFormat::Q6K, QuantFormat::Q8_0],
             QuantFormat::Q8_0 => &[QuantFormat::Q8_0],
         }
@@ -256,7 +263,8 @@ impl QMatrix {
     /// Dequantize rows [j0, j0 + count) into `out` (count·k values, row-major), exactly as candle's (and
     /// ggml's) dequantization: q8_0 `q·d`; q4_k `(d·sc)·q − dmin·m` per sub-block of 32; q5_0 `(q − 16)·d` with
     /// q's fifth bit from `qh` (value j of the block: bit j, its low nibble in byte j % 16, high half for j ≥ 16);
-    /// q6_k `(d·sc)·(q − 32)` per sub-block of 16 (see `q6k_value`).
+    /// q5_k as q4_k with q's fifth bit (value 32·j + l of sub-block j: bit j of qh byte l); q6_k `(d·sc)·(q − 32)`
+    /// per sub-block of 16 (see `q6k_value`).
     #[inline(always)]
     pub fn dequantize_rows(&self, j0: usize, count: usize, out: &mut [f32]) {
         let rb = self.row_bytes();
@@ -304,6 +312,18 @@ impl QMatrix {
                     }
                 }
             }
+            QuantFormat::Q5K => {
+                for (b, y) in src.chunks_exact(176).zip(out.chunks_exact_mut(256)) {
+                    let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
+                    let dmin = f16::from_le_bytes([b[2], b[3]]).to_f32();
+                    let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
+                    for (v, y) in y.iter_mut().enumerate() {
+                        let (j, l) = (v / 32, v % 32);
+                        let (sc, m) = scale_min_k4(j, scales);
+                        *y = (d * sc as f32) * q5k_value(qs, qh, j, l) as f32 - dmin * m as f32;
+                    }
+                }
+            }
             QuantFormat::Q6K => {
                 for (b, y) in src.chunks_exact(210).zip(out.chunks_exact_mut(256)) {
                     let d = f16::from_le_bytes([b[208], b[209]]).to_f32();
@@ -327,6 +347,15 @@ impl QMatrix {
         }
         Ok(out)
     }
+}
+
+/// Value l of sub-block j (0-7) of a q5_k super-block, 0-31: the low nibble (even j) or high nibble (odd j) of
+/// byte 32·(j / 2) + l of `qs`, and bit j of byte l of `qh` as its fifth bit.
+#[inline(always)]
+pub(crate) fn q5k_value(qs: &[u8], qh: &[u8], j: usize, l: usize) -> u8 {
+    let q = qs[32 * (j / 2) + l];
+    let nib = if j % 2 == 0 { q & 0xF } else { q >> 4 };
+    nib | (((qh[l] >> j) & 1) << 4)
 }
 
 /// Value v (0-255) of a q6_k super-block, q − 32 in [−32, 31]. The block holds 128 bytes of low nibbles
@@ -375,6 +404,7 @@ mod tests {
             (QuantFormat::Q8_0, 96, 0.005),
             (QuantFormat::Q4K, 512, 0.06),
             (QuantFormat::Q5_0, 96, 0.035),
+            (QuantFormat::Q5K, 512, 0.035),
             (QuantFormat::Q6K, 512, 0.02),
         ] {
             let w = randn(37, k, 3);
@@ -430,6 +460,8 @@ mod tests {
         let e = QuantFormat::parse("int4").unwrap_err().to_string();
         assert_eq!(QuantFormat::Q6K.for_matrix(512, false), Some(QuantFormat::Q6K));
         assert_eq!(QuantFormat::Q6K.for_matrix(896, false), Some(QuantFormat::Q8_0));
-        assert_eq!(e, "quantize must be 'q8_0', 'q4_k', 'q5_0' or 'q6_k', got 'int4'");
+        assert_eq!(QuantFormat::Q5K.for_matrix(512, false), Some(QuantFormat::Q5K));
+        assert_eq!(QuantFormat::Q5K.for_matrix(896, false), Some(QuantFormat::Q8_0));
+        assert_eq!(e, "quantize must be 'q8_0', 'q4_k', 'q5_0', 'q5_k' or 'q6_k', got 'int4'");
     }
 }

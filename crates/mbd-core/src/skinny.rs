@@ -603,12 +603,34 @@ mod x86 {
         }
     }
 
-    /// Columns [n0, n0 + nw) of y = x · Wᵀ for a q4_k W and one or two x rows, dequantizing in registers: a
-    /// super-block of each of the 4 weight rows decoded to bytes (`q4_ints`), then per sub-block of 32 the value
-    /// (d·sc)·q − dmin·m and the multiply-adds in the order of the f32 tile over the dequantized scratch, so the
-    /// same bits.
+    /// A q5_k super-block's 256 values 0-31 as bytes in value order (`quant::q5k_value`): q4_k's nibbles (`qs`
+    /// at byte 48) with bit j of each of the 32 `qh` bytes (at 16) as sub-block j's fifth bit (shifted down in
+    /// 16-bit lanes, masked to bit 0 of each byte, moved to bit 4).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn q5k_ints(block: *const u8, buf: &mut [i8; 256]) {
+        let low = _mm256_set1_epi8(0xF);
+        let one = _mm256_set1_epi8(1);
+        let qh = _mm256_loadu_si256(block.add(16) as *const __m256i);
+        let fifth = |j: i32| {
+            let b = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), one);
+            _mm256_slli_epi16::<4>(b)
+        };
+        for g in 0..4 {
+            let qs = _mm256_loadu_si256(block.add(48 + 32 * g) as *const __m256i);
+            let o = buf.as_mut_ptr().add(64 * g) as *mut __m256i;
+            _mm256_storeu_si256(o, _mm256_or_si256(_mm256_and_si256(qs, low), fifth(2 * g as i32)));
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(qs), low);
+            _mm256_storeu_si256(o.add(1), _mm256_or_si256(hi, fifth(2 * g as i32 + 1)));
+        }
+    }
+
+    /// Columns [n0, n0 + nw) of y = x · Wᵀ for a q4_k (or q5_k) W and one or two x rows, dequantizing in
+    /// registers: a super-block of each of the 4 weight rows decoded to bytes (`q4_ints` / `q5k_ints`), then per
+    /// sub-block of 32 the value (d·sc)·q − dmin·m and the multiply-adds in the order of the f32 tile over the
+    /// dequantized scratch, so the same bits. `$bb`: bytes per super-block.
     macro_rules! q4k_fused_fn {
-        ($name:ident, $feature:literal, $lanes:literal, $zero:ident, $loadx:ident, $loadq:ident, $set1:ident, $mul:ident, $sub:ident, $fma:ident, $sum:ident) => {
+        ($name:ident, $feature:literal, $lanes:literal, $zero:ident, $loadx:ident, $loadq:ident, $set1:ident, $mul:ident, $sub:ident, $fma:ident, $sum:ident, $bb:literal, $ints:ident) => {
             #[target_feature(enable = $feature)]
             pub unsafe fn $name(x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: usize, y: super::Out) {
                 #[inline(always)]
@@ -622,14 +644,14 @@ mod x86 {
                     let mut buf = [[0i8; 256]; 4];
                     let mut dm = [[(0f32, 0f32); 8]; 4];
                     for sb in 0..k / 256 {
-                        let b = ws.map(|w| w.add(144 * sb));
+                        let b = ws.map(|w| w.add($bb * sb));
                         for c in 0..4 {
                             if pf.active() {
                                 for l in 0..3 {
-                                    _mm_prefetch::<_MM_HINT_T0>(pf.0[c].wrapping_add(144 * sb + 64 * l) as *const i8);
+                                    _mm_prefetch::<_MM_HINT_T0>(pf.0[c].wrapping_add($bb * sb + 64 * l) as *const i8);
                                 }
                             }
-                            q4_ints(b[c], &mut buf[c]);
+                            $ints(b[c], &mut buf[c]);
                             let (d, dmin) = (scale(b[c]), scale(b[c].add(2)));
                             let sc = std::slice::from_raw_parts(b[c].add(4), 12);
                             for j in 0..8 {
@@ -666,7 +688,9 @@ mod x86 {
         _mm256_mul_ps,
         _mm256_sub_ps,
         _mm256_fmadd_ps,
-        hsum256
+        hsum256,
+        144,
+        q4_ints
     );
     q4k_fused_fn!(
         q4k_fused_avx512,
@@ -679,7 +703,39 @@ mod x86 {
         _mm512_mul_ps,
         _mm512_sub_ps,
         _mm512_fmadd_ps,
-        _mm512_reduce_add_ps
+        _mm512_reduce_add_ps,
+        144,
+        q4_ints
+    );
+    q4k_fused_fn!(
+        q5k_fused_avx2,
+        "avx2,fma,f16c",
+        8,
+        _mm256_setzero_ps,
+        _mm256_loadu_ps,
+        q8_8,
+        _mm256_set1_ps,
+        _mm256_mul_ps,
+        _mm256_sub_ps,
+        _mm256_fmadd_ps,
+        hsum256,
+        176,
+        q5k_ints
+    );
+    q4k_fused_fn!(
+        q5k_fused_avx512,
+        "avx512f,avx2,fma,f16c",
+        16,
+        _mm512_setzero_ps,
+        _mm512_loadu_ps,
+        q8_16,
+        _mm512_set1_ps,
+        _mm512_mul_ps,
+        _mm512_sub_ps,
+        _mm512_fmadd_ps,
+        _mm512_reduce_add_ps,
+        176,
+        q5k_ints
     );
 
     q8_fused_fn!(
@@ -809,6 +865,21 @@ mod x86 {
                                 _mm256_storeu_ps(dst, _mm256_sub_ps(_mm256_mul_ps(dd, a), mm));
                                 _mm256_storeu_ps(dst.add(8), _mm256_sub_ps(_mm256_mul_ps(dd, bq), mm));
                             }
+                        }
+                    }
+                }
+            }
+            QuantFormat::Q5K => {
+                let mut buf = [0i8; 256];
+                for (i, b) in src.chunks_exact(176).enumerate() {
+                    let (d, dmin) = (scale(b.as_ptr()), scale(b.as_ptr().add(2)));
+                    q5k_ints(b.as_ptr(), &mut buf);
+                    for j in 0..8 {
+                        let (sc, m) = crate::quant::scale_min_k4(j, &b[4..16]);
+                        let (dd, mm) = (_mm256_set1_ps(d * sc as f32), _mm256_set1_ps(dmin * m as f32));
+                        for t in 0..4 {
+                            let v = q8_8(buf.as_ptr().add(32 * j + 8 * t) as *const u8);
+                            _mm256_storeu_ps(o.add(256 * i + 32 * j + 8 * t), _mm256_sub_ps(_mm256_mul_ps(dd, v), mm));
                         }
                     }
                 }
@@ -1070,6 +1141,8 @@ unsafe fn q_columns(isa: Isa, x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: u
         (Isa::Avx2, QuantFormat::Q5_0) if q8_in_registers(m, k) => return x86::q5_fused_avx2(x, m, q, n0, nw, y),
         (Isa::Avx512, QuantFormat::Q4K) if m <= 2 => return x86::q4k_fused_avx512(x, m, q, n0, nw, y),
         (Isa::Avx2, QuantFormat::Q4K) if m <= 2 => return x86::q4k_fused_avx2(x, m, q, n0, nw, y),
+        (Isa::Avx512, QuantFormat::Q5K) if m <= 2 => return x86::q5k_fused_avx512(x, m, q, n0, nw, y),
+        (Isa::Avx2, QuantFormat::Q5K) if m <= 2 => return x86::q5k_fused_avx2(x, m, q, n0, nw, y),
         (Isa::Avx512, QuantFormat::Q6K) if m <= 2 => return x86::q6k_fused_avx512(x, m, q, n0, nw, y),
         (Isa::Avx2, QuantFormat::Q6K) if m <= 2 => return x86::q6k_fused_avx2(x, m, q, n0, nw, y),
         _ => {}
@@ -1348,6 +1421,7 @@ mod tests {
             (crate::quant::QuantFormat::Q8_0, 2304, 13),
             (crate::quant::QuantFormat::Q5_0, 896, 11),
             (crate::quant::QuantFormat::Q6K, 768, 13),
+            (crate::quant::QuantFormat::Q5K, 768, 13),
         ] {
             let wv: Vec<f32> = (0..n * k).map(|_| rnd()).collect();
             let w = Tensor::from_vec(wv, (n, k), &candle_core::Device::Cpu).unwrap();
