@@ -354,7 +354,7 @@ impl QMatrix {
 #[inline(always)]
 pub(crate) fn q5k_value(qs: &[u8], qh: &[u8], j: usize, l: usize) -> u8 {
     let q = qs[32 * (j / 2) + l];
-    let nib = if j % 2 == 0 { q & 0xF } else { q >> 4 };
+    let nib = if j.is_multiple_of(2) { q & 0xF } else { q >> 4 };
     nib | (((qh[l] >> j) & 1) << 4)
 }
 

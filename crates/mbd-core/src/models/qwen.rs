@@ -159,7 +159,7 @@ impl candle_core::CustomOp1 for SiluMul {
         let (Some((a0, a1)), Ok((rows, two_i))) = (l.contiguous_offsets(), l.shape().dims2()) else {
             candle_core::bail!("silu-mul: a contiguous (rows, 2I) operand expected");
         };
-        if two_i % 2 != 0 {
+        if !two_i.is_multiple_of(2) {
             candle_core::bail!("silu-mul: an even number of columns expected, got {two_i}");
         }
         let i = two_i / 2;
