@@ -193,8 +193,8 @@ def main():
                 sys.exit(f"quant_compare: no {path}: run benches/llamacpp/convert.sh (see benches/llamacpp/README.md)")
     if not os.access(args.driver, os.X_OK):
         sys.exit(f"quant_compare: no driver at {args.driver}: run benches/llamacpp/build.sh")
-    mbd_dir = {"f32": args.model_f32, "bf16": args.model_bf16, "q8_0": args.model_bf16, "q4_k": args.model_bf16,
-               "q5_k": args.model_bf16, "q6_k": args.model_bf16}
+    # the quantized formats are made at load from the bf16 checkpoint (or, --same-file, read from the GGUF)
+    mbd_dir = {"f32": args.model_f32, "bf16": args.model_bf16, **{f: args.model_bf16 for f in QUANTIZE}}
     if args.same_file:
         mbd_dir.update({f: os.path.join(args.gguf_dir, f"model-{GGUFS[f][0]}.gguf") for f in QUANTIZE})
     for f in formats:

@@ -317,10 +317,12 @@ impl QMatrix {
                     let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
                     let dmin = f16::from_le_bytes([b[2], b[3]]).to_f32();
                     let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
-                    for (v, y) in y.iter_mut().enumerate() {
-                        let (j, l) = (v / 32, v % 32);
+                    for (j, y) in y.chunks_exact_mut(32).enumerate() {
                         let (sc, m) = scale_min_k4(j, scales);
-                        *y = (d * sc as f32) * q5k_value(qs, qh, j, l) as f32 - dmin * m as f32;
+                        let (d1, m1) = (d * sc as f32, dmin * m as f32);
+                        for (l, y) in y.iter_mut().enumerate() {
+                            *y = d1 * q5k_value(qs, qh, j, l) as f32 - m1;
+                        }
                     }
                 }
             }

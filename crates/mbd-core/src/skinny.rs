@@ -471,7 +471,7 @@ mod x86 {
     /// super-block of each of the 4 weight rows decoded to bytes (`q6_ints`), then per sub-block of 16 the value
     /// (d·sc)·q and the multiply-adds in the order of the f32 tile over the dequantized scratch, so the same bits.
     macro_rules! q6k_fused_fn {
-        ($name:ident, $feature:literal, $lanes:literal, $zero:ident, $loadx:ident, $loadq:ident, $set1:ident, $mul:ident, $fma:ident, $sum:ident) => {
+        ($name:ident, $feature:literal, $lanes:literal, $zero:ident, $loadx:ident, $loadq:ident, $set1:ident, $mul:ident, $_sub:ident, $fma:ident, $sum:ident) => {
             #[target_feature(enable = $feature)]
             pub unsafe fn $name(x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: usize, y: super::Out) {
                 #[inline(always)]
@@ -514,38 +514,13 @@ mod x86 {
             }
         };
     }
-    q6k_fused_fn!(
-        q6k_fused_avx2,
-        "avx2,fma,f16c",
-        8,
-        _mm256_setzero_ps,
-        _mm256_loadu_ps,
-        q8_8,
-        _mm256_set1_ps,
-        _mm256_mul_ps,
-        _mm256_fmadd_ps,
-        hsum256
-    );
-    q6k_fused_fn!(
-        q6k_fused_avx512,
-        "avx512f,avx2,fma,f16c",
-        16,
-        _mm512_setzero_ps,
-        _mm512_loadu_ps,
-        q8_16,
-        _mm512_set1_ps,
-        _mm512_mul_ps,
-        _mm512_fmadd_ps,
-        _mm512_reduce_add_ps
-    );
-
     /// Columns [n0, n0 + nw) of y = x · Wᵀ for a q8_0 (or q5_0) W and a few x rows, dequantizing in registers:
     /// the same values (q·d) and the same multiply-adds in the same order as the f32 tile over the dequantized
     /// scratch (`q_columns`), so the same results bit for bit, without the scratch's store and reload (a 1-row
     /// window streams the weights once and is bound by memory). `$bb`: bytes per block of 32; `$ints`: a block's
     /// 32 signed 8-bit values (q8_0: its bytes after the scale; q5_0: decoded into the buffer).
     macro_rules! q8_fused_fn {
-        ($name:ident, $feature:literal, $lanes:literal, $zero:ident, $loadx:ident, $loadq:ident, $set1:ident, $mul:ident, $fma:ident, $sum:ident, $bb:literal, $ints:ident) => {
+        ($name:ident, $feature:literal, $lanes:literal, $zero:ident, $loadx:ident, $loadq:ident, $set1:ident, $mul:ident, $_sub:ident, $fma:ident, $sum:ident, $bb:literal, $ints:ident) => {
             #[target_feature(enable = $feature)]
             pub unsafe fn $name(x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: usize, y: super::Out) {
                 #[inline(always)]
@@ -677,123 +652,45 @@ mod x86 {
             }
         };
     }
-    q4k_fused_fn!(
-        q4k_fused_avx2,
-        "avx2,fma,f16c",
-        8,
-        _mm256_setzero_ps,
-        _mm256_loadu_ps,
-        q8_8,
-        _mm256_set1_ps,
-        _mm256_mul_ps,
-        _mm256_sub_ps,
-        _mm256_fmadd_ps,
-        hsum256,
-        144,
-        q4_ints
-    );
-    q4k_fused_fn!(
-        q4k_fused_avx512,
-        "avx512f,avx2,fma,f16c",
-        16,
-        _mm512_setzero_ps,
-        _mm512_loadu_ps,
-        q8_16,
-        _mm512_set1_ps,
-        _mm512_mul_ps,
-        _mm512_sub_ps,
-        _mm512_fmadd_ps,
-        _mm512_reduce_add_ps,
-        144,
-        q4_ints
-    );
-    q4k_fused_fn!(
-        q5k_fused_avx2,
-        "avx2,fma,f16c",
-        8,
-        _mm256_setzero_ps,
-        _mm256_loadu_ps,
-        q8_8,
-        _mm256_set1_ps,
-        _mm256_mul_ps,
-        _mm256_sub_ps,
-        _mm256_fmadd_ps,
-        hsum256,
-        176,
-        q5k_ints
-    );
-    q4k_fused_fn!(
-        q5k_fused_avx512,
-        "avx512f,avx2,fma,f16c",
-        16,
-        _mm512_setzero_ps,
-        _mm512_loadu_ps,
-        q8_16,
-        _mm512_set1_ps,
-        _mm512_mul_ps,
-        _mm512_sub_ps,
-        _mm512_fmadd_ps,
-        _mm512_reduce_add_ps,
-        176,
-        q5k_ints
-    );
-
-    q8_fused_fn!(
-        q5_fused_avx2,
-        "avx2,fma,f16c",
-        8,
-        _mm256_setzero_ps,
-        _mm256_loadu_ps,
-        q8_8,
-        _mm256_set1_ps,
-        _mm256_mul_ps,
-        _mm256_fmadd_ps,
-        hsum256,
-        22,
-        q5_ints
-    );
-    q8_fused_fn!(
-        q5_fused_avx512,
-        "avx512f,avx2,fma,f16c",
-        16,
-        _mm512_setzero_ps,
-        _mm512_loadu_ps,
-        q8_16,
-        _mm512_set1_ps,
-        _mm512_mul_ps,
-        _mm512_fmadd_ps,
-        _mm512_reduce_add_ps,
-        22,
-        q5_ints
-    );
-    q8_fused_fn!(
-        q8_fused_avx2,
-        "avx2,fma,f16c",
-        8,
-        _mm256_setzero_ps,
-        _mm256_loadu_ps,
-        q8_8,
-        _mm256_set1_ps,
-        _mm256_mul_ps,
-        _mm256_fmadd_ps,
-        hsum256,
-        34,
-        q8_ints
-    );
-    q8_fused_fn!(
-        q8_fused_avx512,
-        "avx512f,f16c",
-        16,
-        _mm512_setzero_ps,
-        _mm512_loadu_ps,
-        q8_16,
-        _mm512_set1_ps,
-        _mm512_mul_ps,
-        _mm512_fmadd_ps,
-        _mm512_reduce_add_ps,
-        34,
-        q8_ints
-    );
+    /// A fused kernel family (`q8_fused_fn`, `q4k_fused_fn`, `q6k_fused_fn`) instantiated for AVX2 and for AVX-512
+    /// (whose CPUs have AVX2, FMA and F16C too, see `isa`), followed by the family's own arguments.
+    macro_rules! avx2_and_avx512 {
+        ($family:ident, $avx2:ident, $avx512:ident $(, $extra:tt)*) => {
+            $family!(
+                $avx2,
+                "avx2,fma,f16c",
+                8,
+                _mm256_setzero_ps,
+                _mm256_loadu_ps,
+                q8_8,
+                _mm256_set1_ps,
+                _mm256_mul_ps,
+                _mm256_sub_ps,
+                _mm256_fmadd_ps,
+                hsum256
+                $(, $extra)*
+            );
+            $family!(
+                $avx512,
+                "avx512f,avx2,fma,f16c",
+                16,
+                _mm512_setzero_ps,
+                _mm512_loadu_ps,
+                q8_16,
+                _mm512_set1_ps,
+                _mm512_mul_ps,
+                _mm512_sub_ps,
+                _mm512_fmadd_ps,
+                _mm512_reduce_add_ps
+                $(, $extra)*
+            );
+        };
+    }
+    avx2_and_avx512!(q8_fused_fn, q8_fused_avx2, q8_fused_avx512, 34, q8_ints);
+    avx2_and_avx512!(q8_fused_fn, q5_fused_avx2, q5_fused_avx512, 22, q5_ints);
+    avx2_and_avx512!(q4k_fused_fn, q4k_fused_avx2, q4k_fused_avx512, 144, q4_ints);
+    avx2_and_avx512!(q4k_fused_fn, q5k_fused_avx2, q5k_fused_avx512, 176, q5k_ints);
+    avx2_and_avx512!(q6k_fused_fn, q6k_fused_avx2, q6k_fused_avx512);
 
     #[target_feature(enable = "avx512f")]
     pub unsafe fn columns_avx512<E: WeightElem>(
