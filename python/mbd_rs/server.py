@@ -160,17 +160,20 @@ class _Lease:
             threading.Thread(target=self._read, args=(i, s, q), daemon=True, name=f"mbd-stream-{i}").start()
 
     def _read(self, i: int, s: Stream, q: "Queue[_Item]") -> None:
+        end: BaseException | None = None
         try:
             for ch in s:
                 q.put((i, ch))
-            q.put((i, None))
         except BaseException as e:  # handed to the request's task, which raises it
-            q.put((i, e))
+            end = e
         finally:
+            # the stream's KV cache and slot are freed before its end is signalled: a client that has its
+            # response can send the next request into that slot at once
             try:
-                s.close()  # frees the KV cache now
+                s.close()
             finally:
                 self._slots._release(1)
+                q.put((i, end))
 
     def release(self) -> None:
         with self._lock:
