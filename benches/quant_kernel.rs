@@ -15,8 +15,16 @@ use mbd_core::skinny::{linear, linear_q, Kernels};
 mod common;
 use common::median;
 
-const FORMATS: [QuantFormat; 5] =
-    [QuantFormat::Q8_0, QuantFormat::Q5_0, QuantFormat::Q4K, QuantFormat::Q5K, QuantFormat::Q6K];
+const FORMATS: [QuantFormat; 8] = [
+    QuantFormat::Q8_0,
+    QuantFormat::Q6K,
+    QuantFormat::Q5K,
+    QuantFormat::Q5_0,
+    QuantFormat::Q4K,
+    QuantFormat::Q4_0,
+    QuantFormat::Q3K,
+    QuantFormat::Q2K,
+];
 
 fn main() {
     mbd_core::cpu_pool::on_cpu_pool(run)

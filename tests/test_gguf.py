@@ -3,10 +3,10 @@
 The files are written here with llama.cpp's own Python package (`gguf`, the writer its converter uses; tensor names
 from its `TensorNameMap`), never by this engine. Expected values come from elsewhere:
 (a) float GGUFs of the parity fixtures give transformers' recorded logits (tests/fixtures/parity/*/expected.npz);
-(b) block formats the kernel multiplies (q8_0, q5_0 written by gguf's quantizer, q4_k, q5_k and q6_k as random blocks) compute
+(b) block formats the kernel multiplies (q8_0, q5_0, q4_0 written by gguf's quantizer, q2_k to q6_k as random blocks) compute
     exactly what the same model does from an f32 safetensors checkpoint holding gguf's own dequantization of
     those blocks (bit for bit: a quantized matrix computes as its dequantized f32 matrix);
-(c) block formats it lacks (q4_0, q5_1, q2_k, q3_k) are held as q8_0: the same logits as that
+(c) block formats it lacks (q4_1, q5_1) are held as q8_0: the same logits as that
     dequantized checkpoint loaded with quantize="q8_0";
 (d) the tokenizer built from the GGUF's vocabulary encodes as the `tokenizers` library does with the fixture's
     tokenizer.json, and, for Qwen2's real vocabulary GGUF, as llama.cpp's golden vectors say;
@@ -133,7 +133,7 @@ def block_model(tmp_path, formats):
         qtype = formats(name) if arr.ndim == 2 else None
         if qtype is None:
             return None
-        if qtype in (Q.Q8_0, Q.Q5_0, Q.Q4_0, Q.Q5_1):
+        if qtype in (Q.Q8_0, Q.Q5_0, Q.Q4_0, Q.Q5_1, Q.Q4_1):
             raw = gguf.quants.quantize(arr, qtype)
         else:
             raw = random_blocks(rng, qtype, arr.shape)
@@ -155,10 +155,19 @@ def native_formats(name):
     return None
 
 
-def other_formats(name):
-    for part, q in (("q_proj", Q.Q3_K), ("k_proj", Q.Q4_0), ("v_proj", Q.Q5_1), ("o_proj", Q.Q2_K),
+def low_bit_formats(name):  # llama.cpp's Q4_0, Q3_K_* and Q2_K files
+    for part, q in (("q_proj", Q.Q3_K), ("k_proj", Q.Q4_0), ("v_proj", Q.Q2_K), ("o_proj", Q.Q2_K),
                     ("gate_proj", Q.Q3_K), ("up_proj", Q.Q2_K), ("down_proj", Q.Q3_K), ("embed", Q.Q4_0),
-                    ("lm_head", Q.Q2_K)):
+                    ("lm_head", Q.Q3_K)):
+        if part in name:
+            return q
+    return None
+
+
+def other_formats(name):
+    for part, q in (("q_proj", Q.Q4_1), ("k_proj", Q.Q5_1), ("v_proj", Q.Q5_1), ("o_proj", Q.Q4_1),
+                    ("gate_proj", Q.Q5_1), ("up_proj", Q.Q4_1), ("down_proj", Q.Q5_1), ("embed", Q.Q4_1),
+                    ("lm_head", Q.Q5_1)):
         if part in name:
             return q
     return None
@@ -167,12 +176,14 @@ def other_formats(name):
 IDS = [(7 * i + 3) % 300 + 5 for i in range(80)]
 
 
-def test_native_block_formats_compute_their_dequantization(tmp_path):
-    path, deq = block_model(tmp_path, native_formats)
+@pytest.mark.parametrize("formats,held,share", [(native_formats, "q4_k+q5_0+q5_k+q6_k+q8_0", 0.4),
+                                                 (low_bit_formats, "q2_k+q3_k+q4_0", 0.15)])
+def test_native_block_formats_compute_their_dequantization(tmp_path, formats, held, share):
+    path, deq = block_model(tmp_path, formats)
     a = mbd_rs.Engine.load(path, device="cpu")
     b = mbd_rs.Engine.load(deq, device="cpu")
-    assert a.info.weight_format == "q4_k+q5_0+q5_k+q6_k+q8_0"
-    assert a.info.weight_bytes < 0.4 * b.info.weight_bytes
+    assert a.info.weight_format == held
+    assert a.info.weight_bytes < share * b.info.weight_bytes
     for n, prefix in ((1, 0), (3, 8), (8, 16), (80, 0), (20, 60)):  # few-row kernel and long windows
         ids = IDS[: prefix + n]
         la = a.logits(ids, attention="causal", prefix_len=prefix)

@@ -126,7 +126,9 @@ def test_k_quants_and_q8_0_stay_close_to_the_unquantized_model(tmp_path):
     ref = base.logits(ids)
     f32_bytes = base.info.weight_bytes
     for fmt, max_rel, min_top1, ratio in [("q8_0", 0.01, 0.95, 34 / 128), ("q4_k", 0.08, 0.9, 144 / 1024),
-                                          ("q5_k", 0.04, 0.9, 176 / 1024), ("q6_k", 0.02, 0.95, 210 / 1024)]:
+                                          ("q5_k", 0.04, 0.9, 176 / 1024), ("q6_k", 0.02, 0.95, 210 / 1024),
+                                          ("q4_0", 0.08, 0.9, 18 / 128), ("q3_k", 0.15, 0.9, 110 / 1024),
+                                          ("q2_k", 0.3, 0.8, 84 / 1024)]:
         e = mbd_rs.Engine.load(d, device="cpu", quantize=fmt)
         got = e.logits(ids)
         rel = np.abs(got - ref).max() / np.abs(ref).max()
@@ -158,7 +160,7 @@ def test_q4_k_falls_back_to_q5_0_for_rows_of_partial_super_blocks(tmp_path, name
 
 
 def test_bad_quantize_options_are_clear_errors():
-    with pytest.raises(mbd_rs.InvalidRequestError, match="quantize must be 'q8_0', 'q4_k', 'q5_0', 'q5_k' or 'q6_k', got 'int4'"):
+    with pytest.raises(mbd_rs.InvalidRequestError, match="quantize must be 'q8_0', 'q4_k', 'q5_0', 'q5_k', 'q6_k', 'q4_0', 'q3_k' or 'q2_k', got 'int4'"):
         mbd_rs.Engine.load(device="cpu", quantize="int4")
     with pytest.raises(mbd_rs.InvalidRequestError, match="quantize must be"):
         mbd_rs.Engine.load(device="cpu", quantize="Q8_0")  # names are exact, as every string option

@@ -166,11 +166,11 @@ class Engine:
 
         device: "auto" (CUDA/Metal when this build has it and a device answers, else CPU), "cpu", "cuda[:N]", "metal".
         dtype: None/"auto" (float32 on CPU, bfloat16 on GPUs), "float32", "bfloat16", "float16".
-        quantize: None, "q8_0" (8-bit blocks of 32), "q4_k" (4-bit k-quant super-blocks of 256), "q5_0" (5-bit
-        blocks of 32), "q5_k" (5-bit k-quant) or "q6_k" (6-bit k-quant super-blocks of 256): quantize the weight
-        matrices at load (CPU, float32 compute; about 1/4, 1/7, 1/6, 1/6 or 1/5 of the f32 bytes; the embedding
-        table and the head get q8_0, a matrix whose rows do not split into whole q4_k blocks gets q5_0, into whole
-        q5_k or q6_k blocks q8_0). `info.weight_format`
+        quantize: None, "q8_0" (8-bit blocks of 32), "q6_k", "q5_k", "q4_k", "q3_k", "q2_k" (6- to 2-bit k-quant
+        super-blocks of 256), "q5_0" or "q4_0" (5- and 4-bit blocks of 32): quantize the weight matrices at load
+        (CPU, float32 compute; 8.5, 6.56, 5.5, 4.5, 3.44, 2.63, 5.5 and 4.5 bits per weight; the embedding table and
+        the head get q8_0; a matrix whose rows do not split into whole super-blocks gets q4_k → q5_0, q3_k and q2_k
+        → q4_0, q5_k and q6_k → q8_0). `info.weight_format`
         and `info.weight_bytes` report what is held.
         max_batch, max_batch_rows: caps on continuous batching (see `set_batching`); default 16 streams, 1024 rows.
         progress: None (default: a tqdm bar on stderr while the weights are read, when stderr is a terminal, tqdm is

@@ -105,6 +105,15 @@ crate::string_enum! {
         /// 6-bit k-quant: super-blocks of 256 values, 16 signed 8-bit scales (one per 16 values) and an f16 scale
         /// (210 bytes, 6.56 bits per weight); llama.cpp's Q4_K_M and Q6_K files hold it
         Q6K = "q6_k",
+        /// 4-bit: blocks of 32 values, an f16 scale and 16 bytes of nibbles (18 bytes, 4.5 bits per weight);
+        /// llama.cpp's Q4_0 files, and q2_k's and q3_k's format for rows that do not split into super-blocks
+        Q4_0 = "q4_0",
+        /// 3-bit k-quant: super-blocks of 256 values, 2 low bits and a high bit each, 16 6-bit scales (one per 16
+        /// values) and an f16 scale (110 bytes, 3.44 bits per weight); llama.cpp's Q3_K_* and Q2_K files hold it
+        Q3K = "q3_k",
+        /// 2-bit k-quant: super-blocks of 256 values in 16 sub-blocks with 4-bit scales and mins (84 bytes, 2.63
+        /// bits per weight); llama.cpp's Q2_K files hold it
+        Q2K = "q2_k",
     }
 }
 
@@ -112,8 +121,8 @@ impl QuantFormat {
     /// Values per block.
     pub fn block_values(self) -> usize {
         match self {
-            QuantFormat::Q8_0 | QuantFormat::Q5_0 => 32,
-            QuantFormat::Q4K | QuantFormat::Q5K | QuantFormat::Q6K => 256,
+            QuantFormat::Q8_0 | QuantFormat::Q5_0 | QuantFormat::Q4_0 => 32,
+            QuantFormat::Q4K | QuantFormat::Q5K | QuantFormat::Q6K | QuantFormat::Q3K | QuantFormat::Q2K => 256,
         }
     }
     /// Bytes per block.
@@ -124,14 +133,20 @@ impl QuantFormat {
             QuantFormat::Q5_0 => 22,
             QuantFormat::Q5K => 176,
             QuantFormat::Q6K => 210,
+            QuantFormat::Q4_0 => 18,
+            QuantFormat::Q3K => 110,
+            QuantFormat::Q2K => 84,
         }
     }
-    /// Byte offsets of a block's f16 scales (q4_k, q5_k: d and dmin; q6_k: d, after the values and sub-scales).
+    /// Byte offsets of a block's f16 scales (q4_k, q5_k: d and dmin; q6_k, q3_k: d, after the values and
+    /// sub-scales; q2_k: d and dmin after them).
     fn scale_offsets(self) -> &'static [usize] {
         match self {
-            QuantFormat::Q8_0 | QuantFormat::Q5_0 => &[0],
+            QuantFormat::Q8_0 | QuantFormat::Q5_0 | QuantFormat::Q4_0 => &[0],
             QuantFormat::Q4K | QuantFormat::Q5K => &[0, 2],
             QuantFormat::Q6K => &[208],
+            QuantFormat::Q3K => &[108],
+            QuantFormat::Q2K => &[80, 82],
         }
     }
     /// Bytes of a row of `k` values (k a multiple of `block_values`).
@@ -146,6 +161,9 @@ impl QuantFormat {
             GgmlDType::Q5_0 => Some(QuantFormat::Q5_0),
             GgmlDType::Q5K => Some(QuantFormat::Q5K),
             GgmlDType::Q6K => Some(QuantFormat::Q6K),
+            GgmlDType::Q4_0 => Some(QuantFormat::Q4_0),
+            GgmlDType::Q3K => Some(QuantFormat::Q3K),
+            GgmlDType::Q2K => Some(QuantFormat::Q2K),
             _ => None,
         }
     }
@@ -156,6 +174,9 @@ impl QuantFormat {
             QuantFormat::Q5_0 => GgmlDType::Q5_0,
             QuantFormat::Q5K => GgmlDType::Q5K,
             QuantFormat::Q6K => GgmlDType::Q6K,
+            QuantFormat::Q4_0 => GgmlDType::Q4_0,
+            QuantFormat::Q3K => GgmlDType::Q3K,
+            QuantFormat::Q2K => GgmlDType::Q2K,
         }
     }
     /// This format and the ones a matrix falls back to, in order, when its rows do not split into its blocks.
@@ -166,6 +187,9 @@ impl QuantFormat {
             QuantFormat::Q5K => &[QuantFormat::Q5K, QuantFormat::Q8_0],
             QuantFormat::Q6K => &[QuantFormat::Q6K, QuantFormat::Q8_0],
             QuantFormat::Q8_0 => &[QuantFormat::Q8_0],
+            QuantFormat::Q4_0 => &[QuantFormat::Q4_0, QuantFormat::Q8_0],
+            QuantFormat::Q3K => &[QuantFormat::Q3K, QuantFormat::Q4_0, QuantFormat::Q8_0],
+            QuantFormat::Q2K => &[QuantFormat::Q2K, QuantFormat::Q4_0, QuantFormat::Q8_0],
         }
     }
     /// The format a matrix with rows of `k` values gets under this option (see the module note), None: it stays
@@ -264,7 +288,9 @@ impl QMatrix {
     /// ggml's) dequantization: q8_0 `q·d`; q4_k `(d·sc)·q − dmin·m` per sub-block of 32; q5_0 `(q − 16)·d` with
     /// q's fifth bit from `qh` (value j of the block: bit j, its low nibble in byte j % 16, high half for j ≥ 16);
     /// q5_k as q4_k with q's fifth bit (value 32·j + l of sub-block j: bit j of qh byte l); q6_k `(d·sc)·(q − 32)`
-    /// per sub-block of 16 (see `q6k_value`).
+    /// per sub-block of 16 (see `q6k_value`); q4_0 `(q − 8)·d` (low nibbles the first 16 values, high the
+    /// rest); q3_k `(d·(sc − 32))·q` per sub-block of 16 (`q3k_value`, `q3k_scales`); q2_k `(d·sc)·q − dmin·m`
+    /// per sub-block of 16 (`q2k_value`, 4-bit sc and m).
     #[inline(always)]
     pub fn dequantize_rows(&self, j0: usize, count: usize, out: &mut [f32]) {
         let rb = self.row_bytes();
@@ -334,6 +360,35 @@ impl QMatrix {
                     }
                 }
             }
+            QuantFormat::Q4_0 => {
+                for (b, y) in src.chunks_exact(18).zip(out.chunks_exact_mut(32)) {
+                    let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
+                    let (lo, hi) = y.split_at_mut(16);
+                    for (&q, (yl, yh)) in b[2..18].iter().zip(lo.iter_mut().zip(hi.iter_mut())) {
+                        *yl = ((q & 0xF) as i32 - 8) as f32 * d;
+                        *yh = ((q >> 4) as i32 - 8) as f32 * d;
+                    }
+                }
+            }
+            QuantFormat::Q3K => {
+                for (b, y) in src.chunks_exact(110).zip(out.chunks_exact_mut(256)) {
+                    let d = f16::from_le_bytes([b[108], b[109]]).to_f32();
+                    let sc = q3k_scales(b);
+                    for (v, y) in y.iter_mut().enumerate() {
+                        *y = (d * sc[v / 16] as f32) * q3k_value(b, v) as f32;
+                    }
+                }
+            }
+            QuantFormat::Q2K => {
+                for (b, y) in src.chunks_exact(84).zip(out.chunks_exact_mut(256)) {
+                    let d = f16::from_le_bytes([b[80], b[81]]).to_f32();
+                    let dmin = f16::from_le_bytes([b[82], b[83]]).to_f32();
+                    for (v, y) in y.iter_mut().enumerate() {
+                        let s = b[v / 16]; // sub-block v / 16's scale (low nibble) and min (high)
+                        *y = (d * (s & 0xF) as f32) * q2k_value(b, v) as f32 - dmin * (s >> 4) as f32;
+                    }
+                }
+            }
         }
     }
 
@@ -373,6 +428,39 @@ pub(crate) fn q6k_value(b: &[u8], v: usize) -> i8 {
     (nib | (hi << 4)) as i8 - 32
 }
 
+/// Value v (0-255) of a q3_k super-block, in [−4, 3]. The block holds 32 bytes of high bits (`hmask`), 64 of
+/// 2-bit pairs (`qs`), 12 of packed scales, then d. Each half of 128 values uses 32 bytes of `qs`; its quarter g
+/// (32 values, l = 0..31) takes bits 2g, 2g + 1 of `qs` byte 32·half + l, and bit 4·half + g of `hmask` byte l
+/// (set: the value as is; clear: minus 4).
+#[inline(always)]
+pub(crate) fn q3k_value(b: &[u8], v: usize) -> i8 {
+    let (half, g, l) = (v / 128, v % 128 / 32, v % 32);
+    let q = ((b[32 + 32 * half + l] >> (2 * g)) & 3) as i8;
+    let high = (b[l] >> (4 * half + g)) & 1;
+    q - if high == 0 { 4 } else { 0 }
+}
+
+/// The 16 scales of a q3_k super-block, sc − 32 (6 bits each, signed after the shift): bytes 96-107 hold the low
+/// nibbles of scales 0-7 (bytes 96-103: scale j's in the low nibble of byte j, scale 8 + j's in its high nibble)
+/// and, in bytes 104-107, two high bits of each (scale 4·t + i: bits 2t, 2t + 1 of byte 104 + i).
+#[inline(always)]
+pub(crate) fn q3k_scales(b: &[u8]) -> [i8; 16] {
+    let s = &b[96..108];
+    std::array::from_fn(|j| {
+        let low = if j < 8 { s[j] & 0xF } else { s[j - 8] >> 4 };
+        let high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+        (low | (high << 4)) as i8 - 32
+    })
+}
+
+/// Value v (0-255) of a q2_k super-block, 0-3: each half of 128 values uses 32 bytes of `qs` (at byte 16); its
+/// quarter g (32 values, l = 0..31) takes bits 2g, 2g + 1 of byte 32·half + l.
+#[inline(always)]
+pub(crate) fn q2k_value(b: &[u8], v: usize) -> u8 {
+    let (half, g, l) = (v / 128, v % 128 / 32, v % 32);
+    (b[16 + 32 * half + l] >> (2 * g)) & 3
+}
+
 /// The 6-bit scale and min of sub-block j of a q4_k super-block (GGUF's packing of 8 pairs into 12 bytes).
 #[inline(always)]
 pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
@@ -408,6 +496,9 @@ mod tests {
             (QuantFormat::Q5_0, 96, 0.035),
             (QuantFormat::Q5K, 512, 0.035),
             (QuantFormat::Q6K, 512, 0.02),
+            (QuantFormat::Q4_0, 96, 0.07),
+            (QuantFormat::Q3K, 512, 0.2),
+            (QuantFormat::Q2K, 512, 0.35),
         ] {
             let w = randn(37, k, 3);
             // several quantize chunks: force a small chunk through a tall matrix too
@@ -464,6 +555,9 @@ mod tests {
         assert_eq!(QuantFormat::Q6K.for_matrix(896, false), Some(QuantFormat::Q8_0));
         assert_eq!(QuantFormat::Q5K.for_matrix(512, false), Some(QuantFormat::Q5K));
         assert_eq!(QuantFormat::Q5K.for_matrix(896, false), Some(QuantFormat::Q8_0));
-        assert_eq!(e, "quantize must be 'q8_0', 'q4_k', 'q5_0', 'q5_k' or 'q6_k', got 'int4'");
+        assert_eq!(QuantFormat::Q3K.for_matrix(896, false), Some(QuantFormat::Q4_0));
+        assert_eq!(QuantFormat::Q2K.for_matrix(768, false), Some(QuantFormat::Q2K));
+        assert_eq!(QuantFormat::Q4_0.for_matrix(896, true), Some(QuantFormat::Q8_0));
+        assert_eq!(e, "quantize must be 'q8_0', 'q4_k', 'q5_0', 'q5_k', 'q6_k', 'q4_0', 'q3_k' or 'q2_k', got 'int4'");
     }
 }

@@ -379,6 +379,17 @@ mod x86 {
         buf.as_ptr() as *const u8
     }
 
+    /// A q4_0 block's 32 values q − 8 as i8, decoded into `buf` (values 0-15 the low nibbles, 16-31 the high ones).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn q4_0_ints(block: *const u8, buf: &mut [i8; 32]) -> *const u8 {
+        let low = _mm_set1_epi8(0xF);
+        let qs = _mm_loadu_si128(block.add(2) as *const __m128i);
+        let nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16::<4>(qs), low), _mm_and_si128(qs, low));
+        _mm256_storeu_si256(buf.as_mut_ptr() as *mut __m256i, _mm256_sub_epi8(nib, _mm256_set1_epi8(8)));
+        buf.as_ptr() as *const u8
+    }
+
     /// The loop of a fused kernel that takes windows of one or two x rows, each count its own function (one tile
     /// shape per function: with both inlined into one, LLVM stopped unrolling the k-quant tiles, 1.5x slower).
     macro_rules! fused_rows_1_2 {
@@ -467,11 +478,100 @@ mod x86 {
         }
     }
 
-    /// Columns [n0, n0 + nw) of y = x · Wᵀ for a q6_k W and one or two x rows, dequantizing in registers: a
-    /// super-block of each of the 4 weight rows decoded to bytes (`q6_ints`), then per sub-block of 16 the value
-    /// (d·sc)·q and the multiply-adds in the order of the f32 tile over the dequantized scratch, so the same bits.
+    /// A q3_k super-block's 256 values in [−4, 3] as i8 (`quant::q3k_value`), decoded into `buf`: per half, quarter
+    /// g is bits 2g, 2g + 1 of the half's 32 `qs` bytes (at 32), plus 4 where bit 4·half + g of the 32 `hmask`
+    /// bytes (at 0) is set, minus 4.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn q3k_ints(block: *const u8, buf: &mut [i8; 256]) {
+        let three = _mm256_set1_epi8(3);
+        let one = _mm256_set1_epi8(1);
+        let four = _mm256_set1_epi8(4);
+        let hm = _mm256_loadu_si256(block as *const __m256i);
+        for half in 0..2 {
+            let qs = _mm256_loadu_si256(block.add(32 + 32 * half) as *const __m256i);
+            for g in 0..4 {
+                let q = _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * g as i32)), three);
+                // the high bit moved to bit 0 of each byte (16-bit shifts, masked per byte), then to bit 2
+                let h = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128((4 * half + g) as i32)), one);
+                let v = _mm256_sub_epi8(_mm256_or_si256(q, _mm256_slli_epi16::<2>(h)), four);
+                _mm256_storeu_si256(buf.as_mut_ptr().add(128 * half + 32 * g) as *mut __m256i, v);
+            }
+        }
+    }
+
+    /// A q2_k super-block's 256 values 0-3 as bytes (`quant::q2k_value`), decoded into `buf`: per half, quarter g is
+    /// bits 2g, 2g + 1 of the half's 32 `qs` bytes (at 16).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn q2k_ints(block: *const u8, buf: &mut [i8; 256]) {
+        let three = _mm256_set1_epi8(3);
+        for half in 0..2 {
+            let qs = _mm256_loadu_si256(block.add(16 + 32 * half) as *const __m256i);
+            for g in 0..4 {
+                let v = _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * g as i32)), three);
+                _mm256_storeu_si256(buf.as_mut_ptr().add(128 * half + 32 * g) as *mut __m256i, v);
+            }
+        }
+    }
+
+    /// The little-endian f16 at `p` as f32 without F16C (exact either way), for helper functions inlined into a
+    /// kernel's tile: the tile carries no target features of its own, so a helper that does is called instead
+    /// of inlined, spilling the tile's accumulators at each call.
+    #[inline(always)]
+    unsafe fn scale_soft(p: *const u8) -> f32 {
+        half::f16::from_le_bytes([*p, *p.add(1)]).to_f32()
+    }
+
+    /// A q6_k super-block's 16 sub-block factors d·sc (f32, as the dequantization computes them).
+    #[inline(always)]
+    unsafe fn q6k_factors(b: *const u8) -> [f32; 16] {
+        let d = scale_soft(b.add(208));
+        std::array::from_fn(|s| d * (*b.add(192 + s) as i8) as f32)
+    }
+
+    /// A q3_k super-block's 16 sub-block factors d·(sc − 32).
+    #[inline(always)]
+    unsafe fn q3k_factors(b: *const u8) -> [f32; 16] {
+        let d = scale_soft(b.add(108));
+        let sc = crate::quant::q3k_scales(std::slice::from_raw_parts(b, 110));
+        sc.map(|s| d * s as f32)
+    }
+
+    /// A q4_k (or q5_k) super-block's 8 sub-block factors (d·sc, dmin·m) into `$dm[0..8]`. A macro, not a
+    /// function: expanded in the tile, the 2-row q4_k and q5_k tiles run as fast as before q2_k shared them
+    /// (an inlined helper function made them 1.1-1.3x slower).
+    macro_rules! q4k_factors {
+        ($b:expr, $dm:expr) => {{
+            let b: *const u8 = $b;
+            let (d, dmin) = (scale(b), scale(b.add(2)));
+            let sc = std::slice::from_raw_parts(b.add(4), 12);
+            for j in 0..8 {
+                let (s, m) = crate::quant::scale_min_k4(j, sc);
+                $dm[j] = (d * s as f32, dmin * m as f32);
+            }
+        }};
+    }
+
+    /// A q2_k super-block's 16 sub-block factors (d·sc, dmin·m) into `$dm[0..16]`: byte j's low nibble sc and
+    /// high nibble m.
+    macro_rules! q2k_factors {
+        ($b:expr, $dm:expr) => {{
+            let b: *const u8 = $b;
+            let (d, dmin) = (scale(b.add(80)), scale(b.add(82)));
+            for j in 0..16 {
+                let s = *b.add(j);
+                $dm[j] = (d * (s & 0xF) as f32, dmin * (s >> 4) as f32);
+            }
+        }};
+    }
+
+    /// Columns [n0, n0 + nw) of y = x · Wᵀ for a q6_k (or q3_k) W and one or two x rows, dequantizing in
+    /// registers: a super-block of each of the 4 weight rows decoded to bytes (`$ints`: `q6_ints` / `q3k_ints`),
+    /// then per sub-block of 16 the value (d·sc)·q (`$factors`: its 16 d·sc) and the multiply-adds in the order of
+    /// the f32 tile over the dequantized scratch, so the same bits. `$bb`: bytes per super-block.
     macro_rules! q6k_fused_fn {
-        ($name:ident, $feature:literal, $lanes:literal, $zero:ident, $loadx:ident, $loadq:ident, $set1:ident, $mul:ident, $_sub:ident, $fma:ident, $sum:ident) => {
+        ($name:ident, $feature:literal, $lanes:literal, $zero:ident, $loadx:ident, $loadq:ident, $set1:ident, $mul:ident, $_sub:ident, $fma:ident, $sum:ident, $bb:literal, $ints:ident, $factors:ident) => {
             #[target_feature(enable = $feature)]
             pub unsafe fn $name(x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: usize, y: super::Out) {
                 #[inline(always)]
@@ -484,20 +584,20 @@ mod x86 {
                     let mut acc = [[$zero(); 4]; R];
                     let mut buf = [[0i8; 256]; 4];
                     for sb in 0..k / 256 {
-                        let b = ws.map(|w| w.add(210 * sb));
+                        let b = ws.map(|w| w.add($bb * sb));
                         for c in 0..4 {
                             if pf.active() {
-                                for l in 0..4 {
-                                    _mm_prefetch::<_MM_HINT_T0>(pf.0[c].wrapping_add(210 * sb + 64 * l) as *const i8);
+                                for l in 0..($bb + 63) / 64 {
+                                    _mm_prefetch::<_MM_HINT_T0>(pf.0[c].wrapping_add($bb * sb + 64 * l) as *const i8);
                                 }
                             }
-                            q6_ints(b[c], &mut buf[c]);
+                            $ints(b[c], &mut buf[c]);
                         }
-                        let d = b.map(|p| scale(p.add(208)));
+                        let f = b.map(|p| $factors(p));
                         for s in 0..16 {
                             let mut ds = [$zero(); 4];
                             for c in 0..4 {
-                                ds[c] = $set1(d[c] * (*b[c].add(192 + s) as i8) as f32);
+                                ds[c] = $set1(f[c][s]);
                             }
                             for t in 0..16 / $lanes {
                                 let i = 256 * sb + 16 * s + $lanes * t;
@@ -600,12 +700,13 @@ mod x86 {
         }
     }
 
-    /// Columns [n0, n0 + nw) of y = x · Wᵀ for a q4_k (or q5_k) W and one or two x rows, dequantizing in
-    /// registers: a super-block of each of the 4 weight rows decoded to bytes (`q4_ints` / `q5k_ints`), then per
-    /// sub-block of 32 the value (d·sc)·q − dmin·m and the multiply-adds in the order of the f32 tile over the
-    /// dequantized scratch, so the same bits. `$bb`: bytes per super-block.
+    /// Columns [n0, n0 + nw) of y = x · Wᵀ for a q4_k (or q5_k, q2_k) W and one or two x rows, dequantizing in
+    /// registers: a super-block of each of the 4 weight rows decoded to bytes (`$ints`), then per sub-block of
+    /// `$sl` values (32; q2_k 16) the value (d·sc)·q − dmin·m (`$factors`: each sub-block's d·sc and dmin·m) and
+    /// the multiply-adds in the order of the f32 tile over the dequantized scratch, so the same bits. `$bb`: bytes
+    /// per super-block.
     macro_rules! q4k_fused_fn {
-        ($name:ident, $feature:literal, $lanes:literal, $zero:ident, $loadx:ident, $loadq:ident, $set1:ident, $mul:ident, $sub:ident, $fma:ident, $sum:ident, $bb:literal, $ints:ident) => {
+        ($name:ident, $feature:literal, $lanes:literal, $zero:ident, $loadx:ident, $loadq:ident, $set1:ident, $mul:ident, $sub:ident, $fma:ident, $sum:ident, $bb:literal, $ints:ident, $sl:literal, $factors:ident) => {
             #[target_feature(enable = $feature)]
             pub unsafe fn $name(x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: usize, y: super::Out) {
                 #[inline(always)]
@@ -617,30 +718,25 @@ mod x86 {
                 ) -> [[f32; 4]; R] {
                     let mut acc = [[$zero(); 4]; R];
                     let mut buf = [[0i8; 256]; 4];
-                    let mut dm = [[(0f32, 0f32); 8]; 4];
+                    let mut dm = [[(0f32, 0f32); 256 / $sl]; 4];
                     for sb in 0..k / 256 {
                         let b = ws.map(|w| w.add($bb * sb));
                         for c in 0..4 {
                             if pf.active() {
-                                for l in 0..3 {
+                                for l in 0..($bb + 63) / 64 {
                                     _mm_prefetch::<_MM_HINT_T0>(pf.0[c].wrapping_add($bb * sb + 64 * l) as *const i8);
                                 }
                             }
                             $ints(b[c], &mut buf[c]);
-                            let (d, dmin) = (scale(b[c]), scale(b[c].add(2)));
-                            let sc = std::slice::from_raw_parts(b[c].add(4), 12);
-                            for j in 0..8 {
-                                let (s, m) = crate::quant::scale_min_k4(j, sc);
-                                dm[c][j] = (d * s as f32, dmin * m as f32);
-                            }
+                            $factors!(b[c], dm[c]);
                         }
-                        for j in 0..8 {
+                        for j in 0..256 / $sl {
                             let d1 = dm.map(|r| $set1(r[j].0));
                             let m1 = dm.map(|r| $set1(r[j].1));
-                            for t in 0..32 / $lanes {
-                                let i = 256 * sb + 32 * j + $lanes * t;
+                            for t in 0..$sl / $lanes {
+                                let i = 256 * sb + $sl * j + $lanes * t;
                                 tile_step!(R, $zero, $loadx, $fma, acc, |r| xs[r].add(i), |c| $sub(
-                                    $mul(d1[c], $loadq(buf[c].as_ptr().add(32 * j + $lanes * t) as *const u8)),
+                                    $mul(d1[c], $loadq(buf[c].as_ptr().add($sl * j + $lanes * t) as *const u8)),
                                     m1[c]
                                 ));
                             }
@@ -688,9 +784,12 @@ mod x86 {
     }
     avx2_and_avx512!(q8_fused_fn, q8_fused_avx2, q8_fused_avx512, 34, q8_ints);
     avx2_and_avx512!(q8_fused_fn, q5_fused_avx2, q5_fused_avx512, 22, q5_ints);
-    avx2_and_avx512!(q4k_fused_fn, q4k_fused_avx2, q4k_fused_avx512, 144, q4_ints);
-    avx2_and_avx512!(q4k_fused_fn, q5k_fused_avx2, q5k_fused_avx512, 176, q5k_ints);
-    avx2_and_avx512!(q6k_fused_fn, q6k_fused_avx2, q6k_fused_avx512);
+    avx2_and_avx512!(q8_fused_fn, q4_0_fused_avx2, q4_0_fused_avx512, 18, q4_0_ints);
+    avx2_and_avx512!(q4k_fused_fn, q4k_fused_avx2, q4k_fused_avx512, 144, q4_ints, 32, q4k_factors);
+    avx2_and_avx512!(q4k_fused_fn, q5k_fused_avx2, q5k_fused_avx512, 176, q5k_ints, 32, q4k_factors);
+    avx2_and_avx512!(q4k_fused_fn, q2k_fused_avx2, q2k_fused_avx512, 84, q2k_ints, 16, q2k_factors);
+    avx2_and_avx512!(q6k_fused_fn, q6k_fused_avx2, q6k_fused_avx512, 210, q6_ints, q6k_factors);
+    avx2_and_avx512!(q6k_fused_fn, q3k_fused_avx2, q3k_fused_avx512, 110, q3k_ints, q3k_factors);
 
     #[target_feature(enable = "avx512f")]
     pub unsafe fn columns_avx512<E: WeightElem>(
@@ -729,12 +828,16 @@ mod x86 {
         let o = out.as_mut_ptr();
         match q.format {
             // q8_0 and q5_0: a block's 32 signed bytes (its own, or q5_0's decoded), times its scale
-            QuantFormat::Q8_0 | QuantFormat::Q5_0 => {
-                let five = q.format == QuantFormat::Q5_0;
+            QuantFormat::Q8_0 | QuantFormat::Q5_0 | QuantFormat::Q4_0 => {
+                let ints = match q.format {
+                    QuantFormat::Q5_0 => q5_ints,
+                    QuantFormat::Q4_0 => q4_0_ints,
+                    _ => q8_ints,
+                };
                 let mut buf = [0i8; 32];
                 for (i, b) in src.chunks_exact(q.format.block_bytes()).enumerate() {
                     let d = _mm256_set1_ps(scale(b.as_ptr()));
-                    let p = if five { q5_ints(b.as_ptr(), &mut buf) } else { q8_ints(b.as_ptr(), &mut buf) };
+                    let p = ints(b.as_ptr(), &mut buf);
                     for g in 0..4 {
                         _mm256_storeu_ps(o.add(32 * i + 8 * g), _mm256_mul_ps(q8_8(p.add(8 * g)), d));
                     }
@@ -766,6 +869,21 @@ mod x86 {
                     }
                 }
             }
+            QuantFormat::Q2K => {
+                let mut buf = [0i8; 256];
+                let mut dm = [(0f32, 0f32); 16];
+                for (i, b) in src.chunks_exact(84).enumerate() {
+                    q2k_ints(b.as_ptr(), &mut buf);
+                    q2k_factors!(b.as_ptr(), dm);
+                    for (j, &(dd, mm)) in dm.iter().enumerate() {
+                        let (dd, mm) = (_mm256_set1_ps(dd), _mm256_set1_ps(mm));
+                        for t in 0..2 {
+                            let v = q8_8(buf.as_ptr().add(16 * j + 8 * t) as *const u8);
+                            _mm256_storeu_ps(o.add(256 * i + 16 * j + 8 * t), _mm256_sub_ps(_mm256_mul_ps(dd, v), mm));
+                        }
+                    }
+                }
+            }
             QuantFormat::Q5K => {
                 let mut buf = [0i8; 256];
                 for (i, b) in src.chunks_exact(176).enumerate() {
@@ -781,13 +899,18 @@ mod x86 {
                     }
                 }
             }
-            QuantFormat::Q6K => {
+            QuantFormat::Q6K | QuantFormat::Q3K => {
+                let six = q.format == QuantFormat::Q6K;
                 let mut buf = [0i8; 256];
-                for (i, b) in src.chunks_exact(210).enumerate() {
-                    let d = scale(b.as_ptr().add(208));
-                    q6_ints(b.as_ptr(), &mut buf);
-                    for s in 0..16 {
-                        let ds = _mm256_set1_ps(d * b[192 + s] as i8 as f32);
+                for (i, b) in src.chunks_exact(q.format.block_bytes()).enumerate() {
+                    let f = if six { q6k_factors(b.as_ptr()) } else { q3k_factors(b.as_ptr()) };
+                    if six {
+                        q6_ints(b.as_ptr(), &mut buf)
+                    } else {
+                        q3k_ints(b.as_ptr(), &mut buf)
+                    }
+                    for (s, &f) in f.iter().enumerate() {
+                        let ds = _mm256_set1_ps(f);
                         for h in 0..2 {
                             let v = q8_8(buf.as_ptr().add(16 * s + 8 * h) as *const u8);
                             _mm256_storeu_ps(o.add(256 * i + 16 * s + 8 * h), _mm256_mul_ps(ds, v));
@@ -1036,12 +1159,18 @@ unsafe fn q_columns(isa: Isa, x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: u
         (Isa::Avx2, QuantFormat::Q8_0) if q8_in_registers(m, k) => return x86::q8_fused_avx2(x, m, q, n0, nw, y),
         (Isa::Avx512, QuantFormat::Q5_0) if q8_in_registers(m, k) => return x86::q5_fused_avx512(x, m, q, n0, nw, y),
         (Isa::Avx2, QuantFormat::Q5_0) if q8_in_registers(m, k) => return x86::q5_fused_avx2(x, m, q, n0, nw, y),
+        (Isa::Avx512, QuantFormat::Q4_0) if q8_in_registers(m, k) => return x86::q4_0_fused_avx512(x, m, q, n0, nw, y),
+        (Isa::Avx2, QuantFormat::Q4_0) if q8_in_registers(m, k) => return x86::q4_0_fused_avx2(x, m, q, n0, nw, y),
         (Isa::Avx512, QuantFormat::Q4K) if m <= 2 => return x86::q4k_fused_avx512(x, m, q, n0, nw, y),
         (Isa::Avx2, QuantFormat::Q4K) if m <= 2 => return x86::q4k_fused_avx2(x, m, q, n0, nw, y),
         (Isa::Avx512, QuantFormat::Q5K) if m <= 2 => return x86::q5k_fused_avx512(x, m, q, n0, nw, y),
         (Isa::Avx2, QuantFormat::Q5K) if m <= 2 => return x86::q5k_fused_avx2(x, m, q, n0, nw, y),
         (Isa::Avx512, QuantFormat::Q6K) if m <= 2 => return x86::q6k_fused_avx512(x, m, q, n0, nw, y),
         (Isa::Avx2, QuantFormat::Q6K) if m <= 2 => return x86::q6k_fused_avx2(x, m, q, n0, nw, y),
+        (Isa::Avx512, QuantFormat::Q3K) if m <= 2 => return x86::q3k_fused_avx512(x, m, q, n0, nw, y),
+        (Isa::Avx2, QuantFormat::Q3K) if m <= 2 => return x86::q3k_fused_avx2(x, m, q, n0, nw, y),
+        (Isa::Avx512, QuantFormat::Q2K) if m <= 2 => return x86::q2k_fused_avx512(x, m, q, n0, nw, y),
+        (Isa::Avx2, QuantFormat::Q2K) if m <= 2 => return x86::q2k_fused_avx2(x, m, q, n0, nw, y),
         _ => {}
     }
     for j in (n0..n0 + nw).step_by(4) {
@@ -1319,6 +1448,9 @@ mod tests {
             (crate::quant::QuantFormat::Q5_0, 896, 11),
             (crate::quant::QuantFormat::Q6K, 768, 13),
             (crate::quant::QuantFormat::Q5K, 768, 13),
+            (crate::quant::QuantFormat::Q4_0, 896, 11),
+            (crate::quant::QuantFormat::Q3K, 768, 13),
+            (crate::quant::QuantFormat::Q2K, 768, 13),
         ] {
             let wv: Vec<f32> = (0..n * k).map(|_| rnd()).collect();
             let w = Tensor::from_vec(wv, (n, k), &candle_core::Device::Cpu).unwrap();

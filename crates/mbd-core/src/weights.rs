@@ -364,7 +364,7 @@ impl Weights {
     }
 
     /// The tensors of a GGUF file (`crate::gguf`), under the Hugging Face names the model asks for. Block-format
-    /// matrices our kernel multiplies (q8_0, q4_k, q5_0, q5_k, q6_k) are kept as stored on the CPU in float32; other block
+    /// matrices our kernel multiplies (q8_0, q4_0, q5_0, q2_k..q6_k) are kept as stored on the CPU in float32; other block
     /// formats are dequantized at load and held as q8_0 (or in the `quantize` format when one is asked for); on
     /// other devices every matrix is dequantized to the compute dtype.
     pub fn open_gguf(
