@@ -17,6 +17,9 @@ Formats (mbd-rs side / llama.cpp side):
     q5_k   bf16 checkpoint, quantize="q5_k"    / model-q5_k_m.gguf (Q5_K_M: on hidden 896 mostly Q5_1, which mbd-rs
                                                   holds as q8_0; use a shape of whole super-blocks, e.g. hidden 1024)
     q6_k   bf16 checkpoint, quantize="q6_k"    / model-q6_k.gguf
+    q4_0   bf16 checkpoint, quantize="q4_0"    / model-q4_0.gguf
+    q3_k   bf16 checkpoint, quantize="q3_k"    / model-q3_k_m.gguf (Q3_K_M: q3_k with q4_k/q5_k for some matrices)
+    q2_k   bf16 checkpoint, quantize="q2_k"    / model-q2_k.gguf (Q2_K: q2_k with q3_k/q4_k for some matrices)
 With --same-file, mbd-rs loads the quantized formats from the very GGUF file llama.cpp runs (model-q8_0.gguf,
 model-q4_k_m.gguf, model-q6_k.gguf in --gguf-dir; such files must carry a vocabulary mbd-rs reads: write the f32
 GGUF with scripts/write_gguf.py and quantize it with llama-quantize, see benches/llamacpp/README.md): the same
@@ -41,10 +44,10 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FORMATS = ("f32", "bf16", "q8_0", "q4_k", "q5_k", "q6_k")
-QUANTIZE = {"q8_0": "q8_0", "q4_k": "q4_k", "q5_k": "q5_k", "q6_k": "q6_k"}  # mbd-rs load-time quantization per format
+FORMATS = ("f32", "bf16", "q8_0", "q4_k", "q5_k", "q6_k", "q4_0", "q3_k", "q2_k")
+QUANTIZE = {f: f for f in FORMATS[2:]}  # mbd-rs load-time quantization per format
 GGUFS = {"f32": ("f32",), "bf16": ("bf16", "f16"), "q8_0": ("q8_0",), "q4_k": ("q4_k_m",), "q5_k": ("q5_k_m",),
-         "q6_k": ("q6_k",)}
+         "q6_k": ("q6_k",), "q4_0": ("q4_0",), "q3_k": ("q3_k_m",), "q2_k": ("q2_k",)}
 SEEN_STDERR = set()
 
 
