@@ -44,11 +44,6 @@ pub struct Kernels {
     /// Linear layers of one input held as one matrix (q/k/v, gate/up: `models::qwen::Stacked`), one product
     /// instead of several. false: each its own product (the same bits; for A/B runs).
     pub stack: bool,
-    /// q8_0, q5_0 and q4_0 matrices multiply 8-bit activations with integer dot products (`Q8Rows`, as llama.cpp
-    /// does) instead of their dequantized f32 values: fewer instructions per weight, at the price of rounding each
-    /// x block to 8 bits. Every window size takes this path (a row's result still does not depend on the rows
-    /// that share its forward). Off by default: the default computes exactly the dequantized checkpoint.
-    pub int8_dot: bool,
 }
 
 impl Default for Kernels {
@@ -61,7 +56,6 @@ impl Default for Kernels {
             direct_attention: false,
             panels: true,
             stack: true,
-            int8_dot: false,
         }
     }
 }
@@ -788,92 +782,6 @@ mod x86 {
             );
         };
     }
-    /// Columns [n0, n0 + nw) of y = x · Wᵀ for a q8_0 / q5_0 / q4_0 W and 8-bit x rows (`Kernels::int8_dot`): per
-    /// block of 32, |w| times x with w's signs (`maddubs`: pairs of u8·i8 products in i16, at most 2·128·127, no
-    /// saturation), summed to 8 i32 lanes of 4 products each, then lane-wise acc += sum·(d_w·d_x) in f32, one
-    /// reduction at the end (`super::q8dot_scalar` is the same arithmetic, lane for lane). `$bb`: bytes per block; `$ints`: a block's
-    /// 32 signed 8-bit values.
-    macro_rules! q8dot_fn {
-        ($name:ident, $bb:literal, $ints:ident) => {
-            #[target_feature(enable = "avx2,fma,f16c")]
-            pub unsafe fn $name(x: &super::Q8Rows, m: usize, q: &QMatrix, n0: usize, nw: usize, y: super::Out) {
-                #[inline(always)]
-                unsafe fn tile<const R: usize>(
-                    xq: [*const i8; R],
-                    xd: [*const f32; R],
-                    ws: [*const u8; 4],
-                    pf: super::Prefetch,
-                    k: usize,
-                ) -> [[f32; 4]; R] {
-                    let ones = _mm256_set1_epi16(1);
-                    let mut acc = [[_mm256_setzero_ps(); 4]; R];
-                    let mut buf = [[0i8; 32]; 4];
-                    for blk in 0..k / 32 {
-                        if blk % 2 == 0 && pf.active() {
-                            for c in 0..4 {
-                                _mm_prefetch::<_MM_HINT_T0>(pf.0[c].wrapping_add($bb * blk) as *const i8);
-                            }
-                        }
-                        let mut w = [_mm256_setzero_si256(); 4];
-                        let mut dw = [0f32; 4];
-                        for c in 0..4 {
-                            let b = ws[c].add($bb * blk);
-                            dw[c] = scale(b);
-                            w[c] = _mm256_loadu_si256($ints(b, &mut buf[c]) as *const __m256i);
-                        }
-                        for r in 0..R {
-                            let xv = _mm256_loadu_si256(xq[r].add(32 * blk) as *const __m256i);
-                            let dx = *xd[r].add(blk);
-                            for c in 0..4 {
-                                let p = _mm256_maddubs_epi16(_mm256_abs_epi8(w[c]), _mm256_sign_epi8(xv, w[c]));
-                                let s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
-                                acc[r][c] = _mm256_fmadd_ps(s, _mm256_set1_ps(dw[c] * dx), acc[r][c]);
-                            }
-                        }
-                    }
-                    acc.map(|a| a.map(|v| hsum256(v)))
-                }
-                let (n, k, rb) = (q.n, q.k, q.row_bytes());
-                let base = q.bytes().as_ptr();
-                let end = n0 + nw;
-                let (xq, xd) = (x.q.as_ptr(), x.d.as_ptr());
-                let kb = k / 32;
-                for j in (n0..end).step_by(4) {
-                    let ws = super::rows4(base, j, end, rb);
-                    let pf = super::Prefetch::after(base, j, end, rb);
-                    let valid = (end - j).min(4);
-                    let mut r = 0;
-                    while r < m {
-                        let fetch = if r == 0 { pf } else { super::Prefetch::NONE };
-                        if r + 2 <= m {
-                            let a = tile::<2>(
-                                [xq.add(r * k), xq.add((r + 1) * k)],
-                                [xd.add(r * kb), xd.add((r + 1) * kb)],
-                                ws,
-                                fetch,
-                                k,
-                            );
-                            for c in 0..valid {
-                                y.write(r * n + j + c, a[0][c]);
-                                y.write((r + 1) * n + j + c, a[1][c]);
-                            }
-                            r += 2;
-                        } else {
-                            let a = tile::<1>([xq.add(r * k)], [xd.add(r * kb)], ws, fetch, k);
-                            for c in 0..valid {
-                                y.write(r * n + j + c, a[0][c]);
-                            }
-                            r += 1;
-                        }
-                    }
-                }
-            }
-        };
-    }
-    q8dot_fn!(q8dot_q8_0, 34, q8_ints);
-    q8dot_fn!(q8dot_q5_0, 22, q5_ints);
-    q8dot_fn!(q8dot_q4_0, 18, q4_0_ints);
-
     avx2_and_avx512!(q8_fused_fn, q8_fused_avx2, q8_fused_avx512, 34, q8_ints);
     avx2_and_avx512!(q8_fused_fn, q5_fused_avx2, q5_fused_avx512, 22, q5_ints);
     avx2_and_avx512!(q8_fused_fn, q4_0_fused_avx2, q4_0_fused_avx512, 18, q4_0_ints);
@@ -1231,95 +1139,6 @@ unsafe fn dequantize_rows_on(isa: Isa, q: &QMatrix, j0: usize, count: usize, out
     }
 }
 
-/// x rows rounded to 8 bits per block of 32 for `Kernels::int8_dot`: per block d = max|x| / 127 (f32) and
-/// q = x · (1 / d) rounded to the nearest integer, ties to even (all zeros where d is 0).
-pub struct Q8Rows {
-    pub q: Vec<i8>,
-    pub d: Vec<f32>,
-}
-
-impl Q8Rows {
-    /// `x`: rows of k values, k a multiple of 32.
-    pub fn quantize(x: &[f32], k: usize) -> Q8Rows {
-        assert!(k.is_multiple_of(32) && x.len().is_multiple_of(k));
-        let mut q = vec![0i8; x.len()];
-        let mut d = vec![0f32; x.len() / 32];
-        for ((xs, qs), d) in x.chunks_exact(32).zip(q.chunks_exact_mut(32)).zip(d.iter_mut()) {
-            let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
-            *d = amax / 127.0;
-            let inv = if *d != 0.0 { 1.0 / *d } else { 0.0 };
-            for (q, v) in qs.iter_mut().zip(xs) {
-                *q = (v * inv).round_ties_even() as i8;
-            }
-        }
-        Q8Rows { q, d }
-    }
-}
-
-/// Whether `Kernels::int8_dot` applies to a matrix of this format.
-pub fn int8_dot_format(format: crate::quant::QuantFormat) -> bool {
-    use crate::quant::QuantFormat::*;
-    matches!(format, Q8_0 | Q5_0 | Q4_0)
-}
-
-/// y (m × n) = x · Wᵀ with 8-bit x rows (`Kernels::int8_dot`; W q8_0, q5_0 or q4_0).
-pub fn matmul_q8dot(x: &Q8Rows, m: usize, q: &QMatrix, par_min_macs: usize) -> Vec<f32> {
-    matmul_q8dot_with(isa(), x, m, q, par_min_macs)
-}
-
-fn matmul_q8dot_with(isa: Isa, x: &Q8Rows, m: usize, q: &QMatrix, par_min_macs: usize) -> Vec<f32> {
-    assert!(int8_dot_format(q.format) && x.q.len() == m * q.k);
-    by_columns(m, q.k, q.n, par_min_macs, |n0, nw, out| match isa {
-        // SAFETY: `isa` is one this CPU has; the task owns columns [n0, n0 + nw).
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx2 => unsafe {
-            match q.format {
-                QuantFormat::Q5_0 => x86::q8dot_q5_0(x, m, q, n0, nw, out),
-                QuantFormat::Q4_0 => x86::q8dot_q4_0(x, m, q, n0, nw, out),
-                _ => x86::q8dot_q8_0(x, m, q, n0, nw, out),
-            }
-        },
-        _ => q8dot_scalar(x, m, q, n0, nw, out),
-    })
-}
-
-/// `x86::q8dot_*`'s arithmetic without SIMD, lane for lane (lane l of a block sums its products 4l..4l + 3;
-/// the lanes are reduced as `hsum256` does).
-fn q8dot_scalar(x: &Q8Rows, m: usize, q: &QMatrix, n0: usize, nw: usize, y: Out) {
-    let (n, k) = (q.n, q.k);
-    let mut w = vec![0f32; k];
-    let mut wq = vec![0i8; k];
-    let mut wd = vec![0f32; k / 32];
-    for j in n0..n0 + nw {
-        // the weight row's integers and scales, recovered from its dequantization (q = w / d exactly: |q| ≤ 128)
-        q.dequantize_rows(j, 1, &mut w);
-        let rb = q.row_bytes();
-        let bytes = &q.bytes()[j * rb..(j + 1) * rb];
-        for (b, blk) in bytes.chunks_exact(q.format.block_bytes()).enumerate() {
-            let d = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
-            wd[b] = d;
-            for i in 0..32 {
-                wq[32 * b + i] = if d != 0.0 { (w[32 * b + i] / d).round() as i8 } else { 0 };
-            }
-        }
-        for r in 0..m {
-            let (xq, xd) = (&x.q[r * k..(r + 1) * k], &x.d[r * k / 32..(r + 1) * k / 32]);
-            let mut acc = [0f32; 8];
-            for b in 0..k / 32 {
-                let f = wd[b] * xd[b];
-                for (l, a) in acc.iter_mut().enumerate() {
-                    let i = 32 * b + 4 * l;
-                    let s: i32 = (0..4).map(|t| wq[i + t] as i32 * xq[i + t] as i32).sum();
-                    *a = (s as f32).mul_add(f, *a);
-                }
-            }
-            let h = [acc[0] + acc[4], acc[1] + acc[5], acc[2] + acc[6], acc[3] + acc[7]];
-            // SAFETY: this task owns column j.
-            unsafe { y.write(r * n + j, (h[0] + h[2]) + (h[1] + h[3])) };
-        }
-    }
-}
-
 /// Whether an m-row window multiplies a q8_0 matrix with rows of k values dequantizing in registers rather than
 /// through the scratch (the same bits either way): one or two rows (no store and reload where the weights stream
 /// from memory), and up to 8 rows of long rows, whose 4-row scratch (16·k bytes) would not stay in L1.
@@ -1450,8 +1269,6 @@ struct QuantMatmulT<'a> {
     par_min_macs: usize,
     /// a long window: through `panels` (dequantize a panel, gemm) rather than this kernel
     panels: bool,
-    /// 8-bit x rows and integer dot products (`Kernels::int8_dot`), every window size
-    int8: bool,
 }
 
 impl CustomOp1 for QuantMatmulT<'_> {
@@ -1467,9 +1284,7 @@ impl CustomOp1 for QuantMatmulT<'_> {
             candle_core::bail!("quant-matmul-t: x must be contiguous f32");
         };
         let x = &x[a0..a1];
-        let y = if self.int8 {
-            matmul_q8dot(&Q8Rows::quantize(x, k), m, self.q, self.par_min_macs)
-        } else if self.panels {
+        let y = if self.panels {
             crate::panels::matmul_t(x, m, k, crate::panels::Source::Quant(self.q), self.q.n, self.par_min_macs)
         } else {
             matmul_q(x, m, self.q, self.par_min_macs)
@@ -1483,8 +1298,7 @@ impl CustomOp1 for QuantMatmulT<'_> {
 /// the weights once per ROW_BLOCK rows, each time dequantizing them again).
 pub fn linear_q(x: &Tensor, q: &QMatrix, k: &Kernels, few: bool) -> candle_core::Result<Tensor> {
     let x = if x.dtype() == DType::F32 { x.contiguous()? } else { x.to_dtype(DType::F32)?.contiguous()? };
-    let int8 = k.int8_dot && int8_dot_format(q.format);
-    x.apply_op1_no_bwd(&QuantMatmulT { q, par_min_macs: k.par_min_macs, panels: k.panels && !few && !int8, int8 })
+    x.apply_op1_no_bwd(&QuantMatmulT { q, par_min_macs: k.par_min_macs, panels: k.panels && !few })
 }
 
 #[cfg(test)]
@@ -1666,66 +1480,5 @@ mod tests {
         let all = linear_q(&x, &q, &Kernels::default(), true).unwrap();
         let one = linear_q(&x.narrow(0, 4, 1).unwrap(), &q, &Kernels::default(), true).unwrap();
         assert_eq!(all.narrow(0, 4, 1).unwrap().to_vec2::<f32>().unwrap(), one.to_vec2::<f32>().unwrap());
-    }
-
-    #[test]
-    fn int8_dot_rows_are_exact_integer_sums_and_batch_invariant() {
-        let mut rnd = uniform(11);
-        for (format, k, n) in [
-            (crate::quant::QuantFormat::Q8_0, 96, 37),
-            (crate::quant::QuantFormat::Q5_0, 896, 11),
-            (crate::quant::QuantFormat::Q4_0, 2304, 13),
-        ] {
-            let w: Vec<f32> = (0..n * k).map(|_| rnd()).collect();
-            let w = Tensor::from_vec(w, (n, k), &candle_core::Device::Cpu).unwrap();
-            let q = QMatrix::quantize(&w, format).unwrap();
-            let mut deq = vec![0f32; n * k];
-            q.dequantize_rows(0, n, &mut deq);
-            for m in [1usize, 2, 3, 7, 64, 130] {
-                let x: Vec<f32> = (0..m * k).map(|_| 3.0 * rnd()).collect();
-                let xq = Q8Rows::quantize(&x, k);
-                // the rounding, written out: d = max|x| / 127 per block, q = nearest integer to x / d (ties even)
-                for (b, xs) in x.chunks_exact(32).enumerate() {
-                    let d = xs.iter().fold(0f32, |a, v| a.max(v.abs())) / 127.0;
-                    assert_eq!(xq.d[b], d);
-                    for (i, v) in xs.iter().enumerate() {
-                        assert_eq!(xq.q[32 * b + i] as f32, (v * (1.0 / d)).round_ties_even());
-                    }
-                }
-                let mut per_isa = vec![];
-                for &isa in &available_isas() {
-                    let y = matmul_q8dot_with(isa, &xq, m, &q, 1);
-                    // each row alone gives the same bits (batch invariance)
-                    for r in [0, m / 2, m - 1] {
-                        let one = Q8Rows {
-                            q: xq.q[r * k..(r + 1) * k].to_vec(),
-                            d: xq.d[r * k / 32..(r + 1) * k / 32].to_vec(),
-                        };
-                        assert_eq!(
-                            matmul_q8dot_with(isa, &one, 1, &q, 1),
-                            y[r * n..(r + 1) * n],
-                            "{format:?} {isa:?} m{m} r{r}"
-                        );
-                    }
-                    // the f64 sum of (dequantized w)·(d_x·q_x): exact integer block sums, f32 rounding only in the
-                    // scale products and the accumulation
-                    for r in 0..m {
-                        for j in 0..n {
-                            let want: f64 = (0..k)
-                                .map(|i| {
-                                    deq[j * k + i] as f64 * (xq.d[r * k / 32 + i / 32] as f64 * xq.q[r * k + i] as f64)
-                                })
-                                .sum();
-                            let mag: f64 = (0..k).map(|i| (deq[j * k + i] * x[r * k + i]).abs() as f64).sum();
-                            let got = y[r * n + j] as f64;
-                            assert!((got - want).abs() <= 1e-5 * mag.max(1e-3), "{format:?} {isa:?} m{m} {got} {want}");
-                        }
-                    }
-                    per_isa.push(y);
-                }
-                // every instruction set computes the same bits (the scalar path is the SIMD one, lane for lane)
-                assert!(per_isa.windows(2).all(|p| p[0] == p[1]), "{format:?} m{m}");
-            }
-        }
     }
 }

@@ -213,8 +213,8 @@ impl CoreModel {
     /// load options for benchmarks' A/B runs.
     #[staticmethod]
     #[pyo3(signature = (path, device="auto", dtype=None, overrides=None, keep_bf16_weights=true, skinny=true,
-                        par_min_macs=None, max_rows=None, direct_attention=false, panels=true, stack=true, int8_dot=false,
-                        max_batch=None, max_batch_rows=None, quantize=None, progress=None))]
+                        par_min_macs=None, max_rows=None, direct_attention=false, panels=true, stack=true, max_batch=None,
+                        max_batch_rows=None, quantize=None, progress=None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
         py: Python<'_>,
@@ -229,7 +229,6 @@ impl CoreModel {
         direct_attention: bool,
         panels: bool,
         stack: bool,
-        int8_dot: bool,
         max_batch: Option<&Bound<'_, PyAny>>,
         max_batch_rows: Option<&Bound<'_, PyAny>>,
         quantize: Option<String>,
@@ -246,7 +245,6 @@ impl CoreModel {
             direct_attention,
             panels,
             stack,
-            int8_dot,
             ..d
         };
         let limits = batch_limits(BatchLimits::default(), max_batch, max_batch_rows)?;
