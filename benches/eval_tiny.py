@@ -8,7 +8,7 @@ Suite `s2d2` (issue #19): AR, single-block and multi-block, each plain and with 
 score, hysteresis); also how often each output equals the AR output. Writes benches/s2d2_tiny.json and
 benches/s2d2_tiny.png.
 Suite `quant` (issue #18): AR, single-block and multi-block with the weights as loaded and quantized at load
-(q8_0, q4_k): accuracy, tokens per forward and how often each output equals the unquantized one. Writes
+(q8_0, q4_k, q4_0): accuracy, tokens per forward and how often each output equals the unquantized one. Writes
 benches/quant_tiny.json.
 All configurations run on the same held-out instances, in one process, one after another.
 
@@ -70,7 +70,7 @@ QUANT_CONFIGS = [(name, dict(CONFIGS)[name]) for name in ("AR (block 1)", "singl
                                                           "multi-block entropy 0.5", "multi-block B8 entropy 0.5")]
 SUITES = {"modes": (CONFIGS, "tiny_eval"), "s2d2": (S2D2_CONFIGS, "s2d2_tiny"), "cache": (CACHE_CONFIGS, "cache_dream"),
           "quant": (QUANT_CONFIGS, "quant_tiny")}
-QUANT_FORMATS = [None, "q8_0", "q4_k"]
+QUANT_FORMATS = [None, "q8_0", "q4_k", "q4_0"]  # on mbd-tiny (rows of 128-192) q4_k is q5_0 and q3_k, q2_k are q4_0
 
 
 def quant_suite(args, data):
