@@ -587,7 +587,7 @@ mod x86 {
                         let b = ws.map(|w| w.add($bb * sb));
                         for c in 0..4 {
                             if pf.active() {
-                                for l in 0..($bb + 63) / 64 {
+                                for l in 0..($bb as usize).div_ceil(64) {
                                     _mm_prefetch::<_MM_HINT_T0>(pf.0[c].wrapping_add($bb * sb + 64 * l) as *const i8);
                                 }
                             }
@@ -723,7 +723,7 @@ mod x86 {
                         let b = ws.map(|w| w.add($bb * sb));
                         for c in 0..4 {
                             if pf.active() {
-                                for l in 0..($bb + 63) / 64 {
+                                for l in 0..($bb as usize).div_ceil(64) {
                                     _mm_prefetch::<_MM_HINT_T0>(pf.0[c].wrapping_add($bb * sb + 64 * l) as *const i8);
                                 }
                             }
