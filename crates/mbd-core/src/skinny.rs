@@ -869,32 +869,25 @@ mod x86 {
                     }
                 }
             }
-            QuantFormat::Q2K => {
+            // q5_k and q2_k: a super-block's values as bytes, then (d·sc)·q − dmin·m per sub-block of 32 / 16
+            QuantFormat::Q5K | QuantFormat::Q2K => {
+                let five = q.format == QuantFormat::Q5K;
+                let sl = if five { 32 } else { 16 };
                 let mut buf = [0i8; 256];
                 let mut dm = [(0f32, 0f32); 16];
-                for (i, b) in src.chunks_exact(84).enumerate() {
-                    q2k_ints(b.as_ptr(), &mut buf);
-                    q2k_factors!(b.as_ptr(), dm);
-                    for (j, &(dd, mm)) in dm.iter().enumerate() {
-                        let (dd, mm) = (_mm256_set1_ps(dd), _mm256_set1_ps(mm));
-                        for t in 0..2 {
-                            let v = q8_8(buf.as_ptr().add(16 * j + 8 * t) as *const u8);
-                            _mm256_storeu_ps(o.add(256 * i + 16 * j + 8 * t), _mm256_sub_ps(_mm256_mul_ps(dd, v), mm));
-                        }
+                for (i, b) in src.chunks_exact(q.format.block_bytes()).enumerate() {
+                    if five {
+                        q5k_ints(b.as_ptr(), &mut buf);
+                        q4k_factors!(b.as_ptr(), dm);
+                    } else {
+                        q2k_ints(b.as_ptr(), &mut buf);
+                        q2k_factors!(b.as_ptr(), dm);
                     }
-                }
-            }
-            QuantFormat::Q5K => {
-                let mut buf = [0i8; 256];
-                for (i, b) in src.chunks_exact(176).enumerate() {
-                    let (d, dmin) = (scale(b.as_ptr()), scale(b.as_ptr().add(2)));
-                    q5k_ints(b.as_ptr(), &mut buf);
-                    for j in 0..8 {
-                        let (sc, m) = crate::quant::scale_min_k4(j, &b[4..16]);
-                        let (dd, mm) = (_mm256_set1_ps(d * sc as f32), _mm256_set1_ps(dmin * m as f32));
-                        for t in 0..4 {
-                            let v = q8_8(buf.as_ptr().add(32 * j + 8 * t) as *const u8);
-                            _mm256_storeu_ps(o.add(256 * i + 32 * j + 8 * t), _mm256_sub_ps(_mm256_mul_ps(dd, v), mm));
+                    for (j, &(dd, mm)) in dm[..256 / sl].iter().enumerate() {
+                        let (dd, mm) = (_mm256_set1_ps(dd), _mm256_set1_ps(mm));
+                        for t in 0..sl / 8 {
+                            let v = q8_8(buf.as_ptr().add(sl * j + 8 * t) as *const u8);
+                            _mm256_storeu_ps(o.add(256 * i + sl * j + 8 * t), _mm256_sub_ps(_mm256_mul_ps(dd, v), mm));
                         }
                     }
                 }
