@@ -196,7 +196,11 @@ impl Prefetch {
     const NONE: Prefetch = Prefetch([std::ptr::null(); 4]);
     /// The 4 weight rows after the tile at row `j` (of rows ending at `end`, `stride` bytes apart from `base`).
     fn after(base: *const u8, j: usize, end: usize, stride: usize) -> Prefetch {
-        Prefetch(rows4(base, j + 4, end, stride))
+        Prefetch::rows(base, j + 4, end, stride)
+    }
+    /// Rows `first..first + 4` (clamped before `end`; a tile of fewer weight rows fetches its first ones).
+    fn rows(base: *const u8, first: usize, end: usize, stride: usize) -> Prefetch {
+        Prefetch(rows4(base, first.min(end - 1), end, stride))
     }
     #[cfg(target_arch = "x86_64")]
     fn active(&self) -> bool {
@@ -207,6 +211,27 @@ impl Prefetch {
 /// The starts of rows `first..first + 4` (clamped to the last row before `end`), `stride` bytes apart from `base`.
 fn rows4(base: *const u8, first: usize, end: usize, stride: usize) -> [*const u8; 4] {
     [0, 1, 2, 3].map(|c| base.wrapping_add((first + c).min(end - 1) * stride))
+}
+
+/// Store a tile's results: acc[r][c] is y[r0 + r][j + c], for the first `valid` weight rows (a tail tile repeats
+/// its last row, whose results are not stored).
+///
+/// # Safety
+/// Those entries are inside y (m × n) and only this task writes columns j..j + valid.
+#[inline(always)]
+unsafe fn store_tile<const C: usize, const R: usize>(
+    y: Out,
+    acc: &[[f32; C]; R],
+    r0: usize,
+    j: usize,
+    valid: usize,
+    n: usize,
+) {
+    for (r, row) in acc.iter().enumerate() {
+        for (c, &v) in row.iter().take(valid).enumerate() {
+            y.write((r0 + r) * n + j + c, v);
+        }
+    }
 }
 
 /// The output buffer shared by the tasks, each writing its own columns.
@@ -267,15 +292,15 @@ mod x86 {
     }
 
     /// One step of every tile below: the x lanes `$x` of each of the R x rows (`$ri` names the row), the weight
-    /// lanes `$w` of each of the 4 weight rows (`$ci` names it; formed once, shared by the R x rows), and
+    /// lanes `$w` of each of the `$c` weight rows (`$ci` names it; formed once, shared by the R x rows), and
     /// acc[r][c] += x_r · w_c.
     macro_rules! tile_step {
-        ($r:ident, $zero:ident, $loadx:ident, $fma:ident, $acc:ident, |$ri:ident| $x:expr, |$ci:ident| $w:expr) => {{
+        ($r:ident, $c:expr, $zero:ident, $loadx:ident, $fma:ident, $acc:ident, |$ri:ident| $x:expr, |$ci:ident| $w:expr) => {{
             let mut xv = [$zero(); $r];
             for $ri in 0..$r {
                 xv[$ri] = $loadx($x);
             }
-            for $ci in 0..4 {
+            for $ci in 0..$c {
                 let wv = $w;
                 for r in 0..$r {
                     $acc[r][$ci] = $fma(xv[r], wv, $acc[r][$ci]);
@@ -305,7 +330,7 @@ mod x86 {
                             _mm_prefetch::<_MM_HINT_T0>(pf.0[c].wrapping_add(i * es) as *const i8);
                         }
                     }
-                    tile_step!(R, $zero, $loadx, $fma, acc, |r| xs[r].as_ptr().add(i), |c| $loadw(
+                    tile_step!(R, 4, $zero, $loadx, $fma, acc, |r| xs[r].as_ptr().add(i), |c| $loadw(
                         ws[c].as_ptr().add(i)
                     ));
                     i += $lanes;
@@ -390,62 +415,64 @@ mod x86 {
         buf.as_ptr() as *const u8
     }
 
-    /// The loop of a fused kernel that takes windows of one or two x rows, each count its own function (one tile
-    /// shape per function: with both inlined into one, LLVM stopped unrolling the k-quant tiles, 1.5x slower).
-    macro_rules! fused_rows_1_2 {
-        ($feature:literal, $tile:ident, $x:ident, $m:ident, $q:ident, $n0:ident, $nw:ident, $y:ident) => {
-            #[target_feature(enable = $feature)]
-            unsafe fn run<const R: usize>(x: &[f32], q: &QMatrix, n0: usize, nw: usize, y: super::Out) {
-                let (n, k, rb) = (q.n, q.k, q.row_bytes());
-                let base = q.bytes().as_ptr();
-                let end = n0 + nw;
-                let xs: [*const f32; R] = std::array::from_fn(|r| x.as_ptr().add(r * k));
-                for j in (n0..end).step_by(4) {
-                    let a = $tile::<R>(xs, super::rows4(base, j, end, rb), super::Prefetch::after(base, j, end, rb), k);
-                    for r in 0..R {
-                        for c in 0..(end - j).min(4) {
-                            y.write(r * n + j + c, a[r][c]);
-                        }
-                    }
-                }
-            }
-            debug_assert!($m <= 2, "fused k-quant kernels take 1 or 2 rows");
-            match $m {
-                0 => {}
-                1 => run::<1>($x, $q, $n0, $nw, $y),
-                _ => run::<2>($x, $q, $n0, $nw, $y),
-            }
-        };
-    }
-
-    /// The loop of the fused (in-register) kernels over columns [n0, n0 + nw): 4 weight rows at a time (the next
-    /// 4 fetched ahead), x rows two at a time (`tile::<2>`; the first pair issues the prefetches), then the odd one.
+    /// The loop of the fused (in-register) kernels over columns [n0, n0 + nw): one or two x rows take 4 weight
+    /// rows at a time (`tile::<4, R>`: a one-row window is bound by memory, the 4 rows' streams keep it busy);
+    /// longer windows take 2 weight rows at a time with x rows `$rmax` at a time (`tile::<2, R>`, then the rows
+    /// left), so each weight value is decoded once per `$rmax` x rows (4; 3 for the k-quants with a min, whose
+    /// 4-row tile runs out of registers: 1.2-1.7x slower). The first x rows fetch the next weight rows ahead.
+    /// Every tile computes each output the same way (lane-wise multiply-adds along k, one reduction), so the tile
+    /// shape never changes a result.
     macro_rules! fused_rows {
-        ($tile:ident, $x:ident, $m:ident, $q:ident, $n0:ident, $nw:ident, $y:ident) => {
+        ($feature:literal, $tile:ident, $rmax:literal, $x:ident, $m:ident, $q:ident, $n0:ident, $nw:ident, $y:ident) => {
+            /// One tile shape, in a function of its own (with several shapes inlined into one function LLVM
+            /// stopped unrolling the k-quant tiles: 1.5x slower).
+            #[inline(never)]
+            #[target_feature(enable = $feature)]
+            unsafe fn shape<const C: usize, const R: usize>(
+                xs: [*const f32; R],
+                ws: [*const u8; C],
+                pf: super::Prefetch,
+                k: usize,
+            ) -> [[f32; C]; R] {
+                $tile::<C, R>(xs, ws, pf, k)
+            }
             let (n, k, rb) = ($q.n, $q.k, $q.row_bytes());
             let base = $q.bytes().as_ptr();
             let end = $n0 + $nw;
-            for j in ($n0..end).step_by(4) {
-                let ws = super::rows4(base, j, end, rb);
-                let pf = super::Prefetch::after(base, j, end, rb);
-                let valid = (end - j).min(4);
-                let xp = $x.as_ptr();
-                let mut r = 0;
-                while r < $m {
-                    let fetch = if r == 0 { pf } else { super::Prefetch::NONE };
-                    if r + 2 <= $m {
-                        let a = $tile::<2>([xp.add(r * k), xp.add((r + 1) * k)], ws, fetch, k);
-                        for c in 0..valid {
-                            $y.write(r * n + j + c, a[0][c]);
-                            $y.write((r + 1) * n + j + c, a[1][c]);
+            let xp = $x.as_ptr();
+            let xs = |r: usize| xp.add(r * k);
+            let y = $y;
+            if $m <= 2 {
+                for j in ($n0..end).step_by(4) {
+                    let (ws, pf) = (super::rows4(base, j, end, rb), super::Prefetch::after(base, j, end, rb));
+                    let valid = (end - j).min(4);
+                    match $m {
+                        2 => super::store_tile(y, &shape::<4, 2>([xs(0), xs(1)], ws, pf, k), 0, j, valid, n),
+                        1 => super::store_tile(y, &shape::<4, 1>([xs(0)], ws, pf, k), 0, j, valid, n),
+                        _ => {}
+                    }
+                }
+            } else {
+                for j in ($n0..end).step_by(2) {
+                    let w4 = super::rows4(base, j, end, rb);
+                    let ws = [w4[0], w4[1]];
+                    let next = super::Prefetch::rows(base, j + 2, end, rb);
+                    let valid = (end - j).min(2);
+                    let mut r = 0;
+                    while r < $m {
+                        let pf = if r == 0 { next } else { super::Prefetch::NONE };
+                        let left = ($m - r).min($rmax);
+                        let xr = |i: usize| xs(r + i);
+                        match left {
+                            1 => super::store_tile(y, &shape::<2, 1>([xr(0)], ws, pf, k), r, j, valid, n),
+                            2 => super::store_tile(y, &shape::<2, 2>([xr(0), xr(1)], ws, pf, k), r, j, valid, n),
+                            3 => super::store_tile(y, &shape::<2, 3>([xr(0), xr(1), xr(2)], ws, pf, k), r, j, valid, n),
+                            _ => {
+                                let a = shape::<2, 4>([xr(0), xr(1), xr(2), xr(3)], ws, pf, k);
+                                super::store_tile(y, &a, r, j, valid, n)
+                            }
                         }
-                        r += 2;
-                    } else {
-                        let a = $tile::<1>([xp.add(r * k)], ws, fetch, k);
-                        for c in 0..valid {
-                            $y.write(r * n + j + c, a[0][c]);
-                        }
-                        r += 1;
+                        r += left;
                     }
                 }
             }
@@ -566,8 +593,8 @@ mod x86 {
         }};
     }
 
-    /// Columns [n0, n0 + nw) of y = x · Wᵀ for a q6_k (or q3_k) W and one or two x rows, dequantizing in
-    /// registers: a super-block of each of the 4 weight rows decoded to bytes (`$ints`: `q6_ints` / `q3k_ints`),
+    /// Columns [n0, n0 + nw) of y = x · Wᵀ for a q6_k (or q3_k) W and a few x rows (`fused_rows`), dequantizing in
+    /// registers: a super-block of each of the C weight rows decoded to bytes (`$ints`: `q6_ints` / `q3k_ints`),
     /// then per sub-block of 16 the value (d·sc)·q (`$factors`: its 16 d·sc) and the multiply-adds in the order of
     /// the f32 tile over the dequantized scratch, so the same bits. `$bb`: bytes per super-block.
     macro_rules! q6k_fused_fn {
@@ -575,17 +602,17 @@ mod x86 {
             #[target_feature(enable = $feature)]
             pub unsafe fn $name(x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: usize, y: super::Out) {
                 #[inline(always)]
-                unsafe fn tile<const R: usize>(
+                unsafe fn tile<const C: usize, const R: usize>(
                     xs: [*const f32; R],
-                    ws: [*const u8; 4],
+                    ws: [*const u8; C],
                     pf: super::Prefetch,
                     k: usize,
-                ) -> [[f32; 4]; R] {
-                    let mut acc = [[$zero(); 4]; R];
-                    let mut buf = [[0i8; 256]; 4];
+                ) -> [[f32; C]; R] {
+                    let mut acc = [[$zero(); C]; R];
+                    let mut buf = [[0i8; 256]; C];
                     for sb in 0..k / 256 {
                         let b = ws.map(|w| w.add($bb * sb));
-                        for c in 0..4 {
+                        for c in 0..C {
                             if pf.active() {
                                 for l in 0..($bb as usize).div_ceil(64) {
                                     _mm_prefetch::<_MM_HINT_T0>(pf.0[c].wrapping_add($bb * sb + 64 * l) as *const i8);
@@ -595,13 +622,13 @@ mod x86 {
                         }
                         let f = b.map(|p| $factors(p));
                         for s in 0..16 {
-                            let mut ds = [$zero(); 4];
-                            for c in 0..4 {
+                            let mut ds = [$zero(); C];
+                            for c in 0..C {
                                 ds[c] = $set1(f[c][s]);
                             }
                             for t in 0..16 / $lanes {
                                 let i = 256 * sb + 16 * s + $lanes * t;
-                                tile_step!(R, $zero, $loadx, $fma, acc, |r| xs[r].add(i), |c| $mul(
+                                tile_step!(R, C, $zero, $loadx, $fma, acc, |r| xs[r].add(i), |c| $mul(
                                     ds[c],
                                     $loadq(buf[c].as_ptr().add(16 * s + $lanes * t) as *const u8)
                                 ));
@@ -610,7 +637,7 @@ mod x86 {
                     }
                     acc.map(|a| a.map(|v| $sum(v)))
                 }
-                fused_rows_1_2!($feature, tile, x, m, q, n0, nw, y);
+                fused_rows!($feature, tile, 4, x, m, q, n0, nw, y);
             }
         };
     }
@@ -624,43 +651,37 @@ mod x86 {
             #[target_feature(enable = $feature)]
             pub unsafe fn $name(x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: usize, y: super::Out) {
                 #[inline(always)]
-                unsafe fn tile<const R: usize>(
+                unsafe fn tile<const C: usize, const R: usize>(
                     xs: [*const f32; R],
-                    ws: [*const u8; 4],
+                    ws: [*const u8; C],
                     pf: super::Prefetch,
                     k: usize,
-                ) -> [[f32; 4]; R] {
-                    let mut acc = [[$zero(); 4]; R];
-                    let mut buf = [[0i8; 32]; 4];
+                ) -> [[f32; C]; R] {
+                    let mut acc = [[$zero(); C]; R];
+                    let mut buf = [[0i8; 32]; C];
                     for blk in 0..k / 32 {
                         if blk % 2 == 0 && pf.active() {
-                            for c in 0..4 {
+                            for c in 0..C {
                                 _mm_prefetch::<_MM_HINT_T0>(pf.0[c].wrapping_add($bb * blk) as *const i8);
                             }
                         }
-                        let mut d = [$zero(); 4];
-                        let mut qv = [std::ptr::null::<u8>(); 4];
-                        for c in 0..4 {
+                        let mut d = [$zero(); C];
+                        let mut qv = [std::ptr::null::<u8>(); C];
+                        for c in 0..C {
                             d[c] = $set1(scale(ws[c].add($bb * blk)));
                             qv[c] = $ints(ws[c].add($bb * blk), &mut buf[c]);
                         }
                         for g in 0..32 / $lanes {
                             let i = 32 * blk + $lanes * g;
-                            tile_step!(R, $zero, $loadx, $fma, acc, |r| xs[r].add(i), |c| $mul(
+                            tile_step!(R, C, $zero, $loadx, $fma, acc, |r| xs[r].add(i), |c| $mul(
                                 $loadq(qv[c].add($lanes * g)),
                                 d[c]
                             ));
                         }
                     }
-                    let mut out = [[0f32; 4]; R];
-                    for r in 0..R {
-                        for c in 0..4 {
-                            out[r][c] = $sum(acc[r][c]);
-                        }
-                    }
-                    out
+                    acc.map(|a| a.map(|v| $sum(v)))
                 }
-                fused_rows!(tile, x, m, q, n0, nw, y);
+                fused_rows!($feature, tile, 4, x, m, q, n0, nw, y);
             }
         };
     }
@@ -700,8 +721,8 @@ mod x86 {
         }
     }
 
-    /// Columns [n0, n0 + nw) of y = x · Wᵀ for a q4_k (or q5_k, q2_k) W and one or two x rows, dequantizing in
-    /// registers: a super-block of each of the 4 weight rows decoded to bytes (`$ints`), then per sub-block of
+    /// Columns [n0, n0 + nw) of y = x · Wᵀ for a q4_k (or q5_k, q2_k) W and a few x rows (`fused_rows`), dequantizing in
+    /// registers: a super-block of each of the C weight rows decoded to bytes (`$ints`), then per sub-block of
     /// `$sl` values (32; q2_k 16) the value (d·sc)·q − dmin·m (`$factors`: each sub-block's d·sc and dmin·m) and
     /// the multiply-adds in the order of the f32 tile over the dequantized scratch, so the same bits. `$bb`: bytes
     /// per super-block.
@@ -710,18 +731,18 @@ mod x86 {
             #[target_feature(enable = $feature)]
             pub unsafe fn $name(x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: usize, y: super::Out) {
                 #[inline(always)]
-                unsafe fn tile<const R: usize>(
+                unsafe fn tile<const C: usize, const R: usize>(
                     xs: [*const f32; R],
-                    ws: [*const u8; 4],
+                    ws: [*const u8; C],
                     pf: super::Prefetch,
                     k: usize,
-                ) -> [[f32; 4]; R] {
-                    let mut acc = [[$zero(); 4]; R];
-                    let mut buf = [[0i8; 256]; 4];
-                    let mut dm = [[(0f32, 0f32); 256 / $sl]; 4];
+                ) -> [[f32; C]; R] {
+                    let mut acc = [[$zero(); C]; R];
+                    let mut buf = [[0i8; 256]; C];
+                    let mut dm = [[(0f32, 0f32); 256 / $sl]; C];
                     for sb in 0..k / 256 {
                         let b = ws.map(|w| w.add($bb * sb));
-                        for c in 0..4 {
+                        for c in 0..C {
                             if pf.active() {
                                 for l in 0..($bb as usize).div_ceil(64) {
                                     _mm_prefetch::<_MM_HINT_T0>(pf.0[c].wrapping_add($bb * sb + 64 * l) as *const i8);
@@ -735,7 +756,7 @@ mod x86 {
                             let m1 = dm.map(|r| $set1(r[j].1));
                             for t in 0..$sl / $lanes {
                                 let i = 256 * sb + $sl * j + $lanes * t;
-                                tile_step!(R, $zero, $loadx, $fma, acc, |r| xs[r].add(i), |c| $sub(
+                                tile_step!(R, C, $zero, $loadx, $fma, acc, |r| xs[r].add(i), |c| $sub(
                                     $mul(d1[c], $loadq(buf[c].as_ptr().add($sl * j + $lanes * t) as *const u8)),
                                     m1[c]
                                 ));
@@ -744,7 +765,7 @@ mod x86 {
                     }
                     acc.map(|a| a.map(|v| $sum(v)))
                 }
-                fused_rows_1_2!($feature, tile, x, m, q, n0, nw, y);
+                fused_rows!($feature, tile, 3, x, m, q, n0, nw, y);
             }
         };
     }
@@ -1098,8 +1119,8 @@ fn matmul_q_with(isa: Isa, x: &[f32], m: usize, q: &QMatrix, par_min_macs: usize
 }
 
 /// Columns [n0, n0 + nw) of y = x · Wᵀ for a quantized W, 4 weight rows at a time through `scratch` (4·k);
-/// windows of 1-2 rows (q8_0 / q5_0: up to 8 long rows) dequantize in registers instead (same values, same order of
-/// multiply-adds, so the same bits: no store and reload where the weights stream from memory).
+/// windows of up to `fused_max_rows` rows dequantize in registers instead (same values, same order of
+/// multiply-adds, so the same bits, without the scratch's store and reload).
 ///
 /// # Safety
 /// As `columns_on`.
@@ -1132,12 +1153,16 @@ unsafe fn dequantize_rows_on(isa: Isa, q: &QMatrix, j0: usize, count: usize, out
     }
 }
 
-/// Whether an m-row window multiplies a q8_0 matrix with rows of k values dequantizing in registers rather than
-/// through the scratch (the same bits either way): one or two rows (no store and reload where the weights stream
-/// from memory), and up to 8 rows of long rows, whose 4-row scratch (16·k bytes) would not stay in L1.
+/// Longest window a format's fused kernel takes (longer ones dequantize 4 weight rows at a time through the
+/// scratch, once for every x row). Measured with `benches/quant_kernel.rs` against bf16 on the 0.5B and 1.7B
+/// shapes (benches/RESULTS.md): q8_0 / q5_0 / q4_0 and q6_k / q3_k decode once per 4 x rows and stay ahead of the
+/// scratch up to 8 rows; q4_k / q5_k / q2_k (a tile of 3 x rows: a 4th spills) up to 6.
 #[cfg(target_arch = "x86_64")]
-fn q8_in_registers(m: usize, k: usize) -> bool {
-    m <= 2 || (m <= 8 && 16 * k > 32 << 10)
+fn fused_max_rows(f: QuantFormat) -> usize {
+    match f {
+        QuantFormat::Q4K | QuantFormat::Q5K | QuantFormat::Q2K => 6,
+        _ => 8,
+    }
 }
 
 /// The body of `q_columns_on`, inlined into each instruction set's variant (so the dequantization is
@@ -1148,22 +1173,23 @@ unsafe fn q_columns(isa: Isa, x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: u
     let (n, k) = (q.n, q.k);
     #[cfg(target_arch = "x86_64")]
     match (isa, q.format) {
-        (Isa::Avx512, QuantFormat::Q8_0) if q8_in_registers(m, k) => return x86::q8_fused_avx512(x, m, q, n0, nw, y),
-        (Isa::Avx2, QuantFormat::Q8_0) if q8_in_registers(m, k) => return x86::q8_fused_avx2(x, m, q, n0, nw, y),
-        (Isa::Avx512, QuantFormat::Q5_0) if q8_in_registers(m, k) => return x86::q5_fused_avx512(x, m, q, n0, nw, y),
-        (Isa::Avx2, QuantFormat::Q5_0) if q8_in_registers(m, k) => return x86::q5_fused_avx2(x, m, q, n0, nw, y),
-        (Isa::Avx512, QuantFormat::Q4_0) if q8_in_registers(m, k) => return x86::q4_0_fused_avx512(x, m, q, n0, nw, y),
-        (Isa::Avx2, QuantFormat::Q4_0) if q8_in_registers(m, k) => return x86::q4_0_fused_avx2(x, m, q, n0, nw, y),
-        (Isa::Avx512, QuantFormat::Q4K) if m <= 2 => return x86::q4k_fused_avx512(x, m, q, n0, nw, y),
-        (Isa::Avx2, QuantFormat::Q4K) if m <= 2 => return x86::q4k_fused_avx2(x, m, q, n0, nw, y),
-        (Isa::Avx512, QuantFormat::Q5K) if m <= 2 => return x86::q5k_fused_avx512(x, m, q, n0, nw, y),
-        (Isa::Avx2, QuantFormat::Q5K) if m <= 2 => return x86::q5k_fused_avx2(x, m, q, n0, nw, y),
-        (Isa::Avx512, QuantFormat::Q6K) if m <= 2 => return x86::q6k_fused_avx512(x, m, q, n0, nw, y),
-        (Isa::Avx2, QuantFormat::Q6K) if m <= 2 => return x86::q6k_fused_avx2(x, m, q, n0, nw, y),
-        (Isa::Avx512, QuantFormat::Q3K) if m <= 2 => return x86::q3k_fused_avx512(x, m, q, n0, nw, y),
-        (Isa::Avx2, QuantFormat::Q3K) if m <= 2 => return x86::q3k_fused_avx2(x, m, q, n0, nw, y),
-        (Isa::Avx512, QuantFormat::Q2K) if m <= 2 => return x86::q2k_fused_avx512(x, m, q, n0, nw, y),
-        (Isa::Avx2, QuantFormat::Q2K) if m <= 2 => return x86::q2k_fused_avx2(x, m, q, n0, nw, y),
+        (Isa::Avx512 | Isa::Avx2, _) if m > fused_max_rows(q.format) => {}
+        (Isa::Avx512, QuantFormat::Q8_0) => return x86::q8_fused_avx512(x, m, q, n0, nw, y),
+        (Isa::Avx2, QuantFormat::Q8_0) => return x86::q8_fused_avx2(x, m, q, n0, nw, y),
+        (Isa::Avx512, QuantFormat::Q5_0) => return x86::q5_fused_avx512(x, m, q, n0, nw, y),
+        (Isa::Avx2, QuantFormat::Q5_0) => return x86::q5_fused_avx2(x, m, q, n0, nw, y),
+        (Isa::Avx512, QuantFormat::Q4_0) => return x86::q4_0_fused_avx512(x, m, q, n0, nw, y),
+        (Isa::Avx2, QuantFormat::Q4_0) => return x86::q4_0_fused_avx2(x, m, q, n0, nw, y),
+        (Isa::Avx512, QuantFormat::Q4K) => return x86::q4k_fused_avx512(x, m, q, n0, nw, y),
+        (Isa::Avx2, QuantFormat::Q4K) => return x86::q4k_fused_avx2(x, m, q, n0, nw, y),
+        (Isa::Avx512, QuantFormat::Q5K) => return x86::q5k_fused_avx512(x, m, q, n0, nw, y),
+        (Isa::Avx2, QuantFormat::Q5K) => return x86::q5k_fused_avx2(x, m, q, n0, nw, y),
+        (Isa::Avx512, QuantFormat::Q6K) => return x86::q6k_fused_avx512(x, m, q, n0, nw, y),
+        (Isa::Avx2, QuantFormat::Q6K) => return x86::q6k_fused_avx2(x, m, q, n0, nw, y),
+        (Isa::Avx512, QuantFormat::Q3K) => return x86::q3k_fused_avx512(x, m, q, n0, nw, y),
+        (Isa::Avx2, QuantFormat::Q3K) => return x86::q3k_fused_avx2(x, m, q, n0, nw, y),
+        (Isa::Avx512, QuantFormat::Q2K) => return x86::q2k_fused_avx512(x, m, q, n0, nw, y),
+        (Isa::Avx2, QuantFormat::Q2K) => return x86::q2k_fused_avx2(x, m, q, n0, nw, y),
         _ => {}
     }
     for j in (n0..n0 + nw).step_by(4) {
@@ -1451,7 +1477,7 @@ mod tests {
             let mut deq = vec![0f32; n * k];
             q.dequantize_rows(0, n, &mut deq);
             for &isa in &available_isas() {
-                for m in [1usize, 2, 3, 4, 7, 64, 65, 130] {
+                for m in [1usize, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 64, 65, 130] {
                     let x: Vec<f32> = (0..m * k).map(|_| rnd()).collect();
                     let a = matmul_q_with(isa, &x, m, &q, 1);
                     let b = matmul_t_with(isa, &x, m, k, &deq, n, 1 << 30);
