@@ -160,27 +160,22 @@ fn columns<E: WeightElem>(
         // the next tile's weight rows, fetched while this one computes (its rows are short streams that the
         // hardware prefetcher would only pick up after a few misses each); once per tile: by the first x rows
         let next = Prefetch::after(w.as_ptr() as *const u8, j, end, k * std::mem::size_of::<E>());
-        // Store a tile's results for x rows r0.. (only the valid weight rows).
-        let store = |r0: usize, acc: &[[f32; 4]]| {
-            for (dr, row) in acc.iter().enumerate() {
-                for (c, &v) in row.iter().take(valid).enumerate() {
-                    // SAFETY: (r0 + dr, j + c) is inside y, and only this task writes columns [n0, n0 + nw).
-                    unsafe { y.write((r0 + dr) * n + j + c, v) };
-                }
-            }
-        };
         let mut r = 0;
         let pf = |r: usize| if r == 0 { next } else { Prefetch::NONE };
+        // SAFETY (each store): x rows r.. of the tile and its valid weight rows are inside y, and only this task
+        // writes columns [n0, n0 + nw).
         while r + 4 <= m {
-            store(r, &tile4([xrow(r), xrow(r + 1), xrow(r + 2), xrow(r + 3)], ws, pf(r), k));
+            unsafe {
+                store_tile(y, &tile4([xrow(r), xrow(r + 1), xrow(r + 2), xrow(r + 3)], ws, pf(r), k), r, j, valid, n)
+            };
             r += 4;
         }
         if r + 2 <= m {
-            store(r, &tile2([xrow(r), xrow(r + 1)], ws, pf(r), k));
+            unsafe { store_tile(y, &tile2([xrow(r), xrow(r + 1)], ws, pf(r), k), r, j, valid, n) };
             r += 2;
         }
         if r < m {
-            store(r, &tile1([xrow(r)], ws, pf(r), k));
+            unsafe { store_tile(y, &tile1([xrow(r)], ws, pf(r), k), r, j, valid, n) };
         }
         j += 4;
     }
@@ -200,7 +195,7 @@ impl Prefetch {
     }
     /// Rows `first..first + 4` (clamped before `end`; a tile of fewer weight rows fetches its first ones).
     fn rows(base: *const u8, first: usize, end: usize, stride: usize) -> Prefetch {
-        Prefetch(rows4(base, first.min(end - 1), end, stride))
+        Prefetch(rows4(base, first, end, stride))
     }
     #[cfg(target_arch = "x86_64")]
     fn active(&self) -> bool {
