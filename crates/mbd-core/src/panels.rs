@@ -1,14 +1,19 @@
-//! Many-row products y = x · Wᵀ on the CPU (a prefill chunk, a long window): W is taken in panels of weight rows
-//! (about `PANEL_VALUES` values); each panel is widened (bf16) or dequantized (quantized) into a reused f32
-//! scratch, in parallel, then the gemm crate (the one candle's CPU matmul calls, with its own parallel split)
-//! multiplies every x row by it, writing the panel's columns of y. An f32 matrix is one panel, as in candle.
+//! Many-row products y = x · Wᵀ on the CPU (a prefill chunk, a long window).
+//!
+//! On x86-64 with AVX2 and FMA: `packed`, a BLIS-style product with a 6 × 16 register tile that packs x once and
+//! each task's weight rows a block at a time, widening bf16 or dequantizing as it packs. Every y element is the
+//! in-order f32 fused-multiply-add chain over k, so a row's bits do not depend on m, the tiling or the threads.
+//!
+//! Elsewhere: W is taken in panels of weight rows (about `PANEL_VALUES` values); each panel is widened (bf16) or
+//! dequantized (quantized) into a reused f32 scratch, in parallel, then the gemm crate (the one candle's CPU matmul
+//! calls, with its own parallel split) multiplies every x row by it, writing the panel's columns of y. An f32 matrix
+//! is one panel, as in candle. There a row's result depends on x's row, W and m (through gemm's blocking).
 //!
 //! Why not candle's matmul: on a bf16 matrix it needs an f32 copy of the whole matrix per call (on the 0.5B shape
 //! 2 GB of fresh pages per forward, the head alone 545 MB), and a quantized matrix has no many-row path there.
 //! (Panels as single-threaded parallel tasks were tried first: slower than gemm's own split, which packs x once.)
 //!
-//! A row's result depends only on x's row and W (and m, through gemm's blocking): the engine sends a long window
-//! here alone, never stacked with other sequences' rows (`models::qwen::Groups`), so batch invariance holds.
+//! The engine sends a long window here alone, never stacked with other sequences' rows (`models::qwen::Groups`).
 
 use crate::quant::QMatrix;
 use crate::skinny::dequantize_rows;
@@ -26,6 +31,10 @@ pub enum Source<'a> {
 /// y (m × n) = x (m × k) · Wᵀ, each gemm call parallel on the calling pool from `par_min_macs` multiply-adds.
 pub fn matmul_t(x: &[f32], m: usize, k: usize, w: Source<'_>, n: usize, par_min_macs: usize) -> Vec<f32> {
     assert_eq!(x.len(), m * k);
+    #[cfg(target_arch = "x86_64")]
+    if packed::available() {
+        return packed::matmul_t(x, m, k, w, n, par_min_macs);
+    }
     thread_local! {
         static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     }
@@ -133,6 +142,325 @@ unsafe fn gemm_panel(
     );
 }
 
+/// The packed AVX2+FMA product (x86-64 CPUs with AVX2 and FMA): the BLIS scheme with a 6 × 16 register tile.
+///
+/// x is packed once per call into `MR`-row micro-panels (`KC` columns deep); the output columns are cut into
+/// parallel tasks, each packing its weight rows `KC` columns at a time into `NR`-column micro-panels (widening bf16,
+/// or from a dequantized copy of its rows) and running the tile over every x micro-panel, `MC` rows of x at a time.
+///
+/// Numerics: every y element is one f32 fused-multiply-add chain over k in order, starting from 0 (a tile continues
+/// the chain of the previous `KC` block from the stored value). So a row's result depends only on x's row and W — not
+/// on m, the tiling, the task split or the thread count — and equals `acc = x[i].mul_add(w[i], acc)` for i = 0..k.
+#[cfg(target_arch = "x86_64")]
+mod packed {
+    use super::Source;
+    use crate::skinny::{dequantize_rows, load8, WeightElem};
+    use half::bf16;
+    use rayon::prelude::*;
+    use std::arch::x86_64::*;
+    use std::cell::Cell;
+    use std::thread::LocalKey;
+
+    /// Register tile: `MR` x rows × `NR` output columns (12 of the 16 ymm registers hold it).
+    const MR: usize = 6;
+    const NR: usize = 16;
+    /// Depth of a packed block: a weight micro-panel (`KC` × `NR`, 16 KB) stays in L1 while the x micro-panels stream.
+    const KC: usize = 256;
+    /// x rows per block (`MC` × `KC` f32: 144 KB, in L2 with the task's weight block).
+    const MC: usize = 144;
+    /// `NR`-column groups per task at most (the task's packed weight block: `KC` × 128 f32, 128 KB).
+    const MAX_TASK_GROUPS: usize = 8;
+
+    pub(super) fn available() -> bool {
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+    }
+
+    thread_local! {
+        static A: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+        static B: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+        static ROWS: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+    }
+
+    /// `f` on a 64-byte aligned slice of `len` values of the thread's buffer `buf`. The buffer is taken out while
+    /// `f` runs, so a call that re-enters on this thread (a rayon worker picking up other work while it waits)
+    /// gets a fresh one instead of a borrow error.
+    fn with_buf<R>(buf: &'static LocalKey<Cell<Vec<f32>>>, len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+        let mut v = buf.take();
+        if v.len() < len + 16 {
+            v.resize(len + 16, 0.0);
+        }
+        let skip = v.as_ptr().align_offset(64);
+        let r = f(&mut v[skip..skip + len]);
+        buf.set(v);
+        r
+    }
+
+    /// Shared output pointer; each task writes only its own columns.
+    #[derive(Clone, Copy)]
+    struct Out(*mut f32);
+    unsafe impl Send for Out {}
+    unsafe impl Sync for Out {}
+
+    pub(super) fn matmul_t(x: &[f32], m: usize, k: usize, w: Source<'_>, n: usize, par_min_macs: usize) -> Vec<f32> {
+        assert!(available(), "packed::matmul_t needs AVX2 and FMA");
+        // every element is stored by its first depth block before anything reads it (no zero fill needed)
+        let mut y: Vec<f32> = Vec::with_capacity(m * n);
+        if m == 0 || n == 0 || k == 0 {
+            y.resize(m * n, 0.0);
+            return y;
+        }
+        let par = rayon::current_num_threads() > 1 && m * n * k >= par_min_macs;
+        let m_pad = m.div_ceil(MR) * MR;
+        with_buf(&A, m_pad * k, |a| {
+            pack_x(x, m, k, m_pad, a, par);
+            let a: &[f32] = a;
+            let groups = n.div_ceil(NR);
+            let tasks = task_count(groups, if par { rayon::current_num_threads() } else { 1 });
+            let out = Out(y.as_mut_ptr());
+            let task = |t: usize| {
+                // task t: groups [t·groups/tasks, (t+1)·groups/tasks) of NR columns (sizes differ by at most one)
+                let (j0, j1) = (t * groups / tasks * NR, ((t + 1) * groups / tasks * NR).min(n));
+                // SAFETY: the task writes columns [j0, j1) of y (m × n) only; x is packed m_pad × k in `a`.
+                unsafe { columns(a, m, m_pad, k, w, j0, j1 - j0, n, out) }
+            };
+            if par {
+                (0..tasks).into_par_iter().for_each(task);
+            } else {
+                (0..tasks).for_each(task);
+            }
+            // SAFETY: the tasks wrote all m × n elements (first depth block of every tile)
+            unsafe { y.set_len(m * n) };
+        });
+        y
+    }
+
+    /// Tasks over `groups` column groups of `NR`: at most `MAX_TASK_GROUPS` groups each, at least 2 per thread where
+    /// there are enough groups, and a multiple of the threads, so that the threads get equal work.
+    fn task_count(groups: usize, threads: usize) -> usize {
+        let tasks = groups.div_ceil(MAX_TASK_GROUPS).max(2 * threads).div_ceil(threads) * threads;
+        tasks.min(groups)
+    }
+
+    /// x (m × k) into `a`: per `KC` block (at offset kc0 · m_pad), `MR`-row micro-panels of kc × `MR` values
+    /// (row r of panel i at [p · MR + r]), rows past m zero.
+    fn pack_x(x: &[f32], m: usize, k: usize, m_pad: usize, a: &mut [f32], par: bool) {
+        // each panel's values lie in every block: split the work by panel over raw offsets
+        let panels = m_pad / MR;
+        let a_ptr = Out(a.as_mut_ptr());
+        let one = |i: usize| {
+            let a_ptr = a_ptr;
+            for kc0 in (0..k).step_by(KC) {
+                let kc = KC.min(k - kc0);
+                // SAFETY: panel i of block kc0 is [kc0·m_pad + i·MR·kc, + MR·kc), inside `a` (m_pad × k) and
+                // written by this call only.
+                let dst = unsafe { std::slice::from_raw_parts_mut(a_ptr.0.add(kc0 * m_pad + i * MR * kc), MR * kc) };
+                for r in 0..MR {
+                    let row = i * MR + r;
+                    if row < m {
+                        let src = &x[row * k + kc0..row * k + kc0 + kc];
+                        for (p, &v) in src.iter().enumerate() {
+                            dst[p * MR + r] = v;
+                        }
+                    } else {
+                        for p in 0..kc {
+                            dst[p * MR + r] = 0.0;
+                        }
+                    }
+                }
+            }
+        };
+        if par && panels > 1 {
+            (0..panels).into_par_iter().for_each(one);
+        } else {
+            (0..panels).for_each(one);
+        }
+    }
+
+    /// Columns [j0, j0 + nt) of y.
+    ///
+    /// # Safety
+    /// `y` is m × n; only this call writes those columns; `a` holds x packed by `pack_x`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn columns(
+        a: &[f32],
+        m: usize,
+        m_pad: usize,
+        k: usize,
+        w: Source<'_>,
+        j0: usize,
+        nt: usize,
+        n: usize,
+        y: Out,
+    ) {
+        match w {
+            Source::F32(w) => columns_of(a, m, m_pad, k, &w[j0 * k..(j0 + nt) * k], nt, n, y, j0),
+            Source::Bf16(w) => columns_of::<bf16>(a, m, m_pad, k, &w[j0 * k..(j0 + nt) * k], nt, n, y, j0),
+            Source::Quant(q) => with_buf(&ROWS, nt * k, |rows| {
+                dequantize_rows(q, j0, nt, rows);
+                columns_of(a, m, m_pad, k, rows, nt, n, y, j0)
+            }),
+        }
+    }
+
+    /// Columns [j0, j0 + nt) of y from the task's weight rows `w` (nt × k).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn columns_of<E: WeightElem>(
+        a: &[f32],
+        m: usize,
+        m_pad: usize,
+        k: usize,
+        w: &[E],
+        nt: usize,
+        n: usize,
+        y: Out,
+        j0: usize,
+    ) {
+        let groups = nt.div_ceil(NR);
+        with_buf(&B, KC * groups * NR, |b| {
+            for kc0 in (0..k).step_by(KC) {
+                let kc = KC.min(k - kc0);
+                pack_w(w, k, nt, kc0, kc, b);
+                for i0 in (0..m_pad).step_by(MC) {
+                    for g in 0..groups {
+                        let bp = b.as_ptr().add(g * NR * kc);
+                        let cols = NR.min(nt - g * NR);
+                        for i in (i0..(i0 + MC).min(m_pad)).step_by(MR) {
+                            let ap = a.as_ptr().add(kc0 * m_pad + i * kc);
+                            let rows = MR.min(m - i);
+                            let c = y.0.add(i * n + j0 + g * NR);
+                            if rows == MR && cols == NR {
+                                tile(kc, ap, bp, c, n, kc0 > 0);
+                            } else {
+                                edge_tile(kc, ap, bp, c, n, rows, cols, kc0 > 0);
+                            }
+                        }
+                    }
+                }
+            }
+        });
+    }
+
+    /// Weight rows `w` (nt × k), columns [kc0, kc0 + kc), into `NR`-column micro-panels: group g's value for
+    /// column c at depth p is at [g · NR · kc + p · NR + c]; columns past nt zero. 8 × 8 blocks are transposed in
+    /// registers (bf16 widened as they load), the last kc % 8 depths one by one.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn pack_w<E: WeightElem>(w: &[E], k: usize, nt: usize, kc0: usize, kc: usize, b: &mut [f32]) {
+        let kc8 = kc / 8 * 8;
+        for g in 0..nt.div_ceil(NR) {
+            let dst = &mut b[g * NR * kc..(g + 1) * NR * kc];
+            for h in 0..NR / 8 {
+                let c0 = g * NR + h * 8;
+                // the 8 rows' starts at depth kc0 (None: past nt)
+                let rows: [Option<*const E>; 8] =
+                    std::array::from_fn(|r| (c0 + r < nt).then(|| w[(c0 + r) * k + kc0..].as_ptr()));
+                for p0 in (0..kc8).step_by(8) {
+                    let v: [__m256; 8] =
+                        std::array::from_fn(|r| rows[r].map_or(_mm256_setzero_ps(), |q| load8(q.add(p0))));
+                    for (j, t) in transpose8(v).into_iter().enumerate() {
+                        _mm256_storeu_ps(dst.as_mut_ptr().add((p0 + j) * NR + h * 8), t);
+                    }
+                }
+                for p in kc8..kc {
+                    for (r, row) in rows.iter().enumerate() {
+                        dst[p * NR + h * 8 + r] = row.map_or(0.0, |q| (*q.add(p)).to_f32());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Rows r0..r7 of an 8 × 8 block → its columns (out[j][r] = v[r][j]).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn transpose8(v: [__m256; 8]) -> [__m256; 8] {
+        let t0 = _mm256_unpacklo_ps(v[0], v[1]);
+        let t1 = _mm256_unpackhi_ps(v[0], v[1]);
+        let t2 = _mm256_unpacklo_ps(v[2], v[3]);
+        let t3 = _mm256_unpackhi_ps(v[2], v[3]);
+        let t4 = _mm256_unpacklo_ps(v[4], v[5]);
+        let t5 = _mm256_unpackhi_ps(v[4], v[5]);
+        let t6 = _mm256_unpacklo_ps(v[6], v[7]);
+        let t7 = _mm256_unpackhi_ps(v[6], v[7]);
+        let s0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+        let s1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+        let s2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+        let s3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+        let s4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+        let s5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+        let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+        let s7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+        [
+            _mm256_permute2f128_ps::<0x20>(s0, s4),
+            _mm256_permute2f128_ps::<0x20>(s1, s5),
+            _mm256_permute2f128_ps::<0x20>(s2, s6),
+            _mm256_permute2f128_ps::<0x20>(s3, s7),
+            _mm256_permute2f128_ps::<0x31>(s0, s4),
+            _mm256_permute2f128_ps::<0x31>(s1, s5),
+            _mm256_permute2f128_ps::<0x31>(s2, s6),
+            _mm256_permute2f128_ps::<0x31>(s3, s7),
+        ]
+    }
+
+    /// A tile with fewer than `MR` valid rows or `NR` valid columns, through a full-size copy.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn edge_tile(
+        kc: usize,
+        a: *const f32,
+        b: *const f32,
+        c: *mut f32,
+        ldc: usize,
+        rows: usize,
+        cols: usize,
+        acc: bool,
+    ) {
+        let mut t = [0f32; MR * NR];
+        if acc {
+            for r in 0..rows {
+                for j in 0..cols {
+                    t[r * NR + j] = *c.add(r * ldc + j);
+                }
+            }
+        }
+        tile(kc, a, b, t.as_mut_ptr(), NR, acc);
+        for r in 0..rows {
+            for j in 0..cols {
+                *c.add(r * ldc + j) = t[r * NR + j];
+            }
+        }
+    }
+
+    /// c (`MR` × `NR`, row stride ldc) = (acc ? c : 0) + Σ_p a_p ⊗ b_p over kc depths, one FMA per element and depth
+    /// in order. `a`: kc × `MR` packed x; `b`: kc × `NR` packed weights, 32-byte aligned.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn tile(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, acc: bool) {
+        let mut s = [[_mm256_setzero_ps(); 2]; MR];
+        if acc {
+            for (r, s) in s.iter_mut().enumerate() {
+                s[0] = _mm256_loadu_ps(c.add(r * ldc));
+                s[1] = _mm256_loadu_ps(c.add(r * ldc + 8));
+            }
+        }
+        let (mut a, mut b) = (a, b);
+        for _ in 0..kc {
+            let b0 = _mm256_load_ps(b);
+            let b1 = _mm256_load_ps(b.add(8));
+            for (r, s) in s.iter_mut().enumerate() {
+                let x = _mm256_broadcast_ss(&*a.add(r));
+                s[0] = _mm256_fmadd_ps(x, b0, s[0]);
+                s[1] = _mm256_fmadd_ps(x, b1, s[1]);
+            }
+            a = a.add(MR);
+            b = b.add(NR);
+        }
+        for (r, s) in s.iter().enumerate() {
+            _mm256_storeu_ps(c.add(r * ldc), s[0]);
+            _mm256_storeu_ps(c.add(r * ldc + 8), s[1]);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -215,5 +543,32 @@ mod tests {
         let mut wq = vec![0f32; n * k];
         q.dequantize_rows(0, n, &mut wq);
         assert_eq!(matmul_t(&x, m, k, Source::Quant(&q), n, par), matmul_t(&x, m, k, Source::F32(&wq), n, par));
+    }
+
+    /// The packed product's contract: each element is the in-order f32 fused-multiply-add chain over k from 0.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn packed_elements_are_the_in_order_fma_chain_whatever_the_rows_and_split() {
+        if !packed::available() {
+            return;
+        }
+        // tails in every dimension (m not a multiple of 6 or of the 144-row block, n of 16 or of a task, k of 256),
+        // several depth blocks, serial and parallel
+        for (m, k, n) in [(151usize, 600usize, 141usize), (1, 257, 16), (7, 31, 3), (13, 512, 300)] {
+            let x = randn(m * k, 5);
+            let w = randn(n * k, 6);
+            let want: Vec<f32> = (0..m * n)
+                .map(|e| {
+                    let (r, c) = (e / n, e % n);
+                    (0..k).fold(0f32, |acc, i| x[r * k + i].mul_add(w[c * k + i], acc))
+                })
+                .collect();
+            for par in [usize::MAX, 1] {
+                assert_eq!(matmul_t(&x, m, k, Source::F32(&w), n, par), want, "{m}x{k}x{n} par {par}");
+                // a row alone gives its bits in the stacked product
+                let r = m / 2;
+                assert_eq!(matmul_t(&x[r * k..(r + 1) * k], 1, k, Source::F32(&w), n, par), want[r * n..(r + 1) * n]);
+            }
+        }
     }
 }

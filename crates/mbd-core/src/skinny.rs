@@ -38,8 +38,9 @@ pub struct Kernels {
     /// tiny model and the 0.5B shape it measured even with candle's path, batched or not (benches/RESULTS.md,
     /// issue #20), so it has not earned the default yet.
     pub direct_attention: bool,
-    /// Long windows' products on the CPU through `panels` (W widened or dequantized a panel at a time, gemm per
-    /// panel). false: candle's matmul (a bf16 W widened whole per call; a quantized W through this kernel).
+    /// Long windows' products on the CPU through `panels` (a packed AVX2 product widening or dequantizing W as
+    /// it packs; gemm per widened panel on other CPUs). false: candle's matmul (a bf16 W widened whole per call; a
+    /// quantized W through this kernel).
     pub panels: bool,
     /// Linear layers of one input held as one matrix (q/k/v, gate/up: `models::qwen::Stacked`), one product
     /// instead of several. false: each its own product (the same bits; for A/B runs).
@@ -247,6 +248,10 @@ impl Out {
 
 /// The tile of `tile` with AVX-512 (16 lanes) or AVX2+FMA (8 lanes) intrinsics: the x rows' loads are
 /// shared by the 4 weight rows and each weight load by the R x rows.
+/// 8 weights as f32 lanes with AVX2 (`panels` packs with it too).
+#[cfg(target_arch = "x86_64")]
+pub(crate) use x86::load8;
+
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 mod x86 {
@@ -269,7 +274,7 @@ mod x86 {
     /// 8 weights as f32 lanes.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn load8<E: WeightElem>(p: *const E) -> __m256 {
+    pub(crate) unsafe fn load8<E: WeightElem>(p: *const E) -> __m256 {
         if E::BF16 {
             let h = _mm_loadu_si128(p as *const __m128i);
             _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
