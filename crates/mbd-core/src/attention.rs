@@ -238,21 +238,24 @@ pub fn scaled_softmax(
         None => None,
     };
     let (mul, add) = (scale as f32, 0f32);
-    let mut out = vec![0f32; a.len()];
-    out.par_chunks_mut(s).zip(a.par_chunks(s)).enumerate().for_each(|(r, (y, x))| {
+    // every value is written by the row's first loop: no zero fill of the (heads × rows × keys) scores
+    let mut out: Vec<f32> = Vec::with_capacity(a.len());
+    out.spare_capacity_mut()[..a.len()].par_chunks_mut(s).zip(a.par_chunks(s)).enumerate().for_each(|(r, (y, x))| {
         match m {
             Some(m) => {
                 let mr = &m[(r % n) * s..(r % n + 1) * s];
                 for ((y, &x), &mv) in y.iter_mut().zip(x).zip(mr) {
-                    *y = (x * mul + add) + mv;
+                    y.write((x * mul + add) + mv);
                 }
             }
             None => {
                 for (y, &x) in y.iter_mut().zip(x) {
-                    *y = x * mul + add;
+                    y.write(x * mul + add);
                 }
             }
         }
+        // SAFETY: every element of y was written above; MaybeUninit<f32> has f32's layout.
+        let y = unsafe { &mut *(y as *mut [std::mem::MaybeUninit<f32>] as *mut [f32]) };
         let mut max = f32::NEG_INFINITY;
         // SAFETY: y has s > 0 elements.
         unsafe { <f32 as VecOps>::vec_reduce_max(y.as_ptr(), &mut max, s) };
@@ -266,6 +269,8 @@ pub fn scaled_softmax(
             *y /= sum;
         }
     });
+    // SAFETY: the chunks covered all a.len() values and wrote each of them.
+    unsafe { out.set_len(a.len()) };
     Ok(Tensor::from_vec(out, dims, att.device())?)
 }
 
