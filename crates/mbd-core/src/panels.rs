@@ -200,6 +200,15 @@ mod packed {
     struct Out(*mut f32);
     unsafe impl Send for Out {}
     unsafe impl Sync for Out {}
+    impl Out {
+        /// The element i places past the start (a method, so that closures capture the `Sync` wrapper).
+        ///
+        /// # Safety
+        /// i is inside the buffer.
+        unsafe fn at(self, i: usize) -> *mut f32 {
+            self.0.add(i)
+        }
+    }
 
     pub(super) fn matmul_t(x: &[f32], m: usize, k: usize, w: Source<'_>, n: usize, par_min_macs: usize) -> Vec<f32> {
         assert!(available(), "packed::matmul_t needs AVX2 and FMA");
@@ -248,12 +257,11 @@ mod packed {
         let panels = m_pad / MR;
         let a_ptr = Out(a.as_mut_ptr());
         let one = |i: usize| {
-            let a_ptr = a_ptr;
             for kc0 in (0..k).step_by(KC) {
                 let kc = KC.min(k - kc0);
                 // SAFETY: panel i of block kc0 is [kc0·m_pad + i·MR·kc, + MR·kc), inside `a` (m_pad × k) and
                 // written by this call only.
-                let dst = unsafe { std::slice::from_raw_parts_mut(a_ptr.0.add(kc0 * m_pad + i * MR * kc), MR * kc) };
+                let dst = unsafe { std::slice::from_raw_parts_mut(a_ptr.at(kc0 * m_pad + i * MR * kc), MR * kc) };
                 for r in 0..MR {
                     let row = i * MR + r;
                     if row < m {
@@ -327,7 +335,7 @@ mod packed {
                         for i in (i0..(i0 + MC).min(m_pad)).step_by(MR) {
                             let ap = a.as_ptr().add(kc0 * m_pad + i * kc);
                             let rows = MR.min(m - i);
-                            let c = y.0.add(i * n + j0 + g * NR);
+                            let c = y.at(i * n + j0 + g * NR);
                             if rows == MR && cols == NR {
                                 tile(kc, ap, bp, c, n, kc0 > 0);
                             } else {
