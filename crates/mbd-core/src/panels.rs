@@ -154,7 +154,7 @@ unsafe fn gemm_panel(
 #[cfg(target_arch = "x86_64")]
 mod packed {
     use super::Source;
-    use crate::skinny::{dequantize_rows, load8, WeightElem};
+    use crate::skinny::{dequantize_rows, load8, Out, WeightElem};
     use half::bf16;
     use rayon::prelude::*;
     use std::arch::x86_64::*;
@@ -193,21 +193,6 @@ mod packed {
         let r = f(&mut v[skip..skip + len]);
         buf.set(v);
         r
-    }
-
-    /// Shared output pointer; each task writes only its own columns.
-    #[derive(Clone, Copy)]
-    struct Out(*mut f32);
-    unsafe impl Send for Out {}
-    unsafe impl Sync for Out {}
-    impl Out {
-        /// The element i places past the start (a method, so that closures capture the `Sync` wrapper).
-        ///
-        /// # Safety
-        /// i is inside the buffer.
-        unsafe fn at(self, i: usize) -> *mut f32 {
-            self.0.add(i)
-        }
     }
 
     pub(super) fn matmul_t(x: &[f32], m: usize, k: usize, w: Source<'_>, n: usize, par_min_macs: usize) -> Vec<f32> {
@@ -261,7 +246,7 @@ mod packed {
                 let kc = KC.min(k - kc0);
                 // SAFETY: panel i of block kc0 is [kc0·m_pad + i·MR·kc, + MR·kc), inside `a` (m_pad × k) and
                 // written by this call only.
-                let dst = unsafe { std::slice::from_raw_parts_mut(a_ptr.at(kc0 * m_pad + i * MR * kc), MR * kc) };
+                let dst = unsafe { std::slice::from_raw_parts_mut(a_ptr.offset(kc0 * m_pad + i * MR * kc).0, MR * kc) };
                 for r in 0..MR {
                     let row = i * MR + r;
                     if row < m {
@@ -335,7 +320,7 @@ mod packed {
                         for i in (i0..(i0 + MC).min(m_pad)).step_by(MR) {
                             let ap = a.as_ptr().add(kc0 * m_pad + i * kc);
                             let rows = MR.min(m - i);
-                            let c = y.at(i * n + j0 + g * NR);
+                            let c = y.offset(i * n + j0 + g * NR).0;
                             if rows == MR && cols == NR {
                                 tile(kc, ap, bp, c, n, kc0 > 0);
                             } else {

@@ -232,12 +232,13 @@ unsafe fn store_tile<const C: usize, const R: usize>(
 
 /// The output buffer shared by the tasks, each writing its own columns.
 #[derive(Clone, Copy)]
-struct Out(*mut f32);
+pub(crate) struct Out(pub(crate) *mut f32);
 unsafe impl Send for Out {}
 unsafe impl Sync for Out {}
 impl Out {
+    /// The buffer i elements on (a method, so that closures capture the `Sync` wrapper, not its pointer).
     #[inline(always)]
-    unsafe fn offset(self, i: usize) -> Out {
+    pub(crate) unsafe fn offset(self, i: usize) -> Out {
         Out(self.0.add(i))
     }
     #[inline(always)]
@@ -246,12 +247,12 @@ impl Out {
     }
 }
 
-/// The tile of `tile` with AVX-512 (16 lanes) or AVX2+FMA (8 lanes) intrinsics: the x rows' loads are
-/// shared by the 4 weight rows and each weight load by the R x rows.
 /// 8 weights as f32 lanes with AVX2 (`panels` packs with it too).
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86::load8;
 
+/// The tile of `tile` with AVX-512 (16 lanes) or AVX2+FMA (8 lanes) intrinsics: the x rows' loads are
+/// shared by the 4 weight rows and each weight load by the R x rows.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 mod x86 {
