@@ -2,7 +2,7 @@
 computation: a W-token window over a P-token KV cache, logits for every window row, same thread count), and
 mbd-rs with its skinny kernel switched off (candle's matmul everywhere) as an A/B of that kernel, and mbd-rs with
 its many-row panel products switched off (long windows through candle's matmul, a bf16 matrix widened whole per
-call) as an A/B of those. The columns alternate over --rounds rounds (the machine is shared and noisy); each number
+call) as an A/B of those, and with its blocked attention switched off (candle's ops) as an A/B of that. The columns alternate over --rounds rounds (the machine is shared and noisy); each number
 is the median of all repetitions. A case P:W:last asks for the last row's logits only (a prefill that goes on to
 decode; PyTorch: logits_to_keep=1), P:W for every row's.
 
@@ -30,18 +30,23 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--cases", default="512:32,512:4,2048:32,0:32")
+    ap.add_argument("--engines", default="mbd_rs,panels_off,gemm_only,blocked_off",
+                    help="mbd-rs columns to run (mbd_rs, panels_off, gemm_only, blocked_off)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benches", "compare_forward.json"))
     args = ap.parse_args()
     threads = os.cpu_count()
     torch.set_num_threads(threads)
-    engines = {
-        "mbd_rs": mbd_rs.Engine.load(args.model, device="cpu"),
+    kernels = {
+        "mbd_rs": {},
         # long windows through candle's matmul (a bf16 matrix widened to f32 whole for each product)
-        "panels_off": mbd_rs.Engine.load(args.model, device="cpu", _kernels=dict(panels=False)),
+        "panels_off": dict(panels=False),
         # candle's matmul only, on f32-held weights (the engine before the skinny kernel)
-        "gemm_only": mbd_rs.Engine.load(args.model, device="cpu",
-                                        _kernels=dict(skinny=False, panels=False, keep_bf16_weights=False)),
+        "gemm_only": dict(skinny=False, panels=False, keep_bf16_weights=False),
+        # long windows' attention through candle's ops (materialised scores, host mask, softmax, matmul)
+        "blocked_off": dict(blocked_attention=False),
     }
+    engines = {name: mbd_rs.Engine.load(args.model, device="cpu", _kernels=kernels[name])
+               for name in args.engines.split(",")}
     hf = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="eager").eval()
     rows = []
     for case in args.cases.split(","):

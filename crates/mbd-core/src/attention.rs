@@ -19,6 +19,18 @@ use crate::error::{Error, Result};
 use rayon::prelude::*;
 use std::ops::Range;
 
+#[cfg(target_arch = "x86_64")]
+pub mod blocked;
+
+/// Whether long windows' attention can take `blocked::attend` here (x86-64 with AVX2 and FMA, a supported head
+/// shape).
+pub fn blocked_available(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return blocked::available(heads, kv_heads, head_dim);
+    #[cfg(not(target_arch = "x86_64"))]
+    return false;
+}
+
 /// Multiply-adds (twice: scores and values) below which the call runs on the calling thread.
 const PAR_MIN_MACS: usize = 1 << 18;
 

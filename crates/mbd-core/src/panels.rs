@@ -152,6 +152,9 @@ unsafe fn gemm_panel(
 /// the chain of the previous `KC` block from the stored value). So a row's result depends only on x's row and W — not
 /// on m, the tiling, the task split or the thread count — and equals `acc = x[i].mul_add(w[i], acc)` for i = 0..k.
 #[cfg(target_arch = "x86_64")]
+pub(crate) use packed::transpose8;
+
+#[cfg(target_arch = "x86_64")]
 mod packed {
     use super::Source;
     use crate::skinny::{dequantize_rows, load8, Out, WeightElem};
@@ -365,7 +368,7 @@ mod packed {
     /// Rows r0..r7 of an 8 × 8 block → its columns (out[j][r] = v[r][j]).
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn transpose8(v: [__m256; 8]) -> [__m256; 8] {
+    pub(crate) unsafe fn transpose8(v: [__m256; 8]) -> [__m256; 8] {
         let t0 = _mm256_unpacklo_ps(v[0], v[1]);
         let t1 = _mm256_unpackhi_ps(v[0], v[1]);
         let t2 = _mm256_unpacklo_ps(v[2], v[3]);

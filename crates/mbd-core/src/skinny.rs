@@ -38,6 +38,10 @@ pub struct Kernels {
     /// tiny model and the 0.5B shape it measured even with candle's path, batched or not (benches/RESULTS.md,
     /// issue #20), so it has not earned the default yet.
     pub direct_attention: bool,
+    /// Other windows' attention on the CPU (f32, AVX2 + FMA) in `attention::blocked`: blocked over keys, mask-aware,
+    /// an online softmax with a vectorised exp, no score matrix. false: candle's ops (scores per query chunk, a
+    /// host-built additive mask, softmax, a second matmul).
+    pub blocked_attention: bool,
     /// Long windows' products on the CPU through `panels` (a packed AVX2 product widening or dequantizing W as
     /// it packs; gemm per widened panel on other CPUs). false: candle's matmul (a bf16 W widened whole per call; a
     /// quantized W through this kernel).
@@ -55,6 +59,7 @@ impl Default for Kernels {
             max_rows: 64,
             attention_score_bytes: 256 << 20,
             direct_attention: false,
+            blocked_attention: true,
             panels: true,
             stack: true,
         }

@@ -111,8 +111,11 @@ fn a_segment_gets_the_same_logits_alone_and_batched() {
     // dense f32, bf16 weights kept bf16, mixture of experts; default kernels and a low few-row cut (so that
     // the longer windows go to gemm, each alone, next to stacked few-row ones)
     for name in ["qwen3_headdim_gqa", "qwen3_bf16", "qwen3moe_top2_norm", "qwen2_gqa_tied"] {
-        for (max_rows, direct_attention) in [(64, true), (5, true), (64, false)] {
-            let model = load_with(name, Kernels { max_rows, direct_attention, ..Kernels::default() });
+        for (max_rows, direct_attention, blocked_attention) in
+            [(64, true, true), (5, true, true), (64, false, true), (64, false, false)]
+        {
+            let kernels = Kernels { max_rows, direct_attention, blocked_attention, ..Kernels::default() };
+            let model = load_with(name, kernels);
             let alone = forward_cases(&model, &cases, false);
             let together = forward_cases(&model, &cases, true);
             for (i, (a, b)) in alone.iter().zip(&together).enumerate() {
@@ -122,7 +125,7 @@ fn a_segment_gets_the_same_logits_alone_and_batched() {
             }
         }
     }
-    assert_eq!(checked, 4 * 3 * cases.len());
+    assert_eq!(checked, 4 * 4 * cases.len());
 }
 
 #[test]

@@ -548,7 +548,7 @@ impl QwenModel {
                 s.positions.clone(),
                 (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim),
                 kn.attention_score_bytes,
-                kn.direct_attention && dev.is_cpu() && self.dtype == DType::F32,
+                (dev.is_cpu() && self.dtype == DType::F32).then_some(kn),
                 dev,
             )?);
         }
@@ -692,8 +692,10 @@ const LARGE_WINDOW: usize = 4096;
 /// of the whole window exceed `Kernels::attention_score_bytes`, then chunks whose masks are built when used.
 struct QueryChunks {
     /// Per row, the key ranges it sees, when this segment's attention runs in `attention::attend` (CPU, f32,
-    /// small); then no mask is built.
+    /// small) or `attention::blocked::attend` (CPU, f32, AVX2 + FMA); then no mask is built.
     visible: Option<Vec<Vec<std::ops::Range<usize>>>>,
+    /// Whether that kernel is the blocked one.
+    blocked: bool,
     spec: MaskSpec,
     positions: Vec<usize>,
     p: usize,
@@ -704,26 +706,27 @@ struct QueryChunks {
 }
 
 impl QueryChunks {
-    /// `direct`: the segment's attention may run in `attention::attend` (CPU, f32) when it is small enough.
-    #[allow(clippy::too_many_arguments)]
+    /// `cpu`: the kernels of a model computing in f32 on the CPU (None elsewhere): the segment's attention runs in
+    /// `attention::attend` when that is on and the segment small enough, else in `attention::blocked::attend` when
+    /// that is on and available, else in candle's ops.
     fn new(
         spec: MaskSpec,
         p: usize,
         positions: Vec<usize>,
         (heads, kv_heads, head_dim): (usize, usize, usize),
         score_bytes: usize,
-        direct: bool,
+        cpu: Option<&Kernels>,
         device: &Device,
     ) -> Result<Self> {
         let w = positions.len();
         let s = p + w;
         let rows = (score_bytes / (4 * heads * s).max(1)).clamp(1, w);
-        let visible = if direct && crate::attention::fits(w, s, heads, kv_heads, head_dim) {
-            Some(spec.visible(p, &positions))
-        } else {
-            None
-        };
-        let mut c = QueryChunks { visible, spec, positions, p, w, rows, whole: None, device: device.clone() };
+        let direct = cpu.is_some_and(|k| k.direct_attention && crate::attention::fits(w, s, heads, kv_heads, head_dim));
+        let blocked = !direct
+            && cpu
+                .is_some_and(|k| k.blocked_attention && crate::attention::blocked_available(heads, kv_heads, head_dim));
+        let visible = (direct || blocked).then(|| spec.visible(p, &positions));
+        let mut c = QueryChunks { visible, blocked, spec, positions, p, w, rows, whole: None, device: device.clone() };
         if rows == w && c.visible.is_none() {
             c.whole = c.mask(0, w)?;
         }
@@ -835,9 +838,10 @@ impl Attention {
                         (i, ck.storage_and_layout(), cv.storage_and_layout(), segs[i].cache.capacity())
                     })
                     .collect();
-                let mut kvs = Vec::with_capacity(guards.len());
+                let (mut kvs, mut long) = (Vec::with_capacity(guards.len()), vec![]);
                 for (i, (ks, kl), (vs, vl), cap) in &guards {
-                    kvs.push(crate::attention::SegmentKv {
+                    let list = if masks[*i].blocked { &mut long } else { &mut kvs };
+                    list.push(crate::attention::SegmentKv {
                         k: crate::attention::cpu_f32(ks, kl.start_offset(), nkv * cap * d)?,
                         v: crate::attention::cpu_f32(vs, vl.start_offset(), nkv * cap * d)?,
                         capacity: *cap,
@@ -845,7 +849,13 @@ impl Attention {
                         visible: masks[*i].visible.as_deref().expect("direct segment"),
                     });
                 }
-                crate::attention::attend(qv, r, &kvs, nh, nkv, d, scale as f32, &mut out);
+                if !kvs.is_empty() {
+                    crate::attention::attend(qv, r, &kvs, nh, nkv, d, scale as f32, &mut out);
+                }
+                #[cfg(target_arch = "x86_64")]
+                if !long.is_empty() {
+                    crate::attention::blocked::attend(qv, r, &long, nh, nkv, d, scale as f32, &mut out);
+                }
             }
             for (i, parts) in ys {
                 let y = if parts.len() == 1 { parts[0].clone() } else { Tensor::cat(&parts, 1)? };
