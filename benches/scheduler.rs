@@ -15,8 +15,8 @@ fn main() {
     mbd_core::cpu_pool::pin_thread_count();
     let dir = std::env::var("MBD_BENCH_MODEL").unwrap_or_else(|_| "python/mbd_rs/models/mbd-tiny".into());
     let overrides = ProfileOverrides { eos_token_ids: Some(vec![]), ..Default::default() };
-    let load = |direct_attention: bool| {
-        let kernels = mbd_core::skinny::Kernels { direct_attention, ..Default::default() };
+    let load = |blocked_attention: bool| {
+        let kernels = mbd_core::skinny::Kernels { blocked_attention, ..Default::default() };
         let opts = LoadOptions { overrides: overrides.clone(), kernels, ..Default::default() };
         Arc::new(Model::load(std::path::Path::new(&dir), &opts).unwrap())
     };
@@ -63,7 +63,7 @@ fn main() {
             t.elapsed().as_secs_f64() / 200.0 * 1e3
         };
         let (a, b) = (time(false, &mut caches), time(true, &mut caches));
-        let att = if which { "direct attention" } else { "candle attention" };
+        let att = if which { "blocked attention" } else { "candle attention" };
         println!("forward of {n} one-row segments ({att}): lone {a:.3} ms, batched {b:.3} ms");
     }
     if std::env::var("MBD_BENCH_FORWARD_ONLY").is_ok() {

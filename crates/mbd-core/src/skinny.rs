@@ -34,11 +34,7 @@ pub struct Kernels {
     /// recompute without cache, a full-attention canvas, a logits call) is attended in query chunks so that no
     /// forward allocates scores for every row at once (a 100k-token window would need 100k x 100k per head).
     pub attention_score_bytes: usize,
-    /// Small windows' attention on the CPU in `attention::attend` instead of candle's ops. Off by default: on the
-    /// tiny model and the 0.5B shape it measured even with candle's path, batched or not (benches/RESULTS.md,
-    /// issue #20), so it has not earned the default yet.
-    pub direct_attention: bool,
-    /// Other windows' attention on the CPU (f32, AVX2 + FMA) in `attention::blocked`: blocked over keys, mask-aware,
+    /// Attention on the CPU (f32, AVX2 + FMA) in `attention::attend`: blocked over keys, mask-aware,
     /// an online softmax with a vectorised exp, no score matrix. false: candle's ops (scores per query chunk, a
     /// host-built additive mask, softmax, a second matmul).
     pub blocked_attention: bool,
@@ -58,7 +54,6 @@ impl Default for Kernels {
             par_min_macs: 1 << 14,
             max_rows: 64,
             attention_score_bytes: 256 << 20,
-            direct_attention: false,
             blocked_attention: true,
             panels: true,
             stack: true,

@@ -213,7 +213,7 @@ impl CoreModel {
     /// load options for benchmarks' A/B runs.
     #[staticmethod]
     #[pyo3(signature = (path, device="auto", dtype=None, overrides=None, keep_bf16_weights=true, skinny=true,
-                        par_min_macs=None, max_rows=None, direct_attention=false, blocked_attention=true, panels=true, stack=true, max_batch=None,
+                        par_min_macs=None, max_rows=None, blocked_attention=true, panels=true, stack=true, max_batch=None,
                         max_batch_rows=None, quantize=None, progress=None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
@@ -226,7 +226,6 @@ impl CoreModel {
         skinny: bool,
         par_min_macs: Option<usize>,
         max_rows: Option<usize>,
-        direct_attention: bool,
         blocked_attention: bool,
         panels: bool,
         stack: bool,
@@ -243,7 +242,6 @@ impl CoreModel {
             skinny,
             par_min_macs: par_min_macs.unwrap_or(d.par_min_macs),
             max_rows: max_rows.unwrap_or(d.max_rows),
-            direct_attention,
             blocked_attention,
             panels,
             stack,

@@ -1,11 +1,12 @@
-//! Attention of long windows on the CPU (AVX2 + FMA): blocked, mask-aware, one pass over the keys with an online
-//! softmax and a vectorised exp.
+//! Attention on the CPU (AVX2 + FMA): blocked, mask-aware, one pass over the keys with an online softmax and a
+//! vectorised exp; every window of a model computing in f32 on such a CPU, a decode window of one row as well as a
+//! prefill chunk.
 //!
-//! A prefill chunk of hundreds of rows over its cache went through candle's ops: the scores of every (head, row,
-//! key) materialised (a 512-row window: 14 × 512 × 512 floats per layer), an additive mask built on the host and
-//! added, a softmax whose exp is glibc's scalar `expf`, then a second matmul — and every masked score (half of a
-//! causal window) computed, exponentiated and multiplied by V all the same. Here a task is one kv head and
-//! `QB` query rows of one segment, for all the kv head's query heads: it walks the keys its rows see in blocks of
+//! Through candle's ops a prefill chunk of hundreds of rows had the scores of every (head, row, key) materialised
+//! (a 512-row window: 14 × 512 × 512 floats per layer), an additive mask built on the host and added, a softmax
+//! whose exp is glibc's scalar `expf`, then a second matmul — and every masked score (half of a causal window)
+//! computed, exponentiated and multiplied by V all the same. Here a task is one kv head and up to `QB` query rows
+//! of one segment, for all the kv head's query heads: it walks the keys its rows see in blocks of
 //! `KB` (blocks no row sees are skipped, blocks every row sees whole take no mask, the rest are masked from the
 //! rows' key ranges), keeps per row a running max, a running sum and an unnormalised output, and computes a
 //! block's scores and its product with V in register tiles. Nothing of size keys × rows is ever allocated.

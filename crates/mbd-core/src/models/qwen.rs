@@ -540,15 +540,21 @@ impl QwenModel {
         let cos = freqs.cos()?.to_dtype(self.dtype)?;
         let sin = freqs.sin()?.to_dtype(self.dtype)?;
         let mut masks = Vec::with_capacity(segs.len());
+        let (heads, kv_heads, head_dim) =
+            (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim);
+        let blocked = kn.blocked_attention
+            && dev.is_cpu()
+            && self.dtype == DType::F32
+            && crate::attention::available(heads, kv_heads, head_dim);
         for s in segs.iter_mut() {
             s.cache.begin_window(s.ids.len())?;
             masks.push(QueryChunks::new(
                 s.mask.clone(),
                 s.cache.len(),
                 s.positions.clone(),
-                (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim),
+                heads,
                 kn.attention_score_bytes,
-                (dev.is_cpu() && self.dtype == DType::F32).then_some(kn),
+                blocked,
                 dev,
             )?);
         }
@@ -691,11 +697,9 @@ const LARGE_WINDOW: usize = 4096;
 /// The query chunks of one segment and their additive masks: one chunk (the mask built once) unless the scores
 /// of the whole window exceed `Kernels::attention_score_bytes`, then chunks whose masks are built when used.
 struct QueryChunks {
-    /// Per row, the key ranges it sees, when this segment's attention runs in `attention::attend` (CPU, f32,
-    /// small) or `attention::blocked::attend` (CPU, f32, AVX2 + FMA); then no mask is built.
+    /// Per row, the key ranges it sees, when this segment's attention runs in `attention::attend` (the blocked
+    /// CPU kernel); then no mask is built.
     visible: Option<Vec<Vec<std::ops::Range<usize>>>>,
-    /// Whether that kernel is the blocked one.
-    blocked: bool,
     spec: MaskSpec,
     positions: Vec<usize>,
     p: usize,
@@ -706,27 +710,22 @@ struct QueryChunks {
 }
 
 impl QueryChunks {
-    /// `cpu`: the kernels of a model computing in f32 on the CPU (None elsewhere): the segment's attention runs in
-    /// `attention::attend` when that is on and the segment small enough, else in `attention::blocked::attend` when
-    /// that is on and available, else in candle's ops.
+    /// `blocked`: the segment's attention runs in `attention::attend` (decided per model: every segment of a
+    /// forward the same way); else in candle's ops.
     fn new(
         spec: MaskSpec,
         p: usize,
         positions: Vec<usize>,
-        (heads, kv_heads, head_dim): (usize, usize, usize),
+        heads: usize,
         score_bytes: usize,
-        cpu: Option<&Kernels>,
+        blocked: bool,
         device: &Device,
     ) -> Result<Self> {
         let w = positions.len();
         let s = p + w;
         let rows = (score_bytes / (4 * heads * s).max(1)).clamp(1, w);
-        let direct = cpu.is_some_and(|k| k.direct_attention && crate::attention::fits(w, s, heads, kv_heads, head_dim));
-        let blocked = !direct
-            && cpu
-                .is_some_and(|k| k.blocked_attention && crate::attention::blocked_available(heads, kv_heads, head_dim));
-        let visible = (direct || blocked).then(|| spec.visible(p, &positions));
-        let mut c = QueryChunks { visible, blocked, spec, positions, p, w, rows, whole: None, device: device.clone() };
+        let visible = blocked.then(|| spec.visible(p, &positions));
+        let mut c = QueryChunks { visible, spec, positions, p, w, rows, whole: None, device: device.clone() };
         if rows == w && c.visible.is_none() {
             c.whole = c.mask(0, w)?;
         }
@@ -788,9 +787,10 @@ impl Attention {
         let n_rep = nh / nkv;
         let scale = 1.0 / (d as f64).sqrt();
         let q = q.to_dtype(DType::F32)?;
-        let direct = masks.iter().any(|m| m.visible.is_some());
+        // every segment of a forward takes the same path (`QueryChunks::new`)
+        let blocked = masks.first().is_some_and(|m| m.visible.is_some());
         // candle's path: per segment, (nh, rows, d) per query chunk
-        let mut ys: Vec<(usize, Vec<Tensor>)> = Vec::with_capacity(segs.len());
+        let mut ys: Vec<Tensor> = Vec::with_capacity(segs.len());
         for &i in order {
             let (o, w) = spans[i];
             let one = segs.len() == 1;
@@ -803,25 +803,22 @@ impl Attention {
             let cache = &mut *segs[i].cache;
             let p = cache.len();
             let (kk, vv) = cache.write_window(layer, &ks, &vs, p)?;
-            if masks[i].visible.is_some() {
-                continue; // attended below, with the other small segments
+            if blocked {
+                continue; // every segment at once, below
             }
             let qs = if one { q.clone() } else { q.narrow(1, o, w)?.contiguous()? };
             let s = p + w;
             let kt = kk.to_dtype(DType::F32)?.t()?;
-            let mut parts = vec![];
             for chunk in masks[i].each() {
                 let (r0, n, mask) = chunk?;
                 let qc = if n == w { qs.clone() } else { qs.narrow(1, r0, n)?.contiguous()? };
                 // GQA without repeating K/V: the n_rep query heads of a group are adjacent, so fold them into rows.
                 let att = qc.reshape((nkv, n_rep * n, d))?.matmul(&kt)?.reshape((nkv, n_rep, n, s))?;
                 let att = crate::attention::scaled_softmax(&att, scale, mask.as_ref())?.to_dtype(vv.dtype())?;
-                parts.push(att.reshape((nkv, n_rep * n, s))?.matmul(&vv)?.reshape((nh, n, d))?);
+                ys.push(att.reshape((nkv, n_rep * n, s))?.matmul(&vv)?.reshape((nh, n, d))?);
             }
-            ys.push((i, parts));
         }
-        let y = if !direct {
-            let mut ys: Vec<Tensor> = ys.into_iter().flat_map(|(_, p)| p).collect();
+        let y = if !blocked {
             let y = if ys.len() == 1 { ys.pop().expect("one chunk") } else { Tensor::cat(&ys, 1)? };
             y.transpose(0, 1)?.reshape((r, nh * d))?
         } else {
@@ -832,36 +829,22 @@ impl Attention {
                 let qv = crate::attention::cpu_f32(&qs, ql.start_offset(), nh * r * d)?;
                 let guards: Vec<_> = order
                     .iter()
-                    .filter(|&&i| masks[i].visible.is_some())
                     .map(|&i| {
                         let (ck, cv) = segs[i].cache.layer(layer);
                         (i, ck.storage_and_layout(), cv.storage_and_layout(), segs[i].cache.capacity())
                     })
                     .collect();
-                let (mut kvs, mut long) = (Vec::with_capacity(guards.len()), vec![]);
+                let mut kvs = Vec::with_capacity(guards.len());
                 for (i, (ks, kl), (vs, vl), cap) in &guards {
-                    let list = if masks[*i].blocked { &mut long } else { &mut kvs };
-                    list.push(crate::attention::SegmentKv {
+                    kvs.push(crate::attention::SegmentKv {
                         k: crate::attention::cpu_f32(ks, kl.start_offset(), nkv * cap * d)?,
                         v: crate::attention::cpu_f32(vs, vl.start_offset(), nkv * cap * d)?,
                         capacity: *cap,
                         row0: spans[*i].0,
-                        visible: masks[*i].visible.as_deref().expect("direct segment"),
+                        visible: masks[*i].visible.as_deref().expect("blocked segment"),
                     });
                 }
-                if !kvs.is_empty() {
-                    crate::attention::attend(qv, r, &kvs, nh, nkv, d, scale as f32, &mut out);
-                }
-                #[cfg(target_arch = "x86_64")]
-                if !long.is_empty() {
-                    crate::attention::blocked::attend(qv, r, &long, nh, nkv, d, scale as f32, &mut out);
-                }
-            }
-            for (i, parts) in ys {
-                let y = if parts.len() == 1 { parts[0].clone() } else { Tensor::cat(&parts, 1)? };
-                let rows = y.transpose(0, 1)?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
-                let o = spans[i].0 * nh * d;
-                out[o..o + rows.len()].copy_from_slice(&rows);
+                crate::attention::attend(qv, r, &kvs, nh, nkv, d, scale as f32, &mut out)?;
             }
             Tensor::from_vec(out, (r, nh * d), x.device())?
         };
