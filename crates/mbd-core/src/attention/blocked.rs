@@ -36,9 +36,9 @@ const MAX_D: usize = 256;
 /// Whether this CPU and head shape can take the blocked kernel.
 pub fn available(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
     kv_heads > 0
-        && heads % kv_heads == 0
+        && heads.is_multiple_of(kv_heads)
         && heads / kv_heads <= MAX_REP
-        && head_dim % 16 == 0
+        && head_dim.is_multiple_of(16)
         && head_dim <= MAX_D
         && is_x86_feature_detected!("avx2")
         && is_x86_feature_detected!("fma")
@@ -398,7 +398,7 @@ pub(super) unsafe fn exp8(x: __m256) -> __m256 {
     y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.333_452e-3));
     y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.166_579_6e-2));
     y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.666_666_5e-1));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.000_000_1e-1));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(0.5));
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0)));
     let pow2 =
         _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127))));
@@ -433,6 +433,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::single_range_in_vec_init)]
     fn matches_softmax_attention_and_a_row_alone() {
         if !available(14, 2, 64) {
             return;
