@@ -153,6 +153,14 @@ impl MaskSpec {
     /// Per window row, the key index ranges it sees (over [0, p + w)), for a segment whose window rows sit at
     /// `positions` over `p` cached keys.
     pub fn visible(&self, p: usize, positions: &[usize]) -> Vec<Vec<std::ops::Range<usize>>> {
+        if let MaskSpec::Grid(g) = self {
+            let s = p + positions.len();
+            if positions.iter().enumerate().all(|(i, &x)| x == p + i) {
+                // key index = position: a row sees the keys of its block and before, a prefix (O(rows), where the
+                // general rule below walks every window key per row)
+                return (0..positions.len()).map(|i| vec![0..g.block_end(p + i).min(s)]).collect();
+            }
+        }
         (0..positions.len()).map(|i| self.visible_row(p, positions, i)).collect()
     }
 
