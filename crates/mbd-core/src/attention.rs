@@ -30,7 +30,8 @@ pub fn available(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
     return false;
 }
 
-/// Attention of every segment's rows into `out` ((rows, heads × head_dim), row-major), in `blocked::attend`.
+/// Attention of every segment's rows into `out` ((rows, heads × head_dim), row-major; other rows are left as they
+/// are), in the blocked kernel (`blocked`).
 /// `q`: the stacked queries, (heads, rows, head_dim) row-major, RoPE applied. An error where not `available`.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
@@ -47,7 +48,7 @@ pub fn attend(
         return Err(Error::Internal("the blocked attention kernel is not available on this CPU or head shape".into()));
     }
     #[cfg(target_arch = "x86_64")]
-    blocked::attend(q, rows, segs, heads, kv_heads, head_dim, scale, out);
+    blocked::run(q, rows, segs, (heads, kv_heads, head_dim), scale, out);
     Ok(())
 }
 

@@ -158,7 +158,7 @@ impl MaskSpec {
             if positions.iter().enumerate().all(|(i, &x)| x == p + i) {
                 // key index = position: a row sees the keys of its block and before, a prefix (O(rows), where the
                 // general rule below walks every window key per row)
-                return (0..positions.len()).map(|i| vec![0..g.block_end(p + i).min(s)]).collect();
+                return (0..positions.len()).map(|i| std::iter::once(0..g.block_end(p + i).min(s)).collect()).collect();
             }
         }
         (0..positions.len()).map(|i| self.visible_row(p, positions, i)).collect()

@@ -249,7 +249,7 @@ impl Out {
 
 /// 8 weights as f32 lanes with AVX2 (`panels` packs with it too).
 #[cfg(target_arch = "x86_64")]
-pub(crate) use x86::load8;
+pub(crate) use x86::{hsum256, load8};
 
 /// The tile of `tile` with AVX-512 (16 lanes) or AVX2+FMA (8 lanes) intrinsics: the x rows' loads are
 /// shared by the 4 weight rows and each weight load by the R x rows.
@@ -285,7 +285,7 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn hsum256(v: __m256) -> f32 {
+    pub(crate) unsafe fn hsum256(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_shuffle_ps::<0b01>(s, s));

@@ -44,16 +44,12 @@ pub fn available(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
         && is_x86_feature_detected!("fma")
 }
 
-/// Attention of the rows of `segs` into `out` ((rows, heads × d), row-major; other rows are left as they are).
-/// `q`: the stacked queries, (heads, rows, d) row-major, RoPE applied. Needs `available`.
-#[allow(clippy::too_many_arguments)]
-pub fn attend(
+/// `super::attend` (its arguments, the head shape as one tuple). Needs `available`.
+pub(super) fn run(
     q: &[f32],
     rows: usize,
     segs: &[SegmentKv<'_>],
-    heads: usize,
-    kv_heads: usize,
-    d: usize,
+    (heads, kv_heads, d): (usize, usize, usize),
     scale: f32,
     out: &mut [f32],
 ) {
@@ -326,7 +322,7 @@ unsafe fn softmax_block(
         _mm256_storeu_ps(sp.add(x), e);
         sum = _mm256_add_ps(sum, e);
     }
-    *l = *l * c + hsum(sum);
+    *l = *l * c + crate::skinny::hsum256(sum);
     *m = m_new;
     c
 }
@@ -363,14 +359,6 @@ unsafe fn hmax(v: __m256) -> f32 {
     let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     let m = _mm_max_ss(m, _mm_shuffle_ps::<1>(m, m));
     _mm_cvtss_f32(m)
-}
-
-#[target_feature(enable = "avx2,fma")]
-unsafe fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
-    _mm_cvtss_f32(s)
 }
 
 #[target_feature(enable = "avx2,fma")]
@@ -460,7 +448,7 @@ mod tests {
             SegmentKv { k: &kb, v: &vb, capacity: cap_b, row0: 150, visible: &vis_b },
         ];
         let mut out = vec![f32::NAN; rows * heads * d];
-        attend(&q, rows, &segs, heads, kvh, d, scale, &mut out);
+        run(&q, rows, &segs, (heads, kvh, d), scale, &mut out);
         let n_rep = heads / kvh;
         let mut worst = 0f64;
         for s in &segs {
@@ -493,7 +481,7 @@ mod tests {
             let vis1 = vec![s.visible[i].clone()];
             let one = [SegmentKv { k: s.k, v: s.v, capacity: s.capacity, row0: 0, visible: &vis1 }];
             let mut o1 = vec![0f32; heads * d];
-            attend(&q1, 1, &one, heads, kvh, d, scale, &mut o1);
+            run(&q1, 1, &one, (heads, kvh, d), scale, &mut o1);
             assert!(
                 o1.iter().zip(&out[r * heads * d..(r + 1) * heads * d]).all(|(a, b)| a.to_bits() == b.to_bits()),
                 "segment {si} row {i}: alone differs"
