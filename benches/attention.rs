@@ -1,8 +1,8 @@
 //! One layer's attention of a window over its cache on the CPU, Qwen2.5-0.5B heads (14 query heads over 2 kv
 //! heads, head_dim 64), causal: candle's ops as the model ran them before `attention::blocked` (per kv head the
 //! query heads folded into rows, scores = q · Kᵀ, `scaled_softmax` with the additive mask, · V) against
-//! `attention::attend` (the blocked kernel), side by side, alternating. Prints the median in ms and GFLOP/s (the FLOPs of
-//! the full rows × keys products, masked ones included, for both).
+//! `attention::attend` (the blocked kernel), side by side, alternating. Prints the median in ms and GFLOP/s (the
+//! FLOPs of the full rows × keys products, masked ones included, for both).
 //!
 //!     cargo bench -p mbd-core --bench attention
 

@@ -2,8 +2,9 @@
 computation: a W-token window over a P-token KV cache, logits for every window row, same thread count), and
 mbd-rs with its skinny kernel switched off (candle's matmul everywhere) as an A/B of that kernel, and mbd-rs with
 its many-row panel products switched off (long windows through candle's matmul, a bf16 matrix widened whole per
-call) as an A/B of those, and with its blocked attention switched off (candle's ops) as an A/B of that. The columns alternate over --rounds rounds (the machine is shared and noisy); each number
-is the median of all repetitions. A case P:W:last asks for the last row's logits only (a prefill that goes on to
+call) as an A/B of those, and with its blocked attention switched off (candle's ops) as an A/B of that (--engines
+picks the columns). The columns alternate over --rounds rounds (the machine is shared and noisy); each number is
+the median of all repetitions. A case P:W:last asks for the last row's logits only (a prefill that goes on to
 decode; PyTorch: logits_to_keep=1), P:W for every row's.
 
     python scripts/make_bench_model.py /tmp/mbd-bench/qwen2.5-0.5b-shape     # once, numpy + safetensors

@@ -115,6 +115,12 @@ impl BlockGrid {
     }
 }
 
+/// Whether window rows at `positions` over `p` cached keys sit at positions p, p + 1, ..: then a key's index is
+/// its position, and a grid's rows see prefixes of the keys.
+fn at_slots(p: usize, positions: &[usize]) -> bool {
+    positions.iter().enumerate().all(|(i, &x)| x == p + i)
+}
+
 /// Which keys each query row of a forward segment sees. Keys are the segment's cache slots [0, p) (slot i holds
 /// position i) followed by its window rows [p, p + w); queries are the window rows at their explicit positions.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -134,7 +140,7 @@ impl MaskSpec {
     pub fn additive_rows(&self, p: usize, positions: &[usize], r0: usize, n: usize) -> Option<Vec<f32>> {
         let s = p + positions.len();
         if let MaskSpec::Grid(g) = self {
-            if positions.iter().enumerate().all(|(i, &x)| x == p + i) {
+            if at_slots(p, positions) {
                 return g.additive_mask_rows(p + r0, n, s);
             }
         }
@@ -155,7 +161,7 @@ impl MaskSpec {
     pub fn visible(&self, p: usize, positions: &[usize]) -> Vec<Vec<std::ops::Range<usize>>> {
         if let MaskSpec::Grid(g) = self {
             let s = p + positions.len();
-            if positions.iter().enumerate().all(|(i, &x)| x == p + i) {
+            if at_slots(p, positions) {
                 // key index = position: a row sees the keys of its block and before, a prefix (O(rows), where the
                 // general rule below walks every window key per row)
                 return (0..positions.len()).map(|i| std::iter::once(0..g.block_end(p + i).min(s)).collect()).collect();

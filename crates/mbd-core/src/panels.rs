@@ -142,6 +142,10 @@ unsafe fn gemm_panel(
     );
 }
 
+/// 8 × 8 register transposes and the thread-local aligned buffers, shared with `attention::blocked`.
+#[cfg(target_arch = "x86_64")]
+pub(crate) use packed::{transpose8, with_buf};
+
 /// The packed AVX2+FMA product (x86-64 CPUs with AVX2 and FMA): the BLIS scheme with a 6 × 16 register tile.
 ///
 /// x is packed once per call into `MR`-row micro-panels (`KC` columns deep); the output columns are cut into
@@ -151,9 +155,6 @@ unsafe fn gemm_panel(
 /// Numerics: every y element is one f32 fused-multiply-add chain over k in order, starting from 0 (a tile continues
 /// the chain of the previous `KC` block from the stored value). So a row's result depends only on x's row and W — not
 /// on m, the tiling, the task split or the thread count — and equals `acc = x[i].mul_add(w[i], acc)` for i = 0..k.
-#[cfg(target_arch = "x86_64")]
-pub(crate) use packed::transpose8;
-
 #[cfg(target_arch = "x86_64")]
 mod packed {
     use super::Source;
@@ -187,7 +188,11 @@ mod packed {
     /// `f` on a 64-byte aligned slice of `len` values of the thread's buffer `buf`. The buffer is taken out while
     /// `f` runs, so a call that re-enters on this thread (a rayon worker picking up other work while it waits)
     /// gets a fresh one instead of a borrow error.
-    fn with_buf<R>(buf: &'static LocalKey<Cell<Vec<f32>>>, len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    pub(crate) fn with_buf<R>(
+        buf: &'static LocalKey<Cell<Vec<f32>>>,
+        len: usize,
+        f: impl FnOnce(&mut [f32]) -> R,
+    ) -> R {
         let mut v = buf.take();
         if v.len() < len + 16 {
             v.resize(len + 16, 0.0);

@@ -18,6 +18,7 @@
 //! change with the batch, the window length or the thread count.
 
 use super::SegmentKv;
+use crate::skinny::Out;
 use rayon::prelude::*;
 use std::arch::x86_64::*;
 use std::cell::Cell;
@@ -44,7 +45,7 @@ pub fn available(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
         && is_x86_feature_detected!("fma")
 }
 
-/// `super::attend` (its arguments, the head shape as one tuple). Needs `available`.
+/// `super::attend` (its arguments, the head shape as one tuple). Needs `available`: `attend` checks it.
 pub(super) fn run(
     q: &[f32],
     rows: usize,
@@ -53,7 +54,6 @@ pub(super) fn run(
     scale: f32,
     out: &mut [f32],
 ) {
-    assert!(available(heads, kv_heads, d), "blocked attention needs AVX2, FMA and a supported head shape");
     assert!(q.len() >= heads * rows * d && out.len() >= rows * heads * d);
     for s in segs {
         assert!(s.row0 + s.visible.len() <= rows);
@@ -75,8 +75,7 @@ pub(super) fn run(
     let job = |&(si, g, i0, n): &(usize, usize, usize, usize)| {
         let s = &segs[si];
         let p = TaskParams { q, rows, heads, n_rep: heads / kv_heads, d, scale, g, i0, n };
-        // SAFETY: `available` checked AVX2 and FMA; the task writes only its own rows' heads of group g.
-        unsafe { task(&p, s, out_ptr) }
+        task(&p, s, out_ptr)
     };
     tasks.par_iter().for_each(job);
 }
@@ -94,11 +93,6 @@ struct TaskParams<'a> {
     i0: usize,
     n: usize,
 }
-
-#[derive(Clone, Copy)]
-struct Out(*mut f32);
-unsafe impl Send for Out {}
-unsafe impl Sync for Out {}
 
 /// How a row sees a key block.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -127,11 +121,19 @@ thread_local! {
     static BUF: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
 }
 
-/// One task: kv head `p.g`, window rows [i0, i0 + n) of segment `s`, every query head of the group. Its n_rep × n
-/// query vectors (head-major: vector k is head k / n, row k % n) are tiled `R` at a time, so a window of one row
-/// fills a tile with its heads.
+/// One task: kv head `p.g`, window rows [i0, i0 + n) of segment `s`, every query head of the group, on the
+/// thread's buffer.
+fn task(p: &TaskParams<'_>, s: &SegmentKv<'_>, out: Out) {
+    let nvp = (p.n_rep * p.n).div_ceil(R) * R;
+    let len = 2 * nvp * p.d + p.d * KB + R * KB + KB;
+    // SAFETY: `attend` checked AVX2 and FMA (`available`); the task writes only its own rows' heads of group g.
+    crate::panels::with_buf(&BUF, len, |buf| unsafe { task_on(p, s, out, buf) })
+}
+
+/// `task` on `buf`. Its n_rep × n query vectors (head-major: vector k is head k / n, row k % n) are tiled `R` at a
+/// time, so a window of one row fills a tile with its heads.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn task(p: &TaskParams<'_>, s: &SegmentKv<'_>, out: Out) {
+unsafe fn task_on(p: &TaskParams<'_>, s: &SegmentKv<'_>, out: Out, buf: &mut [f32]) {
     let (d, n_rep, n) = (p.d, p.n_rep, p.n);
     let vis = &s.visible[p.i0..p.i0 + n];
     // the keys the task's rows see at all
@@ -139,21 +141,12 @@ unsafe fn task(p: &TaskParams<'_>, s: &SegmentKv<'_>, out: Out) {
     let hi = vis.iter().flatten().map(|r| r.end).max().unwrap_or(0);
     let nv = n_rep * n;
     let nvp = nv.div_ceil(R) * R;
-    // buffers: the query vectors (zero past nv), their unnormalised outputs, K^T of a block, the scores of a tile,
-    // the additive mask of a row
-    let (qn, ktn, sn) = (nvp * d, d * KB, R * KB);
-    let mut buf = BUF.take();
-    let need = 2 * qn + ktn + sn + KB + 16;
-    if buf.len() < need {
-        buf.resize(need, 0.0);
-    }
-    let base = buf.as_mut_ptr();
-    let base = base.add(base.align_offset(32));
-    let qb = std::slice::from_raw_parts_mut(base, qn);
-    let ob = std::slice::from_raw_parts_mut(base.add(qn), qn);
-    let kt = std::slice::from_raw_parts_mut(base.add(2 * qn), ktn);
-    let sc = std::slice::from_raw_parts_mut(base.add(2 * qn + ktn), sn);
-    let madd = std::slice::from_raw_parts_mut(base.add(2 * qn + ktn + sn), KB);
+    // the query vectors (zero past nv), their unnormalised outputs, K^T of a block, the scores of a tile, the
+    // additive mask of a row
+    let (qb, rest) = buf.split_at_mut(nvp * d);
+    let (ob, rest) = rest.split_at_mut(nvp * d);
+    let (kt, rest) = rest.split_at_mut(d * KB);
+    let (sc, madd) = rest.split_at_mut(R * KB);
     ob.fill(0.0);
     qb[nv * d..].fill(0.0);
     let row = s.row0 + p.i0;
@@ -222,12 +215,11 @@ unsafe fn task(p: &TaskParams<'_>, s: &SegmentKv<'_>, out: Out) {
     for k in 0..nv {
         let (h, i) = (p.g * n_rep + k / n, k % n);
         let inv = 1.0 / l[k];
-        let dst = out.0.add(((row + i) * p.heads + h) * d);
+        let dst = out.offset(((row + i) * p.heads + h) * d).0;
         for x in 0..d {
             *dst.add(x) = ob[k * d + x] * inv;
         }
     }
-    BUF.set(buf);
 }
 
 /// K rows [j0, j0 + kb) (kb × d, row-major) into kt (d × `KB`): kt[t · KB + j] = k[j · d + t]; columns kb..KB zero
