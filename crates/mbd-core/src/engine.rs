@@ -297,7 +297,8 @@ impl Model {
             Some(g) => Weights::open_gguf(g, device, dtype, opts.keep_bf16_weights, opts.quantize)?,
             None => Weights::open(&checkpoint_files(dir)?, device, dtype, opts.keep_bf16_weights, opts.quantize)?,
         }
-        .with_progress(opts.progress.clone());
+        .with_progress(opts.progress.clone())
+        .with_packing(opts.kernels.packs());
         let num_parameters = ws.num_parameters();
         let net = QwenModel::load(&config, &ws, device, dtype, opts.kernels)?;
         let weight_bytes = ws.loaded_bytes();

@@ -20,12 +20,168 @@ use crate::skinny::dequantize_rows;
 use half::bf16;
 use rayon::prelude::*;
 
-/// A weight matrix (n × k, row-major) as the panels read it.
+/// A weight matrix (n × k) as the panels read it: row-major f32 or bf16, quantized, or packed at load.
 #[derive(Clone, Copy)]
 pub enum Source<'a> {
     F32(&'a [f32]),
     Bf16(&'a [bf16]),
     Quant(&'a QMatrix),
+    Packed(&'a PackedMatrix),
+}
+
+/// Output columns per group of a packed matrix (the register tile's width).
+const GROUP: usize = 16;
+
+/// A dense weight matrix (n × k, f32 or bf16) packed once at load for the packed product: its rows (output
+/// columns) in groups of `GROUP`, each group k-major (depth p of group g: `GROUP` values at (g · k + p) · `GROUP`),
+/// n padded with zero rows to a whole group. The product then reads W as it streams, with no packing per call, for
+/// every window: a one-row decode window, a few-row window and a prefill alike, so that every output element is
+/// the same in-order f32 fused-multiply-add chain over k whatever the window (see `packed`). Only CPUs with the
+/// packed product (x86-64 with AVX2 and FMA) hold matrices this way.
+///
+/// bf16 is kept as bf16 (half the bytes) and widened in registers: within a depth's 16 values, slot 2i holds
+/// column i and slot 2i + 1 column 8 + i, so that one 32-byte load widens to columns 0-7 (each 32-bit lane's low
+/// half shifted up) and 8-15 (its high half masked) in two integer instructions.
+pub struct PackedMatrix {
+    pub n: usize,
+    pub k: usize,
+    data: PackedData,
+}
+
+enum PackedData {
+    F32(Vec<f32>),
+    /// bf16 bit patterns in the slot order above
+    Bf16(Vec<u16>),
+}
+
+impl PackedMatrix {
+    /// Whether this CPU multiplies packed matrices (otherwise they are never made).
+    pub fn available() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            packed::available()
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+
+    /// A contiguous 2-D f32 or bf16 CPU tensor, packed; None where packed matrices are not available or the tensor
+    /// is not of that kind.
+    pub fn from_tensor(t: &candle_core::Tensor) -> candle_core::Result<Option<PackedMatrix>> {
+        use candle_core::{CpuStorage, Device, Storage};
+        if !Self::available() || !matches!(t.device(), Device::Cpu) || t.rank() != 2 {
+            return Ok(None);
+        }
+        let (n, k) = t.dims2()?;
+        let (storage, layout) = t.storage_and_layout();
+        let (Storage::Cpu(s), Some((o0, o1))) = (&*storage, layout.contiguous_offsets()) else { return Ok(None) };
+        Ok(match s {
+            CpuStorage::F32(w) => Some(Self::pack(&w[o0..o1], n, k, |v: &f32| *v, PackedData::F32)),
+            CpuStorage::BF16(w) => Some(Self::pack(&w[o0..o1], n, k, |v: &bf16| v.to_bits(), PackedData::Bf16)),
+            _ => None,
+        })
+    }
+
+    /// Pack row-major W (n × k) in parallel, a group per task.
+    fn pack<E: Sync, T: Copy + Default + Send>(
+        w: &[E],
+        n: usize,
+        k: usize,
+        f: impl Fn(&E) -> T + Sync,
+        wrap: fn(Vec<T>) -> PackedData,
+    ) -> PackedMatrix {
+        assert_eq!(w.len(), n * k);
+        let groups = n.div_ceil(GROUP);
+        let mut data = vec![T::default(); groups * GROUP * k];
+        let bf16 = std::mem::size_of::<T>() == 2;
+        if k > 0 {
+            data.par_chunks_mut(GROUP * k).enumerate().for_each(|(g, dst)| {
+                for c in 0..GROUP.min(n - g * GROUP) {
+                    let row = &w[(g * GROUP + c) * k..(g * GROUP + c + 1) * k];
+                    let s = slot(c, bf16);
+                    for (p, v) in row.iter().enumerate() {
+                        dst[p * GROUP + s] = f(v);
+                    }
+                }
+            });
+        }
+        PackedMatrix { n, k, data: wrap(data) }
+    }
+
+    /// Whether the values are held as bf16.
+    pub fn is_bf16(&self) -> bool {
+        matches!(self.data, PackedData::Bf16(_))
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        match &self.data {
+            PackedData::F32(d) => d.len() * 4,
+            PackedData::Bf16(d) => d.len() * 2,
+        }
+    }
+
+    /// Rows [first, first + count) of W (exact, f32) into `dst` (count × k).
+    pub fn rows_into(&self, first: usize, count: usize, dst: &mut [f32]) {
+        let k = self.k;
+        assert!(first + count <= self.n && dst.len() == count * k);
+        for (i, out) in dst.chunks_mut(k.max(1)).enumerate() {
+            let (g, c) = ((first + i) / GROUP, (first + i) % GROUP);
+            let base = g * GROUP * k;
+            match &self.data {
+                PackedData::F32(d) => {
+                    for (p, o) in out.iter_mut().enumerate() {
+                        *o = d[base + p * GROUP + c];
+                    }
+                }
+                PackedData::Bf16(d) => {
+                    let s = slot(c, true);
+                    for (p, o) in out.iter_mut().enumerate() {
+                        *o = f32::from_bits((d[base + p * GROUP + s] as u32) << 16);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Matrices of the same width and element stacked (their rows one after another), when every one but the last
+    /// has whole groups; None otherwise.
+    pub fn stack(parts: &[&PackedMatrix]) -> Option<PackedMatrix> {
+        let first = parts.first()?;
+        let whole = parts[..parts.len() - 1].iter().all(|p| p.n.is_multiple_of(GROUP));
+        if !whole || parts.iter().any(|p| p.k != first.k || p.is_bf16() != first.is_bf16()) {
+            return None;
+        }
+        let n = parts.iter().map(|p| p.n).sum();
+        let data = match first.data {
+            PackedData::F32(_) => PackedData::F32(
+                parts
+                    .iter()
+                    .flat_map(|p| if let PackedData::F32(d) = &p.data { &d[..] } else { &[] })
+                    .copied()
+                    .collect(),
+            ),
+            PackedData::Bf16(_) => PackedData::Bf16(
+                parts
+                    .iter()
+                    .flat_map(|p| if let PackedData::Bf16(d) = &p.data { &d[..] } else { &[] })
+                    .copied()
+                    .collect(),
+            ),
+        };
+        Some(PackedMatrix { n, k: first.k, data })
+    }
+}
+
+/// Where column c (0..`GROUP`) of a group sits among a depth's values (see `PackedMatrix`).
+fn slot(c: usize, bf16: bool) -> usize {
+    match (bf16, c < GROUP / 2) {
+        (false, _) => c,
+        (true, true) => 2 * c,
+        (true, false) => 2 * (c - GROUP / 2) + 1,
+    }
 }
 
 /// y (m × n) = x (m × k) · Wᵀ, each gemm call parallel on the calling pool from `par_min_macs` multiply-adds.
@@ -55,6 +211,10 @@ pub fn matmul_t(x: &[f32], m: usize, k: usize, w: Source<'_>, n: usize, par_min_
                 }
                 Source::Quant(q) => {
                     fill(&mut s, nw * k, |r0, dst| dequantize_rows(q, n0 + r0, dst.len() / k, dst), k);
+                    &s[..nw * k]
+                }
+                Source::Packed(p) => {
+                    fill(&mut s, nw * k, |r0, dst| p.rows_into(n0 + r0, dst.len() / k, dst), k);
                     &s[..nw * k]
                 }
             };
@@ -157,7 +317,7 @@ pub(crate) use packed::{transpose8, with_buf};
 /// on m, the tiling, the task split or the thread count — and equals `acc = x[i].mul_add(w[i], acc)` for i = 0..k.
 #[cfg(target_arch = "x86_64")]
 mod packed {
-    use super::Source;
+    use super::{PackedData, Source};
     use crate::skinny::{dequantize_rows, load8, Out, WeightElem};
     use half::bf16;
     use rayon::prelude::*;
@@ -167,7 +327,7 @@ mod packed {
 
     /// Register tile: `MR` x rows × `NR` output columns (12 of the 16 ymm registers hold it).
     const MR: usize = 6;
-    const NR: usize = 16;
+    const NR: usize = super::GROUP;
     /// Depth of a packed block: a weight micro-panel (`KC` × `NR`, 16 KB) stays in L1 while the x micro-panels stream.
     const KC: usize = 256;
     /// x rows per block (`MC` × `KC` f32: 144 KB, in L2 with the task's weight block).
@@ -300,10 +460,18 @@ mod packed {
                 dequantize_rows(q, j0, nt, rows);
                 columns_of(a, m, m_pad, k, rows, nt, n, y, j0)
             }),
+            Source::Packed(p) => {
+                // the task's groups: j0 is a multiple of NR
+                let (g0, g1) = (j0 / NR, (j0 + nt).div_ceil(NR));
+                match &p.data {
+                    PackedData::F32(d) => columns_packed(a, m, m_pad, k, &d[g0 * NR * k..g1 * NR * k], nt, n, y, j0),
+                    PackedData::Bf16(d) => columns_packed(a, m, m_pad, k, &d[g0 * NR * k..g1 * NR * k], nt, n, y, j0),
+                }
+            }
         }
     }
 
-    /// Columns [j0, j0 + nt) of y from the task's weight rows `w` (nt × k).
+    /// Columns [j0, j0 + nt) of y from the task's weight rows `w` (nt × k), packed here `KC` deep at a time.
     #[allow(clippy::too_many_arguments)]
     unsafe fn columns_of<E: WeightElem>(
         a: &[f32],
@@ -321,24 +489,104 @@ mod packed {
             for kc0 in (0..k).step_by(KC) {
                 let kc = KC.min(k - kc0);
                 pack_w(w, k, nt, kc0, kc, b);
-                for i0 in (0..m_pad).step_by(MC) {
-                    for g in 0..groups {
-                        let bp = b.as_ptr().add(g * NR * kc);
-                        let cols = NR.min(nt - g * NR);
-                        for i in (i0..(i0 + MC).min(m_pad)).step_by(MR) {
-                            let ap = a.as_ptr().add(kc0 * m_pad + i * kc);
-                            let rows = MR.min(m - i);
-                            let c = y.offset(i * n + j0 + g * NR).0;
-                            if rows == MR && cols == NR {
-                                tile(kc, ap, bp, c, n, kc0 > 0);
-                            } else {
-                                edge_tile(kc, ap, bp, c, n, rows, cols, kc0 > 0);
-                            }
-                        }
+                let b: &[f32] = b;
+                sweep(a, m, m_pad, kc0, kc, |g| b.as_ptr().add(g * NR * kc), nt, n, y, j0);
+            }
+        });
+    }
+
+    /// Columns [j0, j0 + nt) of y from the task's groups `w` of a `PackedMatrix` (each `NR` × k, k-major). A window
+    /// of one row panel (at most `MR` rows) takes the whole depth at once, streaming each group once.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn columns_packed<E: Panel>(
+        a: &[f32],
+        m: usize,
+        m_pad: usize,
+        k: usize,
+        w: &[E],
+        nt: usize,
+        n: usize,
+        y: Out,
+        j0: usize,
+    ) {
+        let depth = KC;
+        for kc0 in (0..k).step_by(depth) {
+            let kc = depth.min(k - kc0);
+            sweep(a, m, m_pad, kc0, kc, |g| w.as_ptr().add(g * NR * k + kc0 * NR), nt, n, y, j0);
+        }
+    }
+
+    /// One depth block [kc0, kc0 + kc) of columns [j0, j0 + nt): `b(g)` points at group g's `NR`-wide values at
+    /// depth kc0, consecutive depths `NR` apart. Full row panels take the `MR` × `NR` tile, `MC` rows of x at a
+    /// time over each group; the last rows (fewer than `MR`) a tile as wide as its accumulators allow.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn sweep<E: Panel>(
+        a: &[f32],
+        m: usize,
+        m_pad: usize,
+        kc0: usize,
+        kc: usize,
+        b: impl Fn(usize) -> *const E,
+        nt: usize,
+        n: usize,
+        y: Out,
+        j0: usize,
+    ) {
+        let groups = nt.div_ceil(NR);
+        let full = m / MR * MR;
+        let acc = kc0 > 0;
+        for i0 in (0..full).step_by(MC) {
+            for g in 0..groups {
+                let cols = NR.min(nt - g * NR);
+                for i in (i0..(i0 + MC).min(full)).step_by(MR) {
+                    let ap = a.as_ptr().add(kc0 * m_pad + i * kc);
+                    let c = y.offset(i * n + j0 + g * NR).0;
+                    if cols == NR {
+                        tile::<E, MR, 1>(kc, ap, [b(g)], c, n, acc);
+                    } else {
+                        edge_tile::<E, MR>(kc, ap, b(g), c, n, cols, acc);
                     }
                 }
             }
-        });
+        }
+        let ap = a.as_ptr().add(kc0 * m_pad + full * kc);
+        let c = y.offset(full * n + j0).0;
+        match m - full {
+            0 => {}
+            1 => last_rows::<E, 1, 4>(kc, ap, &b, nt, c, n, acc),
+            2 => last_rows::<E, 2, 2>(kc, ap, &b, nt, c, n, acc),
+            3 => last_rows::<E, 3, 2>(kc, ap, &b, nt, c, n, acc),
+            4 => last_rows::<E, 4, 1>(kc, ap, &b, nt, c, n, acc),
+            _ => last_rows::<E, 5, 1>(kc, ap, &b, nt, c, n, acc),
+        }
+    }
+
+    /// The last `R` (< `MR`) rows over every group: `P` groups per tile (2 · R · P accumulators), then what is left.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn last_rows<E: Panel, const R: usize, const P: usize>(
+        kc: usize,
+        a: *const f32,
+        b: &impl Fn(usize) -> *const E,
+        nt: usize,
+        c: *mut f32,
+        n: usize,
+        acc: bool,
+    ) {
+        let whole = nt / NR;
+        let mut g = 0;
+        while g + P <= whole {
+            tile::<E, R, P>(kc, a, std::array::from_fn(|q| b(g + q)), c.add(g * NR), n, acc);
+            g += P;
+        }
+        match whole - g {
+            0 => {}
+            1 => tile::<E, R, 1>(kc, a, [b(g)], c.add(g * NR), n, acc),
+            2 => tile::<E, R, 2>(kc, a, [b(g), b(g + 1)], c.add(g * NR), n, acc),
+            _ => tile::<E, R, 3>(kc, a, [b(g), b(g + 1), b(g + 2)], c.add(g * NR), n, acc),
+        }
+        if whole * NR < nt {
+            edge_tile::<E, R>(kc, a, b(whole), c.add(whole * NR), n, nt - whole * NR, acc);
+        }
     }
 
     /// Weight rows `w` (nt × k), columns [kc0, kc0 + kc), into `NR`-column micro-panels: group g's value for
@@ -402,62 +650,109 @@ mod packed {
         ]
     }
 
-    /// A tile with fewer than `MR` valid rows or `NR` valid columns, through a full-size copy.
+    /// How a tile reads `NR` weights of one depth: packed f32 (two loads), or a `PackedMatrix`'s bf16 pairs (one
+    /// load, widened: each 32-bit lane's low half shifted up is column i, its high half masked column 8 + i).
+    pub(super) trait Panel: Copy {
+        unsafe fn load(p: *const Self) -> (__m256, __m256);
+    }
+
+    impl Panel for f32 {
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> (__m256, __m256) {
+            (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
+        }
+    }
+
+    impl Panel for u16 {
+        #[inline(always)]
+        unsafe fn load(p: *const u16) -> (__m256, __m256) {
+            let v = _mm256_loadu_si256(p as *const __m256i);
+            let lo = _mm256_slli_epi32::<16>(v);
+            let hi = _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF_0000u32 as i32));
+            (_mm256_castsi256_ps(lo), _mm256_castsi256_ps(hi))
+        }
+    }
+
+    /// A tile with fewer than `NR` valid columns (`R` rows, one group), through a full-width copy.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn edge_tile(
+    unsafe fn edge_tile<E: Panel, const R: usize>(
         kc: usize,
         a: *const f32,
-        b: *const f32,
+        b: *const E,
         c: *mut f32,
         ldc: usize,
-        rows: usize,
         cols: usize,
         acc: bool,
     ) {
-        let mut t = [0f32; MR * NR];
+        let mut t = [[0f32; NR]; R];
         if acc {
-            for r in 0..rows {
-                for j in 0..cols {
-                    t[r * NR + j] = *c.add(r * ldc + j);
+            for (r, t) in t.iter_mut().enumerate() {
+                for (j, t) in t.iter_mut().enumerate().take(cols) {
+                    *t = *c.add(r * ldc + j);
                 }
             }
         }
-        tile(kc, a, b, t.as_mut_ptr(), NR, acc);
-        for r in 0..rows {
-            for j in 0..cols {
-                *c.add(r * ldc + j) = t[r * NR + j];
+        tile::<E, R, 1>(kc, a, [b], t.as_mut_ptr() as *mut f32, NR, acc);
+        for (r, t) in t.iter().enumerate() {
+            for (j, t) in t.iter().enumerate().take(cols) {
+                *c.add(r * ldc + j) = *t;
             }
         }
     }
 
-    /// c (`MR` × `NR`, row stride ldc) = (acc ? c : 0) + Σ_p a_p ⊗ b_p over kc depths, one FMA per element and depth
-    /// in order. `a`: kc × `MR` packed x; `b`: kc × `NR` packed weights, 32-byte aligned.
+    /// c (`R` rows × `P` groups of `NR` columns, row stride ldc) = (acc ? c : 0) + Σ_p a_p ⊗ b_p over kc depths, one
+    /// FMA per element and depth in order. `a`: packed x (`MR` values per depth, the first `R` used); `b[q]`: group
+    /// q's weights, `NR` per depth. Whatever `R` and `P`, each element is the same chain.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn tile(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, acc: bool) {
-        let mut s = [[_mm256_setzero_ps(); 2]; MR];
+    unsafe fn tile<E: Panel, const R: usize, const P: usize>(
+        kc: usize,
+        a: *const f32,
+        b: [*const E; P],
+        c: *mut f32,
+        ldc: usize,
+        acc: bool,
+    ) {
+        let mut s = [[[_mm256_setzero_ps(); 2]; P]; R];
         if acc {
             for (r, s) in s.iter_mut().enumerate() {
-                s[0] = _mm256_loadu_ps(c.add(r * ldc));
-                s[1] = _mm256_loadu_ps(c.add(r * ldc + 8));
+                for (q, s) in s.iter_mut().enumerate() {
+                    s[0] = _mm256_loadu_ps(c.add(r * ldc + q * NR));
+                    s[1] = _mm256_loadu_ps(c.add(r * ldc + q * NR + 8));
+                }
             }
         }
         let (mut a, mut b) = (a, b);
         for _ in 0..kc {
-            let b0 = _mm256_load_ps(b);
-            let b1 = _mm256_load_ps(b.add(8));
-            for (r, s) in s.iter_mut().enumerate() {
-                let x = _mm256_broadcast_ss(&*a.add(r));
-                s[0] = _mm256_fmadd_ps(x, b0, s[0]);
-                s[1] = _mm256_fmadd_ps(x, b1, s[1]);
+            if P == 1 {
+                let (b0, b1) = E::load(b[0]);
+                for (r, s) in s.iter_mut().enumerate() {
+                    let x = _mm256_broadcast_ss(&*a.add(r));
+                    s[0][0] = _mm256_fmadd_ps(x, b0, s[0][0]);
+                    s[0][1] = _mm256_fmadd_ps(x, b1, s[0][1]);
+                }
+            } else {
+                // few rows, several groups: each x value broadcast once per depth
+                let x: [__m256; R] = std::array::from_fn(|r| _mm256_broadcast_ss(&*a.add(r)));
+                for q in 0..P {
+                    let (b0, b1) = E::load(b[q]);
+                    for (r, s) in s.iter_mut().enumerate() {
+                        s[q][0] = _mm256_fmadd_ps(x[r], b0, s[q][0]);
+                        s[q][1] = _mm256_fmadd_ps(x[r], b1, s[q][1]);
+                    }
+                }
             }
             a = a.add(MR);
-            b = b.add(NR);
+            for b in b.iter_mut() {
+                *b = b.add(NR);
+            }
         }
         for (r, s) in s.iter().enumerate() {
-            _mm256_storeu_ps(c.add(r * ldc), s[0]);
-            _mm256_storeu_ps(c.add(r * ldc + 8), s[1]);
+            for (q, s) in s.iter().enumerate() {
+                _mm256_storeu_ps(c.add(r * ldc + q * NR), s[0]);
+                _mm256_storeu_ps(c.add(r * ldc + q * NR + 8), s[1]);
+            }
         }
     }
 }
@@ -570,6 +865,86 @@ mod tests {
                 let r = m / 2;
                 assert_eq!(matmul_t(&x[r * k..(r + 1) * k], 1, k, Source::F32(&w), n, par), want[r * n..(r + 1) * n]);
             }
+        }
+    }
+
+    fn tensor<T: candle_core::WithDType>(v: Vec<T>, n: usize, k: usize) -> candle_core::Tensor {
+        candle_core::Tensor::from_vec(v, (n, k), &candle_core::Device::Cpu).unwrap()
+    }
+
+    /// A matrix packed at load gives every element as the in-order FMA chain, for every row count (each tile
+    /// shape: the 6-row tile, the last 1-5 rows over 1-4 groups, partial groups), alone or stacked, serial or in
+    /// parallel; and the same bits as the row-major matrix packed per call.
+    #[test]
+    fn packed_at_load_is_the_in_order_chain_for_every_window() {
+        if !PackedMatrix::available() {
+            return;
+        }
+        for (k, n) in [(300usize, 141usize), (64, 16), (257, 200), (31, 7), (512, 1030)] {
+            let w = randn(n * k, 7);
+            let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+            let wb32: Vec<f32> = wb.iter().map(|v| v.to_f32()).collect();
+            let pf = PackedMatrix::from_tensor(&tensor(w.clone(), n, k)).unwrap().unwrap();
+            let pb = PackedMatrix::from_tensor(&tensor(wb.clone(), n, k)).unwrap().unwrap();
+            assert!(!pf.is_bf16() && pb.is_bf16());
+            let x = randn(20 * k, 8);
+            let chain = |w: &[f32], m: usize| -> Vec<f32> {
+                (0..m * n)
+                    .map(|e| {
+                        let (r, c) = (e / n, e % n);
+                        (0..k).fold(0f32, |acc, i| x[r * k + i].mul_add(w[c * k + i], acc))
+                    })
+                    .collect()
+            };
+            for m in (1..=13).chain([20]) {
+                let (want_f, want_b) = (chain(&w, m), chain(&wb32, m));
+                for par in [usize::MAX, 1] {
+                    let xs = &x[..m * k];
+                    assert_eq!(matmul_t(xs, m, k, Source::Packed(&pf), n, par), want_f, "f32 {m}x{k}x{n} par {par}");
+                    assert_eq!(matmul_t(xs, m, k, Source::Packed(&pb), n, par), want_b, "bf16 {m}x{k}x{n} par {par}");
+                    assert_eq!(matmul_t(xs, m, k, Source::Bf16(&wb), n, par), want_b, "per call {m}x{k}x{n}");
+                    let r = m - 1;
+                    let alone = matmul_t(&x[r * k..(r + 1) * k], 1, k, Source::Packed(&pb), n, par);
+                    assert_eq!(alone, want_b[r * n..(r + 1) * n]);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn packed_rows_and_stacks_are_exact() {
+        if !PackedMatrix::available() {
+            return;
+        }
+        let k = 40;
+        let (a, b) = (randn(32 * k, 9), randn(21 * k, 10));
+        let ab: Vec<bf16> = a.iter().chain(&b).map(|&v| bf16::from_f32(v)).collect();
+        for bf in [false, true] {
+            let t = |v: &[f32], n: usize| {
+                let t = tensor(v.to_vec(), n, k);
+                if bf {
+                    t.to_dtype(candle_core::DType::BF16).unwrap()
+                } else {
+                    t
+                }
+            };
+            let (pa, pb) = (
+                PackedMatrix::from_tensor(&t(&a, 32)).unwrap().unwrap(),
+                PackedMatrix::from_tensor(&t(&b, 21)).unwrap().unwrap(),
+            );
+            let want: Vec<f32> =
+                if bf { ab.iter().map(|v| v.to_f32()).collect() } else { a.iter().chain(&b).copied().collect() };
+            let st = PackedMatrix::stack(&[&pa, &pb]).expect("whole groups stack");
+            assert_eq!((st.n, st.k), (53, k));
+            let mut got = vec![0f32; 53 * k];
+            st.rows_into(0, 53, &mut got);
+            assert_eq!(got, want);
+            let mut one = vec![0f32; k];
+            pb.rows_into(20, 1, &mut one);
+            assert_eq!(one, want[52 * k..]);
+            // a first part of 21 rows has a partial group: no stack
+            assert!(PackedMatrix::stack(&[&pb, &pa]).is_none());
+            assert_eq!(st.bytes(), 64 * k * if bf { 2 } else { 4 });
         }
     }
 }

@@ -19,24 +19,40 @@
 //! 896-wide 0.5B rows are 3.5 super-blocks: under q4_k its matrices that take 896-value rows are q5_0.)
 
 use crate::error::{Error, Result};
+use crate::panels::PackedMatrix;
 use crate::skinny::Kernels;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use half::f16;
 use std::sync::Arc;
 
-/// A weight matrix (n, k) as the model holds it: as loaded (f32, or bf16 on the CPU), or quantized.
+/// A weight matrix (n, k) as the model holds it: as loaded (f32, or bf16 on the CPU), packed at load for the
+/// packed product (`panels::PackedMatrix`: dense f32 or bf16 on a CPU that has it), or quantized.
 #[derive(Clone)]
 pub enum Matrix {
     Dense(Tensor),
+    Packed(Arc<PackedMatrix>),
     Quant(Arc<QMatrix>),
 }
 
 impl Matrix {
-    /// `x · wᵀ` (`few`: the rows are few-row windows, see `skinny::few_rows`).
+    /// A dense matrix as the model holds it: packed where `pack` (`Kernels::packs`) and the tensor is a CPU f32 or
+    /// bf16 matrix on a CPU with the packed product, else as it is.
+    pub fn dense(t: Tensor, pack: bool) -> Result<Matrix> {
+        if pack {
+            if let Some(p) = PackedMatrix::from_tensor(&t)? {
+                return Ok(Matrix::Packed(Arc::new(p)));
+            }
+        }
+        Ok(Matrix::Dense(t))
+    }
+
+    /// `x · wᵀ` (`few`: the rows are few-row windows, see `skinny::few_rows`; a packed matrix computes every
+    /// window the same way).
     pub fn linear(&self, x: &Tensor, k: &Kernels, few: bool) -> candle_core::Result<Tensor> {
         match self {
             Matrix::Dense(w) => crate::skinny::linear(x, w, k, few),
+            Matrix::Packed(p) => crate::skinny::linear_packed(x, p, k),
             Matrix::Quant(q) => crate::skinny::linear_q(x, q, k, few),
         }
     }
@@ -57,6 +73,11 @@ impl Matrix {
                     }
                 }
                 Ok(Some(Matrix::Dense(Tensor::cat(&ts, 0)?)))
+            }
+            [Matrix::Packed(_), ..] => {
+                let ps: Option<Vec<&PackedMatrix>> =
+                    parts.iter().map(|m| if let Matrix::Packed(p) = m { Some(&**p) } else { None }).collect();
+                Ok(ps.and_then(|ps| PackedMatrix::stack(&ps)).map(|p| Matrix::Packed(Arc::new(p))))
             }
             [Matrix::Quant(first), ..] => {
                 let mut qs = Vec::with_capacity(parts.len());
@@ -83,6 +104,16 @@ impl Matrix {
     pub fn rows(&self, ids: &[u32], dev: &Device) -> Result<Tensor> {
         Ok(match self {
             Matrix::Dense(w) => w.index_select(&Tensor::new(ids, dev)?, 0)?,
+            Matrix::Packed(p) => {
+                let mut out = vec![0f32; ids.len() * p.k];
+                for (&id, dst) in ids.iter().zip(out.chunks_mut(p.k.max(1))) {
+                    if id as usize >= p.n {
+                        return Err(Error::Internal(format!("row {id} of a {}-row packed matrix", p.n)));
+                    }
+                    p.rows_into(id as usize, 1, dst);
+                }
+                Tensor::from_vec(out, (ids.len(), p.k), dev)?
+            }
             Matrix::Quant(q) => Tensor::from_vec(q.rows(ids)?, (ids.len(), q.k), dev)?,
         })
     }

@@ -11,6 +11,7 @@
 //! Numerics: each output is one f32 dot product summed in `L` lane-wise partial sums then reduced; the
 //! result differs from gemm's only by summation order.
 
+use crate::panels::PackedMatrix;
 use crate::quant::QMatrix;
 #[cfg(target_arch = "x86_64")]
 use crate::quant::QuantFormat;
@@ -42,6 +43,11 @@ pub struct Kernels {
     /// it packs; gemm per widened panel on other CPUs). false: candle's matmul (a bf16 W widened whole per call; a
     /// quantized W through this kernel).
     pub panels: bool,
+    /// Dense f32 / bf16 matrices packed at load (`panels::PackedMatrix`) on CPUs with the packed product (x86-64
+    /// with AVX2 and FMA), so that every window, from one row to a prefill chunk, runs the packed product on them
+    /// with no packing per call (and every row the same arithmetic, alone or stacked). false: held row-major, few-row
+    /// windows through this kernel (for A/B runs).
+    pub packed_weights: bool,
     /// Linear layers of one input held as one matrix (q/k/v, gate/up: `models::qwen::Stacked`), one product
     /// instead of several. false: each its own product (the same bits; for A/B runs).
     pub stack: bool,
@@ -56,8 +62,17 @@ impl Default for Kernels {
             attention_score_bytes: 256 << 20,
             blocked_attention: true,
             panels: true,
+            packed_weights: true,
             stack: true,
         }
+    }
+}
+
+impl Kernels {
+    /// Whether a CPU f32 model holds its dense matrices packed (`packed_weights`, with this kernel and the panels
+    /// on: with either off the products go elsewhere).
+    pub fn packs(&self) -> bool {
+        self.packed_weights && self.skinny && self.panels
     }
 }
 
@@ -1311,6 +1326,43 @@ impl CustomOp1 for QuantMatmulT<'_> {
         };
         Ok((CpuStorage::F32(y), Shape::from((m, self.q.n))))
     }
+}
+
+/// The candle op for a packed W (`panels::PackedMatrix`): x (m, k) contiguous f32 on the CPU -> (m, n).
+struct PackedMatmulT<'a> {
+    p: &'a PackedMatrix,
+    par_min_macs: usize,
+}
+
+impl CustomOp1 for PackedMatmulT<'_> {
+    fn name(&self) -> &'static str {
+        "packed-matmul-t"
+    }
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (m, k) = l.shape().dims2()?;
+        if k != self.p.k {
+            candle_core::bail!("packed-matmul-t: x has rows of {k}, the matrix of {}", self.p.k);
+        }
+        let (CpuStorage::F32(x), Some((a0, a1))) = (s, l.contiguous_offsets()) else {
+            candle_core::bail!("packed-matmul-t: x must be contiguous f32");
+        };
+        let y = crate::panels::matmul_t(
+            &x[a0..a1],
+            m,
+            k,
+            crate::panels::Source::Packed(self.p),
+            self.p.n,
+            self.par_min_macs,
+        );
+        Ok((CpuStorage::F32(y), Shape::from((m, self.p.n))))
+    }
+}
+
+/// `x · wᵀ` for a packed w (CPU): every window, a one-row decode window or a prefill chunk, through the packed
+/// product, so each row's result is the same whatever window it is in.
+pub fn linear_packed(x: &Tensor, p: &PackedMatrix, k: &Kernels) -> candle_core::Result<Tensor> {
+    let x = if x.dtype() == DType::F32 { x.contiguous()? } else { x.to_dtype(DType::F32)?.contiguous()? };
+    x.apply_op1_no_bwd(&PackedMatmulT { p, par_min_macs: k.par_min_macs })
 }
 
 /// `x · wᵀ` for a quantized w (CPU): few-row windows (`few`) take this kernel (`matmul_q`), long windows

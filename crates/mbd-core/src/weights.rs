@@ -80,6 +80,8 @@ pub struct Weights {
     keep_bf16: bool,
     /// The `quantize` load option: the format of the matrices `weight` and `table` hand out.
     quantize: Option<QuantFormat>,
+    /// Hand out unquantized linear-layer matrices packed (`Matrix::dense`; `Kernels::packs`).
+    pack: bool,
     /// The block formats of the quantized matrices handed out so far.
     held: std::cell::RefCell<std::collections::BTreeSet<&'static str>>,
     /// Bytes of the tensors handed out so far (as held in memory).
@@ -416,6 +418,7 @@ impl Weights {
             dtype,
             keep_bf16,
             quantize,
+            pack: false,
             held: Default::default(),
             loaded: std::cell::Cell::new(0),
             read: std::cell::Cell::new(0),
@@ -427,6 +430,13 @@ impl Weights {
     /// Report progress to `p` after each tensor read.
     pub fn with_progress(mut self, p: Option<Progress>) -> Self {
         self.progress = p;
+        self
+    }
+
+    /// Hand out the unquantized matrices of linear layers, the embedding table and the head packed for the CPU's
+    /// packed product where it exists (`Kernels::packs`; on the CPU in f32 only: elsewhere no-op).
+    pub fn with_packing(mut self, pack: bool) -> Self {
+        self.pack = pack && self.device.is_cpu() && self.dtype == DType::F32;
         self
     }
 
@@ -520,7 +530,13 @@ impl Weights {
 
     fn quantize_as(&self, t: Tensor, table: bool, quantize: Option<QuantFormat>) -> Result<Matrix> {
         let Some(format) = quantize.and_then(|f| f.for_matrix(t.dim(1).unwrap_or(0), table)) else {
-            return Ok(Matrix::Dense(t));
+            let held = t.elem_count() * t.dtype().size_in_bytes();
+            let m = Matrix::dense(t, self.pack)?;
+            if let Matrix::Packed(p) = &m {
+                // a packed matrix's rows are padded to whole groups
+                self.loaded.set(self.loaded.get() - held.min(self.loaded.get()) + p.bytes());
+            }
+            return Ok(m);
         };
         let q = QMatrix::quantize(&t, format)?;
         let held = t.elem_count() * t.dtype().size_in_bytes();

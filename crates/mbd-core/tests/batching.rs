@@ -109,22 +109,54 @@ fn a_segment_gets_the_same_logits_alone_and_batched() {
     ];
     let mut checked = 0;
     // dense f32, bf16 weights kept bf16, mixture of experts; default kernels and a low few-row cut (so that
-    // the longer windows go to gemm, each alone, next to stacked few-row ones); the blocked attention kernel
-    // (the default on AVX2 CPUs) and candle's ops
+    // the longer windows go to gemm, each alone, next to stacked few-row ones); matrices packed at load (the
+    // default on AVX2 CPUs) and row-major; the blocked attention kernel (the default on AVX2 CPUs) and candle's ops
+    let combos =
+        [(64, true, true), (5, true, true), (64, true, false), (5, true, false), (64, false, false), (5, false, false)];
     for name in ["qwen3_headdim_gqa", "qwen3_bf16", "qwen3moe_top2_norm", "qwen2_gqa_tied"] {
-        for (max_rows, blocked_attention) in [(64, true), (5, true), (64, false), (5, false)] {
-            let kernels = Kernels { max_rows, blocked_attention, ..Kernels::default() };
+        for (max_rows, blocked_attention, packed_weights) in combos {
+            let kernels = Kernels { max_rows, blocked_attention, packed_weights, ..Kernels::default() };
             let model = load_with(name, kernels);
             let alone = forward_cases(&model, &cases, false);
             let together = forward_cases(&model, &cases, true);
             for (i, (a, b)) in alone.iter().zip(&together).enumerate() {
                 assert_eq!(a.len(), cases[i].rows.len() * model.config.vocab_size, "{name} case {i}");
-                assert!(a == b, "{name} max_rows={max_rows}: case {i}'s logits changed when batched");
+                assert!(
+                    a == b,
+                    "{name} {max_rows} {blocked_attention} {packed_weights}: case {i} changed when batched"
+                );
                 checked += 1;
             }
         }
     }
-    assert_eq!(checked, 4 * 4 * cases.len());
+    assert_eq!(checked, 4 * combos.len() * cases.len());
+}
+
+#[test]
+fn packed_weights_compute_every_window_alike_and_as_row_major_ones_do() {
+    if !mbd_core::panels::PackedMatrix::available() {
+        return;
+    }
+    let cases = vec![
+        Case { prefix: 8, window: 4, mask: None, rows: vec![0, 1, 2, 3], positions: None },
+        Case { prefix: 0, window: 1, mask: None, rows: vec![0], positions: None },
+        Case { prefix: 4, window: 40, mask: None, rows: (0..40).collect(), positions: None },
+        Case { prefix: 12, window: 9, mask: None, rows: vec![], positions: None },
+    ];
+    // dense f32, bf16 kept bf16, a tied head (the embedding lookups read the packed table)
+    for name in ["qwen3_headdim_gqa", "qwen3_bf16", "qwen2_gqa_tied"] {
+        let packed = forward_cases(&load_with(name, Kernels::default()), &cases, true);
+        // with every matrix packed, the few-row cut changes no bit: a window of any length is the same product
+        let cut = forward_cases(&load_with(name, Kernels { max_rows: 2, ..Kernels::default() }), &cases, true);
+        assert!(packed == cut, "{name}: packed logits depend on the few-row cut");
+        let plain =
+            forward_cases(&load_with(name, Kernels { packed_weights: false, ..Kernels::default() }), &cases, true);
+        for (i, (a, b)) in packed.iter().zip(&plain).enumerate() {
+            let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let err = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(a.len() == b.len() && err <= 1e-5 * scale, "{name} case {i}: max error {err} (scale {scale})");
+        }
+    }
 }
 
 #[test]

@@ -213,8 +213,8 @@ impl CoreModel {
     /// load options for benchmarks' A/B runs.
     #[staticmethod]
     #[pyo3(signature = (path, device="auto", dtype=None, overrides=None, keep_bf16_weights=true, skinny=true,
-                        par_min_macs=None, max_rows=None, blocked_attention=true, panels=true, stack=true, max_batch=None,
-                        max_batch_rows=None, quantize=None, progress=None))]
+                        par_min_macs=None, max_rows=None, blocked_attention=true, panels=true, packed_weights=true, stack=true,
+                        max_batch=None, max_batch_rows=None, quantize=None, progress=None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
         py: Python<'_>,
@@ -228,6 +228,7 @@ impl CoreModel {
         max_rows: Option<usize>,
         blocked_attention: bool,
         panels: bool,
+        packed_weights: bool,
         stack: bool,
         max_batch: Option<&Bound<'_, PyAny>>,
         max_batch_rows: Option<&Bound<'_, PyAny>>,
@@ -244,6 +245,7 @@ impl CoreModel {
             max_rows: max_rows.unwrap_or(d.max_rows),
             blocked_attention,
             panels,
+            packed_weights,
             stack,
             ..d
         };
