@@ -1,12 +1,15 @@
 //! The scheduler alone (no Python): N generations of the same model submitted at once and drained by N reader
 //! threads, against the same N run one after another with `Generation::step`; also the time of one batched
-//! forward of N one-row segments against N lone ones. Prints tokens/s both ways.
+//! forward of N one-row segments against N lone ones, for the default kernels and one other choice
+//! (`MBD_BENCH_AB`: `packed`, the default: matrices held row-major instead of packed at load; `attention`:
+//! candle's attention ops instead of the blocked kernel). Prints tokens/s both ways.
 //!
 //!     MBD_BENCH_MODEL=python/mbd_rs/models/mbd-tiny cargo bench -p mbd-core --bench scheduler
 
 use mbd_core::generate::Generation;
 use mbd_core::request::{GenRequest, ProfileOverrides};
 use mbd_core::scheduler::{BatchLimits, Scheduler};
+use mbd_core::skinny::Kernels;
 use mbd_core::{LoadOptions, Model};
 use std::sync::Arc;
 use std::time::Instant;
@@ -15,13 +18,16 @@ fn main() {
     mbd_core::cpu_pool::pin_thread_count();
     let dir = std::env::var("MBD_BENCH_MODEL").unwrap_or_else(|_| "python/mbd_rs/models/mbd-tiny".into());
     let overrides = ProfileOverrides { eos_token_ids: Some(vec![]), ..Default::default() };
-    let load = |blocked_attention: bool| {
-        let kernels = mbd_core::skinny::Kernels { blocked_attention, ..Default::default() };
+    let load = |kernels: Kernels| {
         let opts = LoadOptions { overrides: overrides.clone(), kernels, ..Default::default() };
         Arc::new(Model::load(std::path::Path::new(&dir), &opts).unwrap())
     };
-    let model = load(true);
-    let candle_attention = load(false);
+    let (other, other_name) = match std::env::var("MBD_BENCH_AB").as_deref() {
+        Ok("attention") => (Kernels { blocked_attention: false, ..Default::default() }, "candle attention"),
+        _ => (Kernels { packed_weights: false, ..Default::default() }, "row-major weights"),
+    };
+    let model = load(Kernels::default());
+    let other = load(other);
     let v = model.config.vocab_size as u32;
     let prefix: Vec<u32> = std::env::var("MBD_BENCH_PREFIX")
         .ok()
@@ -31,7 +37,7 @@ fn main() {
     // one forward of N one-row segments against N lone one-row forwards
     let grid = mbd_core::BlockGrid::causal();
     for (n, which) in [1usize, 8, 16].into_iter().flat_map(|n| [(n, true), (n, false)]) {
-        let model = if which { &model } else { &candle_attention };
+        let model = if which { &model } else { &other };
         let mut caches: Vec<_> = (0..n).map(|_| model.new_cache()).collect();
         for c in caches.iter_mut() {
             model.fill_cache(c, &prefix, &grid).unwrap();
@@ -63,51 +69,53 @@ fn main() {
             t.elapsed().as_secs_f64() / 200.0 * 1e3
         };
         let (a, b) = (time(false, &mut caches), time(true, &mut caches));
-        let att = if which { "blocked attention" } else { "candle attention" };
-        println!("forward of {n} one-row segments ({att}): lone {a:.3} ms, batched {b:.3} ms");
+        let kind = if which { "default kernels" } else { other_name };
+        println!("forward of {n} one-row segments ({kind}): lone {a:.3} ms, batched {b:.3} ms");
     }
     if std::env::var("MBD_BENCH_FORWARD_ONLY").is_ok() {
         return;
     }
-    for (name, block) in [("ar", 1usize), ("mb", 4)] {
-        for n in [1usize, 2, 4, 8, 16] {
-            let req = GenRequest {
-                max_tokens: Some(32),
-                block_size: Some(block),
-                threshold: Some(0.9),
-                ..Default::default()
-            };
-            let prompts: Vec<Vec<u32>> =
-                (0..n).map(|i| (0..8u32).map(|j| (i as u32 * 7 + j * 3 + 5) % v).collect()).collect();
-            let t = Instant::now();
-            let mut tokens = 0;
-            for p in &prompts {
-                let mut g = Generation::new(model.clone(), p.clone(), &req).unwrap();
-                while let Some(o) = g.step().unwrap() {
-                    tokens += o.token_ids.len();
+    for (model, kind) in [(&model, "default kernels"), (&other, other_name)] {
+        for (name, block) in [("ar", 1usize), ("mb", 4)] {
+            for n in [1usize, 2, 4, 8, 16] {
+                let req = GenRequest {
+                    max_tokens: Some(32),
+                    block_size: Some(block),
+                    threshold: Some(0.9),
+                    ..Default::default()
+                };
+                let prompts: Vec<Vec<u32>> =
+                    (0..n).map(|i| (0..8u32).map(|j| (i as u32 * 7 + j * 3 + 5) % v).collect()).collect();
+                let t = Instant::now();
+                let mut tokens = 0;
+                for p in &prompts {
+                    let mut g = Generation::new(model.clone(), p.clone(), &req).unwrap();
+                    while let Some(o) = g.step().unwrap() {
+                        tokens += o.token_ids.len();
+                    }
                 }
-            }
-            let seq = tokens as f64 / t.elapsed().as_secs_f64();
-            let sched = Scheduler::new(model.clone(), BatchLimits::default()).unwrap();
-            let t = Instant::now();
-            let handles: Vec<_> = prompts
-                .iter()
-                .map(|p| sched.submit(Generation::new(model.clone(), p.clone(), &req).unwrap()).unwrap())
-                .collect();
-            let total: usize = std::thread::scope(|s| {
-                let ts: Vec<_> = handles
-                    .into_iter()
-                    .map(|h| s.spawn(move || h.map(|o| o.unwrap().token_ids.len()).sum::<usize>()))
+                let seq = tokens as f64 / t.elapsed().as_secs_f64();
+                let sched = Scheduler::new(model.clone(), BatchLimits::default()).unwrap();
+                let t = Instant::now();
+                let handles: Vec<_> = prompts
+                    .iter()
+                    .map(|p| sched.submit(Generation::new(model.clone(), p.clone(), &req).unwrap()).unwrap())
                     .collect();
-                ts.into_iter().map(|t| t.join().unwrap()).sum()
-            });
-            let bat = total as f64 / t.elapsed().as_secs_f64();
-            let (f, segs, rows) = sched.stats();
-            println!(
-                "{name} N={n:>2}: sequential {seq:>8.1} tok/s, batched {bat:>8.1} tok/s ({:.2}x), {:.2} segments/forward, {rows} rows",
-                bat / seq,
-                segs as f64 / f as f64
-            );
+                let total: usize = std::thread::scope(|s| {
+                    let ts: Vec<_> = handles
+                        .into_iter()
+                        .map(|h| s.spawn(move || h.map(|o| o.unwrap().token_ids.len()).sum::<usize>()))
+                        .collect();
+                    ts.into_iter().map(|t| t.join().unwrap()).sum()
+                });
+                let bat = total as f64 / t.elapsed().as_secs_f64();
+                let (f, segs, rows) = sched.stats();
+                println!(
+                    "{kind}, {name} N={n:>2}: sequential {seq:>8.1} tok/s, batched {bat:>8.1} tok/s ({:.2}x), {:.2} segments/forward, {rows} rows",
+                    bat / seq,
+                    segs as f64 / f as f64
+                );
+            }
         }
     }
 }

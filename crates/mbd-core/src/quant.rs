@@ -1,8 +1,9 @@
 //! Quantized weight matrices (the `quantize` load option): a checkpoint's matrices are quantized at load into
 //! GGUF block formats by candle's quantizer (`candle_core::quantized::QTensor::quantize`), and multiplied on the
 //! CPU by the skinny kernel (`skinny::matmul_q`), which dequantizes 4 weight rows at a time into an f32 scratch
-//! and sweeps every x row over them: a quantized matrix computes exactly as its f32 dequantization would, with a
-//! quarter (q8_0) or about a seventh (q4_k) of the bytes streamed from memory.
+//! and sweeps every x row over them: a quantized matrix computes exactly as its f32 dequantization held row-major
+//! would (a dense matrix packed at load, `panels::PackedMatrix`, sums in another order), with a quarter (q8_0) or
+//! about a seventh (q4_k) of the bytes streamed from memory.
 //!
 //! Why not candle's quantized matmul (`QMatMul`): it quantizes the activations to 8 bits per call (a second
 //! rounding), it re-reads the weight matrix once per x row (a 32-row window streams the weights 32 times), and

@@ -530,13 +530,8 @@ impl Weights {
 
     fn quantize_as(&self, t: Tensor, table: bool, quantize: Option<QuantFormat>) -> Result<Matrix> {
         let Some(format) = quantize.and_then(|f| f.for_matrix(t.dim(1).unwrap_or(0), table)) else {
-            let held = t.elem_count() * t.dtype().size_in_bytes();
-            let m = Matrix::dense(t, self.pack)?;
-            if let Matrix::Packed(p) = &m {
-                // a packed matrix's rows are padded to whole groups
-                self.loaded.set(self.loaded.get() - held.min(self.loaded.get()) + p.bytes());
-            }
-            return Ok(m);
+            // counted as loaded (a packed matrix's padding to whole groups, under 16 rows, is not)
+            return Matrix::dense(t, self.pack);
         };
         let q = QMatrix::quantize(&t, format)?;
         let held = t.elem_count() * t.dtype().size_in_bytes();
