@@ -3,7 +3,8 @@ and noisy, so only same-run ratios mean anything): candle's matmul everywhere vs
 parallel thresholds and row limits, with a bf16 checkpoint's weights held as f32 or as bf16 (* = the defaults). Reports the median over rounds of (a) one forward of a W-token window over a P-token prefix
 and (b) end-to-end chat requests with multi-block and AR decoding. `--set stack`: q/k/v and gate/up as one
 stacked matrix each (the default) vs one product per layer (`_kernels=dict(stack=False)`), any checkpoint and
-`--quantize` format.
+`--quantize` format. `--set packed`: dense matrices packed at load (the default on AVX2 CPUs) vs held row-major
+(few-row windows through the skinny kernel, `_kernels=dict(packed_weights=False)`).
 
     python benches/ab_kernels.py [--model DIR] [--rounds 15]
     python benches/ab_kernels.py --set stack [--model DIR] [--quantize q8_0] [--forward 0:1,16:4] [--no-e2e]
@@ -25,7 +26,8 @@ CONFIGS = {"f32 w, gemm only": ("f32", dict(skinny=False, par_min_macs=1 << 14, 
            "f32 w, skinny <=128, par 2^14": ("f32", dict(skinny=True, par_min_macs=1 << 14, max_rows=128)),
            "bf16 w, skinny <=64, par 2^14 *": ("bf16", dict(skinny=True, par_min_macs=1 << 14, max_rows=64))}
 SETS = {"kernels": CONFIGS,
-        "stack": {"separate products": ("bf16", dict(stack=False)), "stacked q/k/v, gate/up *": ("bf16", {})}}
+        "stack": {"separate products": ("bf16", dict(stack=False)), "stacked q/k/v, gate/up *": ("bf16", {})},
+        "packed": {"row-major, few-row kernel": ("bf16", dict(packed_weights=False)), "packed at load *": ("bf16", {})}}
 
 
 def main():

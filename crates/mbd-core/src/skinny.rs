@@ -10,6 +10,10 @@
 //!
 //! Numerics: each output is one f32 dot product summed in `L` lane-wise partial sums then reduced; the
 //! result differs from gemm's only by summation order.
+//!
+//! On CPUs with the packed product (x86-64, AVX2 + FMA) dense matrices are packed at load (`panels::PackedMatrix`)
+//! and every window goes there (`linear_packed`); this kernel then takes quantized matrices, and row-major ones
+//! where packing is off (`Kernels::packed_weights`) or unavailable.
 
 use crate::panels::PackedMatrix;
 use crate::quant::QMatrix;

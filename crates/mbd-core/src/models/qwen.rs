@@ -8,7 +8,9 @@
 //! Batch invariance: a segment's logits are bit-identical whatever other segments share the forward. Every op
 //! on stacked rows is row-wise, and matrix products are cut by sequence, never by the total row count: the
 //! few-row windows (`skinny::few_rows`) go through the skinny kernel together (it computes each row the same way
-//! whatever rows share the call), each long window (a prefill chunk) through gemm on its own (`Groups`).
+//! whatever rows share the call), each long window (a prefill chunk) through gemm on its own (`Groups`). A
+//! matrix packed at load (`panels::PackedMatrix`) computes every row alike in any window, so the cut changes
+//! nothing there.
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
