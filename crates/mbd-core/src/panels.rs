@@ -385,7 +385,7 @@ mod packed {
                 // task t: groups [t·groups/tasks, (t+1)·groups/tasks) of NR columns (sizes differ by at most one)
                 let (j0, j1) = (t * groups / tasks * NR, ((t + 1) * groups / tasks * NR).min(n));
                 // SAFETY: the task writes columns [j0, j1) of y (m × n) only; x is packed m_pad × k in `a`.
-                unsafe { columns(a, m, m_pad, k, w, j0, j1 - j0, n, out) }
+                unsafe { columns(Task { a, m, m_pad, k, j0, nt: j1 - j0, n, y: out }, w) }
             };
             if par {
                 (0..tasks).into_par_iter().for_each(task);
@@ -439,101 +439,72 @@ mod packed {
         }
     }
 
-    /// Columns [j0, j0 + nt) of y.
-    ///
-    /// # Safety
-    /// `y` is m × n; only this call writes those columns; `a` holds x packed by `pack_x`.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn columns(
-        a: &[f32],
+    /// One task's share of a product: columns [j0, j0 + nt) of y (m × n, row-major) from x packed by `pack_x`
+    /// (m_pad × k in `a`).
+    #[derive(Clone, Copy)]
+    struct Task<'a> {
+        a: &'a [f32],
         m: usize,
         m_pad: usize,
         k: usize,
-        w: Source<'_>,
         j0: usize,
         nt: usize,
         n: usize,
         y: Out,
-    ) {
+    }
+
+    /// The task's columns of y.
+    ///
+    /// # Safety
+    /// `t.y` is m × n; only this call writes the task's columns.
+    unsafe fn columns(t: Task<'_>, w: Source<'_>) {
+        let (k, j0, nt) = (t.k, t.j0, t.nt);
         match w {
-            Source::F32(w) => columns_of(a, m, m_pad, k, &w[j0 * k..(j0 + nt) * k], nt, n, y, j0),
-            Source::Bf16(w) => columns_of::<bf16>(a, m, m_pad, k, &w[j0 * k..(j0 + nt) * k], nt, n, y, j0),
+            Source::F32(w) => columns_of(t, &w[j0 * k..(j0 + nt) * k]),
+            Source::Bf16(w) => columns_of::<bf16>(t, &w[j0 * k..(j0 + nt) * k]),
             Source::Quant(q) => with_buf(&ROWS, nt * k, |rows| {
                 dequantize_rows(q, j0, nt, rows);
-                columns_of(a, m, m_pad, k, rows, nt, n, y, j0)
+                columns_of(t, rows)
             }),
             Source::Packed(p) => {
-                // the task's groups: j0 is a multiple of NR
-                let (g0, g1) = (j0 / NR, (j0 + nt).div_ceil(NR));
-                match &p.data {
-                    PackedData::F32(d) => columns_packed(a, m, m_pad, k, &d[g0 * NR * k..g1 * NR * k], nt, n, y, j0),
-                    PackedData::Bf16(d) => columns_packed(a, m, m_pad, k, &d[g0 * NR * k..g1 * NR * k], nt, n, y, j0),
+                // the task's groups (j0 is a multiple of NR), `KC` deep at a time as x is packed. (A window of one
+                // row panel taking the whole depth at once, each group streamed in one pass, measured the same.)
+                let (lo, hi) = (j0 * k, (j0 + nt).div_ceil(NR) * NR * k);
+                for kc0 in (0..k).step_by(KC) {
+                    let kc = KC.min(k - kc0);
+                    match &p.data {
+                        PackedData::F32(d) => {
+                            let d = &d[lo..hi];
+                            sweep(t, kc0, kc, |g| d.as_ptr().add(g * NR * k + kc0 * NR))
+                        }
+                        PackedData::Bf16(d) => {
+                            let d = &d[lo..hi];
+                            sweep(t, kc0, kc, |g| d.as_ptr().add(g * NR * k + kc0 * NR))
+                        }
+                    }
                 }
             }
         }
     }
 
-    /// Columns [j0, j0 + nt) of y from the task's weight rows `w` (nt × k), packed here `KC` deep at a time.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn columns_of<E: WeightElem>(
-        a: &[f32],
-        m: usize,
-        m_pad: usize,
-        k: usize,
-        w: &[E],
-        nt: usize,
-        n: usize,
-        y: Out,
-        j0: usize,
-    ) {
-        let groups = nt.div_ceil(NR);
+    /// The task's columns from its weight rows `w` (nt × k), packed here `KC` deep at a time.
+    unsafe fn columns_of<E: WeightElem>(t: Task<'_>, w: &[E]) {
+        let groups = t.nt.div_ceil(NR);
         with_buf(&B, KC * groups * NR, |b| {
-            for kc0 in (0..k).step_by(KC) {
-                let kc = KC.min(k - kc0);
-                pack_w(w, k, nt, kc0, kc, b);
+            for kc0 in (0..t.k).step_by(KC) {
+                let kc = KC.min(t.k - kc0);
+                pack_w(w, t.k, t.nt, kc0, kc, b);
                 let b: &[f32] = b;
-                sweep(a, m, m_pad, kc0, kc, |g| b.as_ptr().add(g * NR * kc), nt, n, y, j0);
+                sweep(t, kc0, kc, |g| b.as_ptr().add(g * NR * kc));
             }
         });
     }
 
-    /// Columns [j0, j0 + nt) of y from the task's groups `w` of a `PackedMatrix` (each `NR` × k, k-major), `KC`
-    /// deep at a time as x is packed. (A window of one row panel taking the whole depth at once, so that each group
-    /// streams in one pass, measured the same within noise.)
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn columns_packed<E: Panel>(
-        a: &[f32],
-        m: usize,
-        m_pad: usize,
-        k: usize,
-        w: &[E],
-        nt: usize,
-        n: usize,
-        y: Out,
-        j0: usize,
-    ) {
-        for kc0 in (0..k).step_by(KC) {
-            let kc = KC.min(k - kc0);
-            sweep(a, m, m_pad, kc0, kc, |g| w.as_ptr().add(g * NR * k + kc0 * NR), nt, n, y, j0);
-        }
-    }
-
-    /// One depth block [kc0, kc0 + kc) of columns [j0, j0 + nt): `b(g)` points at group g's `NR`-wide values at
-    /// depth kc0, consecutive depths `NR` apart. Full row panels take the `MR` × `NR` tile, `MC` rows of x at a
-    /// time over each group; the last rows (fewer than `MR`) a tile as wide as its accumulators allow.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn sweep<E: Panel>(
-        a: &[f32],
-        m: usize,
-        m_pad: usize,
-        kc0: usize,
-        kc: usize,
-        b: impl Fn(usize) -> *const E,
-        nt: usize,
-        n: usize,
-        y: Out,
-        j0: usize,
-    ) {
+    /// One depth block [kc0, kc0 + kc) of the task's columns: `b(g)` points at group g's `NR`-wide values at depth
+    /// kc0, consecutive depths `NR` apart. Full row panels take the `MR` × `NR` tile, `MC` rows of x at a time over
+    /// each group; the last rows (fewer than `MR`) a tile as wide as its accumulators allow.
+    unsafe fn sweep<E: Panel>(t: Task<'_>, kc0: usize, kc: usize, b: impl Fn(usize) -> *const E) {
+        let Task { a, m, m_pad, j0, nt, n, y, .. } = t;
         let groups = nt.div_ceil(NR);
         let full = m / MR * MR;
         let acc = kc0 > 0;

@@ -1302,63 +1302,35 @@ pub fn linear(x: &Tensor, w: &Tensor, k: &Kernels, few: bool) -> candle_core::Re
     }
 }
 
-/// The candle op for a quantized W: x (m, k) contiguous f32 on the CPU -> (m, n).
-struct QuantMatmulT<'a> {
-    q: &'a QMatrix,
+/// The candle op for a quantized or packed W held outside candle: x (m, k) contiguous f32 on the CPU -> (m, n).
+/// A quantized W's few-row windows take this kernel (`matmul_q`); everything else `panels::matmul_t`.
+struct HeldMatmulT<'a> {
+    w: crate::panels::Source<'a>,
+    n: usize,
+    k: usize,
     par_min_macs: usize,
-    /// a long window: through `panels` (dequantize a panel, gemm) rather than this kernel
-    panels: bool,
+    /// a quantized W's few-row window: this kernel rather than the panels
+    few: bool,
 }
 
-impl CustomOp1 for QuantMatmulT<'_> {
+impl CustomOp1 for HeldMatmulT<'_> {
     fn name(&self) -> &'static str {
-        "quant-matmul-t"
+        "held-matmul-t"
     }
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let (m, k) = l.shape().dims2()?;
-        if k != self.q.k {
-            candle_core::bail!("quant-matmul-t: x has rows of {k}, the matrix of {}", self.q.k);
+        if k != self.k {
+            candle_core::bail!("held-matmul-t: x has rows of {k}, the matrix of {}", self.k);
         }
         let (CpuStorage::F32(x), Some((a0, a1))) = (s, l.contiguous_offsets()) else {
-            candle_core::bail!("quant-matmul-t: x must be contiguous f32");
+            candle_core::bail!("held-matmul-t: x must be contiguous f32");
         };
         let x = &x[a0..a1];
-        let y = if self.panels {
-            crate::panels::matmul_t(x, m, k, crate::panels::Source::Quant(self.q), self.q.n, self.par_min_macs)
-        } else {
-            matmul_q(x, m, self.q, self.par_min_macs)
+        let y = match self.w {
+            crate::panels::Source::Quant(q) if self.few => matmul_q(x, m, q, self.par_min_macs),
+            w => crate::panels::matmul_t(x, m, k, w, self.n, self.par_min_macs),
         };
-        Ok((CpuStorage::F32(y), Shape::from((m, self.q.n))))
-    }
-}
-
-/// The candle op for a packed W (`panels::PackedMatrix`): x (m, k) contiguous f32 on the CPU -> (m, n).
-struct PackedMatmulT<'a> {
-    p: &'a PackedMatrix,
-    par_min_macs: usize,
-}
-
-impl CustomOp1 for PackedMatmulT<'_> {
-    fn name(&self) -> &'static str {
-        "packed-matmul-t"
-    }
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (m, k) = l.shape().dims2()?;
-        if k != self.p.k {
-            candle_core::bail!("packed-matmul-t: x has rows of {k}, the matrix of {}", self.p.k);
-        }
-        let (CpuStorage::F32(x), Some((a0, a1))) = (s, l.contiguous_offsets()) else {
-            candle_core::bail!("packed-matmul-t: x must be contiguous f32");
-        };
-        let y = crate::panels::matmul_t(
-            &x[a0..a1],
-            m,
-            k,
-            crate::panels::Source::Packed(self.p),
-            self.p.n,
-            self.par_min_macs,
-        );
-        Ok((CpuStorage::F32(y), Shape::from((m, self.p.n))))
+        Ok((CpuStorage::F32(y), Shape::from((m, self.n))))
     }
 }
 
@@ -1366,7 +1338,8 @@ impl CustomOp1 for PackedMatmulT<'_> {
 /// product, so each row's result is the same whatever window it is in.
 pub fn linear_packed(x: &Tensor, p: &PackedMatrix, k: &Kernels) -> candle_core::Result<Tensor> {
     let x = if x.dtype() == DType::F32 { x.contiguous()? } else { x.to_dtype(DType::F32)?.contiguous()? };
-    x.apply_op1_no_bwd(&PackedMatmulT { p, par_min_macs: k.par_min_macs })
+    let w = crate::panels::Source::Packed(p);
+    x.apply_op1_no_bwd(&HeldMatmulT { w, n: p.n, k: p.k, par_min_macs: k.par_min_macs, few: false })
 }
 
 /// `x · wᵀ` for a quantized w (CPU): few-row windows (`few`) take this kernel (`matmul_q`), long windows
@@ -1374,7 +1347,8 @@ pub fn linear_packed(x: &Tensor, p: &PackedMatrix, k: &Kernels) -> candle_core::
 /// the weights once per ROW_BLOCK rows, each time dequantizing them again).
 pub fn linear_q(x: &Tensor, q: &QMatrix, k: &Kernels, few: bool) -> candle_core::Result<Tensor> {
     let x = if x.dtype() == DType::F32 { x.contiguous()? } else { x.to_dtype(DType::F32)?.contiguous()? };
-    x.apply_op1_no_bwd(&QuantMatmulT { q, par_min_macs: k.par_min_macs, panels: k.panels && !few })
+    let w = crate::panels::Source::Quant(q);
+    x.apply_op1_no_bwd(&HeldMatmulT { w, n: q.n, k: q.k, par_min_macs: k.par_min_macs, few: few || !k.panels })
 }
 
 #[cfg(test)]
