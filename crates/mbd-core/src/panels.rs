@@ -77,24 +77,29 @@ impl PackedMatrix {
         let (n, k) = t.dims2()?;
         let (storage, layout) = t.storage_and_layout();
         let (Storage::Cpu(s), Some((o0, o1))) = (&*storage, layout.contiguous_offsets()) else { return Ok(None) };
-        Ok(match s {
-            CpuStorage::F32(w) => Some(Self::pack(&w[o0..o1], n, k, |v: &f32| *v, PackedData::F32)),
-            CpuStorage::BF16(w) => Some(Self::pack(&w[o0..o1], n, k, |v: &bf16| v.to_bits(), PackedData::Bf16)),
-            _ => None,
-        })
+        Ok(Some(match s {
+            CpuStorage::F32(w) => Self::pack(&w[o0..o1], n, k, |v: &f32| *v, PackedData::F32)?,
+            CpuStorage::BF16(w) => Self::pack(&w[o0..o1], n, k, |v: &bf16| v.to_bits(), PackedData::Bf16)?,
+            _ => return Ok(None),
+        }))
     }
 
-    /// Pack row-major W (n × k) in parallel, a group per task.
+    /// Pack row-major W (n × k) in parallel, a group per task (an error, not an abort, when the copy cannot be
+    /// allocated).
     fn pack<E: Sync, T: Copy + Default + Send>(
         w: &[E],
         n: usize,
         k: usize,
         f: impl Fn(&E) -> T + Sync,
         wrap: fn(Vec<T>) -> PackedData,
-    ) -> PackedMatrix {
+    ) -> candle_core::Result<PackedMatrix> {
         assert_eq!(w.len(), n * k);
         let groups = n.div_ceil(GROUP);
-        let mut data = vec![T::default(); groups * GROUP * k];
+        let mut data = Vec::new();
+        if data.try_reserve_exact(groups * GROUP * k).is_err() {
+            candle_core::bail!("cannot allocate the packed copy of a {n}x{k} matrix");
+        }
+        data.resize(groups * GROUP * k, T::default());
         let bf16 = std::mem::size_of::<T>() == 2;
         if k > 0 {
             data.par_chunks_mut(GROUP * k).enumerate().for_each(|(g, dst)| {
@@ -109,7 +114,7 @@ impl PackedMatrix {
                 }
             });
         }
-        PackedMatrix { n, k, data: wrap(data) }
+        Ok(PackedMatrix { n, k, data: wrap(data) })
     }
 
     /// Whether the values are held as bf16.
