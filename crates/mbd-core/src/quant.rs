@@ -78,7 +78,8 @@ impl Matrix {
             [Matrix::Packed(_), ..] => {
                 let ps: Option<Vec<&PackedMatrix>> =
                     parts.iter().map(|m| if let Matrix::Packed(p) = m { Some(&**p) } else { None }).collect();
-                Ok(ps.and_then(|ps| PackedMatrix::stack(&ps)).map(|p| Matrix::Packed(Arc::new(p))))
+                let Some(ps) = ps else { return Ok(None) };
+                Ok(PackedMatrix::stack(&ps)?.map(|p| Matrix::Packed(Arc::new(p))))
             }
             [Matrix::Quant(first), ..] => {
                 let mut qs = Vec::with_capacity(parts.len());

@@ -1313,6 +1313,14 @@ struct HeldMatmulT<'a> {
     few: bool,
 }
 
+impl HeldMatmulT<'_> {
+    /// The op on x, converted to contiguous f32 first.
+    fn apply(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let x = if x.dtype() == DType::F32 { x.contiguous()? } else { x.to_dtype(DType::F32)?.contiguous()? };
+        x.apply_op1_no_bwd(self)
+    }
+}
+
 impl CustomOp1 for HeldMatmulT<'_> {
     fn name(&self) -> &'static str {
         "held-matmul-t"
@@ -1337,18 +1345,16 @@ impl CustomOp1 for HeldMatmulT<'_> {
 /// `x · wᵀ` for a packed w (CPU): every window, a one-row decode window or a prefill chunk, through the packed
 /// product, so each row's result is the same whatever window it is in.
 pub fn linear_packed(x: &Tensor, p: &PackedMatrix, k: &Kernels) -> candle_core::Result<Tensor> {
-    let x = if x.dtype() == DType::F32 { x.contiguous()? } else { x.to_dtype(DType::F32)?.contiguous()? };
-    let w = crate::panels::Source::Packed(p);
-    x.apply_op1_no_bwd(&HeldMatmulT { w, n: p.n, k: p.k, par_min_macs: k.par_min_macs, few: false })
+    HeldMatmulT { w: crate::panels::Source::Packed(p), n: p.n, k: p.k, par_min_macs: k.par_min_macs, few: false }
+        .apply(x)
 }
 
 /// `x · wᵀ` for a quantized w (CPU): few-row windows (`few`) take this kernel (`matmul_q`), long windows
 /// `panels` (each panel dequantized once, then gemm), or this kernel too with `Kernels::panels` off (it streams
 /// the weights once per ROW_BLOCK rows, each time dequantizing them again).
 pub fn linear_q(x: &Tensor, q: &QMatrix, k: &Kernels, few: bool) -> candle_core::Result<Tensor> {
-    let x = if x.dtype() == DType::F32 { x.contiguous()? } else { x.to_dtype(DType::F32)?.contiguous()? };
     let w = crate::panels::Source::Quant(q);
-    x.apply_op1_no_bwd(&HeldMatmulT { w, n: q.n, k: q.k, par_min_macs: k.par_min_macs, few: few || !k.panels })
+    HeldMatmulT { w, n: q.n, k: q.k, par_min_macs: k.par_min_macs, few: few || !k.panels }.apply(x)
 }
 
 #[cfg(test)]

@@ -434,9 +434,10 @@ impl Weights {
     }
 
     /// Hand out the unquantized matrices of linear layers, the embedding table and the head packed for the CPU's
-    /// packed product where it exists (`Kernels::packs`; on the CPU in f32 only: elsewhere no-op).
+    /// packed product where it exists (`Kernels::packs`; f32 compute only; `Matrix::dense` leaves non-CPU tensors
+    /// as they are).
     pub fn with_packing(mut self, pack: bool) -> Self {
-        self.pack = pack && self.device.is_cpu() && self.dtype == DType::F32;
+        self.pack = pack && self.dtype == DType::F32;
         self
     }
 
