@@ -4,7 +4,9 @@ parallel thresholds and row limits, with a bf16 checkpoint's weights held as f32
 and (b) end-to-end chat requests with multi-block and AR decoding. `--set stack`: q/k/v and gate/up as one
 stacked matrix each (the default) vs one product per layer (`_kernels=dict(stack=False)`), any checkpoint and
 `--quantize` format. `--set packed`: dense matrices packed at load (the default on AVX2 CPUs) vs held row-major
-(few-row windows through the skinny kernel, `_kernels=dict(packed_weights=False)`).
+(few-row windows through the skinny kernel, `_kernels=dict(packed_weights=False)`). `--set avx512`: the packed
+product's AVX-512 tiles (the default where the CPU has them) vs its AVX2 ones. `--set quant`: bf16 against q8_0 (packed at load,
+and held in its blocks) and q4_k.
 
     python benches/ab_kernels.py [--model DIR] [--rounds 15]
     python benches/ab_kernels.py --set stack [--model DIR] [--quantize q8_0] [--forward 0:1,16:4] [--no-e2e]
@@ -27,8 +29,15 @@ CONFIGS = {"f32 w, gemm only": ("f32", dict(skinny=False, par_min_macs=1 << 14, 
            "bf16 w, skinny <=64, par 2^14 *": ("bf16", dict(skinny=True, par_min_macs=1 << 14, max_rows=64))}
 SETS = {"kernels": CONFIGS,
         "stack": {"separate products": ("bf16", dict(stack=False)), "stacked q/k/v, gate/up *": ("bf16", {})},
-        "packed": {"row-major, few-row kernel": ("bf16", dict(packed_weights=False)), "packed at load *": ("bf16", {})}}
-
+        "packed": {"row-major, few-row kernel": ("bf16", dict(packed_weights=False)), "packed at load *": ("bf16", {})},
+        "avx512": {"packed product, AVX2 tiles": ("bf16", dict(packed_avx512=False)),
+                   "packed product, AVX-512 tiles *": ("bf16", {})},
+        # a third element picks the engine's quantize= (over --quantize): the formats against bf16 in one run, and q8_0
+        # packed at load (the default on AVX2 CPUs) against held in blocks (`packed_weights=False`: its few-row windows
+        # through the few-row kernel, long ones dequantized per call)
+        "quant": {"bf16 *": ("bf16", {}, None),
+                  "q8_0 packed *": ("bf16", {}, "q8_0"), "q8_0 in blocks": ("bf16", dict(packed_weights=False), "q8_0"),
+                  "q4_k *": ("bf16", {}, "q4_k")}}
 
 def main():
     ap = argparse.ArgumentParser()
@@ -42,10 +51,10 @@ def main():
     args = ap.parse_args()
     configs = SETS[args.set]
     # one engine per configuration: kernel choices are load options (the tiny model loads in milliseconds)
-    engines = {c: mbd_rs.Engine.load(args.model, device="cpu", quantize=args.quantize,
-                                     _kernels=dict(keep_bf16_weights=held == "bf16", **tuning))
-               for c, (held, tuning) in configs.items()}
-    held_bytes = {held: engines[c].info.weight_bytes for c, (held, _) in configs.items()}
+    engines = {c: mbd_rs.Engine.load(args.model, device="cpu", quantize=(spec + (args.quantize,))[2],
+                                     _kernels=dict(keep_bf16_weights=spec[0] == "bf16", **spec[1]))
+               for c, spec in configs.items()}
+    held_bytes = {c: engines[c].info.weight_bytes for c in configs}
     pw = [tuple(map(int, x.split(":"))) for x in args.forward.split(",")]
     prompts = ["sort 5 3 8 1 9 2", "reverse hello world", "repeat ab 3", "add 12+30"]
     modes = {"multi-block": {}, "AR": dict(block_size=1, block_add_threshold=1.0, acceptance="confidence", threshold=1.0)}
@@ -66,7 +75,7 @@ def main():
                     toks += eng.chat([{"role": "user", "content": q}], max_tokens=40, **kw).usage.completion_tokens
                 e2e[(c, m)].append(toks / (time.perf_counter() - t))
     print(f"model {eng.info.path}, {_core.cpu_threads} threads, median of {args.rounds} interleaved rounds; weights "
-          "held: " + ", ".join(f"{b / 2**20:.1f} MiB as {h}" for h, b in held_bytes.items())
+          "held: " + ", ".join(f"{b / 2**20:.1f} MiB by {c}" for c, b in held_bytes.items())
           + (f" (quantize={args.quantize})" if args.quantize else ""))
     print(f"{'config':32s} " + " ".join(f"{f'P{p} W{w}':>9s}" for p, w in pw) + "  (ms per forward)  "
           + " ".join(f"{m + ' tok/s':>17s}" for m in modes) + ("  multi/AR" if modes else ""))

@@ -1,12 +1,13 @@
 //! x · Wᵀ for decode windows on the CPU (bf16 W, f32 out): the few-row kernel (`skinny`, W row-major, lane-wise
 //! partial sums) against the packed product on W packed once at load (`panels::PackedMatrix`, an in-order FMA chain
 //! per element), alternating call by call, on the tiny model's and the Qwen2.5-0.5B shapes, for the row counts of
-//! decode windows. Prints the median ms of each, GFLOP/s and the ratio packed / few-row.
+//! decode windows; the packed product with its AVX2 tiles and, where the CPU has AVX-512, its AVX-512 tiles (the
+//! same bits). Prints the median ms of each, GFLOP/s and the ratios packed / few-row.
 //!
 //!     cargo bench -p mbd-core --bench packed
 
 use candle_core::{DType, Device, Tensor};
-use mbd_core::panels::{matmul_t, PackedMatrix, Source};
+use mbd_core::panels::{matmul_t_with, PackedMatrix, Source};
 use mbd_core::skinny::{DenseMatmulT, Kernels};
 
 #[path = "common.rs"]
@@ -23,7 +24,10 @@ fn run() {
     let dev = Device::Cpu;
     let only: Option<String> = std::env::var("MBD_BENCH_SHAPES").ok();
     println!("{threads} threads; median ms (GFLOP/s), bf16 W");
-    println!("{:>24} {:>4} {:>16} {:>16} {:>6}", "W (n x k)", "rows", "few-row", "packed at load", "ratio");
+    println!(
+        "{:>24} {:>4} {:>16} {:>16} {:>16} {:>6} {:>6}",
+        "W (n x k)", "rows", "few-row", "packed, AVX2", "packed, AVX-512", "/few", "/few"
+    );
     let shapes = [
         (384usize, 256usize, "tiny qkv 384x256"),
         (1280, 256, "tiny gate/up 1280x256"),
@@ -45,20 +49,32 @@ fn run() {
             let xv: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
             let macs = m * n * k;
             let reps = (3e9 / macs as f64).clamp(5.0, 801.0) as usize;
-            let (mut a, mut b) = (vec![], vec![]);
+            let (mut a, mut b, mut c) = (vec![], vec![], vec![]);
             for _ in 0..reps {
                 let t = std::time::Instant::now();
                 std::hint::black_box(
-                    x.apply_op2_no_bwd(&w, &DenseMatmulT { par_min_macs: par, panels: false }).unwrap(),
+                    x.apply_op2_no_bwd(&w, &DenseMatmulT { par_min_macs: par, panels: false, avx512: true }).unwrap(),
                 );
                 a.push(t.elapsed().as_secs_f64() * 1e3);
-                let t = std::time::Instant::now();
-                std::hint::black_box(matmul_t(&xv, m, k, Source::Packed(&p), n, par));
-                b.push(t.elapsed().as_secs_f64() * 1e3);
+                for (wide, v) in [(false, &mut b), (true, &mut c)] {
+                    let t = std::time::Instant::now();
+                    std::hint::black_box(matmul_t_with(&xv, m, k, Source::Packed(&p), n, par, wide));
+                    v.push(t.elapsed().as_secs_f64() * 1e3);
+                }
             }
-            let (ta, tb) = (median(a), median(b));
+            let (ta, tb, tc) = (median(a), median(b), median(c));
             let gf = |ms: f64| 2.0 * macs as f64 / ms / 1e6;
-            println!("{name:>24} {m:>4} {:>8.3} ({:5.1}) {:>8.3} ({:5.1}) {:>6.2}", ta, gf(ta), tb, gf(tb), tb / ta);
+            println!(
+                "{name:>24} {m:>4} {:>8.3} ({:5.1}) {:>8.3} ({:5.1}) {:>8.3} ({:5.1}) {:>6.2} {:>6.2}",
+                ta,
+                gf(ta),
+                tb,
+                gf(tb),
+                tc,
+                gf(tc),
+                tb / ta,
+                tc / ta
+            );
         }
     }
 }

@@ -51,6 +51,7 @@ fn run() {
                         &mbd_core::skinny::DenseMatmulT {
                             par_min_macs: mbd_core::skinny::Kernels::default().par_min_macs,
                             panels: false,
+                            avx512: true,
                         },
                     )
                     .unwrap();

@@ -180,9 +180,10 @@ IDS = [(7 * i + 3) % 300 + 5 for i in range(80)]
                                                  (low_bit_formats, "q2_k+q3_k+q4_0", 0.15)])
 def test_native_block_formats_compute_their_dequantization(tmp_path, formats, held, share):
     path, deq = block_model(tmp_path, formats)
-    a = mbd_rs.Engine.load(path, device="cpu")
-    # the dequantized checkpoint's f32 matrices held row-major, as the quantized kernel reads its blocks (packed
-    # at load, the default on AVX2 CPUs, every product sums in order over k, a different rounding)
+    # the matrices held in their blocks, against the dequantized checkpoint's f32 matrices held row-major, as the
+    # quantized kernel reads its blocks (packed at load, the default on AVX2 CPUs, q8_0 and f32 matrices sum in
+    # order over k, a different rounding: test_quantize checks that form)
+    a = mbd_rs.Engine.load(path, device="cpu", _kernels=dict(packed_weights=False))
     b = mbd_rs.Engine.load(deq, device="cpu", _kernels=dict(packed_weights=False))
     assert a.info.weight_format == held
     assert a.info.weight_bytes < share * b.info.weight_bytes

@@ -72,11 +72,19 @@ def test_q8_0_computes_its_dequantized_checkpoint(tmp_path, name):
     twin = dequantized_twin(src, tmp_path / name, parity_dir(name + "_f32twin") if name == "qwen3_bf16" else None)
     q = mbd_rs.Engine.load(src, device="cpu", quantize="q8_0")
     ref = mbd_rs.Engine.load(twin, device="cpu")
-    assert q.info.weight_format == "q8_0"
+    # held in blocks (few-row windows through the few-row kernel) and the twin held row-major
+    qb = mbd_rs.Engine.load(src, device="cpu", quantize="q8_0", _kernels=dict(packed_weights=False))
+    refb = mbd_rs.Engine.load(twin, device="cpu", _kernels=dict(packed_weights=False))
+    assert q.info.weight_format == qb.info.weight_format == "q8_0"
+    assert q.info.weight_bytes == qb.info.weight_bytes
     ids = list(np.random.default_rng(0).integers(0, q.info.vocab_size, 40))
     for params in [dict(), dict(attention="block_causal", block_size=4, prefix_len=32)]:
         a, b = q.logits(ids, **params), ref.logits(ids, **params)
         assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max(), params
+        # bit for bit where both sum the same way: packed q8_0 (the default on AVX2 CPUs) as its twin's packed f32
+        # matrices (every product the in-order chain over k), blocks as the twin's row-major matrices
+        assert np.array_equal(a, b), params
+        assert np.array_equal(qb.logits(ids, **params), refb.logits(ids, **params)), params
     # a greedy decode through the cache gives the twin's tokens
     a = q.generate(ids[:9], max_tokens=12, block_size=4, early_stop=False)
     b = ref.generate(ids[:9], max_tokens=12, block_size=4, early_stop=False)

@@ -1,8 +1,9 @@
 //! Many-row products y = x · Wᵀ on the CPU (a prefill chunk, a long window).
 //!
-//! On x86-64 with AVX2 and FMA: `packed`, a BLIS-style product with a 6 × 16 register tile that packs x once and
-//! each task's weight rows a block at a time, widening bf16 or dequantizing as it packs. Every y element is the
-//! in-order f32 fused-multiply-add chain over k, so a row's bits do not depend on m, the tiling or the threads.
+//! On x86-64 with AVX2 and FMA: `packed`, a BLIS-style product with a 6 × 16 register tile (6 × 64 with AVX-512)
+//! that packs x once and each task's weight rows a block at a time, widening bf16 or dequantizing as it packs (or
+//! reads a matrix packed at load, `PackedMatrix`, as it is). Every y element is the in-order f32 fused-multiply-add
+//! chain over k, so a row's bits do not depend on m, the tiling, the threads or the instruction set.
 //!
 //! Elsewhere: W is taken in panels of weight rows (about `PANEL_VALUES` values); each panel is widened (bf16) or
 //! dequantized (quantized) into a reused f32 scratch, in parallel, then the gemm crate (the one candle's CPU matmul
@@ -32,7 +33,7 @@ pub enum Source<'a> {
 /// Output columns per group of a packed matrix (the register tile's width).
 const GROUP: usize = 16;
 
-/// A dense weight matrix (n × k, f32 or bf16) packed once at load for the packed product: its rows (output
+/// A weight matrix (n × k: f32, bf16 or q8_0) packed once at load for the packed product: its rows (output
 /// columns) in groups of `GROUP`, each group k-major (depth p of group g: `GROUP` values at (g · k + p) · `GROUP`),
 /// n padded with zero rows to a whole group. The product then reads W as it streams, with no packing per call, for
 /// every window: a one-row decode window, a few-row window and a prefill alike, so that every output element is
@@ -41,7 +42,10 @@ const GROUP: usize = 16;
 ///
 /// bf16 is kept as bf16 (half the bytes) and widened in registers: within a depth's 16 values, slot 2i holds
 /// column i and slot 2i + 1 column 8 + i, so that one 32-byte load widens to columns 0-7 (each 32-bit lane's low
-/// half shifted up) and 8-15 (its high half masked) in two integer instructions.
+/// half shifted up) and 8-15 (its high half masked) in two integer instructions. q8_0 keeps its bytes and f16
+/// scales (the same 34 bytes per 32 values), the bytes in column order, the scales `GROUP` per block of 32 depths;
+/// a tile forms each value q · d in registers, the q8_0 dequantization's value, so a q8_0 matrix computes exactly
+/// as its dequantized f32 matrix packed.
 pub struct PackedMatrix {
     pub n: usize,
     pub k: usize,
@@ -52,6 +56,12 @@ enum PackedData {
     F32(Vec<f32>),
     /// bf16 bit patterns in the slot order above
     Bf16(Vec<u16>),
+    /// A q8_0 matrix: its signed bytes in column order (`GROUP` per depth, as f32 values are), and its f16 scales,
+    /// `GROUP` per block of 32 depths (block b of group g at (g · k / 32 + b) · `GROUP`); a value is q · d.
+    Q8 {
+        q: Vec<i8>,
+        d: Vec<u16>,
+    },
 }
 
 impl PackedMatrix {
@@ -82,6 +92,37 @@ impl PackedMatrix {
             CpuStorage::BF16(w) => Self::pack(&w[o0..o1], n, k, |v: &bf16| v.to_bits(), PackedData::Bf16)?,
             _ => return Ok(None),
         }))
+    }
+
+    /// A q8_0 matrix, packed (the same values and bytes, in groups of `GROUP` columns); None where packed matrices
+    /// are not available or the matrix is in another format; an error when the copy cannot be allocated.
+    pub fn from_q8_0(m: &QMatrix) -> candle_core::Result<Option<PackedMatrix>> {
+        if !Self::available() || m.format != crate::quant::QuantFormat::Q8_0 {
+            return Ok(None);
+        }
+        let (n, k, rb) = (m.n, m.k, m.row_bytes());
+        let (groups, kb) = (n.div_ceil(GROUP), k / 32);
+        let (mut q, mut d) = (Vec::new(), Vec::new());
+        if q.try_reserve_exact(groups * GROUP * k).is_err() || d.try_reserve_exact(groups * GROUP * kb).is_err() {
+            candle_core::bail!("cannot allocate the packed copy of a {n}x{k} q8_0 matrix");
+        }
+        q.resize(groups * GROUP * k, 0i8);
+        d.resize(groups * GROUP * kb, 0u16);
+        let bytes = m.bytes();
+        q.par_chunks_mut(GROUP * k.max(1)).zip(d.par_chunks_mut(GROUP * kb.max(1))).enumerate().for_each(
+            |(g, (q, d))| {
+                for c in 0..GROUP.min(n - g * GROUP) {
+                    let row = &bytes[(g * GROUP + c) * rb..(g * GROUP + c + 1) * rb];
+                    for (b, block) in row.chunks_exact(34).enumerate() {
+                        d[b * GROUP + c] = u16::from_le_bytes([block[0], block[1]]);
+                        for (i, &v) in block[2..].iter().enumerate() {
+                            q[(b * 32 + i) * GROUP + c] = v as i8;
+                        }
+                    }
+                }
+            },
+        );
+        Ok(Some(PackedMatrix { n, k, data: PackedData::Q8 { q, d } }))
     }
 
     /// Pack row-major W (n × k) in parallel, a group per task (an error, not an abort, when the copy cannot be
@@ -117,9 +158,13 @@ impl PackedMatrix {
         Ok(PackedMatrix { n, k, data: wrap(data) })
     }
 
-    /// Whether the values are held as bf16.
-    pub fn is_bf16(&self) -> bool {
-        matches!(self.data, PackedData::Bf16(_))
+    /// The dtype the values are held in (None: q8_0 blocks).
+    pub fn dtype(&self) -> Option<candle_core::DType> {
+        match self.data {
+            PackedData::F32(_) => Some(candle_core::DType::F32),
+            PackedData::Bf16(_) => Some(candle_core::DType::BF16),
+            PackedData::Q8 { .. } => None,
+        }
     }
 
     /// Bytes held.
@@ -127,6 +172,7 @@ impl PackedMatrix {
         match &self.data {
             PackedData::F32(d) => d.len() * 4,
             PackedData::Bf16(d) => d.len() * 2,
+            PackedData::Q8 { q, d } => q.len() + d.len() * 2,
         }
     }
 
@@ -149,6 +195,13 @@ impl PackedMatrix {
                         *o = f32::from_bits((d[base + p * GROUP + s] as u32) << 16);
                     }
                 }
+                PackedData::Q8 { q, d } => {
+                    let sb = g * GROUP * (k / 32);
+                    for (p, o) in out.iter_mut().enumerate() {
+                        let scale = half::f16::from_bits(d[sb + p / 32 * GROUP + c]).to_f32();
+                        *o = q[base + p * GROUP + c] as f32 * scale;
+                    }
+                }
             }
         }
     }
@@ -158,7 +211,8 @@ impl PackedMatrix {
     pub fn stack(parts: &[&PackedMatrix]) -> candle_core::Result<Option<PackedMatrix>> {
         let Some(first) = parts.first() else { return Ok(None) };
         let whole = parts[..parts.len() - 1].iter().all(|p| p.n.is_multiple_of(GROUP));
-        if !whole || parts.iter().any(|p| p.k != first.k || p.is_bf16() != first.is_bf16()) {
+        let alike = |p: &&PackedMatrix| std::mem::discriminant(&p.data) == std::mem::discriminant(&first.data);
+        if !whole || parts.iter().any(|p| p.k != first.k || !alike(p)) {
             return Ok(None);
         }
         fn cat<T: Copy>(parts: &[&PackedMatrix], get: fn(&PackedData) -> &[T]) -> candle_core::Result<Vec<T>> {
@@ -175,6 +229,7 @@ impl PackedMatrix {
         let data = match first.data {
             PackedData::F32(_) => PackedData::F32(cat(parts, PackedData::f32s)?),
             PackedData::Bf16(_) => PackedData::Bf16(cat(parts, PackedData::bf16s)?),
+            PackedData::Q8 { .. } => PackedData::Q8 { q: cat(parts, |d| d.q8().0)?, d: cat(parts, |d| d.q8().1)? },
         };
         Ok(Some(PackedMatrix { n: parts.iter().map(|p| p.n).sum(), k: first.k, data }))
     }
@@ -197,6 +252,14 @@ impl PackedData {
             &[]
         }
     }
+    /// The q8_0 bytes and scales if held as q8_0 (else none).
+    fn q8(&self) -> (&[i8], &[u16]) {
+        if let PackedData::Q8 { q, d } = self {
+            (q, d)
+        } else {
+            (&[], &[])
+        }
+    }
 }
 
 /// Where column c (0..`GROUP`) of a group sits among a depth's values (see `PackedMatrix`).
@@ -208,13 +271,29 @@ fn slot(c: usize, bf16: bool) -> usize {
     }
 }
 
-/// y (m × n) = x (m × k) · Wᵀ, each gemm call parallel on the calling pool from `par_min_macs` multiply-adds.
+/// y (m × n) = x (m × k) · Wᵀ, parallel on the calling pool from `par_min_macs` multiply-adds, with the widest
+/// tiles this CPU has.
 pub fn matmul_t(x: &[f32], m: usize, k: usize, w: Source<'_>, n: usize, par_min_macs: usize) -> Vec<f32> {
+    matmul_t_with(x, m, k, w, n, par_min_macs, true)
+}
+
+/// `matmul_t`; `avx512`: the packed product's AVX-512 tiles where the CPU has them (false: its AVX2 tiles, for A/B
+/// runs and tests; the same bits either way).
+pub fn matmul_t_with(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    w: Source<'_>,
+    n: usize,
+    par_min_macs: usize,
+    avx512: bool,
+) -> Vec<f32> {
     assert_eq!(x.len(), m * k);
     #[cfg(target_arch = "x86_64")]
     if packed::available() {
-        return packed::matmul_t(x, m, k, w, n, par_min_macs);
+        return packed::matmul_t(x, m, k, w, n, par_min_macs, avx512 && packed::avx512_available());
     }
+    let _ = avx512;
     thread_local! {
         static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     }
@@ -330,15 +409,18 @@ unsafe fn gemm_panel(
 #[cfg(target_arch = "x86_64")]
 pub(crate) use packed::{transpose8, with_buf};
 
-/// The packed AVX2+FMA product (x86-64 CPUs with AVX2 and FMA): the BLIS scheme with a 6 × 16 register tile.
+/// The packed AVX2+FMA product (x86-64 CPUs with AVX2, FMA and F16C): the BLIS scheme with a 6 × 16 register tile,
+/// or with AVX-512 (`Zmm`) a 6 × 64 one (32 registers: a group of 16 columns in one, 4 groups per tile).
 ///
 /// x is packed once per call into `MR`-row micro-panels (`KC` columns deep); the output columns are cut into
 /// parallel tasks, each packing its weight rows `KC` columns at a time into `NR`-column micro-panels (widening bf16,
-/// or from a dequantized copy of its rows) and running the tile over every x micro-panel, `MC` rows of x at a time.
+/// or from a dequantized copy of its rows; a `PackedMatrix` is read as it is) and running the tile over every x
+/// micro-panel, `MC` rows of x at a time.
 ///
 /// Numerics: every y element is one f32 fused-multiply-add chain over k in order, starting from 0 (a tile continues
 /// the chain of the previous `KC` block from the stored value). So a row's result depends only on x's row and W — not
-/// on m, the tiling, the task split or the thread count — and equals `acc = x[i].mul_add(w[i], acc)` for i = 0..k.
+/// on m, the tiling, the task split, the thread count or the register width (each lane of an AVX-512 tile is the
+/// chain of an AVX2 one) — and equals `acc = x[i].mul_add(w[i], acc)` for i = 0..k.
 #[cfg(target_arch = "x86_64")]
 mod packed {
     use super::{PackedData, Source};
@@ -360,7 +442,12 @@ mod packed {
     const MAX_TASK_GROUPS: usize = 8;
 
     pub(super) fn available() -> bool {
-        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+    }
+
+    /// Whether the AVX-512 tiles can run (`Zmm`).
+    pub(super) fn avx512_available() -> bool {
+        available() && is_x86_feature_detected!("avx512f")
     }
 
     thread_local! {
@@ -387,8 +474,17 @@ mod packed {
         r
     }
 
-    pub(super) fn matmul_t(x: &[f32], m: usize, k: usize, w: Source<'_>, n: usize, par_min_macs: usize) -> Vec<f32> {
-        assert!(available(), "packed::matmul_t needs AVX2 and FMA");
+    /// `wide`: the AVX-512 tiles (`Zmm`; the caller checked `avx512_available`), else the AVX2 ones.
+    pub(super) fn matmul_t(
+        x: &[f32],
+        m: usize,
+        k: usize,
+        w: Source<'_>,
+        n: usize,
+        par_min_macs: usize,
+        wide: bool,
+    ) -> Vec<f32> {
+        assert!(available() && (!wide || avx512_available()), "packed::matmul_t needs AVX2 and FMA (AVX-512: wide)");
         // every element is stored by its first depth block before anything reads it (no zero fill needed)
         let mut y: Vec<f32> = Vec::with_capacity(m * n);
         if m == 0 || n == 0 || k == 0 {
@@ -407,7 +503,14 @@ mod packed {
                 // task t: groups [t·groups/tasks, (t+1)·groups/tasks) of NR columns (sizes differ by at most one)
                 let (j0, j1) = (t * groups / tasks * NR, ((t + 1) * groups / tasks * NR).min(n));
                 // SAFETY: the task writes columns [j0, j1) of y (m × n) only; x is packed m_pad × k in `a`.
-                unsafe { columns(Task { a, m, m_pad, k, j0, nt: j1 - j0, n, y: out }, w) }
+                let t = Task { a, m, m_pad, k, j0, nt: j1 - j0, n, y: out };
+                unsafe {
+                    if wide {
+                        columns::<Zmm>(t, w)
+                    } else {
+                        columns::<Ymm>(t, w)
+                    }
+                }
             };
             if par {
                 (0..tasks).into_par_iter().for_each(task);
@@ -479,21 +582,25 @@ mod packed {
     ///
     /// # Safety
     /// `t.y` is m × n; only this call writes the task's columns.
-    unsafe fn columns(t: Task<'_>, w: Source<'_>) {
+    unsafe fn columns<T: Tiles>(t: Task<'_>, w: Source<'_>) {
         let (k, j0, nt) = (t.k, t.j0, t.nt);
         match w {
-            Source::F32(w) => columns_of(t, &w[j0 * k..(j0 + nt) * k]),
-            Source::Bf16(w) => columns_of::<bf16>(t, &w[j0 * k..(j0 + nt) * k]),
+            Source::F32(w) => columns_of::<T, f32>(t, &w[j0 * k..(j0 + nt) * k]),
+            Source::Bf16(w) => columns_of::<T, bf16>(t, &w[j0 * k..(j0 + nt) * k]),
             Source::Quant(q) => with_buf(&ROWS, nt * k, |rows| {
                 dequantize_rows(q, j0, nt, rows);
-                columns_of(t, rows)
+                columns_of::<T, f32>(t, rows)
             }),
             Source::Packed(p) => {
                 // the task's groups (j0 is a multiple of NR)
                 let (lo, hi) = (j0 * k, (j0 + nt).div_ceil(NR) * NR * k);
                 match &p.data {
-                    PackedData::F32(d) => columns_packed(t, &d[lo..hi]),
-                    PackedData::Bf16(d) => columns_packed(t, &d[lo..hi]),
+                    PackedData::F32(d) => columns_packed::<T, f32>(t, &d[lo..hi], &[]),
+                    PackedData::Bf16(d) => columns_packed::<T, u16>(t, &d[lo..hi], &[]),
+                    PackedData::Q8 { q, d } => {
+                        let kb = k / 32;
+                        columns_packed::<T, i8>(t, &q[lo..hi], &d[j0 * kb..(j0 + nt).div_ceil(NR) * NR * kb])
+                    }
                 }
             }
         }
@@ -501,66 +608,273 @@ mod packed {
 
     /// The task's columns from its groups `w` of a `PackedMatrix`, `KC` deep at a time as x is packed. (A window of
     /// one row panel taking the whole depth at once, each group streamed in one pass, measured the same.)
-    unsafe fn columns_packed<E: Panel>(t: Task<'_>, w: &[E]) {
+    unsafe fn columns_packed<T: Tiles, E: Panel>(t: Task<'_>, w: &[E], scales: &[u16]) {
+        // a block format's scales: `NR` per block of `E::BLOCK` depths, the blocks of group g after g's (KC is a
+        // multiple of the block, so every depth block starts a scale block)
+        let kb = t.k.checked_div(E::BLOCK);
         for kc0 in (0..t.k).step_by(KC) {
             let kc = KC.min(t.k - kc0);
-            sweep(t, kc0, kc, |g| w.as_ptr().add(g * NR * t.k + kc0 * NR));
+            sweep::<T, E>(t, kc0, kc, |g| Cursor {
+                w: w.as_ptr().add(g * NR * t.k + kc0 * NR),
+                s: kb.map_or(std::ptr::null(), |kb| scales.as_ptr().add((g * kb + kc0 / E::BLOCK) * NR)),
+            });
         }
     }
 
     /// The task's columns from its weight rows `w` (nt × k), packed here `KC` deep at a time.
-    unsafe fn columns_of<E: WeightElem>(t: Task<'_>, w: &[E]) {
+    unsafe fn columns_of<T: Tiles, E: WeightElem>(t: Task<'_>, w: &[E]) {
         let groups = t.nt.div_ceil(NR);
         with_buf(&B, KC * groups * NR, |b| {
             for kc0 in (0..t.k).step_by(KC) {
                 let kc = KC.min(t.k - kc0);
                 pack_w(w, t.k, t.nt, kc0, kc, b);
                 let b: &[f32] = b;
-                sweep(t, kc0, kc, |g| b.as_ptr().add(g * NR * kc));
+                sweep::<T, f32>(t, kc0, kc, |g| Cursor::dense(b.as_ptr().add(g * NR * kc)));
             }
         });
     }
 
     /// One depth block [kc0, kc0 + kc) of the task's columns: `b(g)` points at group g's `NR`-wide values at depth
-    /// kc0, consecutive depths `NR` apart. Full row panels take the `MR` × `NR` tile, `MC` rows of x at a time over
-    /// each group; the last rows (fewer than `MR`) a tile as wide as its accumulators allow.
-    unsafe fn sweep<E: Panel>(t: Task<'_>, kc0: usize, kc: usize, b: impl Fn(usize) -> *const E) {
+    /// kc0, consecutive depths `NR` apart. Full row panels take the `MR`-row tile (over up to `T::FULL` whole groups
+    /// at once, a partial last group alone), `MC` rows of x at a time over each group; the last rows (fewer than `MR`)
+    /// a tile as wide as its accumulators allow (`Tiles::last_rows`).
+    unsafe fn sweep<T: Tiles, E: Panel>(t: Task<'_>, kc0: usize, kc: usize, b: impl Fn(usize) -> Cursor<E>) {
         let Task { a, m, m_pad, j0, nt, n, y, .. } = t;
         let groups = nt.div_ceil(NR);
         let full = m / MR * MR;
         let acc = kc0 > 0;
         for i0 in (0..full).step_by(MC) {
-            for g in 0..groups {
-                let cols = NR.min(nt - g * NR);
+            let mut g = 0;
+            while g < groups {
+                // whole groups this tile covers (none: a partial last group)
+                let count = (nt / NR - g).min(T::full_groups::<E>());
                 for i in (i0..(i0 + MC).min(full)).step_by(MR) {
                     let ap = a.as_ptr().add(kc0 * m_pad + i * kc);
                     let c = y.offset(i * n + j0 + g * NR).0;
-                    if cols == NR {
-                        tile::<E, MR, 1>(kc, ap, [b(g)], c, n, acc);
+                    if count > 0 {
+                        T::full(kc, ap, &b, g, count, c, n, acc);
                     } else {
-                        edge_tile::<E, MR>(kc, ap, b(g), c, n, cols, acc);
+                        edge_tile::<T, E, MR>(kc, ap, b(g), c, n, nt - g * NR, acc);
                     }
                 }
+                g += count.max(1);
             }
         }
-        let ap = a.as_ptr().add(kc0 * m_pad + full * kc);
-        let c = y.offset(full * n + j0).0;
-        match m - full {
-            0 => {}
-            1 => last_rows::<E, 1, 4>(kc, ap, &b, nt, c, n, acc),
-            2 => last_rows::<E, 2, 2>(kc, ap, &b, nt, c, n, acc),
-            3 => last_rows::<E, 3, 2>(kc, ap, &b, nt, c, n, acc),
-            4 => last_rows::<E, 4, 1>(kc, ap, &b, nt, c, n, acc),
-            _ => last_rows::<E, 5, 1>(kc, ap, &b, nt, c, n, acc),
+        if m > full {
+            let ap = a.as_ptr().add(kc0 * m_pad + full * kc);
+            T::last_rows(m - full, kc, ap, &b, nt, y.offset(full * n + j0).0, n, acc);
         }
     }
 
-    /// The last `R` (< `MR`) rows over every group: `P` groups per tile (2 · R · P accumulators), then what is left.
+    /// The register tiles of one instruction set.
+    pub(super) trait Tiles {
+        /// Whole groups the full `MR`-row tile covers at once, at most.
+        const FULL: usize;
+        /// Whole groups the full tile takes at once for weights `E` (fewer where their scales take registers).
+        fn full_groups<E: Panel>() -> usize {
+            Self::FULL
+        }
+        /// The `MR`-row tile over groups [g, g + count) (count: 1 to `FULL`).
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn full<E: Panel>(
+            kc: usize,
+            a: *const f32,
+            b: &impl Fn(usize) -> Cursor<E>,
+            g: usize,
+            count: usize,
+            c: *mut f32,
+            ldc: usize,
+            acc: bool,
+        );
+        /// c (`R` rows × `P` groups) as `tile` describes.
+        unsafe fn tile<E: Panel, const R: usize, const P: usize>(
+            kc: usize,
+            a: *const f32,
+            b: [Cursor<E>; P],
+            c: *mut f32,
+            ldc: usize,
+            acc: bool,
+        );
+        /// `R` rows over some of the `left` whole groups from group g (fewer than `last_rows` takes at once); returns
+        /// how many.
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn rest<E: Panel, const R: usize>(
+            left: usize,
+            kc: usize,
+            a: *const f32,
+            b: &impl Fn(usize) -> Cursor<E>,
+            g: usize,
+            c: *mut f32,
+            n: usize,
+            acc: bool,
+        ) -> usize;
+        /// The last `rows` (1 to `MR` − 1) rows over every group (`last_rows` with this set's widths).
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn last_rows<E: Panel>(
+            rows: usize,
+            kc: usize,
+            a: *const f32,
+            b: &impl Fn(usize) -> Cursor<E>,
+            nt: usize,
+            c: *mut f32,
+            n: usize,
+            acc: bool,
+        );
+    }
+
+    /// AVX2: 16 ymm registers, a group in two; the 6-row tile over one group (12 accumulators).
+    pub(super) struct Ymm;
+    /// AVX-512: 32 zmm registers, a group in one; the 6-row tile over 4 groups (24 accumulators), the last rows over
+    /// up to 8. Each lane is the same in-order chain as in `Ymm`'s tiles: the same bits.
+    pub(super) struct Zmm;
+
+    impl Tiles for Ymm {
+        const FULL: usize = 1;
+        unsafe fn full<E: Panel>(
+            kc: usize,
+            a: *const f32,
+            b: &impl Fn(usize) -> Cursor<E>,
+            g: usize,
+            _count: usize,
+            c: *mut f32,
+            ldc: usize,
+            acc: bool,
+        ) {
+            tile::<E, MR, 1>(kc, a, [b(g)], c, ldc, acc)
+        }
+        unsafe fn tile<E: Panel, const R: usize, const P: usize>(
+            kc: usize,
+            a: *const f32,
+            b: [Cursor<E>; P],
+            c: *mut f32,
+            ldc: usize,
+            acc: bool,
+        ) {
+            tile::<E, R, P>(kc, a, b, c, ldc, acc)
+        }
+        unsafe fn rest<E: Panel, const R: usize>(
+            left: usize,
+            kc: usize,
+            a: *const f32,
+            b: &impl Fn(usize) -> Cursor<E>,
+            g: usize,
+            c: *mut f32,
+            n: usize,
+            acc: bool,
+        ) -> usize {
+            match left {
+                1 => tile::<E, R, 1>(kc, a, [b(g)], c, n, acc),
+                2 => tile::<E, R, 2>(kc, a, [b(g), b(g + 1)], c, n, acc),
+                _ => tile::<E, R, 3>(kc, a, [b(g), b(g + 1), b(g + 2)], c, n, acc),
+            }
+            left.min(3)
+        }
+        unsafe fn last_rows<E: Panel>(
+            rows: usize,
+            kc: usize,
+            a: *const f32,
+            b: &impl Fn(usize) -> Cursor<E>,
+            nt: usize,
+            c: *mut f32,
+            n: usize,
+            acc: bool,
+        ) {
+            match rows {
+                1 => last_rows::<Self, E, 1, 4>(kc, a, b, nt, c, n, acc),
+                2 => last_rows::<Self, E, 2, 2>(kc, a, b, nt, c, n, acc),
+                3 => last_rows::<Self, E, 3, 2>(kc, a, b, nt, c, n, acc),
+                4 => last_rows::<Self, E, 4, 1>(kc, a, b, nt, c, n, acc),
+                _ => last_rows::<Self, E, 5, 1>(kc, a, b, nt, c, n, acc),
+            }
+        }
+    }
+
+    impl Tiles for Zmm {
+        const FULL: usize = 4;
+        fn full_groups<E: Panel>() -> usize {
+            if E::BLOCK > 0 {
+                3
+            } else {
+                4
+            }
+        }
+        unsafe fn full<E: Panel>(
+            kc: usize,
+            a: *const f32,
+            b: &impl Fn(usize) -> Cursor<E>,
+            g: usize,
+            count: usize,
+            c: *mut f32,
+            ldc: usize,
+            acc: bool,
+        ) {
+            match count {
+                1 => tile512::<E, MR, 1>(kc, a, [b(g)], c, ldc, acc),
+                2 => tile512::<E, MR, 2>(kc, a, [b(g), b(g + 1)], c, ldc, acc),
+                3 => tile512::<E, MR, 3>(kc, a, [b(g), b(g + 1), b(g + 2)], c, ldc, acc),
+                _ => tile512::<E, MR, 4>(kc, a, [b(g), b(g + 1), b(g + 2), b(g + 3)], c, ldc, acc),
+            }
+        }
+        unsafe fn tile<E: Panel, const R: usize, const P: usize>(
+            kc: usize,
+            a: *const f32,
+            b: [Cursor<E>; P],
+            c: *mut f32,
+            ldc: usize,
+            acc: bool,
+        ) {
+            tile512::<E, R, P>(kc, a, b, c, ldc, acc)
+        }
+        unsafe fn rest<E: Panel, const R: usize>(
+            left: usize,
+            kc: usize,
+            a: *const f32,
+            b: &impl Fn(usize) -> Cursor<E>,
+            g: usize,
+            c: *mut f32,
+            n: usize,
+            acc: bool,
+        ) -> usize {
+            // all that is left in one tile (at least 8 accumulators while R · left allows: FMA latency × ports)
+            let bs = |q: usize| b(g + q);
+            match left {
+                1 => tile512::<E, R, 1>(kc, a, [bs(0)], c, n, acc),
+                2 => tile512::<E, R, 2>(kc, a, std::array::from_fn(bs), c, n, acc),
+                3 => tile512::<E, R, 3>(kc, a, std::array::from_fn(bs), c, n, acc),
+                4 => tile512::<E, R, 4>(kc, a, std::array::from_fn(bs), c, n, acc),
+                5 => tile512::<E, R, 5>(kc, a, std::array::from_fn(bs), c, n, acc),
+                6 => tile512::<E, R, 6>(kc, a, std::array::from_fn(bs), c, n, acc),
+                _ => tile512::<E, R, 7>(kc, a, std::array::from_fn(bs), c, n, acc),
+            }
+            left.min(7)
+        }
+        unsafe fn last_rows<E: Panel>(
+            rows: usize,
+            kc: usize,
+            a: *const f32,
+            b: &impl Fn(usize) -> Cursor<E>,
+            nt: usize,
+            c: *mut f32,
+            n: usize,
+            acc: bool,
+        ) {
+            match rows {
+                1 => last_rows::<Self, E, 1, 8>(kc, a, b, nt, c, n, acc),
+                2 => last_rows::<Self, E, 2, 6>(kc, a, b, nt, c, n, acc),
+                3 => last_rows::<Self, E, 3, 4>(kc, a, b, nt, c, n, acc),
+                4 => last_rows::<Self, E, 4, 4>(kc, a, b, nt, c, n, acc),
+                _ => last_rows::<Self, E, 5, 4>(kc, a, b, nt, c, n, acc),
+            }
+        }
+    }
+
+    /// The last `R` (< `MR`) rows over every group: `P` groups per tile (`R · P` accumulator groups), then what is
+    /// left (`Tiles::rest`).
     #[allow(clippy::too_many_arguments)]
-    unsafe fn last_rows<E: Panel, const R: usize, const P: usize>(
+    unsafe fn last_rows<T: Tiles, E: Panel, const R: usize, const P: usize>(
         kc: usize,
         a: *const f32,
-        b: &impl Fn(usize) -> *const E,
+        b: &impl Fn(usize) -> Cursor<E>,
         nt: usize,
         c: *mut f32,
         n: usize,
@@ -569,17 +883,14 @@ mod packed {
         let whole = nt / NR;
         let mut g = 0;
         while g + P <= whole {
-            tile::<E, R, P>(kc, a, std::array::from_fn(|q| b(g + q)), c.add(g * NR), n, acc);
+            T::tile::<E, R, P>(kc, a, std::array::from_fn(|q| b(g + q)), c.add(g * NR), n, acc);
             g += P;
         }
-        match whole - g {
-            0 => {}
-            1 => tile::<E, R, 1>(kc, a, [b(g)], c.add(g * NR), n, acc),
-            2 => tile::<E, R, 2>(kc, a, [b(g), b(g + 1)], c.add(g * NR), n, acc),
-            _ => tile::<E, R, 3>(kc, a, [b(g), b(g + 1), b(g + 2)], c.add(g * NR), n, acc),
+        while g < whole {
+            g += T::rest::<E, R>(whole - g, kc, a, b, g, c.add(g * NR), n, acc);
         }
         if whole * NR < nt {
-            edge_tile::<E, R>(kc, a, b(whole), c.add(whole * NR), n, nt - whole * NR, acc);
+            edge_tile::<T, E, R>(kc, a, b(whole), c.add(whole * NR), n, nt - whole * NR, acc);
         }
     }
 
@@ -644,36 +955,177 @@ mod packed {
         ]
     }
 
-    /// How a tile reads `NR` weights of one depth: packed f32 (two loads), or a `PackedMatrix`'s bf16 pairs (one
-    /// load, widened: each 32-bit lane's low half shifted up is column i, its high half masked column 8 + i).
+    /// How a tile reads `NR` weights of one depth: packed f32 (two loads), a `PackedMatrix`'s bf16 pairs (one load,
+    /// widened: each 32-bit lane's low half shifted up is column i, its high half masked column 8 + i), or its q8_0
+    /// bytes (signed, times the column's f16 scale of their block of `BLOCK` depths: the value q · d of the q8_0
+    /// dequantization, one rounding).
+    ///
+    /// With AVX-512 (`load16`) a depth's `NR` values fill one register: f32 and q8_0 in column order; bf16
+    /// zero-extended slot by slot, so lane j holds slot j's column (`SLOTS`), which `Zmm`'s tile maps back when it
+    /// loads and stores.
     pub(super) trait Panel: Copy {
-        unsafe fn load(p: *const Self) -> (__m256, __m256);
+        /// Lane j of `load16` holds column `SLOTS[j]` (None: column j).
+        const SLOTS: Option<[u32; NR]>;
+        /// Depths per block of scales (0: none).
+        const BLOCK: usize = 0;
+        /// The `NR` scales at `s` (a block format only).
+        #[inline(always)]
+        unsafe fn scales(_s: *const u16) -> (__m256, __m256) {
+            (_mm256_setzero_ps(), _mm256_setzero_ps())
+        }
+        #[inline(always)]
+        unsafe fn scales16(_s: *const u16) -> __m512 {
+            _mm512_setzero_ps()
+        }
+        unsafe fn load(p: *const Self, d: (__m256, __m256)) -> (__m256, __m256);
+        unsafe fn load16(p: *const Self, d: __m512) -> __m512;
+    }
+
+    /// A group's weights from some depth on: `NR` values per depth at `w`, and for a block format (`Panel::BLOCK`)
+    /// `NR` f16 scales per block at `s`, starting with the block of `w`'s depth (a multiple of `BLOCK`).
+    #[derive(Clone, Copy)]
+    pub(super) struct Cursor<E> {
+        w: *const E,
+        s: *const u16,
+    }
+
+    impl<E> Cursor<E> {
+        pub(super) fn dense(w: *const E) -> Self {
+            Cursor { w, s: std::ptr::null() }
+        }
     }
 
     impl Panel for f32 {
+        const SLOTS: Option<[u32; NR]> = None;
         #[inline(always)]
-        unsafe fn load(p: *const f32) -> (__m256, __m256) {
+        unsafe fn load(p: *const f32, _: (__m256, __m256)) -> (__m256, __m256) {
             (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
+        }
+        #[inline(always)]
+        unsafe fn load16(p: *const f32, _: __m512) -> __m512 {
+            _mm512_loadu_ps(p)
         }
     }
 
     impl Panel for u16 {
+        // slot 2i: column i, slot 2i + 1: column 8 + i (`super::slot`)
+        const SLOTS: Option<[u32; NR]> = Some([0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15]);
         #[inline(always)]
-        unsafe fn load(p: *const u16) -> (__m256, __m256) {
+        unsafe fn load(p: *const u16, _: (__m256, __m256)) -> (__m256, __m256) {
             let v = _mm256_loadu_si256(p as *const __m256i);
             let lo = _mm256_slli_epi32::<16>(v);
             let hi = _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF_0000u32 as i32));
             (_mm256_castsi256_ps(lo), _mm256_castsi256_ps(hi))
         }
+        #[inline(always)]
+        unsafe fn load16(p: *const u16, _: __m512) -> __m512 {
+            let v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v))
+        }
+    }
+
+    impl Panel for i8 {
+        const SLOTS: Option<[u32; NR]> = None;
+        const BLOCK: usize = 32;
+        #[inline(always)]
+        unsafe fn scales(s: *const u16) -> (__m256, __m256) {
+            (
+                _mm256_cvtph_ps(_mm_loadu_si128(s as *const __m128i)),
+                _mm256_cvtph_ps(_mm_loadu_si128(s.add(8) as *const __m128i)),
+            )
+        }
+        #[inline(always)]
+        unsafe fn scales16(s: *const u16) -> __m512 {
+            _mm512_cvtph_ps(_mm256_loadu_si256(s as *const __m256i))
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const i8, d: (__m256, __m256)) -> (__m256, __m256) {
+            let q = _mm_loadu_si128(p as *const __m128i);
+            let lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+            let hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(q)));
+            (_mm256_mul_ps(lo, d.0), _mm256_mul_ps(hi, d.1))
+        }
+        #[inline(always)]
+        unsafe fn load16(p: *const i8, d: __m512) -> __m512 {
+            let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i));
+            _mm512_mul_ps(_mm512_cvtepi32_ps(q), d)
+        }
+    }
+
+    /// `tile` with AVX-512: a group in one register (lanes in `E::SLOTS` order), the x value of a row broadcast once
+    /// per depth for all `P` groups. Each lane is the same in-order FMA chain as `tile`'s, so the same bits.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn tile512<E: Panel, const R: usize, const P: usize>(
+        kc: usize,
+        a: *const f32,
+        b: [Cursor<E>; P],
+        c: *mut f32,
+        ldc: usize,
+        acc: bool,
+    ) {
+        // lanes → columns (store) and columns → lanes (load) where the lanes are not in column order
+        let (to_cols, to_lanes) = match E::SLOTS {
+            Some(slots) => {
+                let mut inv = [0u32; NR];
+                for (j, &col) in slots.iter().enumerate() {
+                    inv[col as usize] = j as u32;
+                }
+                let v = |x: [u32; NR]| _mm512_loadu_si512(x.as_ptr() as *const __m512i);
+                (Some(v(inv)), Some(v(slots)))
+            }
+            None => (None, None),
+        };
+        let mut s = [[_mm512_setzero_ps(); P]; R];
+        if acc {
+            for (r, s) in s.iter_mut().enumerate() {
+                for (q, s) in s.iter_mut().enumerate() {
+                    let v = _mm512_loadu_ps(c.add(r * ldc + q * NR));
+                    *s = match to_lanes {
+                        Some(i) => _mm512_permutexvar_ps(i, v),
+                        None => v,
+                    };
+                }
+            }
+        }
+        let (mut a, mut b) = (a, b);
+        let mut d = [_mm512_setzero_ps(); P];
+        for p in 0..kc {
+            if E::BLOCK > 0 && p % E::BLOCK.max(1) == 0 {
+                for (d, b) in d.iter_mut().zip(b.iter_mut()) {
+                    *d = E::scales16(b.s);
+                    b.s = b.s.add(NR);
+                }
+            }
+            let w: [__m512; P] = std::array::from_fn(|q| E::load16(b[q].w, d[q]));
+            for (r, s) in s.iter_mut().enumerate() {
+                let x = _mm512_set1_ps(*a.add(r));
+                for q in 0..P {
+                    s[q] = _mm512_fmadd_ps(x, w[q], s[q]);
+                }
+            }
+            a = a.add(MR);
+            for b in b.iter_mut() {
+                b.w = b.w.add(NR);
+            }
+        }
+        for (r, s) in s.iter().enumerate() {
+            for (q, &v) in s.iter().enumerate() {
+                let v = match to_cols {
+                    Some(i) => _mm512_permutexvar_ps(i, v),
+                    None => v,
+                };
+                _mm512_storeu_ps(c.add(r * ldc + q * NR), v);
+            }
+        }
     }
 
     /// A tile with fewer than `NR` valid columns (`R` rows, one group), through a full-width copy.
     #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn edge_tile<E: Panel, const R: usize>(
+    unsafe fn edge_tile<T: Tiles, E: Panel, const R: usize>(
         kc: usize,
         a: *const f32,
-        b: *const E,
+        b: Cursor<E>,
         c: *mut f32,
         ldc: usize,
         cols: usize,
@@ -687,7 +1139,7 @@ mod packed {
                 }
             }
         }
-        tile::<E, R, 1>(kc, a, [b], t.as_mut_ptr() as *mut f32, NR, acc);
+        T::tile::<E, R, 1>(kc, a, [b], t.as_mut_ptr() as *mut f32, NR, acc);
         for (r, t) in t.iter().enumerate() {
             for (j, t) in t.iter().enumerate().take(cols) {
                 *c.add(r * ldc + j) = *t;
@@ -699,11 +1151,11 @@ mod packed {
     /// FMA per element and depth in order. `a`: packed x (`MR` values per depth, the first `R` used); `b[q]`: group
     /// q's weights, `NR` per depth. Whatever `R` and `P`, each element is the same chain.
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn tile<E: Panel, const R: usize, const P: usize>(
         kc: usize,
         a: *const f32,
-        b: [*const E; P],
+        b: [Cursor<E>; P],
         c: *mut f32,
         ldc: usize,
         acc: bool,
@@ -718,9 +1170,16 @@ mod packed {
             }
         }
         let (mut a, mut b) = (a, b);
-        for _ in 0..kc {
+        let mut d = [(_mm256_setzero_ps(), _mm256_setzero_ps()); P];
+        for p in 0..kc {
+            if E::BLOCK > 0 && p % E::BLOCK.max(1) == 0 {
+                for (d, b) in d.iter_mut().zip(b.iter_mut()) {
+                    *d = E::scales(b.s);
+                    b.s = b.s.add(NR);
+                }
+            }
             if P == 1 {
-                let (b0, b1) = E::load(b[0]);
+                let (b0, b1) = E::load(b[0].w, d[0]);
                 for (r, s) in s.iter_mut().enumerate() {
                     let x = _mm256_broadcast_ss(&*a.add(r));
                     s[0][0] = _mm256_fmadd_ps(x, b0, s[0][0]);
@@ -730,7 +1189,7 @@ mod packed {
                 // few rows, several groups: each x value broadcast once per depth
                 let x: [__m256; R] = std::array::from_fn(|r| _mm256_broadcast_ss(&*a.add(r)));
                 for q in 0..P {
-                    let (b0, b1) = E::load(b[q]);
+                    let (b0, b1) = E::load(b[q].w, d[q]);
                     for (r, s) in s.iter_mut().enumerate() {
                         s[q][0] = _mm256_fmadd_ps(x[r], b0, s[q][0]);
                         s[q][1] = _mm256_fmadd_ps(x[r], b1, s[q][1]);
@@ -739,7 +1198,7 @@ mod packed {
             }
             a = a.add(MR);
             for b in b.iter_mut() {
-                *b = b.add(NR);
+                b.w = b.w.add(NR);
             }
         }
         for (r, s) in s.iter().enumerate() {
@@ -835,7 +1294,17 @@ mod tests {
         assert_eq!(matmul_t(&x, m, k, Source::Quant(&q), n, par), matmul_t(&x, m, k, Source::F32(&wq), n, par));
     }
 
-    /// The packed product's contract: each element is the in-order f32 fused-multiply-add chain over k from 0.
+    /// The packed product's tile sets this CPU runs: AVX2 (false), and AVX-512 (true) where it has it.
+    fn widths() -> impl Iterator<Item = bool> + Clone {
+        #[cfg(target_arch = "x86_64")]
+        let wide = packed::avx512_available();
+        #[cfg(not(target_arch = "x86_64"))]
+        let wide = false;
+        [false, true].into_iter().filter(move |&w| !w || wide)
+    }
+
+    /// The packed product's contract: each element is the in-order f32 fused-multiply-add chain over k from 0; the
+    /// AVX2 and AVX-512 tiles alike.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn packed_elements_are_the_in_order_fma_chain_whatever_the_rows_and_split() {
@@ -853,11 +1322,12 @@ mod tests {
                     (0..k).fold(0f32, |acc, i| x[r * k + i].mul_add(w[c * k + i], acc))
                 })
                 .collect();
-            for par in [usize::MAX, 1] {
-                assert_eq!(matmul_t(&x, m, k, Source::F32(&w), n, par), want, "{m}x{k}x{n} par {par}");
+            for (par, wide) in [usize::MAX, 1].into_iter().flat_map(|p| widths().map(move |w| (p, w))) {
+                let mm = |x: &[f32], m: usize| matmul_t_with(x, m, k, Source::F32(&w), n, par, wide);
+                assert_eq!(mm(&x, m), want, "{m}x{k}x{n} par {par} avx512 {wide}");
                 // a row alone gives its bits in the stacked product
                 let r = m / 2;
-                assert_eq!(matmul_t(&x[r * k..(r + 1) * k], 1, k, Source::F32(&w), n, par), want[r * n..(r + 1) * n]);
+                assert_eq!(mm(&x[r * k..(r + 1) * k], 1), want[r * n..(r + 1) * n]);
             }
         }
     }
@@ -874,13 +1344,20 @@ mod tests {
         if !PackedMatrix::available() {
             return;
         }
-        for (k, n) in [(300usize, 141usize), (64, 16), (257, 200), (31, 7), (512, 1030)] {
+        for (k, n) in [(300usize, 141usize), (64, 16), (257, 200), (31, 7), (512, 1030), (96, 37)] {
             let w = randn(n * k, 7);
             let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
             let wb32: Vec<f32> = wb.iter().map(|v| v.to_f32()).collect();
             let pf = PackedMatrix::from_tensor(&tensor(w.clone(), n, k)).unwrap().unwrap();
             let pb = PackedMatrix::from_tensor(&tensor(wb.clone(), n, k)).unwrap().unwrap();
-            assert!(!pf.is_bf16() && pb.is_bf16());
+            assert_eq!((pf.dtype(), pb.dtype()), (Some(candle_core::DType::F32), Some(candle_core::DType::BF16)));
+            // q8_0 (rows of whole blocks): the chain over its dequantized values
+            let q8 = k.is_multiple_of(32).then(|| {
+                let q = QMatrix::quantize(&tensor(w.clone(), n, k), QuantFormat::Q8_0).unwrap();
+                let mut wq = vec![0f32; n * k];
+                q.dequantize_rows(0, n, &mut wq);
+                (PackedMatrix::from_q8_0(&q).unwrap().expect("q8_0 packs"), wq)
+            });
             let x = randn(20 * k, 8);
             let chain = |w: &[f32], m: usize| -> Vec<f32> {
                 (0..m * n)
@@ -892,17 +1369,51 @@ mod tests {
             };
             for m in (1..=13).chain([20]) {
                 let (want_f, want_b) = (chain(&w, m), chain(&wb32, m));
-                for par in [usize::MAX, 1] {
+                for (par, wide) in [usize::MAX, 1].into_iter().flat_map(|p| widths().map(move |w| (p, w))) {
+                    let mm = |x: &[f32], m: usize, w| matmul_t_with(x, m, k, w, n, par, wide);
                     let xs = &x[..m * k];
-                    assert_eq!(matmul_t(xs, m, k, Source::Packed(&pf), n, par), want_f, "f32 {m}x{k}x{n} par {par}");
-                    assert_eq!(matmul_t(xs, m, k, Source::Packed(&pb), n, par), want_b, "bf16 {m}x{k}x{n} par {par}");
-                    assert_eq!(matmul_t(xs, m, k, Source::Bf16(&wb), n, par), want_b, "per call {m}x{k}x{n}");
+                    let at = format!("{m}x{k}x{n} par {par} avx512 {wide}");
+                    assert_eq!(mm(xs, m, Source::Packed(&pf)), want_f, "f32 {at}");
+                    assert_eq!(mm(xs, m, Source::Packed(&pb)), want_b, "bf16 {at}");
+                    assert_eq!(mm(xs, m, Source::Bf16(&wb)), want_b, "per call {at}");
                     let r = m - 1;
-                    let alone = matmul_t(&x[r * k..(r + 1) * k], 1, k, Source::Packed(&pb), n, par);
-                    assert_eq!(alone, want_b[r * n..(r + 1) * n]);
+                    assert_eq!(mm(&x[r * k..(r + 1) * k], 1, Source::Packed(&pb)), want_b[r * n..(r + 1) * n]);
+                    if let Some((pq, wq)) = &q8 {
+                        let want_q = chain(wq, m);
+                        assert_eq!(mm(xs, m, Source::Packed(pq)), want_q, "q8_0 {at}");
+                        assert_eq!(mm(&x[r * k..(r + 1) * k], 1, Source::Packed(pq)), want_q[r * n..(r + 1) * n]);
+                    }
                 }
             }
         }
+    }
+
+    #[test]
+    fn packed_q8_0_rows_stacks_and_bytes_are_those_of_its_blocks() {
+        if !PackedMatrix::available() {
+            return;
+        }
+        let k = 96;
+        let q = |n: usize, seed: u64| QMatrix::quantize(&tensor(randn(n * k, seed), n, k), QuantFormat::Q8_0).unwrap();
+        let (a, b) = (q(32, 11), q(21, 12));
+        let (pa, pb) = (PackedMatrix::from_q8_0(&a).unwrap().unwrap(), PackedMatrix::from_q8_0(&b).unwrap().unwrap());
+        assert_eq!(pb.dtype(), None);
+        // the bytes of the blocks, for the rows padded to a whole group
+        assert_eq!(pb.bytes(), 32 * k / 32 * 34);
+        let mut want = vec![0f32; 53 * k];
+        a.dequantize_rows(0, 32, &mut want[..32 * k]);
+        b.dequantize_rows(0, 21, &mut want[32 * k..]);
+        let st = PackedMatrix::stack(&[&pa, &pb]).unwrap().expect("whole groups stack");
+        let mut got = vec![0f32; 53 * k];
+        st.rows_into(0, 53, &mut got);
+        assert_eq!(got, want);
+        // q8_0 does not stack with another kind, nor after a partial group
+        let dense = PackedMatrix::from_tensor(&tensor(randn(32 * k, 13), 32, k)).unwrap().unwrap();
+        assert!(PackedMatrix::stack(&[&pa, &dense]).unwrap().is_none());
+        assert!(PackedMatrix::stack(&[&pb, &pa]).unwrap().is_none());
+        // other block formats are not packed
+        let q4 = QMatrix::quantize(&tensor(randn(32 * k, 14), 32, k), QuantFormat::Q5_0).unwrap();
+        assert!(PackedMatrix::from_q8_0(&q4).unwrap().is_none());
     }
 
     #[test]

@@ -52,6 +52,9 @@ pub struct Kernels {
     /// with no packing per call (and every row the same arithmetic, alone or stacked). false: held row-major, few-row
     /// windows through this kernel (for A/B runs).
     pub packed_weights: bool,
+    /// The packed product's AVX-512 tiles (`panels::matmul_t_with`) where the CPU has AVX-512. false: its AVX2 tiles
+    /// (the same bits; for A/B runs).
+    pub packed_avx512: bool,
     /// Linear layers of one input held as one matrix (q/k/v, gate/up: `models::qwen::Stacked`), one product
     /// instead of several. false: each its own product (the same bits; for A/B runs).
     pub stack: bool,
@@ -67,6 +70,7 @@ impl Default for Kernels {
             blocked_attention: true,
             panels: true,
             packed_weights: true,
+            packed_avx512: true,
             stack: true,
         }
     }
@@ -1227,6 +1231,8 @@ unsafe fn q_columns(isa: Isa, x: &[f32], m: usize, q: &QMatrix, n0: usize, nw: u
 pub struct DenseMatmulT {
     pub par_min_macs: usize,
     pub panels: bool,
+    /// `Kernels::packed_avx512`
+    pub avx512: bool,
 }
 
 impl CustomOp2 for DenseMatmulT {
@@ -1250,11 +1256,12 @@ impl CustomOp2 for DenseMatmulT {
         };
         let (CpuStorage::F32(x), w) = (s1, s2) else { candle_core::bail!("dense-matmul-t: x must be f32") };
         let (x, par) = (&x[a0..a1], self.par_min_macs);
+        let panels = |w: Source<'_>| crate::panels::matmul_t_with(x, m, k, w, n, par, self.avx512);
         let y = match (w, self.panels) {
             (CpuStorage::F32(w), false) => matmul_t(x, m, k, &w[b0..b1], n, par),
             (CpuStorage::BF16(w), false) => matmul_t(x, m, k, &w[b0..b1], n, par),
-            (CpuStorage::F32(w), true) => crate::panels::matmul_t(x, m, k, Source::F32(&w[b0..b1]), n, par),
-            (CpuStorage::BF16(w), true) => crate::panels::matmul_t(x, m, k, Source::Bf16(&w[b0..b1]), n, par),
+            (CpuStorage::F32(w), true) => panels(Source::F32(&w[b0..b1])),
+            (CpuStorage::BF16(w), true) => panels(Source::Bf16(&w[b0..b1])),
             _ => candle_core::bail!("dense-matmul-t: w must be f32 or bf16"),
         };
         Ok((CpuStorage::F32(y), Shape::from((m, n))))
@@ -1292,9 +1299,9 @@ pub fn linear(x: &Tensor, w: &Tensor, k: &Kernels, few: bool) -> candle_core::Re
     // bf16 weights exist only on the CPU and only this kernel reads them: give it a contiguous x
     let x = if w.dtype() == DType::BF16 && !x.is_contiguous() { x.contiguous()? } else { x.clone() };
     if few && supports(&x, w, k) {
-        x.apply_op2_no_bwd(w, &DenseMatmulT { par_min_macs: k.par_min_macs, panels: false })
+        x.apply_op2_no_bwd(w, &DenseMatmulT { par_min_macs: k.par_min_macs, panels: false, avx512: k.packed_avx512 })
     } else if k.panels && dense_operands(&x, w) {
-        x.apply_op2_no_bwd(w, &DenseMatmulT { par_min_macs: k.par_min_macs, panels: true })
+        x.apply_op2_no_bwd(w, &DenseMatmulT { par_min_macs: k.par_min_macs, panels: true, avx512: k.packed_avx512 })
     } else if w.dtype() == DType::BF16 {
         x.matmul(&w.to_dtype(x.dtype())?.t()?)
     } else {
@@ -1311,6 +1318,8 @@ struct HeldMatmulT<'a> {
     par_min_macs: usize,
     /// a quantized W's few-row window: this kernel rather than the panels
     few: bool,
+    /// `Kernels::packed_avx512`
+    avx512: bool,
 }
 
 impl HeldMatmulT<'_> {
@@ -1336,7 +1345,7 @@ impl CustomOp1 for HeldMatmulT<'_> {
         let x = &x[a0..a1];
         let y = match self.w {
             crate::panels::Source::Quant(q) if self.few => matmul_q(x, m, q, self.par_min_macs),
-            w => crate::panels::matmul_t(x, m, k, w, self.n, self.par_min_macs),
+            w => crate::panels::matmul_t_with(x, m, k, w, self.n, self.par_min_macs, self.avx512),
         };
         Ok((CpuStorage::F32(y), Shape::from((m, self.n))))
     }
@@ -1345,8 +1354,8 @@ impl CustomOp1 for HeldMatmulT<'_> {
 /// `x · wᵀ` for a packed w (CPU): every window, a one-row decode window or a prefill chunk, through the packed
 /// product, so each row's result is the same whatever window it is in.
 pub fn linear_packed(x: &Tensor, p: &PackedMatrix, k: &Kernels) -> candle_core::Result<Tensor> {
-    HeldMatmulT { w: crate::panels::Source::Packed(p), n: p.n, k: p.k, par_min_macs: k.par_min_macs, few: false }
-        .apply(x)
+    let w = crate::panels::Source::Packed(p);
+    HeldMatmulT { w, n: p.n, k: p.k, par_min_macs: k.par_min_macs, few: false, avx512: k.packed_avx512 }.apply(x)
 }
 
 /// `x · wᵀ` for a quantized w (CPU): few-row windows (`few`) take this kernel (`matmul_q`), long windows
@@ -1354,7 +1363,8 @@ pub fn linear_packed(x: &Tensor, p: &PackedMatrix, k: &Kernels) -> candle_core::
 /// the weights once per ROW_BLOCK rows, each time dequantizing them again).
 pub fn linear_q(x: &Tensor, q: &QMatrix, k: &Kernels, few: bool) -> candle_core::Result<Tensor> {
     let w = crate::panels::Source::Quant(q);
-    HeldMatmulT { w, n: q.n, k: q.k, par_min_macs: k.par_min_macs, few: few || !k.panels }.apply(x)
+    let few = few || !k.panels;
+    HeldMatmulT { w, n: q.n, k: q.k, par_min_macs: k.par_min_macs, few, avx512: k.packed_avx512 }.apply(x)
 }
 
 #[cfg(test)]

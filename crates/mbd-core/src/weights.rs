@@ -512,7 +512,7 @@ impl Weights {
                     .map_err(|err| Error::load(format!("{}: tensor '{name}': {err}", shard.path.display())))?;
                 self.count(q.bytes().len(), e);
                 self.held.borrow_mut().insert(format.name());
-                return Ok(Matrix::Quant(std::sync::Arc::new(q)));
+                return Matrix::quant(q, self.pack);
             }
             // A block format the kernel lacks: dequantized here, then held as q8_0 (or the `quantize` format).
             let t = self.get_matrix(name, shape)?;
@@ -538,7 +538,7 @@ impl Weights {
         let held = t.elem_count() * t.dtype().size_in_bytes();
         self.loaded.set(self.loaded.get() - held.min(self.loaded.get()) + q.bytes().len());
         self.held.borrow_mut().insert(format.name());
-        Ok(Matrix::Quant(std::sync::Arc::new(q)))
+        Matrix::quant(q, self.pack)
     }
 
     /// The shard and entry of tensor `name`, its shape checked.

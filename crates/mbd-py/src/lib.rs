@@ -213,8 +213,8 @@ impl CoreModel {
     /// load options for benchmarks' A/B runs.
     #[staticmethod]
     #[pyo3(signature = (path, device="auto", dtype=None, overrides=None, keep_bf16_weights=true, skinny=true,
-                        par_min_macs=None, max_rows=None, blocked_attention=true, panels=true, packed_weights=true, stack=true,
-                        max_batch=None, max_batch_rows=None, quantize=None, progress=None))]
+                        par_min_macs=None, max_rows=None, blocked_attention=true, panels=true, packed_weights=true,
+                        packed_avx512=true, stack=true, max_batch=None, max_batch_rows=None, quantize=None, progress=None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
         py: Python<'_>,
@@ -229,6 +229,7 @@ impl CoreModel {
         blocked_attention: bool,
         panels: bool,
         packed_weights: bool,
+        packed_avx512: bool,
         stack: bool,
         max_batch: Option<&Bound<'_, PyAny>>,
         max_batch_rows: Option<&Bound<'_, PyAny>>,
@@ -246,6 +247,7 @@ impl CoreModel {
             blocked_attention,
             panels,
             packed_weights,
+            packed_avx512,
             stack,
             ..d
         };

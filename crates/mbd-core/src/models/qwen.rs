@@ -458,7 +458,7 @@ impl QwenModel {
     pub fn table_dtype(&self) -> Option<DType> {
         match &self.embed {
             Matrix::Dense(t) => Some(t.dtype()),
-            Matrix::Packed(p) => Some(if p.is_bf16() { DType::BF16 } else { DType::F32 }),
+            Matrix::Packed(p) => p.dtype(),
             Matrix::Quant(_) => None,
         }
     }
