@@ -33,6 +33,9 @@ pub enum Source<'a> {
 /// Output columns per group of a packed matrix (the register tile's width).
 const GROUP: usize = 16;
 
+/// Values per q8_0 block (one scale each).
+const Q8_BLOCK: usize = 32;
+
 /// A weight matrix (n × k: f32, bf16 or q8_0) packed once at load for the packed product: its rows (output
 /// columns) in groups of `GROUP`, each group k-major (depth p of group g: `GROUP` values at (g · k + p) · `GROUP`),
 /// n padded with zero rows to a whole group. The product then reads W as it streams, with no packing per call, for
@@ -100,8 +103,8 @@ impl PackedMatrix {
         if !Self::available() || m.format != crate::quant::QuantFormat::Q8_0 {
             return Ok(None);
         }
-        let (n, k, rb) = (m.n, m.k, m.row_bytes());
-        let (groups, kb) = (n.div_ceil(GROUP), k / 32);
+        let (n, k, rb, bb) = (m.n, m.k, m.row_bytes(), m.format.block_bytes());
+        let (groups, kb) = (n.div_ceil(GROUP), k / Q8_BLOCK);
         let (mut q, mut d) = (Vec::new(), Vec::new());
         if q.try_reserve_exact(groups * GROUP * k).is_err() || d.try_reserve_exact(groups * GROUP * kb).is_err() {
             candle_core::bail!("cannot allocate the packed copy of a {n}x{k} q8_0 matrix");
@@ -113,10 +116,10 @@ impl PackedMatrix {
             |(g, (q, d))| {
                 for c in 0..GROUP.min(n - g * GROUP) {
                     let row = &bytes[(g * GROUP + c) * rb..(g * GROUP + c + 1) * rb];
-                    for (b, block) in row.chunks_exact(34).enumerate() {
+                    for (b, block) in row.chunks_exact(bb).enumerate() {
                         d[b * GROUP + c] = u16::from_le_bytes([block[0], block[1]]);
                         for (i, &v) in block[2..].iter().enumerate() {
-                            q[(b * 32 + i) * GROUP + c] = v as i8;
+                            q[(b * Q8_BLOCK + i) * GROUP + c] = v as i8;
                         }
                     }
                 }
@@ -196,9 +199,9 @@ impl PackedMatrix {
                     }
                 }
                 PackedData::Q8 { q, d } => {
-                    let sb = g * GROUP * (k / 32);
+                    let sb = g * GROUP * (k / Q8_BLOCK);
                     for (p, o) in out.iter_mut().enumerate() {
-                        let scale = half::f16::from_bits(d[sb + p / 32 * GROUP + c]).to_f32();
+                        let scale = half::f16::from_bits(d[sb + p / Q8_BLOCK * GROUP + c]).to_f32();
                         *o = q[base + p * GROUP + c] as f32 * scale;
                     }
                 }
@@ -598,7 +601,7 @@ mod packed {
                     PackedData::F32(d) => columns_packed::<T, f32>(t, &d[lo..hi], &[]),
                     PackedData::Bf16(d) => columns_packed::<T, u16>(t, &d[lo..hi], &[]),
                     PackedData::Q8 { q, d } => {
-                        let kb = k / 32;
+                        let kb = k / super::Q8_BLOCK;
                         columns_packed::<T, i8>(t, &q[lo..hi], &d[j0 * kb..(j0 + nt).div_ceil(NR) * NR * kb])
                     }
                 }
@@ -1026,7 +1029,7 @@ mod packed {
 
     impl Panel for i8 {
         const SLOTS: Option<[u32; NR]> = None;
-        const BLOCK: usize = 32;
+        const BLOCK: usize = super::Q8_BLOCK;
         #[inline(always)]
         unsafe fn scales(s: *const u16) -> (__m256, __m256) {
             (
