@@ -2,8 +2,8 @@
 computation: a W-token window over a P-token KV cache, logits for every window row, same thread count), and
 mbd-rs with its skinny kernel switched off (candle's matmul everywhere) as an A/B of that kernel, and mbd-rs with
 its many-row panel products switched off (long windows through candle's matmul, a bf16 matrix widened whole per
-call) as an A/B of those, and with its blocked attention switched off (candle's ops) as an A/B of that (--engines
-picks the columns). The columns alternate over --rounds rounds (the machine is shared and noisy); each number is
+call) as an A/B of those, and with its blocked attention switched off (candle's ops) as an A/B of that, and with
+the packed product's AVX2 tiles on an AVX-512 CPU (avx512_off) (--engines picks the columns). The columns alternate over --rounds rounds (the machine is shared and noisy); each number is
 the median of all repetitions. A case P:W:last asks for the last row's logits only (a prefill that goes on to
 decode; PyTorch: logits_to_keep=1), P:W for every row's.
 
@@ -32,7 +32,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--cases", default="512:32,512:4,2048:32,0:32")
     ap.add_argument("--engines", default="mbd_rs,panels_off,gemm_only,blocked_off",
-                    help="mbd-rs columns to run (mbd_rs, panels_off, gemm_only, blocked_off)")
+                    help="mbd-rs columns to run (mbd_rs, panels_off, gemm_only, blocked_off, avx512_off)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benches", "compare_forward.json"))
     args = ap.parse_args()
     threads = os.cpu_count()
@@ -45,6 +45,8 @@ def main():
         "gemm_only": dict(skinny=False, panels=False, keep_bf16_weights=False),
         # long windows' attention through candle's ops (materialised scores, host mask, softmax, matmul)
         "blocked_off": dict(blocked_attention=False),
+        # the packed product's AVX2 tiles where the CPU has AVX-512 (the same bits)
+        "avx512_off": dict(packed_avx512=False),
     }
     engines = {name: mbd_rs.Engine.load(args.model, device="cpu", _kernels=kernels[name])
                for name in args.engines.split(",")}
