@@ -5,8 +5,9 @@ nsys is not on the GPU machine; PyTorch's profiler is, and its CUPTI activity tr
 process launches, including candle's and cuBLAS's launched by mbd-rs through the driver API. For each window size
 (--cases P:W, the SDAR-1.7B shape of speed.py, random bf16 weights): the wall time of one forward (under the
 profiler), the number of kernels it launches, the summed kernel time (GPU busy time; wall minus busy is time the
-GPU waited for the host), and the kernels that cost most. `--configs stacked,separate`: the same for each load
-configuration (`separate`: one product per q/k/v and gate/up layer instead of the stacked default). Writes one
+GPU waited for the host), and the kernels that cost most. `--configs fused,candle`: the same for each load
+configuration (`fused` = `stacked` = the default; `candle`: candle's ops in place of mbd-rs's CUDA kernels;
+`separate`: one product per q/k/v and gate/up layer instead of the stacked one). Writes one
 JSON (--out) and prints a short table.
 """
 import argparse
@@ -25,7 +26,7 @@ import speed  # noqa: E402  (same checkpoint maker)
 import mbd_rs  # noqa: E402
 
 # load configurations (`Engine.load(..., _kernels=...)`)
-CONFIGS = {"stacked": {}, "separate": dict(stack=False)}
+CONFIGS = {"fused": {}, "candle": dict(cuda_fused=False), "stacked": {}, "separate": dict(stack=False)}
 
 
 def main():
@@ -35,7 +36,7 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dir", default="/tmp/mbd-gpu")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_profile.json"))
-    ap.add_argument("--configs", default="stacked", help="comma-separated: " + ", ".join(CONFIGS))
+    ap.add_argument("--configs", default="fused", help="comma-separated: " + ", ".join(CONFIGS))
     args = ap.parse_args()
     dev = torch.device("cuda")
     path = os.path.join(args.dir, args.shape)

@@ -8,6 +8,11 @@
    script): our bfloat16 logits against its bfloat16 logits.
 3. Greedy decoding: the same requests on the device in float32 and on the CPU in float32 give the same tokens (the
    embedded mbd-tiny model's tasks and the fixtures' models on random prompts).
+4. Long windows over long caches at head_dim 128 (the fixtures' heads are 16-32 wide): a random 2-layer Qwen3 with
+   16 query heads of 128 and 8 kv heads, f32 on the device, windows of 1 / 32 / 64 rows over 512 / 2048 cached
+   positions (`logits(prefix_len=P)`), against transformers f32 on the same device with the same 4-D mask: this
+   covers mbd-rs's CUDA attention kernels (split over key chunks) and, for the largest window, candle's matmuls
+   over the fused kernels' q/k/v (`cuda::fused_attention`).
 Errors are ‖ours − reference‖ / ‖reference‖ over all logits of a case (the bounded number); the largest
 element-wise difference over the largest reference logit (max-rel, set by one outlier position) and the share
 of positions whose arg-max agrees are reported beside it.
@@ -26,7 +31,10 @@ import mbd_rs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PARITY = os.path.join(ROOT, "tests", "fixtures", "parity")
-BOUNDS = {"float32": 1e-3, "bfloat16": 2e-2, "cache_float32": 1e-4, "cache_bfloat16": 2e-2, "hf_bfloat16": 2e-2}
+BOUNDS = {"float32": 1e-3, "bfloat16": 2e-2, "cache_float32": 1e-4, "cache_bfloat16": 2e-2, "hf_bfloat16": 2e-2,
+          "long_float32": 1e-3}
+# (attention, block size, cached positions, window rows)
+LONG_CASES = [("causal", 1, 512, 1), ("block_causal", 32, 2048, 32), ("block_causal", 32, 2048, 64)]
 TASKS = ["sort 7 2 9 4 1", "reverse a b c d", "repeat ab 3", "add 12+30", "sort 5 3 8 1 9 2", "hello Ada"]
 PREFIX_CASES = [("causal", 1, "absolute", None, 7), ("block_causal", 4, "absolute", None, 8),
                 ("block_causal", 4, "prompt", 6, 14)]
@@ -137,6 +145,9 @@ def main():
                   f"  (transformers bf16 vs f32: {r['hf_bf16_vs_f32_causal']:.2e}, max-rel "
                   f"{r['hf_bf16_vs_f32_causal_max_rel']:.2e})", flush=True)
 
+    if not args.no_hf:
+        long_windows(args, report, check, fixture_script())
+
     # Greedy: device f32 against CPU f32, token for token.
     pairs = [("mbd-tiny", None, [{"chat": t} for t in TASKS])]
     rng = np.random.default_rng(0)
@@ -170,6 +181,42 @@ def main():
     for line in failures[:20]:
         print("  " + line)
     return 1 if failures else 0
+
+
+def long_windows(args, report, check, fx):
+    import shutil
+
+    import torch
+    import transformers
+
+    dev = torch.device(args.device)
+    cfg = transformers.Qwen3Config(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                                   max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6,
+                                   tie_word_embeddings=True, attn_implementation="eager")
+    gen = torch.Generator().manual_seed(7)
+    hf = transformers.Qwen3ForCausalLM(cfg).eval()
+    fx.scale_weights(hf, gen)
+    path = "/tmp/mbd-gpu-long"
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    hf.save_pretrained(path, safe_serialization=True)
+    shutil.copy(os.path.join(PARITY, "qwen2_gqa_tied", "tokenizer.json"), path)
+    hf = hf.to(dev)
+    eng = mbd_rs.Engine.load(path, device=args.device, dtype="float32")
+    n = max(p + w for _, _, p, w in LONG_CASES)
+    ids = torch.randint(0, 300, (n,), generator=gen)
+    report["long"] = {}
+    for attention, b, p, w in LONG_CASES:
+        blk = torch.tensor([fx.block_of(i, attention, b, "absolute", 0) for i in range(p + w)])
+        mask = torch.where(blk[None, :] <= blk[:, None], 0.0, torch.finfo(torch.float32).min)[None, None]
+        with torch.no_grad():
+            ref = hf(ids[None, :p + w].to(dev), attention_mask=mask.to(dev)).logits[0, p:].float().cpu().numpy()
+        got = eng.logits(ids[:p + w].tolist(), prefix_len=p, attention=attention, block_size=b)[p:]
+        key = f"{attention}{b}_P{p}_W{w}"
+        report["long"][key] = err = rel_err(got, ref)
+        check("long_float32", key, err)
+        print(f"long window {key:28s} device f32 vs transformers f32 {err:.2e} (top-1 {top1(got, ref):.3f})", flush=True)
 
 
 if __name__ == "__main__":

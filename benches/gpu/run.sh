@@ -8,10 +8,11 @@
 #            core loaded (not the CPU fallback) and that a CUDA device answers
 #   parity   benches/gpu/parity.py: fixtures f32/bf16 vs transformers f32, through the cache, vs transformers bf16
 #            live on the GPU, greedy tokens GPU f32 == CPU f32; plus tests/test_packaging.py
-#   speed    benches/gpu/speed.py --shape sdar-1.7b --e2e: one forward vs the bandwidth floor and PyTorch eager,
-#            end-to-end tokens/s, 1/8/32 streams
+#   speed    benches/gpu/speed.py --shape sdar-1.7b --e2e --ab: one forward vs the bandwidth floor, PyTorch eager
+#            and candle's ops in place of mbd-rs's CUDA kernels, end-to-end tokens/s, 1/8/32 streams
 #   speed8b  the Qwen3-8B shape (SDAR-8B / TraDo-8B), one forward
-#   profile  benches/gpu/kernels.py: kernels per forward, GPU busy time vs wall time, the costliest kernels
+#   profile  benches/gpu/kernels.py: kernels per forward, GPU busy time vs wall time, the costliest kernels, with
+#            mbd-rs's CUDA kernels and with candle's ops
 #   batching tests/test_batching.py on the GPU (device "auto" is CUDA there, bf16): do concurrent streams, batched
 #            into shared forwards, still give their lone outputs token for token?
 # Everything goes to $OUT (default ./gpu_out): JSON per stage, logs, nvidia-smi.
@@ -48,15 +49,15 @@ for stage in $stages; do
       (cd /tmp && "$PY" -m pytest -q -p no:cacheprovider "$OLDPWD/tests/test_packaging.py" 2>&1 | tail -3) | tee -a "$OUT/parity.log" ;;
     speed)
       install > /dev/null
-      "$PY" benches/gpu/speed.py --shape sdar-1.7b --e2e --out "$OUT/gpu_speed_sdar-1.7b.json" 2>&1 \
+      "$PY" benches/gpu/speed.py --shape sdar-1.7b --e2e --ab --out "$OUT/gpu_speed_sdar-1.7b.json" 2>&1 \
         | grep -v "Loading weights" | tee "$OUT/speed.log" ;;
     speed8b)
       install > /dev/null
-      "$PY" benches/gpu/speed.py --shape qwen3-8b --cases 512:1,512:32,2048:1,2048:32 --rounds 1 \
+      "$PY" benches/gpu/speed.py --shape qwen3-8b --cases 512:1,512:32,2048:1,2048:32 --rounds 1 --ab \
         --out "$OUT/gpu_speed_qwen3-8b.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/speed8b.log" ;;
     profile)
       install > /dev/null
-      "$PY" benches/gpu/kernels.py --configs stacked,separate --out "$OUT/gpu_profile.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/profile.log" ;;
+      "$PY" benches/gpu/kernels.py --configs fused,candle --out "$OUT/gpu_profile.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/profile.log" ;;
     batching)
       install > /dev/null
       (cd /tmp && "$PY" -m pytest -q -p no:cacheprovider -rf --tb=line "$OLDPWD/tests/test_batching.py" 2>&1 | tail -25) \

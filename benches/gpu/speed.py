@@ -9,6 +9,8 @@ SDAR-8B / TraDo-8B shape). Then, side by side in one process, interleaved over -
 - the floor: the weight bytes over the device's copy bandwidth (a large device-to-device copy, read + write bytes);
 - end to end: tokens/s and forwards of one generation (multi-block, and block size 1 = AR), and the throughput of
   1 / 8 / 32 concurrent streams sharing forwards (continuous batching).
+`--ab`: a second engine on the same checkpoint with candle's ops in place of mbd-rs's CUDA kernels
+(`_kernels=dict(cuda_fused=False)`), timed in the same rounds (columns candle_ops_ms and fused/candle).
 Writes one JSON (--out).
 """
 import argparse
@@ -122,6 +124,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--e2e", action="store_true", help="also end-to-end generation and 1/8/32 concurrent streams")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--ab", action="store_true", help="also time candle's ops (cuda_fused=False) side by side")
     args = ap.parse_args()
     out = args.out or os.path.join(os.environ.get("OUT", "."), f"gpu_speed_{args.shape}.json")
     dev = torch.device(args.device)
@@ -131,6 +134,9 @@ def main():
     hf = make_checkpoint(args.shape, path, dev, dtype)
     made = time.time() - t0
     eng = mbd_rs.Engine.load(path, device=args.device)
+    engines = {"mbd_rs": eng}
+    if args.ab:
+        engines["candle_ops"] = mbd_rs.Engine.load(path, device=args.device, _kernels=dict(cuda_fused=False))
     info = eng.info
     report = {"device": args.device, "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
               "shape": args.shape, "params": info.num_parameters, "weight_bytes": info.weight_bytes,
@@ -143,31 +149,40 @@ def main():
           f"{info.dtype}; copy bandwidth {bw / 1e9:.0f} GB/s -> floor {floor_ms:.2f} ms", flush=True)
     for case in args.cases.split(","):
         p, w = map(int, case.split(":"))
-        ours, theirs = [], []
+        times = {k: [] for k in engines}
+        theirs = []
         for _ in range(args.rounds):
-            ours += eng._core.bench_forward(p, w, args.reps + 1)[1:]
+            for k, e in engines.items():
+                times[k] += e._core.bench_forward(p, w, args.reps + 1)[1:]
             theirs += torch_forward_ms(hf, dev, p, w, args.reps)
-        o, t = 1e3 * statistics.median(ours), 1e3 * statistics.median(theirs)
+        o, t = 1e3 * statistics.median(times["mbd_rs"]), 1e3 * statistics.median(theirs)
         row = dict(prefix=p, window=w, mbd_rs_ms=round(o, 3), torch_eager_ms=round(t, 3),
                    vs_floor=round(o / floor_ms, 2), vs_torch=round(o / t, 3))
+        extra = ""
+        if "candle_ops" in times:
+            c = 1e3 * statistics.median(times["candle_ops"])
+            row.update(candle_ops_ms=round(c, 3), fused_vs_candle=round(o / c, 3))
+            extra = f"  candle ops {c:8.2f} ms  fused/candle {o / c:.2f}"
         report["forward"].append(row)
         print(f"P {p:5d} W {w:3d}: mbd-rs {o:8.2f} ms ({o / floor_ms:5.2f}x floor)  torch eager {t:8.2f} ms  "
-              f"mbd-rs/torch {o / t:.2f}", flush=True)
+              f"mbd-rs/torch {o / t:.2f}{extra}", flush=True)
     if args.e2e:
         prompt = np.random.default_rng(1).integers(0, 150000, 64).tolist()
-        for label, kw in (("multi-block", {}), ("ar (block size 1)", {"block_size": 1})):
-            eng.generate(prompt, max_tokens=16, temperature=0.0, early_stop=False, **kw)  # warm-up
-            c = eng.generate(prompt, max_tokens=256, temperature=0.0, early_stop=False, **kw)
-            u = c.usage
-            row = dict(mode=label, tokens=u.completion_tokens, forwards=u.forward_passes,
-                       tokens_per_s=round(u.tokens_per_second, 1), decode_ms=round(u.decode_ms, 1))
-            report["e2e"].append(row)
-            print(f"e2e {label:18s}: {row}", flush=True)
+        for name, e in engines.items():
+            for label, kw in (("multi-block", {}), ("ar (block size 1)", {"block_size": 1})):
+                e.generate(prompt, max_tokens=16, temperature=0.0, early_stop=False, **kw)  # warm-up
+                c = e.generate(prompt, max_tokens=256, temperature=0.0, early_stop=False, **kw)
+                u = c.usage
+                row = dict(engine=name, mode=label, tokens=u.completion_tokens, forwards=u.forward_passes,
+                           tokens_per_s=round(u.tokens_per_second, 1), decode_ms=round(u.decode_ms, 1))
+                report["e2e"].append(row)
+                print(f"e2e {name} {label:18s}: {row}", flush=True)
         report["streams"] = []
         for k in (1, 8, 32):
-            row = streams_throughput(eng, k, 128, 150000)
-            report["streams"].append(row)
-            print(f"streams {k:2d}: {row}", flush=True)
+            for name, e in engines.items():
+                row = dict(engine=name, **streams_throughput(e, k, 128, 150000))
+                report["streams"].append(row)
+                print(f"streams {k:2d}: {row}", flush=True)
     report["seconds"] = round(time.time() - t0, 1)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:

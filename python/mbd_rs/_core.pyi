@@ -20,7 +20,7 @@ class CoreModel:
              overrides: Optional[Mapping[str, Any]] = None, keep_bf16_weights: bool = True, skinny: bool = True,
              par_min_macs: Optional[int] = None, max_rows: Optional[int] = None, blocked_attention: bool = True,
              panels: bool = True, packed_weights: bool = True, packed_avx512: bool = True,
-             stack: bool = True, max_batch: Optional[int] = None,
+             stack: bool = True, cuda_fused: bool = True, max_batch: Optional[int] = None,
              max_batch_rows: Optional[int] = None, quantize: Optional[str] = None,
              progress: Optional[Callable[[int, int], None]] = None) -> "CoreModel": ...
     def batch_limits(self) -> Tuple[int, int]: ...

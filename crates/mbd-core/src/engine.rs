@@ -82,7 +82,7 @@ pub fn parse_device(s: &str) -> Result<Device> {
         "auto" => {
             if candle_core::utils::cuda_is_available() {
                 if let Ok(d) = Device::new_cuda(0) {
-                    return Ok(d);
+                    return Ok(single_stream(d));
                 }
             }
             if candle_core::utils::metal_is_available() {
@@ -99,6 +99,7 @@ pub fn parse_device(s: &str) -> Result<Device> {
                 ));
             }
             Device::new_cuda(ordinal)
+                .map(single_stream)
                 .map_err(|e| Error::Unsupported(format!("device '{s}': no usable CUDA device or driver: {e}")))
         }
         "metal" => {
@@ -110,6 +111,18 @@ pub fn parse_device(s: &str) -> Result<Device> {
         }
         _ => Err(Error::invalid(format!("device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'metal', got '{s}'"))),
     }
+}
+
+/// A CUDA device whose tensors skip cudarc's per-allocation events. cudarc records them only once its context has
+/// streams of its own (`new_stream`), which candle's device and this engine never create; until then it still
+/// creates two events per allocation and destroys them at the free: four driver calls per op's output, unused.
+fn single_stream(d: Device) -> Device {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(c) = &d {
+        // SAFETY: no stream is created on this context, so the events would never be recorded or waited on.
+        unsafe { c.disable_event_tracking() };
+    }
+    d
 }
 
 pub fn device_name(d: &Device) -> String {

@@ -38,6 +38,7 @@ pub mod attention;
 pub mod chat;
 pub mod config;
 pub mod cpu_pool;
+pub mod cuda;
 pub mod decoder;
 pub mod gguf;
 pub mod kv_cache;

@@ -58,6 +58,10 @@ pub struct Kernels {
     /// Linear layers of one input held as one matrix (q/k/v, gate/up: `models::qwen::Stacked`), one product
     /// instead of several. false: each its own product (the same bits; for A/B runs).
     pub stack: bool,
+    /// On CUDA, mbd-rs's own kernels (`cuda`): a window's q/k norms, RoPE and K/V cache write in one launch,
+    /// its attention in two (f32 scores, key ranges from the mask spec, no score matrix), silu·mul in one.
+    /// false: candle's ops (for A/B runs).
+    pub cuda_fused: bool,
 }
 
 impl Default for Kernels {
@@ -72,6 +76,7 @@ impl Default for Kernels {
             packed_weights: true,
             packed_avx512: true,
             stack: true,
+            cuda_fused: true,
         }
     }
 }

@@ -214,7 +214,7 @@ impl CoreModel {
     #[staticmethod]
     #[pyo3(signature = (path, device="auto", dtype=None, overrides=None, keep_bf16_weights=true, skinny=true,
                         par_min_macs=None, max_rows=None, blocked_attention=true, panels=true, packed_weights=true,
-                        packed_avx512=true, stack=true, max_batch=None, max_batch_rows=None, quantize=None, progress=None))]
+                        packed_avx512=true, stack=true, cuda_fused=true, max_batch=None, max_batch_rows=None, quantize=None, progress=None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
         py: Python<'_>,
@@ -231,6 +231,7 @@ impl CoreModel {
         packed_weights: bool,
         packed_avx512: bool,
         stack: bool,
+        cuda_fused: bool,
         max_batch: Option<&Bound<'_, PyAny>>,
         max_batch_rows: Option<&Bound<'_, PyAny>>,
         quantize: Option<String>,
@@ -249,6 +250,7 @@ impl CoreModel {
             packed_weights,
             packed_avx512,
             stack,
+            cuda_fused,
             ..d
         };
         let limits = batch_limits(BatchLimits::default(), max_batch, max_batch_rows)?;

@@ -95,6 +95,16 @@ impl RmsNorm {
         let x = if x.is_contiguous() { x.clone() } else { x.contiguous()? };
         Ok(candle_nn::ops::rms_norm(&x, &self.w, self.eps)?)
     }
+    /// (x + a, this norm of it): the residual add and the norm after it, in one launch where `fused`
+    /// (`cuda::add_rms_norm`, on CUDA), else candle's add and `forward`.
+    fn add_forward(&self, x: &Tensor, a: &Tensor, fused: bool) -> Result<(Tensor, Tensor)> {
+        if fused && x.is_contiguous() && a.is_contiguous() {
+            return crate::cuda::add_rms_norm(x, a, &self.w, self.eps);
+        }
+        let s = (x + a)?;
+        let h = self.forward(&s)?;
+        Ok((s, h))
+    }
 }
 
 struct Mlp {
@@ -128,16 +138,19 @@ impl Mlp {
             return Ok(Tensor::cat(&parts, 0)?);
         }
         let gu = self.gate_up.forward(x, k, few)?;
-        self.down.forward(&silu_mul(&gu)?, k, few)
+        self.down.forward(&silu_mul(&gu, k)?, k, few)
     }
 }
 
 /// silu(g) · u, the MLP's gate, from `gu` = (rows, 2I): g its first I columns, u the last I. On the CPU one pass
 /// over f32 rows, in parallel for long windows (candle's unary and binary maps run on one thread and allocate
-/// twice); the same formula as candle's silu, so the same bits.
-fn silu_mul(gu: &Tensor) -> Result<Tensor> {
+/// twice); the same formula as candle's silu, so the same bits. On CUDA one launch (`cuda::silu_mul`, in f32).
+fn silu_mul(gu: &Tensor, k: &Kernels) -> Result<Tensor> {
     if gu.device().is_cpu() && gu.dtype() == DType::F32 {
         return Ok(gu.contiguous()?.apply_op1_no_bwd(&SiluMul)?);
+    }
+    if k.cuda_fused && crate::cuda::available(gu.device(), gu.dtype(), 1, 1, 32) {
+        return crate::cuda::silu_mul(gu);
     }
     let i = gu.dim(1)? / 2;
     Ok((gu.narrow(1, 0, i)?.silu()? * gu.narrow(1, i, i)?)?)
@@ -538,40 +551,59 @@ impl QwenModel {
             ids.extend_from_slice(segs[i].ids);
             pos.extend(segs[i].positions.iter().map(|&x| x as f32));
         }
-        // RoPE tables in f32 for every row's position, cast to the compute dtype afterwards.
-        let freqs = Tensor::from_vec(pos, (total, 1), dev)?.broadcast_mul(&self.inv_freq)?;
-        let cos = freqs.cos()?.to_dtype(self.dtype)?;
-        let sin = freqs.sin()?.to_dtype(self.dtype)?;
-        let mut masks = Vec::with_capacity(segs.len());
         let (heads, kv_heads, head_dim) =
             (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim);
-        let blocked = kn.blocked_attention
+        // every segment of a forward takes the same attention path
+        let path = if kn.blocked_attention
             && dev.is_cpu()
             && self.dtype == DType::F32
-            && crate::attention::available(heads, kv_heads, head_dim);
+            && crate::attention::available(heads, kv_heads, head_dim)
+        {
+            AttnPath::Blocked
+        } else if kn.cuda_fused && crate::cuda::available(dev, self.dtype, heads, kv_heads, head_dim) {
+            AttnPath::Fused
+        } else {
+            AttnPath::Candle
+        };
+        // RoPE tables in f32 for every row's position; candle's rope takes them cast to the compute dtype.
+        let freqs = Tensor::from_vec(pos, (total, 1), dev)?.broadcast_mul(&self.inv_freq)?;
+        let (cos, sin) = match path {
+            AttnPath::Fused => (freqs.cos()?, freqs.sin()?),
+            _ => (freqs.cos()?.to_dtype(self.dtype)?, freqs.sin()?.to_dtype(self.dtype)?),
+        };
+        let mut masks = Vec::with_capacity(segs.len());
         for s in segs.iter_mut() {
             s.cache.begin_window(s.ids.len())?;
             masks.push(QueryChunks::new(
                 s.mask.clone(),
                 s.cache.len(),
                 s.positions.clone(),
-                heads,
+                (heads, head_dim),
                 kn.attention_score_bytes,
-                blocked,
+                path,
                 dev,
             )?);
         }
         let mut x = self.embed.rows(&ids, dev)?.to_dtype(self.dtype)?;
+        // each residual add and the norm after it: one launch on CUDA with mbd-rs's kernels
+        let fused_norms = kn.cuda_fused && crate::cuda::available(dev, self.dtype, 1, 1, 32);
+        let mut hn = self.layers.first().map(|l| l.ln1.forward(&x)).transpose()?;
         for (li, layer) in self.layers.iter().enumerate() {
-            let hn = layer.ln1.forward(&x)?;
-            let a = layer.attn.forward(&hn, &cos, &sin, segs, &spans, &order, &masks, li, &groups, kn)?;
-            x = (x + a)?;
-            let hn = layer.ln2.forward(&x)?;
+            let h = hn.take().expect("the layer's normed input");
+            let a = layer.attn.forward(&h, &cos, &sin, segs, &spans, &order, &masks, li, &groups, kn)?;
+            let (x2, h) = layer.ln2.add_forward(&x, &a, fused_norms)?;
             let f = match &layer.ffn {
-                Ffn::Dense(m) => groups.apply(&hn, |x, few| m.forward(x, kn, few))?,
-                Ffn::Sparse(m) => m.forward(&hn, kn, &groups)?,
+                Ffn::Dense(m) => groups.apply(&h, |x, few| m.forward(x, kn, few))?,
+                Ffn::Sparse(m) => m.forward(&h, kn, &groups)?,
             };
-            x = (x + f)?;
+            x = match self.layers.get(li + 1) {
+                Some(next) => {
+                    let (x3, h) = next.ln1.add_forward(&x2, &f, fused_norms)?;
+                    hn = Some(h);
+                    x3
+                }
+                None => (x2 + f)?,
+            };
         }
         // the logits rows, stacked the same way (cut by each segment's own count of logits rows)
         let (lm_order, lm_spans, lm_groups) = Groups::stack(&segs.iter().map(|s| s.rows.len()).collect::<Vec<_>>(), kn);
@@ -699,10 +731,26 @@ const LARGE_WINDOW: usize = 4096;
 
 /// The query chunks of one segment and their additive masks: one chunk (the mask built once) unless the scores
 /// of the whole window exceed `Kernels::attention_score_bytes`, then chunks whose masks are built when used.
+/// Where a forward's attention runs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum AttnPath {
+    /// candle's ops: scores per query chunk, an additive mask, softmax, a second matmul.
+    Candle,
+    /// `attention::attend`, the blocked CPU kernel (f32 on x86-64 with AVX2 and FMA).
+    Blocked,
+    /// `cuda::prep` and `cuda::attend`, mbd-rs's CUDA kernels.
+    Fused,
+}
+
 struct QueryChunks {
     /// Per row, the key ranges it sees, when this segment's attention runs in `attention::attend` (the blocked
     /// CPU kernel); then no mask is built.
     visible: Option<Vec<Vec<std::ops::Range<usize>>>>,
+    /// Whether the forward runs `cuda::prep` (q/k norms, RoPE, the K/V write) for every segment.
+    prep: bool,
+    /// The segment's key ranges on the device in `cuda::ranges_layout`, when its attention runs in `cuda::attend`
+    /// (`cuda::fused_attention`); a segment of a `prep` forward without them takes candle's matmuls and masks.
+    ranges: Option<Tensor>,
     spec: MaskSpec,
     positions: Vec<usize>,
     p: usize,
@@ -713,23 +761,33 @@ struct QueryChunks {
 }
 
 impl QueryChunks {
-    /// `blocked`: the segment's attention runs in `attention::attend` (decided per model: every segment of a
-    /// forward the same way); else in candle's ops.
+    /// `path`: where the segment's attention runs (decided per forward: every segment the same way).
     fn new(
         spec: MaskSpec,
         p: usize,
         positions: Vec<usize>,
-        heads: usize,
+        (heads, head_dim): (usize, usize),
         score_bytes: usize,
-        blocked: bool,
+        path: AttnPath,
         device: &Device,
     ) -> Result<Self> {
         let w = positions.len();
         let s = p + w;
         let rows = (score_bytes / (4 * heads * s).max(1)).clamp(1, w);
-        let visible = blocked.then(|| spec.visible(p, &positions));
-        let mut c = QueryChunks { visible, spec, positions, p, w, rows, whole: None, device: device.clone() };
-        if rows == w && c.visible.is_none() {
+        let (mut visible, mut ranges) = (None, None);
+        match path {
+            AttnPath::Blocked => visible = Some(spec.visible(p, &positions)),
+            AttnPath::Fused if crate::cuda::fused_attention(w, s, heads, head_dim) => {
+                let r = crate::cuda::ranges_layout(&spec.visible(p, &positions))?;
+                let n = r.len();
+                ranges = Some(Tensor::from_vec(r, n, device)?);
+            }
+            AttnPath::Fused | AttnPath::Candle => {}
+        }
+        let prep = path == AttnPath::Fused;
+        let mut c =
+            QueryChunks { visible, prep, ranges, spec, positions, p, w, rows, whole: None, device: device.clone() };
+        if rows == w && c.visible.is_none() && c.ranges.is_none() {
             c.whole = c.mask(0, w)?;
         }
         Ok(c)
@@ -772,6 +830,36 @@ impl Attention {
         let r = x.dim(0)?;
         let (nh, nkv, d) = (self.n_heads, self.n_kv, self.head_dim);
         let qkv = groups.apply(x, |x, few| self.qkv.forward(x, kn, few))?.reshape((r, nh + 2 * nkv, d))?;
+        let scale = 1.0 / (d as f64).sqrt();
+        if masks.first().is_some_and(|m| m.prep) {
+            // mbd-rs's CUDA kernels: per segment, q/k norms + RoPE + the K/V cache write in one launch, attention
+            // over the segment's key ranges in two (or candle's matmuls for a long window over a long cache)
+            let qkv = qkv.contiguous()?;
+            let eps = self.q_norm.as_ref().or(self.k_norm.as_ref()).map_or(0.0, |n| n.eps);
+            let norms = (self.q_norm.as_ref().map(|n| &n.w), self.k_norm.as_ref().map(|n| &n.w), eps);
+            let mut ys = Vec::with_capacity(order.len());
+            for &i in order {
+                let (o, w) = spans[i];
+                let cache = &*segs[i].cache;
+                let p = cache.len();
+                let kv = cache.layer(layer);
+                let q = crate::cuda::prep(&qkv, cos, sin, norms, (o, w), (nh, nkv), kv, p)?;
+                ys.push(match &masks[i].ranges {
+                    Some(ranges) => crate::cuda::attend(&q, kv, ranges, nkv, p + w, scale as f32)?,
+                    None => {
+                        let (kk, vv) = (kv.0.narrow(1, 0, p + w)?, kv.1.narrow(1, 0, p + w)?);
+                        let qh = q.transpose(0, 1)?.contiguous()?;
+                        let mut parts = Vec::new();
+                        candle_attention(&qh, &kk, &vv, &masks[i], nkv, scale, &mut parts)?;
+                        let y =
+                            if parts.len() == 1 { parts.pop().expect("one chunk") } else { Tensor::cat(&parts, 1)? };
+                        y.transpose(0, 1)?.reshape((w, nh * d))?
+                    }
+                });
+            }
+            let y = if ys.len() == 1 { ys.pop().expect("one segment") } else { Tensor::cat(&ys, 0)? };
+            return groups.apply(&y, |y, few| self.o.forward(y, kn, few));
+        }
         let q = qkv.narrow(1, 0, nh)?;
         let k = qkv.narrow(1, nh, nkv)?;
         let v = qkv.narrow(1, nh + nkv, nkv)?;
@@ -787,8 +875,6 @@ impl Attention {
         let q = candle_nn::rotary_emb::rope(&q.transpose(0, 1)?.contiguous()?.unsqueeze(0)?, cos, sin)?.squeeze(0)?;
         let k = candle_nn::rotary_emb::rope(&k.transpose(0, 1)?.contiguous()?.unsqueeze(0)?, cos, sin)?.squeeze(0)?;
         let v = v.transpose(0, 1)?.contiguous()?;
-        let n_rep = nh / nkv;
-        let scale = 1.0 / (d as f64).sqrt();
         let q = q.to_dtype(DType::F32)?;
         // every segment of a forward takes the same path (`QueryChunks::new`)
         let blocked = masks.first().is_some_and(|m| m.visible.is_some());
@@ -810,16 +896,7 @@ impl Attention {
                 continue; // every segment at once, below
             }
             let qs = if one { q.clone() } else { q.narrow(1, o, w)?.contiguous()? };
-            let s = p + w;
-            let kt = kk.to_dtype(DType::F32)?.t()?;
-            for chunk in masks[i].each() {
-                let (r0, n, mask) = chunk?;
-                let qc = if n == w { qs.clone() } else { qs.narrow(1, r0, n)?.contiguous()? };
-                // GQA without repeating K/V: the n_rep query heads of a group are adjacent, so fold them into rows.
-                let att = qc.reshape((nkv, n_rep * n, d))?.matmul(&kt)?.reshape((nkv, n_rep, n, s))?;
-                let att = crate::attention::scaled_softmax(&att, scale, mask.as_ref())?.to_dtype(vv.dtype())?;
-                ys.push(att.reshape((nkv, n_rep * n, s))?.matmul(&vv)?.reshape((nh, n, d))?);
-            }
+            candle_attention(&qs, &kk, &vv, &masks[i], nkv, scale, &mut ys)?;
         }
         let y = if !blocked {
             let y = if ys.len() == 1 { ys.pop().expect("one chunk") } else { Tensor::cat(&ys, 1)? };
@@ -855,6 +932,31 @@ impl Attention {
     }
 }
 
+/// One segment's attention in candle's ops, query chunk by query chunk: `qs` (heads, w, d) f32 with RoPE, `kk`/`vv`
+/// (kv heads, p + w, d) views of its cache with the window written; pushes each chunk's (heads, rows, d) output.
+fn candle_attention(
+    qs: &Tensor,
+    kk: &Tensor,
+    vv: &Tensor,
+    chunks: &QueryChunks,
+    nkv: usize,
+    scale: f64,
+    out: &mut Vec<Tensor>,
+) -> Result<()> {
+    let (nh, w, d) = qs.dims3()?;
+    let (n_rep, s) = (nh / nkv, kk.dim(1)?);
+    let kt = kk.to_dtype(DType::F32)?.t()?;
+    for chunk in chunks.each() {
+        let (r0, n, mask) = chunk?;
+        let qc = if n == w { qs.clone() } else { qs.narrow(1, r0, n)?.contiguous()? };
+        // GQA without repeating K/V: the n_rep query heads of a group are adjacent, so fold them into rows.
+        let att = qc.reshape((nkv, n_rep * n, d))?.matmul(&kt)?.reshape((nkv, n_rep, n, s))?;
+        let att = crate::attention::scaled_softmax(&att, scale, mask.as_ref())?.to_dtype(vv.dtype())?;
+        out.push(att.reshape((nkv, n_rep * n, s))?.matmul(vv)?.reshape((nh, n, d))?);
+    }
+    Ok(())
+}
+
 /// One model serves every thread: it must stay Send + Sync.
 const _: fn() = || {
     fn f<T: Send + Sync>() {}
@@ -873,9 +975,9 @@ mod tests {
             let u = Tensor::randn(0f32, 1.0, (1100, rows), &Device::Cpu).unwrap().t().unwrap();
             let want = (g.silu().unwrap() * &u).unwrap().to_vec2::<f32>().unwrap();
             let gu = Tensor::cat(&[&g, &u], 1).unwrap();
-            assert_eq!(silu_mul(&gu).unwrap().to_vec2::<f32>().unwrap(), want);
+            assert_eq!(silu_mul(&gu, &Kernels::default()).unwrap().to_vec2::<f32>().unwrap(), want);
             let gu_t = gu.t().unwrap().contiguous().unwrap().t().unwrap();
-            assert_eq!(silu_mul(&gu_t).unwrap().to_vec2::<f32>().unwrap(), want);
+            assert_eq!(silu_mul(&gu_t, &Kernels::default()).unwrap().to_vec2::<f32>().unwrap(), want);
         }
     }
 }

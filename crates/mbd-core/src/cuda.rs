@@ -1,0 +1,384 @@
+//! mbd-rs's own CUDA kernels (`src/cuda/kernels.cu`, built to PTX by build.rs with the `cuda` feature): a decode
+//! window's attention in three launches per segment and layer (`prep`, then `attend`'s two), and `silu_mul` in one,
+//! where candle's ops take about twenty (issue #17: the forward was bound by the host launching ~30 kernels per
+//! layer). `Kernels::cuda_fused` turns them off for A/B runs. Without the `cuda` feature, `available` is false and
+//! nothing else is reachable.
+
+use crate::error::Result;
+use candle_core::{DType, Device, Tensor};
+
+/// Whether the fused kernels run for a model on `dev` computing in `dtype` with this head shape: a CUDA device,
+/// f32 / bf16 / f16, head_dim a multiple of 32 up to 256, query heads a multiple of kv heads.
+pub fn available(dev: &Device, dtype: DType, heads: usize, kv_heads: usize, head_dim: usize) -> bool {
+    cfg!(feature = "cuda")
+        && dev.is_cuda()
+        && matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
+        && head_dim.is_multiple_of(32)
+        && head_dim <= 256
+        && kv_heads > 0
+        && heads.is_multiple_of(kv_heads)
+}
+
+/// Whether a segment's attention runs in `attend` (else in candle's matmuls over `prep`'s output): `attend` reads
+/// every visible key once per (row, head), so its work grows as rows × keys × heads × head_dim, where candle's
+/// tensor-core matmuls cost little more for long windows than for short ones. The bound is where the two met on an
+/// H100 (benches/RESULTS.md, issue #17: SDAR-1.7B shape, 16 heads of 128, fused faster up to W 32 over P 2048,
+/// slower at W 64 over P 2048; Qwen3-8B, 32 heads, slower at W 32 over P 2048). Decided per segment, never per
+/// forward, so a segment computes the same way whatever shares its forward (batch invariance).
+pub fn fused_attention(rows: usize, keys: usize, heads: usize, head_dim: usize) -> bool {
+    rows.saturating_mul(keys).saturating_mul(heads).saturating_mul(head_dim) <= FUSED_ATTENTION_WORK
+}
+
+/// rows × keys × heads × head_dim up to which `attend` runs: 96k row-keys at 16 heads of 128.
+const FUSED_ATTENTION_WORK: usize = 96 * 1024 * 16 * 128;
+
+/// Per window row, the key ranges it sees, in the layout the attention kernel reads: w + 1 offsets into the
+/// (lo, hi) pairs that follow them.
+pub fn ranges_layout(visible: &[Vec<std::ops::Range<usize>>]) -> Result<Vec<u32>> {
+    let pairs: usize = visible.iter().map(|r| r.len()).sum();
+    let mut out = Vec::with_capacity(visible.len() + 1 + 2 * pairs);
+    let mut n = 0usize;
+    for r in visible {
+        out.push(u32::try_from(n).map_err(|_| too_long())?);
+        n += r.len();
+    }
+    out.push(u32::try_from(n).map_err(|_| too_long())?);
+    for r in visible.iter().flatten() {
+        out.push(u32::try_from(r.start).map_err(|_| too_long())?);
+        out.push(u32::try_from(r.end).map_err(|_| too_long())?);
+    }
+    Ok(out)
+}
+
+fn too_long() -> crate::error::Error {
+    crate::error::Error::Internal("a window's key ranges do not fit the CUDA kernel's 32-bit indices".into())
+}
+
+#[cfg(feature = "cuda")]
+pub use imp::{add_rms_norm, attend, prep, silu_mul};
+
+#[cfg(not(feature = "cuda"))]
+pub use off::{add_rms_norm, attend, prep, silu_mul};
+
+/// The signatures without the `cuda` feature (never called: `available` is false).
+#[cfg(not(feature = "cuda"))]
+mod off {
+    use super::*;
+    fn unavailable<T>() -> Result<T> {
+        Err(crate::error::Error::Internal("mbd-rs was built without its CUDA kernels".into()))
+    }
+    #[allow(clippy::too_many_arguments)]
+    pub fn prep(
+        _qkv: &Tensor,
+        _cos: &Tensor,
+        _sin: &Tensor,
+        _norms: (Option<&Tensor>, Option<&Tensor>, f32),
+        _rows: (usize, usize),
+        _heads: (usize, usize),
+        _cache: (&Tensor, &Tensor),
+        _p: usize,
+    ) -> Result<Tensor> {
+        unavailable()
+    }
+    pub fn attend(
+        _q: &Tensor,
+        _cache: (&Tensor, &Tensor),
+        _ranges: &Tensor,
+        _kv_heads: usize,
+        _keys: usize,
+        _scale: f32,
+    ) -> Result<Tensor> {
+        unavailable()
+    }
+    pub fn silu_mul(_gu: &Tensor) -> Result<Tensor> {
+        unavailable()
+    }
+    pub fn add_rms_norm(_x: &Tensor, _a: &Tensor, _w: &Tensor, _eps: f32) -> Result<(Tensor, Tensor)> {
+        unavailable()
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use super::*;
+    use crate::error::Error;
+    use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::{CudaDevice, CudaStorage, CudaStorageSlice, WrapErr};
+    use candle_core::Storage;
+
+    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/mbd_kernels.ptx"));
+    const MODULE: &str = "mbd_kernels";
+    /// Threads of an attention block and keys per tile (kernels.cu's THREADS / TILE).
+    const THREADS: usize = 128;
+    /// Threads of an add + RMSNorm block (kernels.cu's ADD_THREADS).
+    const ADD_THREADS: usize = 256;
+    /// Blocks an attention launch aims for (two waves of an H100's 132 multiprocessors): a window of few rows is
+    /// split over key chunks until it has about this many.
+    const TARGET_BLOCKS: usize = 264;
+
+    fn suffix(dtype: DType) -> Result<&'static str> {
+        Ok(match dtype {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            d => return Err(Error::Internal(format!("the CUDA kernels do not take {d:?}"))),
+        })
+    }
+
+    /// The device address of a CUDA tensor's first element, and its device. The memory stays the tensor's: the
+    /// launches that use the address are queued on the device's one stream, before any later free.
+    fn ptr(t: &Tensor, align: usize) -> Result<(u64, CudaDevice)> {
+        let (st, l) = t.storage_and_layout();
+        let Storage::Cuda(cs) = &*st else {
+            return Err(Error::Internal("a CUDA kernel got a tensor that is not on the GPU".into()));
+        };
+        let stream = cs.device.cuda_stream();
+        let (base, size) = match &cs.slice {
+            CudaStorageSlice::F32(s) => (s.device_ptr(&stream).0, 4),
+            CudaStorageSlice::BF16(s) => (s.device_ptr(&stream).0, 2),
+            CudaStorageSlice::F16(s) => (s.device_ptr(&stream).0, 2),
+            CudaStorageSlice::U32(s) => (s.device_ptr(&stream).0, 4),
+            _ => return Err(Error::Internal("a CUDA kernel got a tensor of an unexpected dtype".into())),
+        };
+        let addr = base + (l.start_offset() * size) as u64;
+        if addr % align as u64 != 0 {
+            return Err(Error::Internal(format!("a CUDA kernel's operand is not {align}-byte aligned")));
+        }
+        Ok((addr, cs.device.clone()))
+    }
+
+    fn contiguous(t: &Tensor, what: &str) -> Result<()> {
+        if t.is_contiguous() {
+            Ok(())
+        } else {
+            Err(Error::Internal(format!("the CUDA kernels need a contiguous {what}")))
+        }
+    }
+
+    /// A new tensor of `shape` in `dtype` over a fresh device allocation that the launch fills.
+    fn output(dev: &CudaDevice, dtype: DType, shape: &[usize]) -> Result<(Tensor, u64)> {
+        let n: usize = shape.iter().product();
+        // SAFETY: every element is written by the kernels launched next (each caller says which).
+        let slice = unsafe {
+            match dtype {
+                DType::F32 => CudaStorageSlice::F32(dev.alloc::<f32>(n)?),
+                DType::BF16 => CudaStorageSlice::BF16(dev.alloc::<half::bf16>(n)?),
+                DType::F16 => CudaStorageSlice::F16(dev.alloc::<half::f16>(n)?),
+                d => return Err(Error::Internal(format!("the CUDA kernels do not write {d:?}"))),
+            }
+        };
+        let storage = CudaStorage { slice, device: dev.clone() };
+        let t = Tensor::from_storage(Storage::Cuda(storage), shape, candle_core::op::BackpropOp::none(), false);
+        let (addr, _) = ptr(&t, 1)?;
+        Ok((t, addr))
+    }
+
+    fn dims(grid: (usize, usize, usize), block: usize) -> Result<LaunchConfig> {
+        let c = |x: usize, max: usize| {
+            u32::try_from(x)
+                .ok()
+                .filter(|&v| v >= 1 && v as usize <= max)
+                .ok_or_else(|| Error::Internal(format!("a CUDA launch dimension of {x} is out of range")))
+        };
+        Ok(LaunchConfig {
+            grid_dim: (c(grid.0, (1 << 31) - 1)?, c(grid.1, 65535)?, c(grid.2, 65535)?),
+            block_dim: (c(block, 1024)?, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }
+
+    fn i32_of(x: usize) -> Result<i32> {
+        i32::try_from(x).map_err(|_| Error::Internal(format!("{x} does not fit a CUDA kernel's int argument")))
+    }
+
+    /// The window's q/k/v from the stacked product: `qkv` (rows, heads + 2 kv_heads, D) contiguous, this
+    /// segment's rows `rows` = (first, count). q/k RMSNorm where `norms` = (q weight, k weight, eps) has a weight, RoPE from
+    /// the f32 tables `cos`/`sin` (rows, D/2) of the same stacked rows, K and V written into `cache` (each layer's
+    /// (kv_heads, capacity, D)) at slots p.. (the window's scratch). Returns q, (count, heads, D) f32.
+    #[allow(clippy::too_many_arguments)]
+    pub fn prep(
+        qkv: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        norms: (Option<&Tensor>, Option<&Tensor>, f32),
+        rows: (usize, usize),
+        heads: (usize, usize),
+        cache: (&Tensor, &Tensor),
+        p: usize,
+    ) -> Result<Tensor> {
+        let (row0, w) = rows;
+        let (nh, nkv) = heads;
+        let (total, slots, d) = qkv.dims3()?;
+        let (ckv, cap, cd) = cache.0.dims3()?;
+        if slots != nh + 2 * nkv || cd != d || ckv != nkv || row0 + w > total || p + w > cap {
+            return Err(Error::Internal("CUDA prep: operand shapes disagree".into()));
+        }
+        if cos.dims() != [total, d / 2] || sin.dims() != [total, d / 2] || cos.dtype() != DType::F32 {
+            return Err(Error::Internal("CUDA prep: RoPE tables must be (rows, head_dim / 2) f32".into()));
+        }
+        for (t, what) in
+            [(qkv, "q/k/v product"), (cos, "cos"), (sin, "sin"), (cache.0, "K cache"), (cache.1, "V cache")]
+        {
+            contiguous(t, what)?;
+        }
+        let name = format!("mbd_prep_{}", suffix(qkv.dtype())?);
+        let (qkv_p, dev) = ptr(qkv, 1)?;
+        let (cos_p, _) = ptr(cos, 1)?;
+        let (sin_p, _) = ptr(sin, 1)?;
+        let (k_p, _) = ptr(cache.0, 1)?;
+        let (v_p, _) = ptr(cache.1, 1)?;
+        // a null address: no norm on that side
+        let norm_ptr = |t: Option<&Tensor>| -> Result<u64> {
+            match t {
+                Some(t) if t.dims() == [d] && t.dtype() == qkv.dtype() => Ok(ptr(t, 1)?.0),
+                Some(_) => Err(Error::Internal("CUDA prep: a q/k norm weight of another shape or dtype".into())),
+                None => Ok(0),
+            }
+        };
+        let (qn_p, kn_p, eps) = (norm_ptr(norms.0)?, norm_ptr(norms.1)?, norms.2);
+        // every element of q is written: one thread per (row, head, dim)
+        let (q, q_p) = output(&dev, DType::F32, &[w, nh, d])?;
+        let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let mut b = f.builder();
+        let (row0, nh_, nkv_, d_, cap_, p_) =
+            (i32_of(row0)?, i32_of(nh)?, i32_of(nkv)?, i32_of(d)?, i32_of(cap)?, i32_of(p)?);
+        b.arg(&qkv_p).arg(&cos_p).arg(&sin_p).arg(&qn_p).arg(&kn_p).arg(&eps).arg(&q_p).arg(&k_p).arg(&v_p);
+        b.arg(&row0).arg(&nh_).arg(&nkv_).arg(&d_).arg(&cap_).arg(&p_);
+        // SAFETY: the arguments match mbd_prep_*'s parameters; the shapes were checked above.
+        unsafe { b.launch(dims((w, slots, 1), d)?) }.w()?;
+        Ok(q)
+    }
+
+    /// Attention of a window's rows: `q` (w, heads, D) f32 from `prep`, over `cache` (K, V: (kv_heads, capacity,
+    /// D)) at the key ranges of `ranges` (`ranges_layout`, on the device), all below `keys`. Returns (w, heads·D) in
+    /// the cache's dtype.
+    pub fn attend(
+        q: &Tensor,
+        cache: (&Tensor, &Tensor),
+        ranges: &Tensor,
+        kv_heads: usize,
+        keys: usize,
+        scale: f32,
+    ) -> Result<Tensor> {
+        let (w, nh, d) = q.dims3()?;
+        let (ckv, cap, cd) = cache.0.dims3()?;
+        if ckv != kv_heads || cd != d || keys > cap || q.dtype() != DType::F32 || ranges.dtype() != DType::U32 {
+            return Err(Error::Internal("CUDA attention: operand shapes disagree".into()));
+        }
+        for (t, what) in [(q, "query"), (cache.0, "K cache"), (cache.1, "V cache"), (ranges, "key ranges")] {
+            contiguous(t, what)?;
+        }
+        let dtype = cache.0.dtype();
+        let sfx = suffix(dtype)?;
+        let (q_p, dev) = ptr(q, 4)?;
+        // key rows are read 16 bytes at a time
+        let (k_p, _) = ptr(cache.0, 16)?;
+        let (v_p, _) = ptr(cache.1, 1)?;
+        let (r_p, _) = ptr(ranges, 4)?;
+        // split the keys into chunks until the launch has about TARGET_BLOCKS blocks
+        let want = TARGET_BLOCKS.div_ceil(w * nh).max(1);
+        let chunk = keys.div_ceil(want).div_ceil(THREADS).max(1) * THREADS;
+        let chunks = keys.div_ceil(chunk).max(1);
+        // every (row, head, chunk) block writes its (m, l, acc) record
+        let (ws, ws_p) = output(&dev, DType::F32, &[w, nh, chunks, d + 2])?;
+        let f = dev.get_or_load_custom_func(&format!("mbd_attn_partial_{sfx}"), MODULE, PTX)?;
+        let mut b = f.builder();
+        let (w_, rep, cap_, d_, chunk_) =
+            (i32_of(w)?, i32_of(nh / kv_heads)?, i32_of(cap)?, i32_of(d)?, i32_of(chunk)?);
+        b.arg(&q_p).arg(&k_p).arg(&v_p).arg(&r_p).arg(&ws_p);
+        b.arg(&w_).arg(&rep).arg(&cap_).arg(&d_).arg(&chunk_).arg(&scale);
+        // SAFETY: the arguments match mbd_attn_partial_*'s parameters; the shapes were checked above.
+        unsafe { b.launch(dims((w, nh, chunks), THREADS)?) }.w()?;
+        // every (row, head, dim) of the output is written by one combine thread
+        let (out, out_p) = output(&dev, dtype, &[w, nh * d])?;
+        let f = dev.get_or_load_custom_func(&format!("mbd_attn_combine_{sfx}"), MODULE, PTX)?;
+        let mut b = f.builder();
+        let chunks_ = i32_of(chunks)?;
+        b.arg(&ws_p).arg(&out_p).arg(&chunks_).arg(&d_);
+        // SAFETY: as above; `ws` lives until this launch is queued, and frees are ordered on the same stream.
+        unsafe { b.launch(dims((w, nh, 1), d)?) }.w()?;
+        drop(ws);
+        Ok(out)
+    }
+
+    /// (x + a, RMSNorm(x + a) · w) for x, a (rows, n) contiguous in one launch: the sum rounded to the dtype as
+    /// candle's add rounds it, the norm computed in f32 from the rounded sum as candle's rms_norm does.
+    pub fn add_rms_norm(x: &Tensor, a: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
+        let (rows, n) = x.dims2()?;
+        if a.dims() != [rows, n] || w.dims() != [n] || a.dtype() != x.dtype() || w.dtype() != x.dtype() {
+            return Err(Error::Internal("CUDA add + RMSNorm: operand shapes or dtypes disagree".into()));
+        }
+        for (t, what) in [(x, "residual"), (a, "addend"), (w, "norm weight")] {
+            contiguous(t, what)?;
+        }
+        let sfx = suffix(x.dtype())?;
+        let (x_p, dev) = ptr(x, 1)?;
+        let (a_p, _) = ptr(a, 1)?;
+        let (w_p, _) = ptr(w, 1)?;
+        // every element of both outputs is written (one block per row, a strided loop over its n values)
+        let (xo, xo_p) = output(&dev, x.dtype(), &[rows, n])?;
+        let (ho, ho_p) = output(&dev, x.dtype(), &[rows, n])?;
+        if rows == 0 || n == 0 {
+            return Ok((xo, ho));
+        }
+        let f = dev.get_or_load_custom_func(&format!("mbd_add_rms_norm_{sfx}"), MODULE, PTX)?;
+        let mut b = f.builder();
+        let n_ = i32_of(n)?;
+        b.arg(&x_p).arg(&a_p).arg(&w_p).arg(&eps).arg(&xo_p).arg(&ho_p).arg(&n_);
+        // SAFETY: the arguments match mbd_add_rms_norm_*'s parameters; the shapes were checked above.
+        unsafe { b.launch(dims((rows, 1, 1), ADD_THREADS)?) }.w()?;
+        Ok((xo, ho))
+    }
+
+    /// silu(g) · u of `gu` = (rows, 2I) (g its first I columns), computed in f32, rounded once.
+    pub fn silu_mul(gu: &Tensor) -> Result<Tensor> {
+        let gu = if gu.is_contiguous() { gu.clone() } else { gu.contiguous()? };
+        let (rows, two_i) = gu.dims2()?;
+        let i = two_i / 2;
+        let sfx = suffix(gu.dtype())?;
+        let (g_p, dev) = ptr(&gu, 1)?;
+        // every element is written (a grid-stride loop over rows · I)
+        let (out, out_p) = output(&dev, gu.dtype(), &[rows, i])?;
+        let n = rows * i;
+        if n == 0 {
+            return Ok(out);
+        }
+        let f = dev.get_or_load_custom_func(&format!("mbd_silu_mul_{sfx}"), MODULE, PTX)?;
+        let mut b = f.builder();
+        let (n_, i_) = (n, i32_of(i)?);
+        b.arg(&g_p).arg(&out_p).arg(&n_).arg(&i_);
+        // SAFETY: the arguments match mbd_silu_mul_*'s parameters.
+        unsafe { b.launch(dims((n.div_ceil(256).min(1 << 20), 1, 1), 256)?) }.w()?;
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_layout_is_offsets_then_pairs() {
+        let visible = vec![vec![0..5], vec![], vec![0..3, 7..9]];
+        assert_eq!(ranges_layout(&visible).unwrap(), vec![0, 1, 1, 3, 0, 5, 0, 3, 7, 9]);
+        let too_far = u32::MAX as usize + 1;
+        assert!(ranges_layout(&[vec![0..2, too_far - 1..too_far]]).is_err());
+    }
+
+    #[test]
+    fn not_available_on_the_cpu() {
+        assert!(!available(&Device::Cpu, DType::F32, 16, 8, 128));
+    }
+
+    #[test]
+    fn fused_attention_bound_follows_the_measured_crossover() {
+        // SDAR-1.7B shape (16 heads of 128): W 32 over P 2048 fused, W 64 over P 2048 not
+        assert!(fused_attention(32, 2048 + 32, 16, 128));
+        assert!(fused_attention(64, 512 + 64, 16, 128));
+        assert!(!fused_attention(64, 2048 + 64, 16, 128));
+        // Qwen3-8B shape (32 heads of 128): W 32 over P 512 fused, over P 2048 not
+        assert!(fused_attention(32, 512 + 32, 32, 128));
+        assert!(!fused_attention(32, 2048 + 32, 32, 128));
+        assert!(!fused_attention(usize::MAX, 2, 1, 1));
+    }
+}

@@ -1,0 +1,291 @@
+// mbd-rs's own CUDA kernels (issue #17): the attention of a decode window fused into few launches.
+// Built to PTX by build.rs with the pinned nvcc when the `cuda` feature is on; loaded by src/cuda.rs.
+//
+// - mbd_prep_*: per (window row, head slot) of the stacked q/k/v product: the Qwen3 q/k RMSNorm (when given),
+//   RoPE from f32 tables, q written as f32 (rows, heads, D), k and v written into the KV cache after its
+//   committed prefix. Replaces the norms' copies, the transposes, the two RoPE launches and the cache writes.
+// - mbd_attn_partial_* / mbd_attn_combine_*: attention of every window row over the key ranges it sees, scores and
+//   softmax in f32, K/V read in the cache's dtype: each block takes one (row, head, key chunk) and keeps an
+//   online softmax over tiles of keys; the combine kernel merges the chunks (split over keys so that a one-row
+//   window still fills the GPU). Replaces the casts of q and of the whole K cache to f32, the score matmul, the
+//   scale, the mask add, the softmax, the cast back, the value matmul and the transposes.
+// - mbd_silu_mul_*: silu(g) * u of the stacked gate/up product in one pass.
+// - mbd_add_rms_norm_*: the residual add and the next RMSNorm in one pass.
+// The key ranges of a row come from the mask spec (MaskSpec::visible on the host): ranges[0..=w] are offsets into
+// the (lo, hi) pairs that follow them.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#define THREADS 128
+#define WARPS (THREADS / 32)
+#define TILE THREADS
+#define MAX_D 256
+#define MAX_DPL (MAX_D / 32)
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
+
+__device__ __forceinline__ float warp_sum(float x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+// q (f32, in shared memory) . one key row of D values (D a multiple of 8, the row 16-byte aligned).
+__device__ __forceinline__ float dot_row(const float* qs, const __nv_bfloat16* r, int D) {
+  float s = 0.f;
+  const uint4* r4 = reinterpret_cast<const uint4*>(r);
+  for (int c = 0; c < D / 8; ++c) {
+    uint4 u = r4[c];
+    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      float2 f = __bfloat1622float2(p[t]);
+      s = fmaf(qs[8 * c + 2 * t], f.x, s);
+      s = fmaf(qs[8 * c + 2 * t + 1], f.y, s);
+    }
+  }
+  return s;
+}
+
+__device__ __forceinline__ float dot_row(const float* qs, const __half* r, int D) {
+  float s = 0.f;
+  const uint4* r4 = reinterpret_cast<const uint4*>(r);
+  for (int c = 0; c < D / 8; ++c) {
+    uint4 u = r4[c];
+    const __half2* p = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      float2 f = __half22float2(p[t]);
+      s = fmaf(qs[8 * c + 2 * t], f.x, s);
+      s = fmaf(qs[8 * c + 2 * t + 1], f.y, s);
+    }
+  }
+  return s;
+}
+
+__device__ __forceinline__ float dot_row(const float* qs, const float* r, int D) {
+  float s = 0.f;
+  const float4* r4 = reinterpret_cast<const float4*>(r);
+  for (int c = 0; c < D / 4; ++c) {
+    float4 f = r4[c];
+    s = fmaf(qs[4 * c], f.x, s);
+    s = fmaf(qs[4 * c + 1], f.y, s);
+    s = fmaf(qs[4 * c + 2], f.z, s);
+    s = fmaf(qs[4 * c + 3], f.w, s);
+  }
+  return s;
+}
+
+// Grid (w, slots = heads + 2 kv_heads), block D threads (D even, at most 1024).
+// qkv: (rows, slots, D) in the model dtype, this segment's rows from row0. cos/sin: (rows, D/2) f32, same rows.
+// qn/kn: the q/k norm weights (D) or null. q_out: (w, heads, D) f32. k_cache/v_cache: (kv_heads, cap, D), the
+// window's row j written at slot p + j.
+template <typename T>
+__device__ void prep(const T* __restrict__ qkv, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                     const T* __restrict__ qn, const T* __restrict__ kn, float eps, float* __restrict__ q_out,
+                     T* __restrict__ k_cache, T* __restrict__ v_cache, int row0, int heads, int kv_heads, int D,
+                     int cap, int p) {
+  __shared__ float xs[1024];
+  __shared__ float red[32];
+  const int j = blockIdx.x, s = blockIdx.y, t = threadIdx.x;
+  const int slots = heads + 2 * kv_heads, half = D / 2;
+  const int row = row0 + j;
+  const T raw = qkv[((size_t)row * slots + s) * D + t];
+  if (s >= heads + kv_heads) {  // v: copied as it is
+    v_cache[((size_t)(s - heads - kv_heads) * cap + p + j) * D + t] = raw;
+    return;
+  }
+  float x = to_f(raw);
+  const T* nw = s < heads ? qn : kn;
+  if (nw != nullptr) {  // RMSNorm over the head's D values (block-uniform branch)
+    float ss = warp_sum(x * x);
+    if ((t & 31) == 0) red[t >> 5] = ss;
+    __syncthreads();
+    float tot = 0.f;
+    for (int i = 0; i < (D + 31) / 32; ++i) tot += red[i];
+    x = x * rsqrtf(tot / (float)D + eps) * to_f(nw[t]);
+  }
+  xs[t] = x;
+  __syncthreads();
+  const int i = t < half ? t : t - half;
+  const float c = cos_t[(size_t)row * half + i], sn = sin_t[(size_t)row * half + i];
+  const float y = t < half ? x * c - xs[t + half] * sn : x * c + xs[t - half] * sn;
+  if (s < heads) {
+    q_out[((size_t)j * heads + s) * D + t] = y;
+  } else {
+    k_cache[((size_t)(s - heads) * cap + p + j) * D + t] = from_f<T>(y);
+  }
+}
+
+// Grid (w, heads, chunks), block THREADS. q: (w, heads, D) f32. k/v: (kv_heads, cap, D). Block (i, h, c) attends
+// row i, head h over the keys of row i's ranges inside [c * chunk, (c + 1) * chunk) and writes (m, l, acc[D]) to
+// ws[((i * heads + h) * chunks + c) * (D + 2)]: the running max of the scaled scores, the sum of exp(s - m) and
+// the exp-weighted sum of value rows. A block reads every key of its chunk once for one query: the work grows
+// with rows x keys, so long windows over long caches take candle's matmuls instead (cuda::fused_attention).
+template <typename T>
+__device__ void attn_partial(const float* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                             const uint32_t* __restrict__ ranges, float* __restrict__ ws, int w, int n_rep, int cap,
+                             int D, int chunk, float scale) {
+  __shared__ float qs[MAX_D];
+  __shared__ float sc[TILE];
+  __shared__ float red[WARPS];
+  __shared__ float part[WARPS][MAX_D];
+  const int i = blockIdx.x, h = blockIdx.y, c = blockIdx.z;
+  const int heads = gridDim.y, chunks = gridDim.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int dpl = D / 32;
+  const float* qp = q + ((size_t)i * heads + h) * D;
+  for (int d = tid; d < D; d += THREADS) qs[d] = qp[d];
+  __syncthreads();
+  const int kvh = h / n_rep;
+  const T* kb = k + (size_t)kvh * cap * D;
+  const T* vb = v + (size_t)kvh * cap * D;
+  float acc[MAX_DPL];
+#pragma unroll
+  for (int t = 0; t < MAX_DPL; ++t) acc[t] = 0.f;
+  float m = -INFINITY, l = 0.f;
+  const uint32_t c_lo = (uint32_t)c * (uint32_t)chunk, c_hi = c_lo + (uint32_t)chunk;
+  const uint32_t* pairs = ranges + (w + 1);
+  for (uint32_t ri = ranges[i]; ri < ranges[i + 1]; ++ri) {
+    const uint32_t lo = max(pairs[2 * ri], c_lo), hi = min(pairs[2 * ri + 1], c_hi);
+    for (uint32_t t0 = lo; t0 < hi; t0 += TILE) {  // block-uniform
+      const int n = (int)min((uint32_t)TILE, hi - t0);
+      float s = -INFINITY;
+      if (tid < n) s = dot_row(qs, kb + (size_t)(t0 + tid) * D, D) * scale;
+      float bm = warp_max(s);
+      if (lane == 0) red[warp] = bm;
+      __syncthreads();
+      bm = red[0];
+      for (int r = 1; r < WARPS; ++r) bm = fmaxf(bm, red[r]);
+      const float mn = fmaxf(m, bm);  // finite: n >= 1
+      const float corr = expf(m - mn);  // 0 while m is -inf
+      const float pr = tid < n ? expf(s - mn) : 0.f;
+      sc[tid] = pr;
+      const float ps = warp_sum(pr);
+      __syncthreads();  // every thread has read red
+      if (lane == 0) red[warp] = ps;
+      __syncthreads();
+      float bs = 0.f;
+      for (int r = 0; r < WARPS; ++r) bs += red[r];
+      l = l * corr + bs;
+      m = mn;
+#pragma unroll
+      for (int t = 0; t < MAX_DPL; ++t) acc[t] *= corr;
+#pragma unroll 4
+      for (int jj = warp; jj < n; jj += WARPS) {
+        const float pj = sc[jj];
+        const T* vr = vb + (size_t)(t0 + jj) * D + lane * dpl;
+#pragma unroll
+        for (int t = 0; t < MAX_DPL; ++t)
+          if (t < dpl) acc[t] = fmaf(pj, to_f(vr[t]), acc[t]);
+      }
+      __syncthreads();  // sc and red are rewritten by the next tile
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < MAX_DPL; ++t)
+    if (t < dpl) part[warp][lane * dpl + t] = acc[t];
+  __syncthreads();
+  float* o = ws + (((size_t)i * heads + h) * chunks + c) * (D + 2);
+  if (tid == 0) {
+    o[0] = m;
+    o[1] = l;
+  }
+  for (int d = tid; d < D; d += THREADS) {
+    float a = 0.f;
+    for (int r = 0; r < WARPS; ++r) a += part[r][d];
+    o[2 + d] = a;
+  }
+}
+
+// Grid (w, heads), block D threads. out: (w, heads * D) in the model dtype.
+template <typename T>
+__device__ void attn_combine(const float* __restrict__ ws, T* __restrict__ out, int chunks, int D) {
+  const int i = blockIdx.x, h = blockIdx.y, heads = gridDim.y, d = threadIdx.x;
+  const float* b = ws + ((size_t)i * heads + h) * chunks * (D + 2);
+  float M = -INFINITY;
+  for (int c = 0; c < chunks; ++c) M = fmaxf(M, b[c * (D + 2)]);
+  float L = 0.f, a = 0.f;
+  if (M != -INFINITY) {
+    for (int c = 0; c < chunks; ++c) {
+      const float mc = b[c * (D + 2)];
+      if (mc == -INFINITY) continue;
+      const float e = expf(mc - M);
+      L = fmaf(b[c * (D + 2) + 1], e, L);
+      a = fmaf(b[c * (D + 2) + 2 + d], e, a);
+    }
+  }
+  out[(size_t)i * heads * D + (size_t)h * D + d] = from_f<T>(L > 0.f ? a / L : 0.f);
+}
+
+// gu: (rows, 2 I) contiguous; out: (rows, I). n = rows * I.
+template <typename T>
+__device__ void silu_mul(const T* __restrict__ gu, T* __restrict__ out, size_t n, int inter) {
+  for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (size_t)gridDim.x * blockDim.x) {
+    const size_t r = e / inter, col = e % inter;
+    const float g = to_f(gu[r * 2 * inter + col]), u = to_f(gu[r * 2 * inter + inter + col]);
+    out[e] = from_f<T>(g / (1.f + expf(-g)) * u);
+  }
+}
+
+// Grid (rows), block ADD_THREADS. x, a: (rows, n). x_out = x + a (rounded to T), h_out = RMSNorm(x_out) * w: the
+// residual add and the next norm in one pass (each was one launch). cuda.rs launches ADD_THREADS threads.
+#define ADD_THREADS 256
+template <typename T>
+__device__ void add_rms_norm(const T* __restrict__ x, const T* __restrict__ a, const T* __restrict__ w, float eps,
+                             T* __restrict__ x_out, T* __restrict__ h_out, int n) {
+  __shared__ float red[ADD_THREADS / 32];
+  const size_t base = (size_t)blockIdx.x * n;
+  float ss = 0.f;
+  for (int c = threadIdx.x; c < n; c += ADD_THREADS) {
+    const T s = from_f<T>(to_f(x[base + c]) + to_f(a[base + c]));
+    x_out[base + c] = s;
+    const float v = to_f(s);
+    ss = fmaf(v, v, ss);
+  }
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  float tot = 0.f;
+  for (int r = 0; r < ADD_THREADS / 32; ++r) tot += red[r];
+  const float inv = rsqrtf(tot / (float)n + eps);
+  for (int c = threadIdx.x; c < n; c += ADD_THREADS) h_out[base + c] = from_f<T>(to_f(x_out[base + c]) * inv * to_f(w[c]));
+}
+
+#define ENTRY(NAME, T)                                                                                           \
+  extern "C" __global__ void mbd_prep_##NAME(const T* qkv, const float* cos_t, const float* sin_t, const T* qn,   \
+                                             const T* kn, float eps, float* q_out, T* k_cache, T* v_cache,        \
+                                             int row0, int heads, int kv_heads, int D, int cap, int p) {          \
+    prep<T>(qkv, cos_t, sin_t, qn, kn, eps, q_out, k_cache, v_cache, row0, heads, kv_heads, D, cap, p);           \
+  }                                                                                                              \
+  extern "C" __global__ void __launch_bounds__(THREADS)                                                          \
+      mbd_attn_partial_##NAME(const float* q, const T* k, const T* v, const uint32_t* ranges, float* ws, int w,    \
+                              int n_rep, int cap, int D, int chunk, float scale) {                               \
+    attn_partial<T>(q, k, v, ranges, ws, w, n_rep, cap, D, chunk, scale);                                        \
+  }                                                                                                              \
+  extern "C" __global__ void mbd_attn_combine_##NAME(const float* ws, T* out, int chunks, int D) {                \
+    attn_combine<T>(ws, out, chunks, D);                                                                         \
+  }                                                                                                              \
+  extern "C" __global__ void mbd_silu_mul_##NAME(const T* gu, T* out, size_t n, int inter) {                      \
+    silu_mul<T>(gu, out, n, inter);                                                                              \
+  }                                                                                                              \
+  extern "C" __global__ void __launch_bounds__(ADD_THREADS)                                                      \
+      mbd_add_rms_norm_##NAME(const T* x, const T* a, const T* w, float eps, T* x_out, T* h_out, int n) {          \
+    add_rms_norm<T>(x, a, w, eps, x_out, h_out, n);                                                              \
+  }
+
+ENTRY(f32, float)
+ENTRY(bf16, __nv_bfloat16)
+ENTRY(f16, __half)
