@@ -20,17 +20,19 @@ pub fn available(dev: &Device, dtype: DType, heads: usize, kv_heads: usize, head
 }
 
 /// Whether a segment's attention runs in `attend` (else in candle's matmuls over `prep`'s output): `attend` reads
-/// every visible key once per (row, head), so its work grows as rows × keys × heads × head_dim, where candle's
-/// tensor-core matmuls cost little more for long windows than for short ones. The bound is where the two met on an
-/// H100 (benches/RESULTS.md, issue #17: SDAR-1.7B shape, 16 heads of 128, fused faster up to W 32 over P 2048,
-/// slower at W 64 over P 2048; Qwen3-8B, 32 heads, slower at W 32 over P 2048). Decided per segment, never per
-/// forward, so a segment computes the same way whatever shares its forward (batch invariance).
+/// every visible key once per (row, head), so its work grows as rows × keys × heads × head_dim, while candle's
+/// path pays its launches and the K cache's cast (about 120 µs per layer at W 64 over P 2048) and grows slowly
+/// with the window. Measured on an H100 (benches/RESULTS.md, issue #17, SDAR-1.7B shape: 16 heads of 128):
+/// `attend` costs about 2.3 ns per row-key per layer, so the two meet near 48k row-keys; a W 32 forward over
+/// P 2048 (66.5k) took 7.1 ms with `attend`, more than a W 64 one over the same cache with candle's matmuls
+/// (6.2 ms). Decided per segment, never per forward, so a segment computes the same way whatever shares its
+/// forward (batch invariance).
 pub fn fused_attention(rows: usize, keys: usize, heads: usize, head_dim: usize) -> bool {
     rows.saturating_mul(keys).saturating_mul(heads).saturating_mul(head_dim) <= FUSED_ATTENTION_WORK
 }
 
-/// rows × keys × heads × head_dim up to which `attend` runs: 96k row-keys at 16 heads of 128.
-const FUSED_ATTENTION_WORK: usize = 96 * 1024 * 16 * 128;
+/// rows × keys × heads × head_dim up to which `attend` runs: 48k row-keys at 16 heads of 128.
+const FUSED_ATTENTION_WORK: usize = 48 * 1024 * 16 * 128;
 
 /// Per window row, the key ranges it sees, in the layout the attention kernel reads: w + 1 offsets into the
 /// (lo, hi) pairs that follow them.
@@ -372,11 +374,13 @@ mod tests {
 
     #[test]
     fn fused_attention_bound_follows_the_measured_crossover() {
-        // SDAR-1.7B shape (16 heads of 128): W 32 over P 2048 fused, W 64 over P 2048 not
-        assert!(fused_attention(32, 2048 + 32, 16, 128));
+        // SDAR-1.7B shape (16 heads of 128): W 16 over P 2048 and W 64 over P 512 in the kernel, W 32 and W 64
+        // over P 2048 in candle's matmuls
+        assert!(fused_attention(16, 2048 + 16, 16, 128));
         assert!(fused_attention(64, 512 + 64, 16, 128));
+        assert!(!fused_attention(32, 2048 + 32, 16, 128));
         assert!(!fused_attention(64, 2048 + 64, 16, 128));
-        // Qwen3-8B shape (32 heads of 128): W 32 over P 512 fused, over P 2048 not
+        // Qwen3-8B shape (32 heads of 128): W 32 over P 512 in the kernel, over P 2048 not
         assert!(fused_attention(32, 512 + 32, 32, 128));
         assert!(!fused_attention(32, 2048 + 32, 32, 128));
         assert!(!fused_attention(usize::MAX, 2, 1, 1));

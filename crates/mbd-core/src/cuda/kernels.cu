@@ -133,7 +133,7 @@ __device__ void prep(const T* __restrict__ qkv, const float* __restrict__ cos_t,
 // row i, head h over the keys of row i's ranges inside [c * chunk, (c + 1) * chunk) and writes (m, l, acc[D]) to
 // ws[((i * heads + h) * chunks + c) * (D + 2)]: the running max of the scaled scores, the sum of exp(s - m) and
 // the exp-weighted sum of value rows. A block reads every key of its chunk once for one query: the work grows
-// with rows x keys, so long windows over long caches take candle's matmuls instead (cuda::fused_attention).
+// with rows x keys, so long windows over long caches take candle's matmuls instead (cuda.rs, fused_attention).
 template <typename T>
 __device__ void attn_partial(const float* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                              const uint32_t* __restrict__ ranges, float* __restrict__ ws, int w, int n_rep, int cap,
