@@ -4,7 +4,7 @@ HF transformers' logits for them under causal, block-causal (both gridings) and 
 Developer tool, not a runtime dependency. Install once (CPU is enough):
     python3 -m venv /tmp/devenv && /tmp/devenv/bin/pip install torch transformers safetensors tokenizers numpy
 Run from the repository root:
-    /tmp/devenv/bin/python scripts/make_parity_fixtures.py
+    /tmp/devenv/bin/python scripts/make_parity_fixtures.py [--only NAME]
 
 Writes tests/fixtures/parity/<name>/ (a real HF model directory: config.json, model.safetensors,
 tokenizer.json, tokenizer_config.json, generation_config.json) and tests/fixtures/parity/<name>/expected.npz
@@ -71,7 +71,32 @@ FIXTURES = {
     "qwen3moe_top1": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=1, moe_intermediate_size=32, norm_topk_prob=False, tie_word_embeddings=False)),
     # Qwen3-MoE top-2 with renormalised top-k and a dense layer (mlp_only_layers).
     "qwen3moe_top2_norm": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False)),
+    # Qwen3-MoE top-2 whose routers are well separated at every position (router weights scaled up, and the seed
+    # checked): the fixture that a bfloat16 run (the GPU's) can be held to a bound on. In the two above some
+    # positions' k-th and (k+1)-th experts are within ~1e-3 in probability, below what bf16 hidden states resolve.
+    "qwen3moe_top2_separated": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True, tie_word_embeddings=False)),
 }
+
+# name -> (factor on the router weights, smallest gap between the k-th and (k+1)-th router logit allowed: bf16
+# hidden states move router logits of this size by ~0.03)
+SEPARATED_ROUTERS = {"qwen3moe_top2_separated": (4.0, 0.25)}
+
+
+def router_gap(model, ids):
+    """The smallest gap between the k-th and (k+1)-th router logit over every MoE layer and position."""
+    k = model.config.num_experts_per_tok
+    gaps = []
+
+    def hook(mod, inp, out):
+        logits = (out[0] if isinstance(out, tuple) else out).float().sort(dim=-1, descending=True).values
+        gaps.append(float((logits[..., k - 1] - logits[..., k]).min()))
+
+    hs = [m.mlp.gate.register_forward_hook(hook) for m in model.model.layers if hasattr(m.mlp, "gate")]
+    with torch.no_grad():
+        model(ids)
+    for h in hs:
+        h.remove()
+    return min(gaps)
 
 # case name -> (attention, block_size, alignment, prompt_len)
 CASES = {
@@ -119,25 +144,46 @@ def write_dir(path, model, tok, dtype=None):
 
 
 def main():
+    # `--only NAME`: (re)write that fixture alone and its entry in cases.json, leaving the others' files as they are
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
+    if only is not None and only not in FIXTURES:
+        sys.exit(f"unknown fixture {only} (known: {', '.join(FIXTURES)})")
     torch.manual_seed(0)
     tok = make_tokenizer()
     mask_id = tok.token_to_id("<|mask|>")
     eos_id = tok.token_to_id("<|endoftext|>")
     os.makedirs(ROOT, exist_ok=True)
     report = {}
+    if only is not None:
+        with open(os.path.join(ROOT, "cases.json")) as f:
+            report = json.load(f)["report"]
     for i, (name, (cfg_cls, model_cls, kw)) in enumerate(FIXTURES.items()):
+        if only is not None and name != only:
+            continue
         cfg = cfg_cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-6,
                       eos_token_id=eos_id, bos_token_id=eos_id, pad_token_id=eos_id,
                       attn_implementation="eager", **kw)
-        gen = torch.Generator().manual_seed(100 + i)
-        model = model_cls(cfg).eval()
-        scale_weights(model, gen)
+        for attempt in range(100):
+            gen = torch.Generator().manual_seed(100 + i + 1000 * attempt)
+            model = model_cls(cfg).eval()
+            scale_weights(model, gen)
+            ids = torch.randint(0, tok.get_vocab_size(), (1, SEQ_LEN), generator=gen)
+            if name not in SEPARATED_ROUTERS:
+                break
+            factor, min_gap = SEPARATED_ROUTERS[name]
+            with torch.no_grad():
+                for layer in model.model.layers:
+                    if hasattr(layer.mlp, "gate"):
+                        layer.mlp.gate.weight.mul_(factor)
+            if router_gap(model, ids) >= min_gap:
+                break
+        else:
+            sys.exit(f"{name}: no seed in 100 gives routers separated by {SEPARATED_ROUTERS[name][1]}")
         path = os.path.join(ROOT, name)
         write_dir(path, model, tok)
         # Reload from disk so the reference is exactly what the checkpoint holds.
         model = model_cls.from_pretrained(path, attn_implementation="eager").eval()
-        ids = torch.randint(0, tok.get_vocab_size(), (1, SEQ_LEN), generator=gen)
         out = {"ids": ids[0].numpy().astype(np.int64)}
         with torch.no_grad():
             plain = model(ids).logits[0].float()
@@ -150,7 +196,12 @@ def main():
         top2 = np.sort(out["causal"], axis=-1)[:, -2:]
         report[name] = dict(logit_std=float(out["causal"].std()), min_top_gap=float((top2[:, 1] - top2[:, 0]).min()),
                             params=sum(p.numel() for p in model.parameters()))
+        if name in SEPARATED_ROUTERS:
+            report[name]["min_router_gap"] = router_gap(model, ids)
         print(name, report[name])
+    if only is not None:
+        write_cases(mask_id, eos_id, report)
+        return
     # A bf16 checkpoint and its exact f32 twin (the same bf16-rounded weights stored as f32).
     cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, max_position_embeddings=256, eos_token_id=eos_id,
@@ -161,6 +212,10 @@ def main():
     model = model.to(torch.bfloat16)
     write_dir(os.path.join(ROOT, "qwen3_bf16"), model, tok)
     write_dir(os.path.join(ROOT, "qwen3_bf16_f32twin"), model.to(torch.float32), tok)
+    write_cases(mask_id, eos_id, report)
+
+
+def write_cases(mask_id, eos_id, report):
     with open(os.path.join(ROOT, "cases.json"), "w") as f:
         json.dump({"cases": {k: dict(zip(["attention", "block_size", "alignment", "prompt_len"], v)) for k, v in CASES.items()},
                    "fixtures": list(FIXTURES), "mask_token_id": mask_id, "eos_token_id": eos_id, "report": report}, f, indent=1)
