@@ -1,8 +1,8 @@
 //! mbd-rs's own CUDA kernels (`src/cuda/kernels.cu`, built to PTX by build.rs with the `cuda` feature): a decode
-//! window's attention in three launches per segment and layer (`prep`, then `attend`'s two), and `silu_mul` in one,
-//! where candle's ops take about twenty (issue #17: the forward was bound by the host launching ~30 kernels per
-//! layer). `Kernels::cuda_fused` turns them off for A/B runs. Without the `cuda` feature, `available` is false and
-//! nothing else is reachable.
+//! window's attention in three launches per segment and layer (`prep`, then `attend`'s two), each residual add and
+//! the norm after it in one (`add_rms_norm`), and `silu_mul` in one, where candle's ops took 25-38 launches per
+//! layer (issue #17: the forward was bound by the host launching them). `Kernels::cuda_fused` turns them off for
+//! A/B runs. Without the `cuda` feature, `available` is false and nothing else is reachable.
 
 use crate::error::Result;
 use candle_core::{DType, Device, Tensor};
