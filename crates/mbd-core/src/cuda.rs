@@ -7,12 +7,16 @@
 use crate::error::Result;
 use candle_core::{DType, Device, Tensor};
 
-/// Whether the fused kernels run for a model on `dev` computing in `dtype` with this head shape: a CUDA device,
-/// f32 / bf16 / f16, head_dim a multiple of 32 up to 256, query heads a multiple of kv heads.
+/// Whether the kernels run on `dev` in `dtype` at all: a CUDA device (in a build with the `cuda` feature),
+/// f32 / bf16 / f16. Enough for the row-wise ones (`add_rms_norm`, `silu_mul`).
+pub fn runs_on(dev: &Device, dtype: DType) -> bool {
+    cfg!(feature = "cuda") && dev.is_cuda() && matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
+}
+
+/// Whether the attention kernels (`prep`, `attend`) run for a model on `dev` in `dtype` with this head shape:
+/// `runs_on`, head_dim a multiple of 32 up to 256, query heads a multiple of kv heads.
 pub fn available(dev: &Device, dtype: DType, heads: usize, kv_heads: usize, head_dim: usize) -> bool {
-    cfg!(feature = "cuda")
-        && dev.is_cuda()
-        && matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
+    runs_on(dev, dtype)
         && head_dim.is_multiple_of(32)
         && head_dim <= 256
         && kv_heads > 0
@@ -369,6 +373,7 @@ mod tests {
 
     #[test]
     fn not_available_on_the_cpu() {
+        assert!(!runs_on(&Device::Cpu, DType::F32));
         assert!(!available(&Device::Cpu, DType::F32, 16, 8, 128));
     }
 

@@ -42,39 +42,37 @@ __device__ __forceinline__ float warp_max(float x) {
   return x;
 }
 
-// q (f32, in shared memory) . one key row of D values (D a multiple of 8, the row 16-byte aligned).
-__device__ __forceinline__ float dot_row(const float* qs, const __nv_bfloat16* r, int D) {
+__device__ __forceinline__ float2 to_f2(__nv_bfloat162 x) { return __bfloat1622float2(x); }
+__device__ __forceinline__ float2 to_f2(__half2 x) { return __half22float2(x); }
+
+// q (f32, in shared memory) . one key row of D 16-bit values (T2: a pair of them; D a multiple of 8, the row
+// 16-byte aligned).
+template <typename T2>
+__device__ __forceinline__ float dot_row16(const float* qs, const void* r, int D) {
   float s = 0.f;
   const uint4* r4 = reinterpret_cast<const uint4*>(r);
   for (int c = 0; c < D / 8; ++c) {
     uint4 u = r4[c];
-    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&u);
+    const T2* p = reinterpret_cast<const T2*>(&u);
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
-      float2 f = __bfloat1622float2(p[t]);
+      float2 f = to_f2(p[t]);
       s = fmaf(qs[8 * c + 2 * t], f.x, s);
       s = fmaf(qs[8 * c + 2 * t + 1], f.y, s);
     }
   }
   return s;
+}
+
+__device__ __forceinline__ float dot_row(const float* qs, const __nv_bfloat16* r, int D) {
+  return dot_row16<__nv_bfloat162>(qs, r, D);
 }
 
 __device__ __forceinline__ float dot_row(const float* qs, const __half* r, int D) {
-  float s = 0.f;
-  const uint4* r4 = reinterpret_cast<const uint4*>(r);
-  for (int c = 0; c < D / 8; ++c) {
-    uint4 u = r4[c];
-    const __half2* p = reinterpret_cast<const __half2*>(&u);
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      float2 f = __half22float2(p[t]);
-      s = fmaf(qs[8 * c + 2 * t], f.x, s);
-      s = fmaf(qs[8 * c + 2 * t + 1], f.y, s);
-    }
-  }
-  return s;
+  return dot_row16<__half2>(qs, r, D);
 }
 
+// The same for f32 rows (D a multiple of 4).
 __device__ __forceinline__ float dot_row(const float* qs, const float* r, int D) {
   float s = 0.f;
   const float4* r4 = reinterpret_cast<const float4*>(r);

@@ -149,7 +149,7 @@ fn silu_mul(gu: &Tensor, k: &Kernels) -> Result<Tensor> {
     if gu.device().is_cpu() && gu.dtype() == DType::F32 {
         return Ok(gu.contiguous()?.apply_op1_no_bwd(&SiluMul)?);
     }
-    if k.cuda_fused && crate::cuda::available(gu.device(), gu.dtype(), 1, 1, 32) {
+    if k.cuda_fused && crate::cuda::runs_on(gu.device(), gu.dtype()) {
         return crate::cuda::silu_mul(gu);
     }
     let i = gu.dim(1)? / 2;
@@ -586,7 +586,7 @@ impl QwenModel {
         }
         let mut x = self.embed.rows(&ids, dev)?.to_dtype(self.dtype)?;
         // each residual add and the norm after it: one launch on CUDA with mbd-rs's kernels
-        let fused_norms = kn.cuda_fused && crate::cuda::available(dev, self.dtype, 1, 1, 32);
+        let fused_norms = kn.cuda_fused && crate::cuda::runs_on(dev, self.dtype);
         let mut hn = self.layers.first().map(|l| l.ln1.forward(&x)).transpose()?;
         for (li, layer) in self.layers.iter().enumerate() {
             let h = hn.take().expect("the layer's normed input");
@@ -729,8 +729,6 @@ impl Groups {
 /// Windows longer than this check that their activations can be allocated before computing.
 const LARGE_WINDOW: usize = 4096;
 
-/// The query chunks of one segment and their additive masks: one chunk (the mask built once) unless the scores
-/// of the whole window exceed `Kernels::attention_score_bytes`, then chunks whose masks are built when used.
 /// Where a forward's attention runs.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum AttnPath {
@@ -742,6 +740,8 @@ enum AttnPath {
     Fused,
 }
 
+/// The query chunks of one segment and their additive masks: one chunk (the mask built once) unless the scores
+/// of the whole window exceed `Kernels::attention_score_bytes`, then chunks whose masks are built when used.
 struct QueryChunks {
     /// Per row, the key ranges it sees, when this segment's attention runs in `attention::attend` (the blocked
     /// CPU kernel); then no mask is built.
