@@ -5,8 +5,8 @@ and (b) end-to-end chat requests with multi-block and AR decoding. `--set stack`
 stacked matrix each (the default) vs one product per layer (`_kernels=dict(stack=False)`), any checkpoint and
 `--quantize` format. `--set packed`: dense matrices packed at load (the default on AVX2 CPUs) vs held row-major
 (few-row windows through the skinny kernel, `_kernels=dict(packed_weights=False)`). `--set avx512`: the packed
-product's AVX-512 tiles (the default where the CPU has them) vs its AVX2 ones. `--set quant`: bf16 against q8_0 (packed at load,
-and held in its blocks) and q4_k.
+product's AVX-512 tiles (the default where the CPU has them) vs its AVX2 ones. `--set quant`: bf16 against q8_0 and q4_k (each
+packed at load, and held in its blocks).
 
     python benches/ab_kernels.py [--model DIR] [--rounds 15]
     python benches/ab_kernels.py --set stack [--model DIR] [--quantize q8_0] [--forward 0:1,16:4] [--no-e2e]
@@ -33,11 +33,12 @@ SETS = {"kernels": CONFIGS,
         "avx512": {"packed product, AVX2 tiles": ("bf16", dict(packed_avx512=False)),
                    "packed product, AVX-512 tiles *": ("bf16", {})},
         # a third element picks the engine's quantize= (over --quantize): the formats against bf16 in one run, and q8_0
-        # packed at load (the default on AVX2 CPUs) against held in blocks (`packed_weights=False`: its few-row windows
-        # through the few-row kernel, long ones dequantized per call)
+        # and q4_k (q5_0 on rows that are not whole super-blocks) packed at load (the default on AVX2 CPUs) against
+        # held in blocks (`packed_weights=False`: their few-row windows through the few-row kernel, long ones
+        # dequantized per call)
         "quant": {"bf16 *": ("bf16", {}, None),
                   "q8_0 packed *": ("bf16", {}, "q8_0"), "q8_0 in blocks": ("bf16", dict(packed_weights=False), "q8_0"),
-                  "q4_k *": ("bf16", {}, "q4_k")}}
+                  "q4_k packed *": ("bf16", {}, "q4_k"), "q4_k in blocks": ("bf16", dict(packed_weights=False), "q4_k")}}
 
 def main():
     ap = argparse.ArgumentParser()

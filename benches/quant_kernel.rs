@@ -7,10 +7,15 @@
 //!
 //!     cargo bench -p mbd-core --bench quant_kernel
 //!     MBD_BENCH_ROWS=1,2 cargo bench -p mbd-core --bench quant_kernel     # only these row counts (e.g. for perf)
+//!     MBD_BENCH_FORMATS=q8_0,q5_0,q4_k cargo bench -p mbd-core --bench quant_kernel    # only these formats
+//!
+//! `MBD_BENCH_PACKED=1`: every matrix held as the engine holds it on this CPU (`Matrix::dense` / `Matrix::quant`
+//! with packing: bf16, q8_0, q5_0 and q4_k packed at load where the CPU has the packed product, the other formats
+//! in their blocks).
 
 use candle_core::{DType, Device, Tensor};
-use mbd_core::quant::{QMatrix, QuantFormat};
-use mbd_core::skinny::{linear, linear_q, Kernels};
+use mbd_core::quant::{Matrix, QMatrix, QuantFormat};
+use mbd_core::skinny::Kernels;
 
 #[path = "common.rs"]
 mod common;
@@ -39,13 +44,20 @@ fn run() {
         Ok(v) => v.split(',').map(|r| r.trim().parse().expect("MBD_BENCH_ROWS: row counts, e.g. 1,2,4")).collect(),
         Err(_) => vec![1, 2, 4, 8, 16, 32, 64],
     };
+    let formats: Vec<QuantFormat> = match std::env::var("MBD_BENCH_FORMATS") {
+        Ok(v) => {
+            v.split(',').map(|f| QuantFormat::parse(f.trim()).expect("MBD_BENCH_FORMATS: e.g. q8_0,q4_k")).collect()
+        }
+        Err(_) => FORMATS.to_vec(),
+    };
+    let pack = std::env::var("MBD_BENCH_PACKED").is_ok_and(|v| v == "1");
     println!("{threads} threads; ms (median), each format's time over bf16's, GB/s of weights for one row");
     print!("{:>22} {:>4} {:>8}", "W (n x k)", "rows", "bf16");
-    for f in FORMATS {
+    for f in &formats {
         print!(" {:>8} {:>6}", f.name(), "/bf16");
     }
     print!(" {:>7}", "GB/s bf");
-    for f in FORMATS {
+    for f in &formats {
         print!(" {:>7}", f.name());
     }
     println!();
@@ -57,22 +69,30 @@ fn run() {
         (2048, 6144, "1.7B down 2048x6144"),
     ] {
         let w = Tensor::randn(0f32, 0.02, (n, k), &dev).unwrap().to_dtype(DType::BF16).unwrap();
-        let qs: Vec<Option<QMatrix>> = FORMATS
+        // (matrix, its bytes in the format's blocks)
+        let qs: Vec<Option<(Matrix, usize)>> = formats
             .iter()
-            .map(|&f| k.is_multiple_of(f.block_values()).then(|| QMatrix::quantize(&w, f).unwrap()))
+            .map(|&f| {
+                k.is_multiple_of(f.block_values()).then(|| {
+                    let q = QMatrix::quantize(&w, f).unwrap();
+                    let bytes = q.bytes().len();
+                    (Matrix::quant(q, pack).unwrap(), bytes)
+                })
+            })
             .collect();
+        let w = Matrix::dense(w, pack).unwrap();
         for m in rows.iter().copied() {
             let x = Tensor::randn(0f32, 1.0, (m, k), &dev).unwrap();
             let reps = if n > 100_000 { 9 } else { 61 };
-            let mut times = vec![vec![]; 1 + FORMATS.len()];
+            let mut times = vec![vec![]; 1 + formats.len()];
             for _ in 0..reps {
                 let t = std::time::Instant::now();
-                linear(&x, &w, &kn, true).unwrap();
+                w.linear(&x, &kn, true).unwrap();
                 times[0].push(t.elapsed().as_secs_f64() * 1e3);
                 for (i, q) in qs.iter().enumerate() {
-                    if let Some(q) = q {
+                    if let Some((q, _)) = q {
                         let t = std::time::Instant::now();
-                        linear_q(&x, q, &kn, true).unwrap();
+                        q.linear(&x, &kn, true).unwrap();
                         times[i + 1].push(t.elapsed().as_secs_f64() * 1e3);
                     }
                 }
@@ -92,7 +112,7 @@ fn run() {
             };
             print!(" {:>7}", gbs(n * k * 2, ms[0]));
             for (q, t) in qs.iter().zip(&ms[1..]) {
-                print!(" {:>7}", gbs(q.as_ref().map_or(0, |q| q.bytes().len()), *t));
+                print!(" {:>7}", gbs(q.as_ref().map_or(0, |q| q.1), *t));
             }
             println!();
         }

@@ -164,6 +164,15 @@ def low_bit_formats(name):  # llama.cpp's Q4_0, Q3_K_* and Q2_K files
     return None
 
 
+def packed_formats(name):  # the formats packed at load on AVX2 CPUs
+    for part, q in (("q_proj", Q.Q4_K), ("k_proj", Q.Q8_0), ("v_proj", Q.Q5_0), ("o_proj", Q.Q4_K),
+                    ("gate_proj", Q.Q5_0), ("up_proj", Q.Q4_K), ("down_proj", Q.Q4_K), ("embed", Q.Q8_0),
+                    ("lm_head", Q.Q5_0)):
+        if part in name:
+            return q
+    return None
+
+
 def other_formats(name):
     for part, q in (("q_proj", Q.Q4_1), ("k_proj", Q.Q5_1), ("v_proj", Q.Q5_1), ("o_proj", Q.Q4_1),
                     ("gate_proj", Q.Q5_1), ("up_proj", Q.Q4_1), ("down_proj", Q.Q5_1), ("embed", Q.Q4_1),
@@ -176,15 +185,18 @@ def other_formats(name):
 IDS = [(7 * i + 3) % 300 + 5 for i in range(80)]
 
 
-@pytest.mark.parametrize("formats,held,share", [(native_formats, "q4_k+q5_0+q5_k+q6_k+q8_0", 0.4),
-                                                 (low_bit_formats, "q2_k+q3_k+q4_0", 0.15)])
-def test_native_block_formats_compute_their_dequantization(tmp_path, formats, held, share):
+@pytest.mark.parametrize("formats,held,share,packed", [(native_formats, "q4_k+q5_0+q5_k+q6_k+q8_0", 0.4, False),
+                                                        (low_bit_formats, "q2_k+q3_k+q4_0", 0.15, False),
+                                                        (packed_formats, "q4_k+q5_0+q8_0", 0.4, True)])
+def test_native_block_formats_compute_their_dequantization(tmp_path, formats, held, share, packed):
     path, deq = block_model(tmp_path, formats)
-    # the matrices held in their blocks, against the dequantized checkpoint's f32 matrices held row-major, as the
-    # quantized kernel reads its blocks (packed at load, the default on AVX2 CPUs, q8_0 and f32 matrices sum in
-    # order over k, a different rounding: test_quantize checks that form)
-    a = mbd_rs.Engine.load(path, device="cpu", _kernels=dict(packed_weights=False))
-    b = mbd_rs.Engine.load(deq, device="cpu", _kernels=dict(packed_weights=False))
+    # held in their blocks (`packed`: False), against the dequantized checkpoint's f32 matrices held row-major, as
+    # the quantized kernel reads its blocks; or q8_0, q5_0 and q4_k packed at load (the default on AVX2 CPUs)
+    # against the f32 matrices packed (every product the in-order chain over k, a different rounding from the
+    # row-major one). Without the packed product both engines hold row-major matrices.
+    kernels = {} if packed else dict(packed_weights=False)
+    a = mbd_rs.Engine.load(path, device="cpu", _kernels=kernels)
+    b = mbd_rs.Engine.load(deq, device="cpu", _kernels=kernels)
     assert a.info.weight_format == held
     assert a.info.weight_bytes < share * b.info.weight_bytes
     for n, prefix in ((1, 0), (3, 8), (8, 16), (80, 0), (20, 60)):  # few-row kernel and long windows

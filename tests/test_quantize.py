@@ -161,6 +161,10 @@ def test_q4_k_falls_back_to_q5_0_for_rows_of_partial_super_blocks(tmp_path, name
     assert np.array_equal(a.logits(ids), b.logits(ids))
     want = ref.logits(ids)
     assert np.abs(a.logits(ids) - want).max() <= 1e-4 * np.abs(want).max()
+    # bit for bit: q5_0 (packed at load on AVX2 CPUs) sums as the twin's f32 matrices held alike
+    assert np.array_equal(a.logits(ids), want)
+    assert np.array_equal(a.logits(ids, attention="block_causal", block_size=4, prefix_len=16),
+                          ref.logits(ids, attention="block_causal", block_size=4, prefix_len=16))
     t = load_file(src + "/model.safetensors")
     held = sum((v.size // 32 * (34 if is_table(k) else 22)) if quantized_here(k, v.shape) else v.size * 4
                for k, v in t.items())
@@ -191,8 +195,9 @@ def test_cli_info_and_generate_take_quantize():
     assert r.returncode == 2 and "quantize must be" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_quantized_streams_batched_equal_their_lone_runs():
-    e = mbd_rs.Engine.load(device="cpu", quantize="q8_0")
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])  # the tiny model under q4_k: q4_k (256-wide rows) and q5_0 (640)
+def test_quantized_streams_batched_equal_their_lone_runs(fmt):
+    e = mbd_rs.Engine.load(device="cpu", quantize=fmt)
     prompts = [f"sort {i} 3 1 {9 - i}" for i in range(6)] + ["reverse abcde", "count a in banana"]
     cfgs = [dict(block_size=4), dict(block_size=1), dict(block_size=8, acceptance="confidence", threshold=0.7)]
     alone = [e.chat([{"role": "user", "content": p}], max_tokens=20, **cfgs[i % 3]).token_ids for i, p in enumerate(prompts)]

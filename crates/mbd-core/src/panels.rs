@@ -16,7 +16,7 @@
 //!
 //! The engine sends a long window here alone, never stacked with other sequences' rows (`models::qwen::Groups`).
 
-use crate::quant::QMatrix;
+use crate::quant::{QMatrix, QuantFormat};
 use crate::skinny::dequantize_rows;
 use half::bf16;
 use rayon::prelude::*;
@@ -33,22 +33,67 @@ pub enum Source<'a> {
 /// Output columns per group of a packed matrix (the register tile's width).
 const GROUP: usize = 16;
 
-/// Values per q8_0 block (one scale each).
-const Q8_BLOCK: usize = 32;
+/// How a block format is held packed (`PackedData::Block`), per group of `GROUP` columns: `step` bytes per depth
+/// (the group's values at that depth), and the scales in records of `sbytes` bytes, one per `sblock` depths (one
+/// per block of the format).
+#[derive(Clone, Copy)]
+pub(crate) struct Layout {
+    pub(crate) step: usize,
+    pub(crate) sblock: usize,
+    pub(crate) sbytes: usize,
+}
 
-/// A weight matrix (n × k: f32, bf16 or q8_0) packed once at load for the packed product: its rows (output
-/// columns) in groups of `GROUP`, each group k-major (depth p of group g: `GROUP` values at (g · k + p) · `GROUP`),
-/// n padded with zero rows to a whole group. The product then reads W as it streams, with no packing per call, for
-/// every window: a one-row decode window, a few-row window and a prefill alike, so that every output element is
-/// the same in-order f32 fused-multiply-add chain over k whatever the window (see `packed`). Only CPUs with the
-/// packed product (x86-64 with AVX2 and FMA) hold matrices this way.
+/// q8_0: a signed byte per value (column order); a record is the 16 columns' f16 scales.
+const Q8_0_LAYOUT: Layout = Layout { step: GROUP, sblock: 32, sbytes: 2 * GROUP };
+/// q5_0: 2 bytes of fifth bits (bit c: column c), then 8 bytes of nibbles (column c at nibble `nibble(c)`); a
+/// record is the 16 columns' f16 scales.
+const Q5_0_LAYOUT: Layout = Layout { step: GROUP / 2 + 2, sblock: 32, sbytes: 2 * GROUP };
+/// q4_k: 8 bytes of nibbles (as q5_0); a record (a super-block of 256 depths) is the 16 columns' f16 d, their f16
+/// dmin, then per sub-block j of 32 depths their 6-bit scales (16 bytes at 64 + 16j) and their 6-bit mins (16
+/// bytes at 192 + 16j).
+const Q4K_LAYOUT: Layout = Layout { step: GROUP / 2, sblock: 256, sbytes: 4 * GROUP + 16 * GROUP };
+
+/// The packed layout of a block format (None: not packed; held in its blocks).
+fn layout(format: QuantFormat) -> Option<Layout> {
+    match format {
+        QuantFormat::Q8_0 => Some(Q8_0_LAYOUT),
+        QuantFormat::Q5_0 => Some(Q5_0_LAYOUT),
+        QuantFormat::Q4K => Some(Q4K_LAYOUT),
+        _ => None,
+    }
+}
+
+/// Where column c's 4-bit value sits among a depth's 16 nibbles (of its 8 bytes read as a little-endian u64):
+/// columns 2i and 2i + 1 are nibble i of the low and of the high 32-bit half, so that one 64-bit broadcast and a
+/// shift per 32-bit lane bring column j's nibble to the bottom of lane j.
+fn nibble(c: usize) -> usize {
+    (c & 1) * 8 + (c >> 1)
+}
+
+/// Column c's nibble among a depth's 8 bytes.
+fn get_nibble(bytes: &[u8], c: usize) -> u8 {
+    let i = nibble(c);
+    (bytes[i / 2] >> (4 * (i % 2))) & 0xF
+}
+
+fn put_nibble(bytes: &mut [u8], c: usize, q: u8) {
+    let i = nibble(c);
+    bytes[i / 2] |= (q & 0xF) << (4 * (i % 2));
+}
+
+/// A weight matrix (n × k: f32, bf16, or a q8_0, q5_0 or q4_k block format) packed once at load for the packed
+/// product: its rows (output columns) in groups of `GROUP`, each group k-major (depth p of group g: `GROUP` values
+/// at (g · k + p) · `GROUP`), n padded with zero rows to a whole group. The product then reads W as it streams,
+/// with no packing per call, for every window: a one-row decode window, a few-row window and a prefill alike, so
+/// that every output element is the same in-order f32 fused-multiply-add chain over k whatever the window (see
+/// `packed`). Only CPUs with the packed product (x86-64 with AVX2 and FMA) hold matrices this way.
 ///
 /// bf16 is kept as bf16 (half the bytes) and widened in registers: within a depth's 16 values, slot 2i holds
 /// column i and slot 2i + 1 column 8 + i, so that one 32-byte load widens to columns 0-7 (each 32-bit lane's low
-/// half shifted up) and 8-15 (its high half masked) in two integer instructions. q8_0 keeps its bytes and f16
-/// scales (the same 34 bytes per 32 values), the bytes in column order, the scales `GROUP` per block of 32 depths;
-/// a tile forms each value q · d in registers, the q8_0 dequantization's value, so a q8_0 matrix computes exactly
-/// as its dequantized f32 matrix packed.
+/// half shifted up) and 8-15 (its high half masked) in two integer instructions. A block format keeps its bits
+/// per value and its scales (`Layout`: the values of a group depth by depth, the scales in records per block); a
+/// tile forms each value in registers exactly as the format's dequantization does (`QMatrix::dequantize_rows`), so
+/// a quantized matrix computes exactly as its dequantized f32 matrix packed.
 pub struct PackedMatrix {
     pub n: usize,
     pub k: usize,
@@ -59,11 +104,12 @@ enum PackedData {
     F32(Vec<f32>),
     /// bf16 bit patterns in the slot order above
     Bf16(Vec<u16>),
-    /// A q8_0 matrix: its signed bytes in column order (`GROUP` per depth, as f32 values are), and its f16 scales,
-    /// `GROUP` per block of 32 depths (block b of group g at (g · k / 32 + b) · `GROUP`); a value is q · d.
-    Q8 {
-        q: Vec<i8>,
-        d: Vec<u16>,
+    /// A block format: its values (`Layout::step` bytes per depth of a group, group g's from g · k · step) and
+    /// its scale records (group g's from g · k / sblock · sbytes).
+    Block {
+        format: QuantFormat,
+        w: Vec<u8>,
+        s: Vec<u8>,
     },
 }
 
@@ -97,35 +143,32 @@ impl PackedMatrix {
         }))
     }
 
-    /// A q8_0 matrix, packed (the same values and bytes, in groups of `GROUP` columns); None where packed matrices
-    /// are not available or the matrix is in another format; an error when the copy cannot be allocated.
-    pub fn from_q8_0(m: &QMatrix) -> candle_core::Result<Option<PackedMatrix>> {
-        if !Self::available() || m.format != crate::quant::QuantFormat::Q8_0 {
-            return Ok(None);
+    /// A quantized matrix in q8_0, q5_0 or q4_k, packed (the same values, in groups of `GROUP` columns); None where
+    /// packed matrices are not available or the format is another; an error when the copy cannot be allocated.
+    pub fn from_quant(m: &QMatrix) -> candle_core::Result<Option<PackedMatrix>> {
+        let Some(l) = layout(m.format).filter(|_| Self::available()) else { return Ok(None) };
+        let (n, k, format) = (m.n, m.k, m.format);
+        let (rb, bb, bv) = (m.row_bytes(), format.block_bytes(), format.block_values());
+        // bytes per group
+        let (gw, gs) = (k * l.step, k / l.sblock * l.sbytes);
+        let groups = n.div_ceil(GROUP);
+        let (mut w, mut s) = (Vec::new(), Vec::new());
+        if w.try_reserve_exact(groups * gw).is_err() || s.try_reserve_exact(groups * gs).is_err() {
+            candle_core::bail!("cannot allocate the packed copy of a {n}x{k} {} matrix", format.name());
         }
-        let (n, k, rb, bb) = (m.n, m.k, m.row_bytes(), m.format.block_bytes());
-        let (groups, kb) = (n.div_ceil(GROUP), k / Q8_BLOCK);
-        let (mut q, mut d) = (Vec::new(), Vec::new());
-        if q.try_reserve_exact(groups * GROUP * k).is_err() || d.try_reserve_exact(groups * GROUP * kb).is_err() {
-            candle_core::bail!("cannot allocate the packed copy of a {n}x{k} q8_0 matrix");
-        }
-        q.resize(groups * GROUP * k, 0i8);
-        d.resize(groups * GROUP * kb, 0u16);
+        w.resize(groups * gw, 0u8);
+        s.resize(groups * gs, 0u8);
         let bytes = m.bytes();
-        q.par_chunks_mut(GROUP * k.max(1)).zip(d.par_chunks_mut(GROUP * kb.max(1))).enumerate().for_each(
-            |(g, (q, d))| {
-                for c in 0..GROUP.min(n - g * GROUP) {
-                    let row = &bytes[(g * GROUP + c) * rb..(g * GROUP + c + 1) * rb];
-                    for (b, block) in row.chunks_exact(bb).enumerate() {
-                        d[b * GROUP + c] = u16::from_le_bytes([block[0], block[1]]);
-                        for (i, &v) in block[2..].iter().enumerate() {
-                            q[(b * Q8_BLOCK + i) * GROUP + c] = v as i8;
-                        }
-                    }
+        w.par_chunks_mut(gw.max(1)).zip(s.par_chunks_mut(gs.max(1))).enumerate().for_each(|(g, (w, s))| {
+            for c in 0..GROUP.min(n - g * GROUP) {
+                let row = &bytes[(g * GROUP + c) * rb..(g * GROUP + c + 1) * rb];
+                for (b, block) in row.chunks_exact(bb).enumerate() {
+                    let w = &mut w[b * bv * l.step..(b + 1) * bv * l.step];
+                    pack_block(format, block, c, w, &mut s[b * l.sbytes..(b + 1) * l.sbytes]);
                 }
-            },
-        );
-        Ok(Some(PackedMatrix { n, k, data: PackedData::Q8 { q, d } }))
+            }
+        });
+        Ok(Some(PackedMatrix { n, k, data: PackedData::Block { format, w, s } }))
     }
 
     /// Pack row-major W (n × k) in parallel, a group per task (an error, not an abort, when the copy cannot be
@@ -161,12 +204,12 @@ impl PackedMatrix {
         Ok(PackedMatrix { n, k, data: wrap(data) })
     }
 
-    /// The dtype the values are held in (None: q8_0 blocks).
+    /// The dtype the values are held in (None: a block format).
     pub fn dtype(&self) -> Option<candle_core::DType> {
         match self.data {
             PackedData::F32(_) => Some(candle_core::DType::F32),
             PackedData::Bf16(_) => Some(candle_core::DType::BF16),
-            PackedData::Q8 { .. } => None,
+            PackedData::Block { .. } => None,
         }
     }
 
@@ -175,7 +218,7 @@ impl PackedMatrix {
         match &self.data {
             PackedData::F32(d) => d.len() * 4,
             PackedData::Bf16(d) => d.len() * 2,
-            PackedData::Q8 { q, d } => q.len() + d.len() * 2,
+            PackedData::Block { w, s, .. } => w.len() + s.len(),
         }
     }
 
@@ -198,11 +241,11 @@ impl PackedMatrix {
                         *o = f32::from_bits((d[base + p * GROUP + s] as u32) << 16);
                     }
                 }
-                PackedData::Q8 { q, d } => {
-                    let sb = g * GROUP * (k / Q8_BLOCK);
+                PackedData::Block { format, w, s } => {
+                    let l = layout(*format).expect("a packed block format");
+                    let (w, s) = (&w[g * k * l.step..], &s[g * (k / l.sblock) * l.sbytes..]);
                     for (p, o) in out.iter_mut().enumerate() {
-                        let scale = half::f16::from_bits(d[sb + p / Q8_BLOCK * GROUP + c]).to_f32();
-                        *o = q[base + p * GROUP + c] as f32 * scale;
+                        *o = block_value(*format, w, s, c, p);
                     }
                 }
             }
@@ -214,7 +257,10 @@ impl PackedMatrix {
     pub fn stack(parts: &[&PackedMatrix]) -> candle_core::Result<Option<PackedMatrix>> {
         let Some(first) = parts.first() else { return Ok(None) };
         let whole = parts[..parts.len() - 1].iter().all(|p| p.n.is_multiple_of(GROUP));
-        let alike = |p: &&PackedMatrix| std::mem::discriminant(&p.data) == std::mem::discriminant(&first.data);
+        let alike = |p: &&PackedMatrix| match (&p.data, &first.data) {
+            (PackedData::Block { format: a, .. }, PackedData::Block { format: b, .. }) => a == b,
+            (a, b) => std::mem::discriminant(a) == std::mem::discriminant(b),
+        };
         if !whole || parts.iter().any(|p| p.k != first.k || !alike(p)) {
             return Ok(None);
         }
@@ -232,7 +278,9 @@ impl PackedMatrix {
         let data = match first.data {
             PackedData::F32(_) => PackedData::F32(cat(parts, PackedData::f32s)?),
             PackedData::Bf16(_) => PackedData::Bf16(cat(parts, PackedData::bf16s)?),
-            PackedData::Q8 { .. } => PackedData::Q8 { q: cat(parts, |d| d.q8().0)?, d: cat(parts, |d| d.q8().1)? },
+            PackedData::Block { format, .. } => {
+                PackedData::Block { format, w: cat(parts, |d| d.block().0)?, s: cat(parts, |d| d.block().1)? }
+            }
         };
         Ok(Some(PackedMatrix { n: parts.iter().map(|p| p.n).sum(), k: first.k, data }))
     }
@@ -255,13 +303,84 @@ impl PackedData {
             &[]
         }
     }
-    /// The q8_0 bytes and scales if held as q8_0 (else none).
-    fn q8(&self) -> (&[i8], &[u16]) {
-        if let PackedData::Q8 { q, d } = self {
-            (q, d)
+    /// A block format's values and scale records (else none).
+    fn block(&self) -> (&[u8], &[u8]) {
+        if let PackedData::Block { w, s, .. } = self {
+            (w, s)
         } else {
             (&[], &[])
         }
+    }
+}
+
+/// Column c's values of one block of a row (`block`: its bytes) into the block's depths of a packed group (`w`,
+/// `Layout::step` bytes per depth) and its scale record (`s`).
+fn pack_block(format: QuantFormat, block: &[u8], c: usize, w: &mut [u8], s: &mut [u8]) {
+    match format {
+        QuantFormat::Q8_0 => {
+            s[2 * c..2 * c + 2].copy_from_slice(&block[..2]);
+            for (i, &q) in block[2..].iter().enumerate() {
+                w[i * Q8_0_LAYOUT.step + c] = q;
+            }
+        }
+        QuantFormat::Q5_0 => {
+            let step = Q5_0_LAYOUT.step;
+            s[2 * c..2 * c + 2].copy_from_slice(&block[..2]);
+            let qh = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
+            for j in 0..32 {
+                // value j: the low nibble of byte j (j < 16) or the high one of byte j − 16; its fifth bit: bit j
+                let q = if j < 16 { block[6 + j] & 0xF } else { block[6 + j - 16] >> 4 };
+                let depth = &mut w[j * step..(j + 1) * step];
+                depth[c / 8] |= (((qh >> j) & 1) as u8) << (c % 8);
+                put_nibble(&mut depth[2..], c, q);
+            }
+        }
+        QuantFormat::Q4K => {
+            s[2 * c..2 * c + 2].copy_from_slice(&block[..2]);
+            s[2 * GROUP + 2 * c..2 * GROUP + 2 * c + 2].copy_from_slice(&block[2..4]);
+            for j in 0..8 {
+                let (sc, m) = crate::quant::scale_min_k4(j, &block[4..16]);
+                s[4 * GROUP + GROUP * j + c] = sc;
+                s[12 * GROUP + GROUP * j + c] = m;
+            }
+            let qs = &block[16..144];
+            for v in 0..256 {
+                // value v: sub-block j = v / 32, the low (even j) or high (odd j) nibble of byte 32·(j / 2) + v % 32
+                let (j, byte) = (v / 32, qs[32 * (v / 64) + v % 32]);
+                let q = if j % 2 == 0 { byte & 0xF } else { byte >> 4 };
+                put_nibble(&mut w[v * Q4K_LAYOUT.step..(v + 1) * Q4K_LAYOUT.step], c, q);
+            }
+        }
+        _ => unreachable!("{} has no packed layout", format.name()),
+    }
+}
+
+/// Column c's value at depth p of a packed group in a block format (`w`: the group's values, `s`: its scale
+/// records), exactly as the format's dequantization forms it.
+fn block_value(format: QuantFormat, w: &[u8], s: &[u8], c: usize, p: usize) -> f32 {
+    let f16 = |b: &[u8], i: usize| half::f16::from_le_bytes([b[i], b[i + 1]]).to_f32();
+    match format {
+        QuantFormat::Q8_0 => {
+            let l = Q8_0_LAYOUT;
+            (w[p * l.step + c] as i8) as f32 * f16(s, p / l.sblock * l.sbytes + 2 * c)
+        }
+        QuantFormat::Q5_0 => {
+            let l = Q5_0_LAYOUT;
+            let depth = &w[p * l.step..(p + 1) * l.step];
+            let q = get_nibble(&depth[2..], c) | (((depth[c / 8] >> (c % 8)) & 1) << 4);
+            (q as i32 - 16) as f32 * f16(s, p / l.sblock * l.sbytes + 2 * c)
+        }
+        QuantFormat::Q4K => {
+            let l = Q4K_LAYOUT;
+            let r = &s[p / l.sblock * l.sbytes..];
+            let j = p % l.sblock / 32;
+            let (d1, m1) = (
+                f16(r, 2 * c) * r[4 * GROUP + GROUP * j + c] as f32,
+                f16(r, 2 * GROUP + 2 * c) * r[12 * GROUP + GROUP * j + c] as f32,
+            );
+            d1 * get_nibble(&w[p * l.step..(p + 1) * l.step], c) as f32 - m1
+        }
+        _ => unreachable!("{} has no packed layout", format.name()),
     }
 }
 
@@ -426,7 +545,7 @@ pub(crate) use packed::{transpose8, with_buf};
 /// chain of an AVX2 one) — and equals `acc = x[i].mul_add(w[i], acc)` for i = 0..k.
 #[cfg(target_arch = "x86_64")]
 mod packed {
-    use super::{PackedData, Source};
+    use super::{PackedData, QuantFormat, Source};
     use crate::skinny::{dequantize_rows, load8, Out, WeightElem};
     use half::bf16;
     use rayon::prelude::*;
@@ -596,31 +715,87 @@ mod packed {
             }),
             Source::Packed(p) => {
                 // the task's groups (j0 is a multiple of NR)
-                let (lo, hi) = (j0 * k, (j0 + nt).div_ceil(NR) * NR * k);
+                let (g0, g1) = (j0 / NR, (j0 + nt).div_ceil(NR));
                 match &p.data {
-                    PackedData::F32(d) => columns_packed::<T, f32>(t, &d[lo..hi], &[]),
-                    PackedData::Bf16(d) => columns_packed::<T, u16>(t, &d[lo..hi], &[]),
-                    PackedData::Q8 { q, d } => {
-                        let kb = k / super::Q8_BLOCK;
-                        columns_packed::<T, i8>(t, &q[lo..hi], &d[j0 * kb..(j0 + nt).div_ceil(NR) * NR * kb])
+                    PackedData::F32(d) => columns_packed::<T, f32>(t, &d[g0 * NR * k..g1 * NR * k], &[]),
+                    PackedData::Bf16(d) => columns_packed::<T, u16>(t, &d[g0 * NR * k..g1 * NR * k], &[]),
+                    PackedData::Block { format, w, s } => {
+                        let l = super::layout(*format).expect("a packed block format");
+                        let rs = k / l.sblock * l.sbytes;
+                        let (w, s) = (&w[g0 * k * l.step..g1 * k * l.step], &s[g0 * rs..g1 * rs]);
+                        match format {
+                            QuantFormat::Q8_0 => columns_packed::<T, i8>(t, bytes_as(w), s),
+                            QuantFormat::Q5_0 => columns_packed::<T, Q5>(t, bytes_as(w), s),
+                            _ => columns_packed::<T, Q4>(t, bytes_as(w), s),
+                        }
                     }
                 }
             }
         }
     }
 
+    /// Bytes as the one-byte element `E` a `Panel` reads them as.
+    fn bytes_as<E: Panel>(w: &[u8]) -> &[E] {
+        assert_eq!(std::mem::size_of::<E>(), 1);
+        // SAFETY: E is one byte with no invalid bit patterns (i8, Q5, Q4: `repr(transparent)` over u8)
+        unsafe { std::slice::from_raw_parts(w.as_ptr() as *const E, w.len()) }
+    }
+
+    /// Windows of this many rows or more take a block format's values decoded into f32 once per depth block
+    /// (`decode`), then the f32 tiles; fewer decode them in the tile, once per `MR` rows. The same values either
+    /// way, so the same bits. (`benches/quant_kernel.rs` with `MBD_BENCH_PACKED=1`, Zen 4: decoding first costs
+    /// 1.2-1.4× at 12-16 rows and saves 10-25% for q5_0 and q4_k at 32; q8_0 about even at 32.)
+    const DECODE_ROWS: usize = 4 * MR;
+
     /// The task's columns from its groups `w` of a `PackedMatrix`, `KC` deep at a time as x is packed. (A window of
     /// one row panel taking the whole depth at once, each group streamed in one pass, measured the same.)
-    unsafe fn columns_packed<T: Tiles, E: Panel>(t: Task<'_>, w: &[E], scales: &[u16]) {
-        // a block format's scales: `NR` per block of `E::BLOCK` depths, the blocks of group g after g's (KC is a
-        // multiple of the block, so every depth block starts a scale block)
-        let kb = t.k.checked_div(E::BLOCK);
+    unsafe fn columns_packed<T: Tiles, E: Panel>(t: Task<'_>, w: &[E], scales: &[u8]) {
+        // a block format's scale records: group g's after g's (KC is a multiple of `sblock`, so every depth block
+        // starts a record)
+        let l = E::LAYOUT;
+        let records = if E::BLOCK > 0 { t.k / l.sblock } else { 0 };
+        let at = |g: usize, kc0: usize| Cursor {
+            w: w.as_ptr().add((g * t.k + kc0) * l.step),
+            s: if E::BLOCK > 0 {
+                scales.as_ptr().add((g * records + kc0 / l.sblock) * l.sbytes)
+            } else {
+                std::ptr::null()
+            },
+        };
+        if E::BLOCK > 0 && t.m >= DECODE_ROWS {
+            let groups = t.nt.div_ceil(NR);
+            with_buf(&B, KC * groups * NR, |b| {
+                for kc0 in (0..t.k).step_by(KC) {
+                    let kc = KC.min(t.k - kc0);
+                    for g in 0..groups {
+                        decode::<E>(kc, at(g, kc0), &mut b[g * NR * kc..(g + 1) * NR * kc]);
+                    }
+                    let b: &[f32] = b;
+                    sweep::<T, f32>(t, kc0, kc, |g| Cursor::dense(b.as_ptr().add(g * NR * kc)));
+                }
+            });
+            return;
+        }
         for kc0 in (0..t.k).step_by(KC) {
             let kc = KC.min(t.k - kc0);
-            sweep::<T, E>(t, kc0, kc, |g| Cursor {
-                w: w.as_ptr().add(g * NR * t.k + kc0 * NR),
-                s: kb.map_or(std::ptr::null(), |kb| scales.as_ptr().add((g * kb + kc0 / E::BLOCK) * NR)),
-            });
+            sweep::<T, E>(t, kc0, kc, |g| at(g, kc0));
+        }
+    }
+
+    /// A group's `kc` depths from `b` on, as f32 (`NR` per depth, column order) into `dst`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn decode<E: Panel>(kc: usize, b: Cursor<E>, dst: &mut [f32]) {
+        assert!(dst.len() >= kc * NR && E::SLOTS.is_none());
+        let mut w = b.w;
+        let mut d = [_mm256_setzero_ps(); 4];
+        for p in 0..kc {
+            if E::BLOCK > 0 && p.is_multiple_of(E::BLOCK.max(1)) {
+                d = E::scales(b.record(p), p % E::LAYOUT.sblock.max(1) / E::BLOCK.max(1));
+            }
+            let (lo, hi) = E::load(w, &d);
+            _mm256_storeu_ps(dst.as_mut_ptr().add(p * NR), lo);
+            _mm256_storeu_ps(dst.as_mut_ptr().add(p * NR + 8), hi);
+            w = w.add(E::LAYOUT.step);
         }
     }
 
@@ -675,7 +850,7 @@ mod packed {
         const FULL: usize;
         /// Whole groups the full tile takes at once for weights `E` (fewer where their scales take registers).
         fn full_groups<E: Panel>() -> usize {
-            Self::FULL
+            Self::FULL.min(E::FULL512)
         }
         /// The `MR`-row tile over groups [g, g + count) (count: 1 to `FULL`).
         #[allow(clippy::too_many_arguments)]
@@ -794,13 +969,6 @@ mod packed {
 
     impl Tiles for Zmm {
         const FULL: usize = 4;
-        fn full_groups<E: Panel>() -> usize {
-            if E::BLOCK > 0 {
-                3
-            } else {
-                4
-            }
-        }
         unsafe fn full<E: Panel>(
             kc: usize,
             a: *const f32,
@@ -862,6 +1030,8 @@ mod packed {
             acc: bool,
         ) {
             match rows {
+                // a block format's scales take registers too: fewer groups at once (spills otherwise)
+                1 if E::BLOCK > 0 => last_rows::<Self, E, 1, 4>(kc, a, b, nt, c, n, acc),
                 1 => last_rows::<Self, E, 1, 8>(kc, a, b, nt, c, n, acc),
                 2 => last_rows::<Self, E, 2, 6>(kc, a, b, nt, c, n, acc),
                 3 => last_rows::<Self, E, 3, 4>(kc, a, b, nt, c, n, acc),
@@ -959,53 +1129,79 @@ mod packed {
     }
 
     /// How a tile reads `NR` weights of one depth: packed f32 (two loads), a `PackedMatrix`'s bf16 pairs (one load,
-    /// widened: each 32-bit lane's low half shifted up is column i, its high half masked column 8 + i), or its q8_0
-    /// bytes (signed, times the column's f16 scale of their block of `BLOCK` depths: the value q · d of the q8_0
-    /// dequantization, one rounding).
+    /// widened: each 32-bit lane's low half shifted up is column i, its high half masked column 8 + i), or a block
+    /// format's values (q8_0: signed bytes; q5_0, q4_k: nibbles, `Q5`, `Q4`) formed with the scales of their block
+    /// exactly as the format's dequantization forms them.
     ///
-    /// With AVX-512 (`load16`) a depth's `NR` values fill one register: f32 and q8_0 in column order; bf16
-    /// zero-extended slot by slot, so lane j holds slot j's column (`SLOTS`), which `Zmm`'s tile maps back when it
-    /// loads and stores.
+    /// With AVX-512 (`load16`) a depth's `NR` values fill one register: f32 and the block formats in column order;
+    /// bf16 zero-extended slot by slot, so lane j holds slot j's column (`SLOTS`), which `Zmm`'s tile maps back when
+    /// it loads and stores.
     pub(super) trait Panel: Copy {
         /// Lane j of `load16` holds column `SLOTS[j]` (None: column j).
         const SLOTS: Option<[u32; NR]>;
-        /// Depths per block of scales (0: none).
+        /// Elements per depth of a group (`Layout::step`), and for a block format its scale records.
+        const LAYOUT: super::Layout = super::Layout { step: NR, sblock: 0, sbytes: 0 };
+        /// Depths per set of scales (0: none).
         const BLOCK: usize = 0;
-        /// The `NR` scales at `s` (a block format only).
+        /// Groups the full AVX-512 tile takes at once (its scales take registers too).
+        const FULL512: usize = 4;
+        /// The scales of set j of a record (a block format only): AVX2 (columns 0-7, 8-15; a second pair where the
+        /// format has one, e.g. q4_k's mins) and AVX-512.
         #[inline(always)]
-        unsafe fn scales(_s: *const u16) -> (__m256, __m256) {
-            (_mm256_setzero_ps(), _mm256_setzero_ps())
+        unsafe fn scales(_rec: *const u8, _j: usize) -> [__m256; 4] {
+            [_mm256_setzero_ps(); 4]
         }
         #[inline(always)]
-        unsafe fn scales16(_s: *const u16) -> __m512 {
-            _mm512_setzero_ps()
+        unsafe fn scales16(_rec: *const u8, _j: usize) -> [__m512; 2] {
+            [_mm512_setzero_ps(); 2]
         }
-        unsafe fn load(p: *const Self, d: (__m256, __m256)) -> (__m256, __m256);
-        unsafe fn load16(p: *const Self, d: __m512) -> __m512;
+        unsafe fn load(p: *const Self, d: &[__m256; 4]) -> (__m256, __m256);
+        unsafe fn load16(p: *const Self, d: &[__m512; 2]) -> __m512;
     }
 
-    /// A group's weights from some depth on: `NR` values per depth at `w`, and for a block format (`Panel::BLOCK`)
-    /// `NR` f16 scales per block at `s`, starting with the block of `w`'s depth (a multiple of `BLOCK`).
+    /// A group's weights from some depth on: `Panel::LAYOUT.step` elements per depth at `w`, and for a block format
+    /// its scale records at `s`, starting with the record of `w`'s depth (a multiple of `Layout::sblock`).
     #[derive(Clone, Copy)]
     pub(super) struct Cursor<E> {
         w: *const E,
-        s: *const u16,
+        s: *const u8,
     }
 
-    impl<E> Cursor<E> {
+    impl<E: Panel> Cursor<E> {
         pub(super) fn dense(w: *const E) -> Self {
             Cursor { w, s: std::ptr::null() }
+        }
+        /// The scale record of depth p (counted from the cursor's first depth).
+        #[inline(always)]
+        unsafe fn record(&self, p: usize) -> *const u8 {
+            self.s.add(p / E::LAYOUT.sblock.max(1) * E::LAYOUT.sbytes)
+        }
+    }
+
+    /// The scales of depth p's set, for each of a tile's groups, where p starts a set.
+    #[inline(always)]
+    unsafe fn next_scales<E: Panel, S: Copy, const P: usize>(
+        p: usize,
+        b: &[Cursor<E>; P],
+        d: &mut [S; P],
+        get: impl Fn(*const u8, usize) -> S,
+    ) {
+        if E::BLOCK > 0 && p.is_multiple_of(E::BLOCK.max(1)) {
+            let j = p % E::LAYOUT.sblock.max(1) / E::BLOCK.max(1);
+            for (d, b) in d.iter_mut().zip(b) {
+                *d = get(b.record(p), j);
+            }
         }
     }
 
     impl Panel for f32 {
         const SLOTS: Option<[u32; NR]> = None;
         #[inline(always)]
-        unsafe fn load(p: *const f32, _: (__m256, __m256)) -> (__m256, __m256) {
+        unsafe fn load(p: *const f32, _: &[__m256; 4]) -> (__m256, __m256) {
             (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
         }
         #[inline(always)]
-        unsafe fn load16(p: *const f32, _: __m512) -> __m512 {
+        unsafe fn load16(p: *const f32, _: &[__m512; 2]) -> __m512 {
             _mm512_loadu_ps(p)
         }
     }
@@ -1014,44 +1210,170 @@ mod packed {
         // slot 2i: column i, slot 2i + 1: column 8 + i (`super::slot`)
         const SLOTS: Option<[u32; NR]> = Some([0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15]);
         #[inline(always)]
-        unsafe fn load(p: *const u16, _: (__m256, __m256)) -> (__m256, __m256) {
+        unsafe fn load(p: *const u16, _: &[__m256; 4]) -> (__m256, __m256) {
             let v = _mm256_loadu_si256(p as *const __m256i);
             let lo = _mm256_slli_epi32::<16>(v);
             let hi = _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF_0000u32 as i32));
             (_mm256_castsi256_ps(lo), _mm256_castsi256_ps(hi))
         }
         #[inline(always)]
-        unsafe fn load16(p: *const u16, _: __m512) -> __m512 {
+        unsafe fn load16(p: *const u16, _: &[__m512; 2]) -> __m512 {
             let v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i));
             _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v))
         }
     }
 
+    /// A record's 16 f16 scales at byte `at` (columns 0-7, 8-15).
+    #[inline(always)]
+    unsafe fn f16x16(rec: *const u8, at: usize) -> (__m256, __m256) {
+        (
+            _mm256_cvtph_ps(_mm_loadu_si128(rec.add(at) as *const __m128i)),
+            _mm256_cvtph_ps(_mm_loadu_si128(rec.add(at + 16) as *const __m128i)),
+        )
+    }
+
+    /// A record's 16 6-bit scales (or mins) at byte `at`, as f32 (columns 0-7, 8-15).
+    #[inline(always)]
+    unsafe fn u8x16(rec: *const u8, at: usize) -> (__m256, __m256) {
+        let v = _mm_loadu_si128(rec.add(at) as *const __m128i);
+        (_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(v))))
+    }
+
+    /// A depth's 16 nibbles (`super::nibble`'s order) in the low 4 bits of each 32-bit lane, columns 0-7 and 8-15
+    /// (higher bits: other nibbles).
+    #[inline(always)]
+    unsafe fn nibbles8(p: *const u8) -> (__m256i, __m256i) {
+        let v = _mm256_set1_epi64x((p as *const i64).read_unaligned());
+        (
+            _mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12)),
+            _mm256_srlv_epi32(v, _mm256_setr_epi32(16, 16, 20, 20, 24, 24, 28, 28)),
+        )
+    }
+
+    /// `nibbles8` with AVX-512: column j's nibble in the low 4 bits of lane j.
+    #[inline(always)]
+    unsafe fn nibbles16(p: *const u8) -> __m512i {
+        let v = _mm512_set1_epi64((p as *const i64).read_unaligned());
+        _mm512_srlv_epi32(v, _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28))
+    }
+
     impl Panel for i8 {
         const SLOTS: Option<[u32; NR]> = None;
-        const BLOCK: usize = super::Q8_BLOCK;
+        const LAYOUT: super::Layout = super::Q8_0_LAYOUT;
+        const BLOCK: usize = 32;
+        const FULL512: usize = 3;
         #[inline(always)]
-        unsafe fn scales(s: *const u16) -> (__m256, __m256) {
-            (
-                _mm256_cvtph_ps(_mm_loadu_si128(s as *const __m128i)),
-                _mm256_cvtph_ps(_mm_loadu_si128(s.add(8) as *const __m128i)),
-            )
+        unsafe fn scales(rec: *const u8, _: usize) -> [__m256; 4] {
+            let (a, b) = f16x16(rec, 0);
+            [a, b, _mm256_setzero_ps(), _mm256_setzero_ps()]
         }
         #[inline(always)]
-        unsafe fn scales16(s: *const u16) -> __m512 {
-            _mm512_cvtph_ps(_mm256_loadu_si256(s as *const __m256i))
+        unsafe fn scales16(rec: *const u8, _: usize) -> [__m512; 2] {
+            [_mm512_cvtph_ps(_mm256_loadu_si256(rec as *const __m256i)), _mm512_setzero_ps()]
         }
         #[inline(always)]
-        unsafe fn load(p: *const i8, d: (__m256, __m256)) -> (__m256, __m256) {
+        unsafe fn load(p: *const i8, d: &[__m256; 4]) -> (__m256, __m256) {
             let q = _mm_loadu_si128(p as *const __m128i);
             let lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
             let hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(q)));
-            (_mm256_mul_ps(lo, d.0), _mm256_mul_ps(hi, d.1))
+            (_mm256_mul_ps(lo, d[0]), _mm256_mul_ps(hi, d[1]))
         }
         #[inline(always)]
-        unsafe fn load16(p: *const i8, d: __m512) -> __m512 {
+        unsafe fn load16(p: *const i8, d: &[__m512; 2]) -> __m512 {
             let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i));
-            _mm512_mul_ps(_mm512_cvtepi32_ps(q), d)
+            _mm512_mul_ps(_mm512_cvtepi32_ps(q), d[0])
+        }
+    }
+
+    /// A packed q5_0 byte (`super::Q5_0_LAYOUT`): value (q − 16) · d, q's low 4 bits from the depth's nibbles, its
+    /// fifth from the 16 bits after them.
+    #[derive(Clone, Copy)]
+    #[repr(transparent)]
+    pub(super) struct Q5(#[allow(dead_code)] u8);
+
+    impl Panel for Q5 {
+        const SLOTS: Option<[u32; NR]> = None;
+        const LAYOUT: super::Layout = super::Q5_0_LAYOUT;
+        const BLOCK: usize = 32;
+        const FULL512: usize = 3;
+        #[inline(always)]
+        unsafe fn scales(rec: *const u8, j: usize) -> [__m256; 4] {
+            <i8 as Panel>::scales(rec, j)
+        }
+        #[inline(always)]
+        unsafe fn scales16(rec: *const u8, j: usize) -> [__m512; 2] {
+            <i8 as Panel>::scales16(rec, j)
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const Q5, d: &[__m256; 4]) -> (__m256, __m256) {
+            let p = p as *const u8;
+            let (lo, hi) = nibbles8(p.add(2));
+            // the fifth bits (and 2 nibble bytes above them) in every lane; bit c rotated to bit 4 of lane c
+            let h = _mm256_set1_epi32((p as *const i32).read_unaligned());
+            let h_lo = _mm256_srlv_epi32(_mm256_slli_epi32::<4>(h), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            let h_hi = _mm256_srlv_epi32(h, _mm256_setr_epi32(4, 5, 6, 7, 8, 9, 10, 11));
+            let q = |n: __m256i, h: __m256i, d: __m256| {
+                let q = _mm256_or_si256(
+                    _mm256_and_si256(n, _mm256_set1_epi32(0xF)),
+                    _mm256_and_si256(h, _mm256_set1_epi32(0x10)),
+                );
+                _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(16))), d)
+            };
+            (q(lo, h_lo, d[0]), q(hi, h_hi, d[1]))
+        }
+        #[inline(always)]
+        unsafe fn load16(p: *const Q5, d: &[__m512; 2]) -> __m512 {
+            let p = p as *const u8;
+            let n = nibbles16(p.add(2));
+            let h = _mm512_set1_epi32((p as *const i32).read_unaligned());
+            let h = _mm512_rolv_epi32(h, _mm512_setr_epi32(4, 3, 2, 1, 0, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21));
+            // the low 4 bits from the nibble, bit 4 (and above: ignored) from h: an index into q − 16 for q in 0..32
+            let q = _mm512_ternarylogic_epi32::<0xE4>(n, h, _mm512_set1_epi32(0xF));
+            let lo =
+                _mm512_setr_ps(-16., -15., -14., -13., -12., -11., -10., -9., -8., -7., -6., -5., -4., -3., -2., -1.);
+            let hi = _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.);
+            _mm512_mul_ps(_mm512_permutex2var_ps(lo, q, hi), d[0])
+        }
+    }
+
+    /// A packed q4_k nibble pair (`super::Q4K_LAYOUT`): value (d · sc) · q − dmin · m, sc and m those of its
+    /// sub-block of 32 depths.
+    #[derive(Clone, Copy)]
+    #[repr(transparent)]
+    pub(super) struct Q4(#[allow(dead_code)] u8);
+
+    impl Panel for Q4 {
+        const SLOTS: Option<[u32; NR]> = None;
+        const LAYOUT: super::Layout = super::Q4K_LAYOUT;
+        const BLOCK: usize = 32;
+        const FULL512: usize = 3;
+        #[inline(always)]
+        unsafe fn scales(rec: *const u8, j: usize) -> [__m256; 4] {
+            let ((d0, d1), (n0, n1)) = (f16x16(rec, 0), f16x16(rec, 2 * NR));
+            let ((s0, s1), (m0, m1)) = (u8x16(rec, 4 * NR + NR * j), u8x16(rec, 12 * NR + NR * j));
+            [_mm256_mul_ps(d0, s0), _mm256_mul_ps(d1, s1), _mm256_mul_ps(n0, m0), _mm256_mul_ps(n1, m1)]
+        }
+        #[inline(always)]
+        unsafe fn scales16(rec: *const u8, j: usize) -> [__m512; 2] {
+            let f16s = |at: usize| _mm512_cvtph_ps(_mm256_loadu_si256(rec.add(at) as *const __m256i));
+            let u8s =
+                |at: usize| _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(rec.add(at) as *const __m128i)));
+            [_mm512_mul_ps(f16s(0), u8s(4 * NR + NR * j)), _mm512_mul_ps(f16s(2 * NR), u8s(12 * NR + NR * j))]
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const Q4, d: &[__m256; 4]) -> (__m256, __m256) {
+            let (lo, hi) = nibbles8(p as *const u8);
+            let v = |n: __m256i, d: __m256, m: __m256| {
+                _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(n, _mm256_set1_epi32(0xF)))), m)
+            };
+            (v(lo, d[0], d[2]), v(hi, d[1], d[3]))
+        }
+        #[inline(always)]
+        unsafe fn load16(p: *const Q4, d: &[__m512; 2]) -> __m512 {
+            // the nibble (bits above ignored) indexes 0.0..15.0
+            let table = _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.);
+            let q = _mm512_permutexvar_ps(nibbles16(p as *const u8), table);
+            _mm512_sub_ps(_mm512_mul_ps(d[0], q), d[1])
         }
     }
 
@@ -1091,25 +1413,31 @@ mod packed {
                 }
             }
         }
-        let (mut a, mut b) = (a, b);
-        let mut d = [_mm512_setzero_ps(); P];
+        let (mut a, mut w0) = (a, b.map(|b| b.w));
+        let mut d = [[_mm512_setzero_ps(); 2]; P];
         for p in 0..kc {
-            if E::BLOCK > 0 && p % E::BLOCK.max(1) == 0 {
-                for (d, b) in d.iter_mut().zip(b.iter_mut()) {
-                    *d = E::scales16(b.s);
-                    b.s = b.s.add(NR);
-                }
-            }
-            let w: [__m512; P] = std::array::from_fn(|q| E::load16(b[q].w, d[q]));
-            for (r, s) in s.iter_mut().enumerate() {
-                let x = _mm512_set1_ps(*a.add(r));
+            next_scales(p, &b, &mut d, |r, j| E::scales16(r, j));
+            if R < MR {
+                // few rows: each group's weights formed and used in turn (fewer live registers)
+                let x: [__m512; R] = std::array::from_fn(|r| _mm512_set1_ps(*a.add(r)));
                 for q in 0..P {
-                    s[q] = _mm512_fmadd_ps(x, w[q], s[q]);
+                    let w = E::load16(w0[q], &d[q]);
+                    for (s, x) in s.iter_mut().zip(&x) {
+                        s[q] = _mm512_fmadd_ps(*x, w, s[q]);
+                    }
+                }
+            } else {
+                let w: [__m512; P] = std::array::from_fn(|q| E::load16(w0[q], &d[q]));
+                for (r, s) in s.iter_mut().enumerate() {
+                    let x = _mm512_set1_ps(*a.add(r));
+                    for q in 0..P {
+                        s[q] = _mm512_fmadd_ps(x, w[q], s[q]);
+                    }
                 }
             }
             a = a.add(MR);
-            for b in b.iter_mut() {
-                b.w = b.w.add(NR);
+            for w in w0.iter_mut() {
+                *w = w.add(E::LAYOUT.step);
             }
         }
         for (r, s) in s.iter().enumerate() {
@@ -1172,17 +1500,12 @@ mod packed {
                 }
             }
         }
-        let (mut a, mut b) = (a, b);
-        let mut d = [(_mm256_setzero_ps(), _mm256_setzero_ps()); P];
+        let (mut a, mut w0) = (a, b.map(|b| b.w));
+        let mut d = [[_mm256_setzero_ps(); 4]; P];
         for p in 0..kc {
-            if E::BLOCK > 0 && p % E::BLOCK.max(1) == 0 {
-                for (d, b) in d.iter_mut().zip(b.iter_mut()) {
-                    *d = E::scales(b.s);
-                    b.s = b.s.add(NR);
-                }
-            }
+            next_scales(p, &b, &mut d, |r, j| E::scales(r, j));
             if P == 1 {
-                let (b0, b1) = E::load(b[0].w, d[0]);
+                let (b0, b1) = E::load(w0[0], &d[0]);
                 for (r, s) in s.iter_mut().enumerate() {
                     let x = _mm256_broadcast_ss(&*a.add(r));
                     s[0][0] = _mm256_fmadd_ps(x, b0, s[0][0]);
@@ -1192,7 +1515,7 @@ mod packed {
                 // few rows, several groups: each x value broadcast once per depth
                 let x: [__m256; R] = std::array::from_fn(|r| _mm256_broadcast_ss(&*a.add(r)));
                 for q in 0..P {
-                    let (b0, b1) = E::load(b[q].w, d[q]);
+                    let (b0, b1) = E::load(w0[q], &d[q]);
                     for (r, s) in s.iter_mut().enumerate() {
                         s[q][0] = _mm256_fmadd_ps(x[r], b0, s[q][0]);
                         s[q][1] = _mm256_fmadd_ps(x[r], b1, s[q][1]);
@@ -1200,8 +1523,8 @@ mod packed {
                 }
             }
             a = a.add(MR);
-            for b in b.iter_mut() {
-                b.w = b.w.add(NR);
+            for w in w0.iter_mut() {
+                *w = w.add(E::LAYOUT.step);
             }
         }
         for (r, s) in s.iter().enumerate() {
@@ -1347,21 +1670,26 @@ mod tests {
         if !PackedMatrix::available() {
             return;
         }
-        for (k, n) in [(300usize, 141usize), (64, 16), (257, 200), (31, 7), (512, 1030), (96, 37)] {
+        for (k, n) in [(300usize, 141usize), (64, 16), (257, 200), (31, 7), (512, 1030), (96, 37), (256, 45)] {
             let w = randn(n * k, 7);
             let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
             let wb32: Vec<f32> = wb.iter().map(|v| v.to_f32()).collect();
             let pf = PackedMatrix::from_tensor(&tensor(w.clone(), n, k)).unwrap().unwrap();
             let pb = PackedMatrix::from_tensor(&tensor(wb.clone(), n, k)).unwrap().unwrap();
             assert_eq!((pf.dtype(), pb.dtype()), (Some(candle_core::DType::F32), Some(candle_core::DType::BF16)));
-            // q8_0 (rows of whole blocks): the chain over its dequantized values
-            let q8 = k.is_multiple_of(32).then(|| {
-                let q = QMatrix::quantize(&tensor(w.clone(), n, k), QuantFormat::Q8_0).unwrap();
-                let mut wq = vec![0f32; n * k];
-                q.dequantize_rows(0, n, &mut wq);
-                (PackedMatrix::from_q8_0(&q).unwrap().expect("q8_0 packs"), wq)
-            });
-            let x = randn(20 * k, 8);
+            // the block formats (rows of whole blocks): the chain over their dequantized values
+            let quants: Vec<(QuantFormat, PackedMatrix, Vec<f32>)> =
+                [QuantFormat::Q8_0, QuantFormat::Q5_0, QuantFormat::Q4K]
+                    .into_iter()
+                    .filter(|f| k.is_multiple_of(f.block_values()))
+                    .map(|f| {
+                        let q = QMatrix::quantize(&tensor(w.clone(), n, k), f).unwrap();
+                        let mut wq = vec![0f32; n * k];
+                        q.dequantize_rows(0, n, &mut wq);
+                        (f, PackedMatrix::from_quant(&q).unwrap().expect("the format packs"), wq)
+                    })
+                    .collect();
+            let x = randn(31 * k, 8);
             let chain = |w: &[f32], m: usize| -> Vec<f32> {
                 (0..m * n)
                     .map(|e| {
@@ -1370,8 +1698,10 @@ mod tests {
                     })
                     .collect()
             };
-            for m in (1..=13).chain([20]) {
+            // (from `packed::DECODE_ROWS` rows on, a block format is decoded before the tiles run)
+            for m in (1..=13).chain([20, 24, 31]) {
                 let (want_f, want_b) = (chain(&w, m), chain(&wb32, m));
+                let want_q: Vec<Vec<f32>> = quants.iter().map(|(_, _, wq)| chain(wq, m)).collect();
                 for (par, wide) in [usize::MAX, 1].into_iter().flat_map(|p| widths().map(move |w| (p, w))) {
                     let mm = |x: &[f32], m: usize, w| matmul_t_with(x, m, k, w, n, par, wide);
                     let xs = &x[..m * k];
@@ -1381,10 +1711,11 @@ mod tests {
                     assert_eq!(mm(xs, m, Source::Bf16(&wb)), want_b, "per call {at}");
                     let r = m - 1;
                     assert_eq!(mm(&x[r * k..(r + 1) * k], 1, Source::Packed(&pb)), want_b[r * n..(r + 1) * n]);
-                    if let Some((pq, wq)) = &q8 {
-                        let want_q = chain(wq, m);
-                        assert_eq!(mm(xs, m, Source::Packed(pq)), want_q, "q8_0 {at}");
-                        assert_eq!(mm(&x[r * k..(r + 1) * k], 1, Source::Packed(pq)), want_q[r * n..(r + 1) * n]);
+                    for ((f, pq, _), want_q) in quants.iter().zip(&want_q) {
+                        let f = f.name();
+                        assert_eq!(mm(xs, m, Source::Packed(pq)), *want_q, "{f} {at}");
+                        let one = &want_q[r * n..(r + 1) * n];
+                        assert_eq!(mm(&x[r * k..(r + 1) * k], 1, Source::Packed(pq)), one, "{f} row {r} alone, {at}");
                     }
                 }
             }
@@ -1392,31 +1723,40 @@ mod tests {
     }
 
     #[test]
-    fn packed_q8_0_rows_stacks_and_bytes_are_those_of_its_blocks() {
+    fn packed_block_formats_rows_stacks_and_bytes() {
         if !PackedMatrix::available() {
             return;
         }
-        let k = 96;
-        let q = |n: usize, seed: u64| QMatrix::quantize(&tensor(randn(n * k, seed), n, k), QuantFormat::Q8_0).unwrap();
-        let (a, b) = (q(32, 11), q(21, 12));
-        let (pa, pb) = (PackedMatrix::from_q8_0(&a).unwrap().unwrap(), PackedMatrix::from_q8_0(&b).unwrap().unwrap());
-        assert_eq!(pb.dtype(), None);
-        // the bytes of the blocks, for the rows padded to a whole group
-        assert_eq!(pb.bytes(), 32 * k / 32 * 34);
-        let mut want = vec![0f32; 53 * k];
-        a.dequantize_rows(0, 32, &mut want[..32 * k]);
-        b.dequantize_rows(0, 21, &mut want[32 * k..]);
-        let st = PackedMatrix::stack(&[&pa, &pb]).unwrap().expect("whole groups stack");
-        let mut got = vec![0f32; 53 * k];
-        st.rows_into(0, 53, &mut got);
-        assert_eq!(got, want);
-        // q8_0 does not stack with another kind, nor after a partial group
-        let dense = PackedMatrix::from_tensor(&tensor(randn(32 * k, 13), 32, k)).unwrap().unwrap();
-        assert!(PackedMatrix::stack(&[&pa, &dense]).unwrap().is_none());
-        assert!(PackedMatrix::stack(&[&pb, &pa]).unwrap().is_none());
+        let k = 512;
+        for (f, bytes_per_256) in
+            [(QuantFormat::Q8_0, 8 * 34), (QuantFormat::Q5_0, 8 * 22), (QuantFormat::Q4K, 128 + 20)]
+        {
+            let q = |n: usize, seed: u64| QMatrix::quantize(&tensor(randn(n * k, seed), n, k), f).unwrap();
+            let (a, b) = (q(32, 11), q(21, 12));
+            let (pa, pb) =
+                (PackedMatrix::from_quant(&a).unwrap().unwrap(), PackedMatrix::from_quant(&b).unwrap().unwrap());
+            assert_eq!(pb.dtype(), None);
+            // per 256 values: q8_0 and q5_0 their blocks' bytes; q4_k its 144 and 4 more (the 6-bit scales and mins
+            // a byte each), for the rows padded to a whole group
+            assert_eq!(pb.bytes(), 32 * k / 256 * bytes_per_256, "{}", f.name());
+            let mut want = vec![0f32; 53 * k];
+            a.dequantize_rows(0, 32, &mut want[..32 * k]);
+            b.dequantize_rows(0, 21, &mut want[32 * k..]);
+            let st = PackedMatrix::stack(&[&pa, &pb]).unwrap().expect("whole groups stack");
+            let mut got = vec![0f32; 53 * k];
+            st.rows_into(0, 53, &mut got);
+            assert_eq!(got, want, "{}", f.name());
+            // not with another kind or format, nor after a partial group
+            let dense = PackedMatrix::from_tensor(&tensor(randn(32 * k, 13), 32, k)).unwrap().unwrap();
+            assert!(PackedMatrix::stack(&[&pa, &dense]).unwrap().is_none());
+            assert!(PackedMatrix::stack(&[&pb, &pa]).unwrap().is_none());
+            let other = if f == QuantFormat::Q8_0 { QuantFormat::Q5_0 } else { QuantFormat::Q8_0 };
+            let po = PackedMatrix::from_quant(&QMatrix::quantize(&tensor(randn(32 * k, 15), 32, k), other).unwrap());
+            assert!(PackedMatrix::stack(&[&pa, &po.unwrap().unwrap()]).unwrap().is_none());
+        }
         // other block formats are not packed
-        let q4 = QMatrix::quantize(&tensor(randn(32 * k, 14), 32, k), QuantFormat::Q5_0).unwrap();
-        assert!(PackedMatrix::from_q8_0(&q4).unwrap().is_none());
+        let q6 = QMatrix::quantize(&tensor(randn(32 * k, 14), 32, k), QuantFormat::Q6K).unwrap();
+        assert!(PackedMatrix::from_quant(&q6).unwrap().is_none());
     }
 
     #[test]

@@ -3,9 +3,9 @@
 //! CPU by the skinny kernel (`skinny::matmul_q`), which dequantizes 4 weight rows at a time into an f32 scratch
 //! and sweeps every x row over them: a quantized matrix computes exactly as its f32 dequantization held row-major
 //! would (a dense matrix packed at load, `panels::PackedMatrix`, sums in another order), with a quarter (q8_0) or
-//! about a seventh (q4_k) of the bytes streamed from memory. On CPUs with the packed product a q8_0 matrix is
-//! packed at load instead (`Matrix::quant`: the same bytes in groups of 16 columns) and computes exactly as its
-//! f32 dequantization packed.
+//! about a seventh (q4_k) of the bytes streamed from memory. On CPUs with the packed product q8_0, q5_0 and q4_k
+//! matrices are packed at load instead (`Matrix::quant`: the same values in groups of 16 columns, about the same
+//! bytes) and compute exactly as their f32 dequantization packed.
 //!
 //! Why not candle's quantized matmul (`QMatMul`): it quantizes the activations to 8 bits per call (a second
 //! rounding), it re-reads the weight matrix once per x row (a 32-row window streams the weights 32 times), and
@@ -50,12 +50,12 @@ impl Matrix {
         Ok(Matrix::Dense(t))
     }
 
-    /// A quantized matrix as the model holds it: a q8_0 one packed where `pack` (`Kernels::packs`) on a CPU with
-    /// the packed product (`panels::PackedMatrix::from_q8_0`: the same values and bytes, multiplied like a packed
-    /// dense matrix), else as it is.
+    /// A quantized matrix as the model holds it: a q8_0, q5_0 or q4_k one packed where `pack` (`Kernels::packs`)
+    /// on a CPU with the packed product (`panels::PackedMatrix::from_quant`: the same values, regrouped, multiplied
+    /// like a packed dense matrix), else as it is.
     pub fn quant(q: QMatrix, pack: bool) -> Result<Matrix> {
         if pack {
-            if let Some(p) = PackedMatrix::from_q8_0(&q)? {
+            if let Some(p) = PackedMatrix::from_quant(&q)? {
                 return Ok(Matrix::Packed(Arc::new(p)));
             }
         }

@@ -433,9 +433,9 @@ impl Weights {
         self
     }
 
-    /// Hand out the unquantized matrices of linear layers, the embedding table and the head, and q8_0 ones, packed
-    /// for the CPU's packed product where it exists (`Kernels::packs`; f32 compute only; `Matrix::dense` leaves
-    /// non-CPU tensors as they are, `Matrix::quant` other block formats).
+    /// Hand out the unquantized matrices of linear layers, the embedding table and the head, and q8_0, q5_0 and
+    /// q4_k ones, packed for the CPU's packed product where it exists (`Kernels::packs`; f32 compute only;
+    /// `Matrix::dense` leaves non-CPU tensors as they are, `Matrix::quant` other block formats).
     pub fn with_packing(mut self, pack: bool) -> Self {
         self.pack = pack && self.dtype == DType::F32;
         self
