@@ -741,12 +741,6 @@ mod packed {
         unsafe { std::slice::from_raw_parts(w.as_ptr() as *const E, w.len()) }
     }
 
-    /// Windows of this many rows or more take a block format's values decoded into f32 once per depth block
-    /// (`decode`), then the f32 tiles; fewer decode them in the tile, once per `MR` rows. The same values either
-    /// way, so the same bits. (`benches/quant_kernel.rs` with `MBD_BENCH_PACKED=1`, Zen 4: decoding first costs
-    /// 1.2-1.4× at 12-16 rows and saves 10-25% for q5_0 and q4_k at 32; q8_0 about even at 32.)
-    const DECODE_ROWS: usize = 4 * MR;
-
     /// The task's columns from its groups `w` of a `PackedMatrix`, `KC` deep at a time as x is packed. (A window of
     /// one row panel taking the whole depth at once, each group streamed in one pass, measured the same.)
     unsafe fn columns_packed<T: Tiles, E: Panel>(t: Task<'_>, w: &[E], scales: &[u8]) {
@@ -762,13 +756,13 @@ mod packed {
                 std::ptr::null()
             },
         };
-        if E::BLOCK > 0 && t.m >= DECODE_ROWS {
+        if E::BLOCK > 0 && t.m >= E::DECODE_ROWS {
             let groups = t.nt.div_ceil(NR);
             with_buf(&B, KC * groups * NR, |b| {
                 for kc0 in (0..t.k).step_by(KC) {
                     let kc = KC.min(t.k - kc0);
                     for g in 0..groups {
-                        decode::<E>(kc, at(g, kc0), &mut b[g * NR * kc..(g + 1) * NR * kc]);
+                        T::decode::<E>(kc, at(g, kc0), &mut b[g * NR * kc..(g + 1) * NR * kc]);
                     }
                     let b: &[f32] = b;
                     sweep::<T, f32>(t, kc0, kc, |g| Cursor::dense(b.as_ptr().add(g * NR * kc)));
@@ -782,7 +776,7 @@ mod packed {
         }
     }
 
-    /// A group's `kc` depths from `b` on, as f32 (`NR` per depth, column order) into `dst`.
+    /// A group's `kc` depths from `b` on, as f32 (`NR` per depth, column order) into `dst` (`Ymm::decode`).
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn decode<E: Panel>(kc: usize, b: Cursor<E>, dst: &mut [f32]) {
         assert!(dst.len() >= kc * NR && E::SLOTS.is_none());
@@ -795,6 +789,21 @@ mod packed {
             let (lo, hi) = E::load(w, &d);
             _mm256_storeu_ps(dst.as_mut_ptr().add(p * NR), lo);
             _mm256_storeu_ps(dst.as_mut_ptr().add(p * NR + 8), hi);
+            w = w.add(E::LAYOUT.step);
+        }
+    }
+
+    /// `decode` with AVX-512 (`Zmm::decode`): the same values.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn decode512<E: Panel>(kc: usize, b: Cursor<E>, dst: &mut [f32]) {
+        assert!(dst.len() >= kc * NR && E::SLOTS.is_none());
+        let mut w = b.w;
+        let mut d = [_mm512_setzero_ps(); 2];
+        for p in 0..kc {
+            if E::BLOCK > 0 && p.is_multiple_of(E::BLOCK.max(1)) {
+                d = E::scales16(b.record(p), p % E::LAYOUT.sblock.max(1) / E::BLOCK.max(1));
+            }
+            _mm512_storeu_ps(dst.as_mut_ptr().add(p * NR), E::load16(w, &d));
             w = w.add(E::LAYOUT.step);
         }
     }
@@ -886,6 +895,8 @@ mod packed {
             n: usize,
             acc: bool,
         ) -> usize;
+        /// A block format's group, `kc` depths from `b` on, as f32 into `dst` (`NR` per depth, column order).
+        unsafe fn decode<E: Panel>(kc: usize, b: Cursor<E>, dst: &mut [f32]);
         /// The last `rows` (1 to `MR` − 1) rows over every group (`last_rows` with this set's widths).
         #[allow(clippy::too_many_arguments)]
         unsafe fn last_rows<E: Panel>(
@@ -908,6 +919,9 @@ mod packed {
 
     impl Tiles for Ymm {
         const FULL: usize = 1;
+        unsafe fn decode<E: Panel>(kc: usize, b: Cursor<E>, dst: &mut [f32]) {
+            decode::<E>(kc, b, dst)
+        }
         unsafe fn full<E: Panel>(
             kc: usize,
             a: *const f32,
@@ -969,6 +983,9 @@ mod packed {
 
     impl Tiles for Zmm {
         const FULL: usize = 4;
+        unsafe fn decode<E: Panel>(kc: usize, b: Cursor<E>, dst: &mut [f32]) {
+            decode512::<E>(kc, b, dst)
+        }
         unsafe fn full<E: Panel>(
             kc: usize,
             a: *const f32,
@@ -1145,6 +1162,13 @@ mod packed {
         const BLOCK: usize = 0;
         /// Groups the full AVX-512 tile takes at once (its scales take registers too).
         const FULL512: usize = 4;
+        /// A block format: windows of this many rows or more take its values decoded into f32 once per depth block
+        /// (`Tiles::decode`), then the f32 tiles; fewer form them in the tile, once per `MR` rows. The same values
+        /// either way, so the same bits. (`benches/quant_kernel.rs` with `MBD_BENCH_PACKED=1` on Zen 4, time over
+        /// bf16's at 8 / 12 / 18 / 32 rows, in the tile | decoded first: q8_0 1.02 / 1.05 / 1.11 / 1.14 | 1.44 /
+        /// 1.38 / 1.28 / 1.15; q5_0 1.25 / 1.26 / 1.34 / 1.40 | 1.31 / 1.27 / 1.20 / 1.10; q4_k 1.08 / 1.10 / 1.15 /
+        /// 1.20 | 1.24 / 1.22 / 1.17 / 1.09.)
+        const DECODE_ROWS: usize = usize::MAX;
         /// The scales of set j of a record (a block format only): AVX2 (columns 0-7, 8-15; a second pair where the
         /// format has one, e.g. q4_k's mins) and AVX-512.
         #[inline(always)]
@@ -1295,7 +1319,7 @@ mod packed {
         const SLOTS: Option<[u32; NR]> = None;
         const LAYOUT: super::Layout = super::Q5_0_LAYOUT;
         const BLOCK: usize = 32;
-        const FULL512: usize = 3;
+        const DECODE_ROWS: usize = 3 * MR;
         #[inline(always)]
         unsafe fn scales(rec: *const u8, j: usize) -> [__m256; 4] {
             <i8 as Panel>::scales(rec, j)
@@ -1346,7 +1370,7 @@ mod packed {
         const SLOTS: Option<[u32; NR]> = None;
         const LAYOUT: super::Layout = super::Q4K_LAYOUT;
         const BLOCK: usize = 32;
-        const FULL512: usize = 3;
+        const DECODE_ROWS: usize = 4 * MR;
         #[inline(always)]
         unsafe fn scales(rec: *const u8, j: usize) -> [__m256; 4] {
             let ((d0, d1), (n0, n1)) = (f16x16(rec, 0), f16x16(rec, 2 * NR));
@@ -1698,7 +1722,7 @@ mod tests {
                     })
                     .collect()
             };
-            // (from `packed::DECODE_ROWS` rows on, a block format is decoded before the tiles run)
+            // (from `Panel::DECODE_ROWS` rows on, q5_0 and q4_k are decoded before the tiles run)
             for m in (1..=13).chain([20, 24, 31]) {
                 let (want_f, want_b) = (chain(&w, m), chain(&wb32, m));
                 let want_q: Vec<Vec<f32>> = quants.iter().map(|(_, _, wq)| chain(wq, m)).collect();
