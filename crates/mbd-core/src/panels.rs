@@ -1348,15 +1348,12 @@ mod packed {
         #[inline(always)]
         unsafe fn load16(p: *const Q5, d: &[__m512; 2]) -> __m512 {
             let p = p as *const u8;
-            let n = nibbles16(p.add(2));
-            let h = _mm512_set1_epi32((p as *const i32).read_unaligned());
-            let h = _mm512_rolv_epi32(h, _mm512_setr_epi32(4, 3, 2, 1, 0, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21));
-            // the low 4 bits from the nibble, bit 4 (and above: ignored) from h: an index into q − 16 for q in 0..32
-            let q = _mm512_ternarylogic_epi32::<0xE4>(n, h, _mm512_set1_epi32(0xF));
-            let lo =
+            // the low 4 bits (bits above ignored) index q − 16 for q < 16; a set fifth bit adds 16 (exact)
+            let table =
                 _mm512_setr_ps(-16., -15., -14., -13., -12., -11., -10., -9., -8., -7., -6., -5., -4., -3., -2., -1.);
-            let hi = _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.);
-            _mm512_mul_ps(_mm512_permutex2var_ps(lo, q, hi), d[0])
+            let v = _mm512_permutexvar_ps(nibbles16(p.add(2)), table);
+            let v = _mm512_mask_add_ps(v, (p as *const u16).read_unaligned(), v, _mm512_set1_ps(16.));
+            _mm512_mul_ps(v, d[0])
         }
     }
 
