@@ -45,13 +45,18 @@ pub(crate) struct Layout {
 
 /// q8_0: a signed byte per value (column order); a record is the 16 columns' f16 scales.
 const Q8_0_LAYOUT: Layout = Layout { step: GROUP, sblock: 32, sbytes: 2 * GROUP };
-/// q5_0: 2 bytes of fifth bits (bit c: column c), then 8 bytes of nibbles (column c at nibble `nibble(c)`); a
-/// record is the 16 columns' f16 scales.
-const Q5_0_LAYOUT: Layout = Layout { step: GROUP / 2 + 2, sblock: 32, sbytes: 2 * GROUP };
+/// q5_0: 2 bytes of fifth bits (bit c: column c), then 8 bytes of nibbles (column c at nibble `nibble(c)`, from
+/// byte `Q5_0_NIBBLES` of the depth); a record is the 16 columns' f16 scales.
+const Q5_0_LAYOUT: Layout = Layout { step: Q5_0_NIBBLES + GROUP / 2, sblock: 32, sbytes: 2 * GROUP };
+/// Where a q5_0 depth's nibbles start (after its fifth bits).
+const Q5_0_NIBBLES: usize = 2;
 /// q4_k: 8 bytes of nibbles (as q5_0); a record (a super-block of 256 depths) is the 16 columns' f16 d, their f16
-/// dmin, then per sub-block j of 32 depths their 6-bit scales (16 bytes at 64 + 16j) and their 6-bit mins (16
-/// bytes at 192 + 16j).
-const Q4K_LAYOUT: Layout = Layout { step: GROUP / 2, sblock: 256, sbytes: 4 * GROUP + 16 * GROUP };
+/// dmin (at `Q4K_DMIN`), then per sub-block j of 32 depths their 6-bit scales (16 bytes at `Q4K_SCALES` + 16j) and
+/// their 6-bit mins (16 bytes at `Q4K_MINS` + 16j).
+const Q4K_LAYOUT: Layout = Layout { step: GROUP / 2, sblock: 256, sbytes: Q4K_MINS + 8 * GROUP };
+const Q4K_DMIN: usize = 2 * GROUP;
+const Q4K_SCALES: usize = 4 * GROUP;
+const Q4K_MINS: usize = Q4K_SCALES + 8 * GROUP;
 
 /// The packed layout of a block format (None: not packed; held in its blocks).
 fn layout(format: QuantFormat) -> Option<Layout> {
@@ -332,16 +337,16 @@ fn pack_block(format: QuantFormat, block: &[u8], c: usize, w: &mut [u8], s: &mut
                 let q = if j < 16 { block[6 + j] & 0xF } else { block[6 + j - 16] >> 4 };
                 let depth = &mut w[j * step..(j + 1) * step];
                 depth[c / 8] |= (((qh >> j) & 1) as u8) << (c % 8);
-                put_nibble(&mut depth[2..], c, q);
+                put_nibble(&mut depth[Q5_0_NIBBLES..], c, q);
             }
         }
         QuantFormat::Q4K => {
             s[2 * c..2 * c + 2].copy_from_slice(&block[..2]);
-            s[2 * GROUP + 2 * c..2 * GROUP + 2 * c + 2].copy_from_slice(&block[2..4]);
+            s[Q4K_DMIN + 2 * c..Q4K_DMIN + 2 * c + 2].copy_from_slice(&block[2..4]);
             for j in 0..8 {
                 let (sc, m) = crate::quant::scale_min_k4(j, &block[4..16]);
-                s[4 * GROUP + GROUP * j + c] = sc;
-                s[12 * GROUP + GROUP * j + c] = m;
+                s[Q4K_SCALES + GROUP * j + c] = sc;
+                s[Q4K_MINS + GROUP * j + c] = m;
             }
             let qs = &block[16..144];
             for v in 0..256 {
@@ -367,7 +372,7 @@ fn block_value(format: QuantFormat, w: &[u8], s: &[u8], c: usize, p: usize) -> f
         QuantFormat::Q5_0 => {
             let l = Q5_0_LAYOUT;
             let depth = &w[p * l.step..(p + 1) * l.step];
-            let q = get_nibble(&depth[2..], c) | (((depth[c / 8] >> (c % 8)) & 1) << 4);
+            let q = get_nibble(&depth[Q5_0_NIBBLES..], c) | (((depth[c / 8] >> (c % 8)) & 1) << 4);
             (q as i32 - 16) as f32 * f16(s, p / l.sblock * l.sbytes + 2 * c)
         }
         QuantFormat::Q4K => {
@@ -375,8 +380,8 @@ fn block_value(format: QuantFormat, w: &[u8], s: &[u8], c: usize, p: usize) -> f
             let r = &s[p / l.sblock * l.sbytes..];
             let j = p % l.sblock / 32;
             let (d1, m1) = (
-                f16(r, 2 * c) * r[4 * GROUP + GROUP * j + c] as f32,
-                f16(r, 2 * GROUP + 2 * c) * r[12 * GROUP + GROUP * j + c] as f32,
+                f16(r, 2 * c) * r[Q4K_SCALES + GROUP * j + c] as f32,
+                f16(r, Q4K_DMIN + 2 * c) * r[Q4K_MINS + GROUP * j + c] as f32,
             );
             d1 * get_nibble(&w[p * l.step..(p + 1) * l.step], c) as f32 - m1
         }
@@ -715,20 +720,20 @@ mod packed {
             }),
             Source::Packed(p) => {
                 // the task's groups (j0 is a multiple of NR)
-                let (g0, g1) = (j0 / NR, (j0 + nt).div_ceil(NR));
+                let g = (j0 / NR, (j0 + nt).div_ceil(NR));
                 match &p.data {
-                    PackedData::F32(d) => columns_packed::<T, f32>(t, &d[g0 * NR * k..g1 * NR * k], &[]),
-                    PackedData::Bf16(d) => columns_packed::<T, u16>(t, &d[g0 * NR * k..g1 * NR * k], &[]),
-                    PackedData::Block { format, w, s } => {
-                        let l = super::layout(*format).expect("a packed block format");
-                        let rs = k / l.sblock * l.sbytes;
-                        let (w, s) = (&w[g0 * k * l.step..g1 * k * l.step], &s[g0 * rs..g1 * rs]);
-                        match format {
-                            QuantFormat::Q8_0 => columns_packed::<T, i8>(t, bytes_as(w), s),
-                            QuantFormat::Q5_0 => columns_packed::<T, Q5>(t, bytes_as(w), s),
-                            _ => columns_packed::<T, Q4>(t, bytes_as(w), s),
-                        }
+                    PackedData::F32(d) => columns_packed::<T, f32>(t, d, &[], g),
+                    PackedData::Bf16(d) => columns_packed::<T, u16>(t, d, &[], g),
+                    PackedData::Block { format: QuantFormat::Q8_0, w, s } => {
+                        columns_packed::<T, i8>(t, bytes_as(w), s, g)
                     }
+                    PackedData::Block { format: QuantFormat::Q5_0, w, s } => {
+                        columns_packed::<T, Q5>(t, bytes_as(w), s, g)
+                    }
+                    PackedData::Block { format: QuantFormat::Q4K, w, s } => {
+                        columns_packed::<T, Q4>(t, bytes_as(w), s, g)
+                    }
+                    PackedData::Block { format, .. } => unreachable!("{} has no packed layout", format.name()),
                 }
             }
         }
@@ -741,13 +746,17 @@ mod packed {
         unsafe { std::slice::from_raw_parts(w.as_ptr() as *const E, w.len()) }
     }
 
-    /// The task's columns from its groups `w` of a `PackedMatrix`, `KC` deep at a time as x is packed. (A window of
-    /// one row panel taking the whole depth at once, each group streamed in one pass, measured the same.)
-    unsafe fn columns_packed<T: Tiles, E: Panel>(t: Task<'_>, w: &[E], scales: &[u8]) {
+    /// The task's columns from its groups [g0, g1) (`groups`) of a `PackedMatrix`'s values `w` and scale records
+    /// `scales`, `KC` deep at a time as x is packed. (A window of one row panel taking the whole depth at once, each
+    /// group streamed in one pass, measured the same.)
+    unsafe fn columns_packed<T: Tiles, E: Panel>(t: Task<'_>, w: &[E], scales: &[u8], groups: (usize, usize)) {
         // a block format's scale records: group g's after g's (KC is a multiple of `sblock`, so every depth block
         // starts a record)
         let l = E::LAYOUT;
         let records = if E::BLOCK > 0 { t.k / l.sblock } else { 0 };
+        let (g0, g1) = groups;
+        let w = &w[g0 * t.k * l.step..g1 * t.k * l.step];
+        let scales = &scales[g0 * records * l.sbytes..g1 * records * l.sbytes];
         let at = |g: usize, kc0: usize| Cursor {
             w: w.as_ptr().add((g * t.k + kc0) * l.step),
             s: if E::BLOCK > 0 {
@@ -780,13 +789,11 @@ mod packed {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn decode<E: Panel>(kc: usize, b: Cursor<E>, dst: &mut [f32]) {
         assert!(dst.len() >= kc * NR && E::SLOTS.is_none());
-        let mut w = b.w;
-        let mut d = [_mm256_setzero_ps(); 4];
+        let (mut w, b) = (b.w, [b]);
+        let mut d = [[_mm256_setzero_ps(); 4]];
         for p in 0..kc {
-            if E::BLOCK > 0 && p.is_multiple_of(E::BLOCK.max(1)) {
-                d = E::scales(b.record(p), p % E::LAYOUT.sblock.max(1) / E::BLOCK.max(1));
-            }
-            let (lo, hi) = E::load(w, &d);
+            next_scales(p, &b, &mut d, |r, j| E::scales(r, j));
+            let (lo, hi) = E::load(w, &d[0]);
             _mm256_storeu_ps(dst.as_mut_ptr().add(p * NR), lo);
             _mm256_storeu_ps(dst.as_mut_ptr().add(p * NR + 8), hi);
             w = w.add(E::LAYOUT.step);
@@ -797,13 +804,11 @@ mod packed {
     #[target_feature(enable = "avx512f")]
     unsafe fn decode512<E: Panel>(kc: usize, b: Cursor<E>, dst: &mut [f32]) {
         assert!(dst.len() >= kc * NR && E::SLOTS.is_none());
-        let mut w = b.w;
-        let mut d = [_mm512_setzero_ps(); 2];
+        let (mut w, b) = (b.w, [b]);
+        let mut d = [[_mm512_setzero_ps(); 2]];
         for p in 0..kc {
-            if E::BLOCK > 0 && p.is_multiple_of(E::BLOCK.max(1)) {
-                d = E::scales16(b.record(p), p % E::LAYOUT.sblock.max(1) / E::BLOCK.max(1));
-            }
-            _mm512_storeu_ps(dst.as_mut_ptr().add(p * NR), E::load16(w, &d));
+            next_scales(p, &b, &mut d, |r, j| E::scales16(r, j));
+            _mm512_storeu_ps(dst.as_mut_ptr().add(p * NR), E::load16(w, &d[0]));
             w = w.add(E::LAYOUT.step);
         }
     }
@@ -1310,7 +1315,7 @@ mod packed {
     }
 
     /// A packed q5_0 byte (`super::Q5_0_LAYOUT`): value (q − 16) · d, q's low 4 bits from the depth's nibbles, its
-    /// fifth from the 16 bits after them.
+    /// fifth from the 16 bits before them.
     #[derive(Clone, Copy)]
     #[repr(transparent)]
     pub(super) struct Q5(#[allow(dead_code)] u8);
@@ -1331,8 +1336,8 @@ mod packed {
         #[inline(always)]
         unsafe fn load(p: *const Q5, d: &[__m256; 4]) -> (__m256, __m256) {
             let p = p as *const u8;
-            let (lo, hi) = nibbles8(p.add(2));
-            // the fifth bits (and 2 nibble bytes above them) in every lane; bit c rotated to bit 4 of lane c
+            let (lo, hi) = nibbles8(p.add(super::Q5_0_NIBBLES));
+            // the fifth bits (and 2 nibble bytes above them) in every lane; bit c shifted to bit 4 of lane c
             let h = _mm256_set1_epi32((p as *const i32).read_unaligned());
             let h_lo = _mm256_srlv_epi32(_mm256_slli_epi32::<4>(h), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
             let h_hi = _mm256_srlv_epi32(h, _mm256_setr_epi32(4, 5, 6, 7, 8, 9, 10, 11));
@@ -1351,7 +1356,7 @@ mod packed {
             // the low 4 bits (bits above ignored) index q − 16 for q < 16; a set fifth bit adds 16 (exact)
             let table =
                 _mm512_setr_ps(-16., -15., -14., -13., -12., -11., -10., -9., -8., -7., -6., -5., -4., -3., -2., -1.);
-            let v = _mm512_permutexvar_ps(nibbles16(p.add(2)), table);
+            let v = _mm512_permutexvar_ps(nibbles16(p.add(super::Q5_0_NIBBLES)), table);
             let v = _mm512_mask_add_ps(v, (p as *const u16).read_unaligned(), v, _mm512_set1_ps(16.));
             _mm512_mul_ps(v, d[0])
         }
@@ -1370,8 +1375,8 @@ mod packed {
         const DECODE_ROWS: usize = 4 * MR;
         #[inline(always)]
         unsafe fn scales(rec: *const u8, j: usize) -> [__m256; 4] {
-            let ((d0, d1), (n0, n1)) = (f16x16(rec, 0), f16x16(rec, 2 * NR));
-            let ((s0, s1), (m0, m1)) = (u8x16(rec, 4 * NR + NR * j), u8x16(rec, 12 * NR + NR * j));
+            let ((d0, d1), (n0, n1)) = (f16x16(rec, 0), f16x16(rec, super::Q4K_DMIN));
+            let ((s0, s1), (m0, m1)) = (u8x16(rec, super::Q4K_SCALES + NR * j), u8x16(rec, super::Q4K_MINS + NR * j));
             [_mm256_mul_ps(d0, s0), _mm256_mul_ps(d1, s1), _mm256_mul_ps(n0, m0), _mm256_mul_ps(n1, m1)]
         }
         #[inline(always)]
@@ -1379,7 +1384,8 @@ mod packed {
             let f16s = |at: usize| _mm512_cvtph_ps(_mm256_loadu_si256(rec.add(at) as *const __m256i));
             let u8s =
                 |at: usize| _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(rec.add(at) as *const __m128i)));
-            [_mm512_mul_ps(f16s(0), u8s(4 * NR + NR * j)), _mm512_mul_ps(f16s(2 * NR), u8s(12 * NR + NR * j))]
+            let (dmin, sc, m) = (super::Q4K_DMIN, super::Q4K_SCALES + NR * j, super::Q4K_MINS + NR * j);
+            [_mm512_mul_ps(f16s(0), u8s(sc)), _mm512_mul_ps(f16s(dmin), u8s(m))]
         }
         #[inline(always)]
         unsafe fn load(p: *const Q4, d: &[__m256; 4]) -> (__m256, __m256) {
