@@ -10,8 +10,9 @@
 //!     MBD_BENCH_FORMATS=q8_0,q5_0,q4_k cargo bench -p mbd-core --bench quant_kernel    # only these formats
 //!
 //! `MBD_BENCH_PACKED=1`: every matrix held as the engine holds it on this CPU (`Matrix::dense` / `Matrix::quant`
-//! with packing: bf16, q8_0, q5_0 and q4_k packed at load where the CPU has the packed product, the other formats
-//! in their blocks).
+//! with packing: bf16, q8_0, q5_0, q4_k and q6_k packed at load where the CPU has the packed product, the other formats
+//! in their blocks). `MBD_BENCH_PACKED=ab`: both, interleaved: bf16 and each format packed at load, and each format
+//! held in its blocks too (the `.b` columns).
 
 use candle_core::{DType, Device, Tensor};
 use mbd_core::quant::{Matrix, QMatrix, QuantFormat};
@@ -50,15 +51,24 @@ fn run() {
         }
         Err(_) => FORMATS.to_vec(),
     };
-    let pack = std::env::var("MBD_BENCH_PACKED").is_ok_and(|v| v == "1");
+    let packed = std::env::var("MBD_BENCH_PACKED").unwrap_or_default();
+    let pack = packed == "1" || packed == "ab";
+    // (the format, held packed where it packs): every column of the table
+    let formats: Vec<(QuantFormat, bool)> = formats
+        .iter()
+        .map(|&f| (f, pack))
+        .chain(formats.iter().filter(|_| packed == "ab").map(|&f| (f, false)))
+        .collect();
+    let label =
+        |&(f, p): &(QuantFormat, bool)| if p || !pack { f.name().to_string() } else { format!("{}.b", f.name()) };
     println!("{threads} threads; ms (median), each format's time over bf16's, GB/s of weights for one row");
     print!("{:>22} {:>4} {:>8}", "W (n x k)", "rows", "bf16");
     for f in &formats {
-        print!(" {:>8} {:>6}", f.name(), "/bf16");
+        print!(" {:>8} {:>6}", label(f), "/bf16");
     }
     print!(" {:>7}", "GB/s bf");
     for f in &formats {
-        print!(" {:>7}", f.name());
+        print!(" {:>7}", label(f));
     }
     println!();
     for (n, k, name) in [
@@ -72,7 +82,7 @@ fn run() {
         // (matrix, its bytes in the format's blocks)
         let qs: Vec<Option<(Matrix, usize)>> = formats
             .iter()
-            .map(|&f| {
+            .map(|&(f, pack)| {
                 k.is_multiple_of(f.block_values()).then(|| {
                     let q = QMatrix::quantize(&w, f).unwrap();
                     let bytes = q.bytes().len();

@@ -46,10 +46,12 @@ pub(crate) struct Layout {
 /// q8_0: a signed byte per value (column order); a record is the 16 columns' f16 scales.
 const Q8_0_LAYOUT: Layout = Layout { step: GROUP, sblock: 32, sbytes: 2 * GROUP };
 /// q5_0: 2 bytes of fifth bits (bit c: column c), then 8 bytes of nibbles (column c at nibble `nibble(c)`, from
-/// byte `Q5_0_NIBBLES` of the depth); a record is the 16 columns' f16 scales.
-const Q5_0_LAYOUT: Layout = Layout { step: Q5_0_NIBBLES + GROUP / 2, sblock: 32, sbytes: 2 * GROUP };
-/// Where a q5_0 depth's nibbles start (after its fifth bits).
-const Q5_0_NIBBLES: usize = 2;
+/// byte `Q5_NIBBLES` of the depth); a record is the 16 columns' f16 scales.
+const Q5_0_LAYOUT: Layout = Layout { step: Q5_NIBBLES + GROUP / 2, sblock: 32, sbytes: 2 * GROUP };
+/// Where a q5_0 or q5_k depth's nibbles start (after its 2 bytes of fifth bits).
+const Q5_NIBBLES: usize = 2;
+/// q4_0: 8 bytes of nibbles (as q4_k); a record is the 16 columns' f16 scales.
+const Q4_0_LAYOUT: Layout = Layout { step: GROUP / 2, sblock: 32, sbytes: 2 * GROUP };
 /// q4_k: 8 bytes of nibbles (as q5_0); a record (a super-block of 256 depths) is the 16 columns' f16 d, their f16
 /// dmin (at `Q4K_DMIN`), then per sub-block j of 32 depths their 6-bit scales (16 bytes at `Q4K_SCALES` + 16j) and
 /// their 6-bit mins (16 bytes at `Q4K_MINS` + 16j).
@@ -57,13 +59,25 @@ const Q4K_LAYOUT: Layout = Layout { step: GROUP / 2, sblock: 256, sbytes: Q4K_MI
 const Q4K_DMIN: usize = 2 * GROUP;
 const Q4K_SCALES: usize = 4 * GROUP;
 const Q4K_MINS: usize = Q4K_SCALES + 8 * GROUP;
+/// q5_k: a depth as q5_0's (fifth bits, then nibbles from `Q5_NIBBLES`), a record as q4_k's.
+const Q5K_LAYOUT: Layout = Layout { step: Q5_0_LAYOUT.step, ..Q4K_LAYOUT };
+/// q6_k: 8 bytes of low nibbles (as q4_k), then 4 bytes of high bit pairs (column c at bits 2c, 2c + 1 of them
+/// read as a little-endian u32, from byte `Q6K_HIGH` of the depth); a record (a super-block of 256 depths) is the 16
+/// columns' f16 d, then per sub-block j of 16 depths their signed 8-bit scales (16 bytes at `Q6K_SCALES` + 16j).
+/// 210 bytes per 256 values and column, as the format's blocks.
+const Q6K_LAYOUT: Layout = Layout { step: Q6K_HIGH + GROUP / 4, sblock: 256, sbytes: Q6K_SCALES + 16 * GROUP };
+const Q6K_HIGH: usize = GROUP / 2;
+const Q6K_SCALES: usize = 2 * GROUP;
 
 /// The packed layout of a block format (None: not packed; held in its blocks).
 fn layout(format: QuantFormat) -> Option<Layout> {
     match format {
         QuantFormat::Q8_0 => Some(Q8_0_LAYOUT),
         QuantFormat::Q5_0 => Some(Q5_0_LAYOUT),
+        QuantFormat::Q4_0 => Some(Q4_0_LAYOUT),
         QuantFormat::Q4K => Some(Q4K_LAYOUT),
+        QuantFormat::Q5K => Some(Q5K_LAYOUT),
+        QuantFormat::Q6K => Some(Q6K_LAYOUT),
         _ => None,
     }
 }
@@ -86,7 +100,7 @@ fn put_nibble(bytes: &mut [u8], c: usize, q: u8) {
     bytes[i / 2] |= (q & 0xF) << (4 * (i % 2));
 }
 
-/// A weight matrix (n × k: f32, bf16, or a q8_0, q5_0 or q4_k block format) packed once at load for the packed
+/// A weight matrix (n × k: f32, bf16, or a q8_0, q5_0, q4_k or q6_k block format) packed once at load for the packed
 /// product: its rows (output columns) in groups of `GROUP`, each group k-major (depth p of group g: `GROUP` values
 /// at (g · k + p) · `GROUP`), n padded with zero rows to a whole group. The product then reads W as it streams,
 /// with no packing per call, for every window: a one-row decode window, a few-row window and a prefill alike, so
@@ -148,7 +162,7 @@ impl PackedMatrix {
         }))
     }
 
-    /// A quantized matrix in q8_0, q5_0 or q4_k, packed (the same values, in groups of `GROUP` columns); None where
+    /// A quantized matrix in q8_0, q5_0, q4_k or q6_k, packed (the same values, in groups of `GROUP` columns); None where
     /// packed matrices are not available or the format is another; an error when the copy cannot be allocated.
     pub fn from_quant(m: &QMatrix) -> candle_core::Result<Option<PackedMatrix>> {
         let Some(l) = layout(m.format).filter(|_| Self::available()) else { return Ok(None) };
@@ -337,10 +351,18 @@ fn pack_block(format: QuantFormat, block: &[u8], c: usize, w: &mut [u8], s: &mut
                 let q = if j < 16 { block[6 + j] & 0xF } else { block[6 + j - 16] >> 4 };
                 let depth = &mut w[j * step..(j + 1) * step];
                 depth[c / 8] |= (((qh >> j) & 1) as u8) << (c % 8);
-                put_nibble(&mut depth[Q5_0_NIBBLES..], c, q);
+                put_nibble(&mut depth[Q5_NIBBLES..], c, q);
             }
         }
-        QuantFormat::Q4K => {
+        QuantFormat::Q4_0 => {
+            s[2 * c..2 * c + 2].copy_from_slice(&block[..2]);
+            for j in 0..32 {
+                // value j: the low nibble of byte j (j < 16) or the high one of byte j − 16
+                let q = if j < 16 { block[2 + j] & 0xF } else { block[2 + j - 16] >> 4 };
+                put_nibble(&mut w[j * Q4_0_LAYOUT.step..(j + 1) * Q4_0_LAYOUT.step], c, q);
+            }
+        }
+        QuantFormat::Q4K | QuantFormat::Q5K => {
             s[2 * c..2 * c + 2].copy_from_slice(&block[..2]);
             s[Q4K_DMIN + 2 * c..Q4K_DMIN + 2 * c + 2].copy_from_slice(&block[2..4]);
             for j in 0..8 {
@@ -348,12 +370,34 @@ fn pack_block(format: QuantFormat, block: &[u8], c: usize, w: &mut [u8], s: &mut
                 s[Q4K_SCALES + GROUP * j + c] = sc;
                 s[Q4K_MINS + GROUP * j + c] = m;
             }
+            if format == QuantFormat::Q5K {
+                let (qh, qs) = (&block[16..48], &block[48..176]);
+                for v in 0..256 {
+                    let q = crate::quant::q5k_value(qs, qh, v / 32, v % 32);
+                    let depth = &mut w[v * Q5K_LAYOUT.step..(v + 1) * Q5K_LAYOUT.step];
+                    depth[c / 8] |= (q >> 4) << (c % 8);
+                    put_nibble(&mut depth[Q5_NIBBLES..], c, q);
+                }
+                return;
+            }
             let qs = &block[16..144];
             for v in 0..256 {
                 // value v: sub-block j = v / 32, the low (even j) or high (odd j) nibble of byte 32·(j / 2) + v % 32
                 let (j, byte) = (v / 32, qs[32 * (v / 64) + v % 32]);
                 let q = if j % 2 == 0 { byte & 0xF } else { byte >> 4 };
                 put_nibble(&mut w[v * Q4K_LAYOUT.step..(v + 1) * Q4K_LAYOUT.step], c, q);
+            }
+        }
+        QuantFormat::Q6K => {
+            s[2 * c..2 * c + 2].copy_from_slice(&block[208..210]);
+            for j in 0..16 {
+                s[Q6K_SCALES + GROUP * j + c] = block[192 + j];
+            }
+            for v in 0..256 {
+                let q = (crate::quant::q6k_value(block, v) + 32) as u8;
+                let depth = &mut w[v * Q6K_LAYOUT.step..(v + 1) * Q6K_LAYOUT.step];
+                put_nibble(depth, c, q);
+                depth[Q6K_HIGH + c / 4] |= (q >> 4) << (2 * (c % 4));
             }
         }
         _ => unreachable!("{} has no packed layout", format.name()),
@@ -372,18 +416,36 @@ fn block_value(format: QuantFormat, w: &[u8], s: &[u8], c: usize, p: usize) -> f
         QuantFormat::Q5_0 => {
             let l = Q5_0_LAYOUT;
             let depth = &w[p * l.step..(p + 1) * l.step];
-            let q = get_nibble(&depth[Q5_0_NIBBLES..], c) | (((depth[c / 8] >> (c % 8)) & 1) << 4);
+            let q = get_nibble(&depth[Q5_NIBBLES..], c) | (((depth[c / 8] >> (c % 8)) & 1) << 4);
             (q as i32 - 16) as f32 * f16(s, p / l.sblock * l.sbytes + 2 * c)
         }
-        QuantFormat::Q4K => {
-            let l = Q4K_LAYOUT;
+        QuantFormat::Q4_0 => {
+            let l = Q4_0_LAYOUT;
+            (get_nibble(&w[p * l.step..(p + 1) * l.step], c) as i32 - 8) as f32
+                * f16(s, p / l.sblock * l.sbytes + 2 * c)
+        }
+        QuantFormat::Q4K | QuantFormat::Q5K => {
+            let l = layout(format).expect("a packed format");
             let r = &s[p / l.sblock * l.sbytes..];
             let j = p % l.sblock / 32;
             let (d1, m1) = (
                 f16(r, 2 * c) * r[Q4K_SCALES + GROUP * j + c] as f32,
                 f16(r, Q4K_DMIN + 2 * c) * r[Q4K_MINS + GROUP * j + c] as f32,
             );
-            d1 * get_nibble(&w[p * l.step..(p + 1) * l.step], c) as f32 - m1
+            let depth = &w[p * l.step..(p + 1) * l.step];
+            let q = match format {
+                QuantFormat::Q5K => get_nibble(&depth[Q5_NIBBLES..], c) | (((depth[c / 8] >> (c % 8)) & 1) << 4),
+                _ => get_nibble(depth, c),
+            };
+            d1 * q as f32 - m1
+        }
+        QuantFormat::Q6K => {
+            let l = Q6K_LAYOUT;
+            let r = &s[p / l.sblock * l.sbytes..];
+            let d1 = f16(r, 2 * c) * (r[Q6K_SCALES + GROUP * (p % l.sblock / 16) + c] as i8) as f32;
+            let depth = &w[p * l.step..(p + 1) * l.step];
+            let q = get_nibble(depth, c) | (((depth[Q6K_HIGH + c / 4] >> (2 * (c % 4))) & 3) << 4);
+            d1 * (q as i32 - 32) as f32
         }
         _ => unreachable!("{} has no packed layout", format.name()),
     }
@@ -733,6 +795,15 @@ mod packed {
                     PackedData::Block { format: QuantFormat::Q4K, w, s } => {
                         columns_packed::<T, Q4>(t, bytes_as(w), s, g)
                     }
+                    PackedData::Block { format: QuantFormat::Q6K, w, s } => {
+                        columns_packed::<T, Q6>(t, bytes_as(w), s, g)
+                    }
+                    PackedData::Block { format: QuantFormat::Q4_0, w, s } => {
+                        columns_packed::<T, Q40>(t, bytes_as(w), s, g)
+                    }
+                    PackedData::Block { format: QuantFormat::Q5K, w, s } => {
+                        columns_packed::<T, Q5K>(t, bytes_as(w), s, g)
+                    }
                     PackedData::Block { format, .. } => unreachable!("{} has no packed layout", format.name()),
                 }
             }
@@ -742,7 +813,7 @@ mod packed {
     /// Bytes as the one-byte element `E` a `Panel` reads them as.
     fn bytes_as<E: Panel>(w: &[u8]) -> &[E] {
         assert_eq!(std::mem::size_of::<E>(), 1);
-        // SAFETY: E is one byte with no invalid bit patterns (i8, Q5, Q4: `repr(transparent)` over u8)
+        // SAFETY: E is one byte with no invalid bit patterns (i8 or a `repr(transparent)` struct over u8)
         unsafe { std::slice::from_raw_parts(w.as_ptr() as *const E, w.len()) }
     }
 
@@ -1152,7 +1223,7 @@ mod packed {
 
     /// How a tile reads `NR` weights of one depth: packed f32 (two loads), a `PackedMatrix`'s bf16 pairs (one load,
     /// widened: each 32-bit lane's low half shifted up is column i, its high half masked column 8 + i), or a block
-    /// format's values (q8_0: signed bytes; q5_0, q4_k: nibbles, `Q5`, `Q4`) formed with the scales of their block
+    /// format's values (q8_0: signed bytes; q5_0, q4_k, q6_k: nibbles, `Q5`, `Q4`, `Q6`) formed with the scales of their block
     /// exactly as the format's dequantization forms them.
     ///
     /// With AVX-512 (`load16`) a depth's `NR` values fill one register: f32 and the block formats in column order;
@@ -1172,7 +1243,8 @@ mod packed {
         /// either way, so the same bits. (`benches/quant_kernel.rs` with `MBD_BENCH_PACKED=1` on Zen 4, time over
         /// bf16's at 8 / 12 / 18 / 32 rows, in the tile | decoded first: q8_0 1.02 / 1.05 / 1.11 / 1.14 | 1.44 /
         /// 1.38 / 1.28 / 1.15; q5_0 1.25 / 1.26 / 1.34 / 1.40 | 1.31 / 1.27 / 1.20 / 1.10; q4_k 1.08 / 1.10 / 1.15 /
-        /// 1.20 | 1.24 / 1.22 / 1.17 / 1.09.)
+        /// 1.20 | 1.24 / 1.22 / 1.17 / 1.09; q6_k, 1.7B gate/up, at 8 / 12 / 16 rows: 1.39 / 1.29-1.37 / 1.36-1.40 |
+        /// 1.49 / 1.41 / 1.31, and 1.13 decoded at 32.)
         const DECODE_ROWS: usize = usize::MAX;
         /// The scales of set j of a record (a block format only): AVX2 (columns 0-7, 8-15; a second pair where the
         /// format has one, e.g. q4_k's mins) and AVX-512.
@@ -1335,30 +1407,108 @@ mod packed {
         }
         #[inline(always)]
         unsafe fn load(p: *const Q5, d: &[__m256; 4]) -> (__m256, __m256) {
-            let p = p as *const u8;
-            let (lo, hi) = nibbles8(p.add(super::Q5_0_NIBBLES));
-            // the fifth bits (and 2 nibble bytes above them) in every lane; bit c shifted to bit 4 of lane c
-            let h = _mm256_set1_epi32((p as *const i32).read_unaligned());
-            let h_lo = _mm256_srlv_epi32(_mm256_slli_epi32::<4>(h), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-            let h_hi = _mm256_srlv_epi32(h, _mm256_setr_epi32(4, 5, 6, 7, 8, 9, 10, 11));
-            let q = |n: __m256i, h: __m256i, d: __m256| {
-                let q = _mm256_or_si256(
-                    _mm256_and_si256(n, _mm256_set1_epi32(0xF)),
-                    _mm256_and_si256(h, _mm256_set1_epi32(0x10)),
-                );
+            let q = |q: __m256i, d: __m256| {
                 _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(16))), d)
             };
-            (q(lo, h_lo, d[0]), q(hi, h_hi, d[1]))
+            let (lo, hi) = fives8(p as *const u8);
+            (q(lo, d[0]), q(hi, d[1]))
         }
         #[inline(always)]
         unsafe fn load16(p: *const Q5, d: &[__m512; 2]) -> __m512 {
-            let p = p as *const u8;
-            // the low 4 bits (bits above ignored) index q − 16 for q < 16; a set fifth bit adds 16 (exact)
+            // q − 16
             let table =
                 _mm512_setr_ps(-16., -15., -14., -13., -12., -11., -10., -9., -8., -7., -6., -5., -4., -3., -2., -1.);
-            let v = _mm512_permutexvar_ps(nibbles16(p.add(super::Q5_0_NIBBLES)), table);
-            let v = _mm512_mask_add_ps(v, (p as *const u16).read_unaligned(), v, _mm512_set1_ps(16.));
-            _mm512_mul_ps(v, d[0])
+            _mm512_mul_ps(fives16(p as *const u8, table), d[0])
+        }
+    }
+
+    /// A q5_0 or q5_k depth's 16 5-bit values (`super::Q5_NIBBLES`: 2 bytes of fifth bits, bit c column c, then the
+    /// nibbles), columns 0-7 and 8-15.
+    #[inline(always)]
+    unsafe fn fives8(p: *const u8) -> (__m256i, __m256i) {
+        let (lo, hi) = nibbles8(p.add(super::Q5_NIBBLES));
+        // the fifth bits (and 2 nibble bytes above them) in every lane; bit c shifted to bit 4 of lane c
+        let h = _mm256_set1_epi32((p as *const i32).read_unaligned());
+        let h_lo = _mm256_srlv_epi32(_mm256_slli_epi32::<4>(h), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        let h_hi = _mm256_srlv_epi32(h, _mm256_setr_epi32(4, 5, 6, 7, 8, 9, 10, 11));
+        let q = |n: __m256i, h: __m256i| {
+            _mm256_or_si256(_mm256_and_si256(n, _mm256_set1_epi32(0xF)), _mm256_and_si256(h, _mm256_set1_epi32(0x10)))
+        };
+        (q(lo, h_lo), q(hi, h_hi))
+    }
+
+    /// `fives8` with AVX-512, as floats offset by `table`: lane j is table[low 4 bits of column j's value], plus 16
+    /// where its fifth bit is set (exact for integral tables of magnitude under 2^23).
+    #[inline(always)]
+    unsafe fn fives16(p: *const u8, table: __m512) -> __m512 {
+        // the low 4 bits (bits above ignored) index the table
+        let v = _mm512_permutexvar_ps(nibbles16(p.add(super::Q5_NIBBLES)), table);
+        _mm512_mask_add_ps(v, (p as *const u16).read_unaligned(), v, _mm512_set1_ps(16.))
+    }
+
+    /// A packed q4_0 nibble pair (`super::Q4_0_LAYOUT`): value (q − 8) · d.
+    #[derive(Clone, Copy)]
+    #[repr(transparent)]
+    pub(super) struct Q40(#[allow(dead_code)] u8);
+
+    impl Panel for Q40 {
+        const SLOTS: Option<[u32; NR]> = None;
+        const LAYOUT: super::Layout = super::Q4_0_LAYOUT;
+        const BLOCK: usize = 32;
+        const DECODE_ROWS: usize = 4 * MR;
+        #[inline(always)]
+        unsafe fn scales(rec: *const u8, j: usize) -> [__m256; 4] {
+            <i8 as Panel>::scales(rec, j)
+        }
+        #[inline(always)]
+        unsafe fn scales16(rec: *const u8, j: usize) -> [__m512; 2] {
+            <i8 as Panel>::scales16(rec, j)
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const Q40, d: &[__m256; 4]) -> (__m256, __m256) {
+            let (lo, hi) = nibbles8(p as *const u8);
+            let v = |n: __m256i, d: __m256| {
+                let q = _mm256_sub_epi32(_mm256_and_si256(n, _mm256_set1_epi32(0xF)), _mm256_set1_epi32(8));
+                _mm256_mul_ps(_mm256_cvtepi32_ps(q), d)
+            };
+            (v(lo, d[0]), v(hi, d[1]))
+        }
+        #[inline(always)]
+        unsafe fn load16(p: *const Q40, d: &[__m512; 2]) -> __m512 {
+            // the nibble (bits above ignored) indexes q − 8
+            let table = _mm512_setr_ps(-8., -7., -6., -5., -4., -3., -2., -1., 0., 1., 2., 3., 4., 5., 6., 7.);
+            _mm512_mul_ps(_mm512_permutexvar_ps(nibbles16(p as *const u8), table), d[0])
+        }
+    }
+
+    /// A packed q5_k byte (`super::Q5K_LAYOUT`): value (d · sc) · q − dmin · m as q4_k's, q of 5 bits as q5_0's.
+    #[derive(Clone, Copy)]
+    #[repr(transparent)]
+    pub(super) struct Q5K(#[allow(dead_code)] u8);
+
+    impl Panel for Q5K {
+        const SLOTS: Option<[u32; NR]> = None;
+        const LAYOUT: super::Layout = super::Q5K_LAYOUT;
+        const BLOCK: usize = 32;
+        const DECODE_ROWS: usize = 3 * MR;
+        #[inline(always)]
+        unsafe fn scales(rec: *const u8, j: usize) -> [__m256; 4] {
+            <Q4 as Panel>::scales(rec, j)
+        }
+        #[inline(always)]
+        unsafe fn scales16(rec: *const u8, j: usize) -> [__m512; 2] {
+            <Q4 as Panel>::scales16(rec, j)
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const Q5K, d: &[__m256; 4]) -> (__m256, __m256) {
+            let (lo, hi) = fives8(p as *const u8);
+            let v = |q: __m256i, d: __m256, m: __m256| _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q)), m);
+            (v(lo, d[0], d[2]), v(hi, d[1], d[3]))
+        }
+        #[inline(always)]
+        unsafe fn load16(p: *const Q5K, d: &[__m512; 2]) -> __m512 {
+            let table = _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.);
+            _mm512_sub_ps(_mm512_mul_ps(d[0], fives16(p as *const u8, table)), d[1])
         }
     }
 
@@ -1401,6 +1551,64 @@ mod packed {
             let table = _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.);
             let q = _mm512_permutexvar_ps(nibbles16(p as *const u8), table);
             _mm512_sub_ps(_mm512_mul_ps(d[0], q), d[1])
+        }
+    }
+
+    /// A packed q6_k byte (`super::Q6K_LAYOUT`): value (d · sc) · (q − 32), sc that of its sub-block of 16 depths,
+    /// q's low 4 bits from the depth's nibbles, its high 2 from the bit pairs after them.
+    #[derive(Clone, Copy)]
+    #[repr(transparent)]
+    pub(super) struct Q6(#[allow(dead_code)] u8);
+
+    impl Panel for Q6 {
+        const SLOTS: Option<[u32; NR]> = None;
+        const LAYOUT: super::Layout = super::Q6K_LAYOUT;
+        const BLOCK: usize = 16;
+        const FULL512: usize = 3;
+        const DECODE_ROWS: usize = 4 * MR;
+        #[inline(always)]
+        unsafe fn scales(rec: *const u8, j: usize) -> [__m256; 4] {
+            let (d0, d1) = f16x16(rec, 0);
+            let sc = _mm_loadu_si128(rec.add(super::Q6K_SCALES + NR * j) as *const __m128i);
+            let s0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc));
+            let s1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(sc)));
+            [_mm256_mul_ps(d0, s0), _mm256_mul_ps(d1, s1), _mm256_setzero_ps(), _mm256_setzero_ps()]
+        }
+        #[inline(always)]
+        unsafe fn scales16(rec: *const u8, j: usize) -> [__m512; 2] {
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(rec as *const __m256i));
+            let sc = _mm_loadu_si128(rec.add(super::Q6K_SCALES + NR * j) as *const __m128i);
+            [_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc))), _mm512_setzero_ps()]
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const Q6, d: &[__m256; 4]) -> (__m256, __m256) {
+            let p = p as *const u8;
+            let (lo, hi) = nibbles8(p);
+            // the high bit pairs in every lane; column c's at the bottom of lane c
+            let h = _mm256_set1_epi32((p.add(super::Q6K_HIGH) as *const i32).read_unaligned());
+            let h_lo = _mm256_srlv_epi32(h, _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+            let h_hi = _mm256_srlv_epi32(h, _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30));
+            let q = |n: __m256i, h: __m256i, d: __m256| {
+                let q = _mm256_or_si256(
+                    _mm256_and_si256(n, _mm256_set1_epi32(0xF)),
+                    _mm256_slli_epi32::<4>(_mm256_and_si256(h, _mm256_set1_epi32(3))),
+                );
+                _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(32))), d)
+            };
+            (q(lo, h_lo, d[0]), q(hi, h_hi, d[1]))
+        }
+        #[inline(always)]
+        unsafe fn load16(p: *const Q6, d: &[__m512; 2]) -> __m512 {
+            let p = p as *const u8;
+            // the nibble (bits above ignored) indexes 0..15, the bit pair (the 2 bits above it: the next column's,
+            // ignored) 16 · pair − 32; their sum is q − 32 (exact)
+            let low = _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.);
+            let high =
+                _mm512_setr_ps(-32., -16., 0., 16., -32., -16., 0., 16., -32., -16., 0., 16., -32., -16., 0., 16.);
+            let h = _mm512_set1_epi32((p.add(super::Q6K_HIGH) as *const i32).read_unaligned());
+            let h = _mm512_srlv_epi32(h, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30));
+            let q = _mm512_add_ps(_mm512_permutexvar_ps(nibbles16(p), low), _mm512_permutexvar_ps(h, high));
+            _mm512_mul_ps(q, d[0])
         }
     }
 
@@ -1705,17 +1913,23 @@ mod tests {
             let pb = PackedMatrix::from_tensor(&tensor(wb.clone(), n, k)).unwrap().unwrap();
             assert_eq!((pf.dtype(), pb.dtype()), (Some(candle_core::DType::F32), Some(candle_core::DType::BF16)));
             // the block formats (rows of whole blocks): the chain over their dequantized values
-            let quants: Vec<(QuantFormat, PackedMatrix, Vec<f32>)> =
-                [QuantFormat::Q8_0, QuantFormat::Q5_0, QuantFormat::Q4K]
-                    .into_iter()
-                    .filter(|f| k.is_multiple_of(f.block_values()))
-                    .map(|f| {
-                        let q = QMatrix::quantize(&tensor(w.clone(), n, k), f).unwrap();
-                        let mut wq = vec![0f32; n * k];
-                        q.dequantize_rows(0, n, &mut wq);
-                        (f, PackedMatrix::from_quant(&q).unwrap().expect("the format packs"), wq)
-                    })
-                    .collect();
+            let quants: Vec<(QuantFormat, PackedMatrix, Vec<f32>)> = [
+                QuantFormat::Q8_0,
+                QuantFormat::Q5_0,
+                QuantFormat::Q4K,
+                QuantFormat::Q6K,
+                QuantFormat::Q4_0,
+                QuantFormat::Q5K,
+            ]
+            .into_iter()
+            .filter(|f| k.is_multiple_of(f.block_values()))
+            .map(|f| {
+                let q = QMatrix::quantize(&tensor(w.clone(), n, k), f).unwrap();
+                let mut wq = vec![0f32; n * k];
+                q.dequantize_rows(0, n, &mut wq);
+                (f, PackedMatrix::from_quant(&q).unwrap().expect("the format packs"), wq)
+            })
+            .collect();
             let x = randn(31 * k, 8);
             let chain = |w: &[f32], m: usize| -> Vec<f32> {
                 (0..m * n)
@@ -1725,7 +1939,7 @@ mod tests {
                     })
                     .collect()
             };
-            // (from `Panel::DECODE_ROWS` rows on, q5_0 and q4_k are decoded before the tiles run)
+            // (from `Panel::DECODE_ROWS` rows on, q5_0, q4_k and q6_k are decoded before the tiles run)
             for m in (1..=13).chain([20, 24, 31]) {
                 let (want_f, want_b) = (chain(&w, m), chain(&wb32, m));
                 let want_q: Vec<Vec<f32>> = quants.iter().map(|(_, _, wq)| chain(wq, m)).collect();
@@ -1755,16 +1969,21 @@ mod tests {
             return;
         }
         let k = 512;
-        for (f, bytes_per_256) in
-            [(QuantFormat::Q8_0, 8 * 34), (QuantFormat::Q5_0, 8 * 22), (QuantFormat::Q4K, 128 + 20)]
-        {
+        for (f, bytes_per_256) in [
+            (QuantFormat::Q8_0, 8 * 34),
+            (QuantFormat::Q5_0, 8 * 22),
+            (QuantFormat::Q4K, 128 + 20),
+            (QuantFormat::Q6K, 210),
+            (QuantFormat::Q4_0, 8 * 18),
+            (QuantFormat::Q5K, 176 + 4),
+        ] {
             let q = |n: usize, seed: u64| QMatrix::quantize(&tensor(randn(n * k, seed), n, k), f).unwrap();
             let (a, b) = (q(32, 11), q(21, 12));
             let (pa, pb) =
                 (PackedMatrix::from_quant(&a).unwrap().unwrap(), PackedMatrix::from_quant(&b).unwrap().unwrap());
             assert_eq!(pb.dtype(), None);
-            // per 256 values: q8_0 and q5_0 their blocks' bytes; q4_k its 144 and 4 more (the 6-bit scales and mins
-            // a byte each), for the rows padded to a whole group
+            // per 256 values: q8_0, q5_0, q6_k and q4_0 their blocks' bytes; q4_k and q5_k theirs and 4 more (the
+            // 6-bit scales and mins a byte each), for the rows padded to a whole group
             assert_eq!(pb.bytes(), 32 * k / 256 * bytes_per_256, "{}", f.name());
             let mut want = vec![0f32; 53 * k];
             a.dequantize_rows(0, 32, &mut want[..32 * k]);
@@ -1782,8 +2001,8 @@ mod tests {
             assert!(PackedMatrix::stack(&[&pa, &po.unwrap().unwrap()]).unwrap().is_none());
         }
         // other block formats are not packed
-        let q6 = QMatrix::quantize(&tensor(randn(32 * k, 14), 32, k), QuantFormat::Q6K).unwrap();
-        assert!(PackedMatrix::from_quant(&q6).unwrap().is_none());
+        let q3k = QMatrix::quantize(&tensor(randn(32 * k, 14), 32, k), QuantFormat::Q3K).unwrap();
+        assert!(PackedMatrix::from_quant(&q3k).unwrap().is_none());
     }
 
     #[test]

@@ -47,7 +47,7 @@ pub struct Kernels {
     /// it packs; gemm per widened panel on other CPUs). false: candle's matmul (a bf16 W widened whole per call; a
     /// quantized W through this kernel).
     pub panels: bool,
-    /// Dense f32 / bf16 and q8_0, q5_0 and q4_k matrices packed at load (`panels::PackedMatrix`) on CPUs with the
+    /// Dense f32 / bf16 and q8_0, q5_0, q4_k and q6_k matrices packed at load (`panels::PackedMatrix`) on CPUs with the
     /// packed product (x86-64 with AVX2, FMA and F16C), so that every window, from one row to a prefill chunk, runs
     /// the packed product on them with no packing per call (and every row the same arithmetic, alone or stacked).
     /// false: held row-major (quantized ones in their blocks), few-row windows through this kernel (for A/B runs).
