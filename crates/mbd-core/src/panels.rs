@@ -100,10 +100,10 @@ fn put_nibble(bytes: &mut [u8], c: usize, q: u8) {
     bytes[i / 2] |= (q & 0xF) << (4 * (i % 2));
 }
 
-/// A weight matrix (n × k: f32, bf16, or a q8_0, q5_0, q4_k or q6_k block format) packed once at load for the packed
-/// product: its rows (output columns) in groups of `GROUP`, each group k-major (depth p of group g: `GROUP` values
-/// at (g · k + p) · `GROUP`), n padded with zero rows to a whole group. The product then reads W as it streams,
-/// with no packing per call, for every window: a one-row decode window, a few-row window and a prefill alike, so
+/// A weight matrix (n × k: f32, bf16, or a block format with a `Layout`: q8_0, q6_k, q5_k, q5_0, q4_k, q4_0)
+/// packed once at load for the packed product: its rows (output columns) in groups of `GROUP`, each group k-major
+/// (depth p of group g: `GROUP` values at (g · k + p) · `GROUP`), n padded with zero rows to a whole group. The
+/// product then reads W as it streams, with no packing per call, for every window: a one-row decode window, a few-row window and a prefill alike, so
 /// that every output element is the same in-order f32 fused-multiply-add chain over k whatever the window (see
 /// `packed`). Only CPUs with the packed product (x86-64 with AVX2 and FMA) hold matrices this way.
 ///
@@ -162,8 +162,9 @@ impl PackedMatrix {
         }))
     }
 
-    /// A quantized matrix in q8_0, q5_0, q4_k or q6_k, packed (the same values, in groups of `GROUP` columns); None where
-    /// packed matrices are not available or the format is another; an error when the copy cannot be allocated.
+    /// A quantized matrix in a format with a `Layout` (q8_0, q6_k, q5_k, q5_0, q4_k, q4_0), packed (the same values,
+    /// in groups of `GROUP` columns); None where packed matrices are not available or the format is another (q3_k,
+    /// q2_k); an error when the copy cannot be allocated.
     pub fn from_quant(m: &QMatrix) -> candle_core::Result<Option<PackedMatrix>> {
         let Some(l) = layout(m.format).filter(|_| Self::available()) else { return Ok(None) };
         let (n, k, format) = (m.n, m.k, m.format);
@@ -370,22 +371,18 @@ fn pack_block(format: QuantFormat, block: &[u8], c: usize, w: &mut [u8], s: &mut
                 s[Q4K_SCALES + GROUP * j + c] = sc;
                 s[Q4K_MINS + GROUP * j + c] = m;
             }
-            if format == QuantFormat::Q5K {
-                let (qh, qs) = (&block[16..48], &block[48..176]);
-                for v in 0..256 {
-                    let q = crate::quant::q5k_value(qs, qh, v / 32, v % 32);
-                    let depth = &mut w[v * Q5K_LAYOUT.step..(v + 1) * Q5K_LAYOUT.step];
+            let l = layout(format).expect("a packed format");
+            for v in 0..256 {
+                let depth = &mut w[v * l.step..(v + 1) * l.step];
+                if format == QuantFormat::Q5K {
+                    let q = crate::quant::q5k_value(&block[48..176], &block[16..48], v / 32, v % 32);
                     depth[c / 8] |= (q >> 4) << (c % 8);
                     put_nibble(&mut depth[Q5_NIBBLES..], c, q);
+                } else {
+                    // value v: sub-block j = v / 32, the low (even j) or high (odd j) nibble of byte 32·(j / 2) + v % 32
+                    let byte = block[16 + 32 * (v / 64) + v % 32];
+                    put_nibble(depth, c, if (v / 32) % 2 == 0 { byte & 0xF } else { byte >> 4 });
                 }
-                return;
-            }
-            let qs = &block[16..144];
-            for v in 0..256 {
-                // value v: sub-block j = v / 32, the low (even j) or high (odd j) nibble of byte 32·(j / 2) + v % 32
-                let (j, byte) = (v / 32, qs[32 * (v / 64) + v % 32]);
-                let q = if j % 2 == 0 { byte & 0xF } else { byte >> 4 };
-                put_nibble(&mut w[v * Q4K_LAYOUT.step..(v + 1) * Q4K_LAYOUT.step], c, q);
             }
         }
         QuantFormat::Q6K => {
@@ -1223,8 +1220,8 @@ mod packed {
 
     /// How a tile reads `NR` weights of one depth: packed f32 (two loads), a `PackedMatrix`'s bf16 pairs (one load,
     /// widened: each 32-bit lane's low half shifted up is column i, its high half masked column 8 + i), or a block
-    /// format's values (q8_0: signed bytes; q5_0, q4_k, q6_k: nibbles, `Q5`, `Q4`, `Q6`) formed with the scales of their block
-    /// exactly as the format's dequantization forms them.
+    /// format's values (q8_0: signed bytes; the others nibbles, with fifth bits or bit pairs: `Q6`, `Q5K`, `Q5`,
+    /// `Q4`, `Q40`) formed with the scales of their block exactly as the format's dequantization forms them.
     ///
     /// With AVX-512 (`load16`) a depth's `NR` values fill one register: f32 and the block formats in column order;
     /// bf16 zero-extended slot by slot, so lane j holds slot j's column (`SLOTS`), which `Zmm`'s tile maps back when
@@ -1939,7 +1936,7 @@ mod tests {
                     })
                     .collect()
             };
-            // (from `Panel::DECODE_ROWS` rows on, q5_0, q4_k and q6_k are decoded before the tiles run)
+            // (from `Panel::DECODE_ROWS` rows on, the 4- to 6-bit formats are decoded before the tiles run)
             for m in (1..=13).chain([20, 24, 31]) {
                 let (want_f, want_b) = (chain(&w, m), chain(&wb32, m));
                 let want_q: Vec<Vec<f32>> = quants.iter().map(|(_, _, wq)| chain(wq, m)).collect();
