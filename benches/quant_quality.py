@@ -6,6 +6,7 @@ agreement. Memory: each format is loaded in a fresh child process, which reports
 loading against the weight bytes held (`info.weight_bytes`).
 
     python benches/quant_quality.py [--model DIR] [--positions 1024]      # default: the 0.5B-shaped bf16 checkpoint
+    python benches/quant_quality.py --model /tmp/mbd-bench/h2048 --formats none,q6_k,q5_k,q4_0   # other formats
     python benches/quant_quality.py --model /tmp/mbd-bench/qwen2.5-0.5b-shape --out /tmp/q.json \
         --gguf /tmp/llamacpp/ours/model-q4_k_m.gguf --gguf /tmp/llamacpp/ours/model-q6_k.gguf   # llama.cpp's files
 Writes benches/quant_quality.json (or --out) and prints a markdown table.
@@ -21,7 +22,7 @@ import numpy as np
 import mbd_rs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FORMATS = [None, "q8_0", "q4_k", "q6_k"]
+FORMATS = "none,q8_0,q4_k,q6_k"  # "none": as loaded, the reference
 
 CHILD = r"""
 import json, sys, mbd_rs
@@ -40,6 +41,7 @@ def main():
     ap.add_argument("--model", default="/tmp/mbd-bench/qwen2.5-0.5b-shape-bf16")
     ap.add_argument("--positions", type=int, default=1024)
     ap.add_argument("--out", default=os.path.join(ROOT, "benches", "quant_quality.json"))
+    ap.add_argument("--formats", default=FORMATS, help="quantize= formats, the first the reference (none: as loaded)")
     ap.add_argument("--gguf", action="append", default=[],
                     help="a GGUF file of the same weights (e.g. llama-quantize's), measured as stored; repeatable")
     args = ap.parse_args()
@@ -49,7 +51,8 @@ def main():
     baseline = int(base.stdout)
     rows = []
     ref = ids = None
-    for path, q in [(args.model, q) for q in FORMATS] + [(g, None) for g in args.gguf]:
+    formats = [None if f == "none" else f for f in args.formats.split(",")]
+    for path, q in [(args.model, q) for q in formats] + [(g, None) for g in args.gguf]:
         r = subprocess.run([sys.executable, "-c", CHILD, path, q or "none"], capture_output=True, text=True, check=True)
         mem = json.loads(r.stdout)
         eng = mbd_rs.Engine.load(path, device="cpu", quantize=q)

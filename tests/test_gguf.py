@@ -164,7 +164,7 @@ def low_bit_formats(name):  # llama.cpp's Q4_0, Q3_K_* and Q2_K files
     return None
 
 
-def packed_formats(name):  # the formats packed at load on AVX2 CPUs
+def packed_formats(name):  # formats of both kinds of record (one f16 scale per block; k-quant super-blocks)
     for part, q in (("q_proj", Q.Q4_K), ("k_proj", Q.Q8_0), ("v_proj", Q.Q4_0), ("o_proj", Q.Q6_K),
                     ("gate_proj", Q.Q5_K), ("up_proj", Q.Q4_K), ("down_proj", Q.Q6_K), ("embed", Q.Q8_0),
                     ("lm_head", Q.Q5_0)):
@@ -187,11 +187,12 @@ IDS = [(7 * i + 3) % 300 + 5 for i in range(80)]
 
 @pytest.mark.parametrize("formats,held,share,packed", [(native_formats, "q4_k+q5_0+q5_k+q6_k+q8_0", 0.4, False),
                                                         (low_bit_formats, "q2_k+q3_k+q4_0", 0.15, False),
-                                                        (packed_formats, "q4_0+q4_k+q5_0+q5_k+q6_k+q8_0", 0.4, True)])
+                                                        (packed_formats, "q4_0+q4_k+q5_0+q5_k+q6_k+q8_0", 0.4, True),
+                                                        (low_bit_formats, "q2_k+q3_k+q4_0", 0.15, True)])
 def test_native_block_formats_compute_their_dequantization(tmp_path, formats, held, share, packed):
     path, deq = block_model(tmp_path, formats)
     # held in their blocks (`packed`: False), against the dequantized checkpoint's f32 matrices held row-major, as
-    # the quantized kernel reads its blocks; or q8_0, q6_k, q5_k, q5_0, q4_k and q4_0 packed at load (the default on AVX2 CPUs)
+    # the quantized kernel reads its blocks; or packed at load (the default on AVX2 CPUs)
     # against the f32 matrices packed (every product the in-order chain over k, a different rounding from the
     # row-major one). Without the packed product both engines hold row-major matrices.
     kernels = {} if packed else dict(packed_weights=False)

@@ -3,8 +3,8 @@
 //! CPU by the skinny kernel (`skinny::matmul_q`), which dequantizes 4 weight rows at a time into an f32 scratch
 //! and sweeps every x row over them: a quantized matrix computes exactly as its f32 dequantization held row-major
 //! would (a dense matrix packed at load, `panels::PackedMatrix`, sums in another order), with a quarter (q8_0) or
-//! about a seventh (q4_k) of the bytes streamed from memory. On CPUs with the packed product the formats but q3_k
-//! and q2_k are packed at load instead (`Matrix::quant`: the same values in groups of 16 columns, about the same
+//! about a seventh (q4_k) of the bytes streamed from memory. On CPUs with the packed product every format is
+//! packed at load instead (`Matrix::quant`: the same values in groups of 16 columns, about the same
 //! bytes) and compute exactly as their f32 dequantization packed.
 //!
 //! Why not candle's quantized matmul (`QMatMul`): it quantizes the activations to 8 bits per call (a second
@@ -50,8 +50,8 @@ impl Matrix {
         Ok(Matrix::Dense(t))
     }
 
-    /// A quantized matrix as the model holds it: packed where `pack` (`Kernels::packs`), its format has a packed
-    /// layout (all but q3_k and q2_k) and the CPU has the packed product (`panels::PackedMatrix::from_quant`: the same values, regrouped, multiplied
+    /// A quantized matrix as the model holds it: packed where `pack` (`Kernels::packs`) and the CPU has the packed
+    /// product (`panels::PackedMatrix::from_quant`: the same values, regrouped, multiplied
     /// like a packed dense matrix), else as it is.
     pub fn quant(q: QMatrix, pack: bool) -> Result<Matrix> {
         if pack {

@@ -12,8 +12,8 @@
 //! result differs from gemm's only by summation order.
 //!
 //! On CPUs with the packed product (x86-64, AVX2 + FMA) dense matrices are packed at load (`panels::PackedMatrix`)
-//! and every window goes there (`linear_packed`), as are the block formats but q3_k and q2_k; this kernel then takes
-//! q3_k and q2_k matrices, and row-major ones where packing is off (`Kernels::packed_weights`) or unavailable.
+//! and every window goes there (`linear_packed`), as are quantized ones; this kernel then takes row-major and
+//! quantized matrices where packing is off (`Kernels::packed_weights`) or unavailable.
 
 use crate::panels::PackedMatrix;
 use crate::quant::QMatrix;
@@ -47,7 +47,7 @@ pub struct Kernels {
     /// it packs; gemm per widened panel on other CPUs). false: candle's matmul (a bf16 W widened whole per call; a
     /// quantized W through this kernel).
     pub panels: bool,
-    /// Dense f32 / bf16 matrices and block formats but q3_k and q2_k packed at load (`panels::PackedMatrix`) on CPUs
+    /// Dense f32 / bf16 and quantized matrices packed at load (`panels::PackedMatrix`) on CPUs
     /// with the packed product (x86-64 with AVX2, FMA and F16C), so that every window, from one row to a prefill
     /// chunk, runs the packed product on them with no packing per call (and every row the same arithmetic, alone or
     /// stacked).
