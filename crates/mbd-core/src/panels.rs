@@ -1343,6 +1343,20 @@ mod packed {
         }
     }
 
+    /// A `Panel`'s `scales` and `scales16`: those of format `$of`, whose scale records it shares.
+    macro_rules! scales_of {
+        ($of:ty) => {
+            #[inline(always)]
+            unsafe fn scales(rec: *const u8, j: usize) -> [__m256; 4] {
+                <$of as Panel>::scales(rec, j)
+            }
+            #[inline(always)]
+            unsafe fn scales16(rec: *const u8, j: usize) -> [__m512; 2] {
+                <$of as Panel>::scales16(rec, j)
+            }
+        };
+    }
+
     impl Panel for f32 {
         const SLOTS: Option<[u32; NR]> = None;
         #[inline(always)]
@@ -1445,14 +1459,7 @@ mod packed {
         const LAYOUT: super::Layout = super::Q5_0_LAYOUT;
         const BLOCK: usize = 32;
         const DECODE_ROWS: usize = 3 * MR;
-        #[inline(always)]
-        unsafe fn scales(rec: *const u8, j: usize) -> [__m256; 4] {
-            <i8 as Panel>::scales(rec, j)
-        }
-        #[inline(always)]
-        unsafe fn scales16(rec: *const u8, j: usize) -> [__m512; 2] {
-            <i8 as Panel>::scales16(rec, j)
-        }
+        scales_of!(i8);
         #[inline(always)]
         unsafe fn load(p: *const Q5, d: &[__m256; 4]) -> (__m256, __m256) {
             let q = |q: __m256i, d: __m256| {
@@ -1504,14 +1511,7 @@ mod packed {
         const LAYOUT: super::Layout = super::Q4_0_LAYOUT;
         const BLOCK: usize = 32;
         const DECODE_ROWS: usize = 4 * MR;
-        #[inline(always)]
-        unsafe fn scales(rec: *const u8, j: usize) -> [__m256; 4] {
-            <i8 as Panel>::scales(rec, j)
-        }
-        #[inline(always)]
-        unsafe fn scales16(rec: *const u8, j: usize) -> [__m512; 2] {
-            <i8 as Panel>::scales16(rec, j)
-        }
+        scales_of!(i8);
         #[inline(always)]
         unsafe fn load(p: *const Q40, d: &[__m256; 4]) -> (__m256, __m256) {
             let (lo, hi) = nibbles8(p as *const u8);
@@ -1539,14 +1539,7 @@ mod packed {
         const LAYOUT: super::Layout = super::Q5K_LAYOUT;
         const BLOCK: usize = 32;
         const DECODE_ROWS: usize = 3 * MR;
-        #[inline(always)]
-        unsafe fn scales(rec: *const u8, j: usize) -> [__m256; 4] {
-            <Q4 as Panel>::scales(rec, j)
-        }
-        #[inline(always)]
-        unsafe fn scales16(rec: *const u8, j: usize) -> [__m512; 2] {
-            <Q4 as Panel>::scales16(rec, j)
-        }
+        scales_of!(Q4);
         #[inline(always)]
         unsafe fn load(p: *const Q5K, d: &[__m256; 4]) -> (__m256, __m256) {
             let (lo, hi) = fives8(p as *const u8);
@@ -1685,14 +1678,7 @@ mod packed {
         const LAYOUT: super::Layout = super::Q3K_LAYOUT;
         const BLOCK: usize = 16;
         const DECODE_ROWS: usize = 3 * MR;
-        #[inline(always)]
-        unsafe fn scales(rec: *const u8, j: usize) -> [__m256; 4] {
-            <Q6 as Panel>::scales(rec, j)
-        }
-        #[inline(always)]
-        unsafe fn scales16(rec: *const u8, j: usize) -> [__m512; 2] {
-            <Q6 as Panel>::scales16(rec, j)
-        }
+        scales_of!(Q6);
         #[inline(always)]
         unsafe fn load(p: *const Q3K, d: &[__m256; 4]) -> (__m256, __m256) {
             let p = p as *const u8;
