@@ -117,6 +117,20 @@ fn seen(ranges: &[std::ops::Range<usize>], j0: usize, j1: usize) -> Seen {
     }
 }
 
+/// `$f::<RR>(args)` for a tile of `$rows` query vectors (1 to `R`; fewer than `R` for a task's last ones).
+macro_rules! by_rows {
+    ($rows:expr, $f:ident($($a:expr),*)) => {
+        match $rows {
+            1 => $f::<1>($($a),*),
+            2 => $f::<2>($($a),*),
+            3 => $f::<3>($($a),*),
+            4 => $f::<4>($($a),*),
+            5 => $f::<5>($($a),*),
+            _ => $f::<R>($($a),*),
+        }
+    };
+}
+
 thread_local! {
     static BUF: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
 }
@@ -177,9 +191,12 @@ unsafe fn task_on(p: &TaskParams<'_>, s: &SegmentKv<'_>, out: Out, buf: &mut [f3
                 if (k0..k0 + R).all(|k| seen_of(k) == Seen::None) {
                     continue;
                 }
-                scores(&qb[k0 * d..], kt, d, kb.div_ceil(16) * 16, sc);
+                // the tile's vectors: R, or the last few (no zero rows computed; a row's bits do not depend on
+                // its tile's other rows)
+                let rows = R.min(nv - k0);
+                by_rows!(rows, scores(&qb[k0 * d..], kt, d, kb.div_ceil(16) * 16, sc));
                 // per vector: scale, mask, online-softmax update; sc becomes its probabilities
-                for (r, srow) in sc.chunks_exact_mut(KB).enumerate() {
+                for (r, srow) in sc.chunks_exact_mut(KB).take(rows).enumerate() {
                     let k = k0 + r;
                     let mask = match seen_of(k) {
                         Seen::None => {
@@ -207,7 +224,7 @@ unsafe fn task_on(p: &TaskParams<'_>, s: &SegmentKv<'_>, out: Out, buf: &mut [f3
                         }
                     }
                 }
-                accumulate(sc, &vg[j0 * d..j1 * d], kb, d, &mut ob[k0 * d..]);
+                by_rows!(rows, accumulate(sc, &vg[j0 * d..j1 * d], kb, d, &mut ob[k0 * d..]));
             }
         }
     }
@@ -244,13 +261,13 @@ unsafe fn transpose_keys(k: &[f32], kb: usize, d: usize, kt: &mut [f32]) {
     }
 }
 
-/// sc (`R` × `KB`) columns [0, kb16) = the `R` query rows at q (row stride d) times kt's columns: per element the
-/// in-order FMA chain over the head dimension.
+/// sc (`RR` × `KB`) columns [0, kb16) = the `RR` query rows at q (row stride d) times kt's columns: per element
+/// the in-order FMA chain over the head dimension.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn scores(q: &[f32], kt: &[f32], d: usize, kb16: usize, sc: &mut [f32]) {
+unsafe fn scores<const RR: usize>(q: &[f32], kt: &[f32], d: usize, kb16: usize, sc: &mut [f32]) {
     let qp = q.as_ptr();
     for c in (0..kb16).step_by(16) {
-        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        let mut acc = [[_mm256_setzero_ps(); 2]; RR];
         let mut kp = kt.as_ptr().add(c);
         for t in 0..d {
             let k0 = _mm256_loadu_ps(kp);
@@ -319,12 +336,13 @@ unsafe fn softmax_block(
     c
 }
 
-/// o (`R` rows × d, stride d) += p (`R` × `KB`, columns [0, kb)) · v (kb × d, row-major), an FMA per key in order.
+/// o (`RR` rows × d, stride d) += p (`RR` × `KB`, columns [0, kb)) · v (kb × d, row-major), an FMA per key in
+/// order.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn accumulate(p: &[f32], v: &[f32], kb: usize, d: usize, o: &mut [f32]) {
+unsafe fn accumulate<const RR: usize>(p: &[f32], v: &[f32], kb: usize, d: usize, o: &mut [f32]) {
     let (pp, vp, op) = (p.as_ptr(), v.as_ptr(), o.as_mut_ptr());
     for c in (0..d).step_by(16) {
-        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        let mut acc = [[_mm256_setzero_ps(); 2]; RR];
         for (r, a) in acc.iter_mut().enumerate() {
             a[0] = _mm256_loadu_ps(op.add(r * d + c));
             a[1] = _mm256_loadu_ps(op.add(r * d + c + 8));
