@@ -79,17 +79,17 @@ const Q3K_PAIRS: usize = 2;
 const Q2K_LAYOUT: Layout = Layout { step: GROUP / 4, sblock: 256, sbytes: Q2K_SCALES + 16 * GROUP };
 const Q2K_SCALES: usize = 4 * GROUP;
 
-/// The packed layout of a block format (None: not packed; held in its blocks).
-fn layout(format: QuantFormat) -> Option<Layout> {
+/// The packed layout of a block format.
+fn layout(format: QuantFormat) -> Layout {
     match format {
-        QuantFormat::Q8_0 => Some(Q8_0_LAYOUT),
-        QuantFormat::Q5_0 => Some(Q5_0_LAYOUT),
-        QuantFormat::Q4_0 => Some(Q4_0_LAYOUT),
-        QuantFormat::Q4K => Some(Q4K_LAYOUT),
-        QuantFormat::Q5K => Some(Q5K_LAYOUT),
-        QuantFormat::Q6K => Some(Q6K_LAYOUT),
-        QuantFormat::Q3K => Some(Q3K_LAYOUT),
-        QuantFormat::Q2K => Some(Q2K_LAYOUT),
+        QuantFormat::Q8_0 => Q8_0_LAYOUT,
+        QuantFormat::Q5_0 => Q5_0_LAYOUT,
+        QuantFormat::Q4_0 => Q4_0_LAYOUT,
+        QuantFormat::Q4K => Q4K_LAYOUT,
+        QuantFormat::Q5K => Q5K_LAYOUT,
+        QuantFormat::Q6K => Q6K_LAYOUT,
+        QuantFormat::Q3K => Q3K_LAYOUT,
+        QuantFormat::Q2K => Q2K_LAYOUT,
     }
 }
 
@@ -111,10 +111,10 @@ fn put_nibble(bytes: &mut [u8], c: usize, q: u8) {
     bytes[i / 2] |= (q & 0xF) << (4 * (i % 2));
 }
 
-/// A weight matrix (n × k: f32, bf16, or a block format, each with its `Layout`)
-/// packed once at load for the packed product: its rows (output columns) in groups of `GROUP`, each group k-major
-/// (depth p of group g: `GROUP` values at (g · k + p) · `GROUP`), n padded with zero rows to a whole group. The
-/// product then reads W as it streams, with no packing per call, for every window: a one-row decode window, a few-row window and a prefill alike, so
+/// A weight matrix (n × k: f32, bf16, or a block format, each with its `Layout`) packed once at load for the packed
+/// product: its rows (output columns) in groups of `GROUP`, each group k-major (depth p of group g: `GROUP` values
+/// at (g · k + p) · `GROUP`), n padded with zero rows to a whole group. The product then reads W as it streams,
+/// with no packing per call, for every window: a one-row decode window, a few-row window and a prefill alike, so
 /// that every output element is the same in-order f32 fused-multiply-add chain over k whatever the window (see
 /// `packed`). Only CPUs with the packed product (x86-64 with AVX2 and FMA) hold matrices this way.
 ///
@@ -176,7 +176,10 @@ impl PackedMatrix {
     /// A quantized matrix, packed (the same values, in groups of `GROUP` columns); None where packed matrices are not
     /// available; an error when the copy cannot be allocated.
     pub fn from_quant(m: &QMatrix) -> candle_core::Result<Option<PackedMatrix>> {
-        let Some(l) = layout(m.format).filter(|_| Self::available()) else { return Ok(None) };
+        if !Self::available() {
+            return Ok(None);
+        }
+        let l = layout(m.format);
         let (n, k, format) = (m.n, m.k, m.format);
         let (rb, bb, bv) = (m.row_bytes(), format.block_bytes(), format.block_values());
         // bytes per group
@@ -272,7 +275,7 @@ impl PackedMatrix {
                     }
                 }
                 PackedData::Block { format, w, s } => {
-                    let l = layout(*format).expect("a packed block format");
+                    let l = layout(*format);
                     let (w, s) = (&w[g * k * l.step..], &s[g * (k / l.sblock) * l.sbytes..]);
                     for (p, o) in out.iter_mut().enumerate() {
                         *o = block_value(*format, w, s, c, p);
@@ -381,7 +384,7 @@ fn pack_block(format: QuantFormat, block: &[u8], c: usize, w: &mut [u8], s: &mut
                 s[Q4K_SCALES + GROUP * j + c] = sc;
                 s[Q4K_MINS + GROUP * j + c] = m;
             }
-            let l = layout(format).expect("a packed format");
+            let l = layout(format);
             for v in 0..256 {
                 let depth = &mut w[v * l.step..(v + 1) * l.step];
                 if format == QuantFormat::Q5K {
@@ -453,7 +456,7 @@ fn block_value(format: QuantFormat, w: &[u8], s: &[u8], c: usize, p: usize) -> f
                 * f16(s, p / l.sblock * l.sbytes + 2 * c)
         }
         QuantFormat::Q4K | QuantFormat::Q5K => {
-            let l = layout(format).expect("a packed format");
+            let l = layout(format);
             let r = &s[p / l.sblock * l.sbytes..];
             let j = p % l.sblock / 32;
             let (d1, m1) = (
