@@ -10,8 +10,9 @@
 //!     MBD_BENCH_FORMATS=q8_0,q5_0,q4_k cargo bench -p mbd-core --bench quant_kernel    # only these formats
 //!
 //! `MBD_BENCH_PACKED=1`: every matrix held as the engine holds it on this CPU (`Matrix::dense` / `Matrix::quant`
-//! with packing: bf16 and every format packed at load where the CPU has the packed product). `MBD_BENCH_PACKED=ab`: both, interleaved: bf16 and each format packed at load, and each format
-//! held in its blocks too (the `.b` columns).
+//! with packing: bf16 and every format packed at load where the CPU has the packed product).
+//! `MBD_BENCH_PACKED=ab`: both, interleaved: bf16 and each format packed at load, and each format held in its
+//! blocks too (the `.b` columns).
 
 use candle_core::{DType, Device, Tensor};
 use mbd_core::quant::{Matrix, QMatrix, QuantFormat};

@@ -832,30 +832,16 @@ mod packed {
                 match &p.data {
                     PackedData::F32(d) => columns_packed::<T, f32>(t, d, &[], g),
                     PackedData::Bf16(d) => columns_packed::<T, u16>(t, d, &[], g),
-                    PackedData::Block { format: QuantFormat::Q8_0, w, s } => {
-                        columns_packed::<T, i8>(t, bytes_as(w), s, g)
-                    }
-                    PackedData::Block { format: QuantFormat::Q5_0, w, s } => {
-                        columns_packed::<T, Q5>(t, bytes_as(w), s, g)
-                    }
-                    PackedData::Block { format: QuantFormat::Q4K, w, s } => {
-                        columns_packed::<T, Q4>(t, bytes_as(w), s, g)
-                    }
-                    PackedData::Block { format: QuantFormat::Q6K, w, s } => {
-                        columns_packed::<T, Q6>(t, bytes_as(w), s, g)
-                    }
-                    PackedData::Block { format: QuantFormat::Q4_0, w, s } => {
-                        columns_packed::<T, Q40>(t, bytes_as(w), s, g)
-                    }
-                    PackedData::Block { format: QuantFormat::Q5K, w, s } => {
-                        columns_packed::<T, Q5K>(t, bytes_as(w), s, g)
-                    }
-                    PackedData::Block { format: QuantFormat::Q3K, w, s } => {
-                        columns_packed::<T, Q3K>(t, bytes_as(w), s, g)
-                    }
-                    PackedData::Block { format: QuantFormat::Q2K, w, s } => {
-                        columns_packed::<T, Q2K>(t, bytes_as(w), s, g)
-                    }
+                    PackedData::Block { format, w, s } => match format {
+                        QuantFormat::Q8_0 => columns_packed::<T, i8>(t, bytes_as(w), s, g),
+                        QuantFormat::Q6K => columns_packed::<T, Q6>(t, bytes_as(w), s, g),
+                        QuantFormat::Q5K => columns_packed::<T, Q5K>(t, bytes_as(w), s, g),
+                        QuantFormat::Q5_0 => columns_packed::<T, Q5>(t, bytes_as(w), s, g),
+                        QuantFormat::Q4K => columns_packed::<T, Q4>(t, bytes_as(w), s, g),
+                        QuantFormat::Q4_0 => columns_packed::<T, Q40>(t, bytes_as(w), s, g),
+                        QuantFormat::Q3K => columns_packed::<T, Q3K>(t, bytes_as(w), s, g),
+                        QuantFormat::Q2K => columns_packed::<T, Q2K>(t, bytes_as(w), s, g),
+                    },
                 }
             }
         }

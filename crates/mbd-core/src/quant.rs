@@ -4,8 +4,8 @@
 //! and sweeps every x row over them: a quantized matrix computes exactly as its f32 dequantization held row-major
 //! would (a dense matrix packed at load, `panels::PackedMatrix`, sums in another order), with a quarter (q8_0) or
 //! about a seventh (q4_k) of the bytes streamed from memory. On CPUs with the packed product every format is
-//! packed at load instead (`Matrix::quant`: the same values in groups of 16 columns, about the same
-//! bytes) and compute exactly as their f32 dequantization packed.
+//! packed at load instead (`Matrix::quant`: the same values in groups of 16 columns, about the same bytes) and
+//! computes exactly as its f32 dequantization packed.
 //!
 //! Why not candle's quantized matmul (`QMatMul`): it quantizes the activations to 8 bits per call (a second
 //! rounding), it re-reads the weight matrix once per x row (a 32-row window streams the weights 32 times), and
@@ -51,8 +51,8 @@ impl Matrix {
     }
 
     /// A quantized matrix as the model holds it: packed where `pack` (`Kernels::packs`) and the CPU has the packed
-    /// product (`panels::PackedMatrix::from_quant`: the same values, regrouped, multiplied
-    /// like a packed dense matrix), else as it is.
+    /// product (`panels::PackedMatrix::from_quant`: the same values, regrouped, multiplied like a packed dense
+    /// matrix), else as it is.
     pub fn quant(q: QMatrix, pack: bool) -> Result<Matrix> {
         if pack {
             if let Some(p) = PackedMatrix::from_quant(&q)? {

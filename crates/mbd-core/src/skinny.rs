@@ -47,10 +47,9 @@ pub struct Kernels {
     /// it packs; gemm per widened panel on other CPUs). false: candle's matmul (a bf16 W widened whole per call; a
     /// quantized W through this kernel).
     pub panels: bool,
-    /// Dense f32 / bf16 and quantized matrices packed at load (`panels::PackedMatrix`) on CPUs
-    /// with the packed product (x86-64 with AVX2, FMA and F16C), so that every window, from one row to a prefill
-    /// chunk, runs the packed product on them with no packing per call (and every row the same arithmetic, alone or
-    /// stacked).
+    /// Dense f32 / bf16 and quantized matrices packed at load (`panels::PackedMatrix`) on CPUs with the packed
+    /// product (x86-64 with AVX2, FMA and F16C), so that every window, from one row to a prefill chunk, runs the
+    /// packed product on them with no packing per call (and every row the same arithmetic, alone or stacked).
     /// false: held row-major (quantized ones in their blocks), few-row windows through this kernel (for A/B runs).
     pub packed_weights: bool,
     /// The packed product's AVX-512 tiles (`panels::matmul_t_with`) where the CPU has AVX-512. false: its AVX2 tiles

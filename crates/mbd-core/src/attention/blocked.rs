@@ -138,8 +138,7 @@ thread_local! {
 /// One task: kv head `p.g`, window rows [i0, i0 + n) of segment `s`, every query head of the group, on the
 /// thread's buffer.
 fn task(p: &TaskParams<'_>, s: &SegmentKv<'_>, out: Out) {
-    let nvp = (p.n_rep * p.n).div_ceil(R) * R;
-    let len = 2 * nvp * p.d + p.d * KB + R * KB + KB;
+    let len = 2 * p.n_rep * p.n * p.d + p.d * KB + R * KB + KB;
     // SAFETY: `attend` checked AVX2 and FMA (`available`); the task writes only its own rows' heads of group g.
     crate::panels::with_buf(&BUF, len, |buf| unsafe { task_on(p, s, out, buf) })
 }
@@ -154,15 +153,13 @@ unsafe fn task_on(p: &TaskParams<'_>, s: &SegmentKv<'_>, out: Out, buf: &mut [f3
     let lo = vis.iter().flatten().filter(|r| !r.is_empty()).map(|r| r.start).min();
     let hi = vis.iter().flatten().map(|r| r.end).max().unwrap_or(0);
     let nv = n_rep * n;
-    let nvp = nv.div_ceil(R) * R;
-    // the query vectors (zero past nv), their unnormalised outputs, K^T of a block, the scores of a tile, the
+    // the query vectors, their unnormalised outputs, K^T of a block, the scores of a tile, the
     // additive mask of a row
-    let (qb, rest) = buf.split_at_mut(nvp * d);
-    let (ob, rest) = rest.split_at_mut(nvp * d);
+    let (qb, rest) = buf.split_at_mut(nv * d);
+    let (ob, rest) = rest.split_at_mut(nv * d);
     let (kt, rest) = rest.split_at_mut(d * KB);
     let (sc, madd) = rest.split_at_mut(R * KB);
     ob.fill(0.0);
-    qb[nv * d..].fill(0.0);
     let row = s.row0 + p.i0;
     for t in 0..n_rep {
         let h = p.g * n_rep + t;
