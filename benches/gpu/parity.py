@@ -5,11 +5,13 @@
    masks) loaded on the device in float32 and bfloat16: relative error of every case against the f32 reference, and
    through the KV-cache path (prefix computed first) against the no-cache logits.
 2. transformers itself on the same device in bfloat16 (eager attention, the same explicit 4-D masks as the fixture
-   script): our bfloat16 logits against its bfloat16 logits.
+   script): our bfloat16 logits against its bfloat16 logits, and its own bfloat16 error against the f32 reference,
+   which sets the bf16 bounds of parts 1 and 2 where it is large (OWN_FACTOR; the near-tied MoE fixtures of
+   BF16_UNBOUNDED are reported, not bounded).
 3. Greedy decoding: the same requests on the device in float32 and on the CPU in float32 give the same tokens (the
    embedded mbd-tiny model's tasks and the fixtures' models on random prompts).
 4. Long windows over long caches at head_dim 128 (the fixtures' heads are 16-32 wide): a random 2-layer Qwen3 with
-   16 query heads of 128 and 8 kv heads, f32 on the device, windows of 1 to 64 rows over 512 / 2048 cached
+   16 query heads of 128 and 8 kv heads, f32 and bf16 on the device, windows of 1 to 64 rows over 512 / 2048 cached
    positions (`logits(prefix_len=P)`), against transformers f32 on the same device with the same 4-D mask: this
    covers mbd-rs's CUDA attention kernels (split over key chunks) and, for the largest window, candle's matmuls
    over the fused kernels' q/k/v (`cuda::fused_attention`).
@@ -32,11 +34,22 @@ import mbd_rs
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PARITY = os.path.join(ROOT, "tests", "fixtures", "parity")
 BOUNDS = {"float32": 1e-3, "bfloat16": 2e-2, "cache_float32": 1e-4, "cache_bfloat16": 2e-2, "hf_bfloat16": 2e-2,
-          "long_float32": 1e-3}
+          "long_float32": 1e-3, "long_bfloat16": 2e-2}
 # (attention, block size, cached positions, window rows)
-# (W 1, 64 over 512 and 16 over 2048 run mbd-rs's attention kernels; 64 over 2048 candle's matmuls over their q/k/v)
-LONG_CASES = [("causal", 1, 512, 1), ("block_causal", 32, 512, 64), ("block_causal", 16, 2048, 16),
-              ("block_causal", 32, 2048, 64)]
+# (all but W 64 over 2048 run mbd-rs's attention kernel; that one candle's matmuls over its q/k/v)
+LONG_CASES = [("causal", 1, 512, 1), ("block_causal", 4, 512, 4), ("block_causal", 8, 2048, 8),
+              ("block_causal", 32, 512, 64), ("block_causal", 16, 2048, 16), ("block_causal", 32, 2048, 64)]
+# bf16 bounds: max(the fixed bound, OWN_FACTOR x transformers' own bf16 error on that case against the f32
+# reference), so that a fixture whose bf16 error is inherently near the bound (the MoE ones: every expert's
+# product rounds) is held to transformers' own precision.
+OWN_FACTOR = 1.5
+# Fixtures reported but not bounded in bf16: their routers' k-th and (k+1)-th experts are within ~1e-3 in
+# probability at some positions, below what bf16 resolves, so any bf16 run (transformers' too) flips experts
+# there, each at other positions. qwen3moe_top2_separated (router logits >= 0.25 apart on the causal case) is the
+# bounded MoE case; at some positions of the other masks its routers are closer, and transformers' own bf16
+# run flips there as ours does (ours vs transformers bf16 <= 2.0e-2 on every case, H100 and H200), which
+# OWN_FACTOR allows for.
+BF16_UNBOUNDED = {"qwen3moe_top1", "qwen3moe_top2_norm"}
 TASKS = ["sort 7 2 9 4 1", "reverse a b c d", "repeat ab 3", "add 12+30", "sort 5 3 8 1 9 2", "hello Ada"]
 PREFIX_CASES = [("causal", 1, "absolute", None, 7), ("block_causal", 4, "absolute", None, 8),
                 ("block_causal", 4, "prompt", 6, 14)]
@@ -79,9 +92,12 @@ def main():
     failures = []
     t0 = time.time()
 
-    def check(kind, name, err):
-        if not err <= BOUNDS[kind]:
-            failures.append(f"{kind} {name}: {err:.3g} > {BOUNDS[kind]}")
+    def check(kind, name, err, bound=None):
+        bound = BOUNDS[kind] if bound is None else bound
+        if not err <= bound:
+            failures.append(f"{kind} {name}: {err:.3g} > {bound:.3g}")
+
+    pending = []  # bf16 checks against the fixtures, bounded once transformers' own bf16 error is known
 
     for name in meta["fixtures"]:
         path = os.path.join(PARITY, name)
@@ -96,7 +112,10 @@ def main():
                                  alignment=c["alignment"], prompt_len=c["prompt_len"])
                 errs[case] = rel_err(got, exp[case])
                 maxr[case], agree[case] = max_rel(got, exp[case]), top1(got, exp[case])
-                check(label, f"{name}/{case}", errs[case])
+                if label == "float32":
+                    check(label, f"{name}/{case}", errs[case])
+                elif name not in BF16_UNBOUNDED:
+                    pending.append((name, case, errs[case]))
             cache = {}
             for attention, bs, alignment, plen, prefix in PREFIX_CASES:
                 kw = dict(attention=attention, block_size=bs, alignment=alignment, prompt_len=plen)
@@ -126,7 +145,7 @@ def main():
                                                                    attn_implementation="eager").to(dev).eval()
             eng = mbd_rs.Engine.load(path, device=args.device, dtype=low)
             ids = torch.from_numpy(exp["ids"])[None].to(dev)
-            errs, maxr = {}, {}
+            errs, maxr, own = {}, {}, {}
             for case, c in meta["cases"].items():
                 spec = (c["attention"], c["block_size"], c["alignment"], c["prompt_len"])
                 mask = fx.mask_4d(ids.shape[1], spec).to(dev, tdt)
@@ -136,16 +155,20 @@ def main():
                                  alignment=c["alignment"], prompt_len=c["prompt_len"])
                 errs[case] = rel_err(got, ref)
                 maxr[case] = max_rel(got, ref)
-                check("hf_bfloat16", f"{name}/{case}", errs[case])
-            # for scale: transformers' own bf16 against its f32 reference
-            with torch.no_grad():
-                own = hf(ids).logits[0].float().cpu().numpy()
-            r = {"rel_err": errs, "max_rel": maxr, "hf_bf16_vs_f32_causal": rel_err(own, exp["causal"]),
-                 "hf_bf16_vs_f32_causal_max_rel": max_rel(own, exp["causal"])}
+                own[case] = rel_err(ref, exp[case])
+                if name not in BF16_UNBOUNDED:
+                    check("hf_bfloat16", f"{name}/{case}", errs[case],
+                          max(BOUNDS["hf_bfloat16"], OWN_FACTOR * own[case]))
+            for n_, case, err in [p for p in pending if p[0] == name]:
+                check("bfloat16", f"{n_}/{case}", err, max(BOUNDS["bfloat16"], OWN_FACTOR * own[case]))
+            pending = [p for p in pending if p[0] != name]
+            r = {"rel_err": errs, "max_rel": maxr, "hf_bf16_vs_f32": own}
             report["hf_bfloat16"][name] = r
             print(f"{name:20s} ours bf16 vs transformers bf16 {max(errs.values()):.2e} (max-rel {max(maxr.values()):.2e})"
-                  f"  (transformers bf16 vs f32: {r['hf_bf16_vs_f32_causal']:.2e}, max-rel "
-                  f"{r['hf_bf16_vs_f32_causal_max_rel']:.2e})", flush=True)
+                  f"  (transformers' own bf16 vs f32: {min(own.values()):.2e}-{max(own.values()):.2e})"
+                  + ("  [not bounded: near-tied routers]" if name in BF16_UNBOUNDED else ""), flush=True)
+    for name, case, err in pending:  # --no-hf: the fixed bound
+        check("bfloat16", f"{name}/{case}", err)
 
     if not args.no_hf:
         long_windows(args, report, check, fixture_script())
@@ -205,7 +228,9 @@ def long_windows(args, report, check, fx):
     hf.save_pretrained(path, safe_serialization=True)
     shutil.copy(os.path.join(PARITY, "qwen2_gqa_tied", "tokenizer.json"), path)
     hf = hf.to(dev)
-    eng = mbd_rs.Engine.load(path, device=args.device, dtype="float32")
+    low = "float32" if args.device == "cpu" else "bfloat16"
+    engines = {"float32": mbd_rs.Engine.load(path, device=args.device, dtype="float32"),
+               "bfloat16": mbd_rs.Engine.load(path, device=args.device, dtype=low)}
     n = max(p + w for _, _, p, w in LONG_CASES)
     ids = torch.randint(0, 300, (n,), generator=gen)
     report["long"] = {}
@@ -214,11 +239,13 @@ def long_windows(args, report, check, fx):
         mask = torch.where(blk[None, :] <= blk[:, None], 0.0, torch.finfo(torch.float32).min)[None, None]
         with torch.no_grad():
             ref = hf(ids[None, :p + w].to(dev), attention_mask=mask.to(dev)).logits[0, p:].float().cpu().numpy()
-        got = eng.logits(ids[:p + w].tolist(), prefix_len=p, attention=attention, block_size=b)[p:]
-        key = f"{attention}{b}_P{p}_W{w}"
-        report["long"][key] = err = rel_err(got, ref)
-        check("long_float32", key, err)
-        print(f"long window {key:28s} device f32 vs transformers f32 {err:.2e} (top-1 {top1(got, ref):.3f})", flush=True)
+        for label, eng in engines.items():
+            got = eng.logits(ids[:p + w].tolist(), prefix_len=p, attention=attention, block_size=b)[p:]
+            key = f"{attention}{b}_P{p}_W{w}" + ("" if label == "float32" else "_bf16")
+            report["long"][key] = err = rel_err(got, ref)
+            check(f"long_{label}", key, err)
+            print(f"long window {key:33s} device {label} vs transformers f32 {err:.2e} (top-1 {top1(got, ref):.3f})",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,13 @@
 #            core loaded (not the CPU fallback) and that a CUDA device answers
 #   parity   benches/gpu/parity.py: fixtures f32/bf16 vs transformers f32, through the cache, vs transformers bf16
 #            live on the GPU, greedy tokens GPU f32 == CPU f32; plus tests/test_packaging.py
-#   speed    benches/gpu/speed.py --shape sdar-1.7b --e2e --ab: one forward vs the bandwidth floor, PyTorch eager
-#            and candle's ops in place of mbd-rs's CUDA kernels, end-to-end tokens/s, 1/8/32 streams
+#   speed    benches/gpu/speed.py --shape sdar-1.7b --e2e --ab candle_ops: one forward vs the bandwidth floor,
+#            PyTorch eager and candle's ops in place of mbd-rs's CUDA kernels, end-to-end tokens/s, 1/8/32 streams
 #   speed8b  the Qwen3-8B shape (SDAR-8B / TraDo-8B), one forward
 #   profile  benches/gpu/kernels.py: kernels per forward, GPU busy time vs wall time, the costliest kernels, with
 #            mbd-rs's CUDA kernels and with candle's ops
+#   ncu      benches/gpu/ncu.py under Nsight Compute: the attention kernel at W 32, attention and add + norm at W 1
+#            (grids, occupancy, throughput, stall reasons) on a 2-layer model of the SDAR-1.7B layer shape
 #   batching tests/test_batching.py on the GPU (device "auto" is CUDA there, bf16): do concurrent streams, batched
 #            into shared forwards, still give their lone outputs token for token?
 # Everything goes to $OUT (default ./gpu_out): JSON per stage, logs, nvidia-smi.
@@ -49,19 +51,32 @@ for stage in $stages; do
       (cd /tmp && "$PY" -m pytest -q -p no:cacheprovider "$OLDPWD/tests/test_packaging.py" 2>&1 | tail -3) | tee -a "$OUT/parity.log" ;;
     speed)
       install > /dev/null
-      "$PY" benches/gpu/speed.py --shape sdar-1.7b --e2e --ab --out "$OUT/gpu_speed_sdar-1.7b.json" 2>&1 \
+      "$PY" benches/gpu/speed.py --shape sdar-1.7b --e2e --ab candle_ops --out "$OUT/gpu_speed_sdar-1.7b.json" 2>&1 \
         | grep -v "Loading weights" | tee "$OUT/speed.log" ;;
     speed8b)
       install > /dev/null
-      "$PY" benches/gpu/speed.py --shape qwen3-8b --cases 512:1,512:32,2048:1,2048:32 --rounds 1 --ab \
+      "$PY" benches/gpu/speed.py --shape qwen3-8b --cases 512:1,512:32,2048:1,2048:32 --rounds 1 --ab candle_ops \
         --out "$OUT/gpu_speed_qwen3-8b.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/speed8b.log" ;;
     profile)
       install > /dev/null
       "$PY" benches/gpu/kernels.py --configs fused,candle --out "$OUT/gpu_profile.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/profile.log" ;;
+    ncu)
+      install > /dev/null
+      ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+      [ -n "$ncu" ] || { echo "no ncu on this machine" >&2; exit 1; }
+      sections="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats"
+      (cd benches/gpu && "$PY" ncu.py --window 1 > /dev/null 2>&1)  # writes the checkpoint once
+      for spec in "mbd_attn_partial 32 6" "mbd_attn_partial|mbd_add_rms 1 10"; do
+        set -- $spec
+        (cd benches/gpu && "$ncu" -k "regex:$1" -c "$3" $sections "$PY" ncu.py --window "$2") 2>&1 \
+          | grep -v "Loading weights\|^==PROF==" >> "$OUT/ncu.log"
+      done
+      grep -E "^  [a-z_A-Z].*\(|Duration|Achieved Occupancy|Registers Per|Memory Throughput|Compute \(SM\) Thr|Warp Cycles Per Issued" \
+        "$OUT/ncu.log" | head -150 ;;
     batching)
       install > /dev/null
       (cd /tmp && "$PY" -m pytest -q -p no:cacheprovider -rf --tb=line "$OLDPWD/tests/test_batching.py" 2>&1 | tail -25) \
         | tee "$OUT/batching.log" ;;
-    *) echo "unknown stage $stage (install|parity|speed|speed8b|profile|batching|all)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (install|parity|speed|speed8b|profile|ncu|batching|all)" >&2; exit 2 ;;
   esac
 done

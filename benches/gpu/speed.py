@@ -9,8 +9,9 @@ SDAR-8B / TraDo-8B shape). Then, side by side in one process, interleaved over -
 - the floor: the weight bytes over the device's copy bandwidth (a large device-to-device copy, read + write bytes);
 - end to end: tokens/s and forwards of one generation (multi-block, and block size 1 = AR), and the throughput of
   1 / 8 / 32 concurrent streams sharing forwards (continuous batching).
-`--ab`: a second engine on the same checkpoint with candle's ops in place of mbd-rs's CUDA kernels
-(`_kernels=dict(cuda_fused=False)`), timed in the same rounds (columns candle_ops_ms and fused/candle).
+`--ab candle_ops`: more engines on the same checkpoint, each with a part of mbd-rs switched off (VARIANTS;
+candle_ops: candle's ops in place of every mbd-rs CUDA kernel), timed in the same rounds (columns <variant>_ms
+and vs_<variant> = mbd-rs / variant).
 Writes one JSON (--out).
 """
 import argparse
@@ -37,6 +38,9 @@ SHAPES = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  intermediate_size=128, vocab_size=151936, tie_word_embeddings=True),
 }
+
+# --ab variants: mbd-rs with one part switched off (`Engine.load(_kernels=...)`)
+VARIANTS = {"candle_ops": dict(cuda_fused=False)}  # candle's ops in place of every mbd-rs CUDA kernel
 
 
 def sync(dev):
@@ -119,12 +123,13 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shape", default="sdar-1.7b", choices=sorted(SHAPES))
     ap.add_argument("--dir", default="/tmp/mbd-gpu")
-    ap.add_argument("--cases", default="512:1,512:4,512:16,512:32,512:64,2048:1,2048:4,2048:16,2048:32,2048:64")
+    ap.add_argument("--cases", default="512:1,512:4,512:8,512:16,512:32,512:64,2048:1,2048:4,2048:16,2048:32,2048:64")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--e2e", action="store_true", help="also end-to-end generation and 1/8/32 concurrent streams")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--ab", action="store_true", help="also time candle's ops (cuda_fused=False) side by side")
+    ap.add_argument("--ab", default="", help="comma-separated variants timed side by side: " + ", ".join(VARIANTS))
+    ap.add_argument("--e2e-engines", default="mbd_rs,candle_ops", help="engines of the end-to-end runs")
     args = ap.parse_args()
     out = args.out or os.path.join(os.environ.get("OUT", "."), f"gpu_speed_{args.shape}.json")
     dev = torch.device(args.device)
@@ -135,8 +140,8 @@ def main():
     made = time.time() - t0
     eng = mbd_rs.Engine.load(path, device=args.device)
     engines = {"mbd_rs": eng}
-    if args.ab:
-        engines["candle_ops"] = mbd_rs.Engine.load(path, device=args.device, _kernels=dict(cuda_fused=False))
+    for name in filter(None, (args.ab or "").split(",")):
+        engines[name] = mbd_rs.Engine.load(path, device=args.device, _kernels=VARIANTS[name])
     info = eng.info
     report = {"device": args.device, "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
               "shape": args.shape, "params": info.num_parameters, "weight_bytes": info.weight_bytes,
@@ -159,16 +164,18 @@ def main():
         row = dict(prefix=p, window=w, mbd_rs_ms=round(o, 3), torch_eager_ms=round(t, 3),
                    vs_floor=round(o / floor_ms, 2), vs_torch=round(o / t, 3))
         extra = ""
-        if "candle_ops" in times:
-            c = 1e3 * statistics.median(times["candle_ops"])
-            row.update(candle_ops_ms=round(c, 3), fused_vs_candle=round(o / c, 3))
-            extra = f"  candle ops {c:8.2f} ms  fused/candle {o / c:.2f}"
+        for name in engines:
+            if name != "mbd_rs":
+                c = 1e3 * statistics.median(times[name])
+                row.update({f"{name}_ms": round(c, 3), f"vs_{name}": round(o / c, 3)})
+                extra += f"  {name} {c:6.2f} ms ({o / c:.2f})"
         report["forward"].append(row)
         print(f"P {p:5d} W {w:3d}: mbd-rs {o:8.2f} ms ({o / floor_ms:5.2f}x floor)  torch eager {t:8.2f} ms  "
               f"mbd-rs/torch {o / t:.2f}{extra}", flush=True)
     if args.e2e:
         prompt = np.random.default_rng(1).integers(0, 150000, 64).tolist()
-        for name, e in engines.items():
+        e2e = {k: v for k, v in engines.items() if k in args.e2e_engines.split(",")}
+        for name, e in e2e.items():
             for label, kw in (("multi-block", {}), ("ar (block size 1)", {"block_size": 1})):
                 e.generate(prompt, max_tokens=16, temperature=0.0, early_stop=False, **kw)  # warm-up
                 c = e.generate(prompt, max_tokens=256, temperature=0.0, early_stop=False, **kw)
@@ -179,7 +186,7 @@ def main():
                 print(f"e2e {name} {label:18s}: {row}", flush=True)
         report["streams"] = []
         for k in (1, 8, 32):
-            for name, e in engines.items():
+            for name, e in e2e.items():
                 row = dict(engine=name, **streams_throughput(e, k, 128, 150000))
                 report["streams"].append(row)
                 print(f"streams {k:2d}: {row}", flush=True)
