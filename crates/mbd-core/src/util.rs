@@ -46,7 +46,11 @@ pub fn one_of(names: &[&str]) -> String {
 /// catches).
 pub fn check_alloc(bytes: usize, what: impl FnOnce() -> String) -> crate::error::Result<()> {
     let mut probe: Vec<u8> = Vec::new();
-    probe.try_reserve_exact(bytes).map_err(|_| {
+    let reserved = probe.try_reserve_exact(bytes);
+    // the probe must be seen to escape: an allocation that is freed unused may be elided by the optimizer, which
+    // then takes it as having succeeded (release builds passed usize::MAX / 2 before this)
+    std::hint::black_box(&probe);
+    reserved.map_err(|_| {
         crate::error::Error::invalid(format!(
             "{}: {:.1} GB cannot be allocated on this machine",
             what(),
