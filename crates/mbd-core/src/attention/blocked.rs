@@ -19,6 +19,7 @@
 
 use super::SegmentKv;
 use crate::skinny::Out;
+use crate::vmath::{exp8, exp_scalar};
 use rayon::prelude::*;
 use std::arch::x86_64::*;
 use std::cell::Cell;
@@ -368,41 +369,6 @@ unsafe fn hmax(v: __m256) -> f32 {
     _mm_cvtss_f32(m)
 }
 
-#[target_feature(enable = "avx2,fma")]
-unsafe fn exp_scalar(x: f32) -> f32 {
-    _mm256_cvtss_f32(exp8(_mm256_set1_ps(x)))
-}
-
-/// e^x per lane for x ≤ ~88 (the softmax's x ≤ 0): x = n·ln2 + r with |r| ≤ ln2/2 (ln2 split in two constants so
-/// n·ln2 is exact), e^r by a degree-6 polynomial (Cephes' `expf` coefficients), times 2^n built in the exponent
-/// bits. 0 for x < -88 (and for -inf); NaN stays NaN.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn exp8(x: __m256) -> __m256 {
-    let lo = _mm256_set1_ps(-88.0);
-    let keep = _mm256_cmp_ps::<_CMP_NLT_UQ>(x, lo); // x >= -88 or NaN
-    let xc = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0)), lo);
-    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
-        xc,
-        _mm256_set1_ps(std::f32::consts::LOG2_E),
-    ));
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), xc);
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-    let mut y = _mm256_set1_ps(1.987_569_1e-4);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.398_2e-3));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.333_452e-3));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.166_579_6e-2));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.666_666_5e-1));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(0.5));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0)));
-    let pow2 =
-        _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127))));
-    let y = _mm256_mul_ps(y, pow2);
-    // NaN in, NaN out (the min/max above would have turned it into a number)
-    let y = _mm256_blendv_ps(y, x, _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
-    _mm256_and_ps(y, keep)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -494,38 +460,5 @@ mod tests {
                 "segment {si} row {i}: alone differs"
             );
         }
-    }
-
-    fn exp_of(x: f32) -> f32 {
-        // SAFETY: only called after the AVX2 + FMA check.
-        unsafe { exp_scalar(x) }
-    }
-
-    #[test]
-    fn exp_is_within_two_ulp_on_the_softmax_range() {
-        if !available(1, 1, 16) {
-            return;
-        }
-        let (mut worst, mut at) = (0f64, 0f32);
-        let mut x = -87.0f32;
-        while x <= 0.0 {
-            let want = (x as f64).exp();
-            let got = exp_of(x) as f64;
-            let ulp = (want as f32).abs() * f32::EPSILON;
-            let e = (got - want).abs() / ulp as f64;
-            if e > worst {
-                (worst, at) = (e, x);
-            }
-            x += 0.000_731;
-        }
-        assert!(worst <= 2.0, "worst error {worst} ulp at {at}");
-        // below the normal range: within the smallest normal of the exact value
-        for x in [-87.5f32, -88.0, -87.9] {
-            assert!((exp_of(x) as f64 - (x as f64).exp()).abs() < 1.2e-38, "{x}");
-        }
-        assert_eq!(exp_of(0.0), 1.0);
-        assert_eq!(exp_of(f32::NEG_INFINITY), 0.0);
-        assert_eq!(exp_of(-100.0), 0.0);
-        assert!(exp_of(f32::NAN).is_nan());
     }
 }
