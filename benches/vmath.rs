@@ -9,15 +9,10 @@
 #[path = "common.rs"]
 mod common;
 use common::median;
-
-fn scalar(g: &[f32], u: &[f32], y: &mut [f32]) {
-    for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
-        *y = g / (1.0 + (-g).exp()) * u;
-    }
-}
+use mbd_core::vmath;
 
 fn main() {
-    if !mbd_core::vmath::has_avx2_fma() {
+    if !vmath::has_avx2_fma() {
         println!("no AVX2 + FMA on this CPU: nothing to compare");
         return;
     }
@@ -30,11 +25,10 @@ fn main() {
         let (mut ta, mut tb) = (vec![], vec![]);
         for _ in 0..301 {
             let t = std::time::Instant::now();
-            scalar(&g, &u, &mut a);
+            vmath::silu_mul_scalar(&g, &u, &mut a);
             ta.push(t.elapsed().as_secs_f64() * 1e3);
             let t = std::time::Instant::now();
-            // SAFETY: AVX2 and FMA checked above.
-            unsafe { mbd_core::vmath::silu_mul(&g, &u, &mut b) };
+            vmath::silu_mul(&g, &u, &mut b);
             tb.push(t.elapsed().as_secs_f64() * 1e3);
         }
         for (x, y) in a.iter().zip(&b) {
@@ -51,26 +45,14 @@ fn main() {
         let (mut za, mut zb) = ((0f64, 0f64), (0f64, 0f64));
         for _ in 0..301 {
             let t = std::time::Instant::now();
-            za = sums_scalar(&row, m);
+            za = vmath::softmax_sums_scalar(&row, m);
             ta.push(t.elapsed().as_secs_f64() * 1e3);
             let t = std::time::Instant::now();
-            // SAFETY: AVX2 and FMA checked above.
-            zb = unsafe { mbd_core::vmath::softmax_sums(&row, m) };
+            zb = vmath::softmax_sums(&row, m);
             tb.push(t.elapsed().as_secs_f64() * 1e3);
         }
         assert!((za.0 - zb.0).abs() <= 1e-6 * za.0 && (za.1 - zb.1).abs() <= 1e-6 * za.1.abs() + 1e-12);
         let (ma, mb) = (median(ta), median(tb));
         println!("{:>22} {ma:>11.4} {mb:>11.4} {:>7.2}", v, mb / ma);
     }
-}
-
-fn sums_scalar(row: &[f32], m: f32) -> (f64, f64) {
-    let (mut z, mut s) = (0f64, 0f64);
-    for &x in row {
-        let d = x - m;
-        let e = d.exp();
-        z += e as f64;
-        s += (e * d) as f64;
-    }
-    (z, s)
 }

@@ -97,7 +97,7 @@ def main():
         if not err <= bound:
             failures.append(f"{kind} {name}: {err:.3g} > {bound:.3g}")
 
-    pending = []  # bf16 checks against the fixtures, bounded once transformers' own bf16 error is known
+    pending = {}  # fixture -> {case: bf16 error}, bounded once transformers' own bf16 error is known
 
     for name in meta["fixtures"]:
         path = os.path.join(PARITY, name)
@@ -115,7 +115,7 @@ def main():
                 if label == "float32":
                     check(label, f"{name}/{case}", errs[case])
                 elif name not in BF16_UNBOUNDED:
-                    pending.append((name, case, errs[case]))
+                    pending.setdefault(name, {})[case] = errs[case]
             cache = {}
             for attention, bs, alignment, plen, prefix in PREFIX_CASES:
                 kw = dict(attention=attention, block_size=bs, alignment=alignment, prompt_len=plen)
@@ -159,16 +159,16 @@ def main():
                 if name not in BF16_UNBOUNDED:
                     check("hf_bfloat16", f"{name}/{case}", errs[case],
                           max(BOUNDS["hf_bfloat16"], OWN_FACTOR * own[case]))
-            for n_, case, err in [p for p in pending if p[0] == name]:
-                check("bfloat16", f"{n_}/{case}", err, max(BOUNDS["bfloat16"], OWN_FACTOR * own[case]))
-            pending = [p for p in pending if p[0] != name]
+            for case, err in pending.pop(name, {}).items():
+                check("bfloat16", f"{name}/{case}", err, max(BOUNDS["bfloat16"], OWN_FACTOR * own[case]))
             r = {"rel_err": errs, "max_rel": maxr, "hf_bf16_vs_f32": own}
             report["hf_bfloat16"][name] = r
             print(f"{name:20s} ours bf16 vs transformers bf16 {max(errs.values()):.2e} (max-rel {max(maxr.values()):.2e})"
                   f"  (transformers' own bf16 vs f32: {min(own.values()):.2e}-{max(own.values()):.2e})"
                   + ("  [not bounded: near-tied routers]" if name in BF16_UNBOUNDED else ""), flush=True)
-    for name, case, err in pending:  # --no-hf: the fixed bound
-        check("bfloat16", f"{name}/{case}", err)
+    for name, cases in pending.items():  # --no-hf: the fixed bound
+        for case, err in cases.items():
+            check("bfloat16", f"{name}/{case}", err)
 
     if not args.no_hf:
         long_windows(args, report, check, fixture_script())

@@ -51,7 +51,6 @@ pub mod scheduler;
 pub mod skinny;
 pub mod speculative;
 pub mod text;
-#[cfg(target_arch = "x86_64")]
 pub mod vmath;
 pub mod weights;
 pub mod window;

@@ -19,8 +19,8 @@ pub struct SamplingParams {
 }
 
 /// One row's argmax (ties -> lowest id), entropy and max probability of softmax(row), in two passes: the max,
-/// then Z = Σ e^(x - m) and S = Σ e^(x - m)(x - m) (terms in f32, sums in f64; vectorised by
-/// `vmath::softmax_sums` where the CPU has AVX2 and FMA), so that H = -Σ p log p = ln Z - S / Z and max p = 1 / Z.
+/// then Z = Σ e^(x - m) and S = Σ e^(x - m)(x - m) (`vmath::softmax_sums`: terms in f32, sums in f64), so that
+/// H = -Σ p log p = ln Z - S / Z and max p = 1 / Z.
 fn row_stats(row: &[f32]) -> (u32, f64, f64) {
     let mut best = 0usize;
     for (i, &x) in row.iter().enumerate() {
@@ -28,20 +28,7 @@ fn row_stats(row: &[f32]) -> (u32, f64, f64) {
             best = i;
         }
     }
-    let m = row[best];
-    #[cfg(target_arch = "x86_64")]
-    if crate::vmath::has_avx2_fma() {
-        // SAFETY: AVX2 and FMA were detected.
-        let (z, sum) = unsafe { crate::vmath::softmax_sums(row, m) };
-        return (best as u32, z.ln() - sum / z, 1.0 / z);
-    }
-    let (mut z, mut sum) = (0f64, 0f64);
-    for &x in row {
-        let d = x - m;
-        let e = d.exp();
-        z += e as f64;
-        sum += (e * d) as f64;
-    }
+    let (z, sum) = crate::vmath::softmax_sums(row, row[best]);
     (best as u32, z.ln() - sum / z, 1.0 / z)
 }
 

@@ -42,8 +42,7 @@ pub fn available(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
         && heads / kv_heads <= MAX_REP
         && head_dim.is_multiple_of(16)
         && head_dim <= MAX_D
-        && is_x86_feature_detected!("avx2")
-        && is_x86_feature_detected!("fma")
+        && crate::vmath::has_avx2_fma()
 }
 
 /// `super::attend` (its arguments, the head shape as one tuple). Needs `available`: `attend` checks it.

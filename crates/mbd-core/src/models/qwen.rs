@@ -184,20 +184,10 @@ impl candle_core::CustomOp1 for SiluMul {
         if i == 0 {
             return Ok((candle_core::CpuStorage::F32(y), (rows, 0).into()));
         }
-        #[cfg(target_arch = "x86_64")]
-        let vector = crate::vmath::has_avx2_fma();
         let f = |(y, gu): (&mut [f32], &[f32])| {
             for (y, gu) in y.chunks_exact_mut(i).zip(gu.chunks_exact(two_i)) {
                 let (g, u) = gu.split_at(i);
-                #[cfg(target_arch = "x86_64")]
-                if vector {
-                    // SAFETY: AVX2 and FMA were detected above.
-                    unsafe { crate::vmath::silu_mul(g, u, y) };
-                    continue;
-                }
-                for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
-                    *y = g / (1.0 + (-g).exp()) * u;
-                }
+                crate::vmath::silu_mul(g, u, y);
             }
         };
         // rows per parallel chunk: about 16k outputs
