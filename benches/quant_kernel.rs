@@ -13,6 +13,8 @@
 //! with packing: bf16 and every format packed at load where the CPU has the packed product).
 //! `MBD_BENCH_PACKED=ab`: both, interleaved: bf16 and each format packed at load, and each format held in its
 //! blocks too (the `.b` columns).
+//! `MBD_BENCH_PACKED=int8`: bf16 and each format packed at load, and each format held for integer dot products on
+//! 8-bit activations too (`Matrix::quant_int8`, the `int8_activations` load option: the `.i8` columns).
 
 use candle_core::{DType, Device, Tensor};
 use mbd_core::quant::{Matrix, QMatrix, QuantFormat};
@@ -33,6 +35,14 @@ const FORMATS: [QuantFormat; 8] = [
     QuantFormat::Q2K,
 ];
 
+/// How a format's matrix is held: packed at load, in its blocks, or for integer dot products.
+#[derive(Clone, Copy, PartialEq)]
+enum Hold {
+    Packed,
+    Blocks,
+    Int8,
+}
+
 fn main() {
     mbd_core::cpu_pool::on_cpu_pool(run)
 }
@@ -52,15 +62,23 @@ fn run() {
         Err(_) => FORMATS.to_vec(),
     };
     let packed = std::env::var("MBD_BENCH_PACKED").unwrap_or_default();
-    let pack = packed == "1" || packed == "ab";
-    // (the format, held packed where it packs): every column of the table
-    let formats: Vec<(QuantFormat, bool)> = formats
+    let pack = matches!(packed.as_str(), "1" | "ab" | "int8");
+    // (the format, how it is held): every column of the table
+    let second = match packed.as_str() {
+        "ab" => Some(Hold::Blocks),
+        "int8" => Some(Hold::Int8),
+        _ => None,
+    };
+    let formats: Vec<(QuantFormat, Hold)> = formats
         .iter()
-        .map(|&f| (f, pack))
-        .chain(formats.iter().filter(|_| packed == "ab").map(|&f| (f, false)))
+        .map(|&f| (f, if pack { Hold::Packed } else { Hold::Blocks }))
+        .chain(second.into_iter().flat_map(|h| formats.iter().map(move |&f| (f, h))))
         .collect();
-    let label =
-        |&(f, p): &(QuantFormat, bool)| if p || !pack { f.name().to_string() } else { format!("{}.b", f.name()) };
+    let label = |&(f, h): &(QuantFormat, Hold)| match h {
+        Hold::Blocks if pack => format!("{}.b", f.name()),
+        Hold::Int8 => format!("{}.i8", f.name()),
+        _ => f.name().to_string(),
+    };
     println!("{threads} threads; ms (median), each format's time over bf16's, GB/s of weights for one row");
     print!("{:>22} {:>4} {:>8}", "W (n x k)", "rows", "bf16");
     for f in &formats {
@@ -82,11 +100,15 @@ fn run() {
         // (matrix, its bytes in the format's blocks)
         let qs: Vec<Option<(Matrix, usize)>> = formats
             .iter()
-            .map(|&(f, pack)| {
+            .map(|&(f, hold)| {
                 k.is_multiple_of(f.block_values()).then(|| {
                     let q = QMatrix::quantize(&w, f).unwrap();
                     let bytes = q.bytes().len();
-                    (Matrix::quant(q, pack).unwrap(), bytes)
+                    let m = match hold {
+                        Hold::Int8 => Matrix::quant_int8(q, true),
+                        h => Matrix::quant(q, h == Hold::Packed),
+                    };
+                    (m.unwrap(), bytes)
                 })
             })
             .collect();

@@ -45,6 +45,7 @@ pub mod kv_cache;
 pub mod mask;
 pub mod output;
 pub mod panels;
+pub mod qdot;
 pub mod quant;
 pub mod sampling;
 pub mod scheduler;

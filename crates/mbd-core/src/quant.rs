@@ -23,6 +23,7 @@
 
 use crate::error::{Error, Result};
 use crate::panels::PackedMatrix;
+use crate::qdot::DotMatrix;
 use crate::skinny::Kernels;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
@@ -30,12 +31,14 @@ use half::f16;
 use std::sync::Arc;
 
 /// A weight matrix (n, k) as the model holds it: as loaded (f32, or bf16 on the CPU), packed at load for the
-/// packed product (`panels::PackedMatrix`: dense f32 or bf16 on a CPU that has it), or quantized.
+/// packed product (`panels::PackedMatrix`: dense f32 or bf16 on a CPU that has it), quantized, or quantized and
+/// held for integer dot products on 8-bit activations (`qdot::DotMatrix`, the `int8_activations` option).
 #[derive(Clone)]
 pub enum Matrix {
     Dense(Tensor),
     Packed(Arc<PackedMatrix>),
     Quant(Arc<QMatrix>),
+    Dot(Arc<DotMatrix>),
 }
 
 impl Matrix {
@@ -62,6 +65,15 @@ impl Matrix {
         Ok(Matrix::Quant(Arc::new(q)))
     }
 
+    /// A quantized matrix for integer dot products on 8-bit activations (`qdot`) where its format has them, else
+    /// as `quant` holds it.
+    pub fn quant_int8(q: QMatrix, pack: bool) -> Result<Matrix> {
+        match DotMatrix::from_quant(&q)? {
+            Some(d) => Ok(Matrix::Dot(Arc::new(d))),
+            None => Self::quant(q, pack),
+        }
+    }
+
     /// `x · wᵀ` (`few`: the rows are few-row windows, see `skinny::few_rows`; a packed matrix computes every
     /// window the same way).
     pub fn linear(&self, x: &Tensor, k: &Kernels, few: bool) -> candle_core::Result<Tensor> {
@@ -69,6 +81,7 @@ impl Matrix {
             Matrix::Dense(w) => crate::skinny::linear(x, w, k, few),
             Matrix::Packed(p) => crate::skinny::linear_packed(x, p, k),
             Matrix::Quant(q) => crate::skinny::linear_q(x, q, k, few),
+            Matrix::Dot(d) => crate::skinny::linear_dot(x, d, k),
         }
     }
 
@@ -95,6 +108,12 @@ impl Matrix {
                 let Some(ps) = ps else { return Ok(None) };
                 Ok(PackedMatrix::stack(&ps)?.map(|p| Matrix::Packed(Arc::new(p))))
             }
+            [Matrix::Dot(_), ..] => {
+                let ds: Option<Vec<&DotMatrix>> =
+                    parts.iter().map(|m| if let Matrix::Dot(d) = m { Some(&**d) } else { None }).collect();
+                let Some(ds) = ds else { return Ok(None) };
+                Ok(DotMatrix::stack(&ds)?.map(|d| Matrix::Dot(Arc::new(d))))
+            }
             [Matrix::Quant(first), ..] => {
                 let mut qs = Vec::with_capacity(parts.len());
                 for m in parts {
@@ -120,19 +139,23 @@ impl Matrix {
     pub fn rows(&self, ids: &[u32], dev: &Device) -> Result<Tensor> {
         Ok(match self {
             Matrix::Dense(w) => w.index_select(&Tensor::new(ids, dev)?, 0)?,
-            Matrix::Packed(p) => {
-                let mut out = vec![0f32; ids.len() * p.k];
-                for (&id, dst) in ids.iter().zip(out.chunks_mut(p.k.max(1))) {
-                    if id as usize >= p.n {
-                        return Err(Error::Internal(format!("row {id} of a {}-row packed matrix", p.n)));
-                    }
-                    p.rows_into(id as usize, 1, dst);
-                }
-                Tensor::from_vec(out, (ids.len(), p.k), dev)?
-            }
+            Matrix::Packed(p) => held_rows(ids, p.n, p.k, dev, |id, dst| p.rows_into(id, 1, dst))?,
             Matrix::Quant(q) => Tensor::from_vec(q.rows(ids)?, (ids.len(), q.k), dev)?,
+            Matrix::Dot(d) => held_rows(ids, d.n, d.k, dev, |id, dst| d.rows_into(id, 1, dst))?,
         })
     }
+}
+
+/// Rows `ids` of an n × k matrix held outside candle, each written by `row(id, dst)` (f32).
+fn held_rows(ids: &[u32], n: usize, k: usize, dev: &Device, row: impl Fn(usize, &mut [f32])) -> Result<Tensor> {
+    let mut out = vec![0f32; ids.len() * k];
+    for (&id, dst) in ids.iter().zip(out.chunks_mut(k.max(1))) {
+        if id as usize >= n {
+            return Err(Error::Internal(format!("row {id} of a {n}-row matrix")));
+        }
+        row(id as usize, dst);
+    }
+    Ok(Tensor::from_vec(out, (ids.len(), k), dev)?)
 }
 
 crate::string_enum! {

@@ -1314,10 +1314,17 @@ pub fn linear(x: &Tensor, w: &Tensor, k: &Kernels, few: bool) -> candle_core::Re
     }
 }
 
+/// A matrix `HeldMatmulT` multiplies: through the panels (or this kernel), or by integer dot products (`qdot`).
+#[derive(Clone, Copy)]
+enum Held<'a> {
+    Panels(crate::panels::Source<'a>),
+    Dot(&'a crate::qdot::DotMatrix),
+}
+
 /// The candle op for a quantized or packed W held outside candle: x (m, k) contiguous f32 on the CPU -> (m, n).
 /// A quantized W's few-row windows take this kernel (`matmul_q`); everything else `panels::matmul_t`.
 struct HeldMatmulT<'a> {
-    w: crate::panels::Source<'a>,
+    w: Held<'a>,
     n: usize,
     k: usize,
     par_min_macs: usize,
@@ -1349,8 +1356,9 @@ impl CustomOp1 for HeldMatmulT<'_> {
         };
         let x = &x[a0..a1];
         let y = match self.w {
-            crate::panels::Source::Quant(q) if self.few => matmul_q(x, m, q, self.par_min_macs),
-            w => crate::panels::matmul_t_with(x, m, k, w, self.n, self.par_min_macs, self.avx512),
+            Held::Panels(crate::panels::Source::Quant(q)) if self.few => matmul_q(x, m, q, self.par_min_macs),
+            Held::Panels(w) => crate::panels::matmul_t_with(x, m, k, w, self.n, self.par_min_macs, self.avx512),
+            Held::Dot(d) => crate::qdot::matmul(x, m, d, self.par_min_macs, self.avx512 && crate::qdot::available()),
         };
         Ok((CpuStorage::F32(y), Shape::from((m, self.n))))
     }
@@ -1359,7 +1367,7 @@ impl CustomOp1 for HeldMatmulT<'_> {
 /// `x · wᵀ` for a packed w (CPU): every window, a one-row decode window or a prefill chunk, through the packed
 /// product, so each row's result is the same whatever window it is in.
 pub fn linear_packed(x: &Tensor, p: &PackedMatrix, k: &Kernels) -> candle_core::Result<Tensor> {
-    let w = crate::panels::Source::Packed(p);
+    let w = Held::Panels(crate::panels::Source::Packed(p));
     HeldMatmulT { w, n: p.n, k: p.k, par_min_macs: k.par_min_macs, few: false, avx512: k.packed_avx512 }.apply(x)
 }
 
@@ -1367,9 +1375,16 @@ pub fn linear_packed(x: &Tensor, p: &PackedMatrix, k: &Kernels) -> candle_core::
 /// `panels` (each panel dequantized once, then gemm), or this kernel too with `Kernels::panels` off (it streams
 /// the weights once per ROW_BLOCK rows, each time dequantizing them again).
 pub fn linear_q(x: &Tensor, q: &QMatrix, k: &Kernels, few: bool) -> candle_core::Result<Tensor> {
-    let w = crate::panels::Source::Quant(q);
+    let w = Held::Panels(crate::panels::Source::Quant(q));
     let few = few || !k.panels;
     HeldMatmulT { w, n: q.n, k: q.k, par_min_macs: k.par_min_macs, few, avx512: k.packed_avx512 }.apply(x)
+}
+
+/// `x · wᵀ` for a matrix held for integer dot products (CPU): every window through `qdot::matmul`, its AVX-512 VNNI
+/// kernels where the CPU has them (and `Kernels::packed_avx512` is on), else the scalar ones (the same bits).
+pub fn linear_dot(x: &Tensor, d: &crate::qdot::DotMatrix, k: &Kernels) -> candle_core::Result<Tensor> {
+    HeldMatmulT { w: Held::Dot(d), n: d.n, k: d.k, par_min_macs: k.par_min_macs, few: false, avx512: k.packed_avx512 }
+        .apply(x)
 }
 
 #[cfg(test)]

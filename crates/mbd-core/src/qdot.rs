@@ -1,0 +1,865 @@
+//! Quantized matrices multiplied with integer dot products on 8-bit activations (the `int8_activations` load
+//! option), as llama.cpp multiplies its block formats.
+//!
+//! The default quantized path (`panels`) forms every weight in f32 and multiplies it with the f32 activation: exact,
+//! but a one-row product then costs 4-7 vector instructions per 16 weights and runs below the memory's speed
+//! (benches/RESULTS.md, issue #18). Here each row of x is rounded to 8 bits per block of 32 values (`Acts`: a scale
+//! `amax / 127` and the nearest integers, ties to even), and each block of a weight column is multiplied with it
+//! by AVX-512 VNNI (`vpdpbusd`: 64 products of unsigned and signed bytes summed into 16 32-bit lanes per
+//! instruction), the block's integer sum then scaled in f32. This changes the numbers: a product is the dot product
+//! of the dequantized weights with the *rounded* activations (relative error about 2⁻⁹ per activation), not with
+//! x itself, so it is opt-in.
+//!
+//! Numerics (what is computed, and why it is the same everywhere): for output column c and row r, over the row's
+//! 32-value blocks b (k order), with `xq` the rounded activations, `dx_b` the block's scale and the format's
+//! integer weights `q` (stored unsigned, with the format's offset applied through the block sums of `xq`):
+//! - q8_0 / q4_0 / q5_0: `acc = fma(f32(Σ (q − o)·xq), d_c·dx_b, acc)` (o = 128, 8, 16; q8_0's bytes held + 128)
+//! - q4_k / q5_k (sub-block j = b's place in its super-block): `acc = fma(f32(Σ q·xq), (d_c·sc_cj)·dx_b, acc)`,
+//!   then `acc = fma(−(dmin_c·m_cj), dx_b·f32(Σ xq), acc)`
+//! - q6_k, per 16-value sub-block j: `acc = fma(f32(Σ (q − 32)·xq), (d_c·sc_cj)·dx_b, acc)`
+//!
+//! The integer sums are exact, so a row's result depends on its own values and W only: not on the other rows of
+//! the window, the tiling, the threads or the instruction set (`dot_scalar` is the same arithmetic without SIMD; the
+//! tests hold the two bit for bit). Formats without such a kernel (q3_k, q2_k) stay on the f32 path.
+//!
+//! Layout (`DotMatrix`): output columns in groups of 16 (one per 32-bit lane), each group a run of records, one per
+//! scale block of the format (32 values for q8_0 / q4_0 / q5_0, 256 for the k-quants): the record's scales (as
+//! `panels`' packed records: 16 f16 d, then dmin, 6-bit scales and mins, or 8-bit signed scales), then its values
+//! arranged so that one 64-byte load gives each lane 4 consecutive depths of its column:
+//! - q8_0: per 4 depths a 64-byte "quad" (lane c: column c's 4 bytes + 128).
+//! - nibbles: per 8 depths a 64-byte "octet" (lane c's byte i: depth i in the low nibble, depth 4 + i in the high).
+//! - q5_0 / q5_k: per 32 depths, 4 octets of low nibbles and 64 bytes of fifth bits (lane c's byte i, bit u: depth
+//!   4u + i).
+//! - q6_k: per 16 depths, 2 octets of low nibbles and 64 bytes of high pairs (lane c's byte i, bits 2u, 2u + 1:
+//!   depth 4u + i).
+//!
+//! The bytes are the format's own (q4_k and q5_k: 4 bytes more per 256 values and column, the scales a byte each).
+
+use crate::quant::{QMatrix, QuantFormat};
+use crate::skinny::Out;
+use half::f16;
+use rayon::prelude::*;
+
+/// Output columns per group (the lanes of a 512-bit register of 32-bit sums).
+const GROUP: usize = 16;
+/// Values per activation block (one scale each).
+const ABLOCK: usize = 32;
+/// x rows per register tile.
+const MAX_TILE: usize = 8;
+/// Column groups per parallel task at most.
+const MAX_TASK_GROUPS: usize = 8;
+
+/// Where a record's parts sit (bytes from the record's start).
+const D: usize = 0;
+const DMIN: usize = 2 * GROUP;
+/// q4_k / q5_k: sub-block j's 16 scales at `K4_SCALES` + 16j, its mins at `K4_MINS` + 16j.
+const K4_SCALES: usize = 4 * GROUP;
+const K4_MINS: usize = K4_SCALES + 8 * GROUP;
+/// q6_k: sub-block j's 16 signed scales at `K6_SCALES` + 16j.
+const K6_SCALES: usize = 2 * GROUP;
+/// Bytes of one 64-byte arrangement (a quad, an octet, a plane of fifth bits or of high pairs).
+const VEC: usize = 64;
+
+/// How a format is held: depths per record, bytes of its scales, bytes of its values.
+#[derive(Clone, Copy)]
+struct Shape {
+    depths: usize,
+    scales: usize,
+    values: usize,
+}
+
+impl Shape {
+    fn bytes(self) -> usize {
+        self.scales + self.values
+    }
+}
+
+/// The formats multiplied here, and how each is held.
+fn shape(format: QuantFormat) -> Option<Shape> {
+    Some(match format {
+        QuantFormat::Q8_0 => Shape { depths: 32, scales: 2 * GROUP, values: 8 * VEC },
+        QuantFormat::Q4_0 => Shape { depths: 32, scales: 2 * GROUP, values: 4 * VEC },
+        QuantFormat::Q5_0 => Shape { depths: 32, scales: 2 * GROUP, values: 5 * VEC },
+        QuantFormat::Q4K => Shape { depths: 256, scales: K4_MINS + 8 * GROUP, values: 32 * VEC },
+        QuantFormat::Q5K => Shape { depths: 256, scales: K4_MINS + 8 * GROUP, values: 40 * VEC },
+        QuantFormat::Q6K => Shape { depths: 256, scales: K6_SCALES + 16 * GROUP, values: 48 * VEC },
+        QuantFormat::Q3K | QuantFormat::Q2K => return None,
+    })
+}
+
+/// The integer offset of a format's stored values (its value is q − offset before the scales).
+fn offset(format: QuantFormat) -> i32 {
+    match format {
+        QuantFormat::Q8_0 => 128,
+        QuantFormat::Q4_0 => 8,
+        QuantFormat::Q5_0 => 16,
+        QuantFormat::Q6K => 32,
+        _ => 0,
+    }
+}
+
+/// A quantized matrix (n × k) held for integer dot products (see the module's layout).
+pub struct DotMatrix {
+    pub n: usize,
+    pub k: usize,
+    pub format: QuantFormat,
+    data: Vec<u8>,
+}
+
+/// Whether this CPU runs the integer dot products (x86-64 with AVX-512 F, BW and VNNI).
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vnni")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Where depth p (within a record) of column c sits, for the arrangements above: (byte, bit shift, bits).
+fn place(format: QuantFormat, c: usize, p: usize) -> [(usize, u32, u8); 2] {
+    let lane = 4 * c + p % 4;
+    // low part: a byte of a quad, or a nibble of an octet
+    let nibble = |base: usize, p: usize| (base + p / 8 * VEC + lane, 4 * ((p % 8 / 4) as u32), 0xF);
+    match format {
+        QuantFormat::Q8_0 => [(p / 4 * VEC + lane, 0, 0xFF), (0, 0, 0)],
+        QuantFormat::Q4_0 | QuantFormat::Q4K => [nibble(0, p), (0, 0, 0)],
+        QuantFormat::Q5_0 | QuantFormat::Q5K => {
+            let base = p / 32 * 5 * VEC;
+            [nibble(base, p % 32), (base + 4 * VEC + lane, (p % 32 / 4) as u32, 1)]
+        }
+        QuantFormat::Q6K => {
+            let base = p / 16 * 3 * VEC;
+            [nibble(base, p % 16), (base + 2 * VEC + lane, 2 * (p % 16 / 4) as u32, 3)]
+        }
+        QuantFormat::Q3K | QuantFormat::Q2K => unreachable!("no integer layout"),
+    }
+}
+
+/// The stored (unsigned) value at depth p of column c among a record's values.
+fn get(format: QuantFormat, values: &[u8], c: usize, p: usize) -> i32 {
+    let [(b0, s0, m0), (b1, s1, m1)] = place(format, c, p);
+    let low = ((values[b0] >> s0) & m0) as i32;
+    if m1 == 0 {
+        low
+    } else {
+        low | ((((values[b1] >> s1) & m1) as i32) << 4)
+    }
+}
+
+fn put(format: QuantFormat, values: &mut [u8], c: usize, p: usize, q: u8) {
+    let [(b0, s0, m0), (b1, s1, m1)] = place(format, c, p);
+    values[b0] |= (q & m0) << s0;
+    if m1 != 0 {
+        values[b1] |= ((q >> 4) & m1) << s1;
+    }
+}
+
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+}
+
+impl DotMatrix {
+    /// Whether a format has integer dot products here.
+    pub fn supports(format: QuantFormat) -> bool {
+        shape(format).is_some()
+    }
+
+    /// A quantized matrix rearranged for the integer dot products; None for a format without them; an error when
+    /// the copy cannot be allocated.
+    pub fn from_quant(m: &QMatrix) -> crate::error::Result<Option<DotMatrix>> {
+        let (format, n, k) = (m.format, m.n, m.k);
+        let Some(sh) = shape(format) else { return Ok(None) };
+        let (bb, rb) = (format.block_bytes(), m.row_bytes());
+        let per_group = k / sh.depths * sh.bytes();
+        let groups = n.div_ceil(GROUP);
+        let mut data = Vec::new();
+        if data.try_reserve_exact(groups * per_group).is_err() {
+            return Err(crate::error::Error::load(format!(
+                "cannot allocate the integer-product copy of a {n}x{k} {} matrix",
+                format.name()
+            )));
+        }
+        data.resize(groups * per_group, 0u8);
+        let src = m.bytes();
+        data.par_chunks_mut(per_group.max(1)).enumerate().for_each(|(g, dst)| {
+            for c in 0..GROUP.min(n - g * GROUP) {
+                let row = &src[(g * GROUP + c) * rb..(g * GROUP + c + 1) * rb];
+                for (b, block) in row.chunks_exact(bb).enumerate() {
+                    let rec = &mut dst[b * sh.bytes()..(b + 1) * sh.bytes()];
+                    let (s, v) = rec.split_at_mut(sh.scales);
+                    pack_block(format, block, c, s, v);
+                }
+            }
+        });
+        Ok(Some(DotMatrix { n, k, format, data }))
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.data.len()
+    }
+
+    fn shape(&self) -> Shape {
+        shape(self.format).expect("a DotMatrix has a shape")
+    }
+
+    /// Group g's records.
+    fn group(&self, g: usize) -> &[u8] {
+        let per_group = self.k / self.shape().depths * self.shape().bytes();
+        &self.data[g * per_group..(g + 1) * per_group]
+    }
+
+    /// Rows [first, first + count) of W dequantized (f32, as the format's dequantization forms them) into `dst`.
+    pub fn rows_into(&self, first: usize, count: usize, dst: &mut [f32]) {
+        let (k, sh) = (self.k, self.shape());
+        assert!(first + count <= self.n && dst.len() == count * k);
+        for (i, out) in dst.chunks_mut(k.max(1)).enumerate() {
+            let (g, c) = ((first + i) / GROUP, (first + i) % GROUP);
+            for (rec, out) in self.group(g).chunks_exact(sh.bytes()).zip(out.chunks_mut(sh.depths)) {
+                let (s, v) = rec.split_at(sh.scales);
+                for (p, o) in out.iter_mut().enumerate() {
+                    *o = value(self.format, s, v, c, p);
+                }
+            }
+        }
+    }
+
+    /// Matrices of one format and width stacked (rows one after another), when every one but the last has whole
+    /// groups; None otherwise.
+    pub fn stack(parts: &[&DotMatrix]) -> crate::error::Result<Option<DotMatrix>> {
+        let Some(first) = parts.first() else { return Ok(None) };
+        let whole = parts[..parts.len() - 1].iter().all(|p| p.n.is_multiple_of(GROUP));
+        if !whole || parts.iter().any(|p| p.k != first.k || p.format != first.format) {
+            return Ok(None);
+        }
+        let len = parts.iter().map(|p| p.data.len()).sum();
+        let mut data = Vec::new();
+        if data.try_reserve_exact(len).is_err() {
+            return Err(crate::error::Error::load(format!("cannot allocate a stacked matrix of {len} bytes")));
+        }
+        for p in parts {
+            data.extend_from_slice(&p.data);
+        }
+        Ok(Some(DotMatrix { n: parts.iter().map(|p| p.n).sum(), k: first.k, format: first.format, data }))
+    }
+}
+
+/// Column c's block of a row (`block`: the format's bytes) into a record's scales `s` and values `v`.
+fn pack_block(format: QuantFormat, block: &[u8], c: usize, s: &mut [u8], v: &mut [u8]) {
+    match format {
+        QuantFormat::Q8_0 => {
+            s[D + 2 * c..D + 2 * c + 2].copy_from_slice(&block[..2]);
+            for (p, &q) in block[2..34].iter().enumerate() {
+                put(format, v, c, p, (q as i8 as i32 + 128) as u8);
+            }
+        }
+        QuantFormat::Q4_0 | QuantFormat::Q5_0 => {
+            s[D + 2 * c..D + 2 * c + 2].copy_from_slice(&block[..2]);
+            let (qh, qs) = if format == QuantFormat::Q5_0 {
+                (u32::from_le_bytes([block[2], block[3], block[4], block[5]]), &block[6..22])
+            } else {
+                (0, &block[2..18])
+            };
+            for p in 0..32 {
+                // value p: the low nibble of byte p (p < 16) or the high one of byte p − 16; its fifth bit: bit p
+                let nib = if p < 16 { qs[p] & 0xF } else { qs[p - 16] >> 4 };
+                put(format, v, c, p, nib | ((((qh >> p) & 1) as u8) << 4));
+            }
+        }
+        QuantFormat::Q4K | QuantFormat::Q5K => {
+            s[D + 2 * c..D + 2 * c + 2].copy_from_slice(&block[..2]);
+            s[DMIN + 2 * c..DMIN + 2 * c + 2].copy_from_slice(&block[2..4]);
+            for j in 0..8 {
+                let (sc, m) = crate::quant::scale_min_k4(j, &block[4..16]);
+                s[K4_SCALES + GROUP * j + c] = sc;
+                s[K4_MINS + GROUP * j + c] = m;
+            }
+            for p in 0..256 {
+                let q = if format == QuantFormat::Q5K {
+                    crate::quant::q5k_value(&block[48..176], &block[16..48], p / 32, p % 32)
+                } else {
+                    let byte = block[16 + 32 * (p / 64) + p % 32];
+                    if (p / 32) % 2 == 0 {
+                        byte & 0xF
+                    } else {
+                        byte >> 4
+                    }
+                };
+                put(format, v, c, p, q);
+            }
+        }
+        QuantFormat::Q6K => {
+            s[D + 2 * c..D + 2 * c + 2].copy_from_slice(&block[208..210]);
+            for j in 0..16 {
+                s[K6_SCALES + GROUP * j + c] = block[192 + j];
+            }
+            for p in 0..256 {
+                put(format, v, c, p, (crate::quant::q6k_value(block, p) + 32) as u8);
+            }
+        }
+        QuantFormat::Q3K | QuantFormat::Q2K => unreachable!("no integer layout"),
+    }
+}
+
+/// Column c's weight at depth p of a record (scales `s`, values `v`), as the format's dequantization forms it.
+fn value(format: QuantFormat, s: &[u8], v: &[u8], c: usize, p: usize) -> f32 {
+    let q = get(format, v, c, p);
+    let d = f16_at(s, D + 2 * c);
+    match format {
+        QuantFormat::Q4K | QuantFormat::Q5K => {
+            let j = p / 32;
+            let d1 = d * s[K4_SCALES + GROUP * j + c] as f32;
+            let m1 = f16_at(s, DMIN + 2 * c) * s[K4_MINS + GROUP * j + c] as f32;
+            d1 * q as f32 - m1
+        }
+        QuantFormat::Q6K => d * (s[K6_SCALES + GROUP * (p / 16) + c] as i8) as f32 * (q - 32) as f32,
+        _ => (q - offset(format)) as f32 * d,
+    }
+}
+
+/// Rows of x rounded to 8 bits per block of `ABLOCK` values: for row r and block b, the scale `d[r·kb + b]`
+/// (amax / 127), the integers `q[r·k ..]` (x / d to nearest, ties to even; 0 where amax is 0), the sums of the
+/// integers per 16 values `s16` and per block `s32`, and `dx_b · f32(s32)` (`xs`).
+pub struct Acts {
+    k: usize,
+    q: Vec<i8>,
+    d: Vec<f32>,
+    s16: Vec<i32>,
+    s32: Vec<i32>,
+    xs: Vec<f32>,
+}
+
+impl Acts {
+    /// x (m × k, k a multiple of `ABLOCK`) rounded.
+    pub fn new(x: &[f32], m: usize, k: usize) -> Acts {
+        assert!(k.is_multiple_of(ABLOCK) && x.len() == m * k);
+        let kb = k / ABLOCK;
+        let mut a = Acts {
+            k,
+            q: vec![0; m * k],
+            d: vec![0.0; m * kb],
+            s16: vec![0; m * k / 16],
+            s32: vec![0; m * kb],
+            xs: vec![0.0; m * kb],
+        };
+        for (i, (xb, qb)) in x.chunks_exact(ABLOCK).zip(a.q.chunks_exact_mut(ABLOCK)).enumerate() {
+            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+            let (mut lo, mut hi) = (0i32, 0i32);
+            for (p, (&v, q)) in xb.iter().zip(qb.iter_mut()).enumerate() {
+                *q = (v * id).round_ties_even() as i8;
+                if p < 16 {
+                    lo += *q as i32;
+                } else {
+                    hi += *q as i32;
+                }
+            }
+            a.d[i] = d;
+            a.s16[2 * i] = lo;
+            a.s16[2 * i + 1] = hi;
+            a.s32[i] = lo + hi;
+            a.xs[i] = d * (lo + hi) as f32;
+        }
+        a
+    }
+
+    fn row(&self, r: usize) -> Row {
+        let kb = self.k / ABLOCK;
+        // SAFETY (of the later reads): each pointer covers row r's k values, kb blocks or 2·kb halves
+        Row {
+            q: self.q[r * self.k..].as_ptr(),
+            d: self.d[r * kb..].as_ptr(),
+            s16: self.s16[2 * r * kb..].as_ptr(),
+            s32: self.s32[r * kb..].as_ptr(),
+            xs: self.xs[r * kb..].as_ptr(),
+        }
+    }
+}
+
+/// One rounded row, as the kernels read it (the SIMD kernels start their integer sums from the offset times
+/// `s16` / `s32`; `dot_scalar` subtracts the offset per value instead).
+#[derive(Clone, Copy)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+struct Row {
+    q: *const i8,
+    d: *const f32,
+    s16: *const i32,
+    s32: *const i32,
+    xs: *const f32,
+}
+
+// SAFETY: a Row only reads `Acts` it borrows from, which outlives the product's tasks
+unsafe impl Send for Row {}
+unsafe impl Sync for Row {}
+
+/// y (m × n) = x (m × k) · Wᵀ with x rounded to 8 bits (`Acts`), parallel on the calling pool from
+/// `par_min_macs` multiply-adds. `simd`: the AVX-512 VNNI kernels (the caller checked `available`), else
+/// `dot_scalar` (the same bits).
+pub fn matmul(x: &[f32], m: usize, w: &DotMatrix, par_min_macs: usize, simd: bool) -> Vec<f32> {
+    let (n, k) = (w.n, w.k);
+    assert!(x.len() == m * k && (!simd || available()));
+    let mut y = vec![0f32; m * n];
+    if m == 0 || n == 0 {
+        return y;
+    }
+    let acts = Acts::new(x, m, k);
+    let rows: Vec<Row> = (0..m).map(|r| acts.row(r)).collect();
+    let groups = n.div_ceil(GROUP);
+    let par = rayon::current_num_threads() > 1 && m * n * k >= par_min_macs;
+    let threads = if par { rayon::current_num_threads() } else { 1 };
+    let tasks = groups.div_ceil(MAX_TASK_GROUPS).max(2 * threads).div_ceil(threads) * threads;
+    let tasks = tasks.min(groups);
+    let out = Out(y.as_mut_ptr());
+    let task = |t: usize| {
+        for g in t * groups / tasks..(t + 1) * groups / tasks {
+            let cols = GROUP.min(n - g * GROUP);
+            let data = w.group(g);
+            for r0 in (0..m).step_by(MAX_TILE) {
+                let tile = &rows[r0..(r0 + MAX_TILE).min(m)];
+                let mut acc = [[0f32; GROUP]; MAX_TILE];
+                #[cfg(target_arch = "x86_64")]
+                if simd {
+                    // SAFETY: the CPU has AVX-512 F, BW and VNNI (checked above); `data` is one group's records
+                    // and each row covers k values
+                    unsafe { vnni::group(w.format, data, k, tile, &mut acc) };
+                } else {
+                    dot_scalar(w.format, data, k, tile, &mut acc);
+                }
+                #[cfg(not(target_arch = "x86_64"))]
+                dot_scalar(w.format, data, k, tile, &mut acc);
+                for (i, a) in acc.iter().take(tile.len()).enumerate() {
+                    for (c, &v) in a.iter().take(cols).enumerate() {
+                        // SAFETY: y is m × n; this task alone writes group g's columns
+                        unsafe { *out.offset((r0 + i) * n + g * GROUP + c).0 = v };
+                    }
+                }
+            }
+        }
+    };
+    if par {
+        (0..tasks).into_par_iter().for_each(task);
+    } else {
+        (0..tasks).for_each(task);
+    }
+    y
+}
+
+/// One group's 16 columns for the rows `tile` (`acc[r][c]`), the module's arithmetic one value at a time.
+fn dot_scalar(format: QuantFormat, data: &[u8], k: usize, tile: &[Row], acc: &mut [[f32; GROUP]; MAX_TILE]) {
+    let sh = shape(format).expect("a format with integer products");
+    let o = offset(format);
+    for (rec_i, rec) in data.chunks_exact(sh.bytes()).enumerate().take(k / sh.depths) {
+        let (s, v) = rec.split_at(sh.scales);
+        let p0 = rec_i * sh.depths;
+        for (row, acc) in tile.iter().zip(acc.iter_mut()) {
+            // SAFETY: the row covers k values (`Acts::row`)
+            let at = |i: usize| unsafe { *row.q.add(p0 + i) as i32 };
+            let blk = |p: usize| (p0 + p) / ABLOCK;
+            for (c, a) in acc.iter_mut().enumerate() {
+                let d = f16_at(s, D + 2 * c);
+                let isum = |from: usize, len: usize, off: i32| -> i32 {
+                    (from..from + len).map(|p| (get(format, v, c, p) - off) * at(p)).sum()
+                };
+                // SAFETY (the reads of d, s16, s32, xs): block indices below k / ABLOCK
+                unsafe {
+                    match format {
+                        QuantFormat::Q4K | QuantFormat::Q5K => {
+                            for j in 0..8 {
+                                let b = blk(32 * j);
+                                let ds = d * s[K4_SCALES + GROUP * j + c] as f32;
+                                let dm = f16_at(s, DMIN + 2 * c) * s[K4_MINS + GROUP * j + c] as f32;
+                                *a = (isum(32 * j, 32, 0) as f32).mul_add(ds * *row.d.add(b), *a);
+                                *a = (-dm).mul_add(*row.xs.add(b), *a);
+                            }
+                        }
+                        QuantFormat::Q6K => {
+                            for j in 0..16 {
+                                let ds = d * (s[K6_SCALES + GROUP * j + c] as i8) as f32;
+                                *a = (isum(16 * j, 16, 32) as f32).mul_add(ds * *row.d.add(blk(16 * j)), *a);
+                            }
+                        }
+                        _ => {
+                            *a = (isum(0, 32, o) as f32).mul_add(d * *row.d.add(blk(0)), *a);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod vnni {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// `dot_scalar` with AVX-512 VNNI: the same bits.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F, BW and VNNI; `data` holds one group's k / depths records; each row covers k values.
+    pub(super) unsafe fn group(
+        format: QuantFormat,
+        data: &[u8],
+        k: usize,
+        tile: &[Row],
+        acc: &mut [[f32; GROUP]; MAX_TILE],
+    ) {
+        macro_rules! rows {
+            ($f:ident) => {
+                match tile.len() {
+                    1 => store(&$f::<1>(data, k, tile), acc),
+                    2 => store(&$f::<2>(data, k, tile), acc),
+                    3 => store(&$f::<3>(data, k, tile), acc),
+                    4 => store(&$f::<4>(data, k, tile), acc),
+                    5 => store(&$f::<5>(data, k, tile), acc),
+                    6 => store(&$f::<6>(data, k, tile), acc),
+                    7 => store(&$f::<7>(data, k, tile), acc),
+                    _ => store(&$f::<8>(data, k, tile), acc),
+                }
+            };
+        }
+        match format {
+            QuantFormat::Q8_0 => rows!(q8_0),
+            QuantFormat::Q4_0 => rows!(q4_0),
+            QuantFormat::Q5_0 => rows!(q5_0),
+            QuantFormat::Q4K => rows!(q4_k),
+            QuantFormat::Q5K => rows!(q5_k),
+            QuantFormat::Q6K => rows!(q6_k),
+            QuantFormat::Q3K | QuantFormat::Q2K => unreachable!("no integer layout"),
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    unsafe fn store<const R: usize>(v: &[__m512; R], acc: &mut [[f32; GROUP]; MAX_TILE]) {
+        for r in 0..R {
+            _mm512_storeu_ps(acc[r].as_mut_ptr(), v[r]);
+        }
+    }
+
+    /// 4 bytes of row x from value i, broadcast.
+    #[inline(always)]
+    unsafe fn quad(x: &Row, i: usize) -> __m512i {
+        _mm512_set1_epi32(std::ptr::read_unaligned(x.q.add(i) as *const i32))
+    }
+
+    /// A record's 16 f16 at byte `at`, as f32.
+    #[inline(always)]
+    unsafe fn f16s(rec: *const u8, at: usize) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(rec.add(at) as *const __m256i))
+    }
+
+    /// 16 unsigned (signed: `_mm512_cvtepi8_epi32`) bytes at `at` as f32.
+    #[inline(always)]
+    unsafe fn u8s(rec: *const u8, at: usize) -> __m512 {
+        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(rec.add(at) as *const __m128i)))
+    }
+    #[inline(always)]
+    unsafe fn i8s(rec: *const u8, at: usize) -> __m512 {
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(rec.add(at) as *const __m128i)))
+    }
+
+    /// acc = fma(f32(isum), scale·dx, acc) per row.
+    #[inline(always)]
+    unsafe fn scale<const R: usize>(acc: &mut [__m512; R], isum: &[__m512i; R], scale: __m512, x: &[Row], b: usize) {
+        for r in 0..R {
+            let s = _mm512_mul_ps(scale, _mm512_set1_ps(*x[r].d.add(b)));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), s, acc[r]);
+        }
+    }
+
+    /// The sums of one 32-value block's octets (4 × 64 bytes at `v`), the low nibbles OR'd with `high(u)` for depth
+    /// quad u, added into `isum`.
+    #[inline(always)]
+    unsafe fn octets<const R: usize>(
+        v: *const u8,
+        x: &[Row],
+        p0: usize,
+        isum: &mut [__m512i; R],
+        high: impl Fn(usize) -> __m512i,
+    ) {
+        let m4 = _mm512_set1_epi8(0x0F);
+        for o in 0..4 {
+            let b = _mm512_loadu_si512(v.add(o * VEC) as *const _);
+            let lo = _mm512_or_si512(_mm512_and_si512(b, m4), high(2 * o));
+            let hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(b), m4), high(2 * o + 1));
+            for r in 0..R {
+                isum[r] = _mm512_dpbusd_epi32(isum[r], lo, quad(&x[r], p0 + 8 * o));
+                isum[r] = _mm512_dpbusd_epi32(isum[r], hi, quad(&x[r], p0 + 8 * o + 4));
+            }
+        }
+    }
+
+    /// Bits u (depth quad u) of each byte of a plane, moved to bit `to` (only that bit kept).
+    #[inline(always)]
+    unsafe fn bit_to(plane: __m512i, u: usize, to: usize, mask: i8) -> __m512i {
+        let moved = match to as i32 - u as i32 {
+            4 => _mm512_slli_epi16::<4>(plane),
+            3 => _mm512_slli_epi16::<3>(plane),
+            2 => _mm512_slli_epi16::<2>(plane),
+            1 => _mm512_slli_epi16::<1>(plane),
+            0 => plane,
+            -1 => _mm512_srli_epi16::<1>(plane),
+            -2 => _mm512_srli_epi16::<2>(plane),
+            -3 => _mm512_srli_epi16::<3>(plane),
+            -4 => _mm512_srli_epi16::<4>(plane),
+            -5 => _mm512_srli_epi16::<5>(plane),
+            -6 => _mm512_srli_epi16::<6>(plane),
+            _ => unreachable!(),
+        };
+        _mm512_and_si512(moved, _mm512_set1_epi8(mask))
+    }
+
+    /// Per row, the integer sums start at −offset · (the block's sum of xq).
+    #[inline(always)]
+    unsafe fn start<const R: usize>(x: &[Row], sums: impl Fn(&Row) -> i32, off: i32) -> [__m512i; R] {
+        std::array::from_fn(|r| _mm512_set1_epi32(-off * sums(&x[r])))
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+    unsafe fn q8_0<const R: usize>(data: &[u8], k: usize, x: &[Row]) -> [__m512; R] {
+        let sh = shape(QuantFormat::Q8_0).unwrap();
+        let mut acc = [_mm512_setzero_ps(); R];
+        let mut rec = data.as_ptr();
+        for b in 0..k / 32 {
+            let mut isum = start::<R>(x, |row| *row.s32.add(b), 128);
+            let v = rec.add(sh.scales);
+            for t in 0..8 {
+                let w = _mm512_loadu_si512(v.add(t * VEC) as *const _);
+                for r in 0..R {
+                    isum[r] = _mm512_dpbusd_epi32(isum[r], w, quad(&x[r], 32 * b + 4 * t));
+                }
+            }
+            scale(&mut acc, &isum, f16s(rec, D), x, b);
+            rec = rec.add(sh.bytes());
+        }
+        acc
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+    unsafe fn q4_0<const R: usize>(data: &[u8], k: usize, x: &[Row]) -> [__m512; R] {
+        let sh = shape(QuantFormat::Q4_0).unwrap();
+        let mut acc = [_mm512_setzero_ps(); R];
+        let mut rec = data.as_ptr();
+        let zero = _mm512_setzero_si512();
+        for b in 0..k / 32 {
+            let mut isum = start::<R>(x, |row| *row.s32.add(b), 8);
+            octets(rec.add(sh.scales), x, 32 * b, &mut isum, |_| zero);
+            scale(&mut acc, &isum, f16s(rec, D), x, b);
+            rec = rec.add(sh.bytes());
+        }
+        acc
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+    unsafe fn q5_0<const R: usize>(data: &[u8], k: usize, x: &[Row]) -> [__m512; R] {
+        let sh = shape(QuantFormat::Q5_0).unwrap();
+        let mut acc = [_mm512_setzero_ps(); R];
+        let mut rec = data.as_ptr();
+        for b in 0..k / 32 {
+            let mut isum = start::<R>(x, |row| *row.s32.add(b), 16);
+            let v = rec.add(sh.scales);
+            let fifth = _mm512_loadu_si512(v.add(4 * VEC) as *const _);
+            octets(v, x, 32 * b, &mut isum, |u| bit_to(fifth, u, 4, 0x10));
+            scale(&mut acc, &isum, f16s(rec, D), x, b);
+            rec = rec.add(sh.bytes());
+        }
+        acc
+    }
+
+    /// q4_k and q5_k (`FIFTH`): per sub-block of 32, the scaled sum, then the min times the block's sum.
+    #[inline(always)]
+    unsafe fn k4<const R: usize, const FIFTH: bool>(data: &[u8], k: usize, x: &[Row]) -> [__m512; R] {
+        let format = if FIFTH { QuantFormat::Q5K } else { QuantFormat::Q4K };
+        let sh = shape(format).unwrap();
+        let per = if FIFTH { 5 * VEC } else { 4 * VEC };
+        let mut acc = [_mm512_setzero_ps(); R];
+        let mut rec = data.as_ptr();
+        let zero = _mm512_setzero_si512();
+        for sb in 0..k / 256 {
+            let (d, dmin) = (f16s(rec, D), f16s(rec, DMIN));
+            let v = rec.add(sh.scales);
+            for j in 0..8 {
+                let b = 8 * sb + j;
+                let mut isum = [zero; R];
+                let vj = v.add(j * per);
+                if FIFTH {
+                    let fifth = _mm512_loadu_si512(vj.add(4 * VEC) as *const _);
+                    octets(vj, x, 32 * b, &mut isum, |u| bit_to(fifth, u, 4, 0x10));
+                } else {
+                    octets(vj, x, 32 * b, &mut isum, |_| zero);
+                }
+                scale(&mut acc, &isum, _mm512_mul_ps(d, u8s(rec, K4_SCALES + GROUP * j)), x, b);
+                let dm = _mm512_mul_ps(dmin, u8s(rec, K4_MINS + GROUP * j));
+                for r in 0..R {
+                    acc[r] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(*x[r].xs.add(b)), acc[r]);
+                }
+            }
+            rec = rec.add(sh.bytes());
+        }
+        acc
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+    unsafe fn q4_k<const R: usize>(data: &[u8], k: usize, x: &[Row]) -> [__m512; R] {
+        k4::<R, false>(data, k, x)
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+    unsafe fn q5_k<const R: usize>(data: &[u8], k: usize, x: &[Row]) -> [__m512; R] {
+        k4::<R, true>(data, k, x)
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+    unsafe fn q6_k<const R: usize>(data: &[u8], k: usize, x: &[Row]) -> [__m512; R] {
+        let sh = shape(QuantFormat::Q6K).unwrap();
+        let mut acc = [_mm512_setzero_ps(); R];
+        let mut rec = data.as_ptr();
+        let m4 = _mm512_set1_epi8(0x0F);
+        for sb in 0..k / 256 {
+            let d = f16s(rec, D);
+            let v = rec.add(sh.scales);
+            for j in 0..16 {
+                let p0 = 256 * sb + 16 * j;
+                let mut isum = start::<R>(x, |row| *row.s16.add(p0 / 16), 32);
+                let vj = v.add(j * 3 * VEC);
+                let high = _mm512_loadu_si512(vj.add(2 * VEC) as *const _);
+                for o in 0..2 {
+                    let b = _mm512_loadu_si512(vj.add(o * VEC) as *const _);
+                    let lo = _mm512_or_si512(_mm512_and_si512(b, m4), pair(high, 2 * o));
+                    let hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(b), m4), pair(high, 2 * o + 1));
+                    for r in 0..R {
+                        isum[r] = _mm512_dpbusd_epi32(isum[r], lo, quad(&x[r], p0 + 8 * o));
+                        isum[r] = _mm512_dpbusd_epi32(isum[r], hi, quad(&x[r], p0 + 8 * o + 4));
+                    }
+                }
+                scale(&mut acc, &isum, _mm512_mul_ps(d, i8s(rec, K6_SCALES + GROUP * j)), x, p0 / 32);
+            }
+            rec = rec.add(sh.bytes());
+        }
+        acc
+    }
+
+    /// q6_k's high pair of depth quad u (bits 2u, 2u + 1 of each byte) at bits 4-5.
+    #[inline(always)]
+    unsafe fn pair(high: __m512i, u: usize) -> __m512i {
+        bit_to(high, 2 * u, 4, 0x30)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Tensor};
+
+    fn randn(len: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed;
+        (0..len)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+            })
+            .collect()
+    }
+
+    const FORMATS: [QuantFormat; 6] = [
+        QuantFormat::Q8_0,
+        QuantFormat::Q4_0,
+        QuantFormat::Q5_0,
+        QuantFormat::Q4K,
+        QuantFormat::Q5K,
+        QuantFormat::Q6K,
+    ];
+
+    fn matrix(n: usize, k: usize, f: QuantFormat, seed: u64) -> (QMatrix, DotMatrix, Vec<f32>) {
+        let t = Tensor::from_vec(randn(n * k, seed), (n, k), &Device::Cpu).unwrap();
+        let q = QMatrix::quantize(&t, f).unwrap();
+        let mut wq = vec![0f32; n * k];
+        q.dequantize_rows(0, n, &mut wq);
+        let d = DotMatrix::from_quant(&q).unwrap().expect("the format has integer products");
+        (q, d, wq)
+    }
+
+    /// The rows a DotMatrix gives back are the format's dequantization, and its bytes the format's (k-quants with
+    /// a byte per scale and min: 4 more per 256 values and column).
+    #[test]
+    fn rearranged_values_are_the_formats() {
+        let (n, k) = (37, 512);
+        for f in FORMATS {
+            let (q, d, wq) = matrix(n, k, f, 3);
+            let mut got = vec![0f32; n * k];
+            d.rows_into(0, n, &mut got);
+            assert!(got.iter().zip(&wq).all(|(a, b)| a.to_bits() == b.to_bits()), "{}", f.name());
+            let extra = if matches!(f, QuantFormat::Q4K | QuantFormat::Q5K) { 4 * k / 256 } else { 0 };
+            assert_eq!(d.bytes(), n.div_ceil(GROUP) * GROUP * (q.row_bytes() + extra), "{}", f.name());
+        }
+    }
+
+    /// The product is the dot product of the dequantized weights with the rounded activations (against f64 on
+    /// both), the SIMD kernels give the scalar one's bits, and a row's bits do not depend on the other rows.
+    #[test]
+    fn integer_products_match_the_rounded_reference_and_every_tiling() {
+        let (n, k) = (45, 768);
+        for f in FORMATS {
+            let (_, d, wq) = matrix(n, k, f, 11);
+            for m in [1usize, 3, 8, 11] {
+                let x = randn(m * k, 5 + m as u64);
+                let acts = Acts::new(&x, m, k);
+                let scalar = matmul(&x, m, &d, usize::MAX, false);
+                for r in 0..m {
+                    for c in 0..n {
+                        let want: f64 = (0..k)
+                            .map(|p| {
+                                let xr = acts.q[r * k + p] as f64 * acts.d[r * k / 32 + p / 32] as f64;
+                                xr * wq[c * k + p] as f64
+                            })
+                            .sum();
+                        let got = scalar[r * n + c] as f64;
+                        assert!((got - want).abs() <= 1e-4 * (1.0 + want.abs()), "{} {m} {r} {c}: {got} {want}", f.name());
+                    }
+                    // alone, the same bits
+                    let one = matmul(&x[r * k..(r + 1) * k], 1, &d, usize::MAX, false);
+                    assert_eq!(&one[..], &scalar[r * n..(r + 1) * n], "{} row {r} alone", f.name());
+                }
+                if available() {
+                    for par in [usize::MAX, 0] {
+                        let simd = matmul(&x, m, &d, par, true);
+                        let same = simd.iter().zip(&scalar).all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "{} m {m}: SIMD differs from scalar", f.name());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Rounding: a block's largest magnitude becomes ±127, zeros stay zero, ties go to even.
+    #[test]
+    fn activations_round_per_block() {
+        let mut x = vec![0f32; 64];
+        x[3] = -2.0;
+        x[4] = 1.0; // 1 · 127/2 = 63.5: the tie goes to 64
+        let a = Acts::new(&x, 1, 64);
+        assert_eq!((a.q[3], a.q[4], a.d[1], a.q[40]), (-127, 64, 0.0, 0));
+        assert_eq!(a.d[0], 2.0 / 127.0);
+        assert_eq!(a.s32[1], 0);
+        assert_eq!(a.s32[0], a.q[..32].iter().map(|&q| q as i32).sum::<i32>());
+    }
+
+    #[test]
+    fn stacks_keep_rows() {
+        let k = 256;
+        let (_, a, wa) = matrix(32, k, QuantFormat::Q4K, 1);
+        let (_, b, wb) = matrix(21, k, QuantFormat::Q4K, 2);
+        let s = DotMatrix::stack(&[&a, &b]).unwrap().unwrap();
+        let mut got = vec![0f32; 53 * k];
+        s.rows_into(0, 53, &mut got);
+        assert_eq!(&got[..32 * k], &wa[..]);
+        assert_eq!(&got[32 * k..], &wb[..]);
+        assert!(DotMatrix::stack(&[&b, &a]).unwrap().is_none(), "21 rows are not whole groups");
+    }
+}
