@@ -20,6 +20,8 @@ Formats (mbd-rs side / llama.cpp side):
     q4_0   bf16 checkpoint, quantize="q4_0"    / model-q4_0.gguf
     q3_k   bf16 checkpoint, quantize="q3_k"    / model-q3_k_m.gguf (Q3_K_M: q3_k with q4_k/q5_k for some matrices)
     q2_k   bf16 checkpoint, quantize="q2_k"    / model-q2_k.gguf (Q2_K: q2_k with q3_k/q4_k for some matrices)
+With --int8, mbd-rs runs each quantized format twice per round: as it is, and with int8_activations=True (integer
+dot products on activations rounded to 8 bits, llama.cpp's own arithmetic): the "i8" columns.
 With --same-file, mbd-rs loads the quantized formats from the very GGUF file llama.cpp runs (model-q8_0.gguf,
 model-q4_k_m.gguf, model-q6_k.gguf in --gguf-dir; such files must carry a vocabulary mbd-rs reads: write the f32
 GGUF with scripts/write_gguf.py and quantize it with llama-quantize, see benches/llamacpp/README.md): the same
@@ -174,6 +176,8 @@ def main():
                     help="mbd-rs loads the quantized formats from llama.cpp's GGUF files (the same bytes)")
     ap.add_argument("--wait-idle", type=float, default=180.0, help="seconds to wait at most for an idle machine")
     ap.add_argument("--idle-cores", type=float, default=0.3, help="busy CPU (cores) that still counts as idle")
+    ap.add_argument("--int8", action="store_true",
+                    help="also run mbd-rs's quantized formats with int8_activations=True (the i8 columns)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benches", "quant_compare.json"))
     args = ap.parse_args()
 
@@ -217,7 +221,9 @@ def main():
 
     case_arg = ",".join(f"{p}:{w}" for p, w in cases)
     bandwidth = []  # one driver --bandwidth result per round
-    mbd = {f: {"rounds": []} for f in formats}  # rounds: [{case key: [ms...]}]
+    # mbd-rs variants: each format as it is, and (--int8) its int8_activations twin "<format>+i8"
+    variants = {f: [(f, False)] + ([(f + "+i8", True)] if args.int8 and f in QUANTIZE else []) for f in formats}
+    mbd = {key: {"rounds": []} for f in formats for key, _ in variants[f]}  # rounds: [{case key: [ms...]}]
     llama = {(g, fa): {"format": f, "gguf": g, "flash_attn": fa, "rounds": []}
              for f in all_formats for g in gguf_of[f] for fa in fas}
     blocks = []  # contention record per measured block
@@ -232,9 +238,11 @@ def main():
         log(f"  read bandwidth {bw['best_gbs']:.1f} GB/s (best of {bw['tries']}), others {cn.other_cores:.2f} cores")
         order = all_formats[r % len(all_formats):] + all_formats[:r % len(all_formats)]  # rotate the order
         for f in order:
-            if f in formats:
+            for key, int8 in variants.get(f, []):
                 busy, waited = wait_idle(args.wait_idle, args.idle_cores, log)
                 kw = {"quantize": QUANTIZE[f]} if f in QUANTIZE and not args.same_file else {}
+                if int8:
+                    kw["int8_activations"] = True
                 t = time.perf_counter()
                 eng = mbd_rs.Engine.load(mbd_dir[f], device="cpu", **kw)
                 load_s = time.perf_counter() - t
@@ -246,13 +254,13 @@ def main():
                         secs = eng._core.bench_forward(p, w, args.reps + 1)[1:]  # the first is a warm-up
                         res["times_ms"][f"{p}:{w}"] = [1e3 * s for s in secs]
                 res.update(other_cores=cn.other_cores, busy_before=busy, seconds=cn.seconds)
-                mbd[f]["rounds"].append(res)
-                mbd[f]["weight_bytes"] = info.weight_bytes
-                mbd[f]["weight_format"] = res["weight_format"]
+                mbd[key]["rounds"].append(res)
+                mbd[key]["weight_bytes"] = info.weight_bytes
+                mbd[key]["weight_format"] = res["weight_format"]
                 del eng, info
                 gc.collect()
-                blocks.append(dict(round=r, side="mbd-rs", format=f, other_cores=cn.other_cores))
-                log(f"  mbd-rs {f:5s}: " + "  ".join(f"{k} {median_ms(v):.1f}" for k, v in res["times_ms"].items())
+                blocks.append(dict(round=r, side="mbd-rs", format=key, other_cores=cn.other_cores))
+                log(f"  mbd-rs {key:5s}: " + "  ".join(f"{k} {median_ms(v):.1f}" for k, v in res["times_ms"].items())
                     + f"  ms  (load {load_s:.1f} s, others {cn.other_cores:.2f} cores)")
             for g in gguf_of[f]:
                 for fa in fas:
@@ -287,20 +295,21 @@ def main():
             for p, w in cases:
                 k = f"{p}:{w}"
                 row = {"format": f, "gguf": g, "prefix": p, "window": w}
-                ours = None
-                if f in formats:
-                    ours = [x["times_ms"][k] for x in mbd[f]["rounds"]]
-                    row["mbd_rs_ms"] = median_ms([t for rr in ours for t in rr])
-                    row["mbd_rs_floor_ms"] = 1e3 * mbd[f]["weight_bytes"] / (floor_bw * 1e9)
+                ours = {}  # "" (as it is) or "i8_" (int8_activations) -> per-round times
+                for key, int8 in variants.get(f, []):
+                    tag = "i8_" if int8 else ""
+                    ours[tag] = [x["times_ms"][k] for x in mbd[key]["rounds"]]
+                    row[f"mbd_rs_{tag}ms"] = median_ms([t for rr in ours[tag] for t in rr])
+                    row[f"mbd_rs_{tag}floor_ms"] = 1e3 * mbd[key]["weight_bytes"] / (floor_bw * 1e9)
                 for fa in fas:
                     e = llama[(g, fa)]
                     theirs = [x["times_ms"][k] for x in e["rounds"]]
                     row[f"llama_fa{fa}_ms"] = median_ms([t for rr in theirs for t in rr])
                     row["llama_floor_ms"] = 1e3 * e["size_bytes"] / (floor_bw * 1e9)
-                    if ours is not None:
-                        paired = [median_ms(a) / median_ms(b) for a, b in zip(ours, theirs)]
-                        row[f"ratio_fa{fa}"] = median_ms(paired)
-                        row[f"ratio_fa{fa}_per_round"] = paired
+                    for tag, times in ours.items():
+                        paired = [median_ms(a) / median_ms(b) for a, b in zip(times, theirs)]
+                        row[f"ratio_{tag}fa{fa}"] = median_ms(paired)
+                        row[f"ratio_{tag}fa{fa}_per_round"] = paired
                 rows.append(row)
 
     def git(*a):
@@ -320,9 +329,9 @@ def main():
                        kv_cache="f16", flash_attn=fas),
         args=vars(args), cases=[f"{p}:{w}" for p, w in cases], threads=args.threads, rounds=args.rounds,
         reps=args.reps, floor_bandwidth_gbs=floor_bw, bandwidth=bandwidth,
-        weight_bytes={**{f"mbd-rs {f}": mbd[f].get("weight_bytes") for f in formats},
+        weight_bytes={**{f"mbd-rs {key}": v.get("weight_bytes") for key, v in mbd.items()},
                       **{f"llama.cpp {e['gguf']}": e.get("size_bytes") for e in llama.values()}},
-        weight_format={f"mbd-rs {f}": mbd[f].get("weight_format") for f in formats},
+        weight_format={f"mbd-rs {key}": v.get("weight_format") for key, v in mbd.items()},
         max_other_cores=max((b["other_cores"] for b in blocks), default=0.0), blocks=blocks,
         seconds=time.time() - t_start, rows=rows,
         raw=dict(mbd_rs=mbd, llama_cpp=[v for v in llama.values()]))
@@ -332,15 +341,18 @@ def main():
 
     # ---- markdown ------------------------------------------------------------------------------------------
     fa_cols = "".join(f" llama.cpp FA {'on' if fa else 'off'} ms |" for fa in fas)
-    ratio_cols = "".join(f" mbd/llama FA {'on' if fa else 'off'} |" for fa in fas)
+    tags = [""] + (["i8_"] if args.int8 else [])
+    ratio_cols = "".join(f" mbd{'.i8' if t else ''}/llama FA {'on' if fa else 'off'} |" for t in tags for fa in fas)
     print(f"\n{cpu}, {args.threads} threads, {args.rounds} round(s) x {args.reps} reps, read bandwidth "
           f"{floor_bw:.1f} GB/s (median of rounds), others used up to {out['max_other_cores']:.2f} cores during a block\n")
-    print(f"| format | llama GGUF | P:W | mbd-rs ms |{fa_cols}{ratio_cols} floor mbd-rs ms | floor llama ms |")
-    print("|---|---|---|---:|" + "---:|" * (2 * len(fas)) + "---:|---:|")
+    i8_col = " mbd-rs i8 ms |" if args.int8 else ""
+    print(f"| format | llama GGUF | P:W | mbd-rs ms |{i8_col}{fa_cols}{ratio_cols} floor mbd-rs ms | floor llama ms |")
+    print("|---|---|---|---:|" + "---:|" * (len(tags) - 1 + (1 + len(tags)) * len(fas)) + "---:|---:|")
     for row in rows:
         cells = [row["format"], row["gguf"], f"{row['prefix']}:{row['window']}", fmt_ms(row.get("mbd_rs_ms"))]
+        cells += [fmt_ms(row.get("mbd_rs_i8_ms"))] if args.int8 else []
         cells += [fmt_ms(row.get(f"llama_fa{fa}_ms")) for fa in fas]
-        cells += [fmt_ratio(row.get(f"ratio_fa{fa}")) for fa in fas]
+        cells += [fmt_ratio(row.get(f"ratio_{t}fa{fa}")) for t in tags for fa in fas]
         cells += [fmt_ms(row.get("mbd_rs_floor_ms")), fmt_ms(row.get("llama_floor_ms"))]
         print("| " + " | ".join(cells) + " |")
     print("\nweight bytes: " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in out["weight_bytes"].items() if v))

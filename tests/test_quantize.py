@@ -195,9 +195,10 @@ def test_cli_info_and_generate_take_quantize():
     assert r.returncode == 2 and "quantize must be" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])  # the tiny model under q4_k: q4_k (256-wide rows) and q5_0 (640)
-def test_quantized_streams_batched_equal_their_lone_runs(fmt):
-    e = mbd_rs.Engine.load(device="cpu", quantize=fmt)
+@pytest.mark.parametrize("fmt,int8", [("q8_0", False), ("q4_k", False), ("q8_0", True), ("q4_k", True)])
+def test_quantized_streams_batched_equal_their_lone_runs(fmt, int8):
+    # the tiny model under q4_k: q4_k (256-wide rows) and q5_0 (640); int8: their integer dot products
+    e = load_int8(None, quantize=fmt) if int8 else mbd_rs.Engine.load(device="cpu", quantize=fmt)
     prompts = [f"sort {i} 3 1 {9 - i}" for i in range(6)] + ["reverse abcde", "count a in banana"]
     cfgs = [dict(block_size=4), dict(block_size=1), dict(block_size=8, acceptance="confidence", threshold=0.7)]
     alone = [e.chat([{"role": "user", "content": p}], max_tokens=20, **cfgs[i % 3]).token_ids for i, p in enumerate(prompts)]
@@ -222,3 +223,60 @@ def test_quantized_tiny_model_still_solves_its_tasks():
     for p, want in [("sort 5 2 9 1", "1 2 5 9"), ("reverse h e l l o", "o l l e h"), ("repeat ab 3", "ab ab ab")]:
         assert q.chat([{"role": "user", "content": p}], max_tokens=24).text == want, p
         assert plain.chat([{"role": "user", "content": p}], max_tokens=24).text == want, p
+
+
+def load_int8(path, **kw):
+    """Engine.load(path, device="cpu", int8_activations=True, **kw), or a skip where the CPU lacks AVX-512 VNNI
+    (the load refuses the option there, with that reason)."""
+    try:
+        return mbd_rs.Engine.load(path, device="cpu", int8_activations=True, **kw)
+    except mbd_rs.InvalidRequestError as e:
+        if "lacks AVX-512 VNNI" in str(e):
+            pytest.skip(str(e))
+        raise
+
+
+def test_int8_activations_stay_close_to_float_activations(tmp_path):
+    """int8_activations rounds each activation row to 8 bits per block of 32 before the quantized products: the
+    logits move by about the rounding (a fraction of a percent), not more, and do move (the option is in effect).
+    (The products themselves are checked in Rust against a float64 reference on the rounded activations.)"""
+    d = random_checkpoint(tmp_path / "m")
+    ids = list(np.random.default_rng(2).integers(0, 320, 64))
+    for fmt in ["q8_0", "q6_k", "q5_k", "q4_k", "q5_0", "q4_0"]:
+        f = mbd_rs.Engine.load(d, device="cpu", quantize=fmt)
+        i = load_int8(d, quantize=fmt)
+        assert (i.info.int8_activations, f.info.int8_activations) == (True, False)
+        assert i.info.weight_format == f.info.weight_format == fmt
+        assert i.info.weight_bytes == f.info.weight_bytes
+        want, got = f.logits(ids), i.logits(ids)
+        rel = np.abs(got - want).max() / np.abs(want).max()
+        top1 = (got.argmax(1) == want.argmax(1)).mean()
+        assert 0 < rel <= 0.03 and top1 >= 0.95, (fmt, rel, top1)
+        # a shorter window gives the same rows: a row does not depend on the other rows of its products
+        assert np.array_equal(i.logits(ids[:40]), got[:40])
+
+
+def test_int8_activations_errors_are_clear():
+    with pytest.raises(mbd_rs.InvalidRequestError, match="int8_activations=True: it multiplies quantized matrices"):
+        mbd_rs.Engine.load(device="cpu", int8_activations=True)
+
+
+def test_int8_tiny_model_still_solves_its_tasks():
+    e = load_int8(None, quantize="q8_0")
+    for p, want in [("sort 5 2 9 1", "1 2 5 9"), ("reverse h e l l o", "o l l e h"), ("repeat ab 3", "ab ab ab")]:
+        assert e.chat([{"role": "user", "content": p}], max_tokens=24).text == want, p
+
+
+def test_cli_takes_int8_activations():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "mbd_rs", "info", "--quantize", "q8_0", "--int8-activations", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    if r.returncode != 0 and "lacks AVX-512 VNNI" in r.stderr:
+        pytest.skip("this CPU lacks AVX-512 VNNI")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert (info["weight_format"], info["int8_activations"]) == ("q8_0", True)
+    r = subprocess.run([sys.executable, "-m", "mbd_rs", "info", "--int8-activations"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "it multiplies quantized matrices" in r.stderr and "Traceback" not in r.stderr

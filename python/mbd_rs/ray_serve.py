@@ -23,7 +23,7 @@ from .server import MAX_BODY_BYTES, create_app
 
 #: The keyword arguments of `deployment` that a --ray-config file may set.
 CONFIG_KEYS = ("num_replicas", "autoscaling", "num_cpus", "num_gpus", "max_concurrency", "max_queue",
-               "model_name", "device", "dtype", "quantize", "revision", "max_body_bytes")
+               "model_name", "device", "dtype", "quantize", "int8_activations", "revision", "max_body_bytes")
 
 
 def _ray() -> Any:
@@ -58,7 +58,8 @@ def model_name_for(model: str | None, model_name: str | None = None) -> str:
 
 
 def deployment(model: str | None = None, *, revision: str | None = None, device: str = "auto",
-               dtype: str | None = None, quantize: str | None = None, model_name: str | None = None,
+               dtype: str | None = None, quantize: str | None = None, int8_activations: bool = False,
+               model_name: str | None = None,
                api_key: str | None = None, max_concurrency: int = 4, max_queue: int | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, num_replicas: int = 1,
                autoscaling: dict[str, Any] | None = None, num_cpus: float = 1.0,
@@ -76,7 +77,7 @@ def deployment(model: str | None = None, *, revision: str | None = None, device:
     else:
         opts["num_replicas"] = num_replicas
     cls = serve.deployment(**opts)(serve.ingress()(_Replica))
-    load = dict(device=device, dtype=dtype, quantize=quantize)
+    load = dict(device=device, dtype=dtype, quantize=quantize, int8_activations=int8_activations)
     app = dict(model_name=model_name_for(model, model_name), api_key=api_key, max_concurrency=max_concurrency,
                max_queue=queue, max_body_bytes=max_body_bytes)
     return cls.bind(model, revision, load, app)
@@ -100,7 +101,7 @@ def serve_ray(args: Any) -> int:
     HTTP proxy on --host/--port, and wait until interrupted."""
     ray, serve = _ray()
     kw: dict[str, Any] = dict(revision=args.revision, device=args.device, dtype=args.dtype,
-                              quantize=args.quantize, model_name=args.model_name, api_key=args.api_key,
+                              quantize=args.quantize, int8_activations=args.int8_activations, model_name=args.model_name, api_key=args.api_key,
                               max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                               max_body_bytes=args.max_body_bytes, num_replicas=args.replicas,
                               num_cpus=args.replica_cpus, num_gpus=args.replica_gpus)

@@ -755,7 +755,8 @@ class _AccessLog:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    eng = Engine.load(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
+    eng = Engine.load(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize,
+                      int8_activations=args.int8_activations)
     app = create_app(eng, model_name=args.model_name, api_key=args.api_key, max_concurrency=args.max_concurrency,
                      max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
     print(f"mbd-rs: serving {eng.info.path} as '{args.model_name or os.path.basename(os.path.normpath(eng.info.path))}' "

@@ -29,6 +29,8 @@ pub struct Model {
     /// matrices that fall back), else the dtype of the embedding table ("bfloat16" for a bf16 checkpoint on the
     /// CPU, else the compute dtype).
     pub weight_format: String,
+    /// The quantized matrices multiply activations rounded to 8 bits (`LoadOptions::int8_activations`).
+    pub int8_activations: bool,
     pub chat_template: Option<crate::chat::ChatTemplate>,
     /// UTF-8 bytes of the longest token string (bounds the text a prompt can have and still fit the context).
     pub max_token_bytes: usize,
@@ -47,6 +49,9 @@ pub struct LoadOptions {
     pub keep_bf16_weights: bool,
     /// Quantize the matrices at load (`crate::quant`; CPU, float32 compute).
     pub quantize: Option<QuantFormat>,
+    /// Multiply the quantized matrices (of the `quantize` option or a GGUF file) with integer dot products on
+    /// activations rounded to 8 bits (`crate::qdot`; CPUs with AVX-512 VNNI): faster, not exact.
+    pub int8_activations: bool,
     pub kernels: Kernels,
     /// Told (bytes read, bytes in all) after each tensor of the checkpoint is read.
     pub progress: Option<crate::weights::Progress>,
@@ -61,6 +66,7 @@ impl Default for LoadOptions {
             overrides: ProfileOverrides::default(),
             keep_bf16_weights: true,
             quantize: None,
+            int8_activations: false,
             kernels: Kernels::default(),
             progress: None,
         }
@@ -306,12 +312,27 @@ impl Model {
                 )));
             }
         }
+        if opts.int8_activations {
+            let why = if !device.is_cpu() || dtype != DType::F32 {
+                Some("it runs on the CPU in float32 in this version; load with device='cpu' (and dtype None or 'float32')")
+            } else if opts.quantize.is_none() && gguf.is_none() {
+                Some("it multiplies quantized matrices: pass quantize='q8_0', 'q4_k', ... or load a GGUF file")
+            } else if !crate::qdot::available() {
+                Some("this CPU lacks AVX-512 VNNI, the integer dot products it runs on")
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Err(Error::invalid(format!("int8_activations=True: {why}")));
+            }
+        }
         let ws = match &gguf {
             Some(g) => Weights::open_gguf(g, device, dtype, opts.keep_bf16_weights, opts.quantize)?,
             None => Weights::open(&checkpoint_files(dir)?, device, dtype, opts.keep_bf16_weights, opts.quantize)?,
         }
         .with_progress(opts.progress.clone())
-        .with_packing(opts.kernels.packs());
+        .with_packing(opts.kernels.packs())
+        .with_int8_activations(opts.int8_activations);
         let num_parameters = ws.num_parameters();
         let net = QwenModel::load(&config, &ws, device, dtype, opts.kernels)?;
         let weight_bytes = ws.loaded_bytes();
@@ -345,6 +366,7 @@ impl Model {
             num_parameters,
             weight_bytes,
             weight_format,
+            int8_activations: opts.int8_activations,
             chat_template,
             max_token_bytes,
             special_tokens,

@@ -82,6 +82,9 @@ pub struct Weights {
     quantize: Option<QuantFormat>,
     /// Hand out unquantized linear-layer matrices packed (`Matrix::dense`; `Kernels::packs`).
     pack: bool,
+    /// Hand out quantized matrices for integer dot products on 8-bit activations where their format has them (the
+    /// `int8_activations` load option; `Matrix::quant_int8`).
+    int8: bool,
     /// The block formats of the quantized matrices handed out so far.
     held: std::cell::RefCell<std::collections::BTreeSet<&'static str>>,
     /// Bytes of the tensors handed out so far (as held in memory).
@@ -419,6 +422,7 @@ impl Weights {
             keep_bf16,
             quantize,
             pack: false,
+            int8: false,
             held: Default::default(),
             loaded: std::cell::Cell::new(0),
             read: std::cell::Cell::new(0),
@@ -439,6 +443,21 @@ impl Weights {
     pub fn with_packing(mut self, pack: bool) -> Self {
         self.pack = pack && self.dtype == DType::F32;
         self
+    }
+
+    /// Hand out quantized matrices for integer dot products on 8-bit activations (`Matrix::quant_int8`).
+    pub fn with_int8_activations(mut self, int8: bool) -> Self {
+        self.int8 = int8;
+        self
+    }
+
+    /// A quantized matrix as handed out: for integer dot products (`int8`), packed (`pack`) or in its blocks.
+    fn hold(&self, q: QMatrix) -> Result<Matrix> {
+        if self.int8 {
+            Matrix::quant_int8(q, self.pack)
+        } else {
+            Matrix::quant(q, self.pack)
+        }
     }
 
     pub fn contains(&self, name: &str) -> bool {
@@ -512,7 +531,7 @@ impl Weights {
                     .map_err(|err| Error::load(format!("{}: tensor '{name}': {err}", shard.path.display())))?;
                 self.count(q.bytes().len(), e);
                 self.held.borrow_mut().insert(format.name());
-                return Matrix::quant(q, self.pack);
+                return self.hold(q);
             }
             // A block format the kernel lacks: dequantized here, then held as q8_0 (or the `quantize` format).
             let t = self.get_matrix(name, shape)?;
@@ -538,7 +557,7 @@ impl Weights {
         let held = t.elem_count() * t.dtype().size_in_bytes();
         self.loaded.set(self.loaded.get() - held.min(self.loaded.get()) + q.bytes().len());
         self.held.borrow_mut().insert(format.name());
-        Matrix::quant(q, self.pack)
+        self.hold(q)
     }
 
     /// The shard and entry of tensor `name`, its shape checked.

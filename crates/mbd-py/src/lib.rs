@@ -214,7 +214,7 @@ impl CoreModel {
     #[staticmethod]
     #[pyo3(signature = (path, device="auto", dtype=None, overrides=None, keep_bf16_weights=true, skinny=true,
                         par_min_macs=None, max_rows=None, blocked_attention=true, panels=true, packed_weights=true,
-                        packed_avx512=true, stack=true, cuda_fused=true, max_batch=None, max_batch_rows=None, quantize=None, progress=None))]
+                        packed_avx512=true, stack=true, cuda_fused=true, max_batch=None, max_batch_rows=None, quantize=None, int8_activations=false, progress=None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
         py: Python<'_>,
@@ -235,6 +235,7 @@ impl CoreModel {
         max_batch: Option<&Bound<'_, PyAny>>,
         max_batch_rows: Option<&Bound<'_, PyAny>>,
         quantize: Option<String>,
+        int8_activations: bool,
         progress: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         let device = device.to_string();
@@ -267,7 +268,16 @@ impl CoreModel {
             let dtype = parse_dtype(dtype.as_deref(), &dev)?;
             Model::load(
                 &path,
-                &LoadOptions { device: dev, dtype, overrides, keep_bf16_weights, quantize, kernels, progress },
+                &LoadOptions {
+                    device: dev,
+                    dtype,
+                    overrides,
+                    keep_bf16_weights,
+                    quantize,
+                    int8_activations,
+                    kernels,
+                    progress,
+                },
             )
         })?;
         let inner = Arc::new(model);
@@ -309,6 +319,7 @@ impl CoreModel {
         d.set_item("num_parameters", m.num_parameters)?;
         d.set_item("weight_bytes", m.weight_bytes)?;
         d.set_item("weight_format", &m.weight_format)?;
+        d.set_item("int8_activations", m.int8_activations)?;
         d.set_item("chat_template", m.chat_template.as_ref().map(|t| t.source()))?;
         d.set_item("vocab_size", c.vocab_size)?;
         d.set_item("hidden_size", c.hidden_size)?;
