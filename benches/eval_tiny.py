@@ -8,7 +8,7 @@ Suite `s2d2` (issue #19): AR, single-block and multi-block, each plain and with 
 score, hysteresis); also how often each output equals the AR output. Writes benches/s2d2_tiny.json and
 benches/s2d2_tiny.png.
 Suite `quant` (issue #18): AR, single-block and multi-block with the weights as loaded and quantized at load
-(q8_0, q4_k, q4_0): accuracy, tokens per forward and how often each output equals the unquantized one. Writes
+(q8_0, q4_k, q4_0; q8_0 and q4_k with int8_activations too: "+i8"): accuracy, tokens per forward and how often each output equals the unquantized one. Writes
 benches/quant_tiny.json.
 All configurations run on the same held-out instances, in one process, one after another.
 
@@ -70,15 +70,16 @@ QUANT_CONFIGS = [(name, dict(CONFIGS)[name]) for name in ("AR (block 1)", "singl
                                                           "multi-block entropy 0.5", "multi-block B8 entropy 0.5")]
 SUITES = {"modes": (CONFIGS, "tiny_eval"), "s2d2": (S2D2_CONFIGS, "s2d2_tiny"), "cache": (CACHE_CONFIGS, "cache_dream"),
           "quant": (QUANT_CONFIGS, "quant_tiny")}
-QUANT_FORMATS = [None, "q8_0", "q4_k", "q4_0"]  # on mbd-tiny (rows of 128-192) q4_k is q5_0 and q3_k, q2_k are q4_0
+# (quantize, int8_activations); on mbd-tiny (rows of 128-192) q4_k is q5_0 and q3_k, q2_k are q4_0
+QUANT_FORMATS = [(None, False), ("q8_0", False), ("q4_k", False), ("q4_0", False), ("q8_0", True), ("q4_k", True)]
 
 
 def quant_suite(args, data):
     """Every QUANT_CONFIGS configuration for the weights as loaded and each quantize format."""
     rows, reference = [], {}
-    for q in QUANT_FORMATS:
-        eng = mbd_rs.Engine.load(args.model, device="cpu", quantize=q)
-        fmt = eng.info.weight_format
+    for q, int8 in QUANT_FORMATS:
+        eng = mbd_rs.Engine.load(args.model, device="cpu", quantize=q, int8_activations=int8)
+        fmt = eng.info.weight_format + ("+i8" if int8 else "")
         for name, cfg in QUANT_CONFIGS:
             solved, toks, fwd, outs = 0, 0, 0, []
             for task, p, a in data:

@@ -7,6 +7,7 @@ loading against the weight bytes held (`info.weight_bytes`).
 
     python benches/quant_quality.py [--model DIR] [--positions 1024]      # default: the 0.5B-shaped bf16 checkpoint
     python benches/quant_quality.py --model /tmp/mbd-bench/h2048 --formats none,q6_k,q5_k,q4_0   # other formats
+    python benches/quant_quality.py --formats none,q8_0,q8_0+i8,q4_k,q4_k+i8   # "+i8": int8_activations=True
     python benches/quant_quality.py --model /tmp/mbd-bench/qwen2.5-0.5b-shape --out /tmp/q.json \
         --gguf /tmp/llamacpp/ours/model-q4_k_m.gguf --gguf /tmp/llamacpp/ours/model-q6_k.gguf   # llama.cpp's files
 Writes benches/quant_quality.json (or --out) and prints a markdown table.
@@ -26,12 +27,13 @@ FORMATS = "none,q8_0,q4_k,q6_k"  # "none": as loaded, the reference
 
 CHILD = r"""
 import json, sys, mbd_rs
-q = None if sys.argv[2] == "none" else sys.argv[2]
-e = mbd_rs.Engine.load(sys.argv[1], device="cpu", quantize=q)
+q, i8 = sys.argv[2].removesuffix("+i8"), sys.argv[2].endswith("+i8")
+e = mbd_rs.Engine.load(sys.argv[1], device="cpu", quantize=None if q == "none" else q, int8_activations=i8)
 # VmHWM / VmRSS of this process image (ru_maxrss would carry the parent's peak across fork and exec)
 st = dict(l.split(":", 1) for l in open("/proc/self/status"))
 kb = lambda k: int(st[k].split()[0]) * 1024
-print(json.dumps(dict(weight_bytes=e.info.weight_bytes, weight_format=e.info.weight_format, peak_rss=kb("VmHWM"),
+print(json.dumps(dict(weight_bytes=e.info.weight_bytes, weight_format=e.info.weight_format + ("+i8" if i8 else ""),
+                      peak_rss=kb("VmHWM"),
                       rss=kb("VmRSS"))))
 """
 
@@ -41,9 +43,11 @@ def main():
     ap.add_argument("--model", default="/tmp/mbd-bench/qwen2.5-0.5b-shape-bf16")
     ap.add_argument("--positions", type=int, default=1024)
     ap.add_argument("--out", default=os.path.join(ROOT, "benches", "quant_quality.json"))
-    ap.add_argument("--formats", default=FORMATS, help="quantize= formats, the first the reference (none: as loaded)")
+    ap.add_argument("--formats", default=FORMATS, help="quantize= formats, the first the reference (none: as loaded; "
+                    "a '+i8' suffix: with int8_activations=True)")
     ap.add_argument("--gguf", action="append", default=[],
-                    help="a GGUF file of the same weights (e.g. llama-quantize's), measured as stored; repeatable")
+                    help="a GGUF file of the same weights (e.g. llama-quantize's), measured as stored; repeatable; "
+                    "a '+i8' suffix on the path: with int8_activations=True")
     args = ap.parse_args()
     # a bare interpreter with mbd_rs imported, for the RSS baseline
     base = subprocess.run([sys.executable, "-c", "import resource, mbd_rs; print(int(open('/proc/self/statm').read().split()[1]) * 4096)"],
@@ -51,11 +55,14 @@ def main():
     baseline = int(base.stdout)
     rows = []
     ref = ids = None
-    formats = [None if f == "none" else f for f in args.formats.split(",")]
-    for path, q in [(args.model, q) for q in formats] + [(g, None) for g in args.gguf]:
-        r = subprocess.run([sys.executable, "-c", CHILD, path, q or "none"], capture_output=True, text=True, check=True)
+    runs = [(args.model, f) for f in args.formats.split(",")]
+    runs += [(g.removesuffix("+i8"), "none+i8" if g.endswith("+i8") else "none") for g in args.gguf]
+    for path, f in runs:
+        r = subprocess.run([sys.executable, "-c", CHILD, path, f], capture_output=True, text=True, check=True)
         mem = json.loads(r.stdout)
-        eng = mbd_rs.Engine.load(path, device="cpu", quantize=q)
+        q = f.removesuffix("+i8")
+        eng = mbd_rs.Engine.load(path, device="cpu", quantize=None if q == "none" else q,
+                                 int8_activations=f.endswith("+i8"))
         if ids is None:
             ids = np.random.default_rng(0).integers(0, eng.info.vocab_size, args.positions).tolist()
         # causal attention for every row: a GGUF carries no block-diffusion fields, so its own attention would be
