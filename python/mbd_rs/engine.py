@@ -174,7 +174,8 @@ class Engine:
         → q4_0, q5_k and q6_k → q8_0). `info.weight_format`
         and `info.weight_bytes` report what is held.
         int8_activations: multiply the quantized matrices (of `quantize` or a GGUF file) with integer dot products on
-        activations rounded to 8 bits per block of 32 values, as llama.cpp does (CPUs with AVX-512 VNNI): up to 2-3x
+        activations rounded to 8 bits per block of 32 values, as llama.cpp does (x86-64 CPUs with AVX2; AVX-512 VNNI
+        where present): up to 2-3x
         faster one-token forwards for the k-quants, but no longer the exact product of the quantized weights with the
         activations (q8_0, q6_k, q5_k, q5_0, q4_k, q4_0 matrices; q3_k and q2_k ones keep float32 activations).
         max_batch, max_batch_rows: caps on continuous batching (see `set_batching`); default 16 streams, 1024 rows.

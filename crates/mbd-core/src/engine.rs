@@ -50,7 +50,8 @@ pub struct LoadOptions {
     /// Quantize the matrices at load (`crate::quant`; CPU, float32 compute).
     pub quantize: Option<QuantFormat>,
     /// Multiply the quantized matrices (of the `quantize` option or a GGUF file) with integer dot products on
-    /// activations rounded to 8 bits (`crate::qdot`; CPUs with AVX-512 VNNI): faster, not exact.
+    /// activations rounded to 8 bits (`crate::qdot`; x86-64 CPUs with AVX2, AVX-512 VNNI where present): faster, not
+    /// exact.
     pub int8_activations: bool,
     pub kernels: Kernels,
     /// Told (bytes read, bytes in all) after each tensor of the checkpoint is read.
@@ -318,7 +319,7 @@ impl Model {
             } else if opts.quantize.is_none() && gguf.is_none() {
                 Some("it multiplies quantized matrices: pass quantize='q8_0', 'q4_k', ... or load a GGUF file")
             } else if !crate::qdot::available() {
-                Some("this CPU lacks AVX-512 VNNI, the integer dot products it runs on")
+                Some("this CPU lacks AVX2, which its integer dot products need (x86-64; AVX-512 VNNI where present)")
             } else {
                 None
             };

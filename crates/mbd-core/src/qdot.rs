@@ -6,7 +6,8 @@
 //! (benches/RESULTS.md, issue #18). Here each row of x is rounded to 8 bits per block of 32 values (`Acts`: a scale
 //! `amax / 127` and the nearest integers, ties to even), and each block of a weight column is multiplied with it
 //! by AVX-512 VNNI (`vpdpbusd`: 64 products of unsigned and signed bytes summed into 16 32-bit lanes per
-//! instruction), the block's integer sum then scaled in f32. This changes the numbers: a product is the dot product
+//! instruction; on CPUs with AVX2 only, `vpmaddubsw` + `vpmaddwd` do the same per 8 lanes: `Isa`), the block's
+//! integer sum then scaled in f32. This changes the numbers: a product is the dot product
 //! of the dequantized weights with the *rounded* activations (relative error about 2⁻⁹ per activation), not with
 //! x itself, so it is opt-in.
 //!
@@ -106,18 +107,58 @@ pub struct DotMatrix {
     data: Vec<u8>,
 }
 
-/// Whether this CPU runs the integer dot products (x86-64 with AVX-512 F, BW and VNNI).
+/// The instruction sets the products run on: the same bits on each.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
+pub enum Isa {
+    /// `dot_scalar`: any CPU (the reference; slow)
+    Scalar,
+    /// AVX2 (+ FMA, F16C): `vpmaddubsw` + `vpmaddwd`, 8 columns per register
+    Avx2,
+    /// AVX-512 F, BW and VNNI: `vpdpbusd`, 16 columns per register
+    Vnni,
+}
+
+impl Isa {
+    /// The best this CPU runs.
+    pub fn best() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vnni")
+                && is_x86_feature_detected!("f16c")
+            {
+                return Isa::Vnni;
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Scalar
+    }
+
+    /// Whether this CPU runs it.
+    pub fn runs(self) -> bool {
+        match self {
+            Isa::Scalar => true,
+            Isa::Avx2 => Isa::best() != Isa::Scalar,
+            Isa::Vnni => Isa::best() == Isa::Vnni,
+        }
+    }
+
+    /// x rows per register tile (AVX2 has 16 registers, AVX-512 32).
+    fn tile(self) -> usize {
+        match self {
+            Isa::Avx2 => 4,
+            Isa::Vnni | Isa::Scalar => MAX_TILE,
+        }
+    }
+}
+
+/// Whether this CPU runs the integer dot products at a usable speed (AVX2 or AVX-512 VNNI; `dot_scalar` runs
+/// anywhere, but streams a model at a fraction of the memory's speed).
 pub fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512vnni")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    Isa::best() != Isa::Scalar
 }
 
 /// Where depth p (within a record) of column c sits, for the arrangements above: (byte, bit shift, bits).
@@ -420,11 +461,12 @@ unsafe impl Send for Row {}
 unsafe impl Sync for Row {}
 
 /// y (m × n) = x (m × k) · Wᵀ with x rounded to 8 bits (`Acts`), parallel on the calling pool from
-/// `par_min_macs` multiply-adds. `simd`: the AVX-512 VNNI kernels (the caller checked `available`), else
-/// `dot_scalar` (the same bits).
-pub fn matmul(x: &[f32], m: usize, w: &DotMatrix, par_min_macs: usize, simd: bool) -> Vec<f32> {
+/// `par_min_macs` multiply-adds, with the kernels of `isa` (which the CPU must run: `Isa::runs`; the same bits on
+/// each).
+pub fn matmul(x: &[f32], m: usize, w: &DotMatrix, par_min_macs: usize, isa: Isa) -> Vec<f32> {
     let (n, k) = (w.n, w.k);
-    assert!(x.len() == m * k && (!simd || available()));
+    assert!(x.len() == m * k && isa.runs());
+    let simd = isa == Isa::Vnni;
     let mut y = vec![0f32; m * n];
     if m == 0 || n == 0 {
         return y;
@@ -441,19 +483,18 @@ pub fn matmul(x: &[f32], m: usize, w: &DotMatrix, par_min_macs: usize, simd: boo
         for g in t * groups / tasks..(t + 1) * groups / tasks {
             let cols = GROUP.min(n - g * GROUP);
             let data = w.group(g);
-            for r0 in (0..m).step_by(MAX_TILE) {
-                let tile = &rows[r0..(r0 + MAX_TILE).min(m)];
+            for r0 in (0..m).step_by(isa.tile()) {
+                let tile = &rows[r0..(r0 + isa.tile()).min(m)];
                 let mut acc = [[0f32; GROUP]; MAX_TILE];
-                #[cfg(target_arch = "x86_64")]
-                if simd {
-                    // SAFETY: the CPU has AVX-512 F, BW and VNNI (checked above); `data` is one group's records
-                    // and each row covers k values
-                    unsafe { vnni::group(w.format, data, k, tile, &mut acc) };
-                } else {
-                    dot_scalar(w.format, data, k, tile, &mut acc);
+                // SAFETY: the CPU runs `isa` (checked above); `data` is one group's records and each row covers k
+                // values
+                match isa {
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Vnni => unsafe { vnni::group(w.format, data, k, tile, &mut acc) },
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx2 => unsafe { avx2::group(w.format, data, k, tile, &mut acc) },
+                    _ => dot_scalar(w.format, data, k, tile, &mut acc),
                 }
-                #[cfg(not(target_arch = "x86_64"))]
-                dot_scalar(w.format, data, k, tile, &mut acc);
                 for (i, a) in acc.iter().take(tile.len()).enumerate() {
                     for (c, &v) in a.iter().take(cols).enumerate() {
                         // SAFETY: y is m × n; this task alone writes group g's columns
@@ -839,6 +880,311 @@ mod vnni {
     }
 }
 
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// A group's 16 columns as two registers of 8 (columns 0-7 from the low 32 bytes of each 64-byte vector, 8-15
+    /// from the high ones).
+    type Pair = [__m256i; 2];
+
+    /// `dot_scalar` with AVX2: the same bits. The 4-byte products go through `vpmaddubsw` (pairs into 16 bits,
+    /// saturating: the stored values are at most 63 there, so a pair stays within 2·63·127; q8_0's signed bytes
+    /// are multiplied as |w| times x with w's sign, at most 2·128·127) and `vpmaddwd` (pairs of those into 32
+    /// bits), which gives `vpdpbusd`'s sums.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; `data` holds one group's k / depths records; each row covers k values;
+    /// the tile has at most `Isa::Avx2.tile()` rows.
+    pub(super) unsafe fn group(
+        format: QuantFormat,
+        data: &[u8],
+        k: usize,
+        tile: &[Row],
+        acc: &mut [[f32; GROUP]; MAX_TILE],
+    ) {
+        macro_rules! rows {
+            ($f:ident) => {
+                match tile.len() {
+                    1 => store(&$f::<1>(data, k, tile), acc),
+                    2 => store(&$f::<2>(data, k, tile), acc),
+                    3 => store(&$f::<3>(data, k, tile), acc),
+                    _ => store(&$f::<4>(data, k, tile), acc),
+                }
+            };
+        }
+        match format {
+            QuantFormat::Q8_0 => rows!(q8_0),
+            QuantFormat::Q4_0 => rows!(q4_0),
+            QuantFormat::Q5_0 => rows!(q5_0),
+            QuantFormat::Q4K => rows!(q4_k),
+            QuantFormat::Q5K => rows!(q5_k),
+            QuantFormat::Q6K => rows!(q6_k),
+            QuantFormat::Q3K | QuantFormat::Q2K => unreachable!("no integer layout"),
+        }
+    }
+
+    #[target_feature(enable = "avx2")]
+    unsafe fn store<const R: usize>(v: &[[__m256; 2]; R], acc: &mut [[f32; GROUP]; MAX_TILE]) {
+        for r in 0..R {
+            _mm256_storeu_ps(acc[r].as_mut_ptr(), v[r][0]);
+            _mm256_storeu_ps(acc[r].as_mut_ptr().add(8), v[r][1]);
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn load(p: *const u8) -> Pair {
+        [_mm256_loadu_si256(p as *const __m256i), _mm256_loadu_si256(p.add(32) as *const __m256i)]
+    }
+
+    #[inline(always)]
+    unsafe fn quad(x: &Row, i: usize) -> __m256i {
+        _mm256_set1_epi32(std::ptr::read_unaligned(x.q.add(i) as *const i32))
+    }
+
+    /// isum += the 4-byte dot products of unsigned `w` (each value ≤ 63) with row r's values at i.
+    #[inline(always)]
+    unsafe fn dot<const R: usize>(isum: &mut [Pair; R], w: Pair, x: &[Row], i: usize) {
+        let ones = _mm256_set1_epi16(1);
+        for r in 0..R {
+            let xq = quad(&x[r], i);
+            for h in 0..2 {
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(w[h], xq), ones);
+                isum[r][h] = _mm256_add_epi32(isum[r][h], p);
+            }
+        }
+    }
+
+    /// isum += the 4-byte dot products of q8_0's stored bytes (w + 128) with row r's values at i, as |w| · (x with
+    /// w's sign).
+    #[inline(always)]
+    unsafe fn dot_signed<const R: usize>(isum: &mut [Pair; R], stored: Pair, x: &[Row], i: usize) {
+        let ones = _mm256_set1_epi16(1);
+        let flip = _mm256_set1_epi8(-128);
+        let w = [_mm256_xor_si256(stored[0], flip), _mm256_xor_si256(stored[1], flip)];
+        let a = [_mm256_sign_epi8(w[0], w[0]), _mm256_sign_epi8(w[1], w[1])];
+        for r in 0..R {
+            let xq = quad(&x[r], i);
+            for h in 0..2 {
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(a[h], _mm256_sign_epi8(xq, w[h])), ones);
+                isum[r][h] = _mm256_add_epi32(isum[r][h], p);
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn f16s(rec: *const u8, at: usize) -> [__m256; 2] {
+        let p = rec.add(at) as *const __m128i;
+        [_mm256_cvtph_ps(_mm_loadu_si128(p)), _mm256_cvtph_ps(_mm_loadu_si128(p.add(1)))]
+    }
+
+    #[inline(always)]
+    unsafe fn u8s(rec: *const u8, at: usize) -> [__m256; 2] {
+        let (a, b) = (rec.add(at) as *const __m128i, rec.add(at + 8) as *const __m128i);
+        [
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(a))),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(b))),
+        ]
+    }
+
+    #[inline(always)]
+    unsafe fn i8s(rec: *const u8, at: usize) -> [__m256; 2] {
+        let (a, b) = (rec.add(at) as *const __m128i, rec.add(at + 8) as *const __m128i);
+        [
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(a))),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(b))),
+        ]
+    }
+
+    #[inline(always)]
+    unsafe fn mul(a: [__m256; 2], b: [__m256; 2]) -> [__m256; 2] {
+        [_mm256_mul_ps(a[0], b[0]), _mm256_mul_ps(a[1], b[1])]
+    }
+
+    /// acc = fma(f32(isum), scale·dx, acc) per row.
+    #[inline(always)]
+    unsafe fn scale<const R: usize>(acc: &mut [[__m256; 2]; R], isum: &[Pair; R], scale: [__m256; 2], x: &[Row], b: usize) {
+        for r in 0..R {
+            let dx = _mm256_set1_ps(*x[r].d.add(b));
+            for h in 0..2 {
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][h]), _mm256_mul_ps(scale[h], dx), acc[r][h]);
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn start<const R: usize>(x: &[Row], sums: impl Fn(&Row) -> i32, off: i32) -> [Pair; R] {
+        std::array::from_fn(|r| [_mm256_set1_epi32(-off * sums(&x[r])); 2])
+    }
+
+    /// Bits u of each byte moved to bit `to` (only that bit kept), per half.
+    #[inline(always)]
+    unsafe fn bit_to(plane: Pair, u: usize, to: usize, mask: i8) -> Pair {
+        [shift_and(plane[0], to as i32 - u as i32, mask), shift_and(plane[1], to as i32 - u as i32, mask)]
+    }
+
+    /// v shifted left by `by` bits (right where negative) within 16-bit lanes, ANDed with `mask` per byte.
+    #[inline(always)]
+    unsafe fn shift_and(v: __m256i, by: i32, mask: i8) -> __m256i {
+        let moved = match by {
+            4 => _mm256_slli_epi16::<4>(v),
+            3 => _mm256_slli_epi16::<3>(v),
+            2 => _mm256_slli_epi16::<2>(v),
+            1 => _mm256_slli_epi16::<1>(v),
+            0 => v,
+            -1 => _mm256_srli_epi16::<1>(v),
+            -2 => _mm256_srli_epi16::<2>(v),
+            -3 => _mm256_srli_epi16::<3>(v),
+            _ => unreachable!(),
+        };
+        _mm256_and_si256(moved, _mm256_set1_epi8(mask))
+    }
+
+    /// `count` octets from `v` (depths p0 + 8o ..), low nibbles OR'd with `high(u)` for depth quad u, into isum.
+    #[inline(always)]
+    unsafe fn octets<const R: usize>(
+        v: *const u8,
+        count: usize,
+        x: &[Row],
+        p0: usize,
+        isum: &mut [Pair; R],
+        high: impl Fn(usize) -> Pair,
+    ) {
+        let m4 = _mm256_set1_epi8(0x0F);
+        for o in 0..count {
+            let b = load(v.add(o * VEC));
+            let (hl, hh) = (high(2 * o), high(2 * o + 1));
+            let lo = [
+                _mm256_or_si256(_mm256_and_si256(b[0], m4), hl[0]),
+                _mm256_or_si256(_mm256_and_si256(b[1], m4), hl[1]),
+            ];
+            let hi = [
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(b[0]), m4), hh[0]),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(b[1]), m4), hh[1]),
+            ];
+            dot(isum, lo, x, p0 + 8 * o);
+            dot(isum, hi, x, p0 + 8 * o + 4);
+        }
+    }
+
+    const ZERO: Pair = unsafe { std::mem::zeroed() };
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q8_0<const R: usize>(data: &[u8], k: usize, x: &[Row]) -> [[__m256; 2]; R] {
+        let sh = shape(QuantFormat::Q8_0).unwrap();
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        let mut rec = data.as_ptr();
+        for b in 0..k / 32 {
+            let mut isum = [ZERO; R];
+            let v = rec.add(sh.scales);
+            for t in 0..8 {
+                dot_signed(&mut isum, load(v.add(t * VEC)), x, 32 * b + 4 * t);
+            }
+            scale(&mut acc, &isum, f16s(rec, D), x, b);
+            rec = rec.add(sh.bytes());
+        }
+        acc
+    }
+
+    /// q4_0 and q5_0 (`FIFTH`).
+    #[inline(always)]
+    unsafe fn b32<const R: usize, const FIFTH: bool>(data: &[u8], k: usize, x: &[Row]) -> [[__m256; 2]; R] {
+        let sh = shape(if FIFTH { QuantFormat::Q5_0 } else { QuantFormat::Q4_0 }).unwrap();
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        let mut rec = data.as_ptr();
+        for b in 0..k / 32 {
+            let mut isum = start::<R>(x, |row| *row.s32.add(b), if FIFTH { 16 } else { 8 });
+            let v = rec.add(sh.scales);
+            if FIFTH {
+                let fifth = load(v.add(4 * VEC));
+                octets(v, 4, x, 32 * b, &mut isum, |u| bit_to(fifth, u, 4, 0x10));
+            } else {
+                octets(v, 4, x, 32 * b, &mut isum, |_| ZERO);
+            }
+            scale(&mut acc, &isum, f16s(rec, D), x, b);
+            rec = rec.add(sh.bytes());
+        }
+        acc
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_0<const R: usize>(data: &[u8], k: usize, x: &[Row]) -> [[__m256; 2]; R] {
+        b32::<R, false>(data, k, x)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q5_0<const R: usize>(data: &[u8], k: usize, x: &[Row]) -> [[__m256; 2]; R] {
+        b32::<R, true>(data, k, x)
+    }
+
+    /// q4_k and q5_k (`FIFTH`).
+    #[inline(always)]
+    unsafe fn k4<const R: usize, const FIFTH: bool>(data: &[u8], k: usize, x: &[Row]) -> [[__m256; 2]; R] {
+        let sh = shape(if FIFTH { QuantFormat::Q5K } else { QuantFormat::Q4K }).unwrap();
+        let per = if FIFTH { 5 * VEC } else { 4 * VEC };
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        let mut rec = data.as_ptr();
+        for sb in 0..k / 256 {
+            let (d, dmin) = (f16s(rec, D), f16s(rec, DMIN));
+            let v = rec.add(sh.scales);
+            for j in 0..8 {
+                let b = 8 * sb + j;
+                let mut isum = [ZERO; R];
+                let vj = v.add(j * per);
+                if FIFTH {
+                    let fifth = load(vj.add(4 * VEC));
+                    octets(vj, 4, x, 32 * b, &mut isum, |u| bit_to(fifth, u, 4, 0x10));
+                } else {
+                    octets(vj, 4, x, 32 * b, &mut isum, |_| ZERO);
+                }
+                scale(&mut acc, &isum, mul(d, u8s(rec, K4_SCALES + GROUP * j)), x, b);
+                let dm = mul(dmin, u8s(rec, K4_MINS + GROUP * j));
+                for r in 0..R {
+                    let xs = _mm256_set1_ps(*x[r].xs.add(b));
+                    for h in 0..2 {
+                        acc[r][h] = _mm256_fnmadd_ps(dm[h], xs, acc[r][h]);
+                    }
+                }
+            }
+            rec = rec.add(sh.bytes());
+        }
+        acc
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_k<const R: usize>(data: &[u8], k: usize, x: &[Row]) -> [[__m256; 2]; R] {
+        k4::<R, false>(data, k, x)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q5_k<const R: usize>(data: &[u8], k: usize, x: &[Row]) -> [[__m256; 2]; R] {
+        k4::<R, true>(data, k, x)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q6_k<const R: usize>(data: &[u8], k: usize, x: &[Row]) -> [[__m256; 2]; R] {
+        let sh = shape(QuantFormat::Q6K).unwrap();
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        let mut rec = data.as_ptr();
+        for sb in 0..k / 256 {
+            let d = f16s(rec, D);
+            let v = rec.add(sh.scales);
+            for j in 0..16 {
+                let p0 = 256 * sb + 16 * j;
+                let mut isum = start::<R>(x, |row| *row.s16.add(p0 / 16), 32);
+                let vj = v.add(j * 3 * VEC);
+                let high = load(vj.add(2 * VEC));
+                octets(vj, 2, x, p0, &mut isum, |u| bit_to(high, 2 * u, 4, 0x30));
+                scale(&mut acc, &isum, mul(d, i8s(rec, K6_SCALES + GROUP * j)), x, p0 / 32);
+            }
+            rec = rec.add(sh.bytes());
+        }
+        acc
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -897,12 +1243,12 @@ mod tests {
             for m in [1usize, 3, 8, 11] {
                 let x = randn(m * k, 5 + m as u64);
                 let acts = Acts::new(&x, m, k, false);
-                if available() {
+                if Isa::Vnni.runs() {
                     let simd = Acts::new(&x, m, k, true);
                     assert_eq!((&simd.q, &simd.s16), (&acts.q, &acts.s16));
                     assert!(simd.d.iter().zip(&acts.d).all(|(a, b)| a.to_bits() == b.to_bits()));
                 }
-                let scalar = matmul(&x, m, &d, usize::MAX, false);
+                let scalar = matmul(&x, m, &d, usize::MAX, Isa::Scalar);
                 for r in 0..m {
                     for c in 0..n {
                         let want: f64 = (0..k)
@@ -915,14 +1261,14 @@ mod tests {
                         assert!((got - want).abs() <= 1e-4 * (1.0 + want.abs()), "{} {m} {r} {c}: {got} {want}", f.name());
                     }
                     // alone, the same bits
-                    let one = matmul(&x[r * k..(r + 1) * k], 1, &d, usize::MAX, false);
+                    let one = matmul(&x[r * k..(r + 1) * k], 1, &d, usize::MAX, Isa::Scalar);
                     assert_eq!(&one[..], &scalar[r * n..(r + 1) * n], "{} row {r} alone", f.name());
                 }
-                if available() {
+                for isa in [Isa::Avx2, Isa::Vnni].into_iter().filter(|i| i.runs()) {
                     for par in [usize::MAX, 0] {
-                        let simd = matmul(&x, m, &d, par, true);
+                        let simd = matmul(&x, m, &d, par, isa);
                         let same = simd.iter().zip(&scalar).all(|(a, b)| a.to_bits() == b.to_bits());
-                        assert!(same, "{} m {m}: SIMD differs from scalar", f.name());
+                        assert!(same, "{} m {m}: {isa:?} differs from scalar", f.name());
                     }
                 }
             }
@@ -940,9 +1286,39 @@ mod tests {
         assert_eq!(a.d[0], 2.0 / 127.0);
         assert_eq!(a.s32[1], 0);
         assert_eq!(a.s32[0], a.q[..32].iter().map(|&q| q as i32).sum::<i32>());
-        if available() {
+        if Isa::Vnni.runs() {
             let v = Acts::new(&x, 1, 64, true);
             assert_eq!((v.q, v.d, v.s16), (a.q.clone(), a.d.clone(), a.s16.clone()));
+        }
+    }
+
+    /// q8_0's extreme bytes (-128 and 127, which AVX2 multiplies as |w| with x's sign flipped) against full-scale
+    /// activations: every instruction set gives the scalar bits, and the exact integer sums.
+    #[test]
+    fn q8_0_extremes_are_exact_on_every_instruction_set() {
+        let (n, k) = (16, 64);
+        let mut bytes = Vec::new();
+        for c in 0..n {
+            for b in 0..k / 32 {
+                bytes.extend_from_slice(&half::f16::from_f32(1.0).to_le_bytes());
+                bytes.extend((0..32).map(|i| if (i + c + b) % 3 == 0 { 0x80u8 } else { 127 }));
+            }
+        }
+        let q = QMatrix::from_bytes(QuantFormat::Q8_0, n, k, bytes).unwrap();
+        let d = DotMatrix::from_quant(&q).unwrap().unwrap();
+        let x: Vec<f32> = (0..2 * k).map(|i| if i % 5 == 0 { -1.0 } else { 1.0 }).collect();
+        let want = matmul(&x, 2, &d, usize::MAX, Isa::Scalar);
+        let mut wq = vec![0f32; n * k];
+        q.dequantize_rows(0, n, &mut wq);
+        for r in 0..2 {
+            for c in 0..n {
+                // x rounds to exactly ±127 · (1/127): the sum is exact
+                let exact: f32 = (0..k).map(|p| wq[c * k + p] * x[r * k + p]).sum();
+                assert_eq!(want[r * n + c], exact, "row {r} column {c}");
+            }
+        }
+        for isa in [Isa::Avx2, Isa::Vnni].into_iter().filter(|i| i.runs()) {
+            assert_eq!(matmul(&x, 2, &d, usize::MAX, isa), want, "{isa:?}");
         }
     }
 

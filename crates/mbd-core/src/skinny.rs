@@ -1358,7 +1358,11 @@ impl CustomOp1 for HeldMatmulT<'_> {
         let y = match self.w {
             Held::Panels(crate::panels::Source::Quant(q)) if self.few => matmul_q(x, m, q, self.par_min_macs),
             Held::Panels(w) => crate::panels::matmul_t_with(x, m, k, w, self.n, self.par_min_macs, self.avx512),
-            Held::Dot(d) => crate::qdot::matmul(x, m, d, self.par_min_macs, self.avx512 && crate::qdot::available()),
+            Held::Dot(d) => {
+                use crate::qdot::Isa;
+                let isa = if self.avx512 { Isa::best() } else { Isa::best().min(Isa::Avx2) };
+                crate::qdot::matmul(x, m, d, self.par_min_macs, isa)
+            }
         };
         Ok((CpuStorage::F32(y), Shape::from((m, self.n))))
     }
@@ -1381,7 +1385,8 @@ pub fn linear_q(x: &Tensor, q: &QMatrix, k: &Kernels, few: bool) -> candle_core:
 }
 
 /// `x · wᵀ` for a matrix held for integer dot products (CPU): every window through `qdot::matmul`, its AVX-512 VNNI
-/// kernels where the CPU has them (and `Kernels::packed_avx512` is on), else the scalar ones (the same bits).
+/// kernels where the CPU has them (and `Kernels::packed_avx512` is on), else its AVX2 ones, else the scalar ones
+/// (the same bits on each).
 pub fn linear_dot(x: &Tensor, d: &crate::qdot::DotMatrix, k: &Kernels) -> candle_core::Result<Tensor> {
     HeldMatmulT { w: Held::Dot(d), n: d.n, k: d.k, par_min_macs: k.par_min_macs, few: false, avx512: k.packed_avx512 }
         .apply(x)
