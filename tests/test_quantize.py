@@ -282,3 +282,20 @@ def test_cli_takes_int8_activations():
     r = subprocess.run([sys.executable, "-m", "mbd_rs", "info", "--int8-activations"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "it multiplies quantized matrices" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_candle_quantized_tensors_stay_close(tmp_path):
+    """CUDA holds quantized linear layers as candle's quantized tensors and multiplies them with candle's quantized
+    matmul (`Matrix::Candle`; its kernels round the activations to 8 bits). The same path on the CPU
+    (_kernels=dict(candle_quant=True)) computes the same model: logits within the activations' rounding of the
+    exact path, the same bytes held. (On a GPU: benches/gpu.)"""
+    d = random_checkpoint(tmp_path / "m")
+    ids = list(np.random.default_rng(3).integers(0, 320, 48))
+    for fmt in ["q8_0", "q6_k", "q4_k", "q4_0"]:
+        f = mbd_rs.Engine.load(d, device="cpu", quantize=fmt)
+        c = mbd_rs.Engine.load(d, device="cpu", quantize=fmt, _kernels=dict(candle_quant=True))
+        assert c.info.weight_bytes == f.info.weight_bytes and c.info.weight_format == fmt
+        want, got = f.logits(ids), c.logits(ids)
+        rel = np.abs(got - want).max() / np.abs(want).max()
+        top1 = (got.argmax(1) == want.argmax(1)).mean()
+        assert 0 < rel <= 0.03 and top1 >= 0.95, (fmt, rel, top1)

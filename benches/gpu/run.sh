@@ -15,6 +15,9 @@
 #            mbd-rs's CUDA kernels and with candle's ops
 #   ncu      benches/gpu/ncu.py under Nsight Compute: the attention kernel at W 32, attention and add + norm at W 1
 #            (grids, occupancy, throughput, stall reasons) on a 2-layer model of the SDAR-1.7B layer shape
+#   quant    quantized weights on the GPU (issue #18): benches/gpu/quant.py (logits of q8_0 / q6_k / q4_k / q4_0
+#            models on CUDA against the CPU's exact quantized path; GGUF blocks kept on the device), then speed.py
+#            on the SDAR-1.7B shape with --ab q8_0,q6_k,q4_k (bf16 vs the quantized formats, each vs its floor)
 #   batching tests/test_batching.py on the GPU (device "auto" is CUDA there, bf16): do concurrent streams, batched
 #            into shared forwards, still give their lone outputs token for token?
 # Everything goes to $OUT (default ./gpu_out): JSON per stage, logs, nvidia-smi.
@@ -53,6 +56,11 @@ for stage in $stages; do
       install > /dev/null
       "$PY" benches/gpu/speed.py --shape sdar-1.7b --e2e --ab candle_ops --out "$OUT/gpu_speed_sdar-1.7b.json" 2>&1 \
         | grep -v "Loading weights" | tee "$OUT/speed.log" ;;
+    quant)
+      install > /dev/null
+      "$PY" benches/gpu/quant.py --out "$OUT/gpu_quant.json" 2>&1 | tee "$OUT/quant.log"
+      "$PY" benches/gpu/speed.py --shape sdar-1.7b --cases 512:1,512:4,512:16,512:32,2048:1,2048:32 --rounds 1 \
+        --ab q8_0,q6_k,q4_k --out "$OUT/gpu_speed_quant.json" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/quant.log" ;;
     speed8b)
       install > /dev/null
       "$PY" benches/gpu/speed.py --shape qwen3-8b --cases 512:1,512:32,2048:1,2048:32 --rounds 1 --ab candle_ops \

@@ -39,8 +39,10 @@ SHAPES = {
                  intermediate_size=128, vocab_size=151936, tie_word_embeddings=True),
 }
 
-# --ab variants: mbd-rs with one part switched off (`Engine.load(_kernels=...)`)
-VARIANTS = {"candle_ops": dict(cuda_fused=False)}  # candle's ops in place of every mbd-rs CUDA kernel
+# --ab variants: mbd-rs loaded otherwise (`Engine.load(**kwargs)`): one part switched off, or quantized weights
+VARIANTS = {"candle_ops": dict(_kernels=dict(cuda_fused=False)),  # candle's ops in place of every mbd-rs CUDA kernel
+            # quantized linear layers (issue #18): candle's quantized tensors and kernels (MMVQ / MMQ)
+            "q8_0": dict(quantize="q8_0"), "q6_k": dict(quantize="q6_k"), "q4_k": dict(quantize="q4_k")}
 
 
 def sync(dev):
@@ -141,7 +143,7 @@ def main():
     eng = mbd_rs.Engine.load(path, device=args.device)
     engines = {"mbd_rs": eng}
     for name in filter(None, (args.ab or "").split(",")):
-        engines[name] = mbd_rs.Engine.load(path, device=args.device, _kernels=VARIANTS[name])
+        engines[name] = mbd_rs.Engine.load(path, device=args.device, **VARIANTS[name])
     info = eng.info
     report = {"device": args.device, "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
               "shape": args.shape, "params": info.num_parameters, "weight_bytes": info.weight_bytes,
@@ -149,7 +151,8 @@ def main():
               "torch": torch.__version__, "transformers": transformers.__version__, "forward": [], "e2e": []}
     bw = copy_bandwidth(dev, (2 << 30) if dev.type == "cuda" else (256 << 20))
     floor_ms = 1e3 * info.weight_bytes / bw
-    report.update(copy_bandwidth_gbs=round(bw / 1e9, 1), floor_ms=round(floor_ms, 3))
+    report.update(copy_bandwidth_gbs=round(bw / 1e9, 1), floor_ms=round(floor_ms, 3),
+                  variant_weight_bytes={k: e.info.weight_bytes for k, e in engines.items()})
     print(f"{report['gpu']} {args.shape}: {info.num_parameters / 1e9:.2f}B params, {info.weight_bytes / 1e9:.2f} GB "
           f"{info.dtype}; copy bandwidth {bw / 1e9:.0f} GB/s -> floor {floor_ms:.2f} ms", flush=True)
     for case in args.cases.split(","):
@@ -167,8 +170,11 @@ def main():
         for name in engines:
             if name != "mbd_rs":
                 c = 1e3 * statistics.median(times[name])
-                row.update({f"{name}_ms": round(c, 3), f"vs_{name}": round(o / c, 3)})
-                extra += f"  {name} {c:6.2f} ms ({o / c:.2f})"
+                # a variant's own floor: its weight bytes (quantized: fewer) over the same bandwidth
+                own_floor = 1e3 * engines[name].info.weight_bytes / bw
+                row.update({f"{name}_ms": round(c, 3), f"vs_{name}": round(o / c, 3),
+                            f"{name}_vs_floor": round(c / own_floor, 2), f"{name}_vs_torch": round(c / t, 3)})
+                extra += f"  {name} {c:6.2f} ms ({o / c:.2f}; {c / own_floor:.2f}x its floor)"
         report["forward"].append(row)
         print(f"P {p:5d} W {w:3d}: mbd-rs {o:8.2f} ms ({o / floor_ms:5.2f}x floor)  torch eager {t:8.2f} ms  "
               f"mbd-rs/torch {o / t:.2f}{extra}", flush=True)

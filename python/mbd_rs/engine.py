@@ -185,7 +185,7 @@ class Engine:
         profile_overrides: any of PROFILE_OVERRIDES: mask_token_id, block_size, attention
         ("causal"|"block_causal"|"full"), alignment ("absolute"|"prompt"), logits_shift (bool), eos_token_ids.
         _kernels: benchmark switches (keep_bf16_weights, skinny, par_min_macs, max_rows, blocked_attention,
-            panels, packed_weights, packed_avx512, stack, cuda_fused), not a stable API.
+            panels, packed_weights, packed_avx512, stack, cuda_fused, candle_quant), not a stable API.
         """
         path = resolve_model_path(path, revision)
         bar = _LoadBar(progress)

@@ -305,16 +305,18 @@ impl Model {
             return Err(if ov.block_size.is_some() { Error::invalid(msg) } else { Error::config(msg) });
         }
         if let Some(q) = opts.quantize {
-            if !device.is_cpu() || dtype != DType::F32 {
+            if !(device.is_cuda() || device.is_cpu() && dtype == DType::F32) {
                 return Err(Error::invalid(format!(
-                    "quantize='{}': quantized weights run on the CPU in float32 in this version; load with \
-                     device='cpu' (and dtype None or 'float32')",
+                    "quantize='{}': quantized weights run on the CPU in float32 or on CUDA in this version; load \
+                     with device='cpu' (and dtype None or 'float32') or device='cuda'",
                     q.name()
                 )));
             }
         }
         if opts.int8_activations {
-            let why = if !device.is_cpu() || dtype != DType::F32 {
+            let why = if device.is_cuda() {
+                Some("on CUDA the quantized products always round the activations to 8 bits (candle's kernels); the option is for the CPU")
+            } else if !device.is_cpu() || dtype != DType::F32 {
                 Some("it runs on the CPU in float32 in this version; load with device='cpu' (and dtype None or 'float32')")
             } else if opts.quantize.is_none() && gguf.is_none() {
                 Some("it multiplies quantized matrices: pass quantize='q8_0', 'q4_k', ... or load a GGUF file")
@@ -333,7 +335,8 @@ impl Model {
         }
         .with_progress(opts.progress.clone())
         .with_packing(opts.kernels.packs())
-        .with_int8_activations(opts.int8_activations);
+        .with_int8_activations(opts.int8_activations)
+        .with_candle_quant(opts.kernels.candle_quant);
         let num_parameters = ws.num_parameters();
         let net = QwenModel::load(&config, &ws, device, dtype, opts.kernels)?;
         let weight_bytes = ws.loaded_bytes();

@@ -31,14 +31,19 @@ use half::f16;
 use std::sync::Arc;
 
 /// A weight matrix (n, k) as the model holds it: as loaded (f32, or bf16 on the CPU), packed at load for the
-/// packed product (`panels::PackedMatrix`: dense f32 or bf16 on a CPU that has it), quantized, or quantized and
-/// held for integer dot products on 8-bit activations (`qdot::DotMatrix`, the `int8_activations` option).
+/// packed product (`panels::PackedMatrix`: dense f32 or bf16 on a CPU that has it), quantized, quantized and
+/// held for integer dot products on 8-bit activations (`qdot::DotMatrix`, the `int8_activations` option), or
+/// quantized as candle's tensor on the device (`Candle`: CUDA's quantized weights).
 #[derive(Clone)]
 pub enum Matrix {
     Dense(Tensor),
     Packed(Arc<PackedMatrix>),
     Quant(Arc<QMatrix>),
     Dot(Arc<DotMatrix>),
+    /// candle's quantized tensor (the same GGUF blocks) on the model's device, multiplied by candle's quantized
+    /// matmul: on CUDA its MMVQ / MMQ kernels (llama.cpp's, which round the activations to 8 bits per block of 32,
+    /// q8_1); on the CPU (`Kernels::candle_quant`, tests) its CPU kernels.
+    Candle(Arc<QTensor>),
 }
 
 impl Matrix {
@@ -65,6 +70,12 @@ impl Matrix {
         Ok(Matrix::Quant(Arc::new(q)))
     }
 
+    /// A quantized matrix as candle's quantized tensor on `dev` (`Matrix::Candle`), its bytes as they are.
+    pub fn quant_candle(q: &QMatrix, dev: &Device) -> Result<Matrix> {
+        let t = candle_core::quantized::ggml_file::qtensor_from_ggml(q.format.ggml(), q.bytes(), vec![q.n, q.k], dev)?;
+        Ok(Matrix::Candle(Arc::new(t)))
+    }
+
     /// A quantized matrix for integer dot products on 8-bit activations (`qdot`) where its format has them, else
     /// as `quant` holds it.
     pub fn quant_int8(q: QMatrix, pack: bool) -> Result<Matrix> {
@@ -82,6 +93,11 @@ impl Matrix {
             Matrix::Packed(p) => crate::skinny::linear_packed(x, p, k),
             Matrix::Quant(q) => crate::skinny::linear_q(x, q, k, few),
             Matrix::Dot(d) => crate::skinny::linear_dot(x, d, k),
+            Matrix::Candle(q) => {
+                // its CUDA kernels take f32, f16 or bf16 x, its fallbacks and the CPU's f32 only
+                let dt = x.dtype();
+                x.to_dtype(DType::F32)?.contiguous()?.apply_op1_no_bwd(q.as_ref())?.to_dtype(dt)
+            }
         }
     }
 
@@ -108,6 +124,8 @@ impl Matrix {
                 let Some(ps) = ps else { return Ok(None) };
                 Ok(PackedMatrix::stack(&ps)?.map(|p| Matrix::Packed(Arc::new(p))))
             }
+            // candle's quantized tensors are multiplied one by one
+            [Matrix::Candle(_), ..] => Ok(None),
             [Matrix::Dot(_), ..] => {
                 let ds: Option<Vec<&DotMatrix>> =
                     parts.iter().map(|m| if let Matrix::Dot(d) = m { Some(&**d) } else { None }).collect();
@@ -142,6 +160,8 @@ impl Matrix {
             Matrix::Packed(p) => held_rows(ids, p.n, p.k, dev, |id, dst| p.rows_into(id, 1, dst))?,
             Matrix::Quant(q) => Tensor::from_vec(q.rows(ids)?, (ids.len(), q.k), dev)?,
             Matrix::Dot(d) => held_rows(ids, d.n, d.k, dev, |id, dst| d.rows_into(id, 1, dst))?,
+            // never a table (`Weights::quantize_as`)
+            Matrix::Candle(_) => return Err(Error::Internal("a row lookup in a quantized device matrix".into())),
         })
     }
 }

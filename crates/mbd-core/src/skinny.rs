@@ -62,6 +62,9 @@ pub struct Kernels {
     /// its attention in two (f32 scores, key ranges from the mask spec, no score matrix), silu·mul in one.
     /// false: candle's ops (for A/B runs).
     pub cuda_fused: bool,
+    /// Quantized linear layers on the CPU held as candle's quantized tensors and multiplied by candle's quantized
+    /// matmul (`quant::Matrix::Candle`), as they always are on CUDA: tests and A/B runs of that path on the CPU.
+    pub candle_quant: bool,
 }
 
 impl Default for Kernels {
@@ -77,6 +80,7 @@ impl Default for Kernels {
             packed_avx512: true,
             stack: true,
             cuda_fused: true,
+            candle_quant: false,
         }
     }
 }

@@ -85,6 +85,9 @@ pub struct Weights {
     /// Hand out quantized matrices for integer dot products on 8-bit activations where their format has them (the
     /// `int8_activations` load option; `Matrix::quant_int8`).
     int8: bool,
+    /// Hand out quantized linear-layer matrices as candle's quantized tensors on the device (`Matrix::quant_candle`):
+    /// always on CUDA; on the CPU only under `Kernels::candle_quant` (tests and A/B runs of that path).
+    candle_quant: bool,
     /// The block formats of the quantized matrices handed out so far.
     held: std::cell::RefCell<std::collections::BTreeSet<&'static str>>,
     /// Bytes of the tensors handed out so far (as held in memory).
@@ -423,6 +426,7 @@ impl Weights {
             quantize,
             pack: false,
             int8: false,
+            candle_quant: !device.is_cpu(),
             held: Default::default(),
             loaded: std::cell::Cell::new(0),
             read: std::cell::Cell::new(0),
@@ -451,8 +455,18 @@ impl Weights {
         self
     }
 
-    /// A quantized matrix as handed out: for integer dot products (`int8`), packed (`pack`) or in its blocks.
-    fn hold(&self, q: QMatrix) -> Result<Matrix> {
+    /// Hand out quantized linear-layer matrices on the CPU as candle's quantized tensors (`Kernels::candle_quant`).
+    pub fn with_candle_quant(mut self, on: bool) -> Self {
+        self.candle_quant |= on;
+        self
+    }
+
+    /// A quantized matrix as handed out: candle's quantized tensor on the device (`candle_quant`; never a table,
+    /// see `quantize_as`), for integer dot products (`int8`), packed (`pack`) or in its blocks.
+    fn hold(&self, q: QMatrix, table: bool) -> Result<Matrix> {
+        if self.candle_quant && !table {
+            return Matrix::quant_candle(&q, &self.device);
+        }
         if self.int8 {
             Matrix::quant_int8(q, self.pack)
         } else {
@@ -521,9 +535,10 @@ impl Weights {
     }
 
     fn matrix(&self, name: &str, shape: &[usize], table: bool) -> Result<Matrix> {
-        let quant_cpu = self.device.is_cpu() && self.dtype == DType::F32;
+        // block formats stay quantized on the CPU in f32 compute, and on other devices (CUDA) for linear layers
+        let quant_here = (self.device.is_cpu() && self.dtype == DType::F32) || (!self.device.is_cpu() && !table);
         let (shard, e) = self.entry(name, shape)?;
-        if let (Element::Block(g), true) = (e.element, quant_cpu) {
+        if let (Element::Block(g), true) = (e.element, quant_here) {
             if let (Some(format), [n, k]) = (QuantFormat::from_ggml(g), shape) {
                 // Kept as stored: the kernel multiplies this format.
                 let data = self.read_bytes(shard, e, name)?;
@@ -531,7 +546,7 @@ impl Weights {
                     .map_err(|err| Error::load(format!("{}: tensor '{name}': {err}", shard.path.display())))?;
                 self.count(q.bytes().len(), e);
                 self.held.borrow_mut().insert(format.name());
-                return self.hold(q);
+                return self.hold(q, table);
             }
             // A block format the kernel lacks: dequantized here, then held as q8_0 (or the `quantize` format).
             let t = self.get_matrix(name, shape)?;
@@ -549,6 +564,9 @@ impl Weights {
     }
 
     fn quantize_as(&self, t: Tensor, table: bool, quantize: Option<QuantFormat>) -> Result<Matrix> {
+        // on a GPU the embedding table and the head stay in the compute dtype (candle's quantized kernels multiply,
+        // they do not look rows up)
+        let quantize = quantize.filter(|_| self.device.is_cpu() || !table);
         let Some(format) = quantize.and_then(|f| f.for_matrix(t.dim(1).unwrap_or(0), table)) else {
             // counted as loaded (a packed matrix's padding to whole groups, under 16 rows, is not)
             return Matrix::dense(t, self.pack);
@@ -557,7 +575,7 @@ impl Weights {
         let held = t.elem_count() * t.dtype().size_in_bytes();
         self.loaded.set(self.loaded.get() - held.min(self.loaded.get()) + q.bytes().len());
         self.held.borrow_mut().insert(format.name());
-        self.hold(q)
+        self.hold(q, table)
     }
 
     /// The shard and entry of tensor `name`, its shape checked.

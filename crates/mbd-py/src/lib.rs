@@ -214,7 +214,7 @@ impl CoreModel {
     #[staticmethod]
     #[pyo3(signature = (path, device="auto", dtype=None, overrides=None, keep_bf16_weights=true, skinny=true,
                         par_min_macs=None, max_rows=None, blocked_attention=true, panels=true, packed_weights=true,
-                        packed_avx512=true, stack=true, cuda_fused=true, max_batch=None, max_batch_rows=None, quantize=None, int8_activations=false, progress=None))]
+                        packed_avx512=true, stack=true, cuda_fused=true, candle_quant=false, max_batch=None, max_batch_rows=None, quantize=None, int8_activations=false, progress=None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
         py: Python<'_>,
@@ -232,6 +232,7 @@ impl CoreModel {
         packed_avx512: bool,
         stack: bool,
         cuda_fused: bool,
+        candle_quant: bool,
         max_batch: Option<&Bound<'_, PyAny>>,
         max_batch_rows: Option<&Bound<'_, PyAny>>,
         quantize: Option<String>,
@@ -252,6 +253,7 @@ impl CoreModel {
             packed_avx512,
             stack,
             cuda_fused,
+            candle_quant,
             ..d
         };
         let limits = batch_limits(BatchLimits::default(), max_batch, max_batch_rows)?;

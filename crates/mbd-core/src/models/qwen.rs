@@ -471,7 +471,7 @@ impl QwenModel {
         match &self.embed {
             Matrix::Dense(t) => Some(t.dtype()),
             Matrix::Packed(p) => p.dtype(),
-            Matrix::Quant(_) | Matrix::Dot(_) => None,
+            Matrix::Quant(_) | Matrix::Dot(_) | Matrix::Candle(_) => None,
         }
     }
 
