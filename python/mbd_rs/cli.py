@@ -27,7 +27,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | metal")
     p.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
     p.add_argument("--quantize", default=None,
-                   help="quantize the weights at load: q8_0 (8-bit) | q6_k | q5_k | q4_k (6/5/4-bit k-quants) | q5_0 | q4_0 (5/4-bit) | q3_k | q2_k (3/2-bit k-quants); CPU only")
+                   help="quantize the weights at load: q8_0 (8-bit) | q6_k | q5_k | q4_k (6/5/4-bit k-quants) | q5_0 | q4_0 (5/4-bit) | q3_k | q2_k (3/2-bit k-quants); CPU (float32) or CUDA")
     p.add_argument("--int8-activations", action="store_true",
                    help="multiply the quantized weights with integer dot products on activations rounded to 8 bits "
                         "(faster, not exact; x86-64 CPUs with AVX2)")
