@@ -880,7 +880,6 @@ mod vnni {
     }
 }
 
-
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::*;
@@ -1005,7 +1004,13 @@ mod avx2 {
 
     /// acc = fma(f32(isum), scale·dx, acc) per row.
     #[inline(always)]
-    unsafe fn scale<const R: usize>(acc: &mut [[__m256; 2]; R], isum: &[Pair; R], scale: [__m256; 2], x: &[Row], b: usize) {
+    unsafe fn scale<const R: usize>(
+        acc: &mut [[__m256; 2]; R],
+        isum: &[Pair; R],
+        scale: [__m256; 2],
+        x: &[Row],
+        b: usize,
+    ) {
         for r in 0..R {
             let dx = _mm256_set1_ps(*x[r].d.add(b));
             for h in 0..2 {
@@ -1200,14 +1205,8 @@ mod tests {
             .collect()
     }
 
-    const FORMATS: [QuantFormat; 6] = [
-        QuantFormat::Q8_0,
-        QuantFormat::Q4_0,
-        QuantFormat::Q5_0,
-        QuantFormat::Q4K,
-        QuantFormat::Q5K,
-        QuantFormat::Q6K,
-    ];
+    const FORMATS: [QuantFormat; 6] =
+        [QuantFormat::Q8_0, QuantFormat::Q4_0, QuantFormat::Q5_0, QuantFormat::Q4K, QuantFormat::Q5K, QuantFormat::Q6K];
 
     fn matrix(n: usize, k: usize, f: QuantFormat, seed: u64) -> (QMatrix, DotMatrix, Vec<f32>) {
         let t = Tensor::from_vec(randn(n * k, seed), (n, k), &Device::Cpu).unwrap();
@@ -1258,7 +1257,11 @@ mod tests {
                             })
                             .sum();
                         let got = scalar[r * n + c] as f64;
-                        assert!((got - want).abs() <= 1e-4 * (1.0 + want.abs()), "{} {m} {r} {c}: {got} {want}", f.name());
+                        assert!(
+                            (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                            "{} {m} {r} {c}: {got} {want}",
+                            f.name()
+                        );
                     }
                     // alone, the same bits
                     let one = matmul(&x[r * k..(r + 1) * k], 1, &d, usize::MAX, Isa::Scalar);
