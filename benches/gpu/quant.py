@@ -11,46 +11,20 @@ the option the GPU refuses (int8_activations). Exit status 1 when a bound fails.
 import argparse
 import json
 import os
-import shutil
+import pathlib
 import sys
 import tempfile
 
 import numpy as np
-from safetensors.numpy import save_file
 
 import mbd_rs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FIXTURE = os.path.join(ROOT, "tests", "fixtures", "parity", "qwen2_gqa_tied")
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from random_checkpoint import random_checkpoint  # noqa: E402  (tests/random_checkpoint.py)
+
 # (format, max relative error, min top-1) against the CPU's exact quantized logits; float32 | bfloat16 compute
 BOUNDS = {"float32": 0.03, "bfloat16": 0.06}
-
-
-def random_checkpoint(path, hidden=256, inter=512, layers=2, seed=0):
-    """A random Qwen2 checkpoint with rows of whole q4_k super-blocks (as tests/test_quantize.py's)."""
-    os.makedirs(path)
-    rng = np.random.default_rng(seed)
-    heads, kv, hd, vocab = 4, 2, 64, 320
-    cfg = json.load(open(os.path.join(FIXTURE, "config.json")))
-    cfg.update(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-               num_key_value_heads=kv, head_dim=hd, layer_types=["full_attention"] * layers)
-    json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
-    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(os.path.join(FIXTURE, f), path)
-    t = {"model.embed_tokens.weight": rng.normal(0, 1, (vocab, hidden)), "model.norm.weight": np.ones(hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        for n, shape in [("self_attn.q_proj", (heads * hd, hidden)), ("self_attn.k_proj", (kv * hd, hidden)),
-                         ("self_attn.v_proj", (kv * hd, hidden)), ("self_attn.o_proj", (hidden, heads * hd)),
-                         ("mlp.gate_proj", (inter, hidden)), ("mlp.up_proj", (inter, hidden)),
-                         ("mlp.down_proj", (hidden, inter))]:
-            t[p + n + ".weight"] = rng.normal(0, 1 / np.sqrt(shape[1]), shape)
-        for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
-            t[p + n + ".bias"] = rng.normal(0, 0.1, t[p + n + ".weight"].shape[0])
-        t[p + "input_layernorm.weight"] = np.ones(hidden)
-        t[p + "post_attention_layernorm.weight"] = np.ones(hidden)
-    save_file({k: v.astype(np.float32) for k, v in t.items()}, os.path.join(path, "model.safetensors"))
-    return path
 
 
 def main():
@@ -58,7 +32,7 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_quant.json"))
     args = ap.parse_args()
-    d = random_checkpoint(os.path.join(tempfile.mkdtemp(), "m"))
+    d = str(random_checkpoint(pathlib.Path(tempfile.mkdtemp()) / "m"))
     ids = np.random.default_rng(1).integers(0, 320, 64).tolist()
     rows, ok = [], True
     # on the CPU (a dry run of this script) the same path is candle's quantized tensors under _kernels, f32 only

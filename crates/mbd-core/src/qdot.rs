@@ -88,6 +88,44 @@ fn shape(format: QuantFormat) -> Option<Shape> {
     })
 }
 
+/// `$rows!(kernel)` with the kernel of `$format`: each instruction set's module has one per format, named after it.
+#[cfg(target_arch = "x86_64")]
+macro_rules! per_format {
+    ($format:expr, $rows:ident) => {
+        match $format {
+            QuantFormat::Q8_0 => $rows!(q8_0),
+            QuantFormat::Q4_0 => $rows!(q4_0),
+            QuantFormat::Q5_0 => $rows!(q5_0),
+            QuantFormat::Q4K => $rows!(q4_k),
+            QuantFormat::Q5K => $rows!(q5_k),
+            QuantFormat::Q6K => $rows!(q6_k),
+            QuantFormat::Q3K | QuantFormat::Q2K => unreachable!("no integer layout"),
+        }
+    };
+}
+
+/// `$v` shifted by `$by` bits within 16-bit lanes (left where positive, right where negative; -6 to 4: the moves of
+/// a fifth bit or a high pair to bits 4-5), with the instruction set's shift intrinsics.
+#[cfg(target_arch = "x86_64")]
+macro_rules! shift16 {
+    ($v:expr, $by:expr, $slli:ident, $srli:ident) => {
+        match $by {
+            4 => $slli::<4>($v),
+            3 => $slli::<3>($v),
+            2 => $slli::<2>($v),
+            1 => $slli::<1>($v),
+            0 => $v,
+            -1 => $srli::<1>($v),
+            -2 => $srli::<2>($v),
+            -3 => $srli::<3>($v),
+            -4 => $srli::<4>($v),
+            -5 => $srli::<5>($v),
+            -6 => $srli::<6>($v),
+            _ => unreachable!("a shift of {} bits", $by),
+        }
+    };
+}
+
 /// The integer offset of a format's stored values (its value is q − offset before the scales).
 fn offset(format: QuantFormat) -> i32 {
     match format {
@@ -586,15 +624,7 @@ mod vnni {
                 }
             };
         }
-        match format {
-            QuantFormat::Q8_0 => rows!(q8_0),
-            QuantFormat::Q4_0 => rows!(q4_0),
-            QuantFormat::Q5_0 => rows!(q5_0),
-            QuantFormat::Q4K => rows!(q4_k),
-            QuantFormat::Q5K => rows!(q5_k),
-            QuantFormat::Q6K => rows!(q6_k),
-            QuantFormat::Q3K | QuantFormat::Q2K => unreachable!("no integer layout"),
-        }
+        per_format!(format, rows)
     }
 
     /// `round_block` with AVX-512: the same values (the maximum and the integer sums are exact in any order, and
@@ -737,21 +767,10 @@ mod vnni {
     /// Bits u (depth quad u) of each byte of a plane, moved to bit `to` (only that bit kept).
     #[inline(always)]
     unsafe fn bit_to(plane: __m512i, u: usize, to: usize, mask: i8) -> __m512i {
-        let moved = match to as i32 - u as i32 {
-            4 => _mm512_slli_epi16::<4>(plane),
-            3 => _mm512_slli_epi16::<3>(plane),
-            2 => _mm512_slli_epi16::<2>(plane),
-            1 => _mm512_slli_epi16::<1>(plane),
-            0 => plane,
-            -1 => _mm512_srli_epi16::<1>(plane),
-            -2 => _mm512_srli_epi16::<2>(plane),
-            -3 => _mm512_srli_epi16::<3>(plane),
-            -4 => _mm512_srli_epi16::<4>(plane),
-            -5 => _mm512_srli_epi16::<5>(plane),
-            -6 => _mm512_srli_epi16::<6>(plane),
-            _ => unreachable!(),
-        };
-        _mm512_and_si512(moved, _mm512_set1_epi8(mask))
+        _mm512_and_si512(
+            shift16!(plane, to as i32 - u as i32, _mm512_slli_epi16, _mm512_srli_epi16),
+            _mm512_set1_epi8(mask),
+        )
     }
 
     /// Per row, the integer sums start at −offset · (the block's sum of xq).
@@ -914,15 +933,7 @@ mod avx2 {
                 }
             };
         }
-        match format {
-            QuantFormat::Q8_0 => rows!(q8_0),
-            QuantFormat::Q4_0 => rows!(q4_0),
-            QuantFormat::Q5_0 => rows!(q5_0),
-            QuantFormat::Q4K => rows!(q4_k),
-            QuantFormat::Q5K => rows!(q5_k),
-            QuantFormat::Q6K => rows!(q6_k),
-            QuantFormat::Q3K | QuantFormat::Q2K => unreachable!("no integer layout"),
-        }
+        per_format!(format, rows)
     }
 
     #[target_feature(enable = "avx2")]
@@ -1033,18 +1044,7 @@ mod avx2 {
     /// v shifted left by `by` bits (right where negative) within 16-bit lanes, ANDed with `mask` per byte.
     #[inline(always)]
     unsafe fn shift_and(v: __m256i, by: i32, mask: i8) -> __m256i {
-        let moved = match by {
-            4 => _mm256_slli_epi16::<4>(v),
-            3 => _mm256_slli_epi16::<3>(v),
-            2 => _mm256_slli_epi16::<2>(v),
-            1 => _mm256_slli_epi16::<1>(v),
-            0 => v,
-            -1 => _mm256_srli_epi16::<1>(v),
-            -2 => _mm256_srli_epi16::<2>(v),
-            -3 => _mm256_srli_epi16::<3>(v),
-            _ => unreachable!(),
-        };
-        _mm256_and_si256(moved, _mm256_set1_epi8(mask))
+        _mm256_and_si256(shift16!(v, by, _mm256_slli_epi16, _mm256_srli_epi16), _mm256_set1_epi8(mask))
     }
 
     /// `count` octets from `v` (depths p0 + 8o ..), low nibbles OR'd with `high(u)` for depth quad u, into isum.
