@@ -31,7 +31,7 @@ pub enum Source<'a> {
 }
 
 /// Output columns per group of a packed matrix (the register tile's width).
-const GROUP: usize = 16;
+pub(crate) const GROUP: usize = 16;
 
 /// How a block format is held packed (`PackedData::Block`), per group of `GROUP` columns: `step` bytes per depth
 /// (the group's values at that depth), and the scales in records of `sbytes` bytes, one per `sblock` depths (one
@@ -56,9 +56,9 @@ const Q4_0_LAYOUT: Layout = Layout { step: GROUP / 2, sblock: 32, sbytes: 2 * GR
 /// dmin (at `Q4K_DMIN`), then per sub-block j of 32 depths their 6-bit scales (16 bytes at `Q4K_SCALES` + 16j) and
 /// their 6-bit mins (16 bytes at `Q4K_MINS` + 16j).
 const Q4K_LAYOUT: Layout = Layout { step: GROUP / 2, sblock: 256, sbytes: Q4K_MINS + 8 * GROUP };
-const Q4K_DMIN: usize = 2 * GROUP;
-const Q4K_SCALES: usize = 4 * GROUP;
-const Q4K_MINS: usize = Q4K_SCALES + 8 * GROUP;
+pub(crate) const Q4K_DMIN: usize = 2 * GROUP;
+pub(crate) const Q4K_SCALES: usize = 4 * GROUP;
+pub(crate) const Q4K_MINS: usize = Q4K_SCALES + 8 * GROUP;
 /// q5_k: a depth as q5_0's (fifth bits, then nibbles from `Q5_NIBBLES`), a record as q4_k's.
 const Q5K_LAYOUT: Layout = Layout { step: Q5_0_LAYOUT.step, ..Q4K_LAYOUT };
 /// q6_k: 8 bytes of low nibbles (as q4_k), then 4 bytes of high bit pairs (column c at bits 2c, 2c + 1 of them
@@ -67,7 +67,7 @@ const Q5K_LAYOUT: Layout = Layout { step: Q5_0_LAYOUT.step, ..Q4K_LAYOUT };
 /// 210 bytes per 256 values and column, as the format's blocks.
 const Q6K_LAYOUT: Layout = Layout { step: Q6K_HIGH + GROUP / 4, sblock: 256, sbytes: Q6K_SCALES + 16 * GROUP };
 const Q6K_HIGH: usize = GROUP / 2;
-const Q6K_SCALES: usize = 2 * GROUP;
+pub(crate) const Q6K_SCALES: usize = 2 * GROUP;
 /// q3_k: 2 bytes of high bits (as q5_0's fifth bits), then 4 bytes of 2-bit pairs (as q6_k's high pairs, from byte
 /// `Q3K_PAIRS` of the depth): the value q − 4 + 4·high in [−4, 3]; a record as q6_k's (16 f16 d, then per sub-block
 /// of 16 depths the 16 signed scales sc − 32). 114 bytes per 256 values and column against 110.
@@ -346,36 +346,11 @@ impl PackedData {
     }
 }
 
-/// Column c's values of one block of a row (`block`: its bytes) into the block's depths of a packed group (`w`,
-/// `Layout::step` bytes per depth) and its scale record (`s`).
-fn pack_block(format: QuantFormat, block: &[u8], c: usize, w: &mut [u8], s: &mut [u8]) {
+/// Column c's scales of one block of a row (`block`: its bytes) into the block's scale record `s` (`Layout::sbytes`
+/// bytes: the record of every block format's packed layout, and of `qdot`'s integer-product layout).
+pub(crate) fn pack_record(format: QuantFormat, block: &[u8], c: usize, s: &mut [u8]) {
     match format {
-        QuantFormat::Q8_0 => {
-            s[2 * c..2 * c + 2].copy_from_slice(&block[..2]);
-            for (i, &q) in block[2..].iter().enumerate() {
-                w[i * Q8_0_LAYOUT.step + c] = q;
-            }
-        }
-        QuantFormat::Q5_0 => {
-            let step = Q5_0_LAYOUT.step;
-            s[2 * c..2 * c + 2].copy_from_slice(&block[..2]);
-            let qh = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
-            for j in 0..32 {
-                // value j: the low nibble of byte j (j < 16) or the high one of byte j − 16; its fifth bit: bit j
-                let q = if j < 16 { block[6 + j] & 0xF } else { block[6 + j - 16] >> 4 };
-                let depth = &mut w[j * step..(j + 1) * step];
-                depth[c / 8] |= (((qh >> j) & 1) as u8) << (c % 8);
-                put_nibble(&mut depth[Q5_NIBBLES..], c, q);
-            }
-        }
-        QuantFormat::Q4_0 => {
-            s[2 * c..2 * c + 2].copy_from_slice(&block[..2]);
-            for j in 0..32 {
-                // value j: the low nibble of byte j (j < 16) or the high one of byte j − 16
-                let q = if j < 16 { block[2 + j] & 0xF } else { block[2 + j - 16] >> 4 };
-                put_nibble(&mut w[j * Q4_0_LAYOUT.step..(j + 1) * Q4_0_LAYOUT.step], c, q);
-            }
-        }
+        QuantFormat::Q8_0 | QuantFormat::Q5_0 | QuantFormat::Q4_0 => s[2 * c..2 * c + 2].copy_from_slice(&block[..2]),
         QuantFormat::Q4K | QuantFormat::Q5K => {
             s[2 * c..2 * c + 2].copy_from_slice(&block[..2]);
             s[Q4K_DMIN + 2 * c..Q4K_DMIN + 2 * c + 2].copy_from_slice(&block[2..4]);
@@ -384,42 +359,17 @@ fn pack_block(format: QuantFormat, block: &[u8], c: usize, w: &mut [u8], s: &mut
                 s[Q4K_SCALES + GROUP * j + c] = sc;
                 s[Q4K_MINS + GROUP * j + c] = m;
             }
-            let l = layout(format);
-            for v in 0..256 {
-                let depth = &mut w[v * l.step..(v + 1) * l.step];
-                if format == QuantFormat::Q5K {
-                    let q = crate::quant::q5k_value(&block[48..176], &block[16..48], v / 32, v % 32);
-                    depth[c / 8] |= (q >> 4) << (c % 8);
-                    put_nibble(&mut depth[Q5_NIBBLES..], c, q);
-                } else {
-                    // value v: sub-block j = v / 32, the low (even j) or high (odd j) nibble of byte 32·(j / 2) + v % 32
-                    let byte = block[16 + 32 * (v / 64) + v % 32];
-                    put_nibble(depth, c, if (v / 32) % 2 == 0 { byte & 0xF } else { byte >> 4 });
-                }
-            }
         }
         QuantFormat::Q6K => {
             s[2 * c..2 * c + 2].copy_from_slice(&block[208..210]);
             for j in 0..16 {
                 s[Q6K_SCALES + GROUP * j + c] = block[192 + j];
             }
-            for v in 0..256 {
-                let q = (crate::quant::q6k_value(block, v) + 32) as u8;
-                let depth = &mut w[v * Q6K_LAYOUT.step..(v + 1) * Q6K_LAYOUT.step];
-                put_nibble(depth, c, q);
-                depth[Q6K_HIGH + c / 4] |= (q >> 4) << (2 * (c % 4));
-            }
         }
         QuantFormat::Q3K => {
             s[2 * c..2 * c + 2].copy_from_slice(&block[108..110]);
             for (j, sc) in crate::quant::q3k_scales(block).into_iter().enumerate() {
                 s[Q6K_SCALES + GROUP * j + c] = sc as u8;
-            }
-            for v in 0..256 {
-                let u = (crate::quant::q3k_value(block, v) + 4) as u8; // 0..7: the pair, and the high bit
-                let depth = &mut w[v * Q3K_LAYOUT.step..(v + 1) * Q3K_LAYOUT.step];
-                depth[c / 8] |= (u >> 2) << (c % 8);
-                depth[Q3K_PAIRS + c / 4] |= (u & 3) << (2 * (c % 4));
             }
         }
         QuantFormat::Q2K => {
@@ -428,6 +378,70 @@ fn pack_block(format: QuantFormat, block: &[u8], c: usize, w: &mut [u8], s: &mut
             for j in 0..16 {
                 s[Q2K_SCALES + GROUP * j + c] = block[j];
             }
+        }
+    }
+}
+
+/// Bytes of a block format's scale record (`pack_record`).
+pub(crate) fn record_bytes(format: QuantFormat) -> usize {
+    layout(format).sbytes
+}
+
+/// Column c's values of one block of a row (`block`: its bytes) into the block's depths of a packed group (`w`,
+/// `Layout::step` bytes per depth) and its scale record (`s`, `pack_record`).
+fn pack_block(format: QuantFormat, block: &[u8], c: usize, w: &mut [u8], s: &mut [u8]) {
+    pack_record(format, block, c, s);
+    match format {
+        QuantFormat::Q8_0 => {
+            for (i, &q) in block[2..].iter().enumerate() {
+                w[i * Q8_0_LAYOUT.step + c] = q;
+            }
+        }
+        QuantFormat::Q5_0 => {
+            let step = Q5_0_LAYOUT.step;
+            for j in 0..32 {
+                let q = crate::quant::q5_0_value(block, j);
+                let depth = &mut w[j * step..(j + 1) * step];
+                depth[c / 8] |= (q >> 4) << (c % 8);
+                put_nibble(&mut depth[Q5_NIBBLES..], c, q);
+            }
+        }
+        QuantFormat::Q4_0 => {
+            for j in 0..32 {
+                let q = crate::quant::q4_0_value(block, j);
+                put_nibble(&mut w[j * Q4_0_LAYOUT.step..(j + 1) * Q4_0_LAYOUT.step], c, q);
+            }
+        }
+        QuantFormat::Q4K | QuantFormat::Q5K => {
+            let l = layout(format);
+            for v in 0..256 {
+                let depth = &mut w[v * l.step..(v + 1) * l.step];
+                if format == QuantFormat::Q5K {
+                    let q = crate::quant::q5k_value(&block[48..176], &block[16..48], v / 32, v % 32);
+                    depth[c / 8] |= (q >> 4) << (c % 8);
+                    put_nibble(&mut depth[Q5_NIBBLES..], c, q);
+                } else {
+                    put_nibble(depth, c, crate::quant::q4k_value(block, v));
+                }
+            }
+        }
+        QuantFormat::Q6K => {
+            for v in 0..256 {
+                let q = (crate::quant::q6k_value(block, v) + 32) as u8;
+                let depth = &mut w[v * Q6K_LAYOUT.step..(v + 1) * Q6K_LAYOUT.step];
+                put_nibble(depth, c, q);
+                depth[Q6K_HIGH + c / 4] |= (q >> 4) << (2 * (c % 4));
+            }
+        }
+        QuantFormat::Q3K => {
+            for v in 0..256 {
+                let u = (crate::quant::q3k_value(block, v) + 4) as u8; // 0..7: the pair, and the high bit
+                let depth = &mut w[v * Q3K_LAYOUT.step..(v + 1) * Q3K_LAYOUT.step];
+                depth[c / 8] |= (u >> 2) << (c % 8);
+                depth[Q3K_PAIRS + c / 4] |= (u & 3) << (2 * (c % 4));
+            }
+        }
+        QuantFormat::Q2K => {
             for v in 0..256 {
                 w[v * Q2K_LAYOUT.step + c / 4] |= crate::quant::q2k_value(block, v) << (2 * (c % 4));
             }

@@ -36,13 +36,16 @@
 //!
 //! The bytes are the format's own (q4_k and q5_k: 4 bytes more per 256 values and column, the scales a byte each).
 
+// Output columns per group (the lanes of a 512-bit register of 32-bit sums): `panels`' groups, whose scale records
+// these matrices share (`panels::pack_record`: d at 0, then q4_k's dmin, 6-bit scales and mins, or q6_k's signed
+// scales).
+use crate::panels::{pack_record, record_bytes, GROUP, Q4K_DMIN as DMIN, Q4K_MINS as K4_MINS};
+use crate::panels::{Q4K_SCALES as K4_SCALES, Q6K_SCALES as K6_SCALES};
 use crate::quant::{QMatrix, QuantFormat};
 use crate::skinny::Out;
 use half::f16;
 use rayon::prelude::*;
 
-/// Output columns per group (the lanes of a 512-bit register of 32-bit sums).
-const GROUP: usize = 16;
 /// Values per activation block (one scale each).
 const ABLOCK: usize = 32;
 /// x rows per register tile.
@@ -50,14 +53,8 @@ const MAX_TILE: usize = 8;
 /// Column groups per parallel task at most.
 const MAX_TASK_GROUPS: usize = 8;
 
-/// Where a record's parts sit (bytes from the record's start).
+/// Where a record's f16 d sit (bytes from the record's start).
 const D: usize = 0;
-const DMIN: usize = 2 * GROUP;
-/// q4_k / q5_k: sub-block j's 16 scales at `K4_SCALES` + 16j, its mins at `K4_MINS` + 16j.
-const K4_SCALES: usize = 4 * GROUP;
-const K4_MINS: usize = K4_SCALES + 8 * GROUP;
-/// q6_k: sub-block j's 16 signed scales at `K6_SCALES` + 16j.
-const K6_SCALES: usize = 2 * GROUP;
 /// Bytes of one 64-byte arrangement (a quad, an octet, a plane of fifth bits or of high pairs).
 const VEC: usize = 64;
 
@@ -75,17 +72,18 @@ impl Shape {
     }
 }
 
-/// The formats multiplied here, and how each is held.
+/// The formats multiplied here, and how each is held (a record: `panels`' scale record, then the values).
 fn shape(format: QuantFormat) -> Option<Shape> {
-    Some(match format {
-        QuantFormat::Q8_0 => Shape { depths: 32, scales: 2 * GROUP, values: 8 * VEC },
-        QuantFormat::Q4_0 => Shape { depths: 32, scales: 2 * GROUP, values: 4 * VEC },
-        QuantFormat::Q5_0 => Shape { depths: 32, scales: 2 * GROUP, values: 5 * VEC },
-        QuantFormat::Q4K => Shape { depths: 256, scales: K4_MINS + 8 * GROUP, values: 32 * VEC },
-        QuantFormat::Q5K => Shape { depths: 256, scales: K4_MINS + 8 * GROUP, values: 40 * VEC },
-        QuantFormat::Q6K => Shape { depths: 256, scales: K6_SCALES + 16 * GROUP, values: 48 * VEC },
+    let values = match format {
+        QuantFormat::Q8_0 => 8 * VEC,
+        QuantFormat::Q4_0 => 4 * VEC,
+        QuantFormat::Q5_0 => 5 * VEC,
+        QuantFormat::Q4K => 32 * VEC,
+        QuantFormat::Q5K => 40 * VEC,
+        QuantFormat::Q6K => 48 * VEC,
         QuantFormat::Q3K | QuantFormat::Q2K => return None,
-    })
+    };
+    Some(Shape { depths: format.block_values(), scales: record_bytes(format), values })
 }
 
 /// `$rows!(kernel)` with the kernel of `$format`: each instruction set's module has one per format, named after it.
@@ -243,11 +241,6 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
 }
 
 impl DotMatrix {
-    /// Whether a format has integer dot products here.
-    pub fn supports(format: QuantFormat) -> bool {
-        shape(format).is_some()
-    }
-
     /// A quantized matrix rearranged for the integer dot products; None for a format without them; an error when
     /// the copy cannot be allocated.
     pub fn from_quant(m: &QMatrix) -> crate::error::Result<Option<DotMatrix>> {
@@ -328,60 +321,21 @@ impl DotMatrix {
     }
 }
 
-/// Column c's block of a row (`block`: the format's bytes) into a record's scales `s` and values `v`.
+/// Column c's block of a row (`block`: the format's bytes) into a record's scales `s` (`panels::pack_record`) and
+/// values `v`.
 fn pack_block(format: QuantFormat, block: &[u8], c: usize, s: &mut [u8], v: &mut [u8]) {
-    match format {
-        QuantFormat::Q8_0 => {
-            s[D + 2 * c..D + 2 * c + 2].copy_from_slice(&block[..2]);
-            for (p, &q) in block[2..34].iter().enumerate() {
-                put(format, v, c, p, (q as i8 as i32 + 128) as u8);
-            }
-        }
-        QuantFormat::Q4_0 | QuantFormat::Q5_0 => {
-            s[D + 2 * c..D + 2 * c + 2].copy_from_slice(&block[..2]);
-            let (qh, qs) = if format == QuantFormat::Q5_0 {
-                (u32::from_le_bytes([block[2], block[3], block[4], block[5]]), &block[6..22])
-            } else {
-                (0, &block[2..18])
-            };
-            for p in 0..32 {
-                // value p: the low nibble of byte p (p < 16) or the high one of byte p − 16; its fifth bit: bit p
-                let nib = if p < 16 { qs[p] & 0xF } else { qs[p - 16] >> 4 };
-                put(format, v, c, p, nib | ((((qh >> p) & 1) as u8) << 4));
-            }
-        }
-        QuantFormat::Q4K | QuantFormat::Q5K => {
-            s[D + 2 * c..D + 2 * c + 2].copy_from_slice(&block[..2]);
-            s[DMIN + 2 * c..DMIN + 2 * c + 2].copy_from_slice(&block[2..4]);
-            for j in 0..8 {
-                let (sc, m) = crate::quant::scale_min_k4(j, &block[4..16]);
-                s[K4_SCALES + GROUP * j + c] = sc;
-                s[K4_MINS + GROUP * j + c] = m;
-            }
-            for p in 0..256 {
-                let q = if format == QuantFormat::Q5K {
-                    crate::quant::q5k_value(&block[48..176], &block[16..48], p / 32, p % 32)
-                } else {
-                    let byte = block[16 + 32 * (p / 64) + p % 32];
-                    if (p / 32) % 2 == 0 {
-                        byte & 0xF
-                    } else {
-                        byte >> 4
-                    }
-                };
-                put(format, v, c, p, q);
-            }
-        }
-        QuantFormat::Q6K => {
-            s[D + 2 * c..D + 2 * c + 2].copy_from_slice(&block[208..210]);
-            for j in 0..16 {
-                s[K6_SCALES + GROUP * j + c] = block[192 + j];
-            }
-            for p in 0..256 {
-                put(format, v, c, p, (crate::quant::q6k_value(block, p) + 32) as u8);
-            }
-        }
-        QuantFormat::Q3K | QuantFormat::Q2K => unreachable!("no integer layout"),
+    pack_record(format, block, c, s);
+    for p in 0..format.block_values() {
+        let q = match format {
+            QuantFormat::Q8_0 => (block[2 + p] as i8 as i32 + 128) as u8,
+            QuantFormat::Q4_0 => crate::quant::q4_0_value(block, p),
+            QuantFormat::Q5_0 => crate::quant::q5_0_value(block, p),
+            QuantFormat::Q4K => crate::quant::q4k_value(block, p),
+            QuantFormat::Q5K => crate::quant::q5k_value(&block[48..176], &block[16..48], p / 32, p % 32),
+            QuantFormat::Q6K => (crate::quant::q6k_value(block, p) + 32) as u8,
+            QuantFormat::Q3K | QuantFormat::Q2K => unreachable!("no integer layout"),
+        };
+        put(format, v, c, p, q);
     }
 }
 
@@ -449,7 +403,7 @@ impl Acts {
         a
     }
 
-    /// The block's scale and the sums of its two halves' integers.
+    /// A block's scale and its reciprocal (0 for a block of zeros) from its largest magnitude.
     fn scale_of(amax: f32) -> (f32, f32) {
         (amax / 127.0, if amax > 0.0 { 127.0 / amax } else { 0.0 })
     }
@@ -1195,21 +1149,15 @@ mod tests {
     use super::*;
     use candle_core::{Device, Tensor};
 
-    fn randn(len: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed;
-        (0..len)
-            .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((s >> 33) as f32 / (1u64 << 31) as f32) - 0.5
-            })
-            .collect()
+    fn uniform_values(len: usize, seed: u64) -> Vec<f32> {
+        std::iter::repeat_with(crate::util::uniform(seed)).take(len).collect()
     }
 
     const FORMATS: [QuantFormat; 6] =
         [QuantFormat::Q8_0, QuantFormat::Q4_0, QuantFormat::Q5_0, QuantFormat::Q4K, QuantFormat::Q5K, QuantFormat::Q6K];
 
     fn matrix(n: usize, k: usize, f: QuantFormat, seed: u64) -> (QMatrix, DotMatrix, Vec<f32>) {
-        let t = Tensor::from_vec(randn(n * k, seed), (n, k), &Device::Cpu).unwrap();
+        let t = Tensor::from_vec(uniform_values(n * k, seed), (n, k), &Device::Cpu).unwrap();
         let q = QMatrix::quantize(&t, f).unwrap();
         let mut wq = vec![0f32; n * k];
         q.dequantize_rows(0, n, &mut wq);
@@ -1240,7 +1188,7 @@ mod tests {
         for f in FORMATS {
             let (_, d, wq) = matrix(n, k, f, 11);
             for m in [1usize, 3, 8, 11] {
-                let x = randn(m * k, 5 + m as u64);
+                let x = uniform_values(m * k, 5 + m as u64);
                 let acts = Acts::new(&x, m, k, false);
                 if Isa::Vnni.runs() {
                     let simd = Acts::new(&x, m, k, true);

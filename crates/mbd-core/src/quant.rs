@@ -505,6 +505,38 @@ pub(crate) fn q5k_value(qs: &[u8], qh: &[u8], j: usize, l: usize) -> u8 {
     nib | (((qh[l] >> j) & 1) << 4)
 }
 
+/// Value p (0-31) of a q4_0 block, 0..15: the low nibble of byte p of its 16 bytes of nibbles (after the f16 d)
+/// for p < 16, the high one of byte p − 16 after.
+#[inline(always)]
+pub(crate) fn q4_0_value(block: &[u8], p: usize) -> u8 {
+    let qs = &block[2..18];
+    if p < 16 {
+        qs[p] & 0xF
+    } else {
+        qs[p - 16] >> 4
+    }
+}
+
+/// Value p (0-31) of a q5_0 block, 0..31: q4_0's nibble (from byte 6: after d and 4 bytes of fifth bits) with bit p
+/// of the fifth bits as its bit 4.
+#[inline(always)]
+pub(crate) fn q5_0_value(block: &[u8], p: usize) -> u8 {
+    let qh = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
+    q4_0_value(&block[4..], p) | ((((qh >> p) & 1) as u8) << 4)
+}
+
+/// Value v (0-255) of a q4_k super-block, 0..15: sub-block j = v / 32 takes the low (even j) or high (odd j) nibble
+/// of byte 32·(j / 2) + v % 32 of its 128 bytes of nibbles (after d, dmin and 12 bytes of scales).
+#[inline(always)]
+pub(crate) fn q4k_value(block: &[u8], v: usize) -> u8 {
+    let byte = block[16 + 32 * (v / 64) + v % 32];
+    if (v / 32).is_multiple_of(2) {
+        byte & 0xF
+    } else {
+        byte >> 4
+    }
+}
+
 /// Value v (0-255) of a q6_k super-block, q − 32 in [−32, 31]. The block holds 128 bytes of low nibbles
 /// (`ql`), 64 bytes of 2-bit high pairs (`qh`), 16 signed sub-scales, then d. Each half of 128 values uses 64
 /// bytes of `ql` and 32 of `qh`; its quarter g (32 values, l = 0..31) takes byte l of `ql` (g = 0, 2) or byte
@@ -568,13 +600,7 @@ mod tests {
 
     fn randn(n: usize, k: usize, seed: u64) -> Tensor {
         let dev = Device::Cpu;
-        let mut s = seed;
-        let v: Vec<f32> = (0..n * k)
-            .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((s >> 33) as f32 / (1u64 << 31) as f32) - 0.5
-            })
-            .collect();
+        let v: Vec<f32> = std::iter::repeat_with(crate::util::uniform(seed)).take(n * k).collect();
         Tensor::from_vec(v, (n, k), &dev).unwrap()
     }
 

@@ -1399,6 +1399,7 @@ pub fn linear_dot(x: &Tensor, d: &crate::qdot::DotMatrix, k: &Kernels) -> candle
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::util::uniform;
 
     /// Every instruction set this CPU has, not only the one picked at run time.
     fn available_isas() -> Vec<Isa> {
@@ -1413,15 +1414,6 @@ mod tests {
             }
         }
         isas
-    }
-
-    /// Seeded uniform values in [-0.5, 0.5).
-    fn uniform(seed: u64) -> impl FnMut() -> f32 {
-        let mut s = seed;
-        move || {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 33) as f32 / (1u64 << 31) as f32) - 0.5
-        }
     }
 
     fn reference(x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f64> {

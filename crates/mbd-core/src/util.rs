@@ -65,6 +65,16 @@ pub fn by_score_then_index<S: PartialOrd>(sa: S, sb: S, a: usize, b: usize) -> O
     sa.partial_cmp(&sb).unwrap_or(Ordering::Equal).then(a.cmp(&b))
 }
 
+/// Seeded uniform values in [-0.5, 0.5) (a 64-bit LCG's high bits), the test data of the kernels' unit tests.
+#[cfg(test)]
+pub(crate) fn uniform(seed: u64) -> impl FnMut() -> f32 {
+    let mut s = seed;
+    move || {
+        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((s >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

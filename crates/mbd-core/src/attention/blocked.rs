@@ -374,13 +374,8 @@ mod tests {
     use std::ops::Range;
 
     fn rnd_vec(seed: u64, n: usize) -> Vec<f32> {
-        let mut x = seed;
-        (0..n)
-            .map(|_| {
-                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                (((x >> 33) as f32 / (1u64 << 31) as f32) - 0.5) * 4.0
-            })
-            .collect()
+        let mut u = crate::util::uniform(seed);
+        (0..n).map(|_| u() * 4.0).collect()
     }
 
     /// softmax(q·k · scale) · v over the row's keys, in f64.
