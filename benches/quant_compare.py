@@ -20,8 +20,10 @@ Formats (mbd-rs side / llama.cpp side):
     q4_0   bf16 checkpoint, quantize="q4_0"    / model-q4_0.gguf
     q3_k   bf16 checkpoint, quantize="q3_k"    / model-q3_k_m.gguf (Q3_K_M: q3_k with q4_k/q5_k for some matrices)
     q2_k   bf16 checkpoint, quantize="q2_k"    / model-q2_k.gguf (Q2_K: q2_k with q3_k/q4_k for some matrices)
-With --int8, mbd-rs runs each quantized format twice per round: as it is, and with int8_activations=True (integer
-dot products on activations rounded to 8 bits, llama.cpp's own arithmetic): the "i8" columns.
+mbd-rs runs the quantized formats with int8_activations=False (the exact products of the quantized weights). With
+--int8, it runs each quantized format twice per round: so, and with int8_activations=True (integer dot products on
+activations rounded to 8 bits, llama.cpp's own arithmetic; the default since session 30 on CPUs with AVX2): the
+"i8" columns.
 With --same-file, mbd-rs loads the quantized formats from the very GGUF file llama.cpp runs (model-q8_0.gguf,
 model-q4_k_m.gguf, model-q6_k.gguf in --gguf-dir; such files must carry a vocabulary mbd-rs reads: write the f32
 GGUF with scripts/write_gguf.py and quantize it with llama-quantize, see benches/llamacpp/README.md): the same
@@ -241,8 +243,7 @@ def main():
             for key, int8 in variants.get(f, []):
                 busy, waited = wait_idle(args.wait_idle, args.idle_cores, log)
                 kw = {"quantize": QUANTIZE[f]} if f in QUANTIZE and not args.same_file else {}
-                if int8:
-                    kw["int8_activations"] = True
+                kw["int8_activations"] = int8  # False: the exact products (the default is int8 on AVX2 CPUs)
                 t = time.perf_counter()
                 eng = mbd_rs.Engine.load(mbd_dir[f], device="cpu", **kw)
                 load_s = time.perf_counter() - t

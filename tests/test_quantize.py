@@ -71,10 +71,12 @@ def dequantized_twin(src, dst, values=None, linear=q8_0_reference):
 def test_q8_0_computes_its_dequantized_checkpoint(tmp_path, name):
     src = parity_dir(name)
     twin = dequantized_twin(src, tmp_path / name, parity_dir(name + "_f32twin") if name == "qwen3_bf16" else None)
-    q = mbd_rs.Engine.load(src, device="cpu", quantize="q8_0")
+    # the exact products (int8_activations=False; the default rounds activations where the CPU has AVX2)
+    q = mbd_rs.Engine.load(src, device="cpu", quantize="q8_0", int8_activations=False)
     ref = mbd_rs.Engine.load(twin, device="cpu")
     # held in blocks (few-row windows through the few-row kernel) and the twin held row-major
-    qb = mbd_rs.Engine.load(src, device="cpu", quantize="q8_0", _kernels=dict(packed_weights=False))
+    qb = mbd_rs.Engine.load(src, device="cpu", quantize="q8_0", int8_activations=False,
+                            _kernels=dict(packed_weights=False))
     refb = mbd_rs.Engine.load(twin, device="cpu", _kernels=dict(packed_weights=False))
     assert q.info.weight_format == qb.info.weight_format == "q8_0"
     assert q.info.weight_bytes == qb.info.weight_bytes
@@ -127,8 +129,8 @@ def test_q4_k_falls_back_to_q5_0_for_rows_of_partial_super_blocks(tmp_path, name
     q5_0 (as llama.cpp's q4_K does) and the tables q8_0, the same as quantize="q5_0", and the engine computes the
     checkpoint whose matrices hold those formats' dequantizations."""
     src = parity_dir(name)
-    a = mbd_rs.Engine.load(src, device="cpu", quantize="q4_k")
-    b = mbd_rs.Engine.load(src, device="cpu", quantize="q5_0")
+    a = mbd_rs.Engine.load(src, device="cpu", quantize="q4_k", int8_activations=False)
+    b = mbd_rs.Engine.load(src, device="cpu", quantize="q5_0", int8_activations=False)
     ref = mbd_rs.Engine.load(dequantized_twin(src, tmp_path / name, linear=q5_0_reference), device="cpu")
     ids = list(range(5, 30))
     assert a.info.weight_bytes == b.info.weight_bytes
@@ -172,7 +174,7 @@ def test_cli_info_and_generate_take_quantize():
 @pytest.mark.parametrize("fmt,int8", [("q8_0", False), ("q4_k", False), ("q8_0", True), ("q4_k", True)])
 def test_quantized_streams_batched_equal_their_lone_runs(fmt, int8):
     # the tiny model under q4_k: q4_k (256-wide rows) and q5_0 (640); int8: their integer dot products
-    e = load_int8(None, quantize=fmt) if int8 else mbd_rs.Engine.load(device="cpu", quantize=fmt)
+    e = load_int8(None, quantize=fmt) if int8 else mbd_rs.Engine.load(device="cpu", quantize=fmt, int8_activations=False)
     prompts = [f"sort {i} 3 1 {9 - i}" for i in range(6)] + ["reverse abcde", "count a in banana"]
     cfgs = [dict(block_size=4), dict(block_size=1), dict(block_size=8, acceptance="confidence", threshold=0.7)]
     alone = [e.chat([{"role": "user", "content": p}], max_tokens=20, **cfgs[i % 3]).token_ids for i, p in enumerate(prompts)]
@@ -217,7 +219,7 @@ def test_int8_activations_stay_close_to_float_activations(tmp_path):
     d = random_checkpoint(tmp_path / "m")
     ids = list(np.random.default_rng(2).integers(0, 320, 64))
     for fmt in ["q8_0", "q6_k", "q5_k", "q4_k", "q5_0", "q4_0"]:
-        f = mbd_rs.Engine.load(d, device="cpu", quantize=fmt)
+        f = mbd_rs.Engine.load(d, device="cpu", quantize=fmt, int8_activations=False)
         i = load_int8(d, quantize=fmt)
         assert (i.info.int8_activations, f.info.int8_activations) == (True, False)
         assert i.info.weight_format == f.info.weight_format == fmt
@@ -230,6 +232,28 @@ def test_int8_activations_stay_close_to_float_activations(tmp_path):
         assert np.array_equal(i.logits(ids[:40]), got[:40])
         # AVX2's kernels (packed_avx512=False) give AVX-512 VNNI's bits
         assert np.array_equal(load_int8(d, quantize=fmt, _kernels=dict(packed_avx512=False)).logits(ids), got)
+
+
+def test_int8_activations_are_the_default_where_the_cpu_has_them(tmp_path):
+    """int8_activations=None (the default) rounds the activations wherever it can (a CPU with AVX2, in float32) and
+    otherwise keeps the exact products: the default's logits are bit for bit the explicit choice's, and
+    `info.int8_activations` says which it was. A model with nothing quantized reports False either way."""
+    d = random_checkpoint(tmp_path / "m")
+    ids = list(np.random.default_rng(4).integers(0, 320, 24))
+    for fmt in ["q8_0", "q4_k"]:
+        default = mbd_rs.Engine.load(d, device="cpu", quantize=fmt)
+        exact = mbd_rs.Engine.load(d, device="cpu", quantize=fmt, int8_activations=False)
+        try:
+            chosen = mbd_rs.Engine.load(d, device="cpu", quantize=fmt, int8_activations=True)
+        except mbd_rs.InvalidRequestError as e:
+            assert "lacks AVX2" in str(e)
+            chosen = exact
+        assert (default.info.int8_activations, exact.info.int8_activations) == (chosen is not exact, False)
+        assert np.array_equal(default.logits(ids), chosen.logits(ids)), fmt
+        if chosen is not exact:
+            assert not np.array_equal(default.logits(ids), exact.logits(ids)), fmt
+    for kw in [dict(), dict(int8_activations=False)]:
+        assert mbd_rs.Engine.load(d, device="cpu", **kw).info.int8_activations is False
 
 
 def test_int8_activations_errors_are_clear():
@@ -253,6 +277,9 @@ def test_cli_takes_int8_activations():
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert (info["weight_format"], info["int8_activations"]) == ("q8_0", True)
+    r = subprocess.run([sys.executable, "-m", "mbd_rs", "info", "--quantize", "q8_0", "--no-int8-activations", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and json.loads(r.stdout)["int8_activations"] is False, r.stderr
     r = subprocess.run([sys.executable, "-m", "mbd_rs", "info", "--int8-activations"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "it multiplies quantized matrices" in r.stderr and "Traceback" not in r.stderr
@@ -266,8 +293,9 @@ def test_candle_quantized_tensors_stay_close(tmp_path):
     d = random_checkpoint(tmp_path / "m")
     ids = list(np.random.default_rng(3).integers(0, 320, 48))
     for fmt in ["q8_0", "q6_k", "q4_k", "q4_0"]:
-        f = mbd_rs.Engine.load(d, device="cpu", quantize=fmt)
-        c = mbd_rs.Engine.load(d, device="cpu", quantize=fmt, _kernels=dict(candle_quant=True))
+        f = mbd_rs.Engine.load(d, device="cpu", quantize=fmt, int8_activations=False)
+        # the tables (embedding, head) as on CUDA: not candle's, here the CPU's exact products
+        c = mbd_rs.Engine.load(d, device="cpu", quantize=fmt, int8_activations=False, _kernels=dict(candle_quant=True))
         assert c.info.weight_bytes == f.info.weight_bytes and c.info.weight_format == fmt
         want, got = f.logits(ids), c.logits(ids)
         rel = np.abs(got - want).max() / np.abs(want).max()

@@ -157,7 +157,7 @@ class Engine:
     @classmethod
     def load(cls, path: "Optional[str | os.PathLike[str]]" = None, *, revision: Optional[str] = None,
              device: str = "auto", dtype: Optional[str] = None, quantize: Optional[str] = None,
-             int8_activations: bool = False, max_batch: Optional[int] = None, max_batch_rows: Optional[int] = None,
+             int8_activations: Optional[bool] = None, max_batch: Optional[int] = None, max_batch_rows: Optional[int] = None,
              progress: LoadProgress = None, _kernels: Optional[Dict[str, Any]] = None,
              **profile_overrides: Any) -> "Engine":
         """Load an HF-format model directory (default: the embedded mbd-tiny model), a GGUF file (llama.cpp's
@@ -173,11 +173,13 @@ class Engine:
         the head get q8_0; a matrix whose rows do not split into whole super-blocks gets q4_k → q5_0, q3_k and q2_k
         → q4_0, q5_k and q6_k → q8_0). `info.weight_format`
         and `info.weight_bytes` report what is held.
-        int8_activations: multiply the quantized matrices (of `quantize` or a GGUF file) with integer dot products on
-        activations rounded to 8 bits per block of 32 values, as llama.cpp does (x86-64 CPUs with AVX2; AVX-512 VNNI
-        where present): up to 2-3x
-        faster one-token forwards for the k-quants, but no longer the exact product of the quantized weights with the
-        activations (q8_0, q6_k, q5_k, q5_0, q4_k, q4_0 matrices; q3_k and q2_k ones keep float32 activations).
+        int8_activations: how the quantized matrices (of `quantize` or a GGUF file) multiply. True: integer dot
+        products on activations rounded to 8 bits per block of 32 values, as llama.cpp does (x86-64 CPUs with AVX2,
+        AVX-512 VNNI where present; on CUDA candle's quantized kernels always do this): about 2x faster forwards
+        than the exact products, at every window size, for q8_0, q6_k, q5_k, q5_0, q4_k and q4_0 matrices (q3_k
+        and q2_k ones keep float32 activations). False: the exact products of the quantized weights with float32
+        activations, bit for bit the dequantized checkpoint's (CPU only). None (default): True wherever it runs
+        (CUDA; a CPU with AVX2, in float32), else False. `info.int8_activations` says what was chosen.
         max_batch, max_batch_rows: caps on continuous batching (see `set_batching`); default 16 streams, 1024 rows.
         progress: None (default: a tqdm bar on stderr while the weights are read, when stderr is a terminal, tqdm is
         installed and the checkpoint is over 256 MB), True (a bar whenever tqdm is installed), False (none), or a

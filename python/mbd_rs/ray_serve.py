@@ -58,7 +58,7 @@ def model_name_for(model: str | None, model_name: str | None = None) -> str:
 
 
 def deployment(model: str | None = None, *, revision: str | None = None, device: str = "auto",
-               dtype: str | None = None, quantize: str | None = None, int8_activations: bool = False,
+               dtype: str | None = None, quantize: str | None = None, int8_activations: bool | None = None,
                model_name: str | None = None,
                api_key: str | None = None, max_concurrency: int = 4, max_queue: int | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, num_replicas: int = 1,

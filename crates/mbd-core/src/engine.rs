@@ -51,8 +51,9 @@ pub struct LoadOptions {
     pub quantize: Option<QuantFormat>,
     /// Multiply the quantized matrices (of the `quantize` option or a GGUF file) with integer dot products on
     /// activations rounded to 8 bits (`crate::qdot`; x86-64 CPUs with AVX2, AVX-512 VNNI where present): faster, not
-    /// exact.
-    pub int8_activations: bool,
+    /// the exact product. `None` (the default): wherever the device can (see `Model::load`); `Some(false)`: the
+    /// exact products (CPU only); `Some(true)`: required, an error where it cannot be had.
+    pub int8_activations: Option<bool>,
     pub kernels: Kernels,
     /// Told (bytes read, bytes in all) after each tensor of the checkpoint is read.
     pub progress: Option<crate::weights::Progress>,
@@ -67,7 +68,7 @@ impl Default for LoadOptions {
             overrides: ProfileOverrides::default(),
             keep_bf16_weights: true,
             quantize: None,
-            int8_activations: false,
+            int8_activations: None,
             kernels: Kernels::default(),
             progress: None,
         }
@@ -313,34 +314,49 @@ impl Model {
                 )));
             }
         }
-        if opts.int8_activations {
-            let why = if device.is_cuda() {
-                Some("on CUDA the quantized products always round the activations to 8 bits (candle's kernels); the option is for the CPU")
-            } else if !device.is_cpu() || dtype != DType::F32 {
-                Some("it runs on the CPU in float32 in this version; load with device='cpu' (and dtype None or 'float32')")
-            } else if opts.quantize.is_none() && gguf.is_none() {
-                Some("it multiplies quantized matrices: pass quantize='q8_0', 'q4_k', ... or load a GGUF file")
-            } else if !crate::qdot::available() {
-                Some("this CPU lacks AVX2, which its integer dot products need (x86-64; AVX-512 VNNI where present)")
-            } else {
-                None
-            };
-            if let Some(why) = why {
-                return Err(Error::invalid(format!("int8_activations=True: {why}")));
+        // 8-bit activations: CUDA's quantized products (candle's kernels) always round them; the CPU's integer dot
+        // products need float32 compute and AVX2. Off where nothing ends up quantized (checked after the load).
+        let int8_here = device.is_cuda() || device.is_cpu() && dtype == DType::F32 && crate::qdot::available();
+        let int8 = match opts.int8_activations {
+            None => int8_here,
+            Some(false) => false,
+            Some(true) => {
+                let why = if !device.is_cuda() && (!device.is_cpu() || dtype != DType::F32) {
+                    Some("it runs on the CPU in float32 or on CUDA in this version; load with device='cpu' (and dtype None or 'float32') or device='cuda'")
+                } else if opts.quantize.is_none() && gguf.is_none() {
+                    Some("it multiplies quantized matrices: pass quantize='q8_0', 'q4_k', ... or load a GGUF file")
+                } else if !int8_here {
+                    Some(
+                        "this CPU lacks AVX2, which its integer dot products need (x86-64; AVX-512 VNNI where present)",
+                    )
+                } else {
+                    None
+                };
+                if let Some(why) = why {
+                    return Err(Error::invalid(format!("int8_activations=True: {why}")));
+                }
+                true
             }
-        }
+        };
         let ws = match &gguf {
             Some(g) => Weights::open_gguf(g, device, dtype, opts.keep_bf16_weights, opts.quantize)?,
             None => Weights::open(&checkpoint_files(dir)?, device, dtype, opts.keep_bf16_weights, opts.quantize)?,
         }
         .with_progress(opts.progress.clone())
         .with_packing(opts.kernels.packs())
-        .with_int8_activations(opts.int8_activations)
+        .with_int8_activations(int8)
         .with_candle_quant(opts.kernels.candle_quant);
         let num_parameters = ws.num_parameters();
         let net = QwenModel::load(&config, &ws, device, dtype, opts.kernels)?;
         let weight_bytes = ws.loaded_bytes();
         let held = ws.held_formats();
+        if device.is_cuda() && opts.int8_activations == Some(false) && !held.is_empty() {
+            return Err(Error::invalid(
+                "int8_activations=False: on CUDA the quantized products always round the activations to 8 bits \
+                 (candle's kernels); the exact products of quantized weights run on the CPU (device='cpu')"
+                    .to_string(),
+            ));
+        }
         let weight_format = match (opts.quantize, net.table_dtype()) {
             (Some(q), _) => q.name().to_string(),
             // A GGUF file's block formats, as held.
@@ -370,7 +386,7 @@ impl Model {
             num_parameters,
             weight_bytes,
             weight_format,
-            int8_activations: opts.int8_activations,
+            int8_activations: int8 && !held.is_empty(),
             chat_template,
             max_token_bytes,
             special_tokens,

@@ -214,7 +214,7 @@ impl CoreModel {
     #[staticmethod]
     #[pyo3(signature = (path, device="auto", dtype=None, overrides=None, keep_bf16_weights=true, skinny=true,
                         par_min_macs=None, max_rows=None, blocked_attention=true, panels=true, packed_weights=true,
-                        packed_avx512=true, stack=true, cuda_fused=true, candle_quant=false, max_batch=None, max_batch_rows=None, quantize=None, int8_activations=false, progress=None))]
+                        packed_avx512=true, stack=true, cuda_fused=true, candle_quant=false, max_batch=None, max_batch_rows=None, quantize=None, int8_activations=None, progress=None))]
     #[allow(clippy::too_many_arguments)]
     fn load(
         py: Python<'_>,
@@ -236,7 +236,7 @@ impl CoreModel {
         max_batch: Option<&Bound<'_, PyAny>>,
         max_batch_rows: Option<&Bound<'_, PyAny>>,
         quantize: Option<String>,
-        int8_activations: bool,
+        int8_activations: Option<bool>,
         progress: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         let device = device.to_string();
