@@ -461,10 +461,22 @@ impl Weights {
         self
     }
 
-    /// A quantized matrix as handed out: candle's quantized tensor on the device (`candle_quant`; never a table,
-    /// see `quantize_as`), for integer dot products (`int8`), packed (`pack`) or in its blocks.
+    /// Whether candle's quantized tensors hold this matrix (`candle_quant`: always on CUDA): never a table (the
+    /// embedding or the head), since candle's quantized kernels multiply and do not look rows up.
+    fn candle_holds(&self, table: bool) -> bool {
+        self.candle_quant && !table
+    }
+
+    /// Whether a matrix stays quantized here (a block format as stored, or the `quantize` option): on the CPU in f32
+    /// compute (its own kernels), elsewhere where candle holds it; otherwise it is dequantized to the compute dtype.
+    fn quantized_here(&self, table: bool) -> bool {
+        self.device.is_cpu() && self.dtype == DType::F32 || self.candle_holds(table)
+    }
+
+    /// A quantized matrix as handed out: candle's quantized tensor (`candle_holds`), for integer dot products
+    /// (`int8`), packed (`pack`) or in its blocks.
     fn hold(&self, q: QMatrix, table: bool) -> Result<Matrix> {
-        if self.candle_quant && !table {
+        if self.candle_holds(table) {
             return Matrix::quant_candle(&q, &self.device);
         }
         if self.int8 {
@@ -535,10 +547,8 @@ impl Weights {
     }
 
     fn matrix(&self, name: &str, shape: &[usize], table: bool) -> Result<Matrix> {
-        // block formats stay quantized on the CPU in f32 compute, and on other devices (CUDA) for linear layers
-        let quant_here = (self.device.is_cpu() && self.dtype == DType::F32) || (!self.device.is_cpu() && !table);
         let (shard, e) = self.entry(name, shape)?;
-        if let (Element::Block(g), true) = (e.element, quant_here) {
+        if let (Element::Block(g), true) = (e.element, self.quantized_here(table)) {
             if let (Some(format), [n, k]) = (QuantFormat::from_ggml(g), shape) {
                 // Kept as stored: the kernel multiplies this format.
                 let data = self.read_bytes(shard, e, name)?;
@@ -564,9 +574,7 @@ impl Weights {
     }
 
     fn quantize_as(&self, t: Tensor, table: bool, quantize: Option<QuantFormat>) -> Result<Matrix> {
-        // on a GPU the embedding table and the head stay in the compute dtype (candle's quantized kernels multiply,
-        // they do not look rows up)
-        let quantize = quantize.filter(|_| self.device.is_cpu() || !table);
+        let quantize = quantize.filter(|_| self.quantized_here(table));
         let Some(format) = quantize.and_then(|f| f.for_matrix(t.dim(1).unwrap_or(0), table)) else {
             // counted as loaded (a packed matrix's padding to whole groups, under 16 rows, is not)
             return Matrix::dense(t, self.pack);
