@@ -75,6 +75,18 @@ impl Default for LoadOptions {
     }
 }
 
+/// Hand the heap memory freed during a load back to the system. Reading, quantizing and rearranging the weights
+/// frees many large temporary buffers among the held ones; glibc keeps such holes in its heap, so the process's RSS
+/// after a load stood 4-11% above the weights it holds (quantized models; measured on a 2048-wide 1.0B model: q4_k
+/// with int8 activations 1.106x the held bytes before, 1.019x after). Elsewhere a no-op.
+fn release_freed_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free heap pages to the system; it takes no pointers of ours.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// Parse a device string: "auto", "cpu", "cuda", "cuda:N", "metal".
 pub fn parse_device(s: &str) -> Result<Device> {
     let (kind, ordinal) = match s.split_once(':') {
@@ -377,6 +389,7 @@ impl Model {
         let mut special_tokens: Vec<String> =
             tokenizer.get_added_tokens_decoder().into_values().filter(|t| t.special).map(|t| t.content).collect();
         special_tokens.sort();
+        release_freed_heap();
         Ok(Model {
             dir: dir.to_path_buf(),
             config,
