@@ -28,6 +28,8 @@ With --same-file, mbd-rs loads the quantized formats from the very GGUF file lla
 model-q4_k_m.gguf, model-q6_k.gguf in --gguf-dir; such files must carry a vocabulary mbd-rs reads: write the f32
 GGUF with scripts/write_gguf.py and quantize it with llama-quantize, see benches/llamacpp/README.md): the same
 bytes on both sides.
+With --avx2 both engines run on AVX2 only, as on a CPU without AVX-512 (the issue's Zen 3): mbd-rs's products with
+`_kernels=dict(packed_avx512=False)`, llama.cpp as built by `LLAMACPP_ISA=avx2 benches/llamacpp/build.sh`.
 
     benches/llamacpp/build.sh && benches/llamacpp/convert.sh /tmp/mbd-bench/qwen2.5-0.5b-shape-bf16 /tmp/llamacpp/gguf
     python scripts/make_bench_model.py                      # the f32 checkpoint (the bf16 one: --bf16)
@@ -171,8 +173,11 @@ def main():
     ap.add_argument("--model-f32", default="/tmp/mbd-bench/qwen2.5-0.5b-shape")
     ap.add_argument("--model-bf16", default="/tmp/mbd-bench/qwen2.5-0.5b-shape-bf16")
     ap.add_argument("--gguf-dir", default="/tmp/llamacpp/gguf")
-    ap.add_argument("--driver", default=os.path.join(os.environ.get("LLAMACPP_WORK", "/tmp/llamacpp"), "build", "bin",
-                                                     "mbd-llama-driver"))
+    ap.add_argument("--driver", default=None, help="llama.cpp driver (default: build/ or, --avx2, build-avx2/ under "
+                    "$LLAMACPP_WORK or /tmp/llamacpp)")
+    ap.add_argument("--avx2", action="store_true",
+                    help="both engines on AVX2 only, as on a CPU without AVX-512 (Zen 3 and earlier): mbd-rs with "
+                         "_kernels=dict(packed_avx512=False), llama.cpp built by LLAMACPP_ISA=avx2 build.sh")
     ap.add_argument("--no-f16", action="store_true", help="skip llama.cpp's f16 GGUF next to bf16")
     ap.add_argument("--same-file", action="store_true",
                     help="mbd-rs loads the quantized formats from llama.cpp's GGUF files (the same bytes)")
@@ -183,6 +188,9 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "benches", "quant_compare.json"))
     args = ap.parse_args()
 
+    if args.driver is None:
+        args.driver = os.path.join(os.environ.get("LLAMACPP_WORK", "/tmp/llamacpp"),
+                                   "build-avx2" if args.avx2 else "build", "bin", "mbd-llama-driver")
     formats = parse_list(args.formats, FORMATS, "format")
     llama_only = [f for f in parse_list(args.llama_only, FORMATS, "format") if f not in formats]
     cases = []
@@ -244,6 +252,8 @@ def main():
                 busy, waited = wait_idle(args.wait_idle, args.idle_cores, log)
                 kw = {"quantize": QUANTIZE[f]} if f in QUANTIZE and not args.same_file else {}
                 kw["int8_activations"] = int8  # False: the exact products (the default is int8 on AVX2 CPUs)
+                if args.avx2:
+                    kw["_kernels"] = dict(packed_avx512=False)
                 t = time.perf_counter()
                 eng = mbd_rs.Engine.load(mbd_dir[f], device="cpu", **kw)
                 load_s = time.perf_counter() - t

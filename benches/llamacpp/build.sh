@@ -3,6 +3,7 @@
 # only the targets the comparison needs (llama-quantize, llama-bench, libllama), then our driver against libllama.
 #
 #   benches/llamacpp/build.sh            # work dir /tmp/llamacpp (LLAMACPP_WORK=... to move it)
+#   LLAMACPP_ISA=avx2 benches/llamacpp/build.sh   # AVX2 + FMA + F16C only (a Zen 3 / pre-AVX-512 CPU), in build-avx2/
 #
 # Outputs, under $LLAMACPP_WORK:
 #   src/      the unpacked sdist (vendor/llama.cpp holds convert_hf_to_gguf.py and gguf-py)
@@ -38,10 +39,17 @@ if [ ! -f "$SRC/include/llama.h" ]; then
     tar xzf "$SDIST" -C "$WORK/src"
 fi
 
-BUILD=$WORK/build
+ISA=${LLAMACPP_ISA:-native}
+case "$ISA" in
+    native) BUILD=$WORK/build; ISA_FLAGS=(-DGGML_NATIVE=ON); MARCH=-march=native ;;
+    avx2) BUILD=$WORK/build-avx2; MARCH="-march=haswell"
+          ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+                     -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF) ;;
+    *) echo "LLAMACPP_ISA must be native or avx2, got '$ISA'" >&2; exit 2 ;;
+esac
 t0=$(date +%s)
 cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
-    -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+    "${ISA_FLAGS[@]}" -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
     -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_COMMON=ON >"$BUILD.configure.log" 2>&1 \
     || { tail -40 "$BUILD.configure.log"; exit 1; }
@@ -50,7 +58,7 @@ cmake --build "$BUILD" --config Release -j "$JOBS" --target llama-quantize llama
 
 # our driver: the public llama.h API only, linked against the shared libraries just built
 LIBDIR=$(dirname "$(find "$BUILD" -name 'libllama.so*' | head -1)")
-g++ -O2 -std=c++17 -march=native -Wall -Wextra -o "$BUILD/bin/mbd-llama-driver" "$HERE/driver.cpp" \
+g++ -O2 -std=c++17 $MARCH -Wall -Wextra -o "$BUILD/bin/mbd-llama-driver" "$HERE/driver.cpp" \
     -I"$SRC/include" -I"$SRC/ggml/include" -L"$LIBDIR" -lllama -lggml -lggml-base -lpthread -Wl,-rpath,"$LIBDIR"
 echo "built in $(( $(date +%s) - t0 )) s:"
 ls -la "$BUILD/bin/llama-quantize" "$BUILD/bin/llama-bench" "$BUILD/bin/mbd-llama-driver"
