@@ -368,9 +368,10 @@ pub struct Acts {
 }
 
 impl Acts {
-    /// x (m × k, k a multiple of `ABLOCK`) rounded; `simd`: with AVX-512 (the caller checked `available`; the same
-    /// values).
-    pub fn new(x: &[f32], m: usize, k: usize, simd: bool) -> Acts {
+    /// x (m × k, k a multiple of `ABLOCK`) rounded with `isa`'s instructions (which the CPU must run:
+    /// `Isa::runs`; the same values on each).
+    pub fn new(x: &[f32], m: usize, k: usize, isa: Isa) -> Acts {
+        assert!(isa.runs());
         assert!(k.is_multiple_of(ABLOCK) && x.len() == m * k);
         let kb = k / ABLOCK;
         let mut a = Acts {
@@ -382,17 +383,13 @@ impl Acts {
             xs: vec![0.0; m * kb],
         };
         for (i, (xb, qb)) in x.chunks_exact(ABLOCK).zip(a.q.chunks_exact_mut(ABLOCK)).enumerate() {
-            #[cfg(target_arch = "x86_64")]
-            let (d, lo, hi) = if simd {
-                // SAFETY: the CPU has AVX-512 (the caller's check); the blocks are ABLOCK values
-                unsafe { vnni::round_block(xb, qb) }
-            } else {
-                round_block(xb, qb)
-            };
-            #[cfg(not(target_arch = "x86_64"))]
-            let (d, lo, hi) = {
-                let _ = simd;
-                round_block(xb, qb)
+            let (d, lo, hi) = match isa {
+                // SAFETY: the CPU runs `isa` (asserted above); the blocks are ABLOCK values
+                #[cfg(target_arch = "x86_64")]
+                Isa::Vnni => unsafe { vnni::round_block(xb, qb) },
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => unsafe { avx2::round_block(xb, qb) },
+                _ => round_block(xb, qb),
             };
             a.d[i] = d;
             a.s16[2 * i] = lo;
@@ -458,12 +455,11 @@ unsafe impl Sync for Row {}
 pub fn matmul(x: &[f32], m: usize, w: &DotMatrix, par_min_macs: usize, isa: Isa) -> Vec<f32> {
     let (n, k) = (w.n, w.k);
     assert!(x.len() == m * k && isa.runs());
-    let simd = isa == Isa::Vnni;
     let mut y = vec![0f32; m * n];
     if m == 0 || n == 0 {
         return y;
     }
-    let acts = Acts::new(x, m, k, simd);
+    let acts = Acts::new(x, m, k, isa);
     let rows: Vec<Row> = (0..m).map(|r| acts.row(r)).collect();
     let groups = n.div_ceil(GROUP);
     let par = rayon::current_num_threads() > 1 && m * n * k >= par_min_macs;
@@ -546,6 +542,20 @@ fn dot_scalar(format: QuantFormat, data: &[u8], k: usize, tile: &[Row], acc: &mu
             }
         }
     }
+}
+
+#[cfg(target_arch = "x86_64")]
+/// The bits above a weight's nibble, per depth quad u, for the kernels' `octets`: none (q4_0, q4_k), a plane of
+/// fifth bits (q5_0, q5_k: bit u of each byte, to bit 4) or q6_k's plane of high pairs (bits 2u and 2u + 1, to bits
+/// 4-5). Data rather than a closure: a closure is its own function, without the kernel's target features, and the
+/// compiler may leave it (and the intrinsics in it) un-inlined — as it did in the AVX2 kernels, which ran q5_0
+/// windows 2-3x slower than the exact path.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+enum High<P> {
+    None,
+    Fifth(P),
+    Pairs(P),
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -696,7 +706,7 @@ mod vnni {
     }
 
     /// The sums of `count` octets (64 bytes each at `v`: depths p0 + 8o + 0..8), the low nibbles OR'd with
-    /// `high(u)` for depth quad u, added into `isum` (the high nibbles' into `isum2`, see `split`).
+    /// `high`'s bits for depth quad u, added into `isum` (the high nibbles' into `isum2`, see `split`).
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     unsafe fn octets<const R: usize>(
@@ -706,15 +716,25 @@ mod vnni {
         p0: usize,
         isum: &mut [__m512i; R],
         isum2: &mut [__m512i; R],
-        high: impl Fn(usize) -> __m512i,
+        high: High<__m512i>,
     ) {
         let m4 = _mm512_set1_epi8(0x0F);
         for o in 0..count {
             let b = load::<R>(v.add(o * VEC));
-            let lo = _mm512_or_si512(_mm512_and_si512(b, m4), high(2 * o));
-            let hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(b), m4), high(2 * o + 1));
+            let lo = _mm512_or_si512(_mm512_and_si512(b, m4), high_bits(high, 2 * o));
+            let hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(b), m4), high_bits(high, 2 * o + 1));
             dot(isum, isum2, false, lo, x, p0 + 8 * o);
             dot(isum, isum2, true, hi, x, p0 + 8 * o + 4);
+        }
+    }
+
+    /// `high`'s bits for depth quad u, in place over the nibbles (bit 4, bits 4-5).
+    #[inline(always)]
+    unsafe fn high_bits(high: High<__m512i>, u: usize) -> __m512i {
+        match high {
+            High::None => _mm512_setzero_si512(),
+            High::Fifth(plane) => bit_to(plane, u, 4, 0x10),
+            High::Pairs(plane) => bit_to(plane, 2 * u, 4, 0x30),
         }
     }
 
@@ -758,7 +778,7 @@ mod vnni {
         let zero = _mm512_setzero_si512();
         for b in 0..k / 32 {
             let (mut isum, mut isum2) = (start::<R>(x, |row| *row.s32.add(b), 8), [zero; R]);
-            octets(rec.add(sh.scales), 4, x, 32 * b, &mut isum, &mut isum2, |_| zero);
+            octets(rec.add(sh.scales), 4, x, 32 * b, &mut isum, &mut isum2, High::None);
             scale(&mut acc, isum, isum2, f16s(rec, D), x, b);
             rec = rec.add(sh.bytes());
         }
@@ -774,7 +794,7 @@ mod vnni {
             let (mut isum, mut isum2) = (start::<R>(x, |row| *row.s32.add(b), 16), [_mm512_setzero_si512(); R]);
             let v = rec.add(sh.scales);
             let fifth = load::<R>(v.add(4 * VEC));
-            octets(v, 4, x, 32 * b, &mut isum, &mut isum2, |u| bit_to(fifth, u, 4, 0x10));
+            octets(v, 4, x, 32 * b, &mut isum, &mut isum2, High::Fifth(fifth));
             scale(&mut acc, isum, isum2, f16s(rec, D), x, b);
             rec = rec.add(sh.bytes());
         }
@@ -799,9 +819,9 @@ mod vnni {
                 let vj = v.add(j * per);
                 if FIFTH {
                     let fifth = load::<R>(vj.add(4 * VEC));
-                    octets(vj, 4, x, 32 * b, &mut isum, &mut isum2, |u| bit_to(fifth, u, 4, 0x10));
+                    octets(vj, 4, x, 32 * b, &mut isum, &mut isum2, High::Fifth(fifth));
                 } else {
-                    octets(vj, 4, x, 32 * b, &mut isum, &mut isum2, |_| zero);
+                    octets(vj, 4, x, 32 * b, &mut isum, &mut isum2, High::None);
                 }
                 scale(&mut acc, isum, isum2, _mm512_mul_ps(d, u8s(rec, K4_SCALES + GROUP * j)), x, b);
                 let dm = _mm512_mul_ps(dmin, u8s(rec, K4_MINS + GROUP * j));
@@ -838,18 +858,12 @@ mod vnni {
                 let (mut isum, mut isum2) = (start::<R>(x, |row| *row.s16.add(p0 / 16), 32), [zero; R]);
                 let vj = v.add(j * 3 * VEC);
                 let high = load::<R>(vj.add(2 * VEC));
-                octets(vj, 2, x, p0, &mut isum, &mut isum2, |u| pair(high, u));
+                octets(vj, 2, x, p0, &mut isum, &mut isum2, High::Pairs(high));
                 scale(&mut acc, isum, isum2, _mm512_mul_ps(d, i8s(rec, K6_SCALES + GROUP * j)), x, p0 / 32);
             }
             rec = rec.add(sh.bytes());
         }
         acc
-    }
-
-    /// q6_k's high pair of depth quad u (bits 2u, 2u + 1 of each byte) at bits 4-5.
-    #[inline(always)]
-    unsafe fn pair(high: __m512i, u: usize) -> __m512i {
-        bit_to(high, 2 * u, 4, 0x30)
     }
 }
 
@@ -888,6 +902,43 @@ mod avx2 {
             };
         }
         per_format!(format, rows)
+    }
+
+    /// `round_block` with AVX2: the same values (the maximum and the integer sums are exact in any order, and the
+    /// conversion rounds to nearest, ties to even, as `round_ties_even`).
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn round_block(x: &[f32], q: &mut [i8]) -> (f32, i32, i32) {
+        assert!(x.len() == ABLOCK && q.len() == ABLOCK);
+        let p = x.as_ptr();
+        let v = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))];
+        let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+        let m = _mm256_max_ps(
+            _mm256_max_ps(_mm256_and_ps(v[0], abs), _mm256_and_ps(v[1], abs)),
+            _mm256_max_ps(_mm256_and_ps(v[2], abs), _mm256_and_ps(v[3], abs)),
+        );
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<0b01>(m, m)));
+        let (d, id) = Acts::scale_of(amax);
+        let id = _mm256_set1_ps(id);
+        let r = [
+            _mm256_cvtps_epi32(_mm256_mul_ps(v[0], id)),
+            _mm256_cvtps_epi32(_mm256_mul_ps(v[1], id)),
+            _mm256_cvtps_epi32(_mm256_mul_ps(v[2], id)),
+            _mm256_cvtps_epi32(_mm256_mul_ps(v[3], id)),
+        ];
+        // the packs work per 128-bit lane: 4-value pieces come out as r0a r1a r2a r3a r0b r1b r2b r3b
+        let bytes = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+        let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, bytes);
+        (d, hsum(_mm256_add_epi32(r[0], r[1])), hsum(_mm256_add_epi32(r[2], r[3])))
+    }
+
+    #[inline(always)]
+    unsafe fn hsum(v: __m256i) -> i32 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+        _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s)))
     }
 
     #[target_feature(enable = "avx2")]
@@ -989,6 +1040,16 @@ mod avx2 {
         std::array::from_fn(|r| [_mm256_set1_epi32(-off * sums(&x[r])); 2])
     }
 
+    /// `high`'s bits for depth quad u, in place over the nibbles (bit 4, bits 4-5), per half.
+    #[inline(always)]
+    unsafe fn high_bits(high: High<Pair>, u: usize) -> Pair {
+        match high {
+            High::None => ZERO,
+            High::Fifth(plane) => bit_to(plane, u, 4, 0x10),
+            High::Pairs(plane) => bit_to(plane, 2 * u, 4, 0x30),
+        }
+    }
+
     /// Bits u of each byte moved to bit `to` (only that bit kept), per half.
     #[inline(always)]
     unsafe fn bit_to(plane: Pair, u: usize, to: usize, mask: i8) -> Pair {
@@ -1009,12 +1070,12 @@ mod avx2 {
         x: &[Row],
         p0: usize,
         isum: &mut [Pair; R],
-        high: impl Fn(usize) -> Pair,
+        high: High<Pair>,
     ) {
         let m4 = _mm256_set1_epi8(0x0F);
         for o in 0..count {
             let b = load(v.add(o * VEC));
-            let (hl, hh) = (high(2 * o), high(2 * o + 1));
+            let (hl, hh) = (high_bits(high, 2 * o), high_bits(high, 2 * o + 1));
             let lo = [
                 _mm256_or_si256(_mm256_and_si256(b[0], m4), hl[0]),
                 _mm256_or_si256(_mm256_and_si256(b[1], m4), hl[1]),
@@ -1058,9 +1119,9 @@ mod avx2 {
             let v = rec.add(sh.scales);
             if FIFTH {
                 let fifth = load(v.add(4 * VEC));
-                octets(v, 4, x, 32 * b, &mut isum, |u| bit_to(fifth, u, 4, 0x10));
+                octets(v, 4, x, 32 * b, &mut isum, High::Fifth(fifth));
             } else {
-                octets(v, 4, x, 32 * b, &mut isum, |_| ZERO);
+                octets(v, 4, x, 32 * b, &mut isum, High::None);
             }
             scale(&mut acc, &isum, f16s(rec, D), x, b);
             rec = rec.add(sh.bytes());
@@ -1094,9 +1155,9 @@ mod avx2 {
                 let vj = v.add(j * per);
                 if FIFTH {
                     let fifth = load(vj.add(4 * VEC));
-                    octets(vj, 4, x, 32 * b, &mut isum, |u| bit_to(fifth, u, 4, 0x10));
+                    octets(vj, 4, x, 32 * b, &mut isum, High::Fifth(fifth));
                 } else {
-                    octets(vj, 4, x, 32 * b, &mut isum, |_| ZERO);
+                    octets(vj, 4, x, 32 * b, &mut isum, High::None);
                 }
                 scale(&mut acc, &isum, mul(d, u8s(rec, K4_SCALES + GROUP * j)), x, b);
                 let dm = mul(dmin, u8s(rec, K4_MINS + GROUP * j));
@@ -1135,7 +1196,7 @@ mod avx2 {
                 let mut isum = start::<R>(x, |row| *row.s16.add(p0 / 16), 32);
                 let vj = v.add(j * 3 * VEC);
                 let high = load(vj.add(2 * VEC));
-                octets(vj, 2, x, p0, &mut isum, |u| bit_to(high, 2 * u, 4, 0x30));
+                octets(vj, 2, x, p0, &mut isum, High::Pairs(high));
                 scale(&mut acc, &isum, mul(d, i8s(rec, K6_SCALES + GROUP * j)), x, p0 / 32);
             }
             rec = rec.add(sh.bytes());
@@ -1189,10 +1250,10 @@ mod tests {
             let (_, d, wq) = matrix(n, k, f, 11);
             for m in [1usize, 3, 8, 11] {
                 let x = uniform_values(m * k, 5 + m as u64);
-                let acts = Acts::new(&x, m, k, false);
-                if Isa::Vnni.runs() {
-                    let simd = Acts::new(&x, m, k, true);
-                    assert_eq!((&simd.q, &simd.s16), (&acts.q, &acts.s16));
+                let acts = Acts::new(&x, m, k, Isa::Scalar);
+                for isa in [Isa::Avx2, Isa::Vnni].into_iter().filter(|i| i.runs()) {
+                    let simd = Acts::new(&x, m, k, isa);
+                    assert_eq!((&simd.q, &simd.s16), (&acts.q, &acts.s16), "{isa:?}");
                     assert!(simd.d.iter().zip(&acts.d).all(|(a, b)| a.to_bits() == b.to_bits()));
                 }
                 let scalar = matmul(&x, m, &d, usize::MAX, Isa::Scalar);
@@ -1232,14 +1293,14 @@ mod tests {
         let mut x = vec![0f32; 64];
         x[3] = -2.0;
         x[4] = 1.0; // 1 · 127/2 = 63.5: the tie goes to 64
-        let a = Acts::new(&x, 1, 64, false);
+        let a = Acts::new(&x, 1, 64, Isa::Scalar);
         assert_eq!((a.q[3], a.q[4], a.d[1], a.q[40]), (-127, 64, 0.0, 0));
         assert_eq!(a.d[0], 2.0 / 127.0);
         assert_eq!(a.s32[1], 0);
         assert_eq!(a.s32[0], a.q[..32].iter().map(|&q| q as i32).sum::<i32>());
-        if Isa::Vnni.runs() {
-            let v = Acts::new(&x, 1, 64, true);
-            assert_eq!((v.q, v.d, v.s16), (a.q.clone(), a.d.clone(), a.s16.clone()));
+        for isa in [Isa::Avx2, Isa::Vnni].into_iter().filter(|i| i.runs()) {
+            let v = Acts::new(&x, 1, 64, isa);
+            assert_eq!((v.q, v.d, v.s16), (a.q.clone(), a.d.clone(), a.s16.clone()), "{isa:?}");
         }
     }
 
