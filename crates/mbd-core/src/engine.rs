@@ -87,6 +87,15 @@ fn release_freed_heap() {
     }
 }
 
+/// `int8_activations=False` for quantized weights on CUDA.
+fn exact_on_cuda_error() -> Error {
+    Error::invalid(
+        "int8_activations=False: on CUDA the quantized products always round the activations to 8 bits (candle's \
+         kernels); the exact products of quantized weights run on the CPU (device='cpu')"
+            .to_string(),
+    )
+}
+
 /// Parse a device string: "auto", "cpu", "cuda", "cuda:N", "metal".
 pub fn parse_device(s: &str) -> Result<Device> {
     let (kind, ordinal) = match s.split_once(':') {
@@ -350,6 +359,10 @@ impl Model {
                 true
             }
         };
+        let exact_on_cuda = device.is_cuda() && opts.int8_activations == Some(false);
+        if exact_on_cuda && opts.quantize.is_some() {
+            return Err(exact_on_cuda_error());
+        }
         let ws = match &gguf {
             Some(g) => Weights::open_gguf(g, device, dtype, opts.keep_bf16_weights, opts.quantize)?,
             None => Weights::open(&checkpoint_files(dir)?, device, dtype, opts.keep_bf16_weights, opts.quantize)?,
@@ -362,12 +375,8 @@ impl Model {
         let net = QwenModel::load(&config, &ws, device, dtype, opts.kernels)?;
         let weight_bytes = ws.loaded_bytes();
         let held = ws.held_formats();
-        if device.is_cuda() && opts.int8_activations == Some(false) && !held.is_empty() {
-            return Err(Error::invalid(
-                "int8_activations=False: on CUDA the quantized products always round the activations to 8 bits \
-                 (candle's kernels); the exact products of quantized weights run on the CPU (device='cpu')"
-                    .to_string(),
-            ));
+        if exact_on_cuda && !held.is_empty() {
+            return Err(exact_on_cuda_error()); // a GGUF file's blocks (quantize= is refused before the load)
         }
         let weight_format = match (opts.quantize, net.table_dtype()) {
             (Some(q), _) => q.name().to_string(),
