@@ -544,7 +544,6 @@ fn dot_scalar(format: QuantFormat, data: &[u8], k: usize, tile: &[Row], acc: &mu
     }
 }
 
-#[cfg(target_arch = "x86_64")]
 /// The bits above a weight's nibble, per depth quad u, for the kernels' `octets`: none (q4_0, q4_k), a plane of
 /// fifth bits (q5_0, q5_k: bit u of each byte, to bit 4) or q6_k's plane of high pairs (bits 2u and 2u + 1, to bits
 /// 4-5). Data rather than a closure: a closure is its own function, without the kernel's target features, and the
@@ -556,6 +555,20 @@ enum High<P> {
     None,
     Fifth(P),
     Pairs(P),
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<P: Copy> High<P> {
+    /// For depth quad u: the plane, the bit of each byte that goes to bit 4 (a pair: its lower bit), and the mask
+    /// that keeps what lands there; None where there are no such bits.
+    #[inline(always)]
+    fn at(self, u: usize) -> Option<(P, usize, i8)> {
+        match self {
+            High::None => None,
+            High::Fifth(plane) => Some((plane, u, 0x10)),
+            High::Pairs(plane) => Some((plane, 2 * u, 0x30)),
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -731,10 +744,9 @@ mod vnni {
     /// `high`'s bits for depth quad u, in place over the nibbles (bit 4, bits 4-5).
     #[inline(always)]
     unsafe fn high_bits(high: High<__m512i>, u: usize) -> __m512i {
-        match high {
-            High::None => _mm512_setzero_si512(),
-            High::Fifth(plane) => bit_to(plane, u, 4, 0x10),
-            High::Pairs(plane) => bit_to(plane, 2 * u, 4, 0x30),
+        match high.at(u) {
+            Some((plane, bit, mask)) => bit_to(plane, bit, 4, mask),
+            None => _mm512_setzero_si512(),
         }
     }
 
@@ -1043,10 +1055,9 @@ mod avx2 {
     /// `high`'s bits for depth quad u, in place over the nibbles (bit 4, bits 4-5), per half.
     #[inline(always)]
     unsafe fn high_bits(high: High<Pair>, u: usize) -> Pair {
-        match high {
-            High::None => ZERO,
-            High::Fifth(plane) => bit_to(plane, u, 4, 0x10),
-            High::Pairs(plane) => bit_to(plane, 2 * u, 4, 0x30),
+        match high.at(u) {
+            Some((plane, bit, mask)) => bit_to(plane, bit, 4, mask),
+            None => ZERO,
         }
     }
 
