@@ -7,8 +7,9 @@
 //!     cargo bench -p mbd-core --bench attention
 
 use candle_core::{Device, Tensor};
-use mbd_core::attention::{scaled_softmax, SegmentKv};
-use mbd_core::mask::{BlockGrid, MaskSpec};
+use mbd_core::kernels::attention::SegmentKv;
+use mbd_core::net::attention::scaled_softmax;
+use mbd_core::net::mask::{BlockGrid, MaskSpec};
 
 #[path = "common.rs"]
 mod common;
@@ -21,7 +22,7 @@ fn main() {
 fn run() {
     let threads = mbd_core::cpu_pool::pin_thread_count();
     let (nh, nkv, d) = (14usize, 2usize, 64usize);
-    if !mbd_core::attention::available(nh, nkv, d) {
+    if !mbd_core::kernels::attention::available(nh, nkv, d) {
         println!("blocked attention is not available on this CPU (needs x86-64 with AVX2 and FMA)");
         return;
     }
@@ -53,7 +54,7 @@ fn run() {
         let mut out = vec![0f32; w * nh * d];
         let mut blocked = || {
             let seg = [SegmentKv { k: &kv, v: &vv, capacity: s, row0: 0, visible: &visible }];
-            mbd_core::attention::attend(&qv, w, &seg, nh, nkv, d, scale as f32, &mut out).unwrap();
+            mbd_core::kernels::attention::attend(&qv, w, &seg, nh, nkv, d, scale as f32, &mut out).unwrap();
         };
         let reps = (20_000_000 / (w * s * nh * d)).clamp(5, 2000);
         let (mut a, mut b) = (vec![], vec![]);

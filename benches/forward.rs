@@ -10,8 +10,8 @@
 //! `MBD_BENCH_QUANTIZE=q4_k` (any `quantize` format): time only that engine, the matrices quantized at load (no
 //! twins); `MBD_BENCH_CASES=0:1,512:1` picks the prefix:window cases (for perf, e.g. one W = 1 forward).
 
-use mbd_core::quant::QuantFormat;
-use mbd_core::skinny::Kernels;
+use mbd_core::kernels::blocks::QuantFormat;
+use mbd_core::kernels::Kernels;
 use mbd_core::{LoadOptions, Model};
 
 fn load(dir: &str, opts: LoadOptions) -> Model {

@@ -7,8 +7,9 @@
 //!     cargo bench -p mbd-core --bench packed
 
 use candle_core::{DType, Device, Tensor};
-use mbd_core::panels::{matmul_t_with, PackedMatrix, Source};
-use mbd_core::skinny::{DenseMatmulT, Kernels};
+use mbd_core::kernels::panels::{matmul_t_with, PackedMatrix, Source};
+use mbd_core::kernels::Kernels;
+use mbd_core::net::linear::DenseMatmulT;
 
 #[path = "common.rs"]
 mod common;

@@ -1,11 +1,12 @@
 //! x · Wᵀ for many-row x on the CPU (a prefill chunk), f32 out: candle's matmul (f32 W; bf16 W widened per call)
-//! against `mbd_core::panels` (bf16 and f32 W), side by side on the Qwen2.5-0.5B shapes. Prints the median of
+//! against `mbd_core::kernels::panels` (bf16 and f32 W), side by side on the Qwen2.5-0.5B shapes. Prints the median of
 //! repeated runs in ms and GFLOP/s.
 //!
 //!     cargo bench -p mbd-core --bench panels
 
 use candle_core::{DType, Device, Tensor};
-use mbd_core::skinny::{linear, Kernels};
+use mbd_core::kernels::Kernels;
+use mbd_core::net::linear::linear;
 
 #[path = "common.rs"]
 mod common;

@@ -17,8 +17,9 @@
 //! 8-bit activations too (`Matrix::quant_int8`, the `int8_activations` load option: the `.i8` columns).
 
 use candle_core::{DType, Device, Tensor};
-use mbd_core::quant::{Matrix, QMatrix, QuantFormat};
-use mbd_core::skinny::Kernels;
+use mbd_core::kernels::blocks::{QMatrix, QuantFormat};
+use mbd_core::kernels::Kernels;
+use mbd_core::net::linear::Matrix;
 
 #[path = "common.rs"]
 mod common;

@@ -4,7 +4,7 @@
 //!     cargo bench -p mbd-core --bench sampling
 
 use candle_core::{Device, Tensor};
-use mbd_core::sampling::{Sampler, SamplingParams};
+use mbd_core::decode::sampling::{Sampler, SamplingParams};
 
 #[path = "common.rs"]
 mod common;

@@ -6,10 +6,11 @@
 //!
 //!     MBD_BENCH_MODEL=python/mbd_rs/models/mbd-tiny cargo bench -p mbd-core --bench scheduler
 
-use mbd_core::generate::Generation;
-use mbd_core::request::{GenRequest, ProfileOverrides};
-use mbd_core::scheduler::{BatchLimits, Scheduler};
-use mbd_core::skinny::Kernels;
+use mbd_core::generate::generation::Generation;
+use mbd_core::generate::scheduler::Scheduler;
+use mbd_core::kernels::Kernels;
+use mbd_core::params::load::BatchLimits;
+use mbd_core::params::request::{GenRequest, ProfileOverrides};
 use mbd_core::{LoadOptions, Model};
 use std::sync::Arc;
 use std::time::Instant;
@@ -43,18 +44,18 @@ fn main() {
             model.fill_cache(c, &prefix, &grid).unwrap();
         }
         let ids = [13u32];
-        let time = |batched: bool, caches: &mut Vec<mbd_core::kv_cache::KvCache>| {
+        let time = |batched: bool, caches: &mut Vec<mbd_core::net::kv_cache::KvCache>| {
             let t = Instant::now();
             for _ in 0..200 {
                 mbd_core::cpu_pool::on_cpu_pool(|| {
                     if batched {
                         let mut segs: Vec<_> = caches
                             .iter_mut()
-                            .map(|c| mbd_core::models::qwen::Segment {
+                            .map(|c| mbd_core::net::segment::Segment {
                                 cache: c,
                                 ids: &ids,
                                 positions: vec![prefix.len()],
-                                mask: mbd_core::mask::MaskSpec::Grid(grid),
+                                mask: mbd_core::net::mask::MaskSpec::Grid(grid),
                                 rows: vec![0],
                             })
                             .collect();

@@ -1,5 +1,5 @@
 //! x · Wᵀ for few-row x on the CPU, f32: candle's matmul (gemm) against the skinny kernel
-//! (`mbd_core::skinny`), side by side on the Qwen2.5-0.5B shapes, for the row counts a decode window has.
+//! (`mbd_core::kernels::skinny`), side by side on the Qwen2.5-0.5B shapes, for the row counts a decode window has.
 //! Prints the median of repeated runs and the ratio; the weights are 4x the size of the last-level cache
 //! apart for the head, so the MLP shapes show cache-warm speed and the head shows memory-bound speed.
 //!
@@ -48,8 +48,8 @@ fn run() {
                 let y2 = x
                     .apply_op2_no_bwd(
                         &w,
-                        &mbd_core::skinny::DenseMatmulT {
-                            par_min_macs: mbd_core::skinny::Kernels::default().par_min_macs,
+                        &mbd_core::net::linear::DenseMatmulT {
+                            par_min_macs: mbd_core::kernels::Kernels::default().par_min_macs,
                             panels: false,
                             avx512: true,
                         },

@@ -9,7 +9,7 @@
 #[path = "common.rs"]
 mod common;
 use common::median;
-use mbd_core::vmath;
+use mbd_core::kernels::vmath;
 
 fn main() {
     if !vmath::has_avx2_fma() {

@@ -244,7 +244,7 @@ def test_tokenizer_matches_tokenizers_library(tmp_path):
     assert eng.info.eos_token_ids == [0]
     assert eng.info.chat_template == CHATML
     if importlib.util.find_spec("starlette") is not None:  # the server's /tokenizer_info reports it too
-        from mbd_rs.server import _tokenizer_info
+        from mbd_rs.server.openai import tokenizer_info as _tokenizer_info
         info = _tokenizer_info(eng)
         assert info["chat_template"] == CHATML and info["eos_token_ids"] == [0]
     out = eng.generate("hello", max_tokens=6, block_size=1)

@@ -15,7 +15,7 @@ hf_constants = pytest.importorskip(
     "huggingface_hub.constants", reason="huggingface_hub is not installed (pip install huggingface_hub)")
 
 from mbd_rs import Engine, InvalidRequestError, ModelFileNotFoundError  # noqa: E402
-from mbd_rs.engine import DEFAULT_MODEL, is_hub_id, resolve_model_path  # noqa: E402
+from mbd_rs.hub import DEFAULT_MODEL, is_hub_id, resolve_model_path  # noqa: E402
 
 REPO = "mbd-org/mbd-tiny-hub"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

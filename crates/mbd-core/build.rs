@@ -1,12 +1,12 @@
-//! With the `cuda` feature: compile src/cuda/kernels.cu to PTX with nvcc (the pinned CUDA 13.0 one that
+//! With the `cuda` feature: compile src/kernels/cuda/kernels.cu to PTX with nvcc (the pinned CUDA 13.0 one that
 //! scripts/build-cuda-wheel.sh installs: $NVCC, else $CUDA_HOME/bin/nvcc, else nvcc on PATH) for compute
-//! capability $CUDA_COMPUTE_CAP (default 90: H100/H200); src/cuda.rs embeds it. Without the feature: nothing.
+//! capability $CUDA_COMPUTE_CAP (default 90: H100/H200); src/kernels/cuda.rs embeds it. Without the feature: nothing.
 use std::path::PathBuf;
 use std::process::Command;
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
-    println!("cargo:rerun-if-changed=src/cuda/kernels.cu");
+    println!("cargo:rerun-if-changed=src/kernels/cuda/kernels.cu");
     for var in ["NVCC", "CUDA_HOME", "CUDA_COMPUTE_CAP"] {
         println!("cargo:rerun-if-env-changed={var}");
     }
@@ -22,8 +22,8 @@ fn main() {
     let status = Command::new(&nvcc)
         .args(["--ptx", "-O3", "-std=c++17", &format!("-arch=sm_{cap}"), "-o"])
         .arg(&out)
-        .arg("src/cuda/kernels.cu")
+        .arg("src/kernels/cuda/kernels.cu")
         .status()
         .unwrap_or_else(|e| panic!("running {}: {e} (set NVCC or CUDA_HOME)", nvcc.display()));
-    assert!(status.success(), "nvcc failed on src/cuda/kernels.cu");
+    assert!(status.success(), "nvcc failed on src/kernels/cuda/kernels.cu");
 }

@@ -1,5 +1,6 @@
 """Type stubs for the Rust extension (crates/mbd-py). Parameter names, kinds and ranges live in the core
-(mbd_core::request::PARAMS); dict arguments take those names."""
+(mbd_core::params::request::PARAMS); dict arguments take those names. tests/test_api_surface.py checks these stubs
+against the built extension (every name, class, method and argument)."""
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -13,16 +14,17 @@ GENERATION_PARAMS: Tuple[str, ...]
 PROFILE_OVERRIDES: Tuple[str, ...]
 LOGITS_PARAMS: Tuple[str, ...]
 SCORE_PARAMS: Tuple[str, ...]
+LOAD_PARAMS: Tuple[str, ...]
+KERNEL_SWITCHES: Tuple[str, ...]
+#: LOAD_PARAMS, PROFILE_OVERRIDES and KERNEL_SWITCHES: every name CoreEngine.load's options take
+LOAD_OPTIONS: Tuple[str, ...]
+#: (name, Python annotation) of every field of the core's ModelInfo, in order
+MODEL_INFO_FIELDS: Tuple[Tuple[str, str], ...]
 
-class CoreModel:
+class CoreEngine:
     @staticmethod
-    def load(path: str, device: str = "auto", dtype: Optional[str] = None,
-             overrides: Optional[Mapping[str, Any]] = None, keep_bf16_weights: bool = True, skinny: bool = True,
-             par_min_macs: Optional[int] = None, max_rows: Optional[int] = None, blocked_attention: bool = True,
-             panels: bool = True, packed_weights: bool = True, packed_avx512: bool = True,
-             stack: bool = True, cuda_fused: bool = True, candle_quant: bool = False,
-             max_batch: Optional[int] = None, max_batch_rows: Optional[int] = None, quantize: Optional[str] = None,
-             int8_activations: Optional[bool] = None, progress: Optional[Callable[[int, int], None]] = None) -> "CoreModel": ...
+    def load(path: str, options: Optional[Mapping[str, Any]] = None,
+             progress: Optional[Callable[[int, int], None]] = None) -> "CoreEngine": ...
     def batch_limits(self) -> Tuple[int, int]: ...
     def batch_stats(self) -> Tuple[int, int, int]: ...
     def set_batch_limits(self, max_batch: Optional[int] = None, max_batch_rows: Optional[int] = None) -> None: ...

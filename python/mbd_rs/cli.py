@@ -20,19 +20,32 @@ if TYPE_CHECKING:
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 
 
+# Load flags come from the core's load options (mbd_rs.LOAD_PARAMS): --device for device, and so on; booleans get
+# --name / --no-name (unset: the core's default). The batching caps are the server's --max-concurrency and the API's.
+_NOT_LOAD_FLAGS = {"max_batch", "max_batch_rows"}
+
+
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    from .engine import LOAD_PARAMS, PARAMS
     p.add_argument("--model", "-m", default=None,
                    help="model directory or Hugging Face Hub id org/name (default: the embedded mbd-tiny model)")
     p.add_argument("--revision", default=None, help="branch, tag or commit of a Hub id (default: main)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | metal")
-    p.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--quantize", default=None,
-                   help="quantize the weights at load: q8_0 (8-bit) | q6_k | q5_k | q4_k (6/5/4-bit k-quants) | q5_0 | q4_0 (5/4-bit) | q3_k | q2_k (3/2-bit k-quants); CPU (float32) or CUDA")
-    p.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=None,
-                   help="quantized weights: integer dot products on activations rounded to 8 bits (about 2x faster; "
-                        "the default where the CPU has AVX2, and on CUDA), or with --no-int8-activations the exact "
-                        "float32 products (CPU)")
+    for name in LOAD_PARAMS:
+        if name in _NOT_LOAD_FLAGS:
+            continue
+        kind, help_ = PARAMS[name]["kind"], PARAMS[name]["help"]
+        flag = "--" + name.replace("_", "-")
+        if kind == "bool":
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        else:
+            p.add_argument(flag, dest=name, type=_TYPES[kind], default=None, help=help_)
     p.add_argument("-v", "--verbose", action="store_true", help="show tracebacks on errors")
+
+
+def load_options(a: argparse.Namespace) -> dict[str, Any]:
+    """The load options given as flags (`_add_model_flags`), for Engine.load."""
+    from .engine import LOAD_PARAMS
+    return {k: getattr(a, k) for k in LOAD_PARAMS if getattr(a, k, None) is not None}
 
 
 # Generation flags come from the core's parameter table (mbd_rs.PARAMS): --max-tokens for max_tokens, and so on.
@@ -70,8 +83,7 @@ def _gen_params(a: argparse.Namespace) -> dict[str, Any]:
 
 def _load(a: argparse.Namespace) -> Engine:
     from .engine import Engine
-    return Engine.load(a.model, revision=a.revision, device=a.device, dtype=a.dtype, quantize=a.quantize,
-                       int8_activations=a.int8_activations)
+    return Engine.load(a.model, revision=a.revision, **load_options(a))
 
 
 def _print_stats(u: Usage) -> None:
@@ -207,7 +219,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
 
 def _default_model() -> str:
-    from .engine import DEFAULT_MODEL
+    from .hub import DEFAULT_MODEL
     return DEFAULT_MODEL
 
 
@@ -316,7 +328,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.ray:
         try:
             from .ray_serve import serve_ray
-            return serve_ray(a)  # each replica resolves the model itself (on its node)
+            return serve_ray(a, load_options(a))  # each replica resolves the model itself (on its node)
         except ImportError as e:
             print(f"mbd-rs: {e}", file=sys.stderr)
             return EXIT_USAGE
@@ -326,11 +338,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if ray_only:
         print(f"mbd-rs: {', '.join(ray_only)} need --ray", file=sys.stderr)
         return EXIT_USAGE
-    from .engine import is_hub_id, resolve_model_path
+    from .hub import is_hub_id, resolve_model_path
     if a.model is not None and is_hub_id(a.model):  # serve it under its id, not its snapshot's commit hash
         a.model_name = a.model_name or a.model
     a.model = resolve_model_path(a.model, a.revision)  # the server loads the resolved local directory
-    return serve(a)
+    return serve(a, load_options(a))
 
 
 def _int_in(lo: int, hi: int) -> Any:

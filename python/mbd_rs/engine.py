@@ -2,201 +2,69 @@
 every parameter's name, kind and range and does the work; this module only shapes calls and results."""
 from __future__ import annotations
 
-import errno
 import json
 import os
-import re
-import sys
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+import textwrap
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from . import _core, _cuda_libs
-from .errors import InvalidRequestError, ModelFileNotFoundError, UnsupportedArchitectureError
-from .types import Completion, StepEvent, StreamChunk, TokenLogprob, Usage
-
-#: The model shipped inside the package (mbd-tiny v3, trained here by training/train.py --family tiny): used when no
-#: path is given.
-DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "mbd-tiny")
+from .errors import InvalidRequestError, UnsupportedArchitectureError
+from .hub import DEFAULT_MODEL, LoadProgress, _LoadBar, resolve_model_path
+from .types import Completion, ModelInfo, StepEvent, StreamChunk, TokenLogprob, Usage
 
 #: Parameter names, from the core: generation parameters, load-time profile overrides, logits options.
 GENERATION_PARAMS: "tuple[str, ...]" = _core.GENERATION_PARAMS
 PROFILE_OVERRIDES: "tuple[str, ...]" = _core.PROFILE_OVERRIDES
 LOGITS_PARAMS: "tuple[str, ...]" = _core.LOGITS_PARAMS
 SCORE_PARAMS: "tuple[str, ...]" = _core.SCORE_PARAMS
+#: Engine.load's options by name: the load options (LOAD_PARAMS), the profile overrides and the kernel switches.
+LOAD_PARAMS: "tuple[str, ...]" = _core.LOAD_PARAMS
+KERNEL_SWITCHES: "tuple[str, ...]" = _core.KERNEL_SWITCHES
+LOAD_OPTIONS: "tuple[str, ...]" = _core.LOAD_OPTIONS
 #: name -> {"kind": ..., "help": ...} for every parameter above.
 PARAMS: "dict[str, dict[str, str]]" = _core.PARAMS
 
 Prompt = Union[str, Sequence[int]]
-#: Engine.load's progress: None (a bar for large checkpoints on a terminal), True, False, or a callable.
-LoadProgress = Union[bool, Callable[[int, int], None], None]
-#: With progress=None, checkpoints smaller than this load without a bar.
-LOAD_BAR_MIN_BYTES = 256 << 20
 Message = Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    path: str
-    family: str
-    architecture: str
-    arch: str
-    num_parameters: int
-    weight_bytes: int  # the weights as held in memory
-    weight_format: str  # how the matrices are held: "q8_0" / "q4_k" when quantized, else a dtype name
-    int8_activations: bool  # the quantized matrices multiply activations rounded to 8 bits (Engine.load's option)
-    chat_template: Optional[str]  # the Jinja source chat() renders (chat_template.jinja, tokenizer_config, GGUF)
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    max_context: int
-    num_experts: Optional[int]
-    num_experts_per_tok: Optional[int]
-    mask_token_id: Optional[int]
-    block_size: int
-    eos_token_ids: List[int]
-    attention: str
-    alignment: str
-    logits_shift: bool
-    dtype: str
-    stored_dtype: Optional[str]
-    device: str
-
-
-# The files a model directory is read from (the rest of a Hub repo, e.g. *.bin or *.gguf, is never downloaded).
-HUB_ALLOW_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                      "chat_template.jinja", "*.safetensors", "model.safetensors.index.json"]
-_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9._-]+")
-
-
-def is_hub_id(path: "str | os.PathLike[str]") -> bool:
-    """True when `path` names no existing file or directory and has the shape of a Hub repo id ("org/name": one
-    slash, not starting with "." or "/")."""
-    text = os.fspath(path)
-    return bool(_HUB_ID.fullmatch(text)) and not os.path.exists(text)
-
-
-def resolve_model_path(path: "Optional[str | os.PathLike[str]]", revision: Optional[str] = None) -> str:
-    """The local model directory for `path`: the embedded model for None, `path` itself for a local path, and for
-    a Hub id ("org/name") its snapshot in the Hugging Face cache, fetched with huggingface_hub.snapshot_download
-    (which honours HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE and HF_TOKEN, and shows its own progress bars)."""
-    if path is None:
-        path = DEFAULT_MODEL
-    text = os.fspath(path)
-    if not is_hub_id(text):
-        if revision is not None:
-            raise InvalidRequestError(f"revision={revision!r} applies only to Hugging Face Hub ids (org/name); "
-                                      f"{text!r} is a local path")
-        return text
-    what = repr(text) if revision is None else f"{text!r} (revision {revision!r})"
-    try:
-        from huggingface_hub import constants, snapshot_download
-    except ImportError:
-        raise ModelFileNotFoundError(
-            errno.ENOENT, f"{what} is not a local directory, and loading a Hugging Face Hub id needs huggingface_hub: "
-            f"pip install huggingface_hub (or pip install 'mbd-rs[hub]')", text) from None
-    try:
-        return str(snapshot_download(text, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS))
-    except Exception as e:  # offline and not cached, no network, unknown repo or revision, no access: all "not found"
-        reason = (str(e).strip().splitlines() or [""])[0][:300]
-        raise ModelFileNotFoundError(
-            errno.ENOENT, f"{what} is neither a local directory nor in the Hugging Face cache "
-            f"({constants.HF_HUB_CACHE}), and the Hub could not provide it ({type(e).__name__}: {reason})",
-            text) from e
-
-
-class _LoadBar:
-    """Engine.load's progress (see its docstring): a tqdm bar over the checkpoint's bytes, created at the first
-    report (when the total is known), or the caller's callable."""
-
-    def __init__(self, progress: LoadProgress):
-        self.bar: Any = None
-        self.decided = False
-        self.user = progress if callable(progress) else None
-        self.tqdm: Any = None
-        if progress is False or self.user is not None:
-            return
-        if progress is None and not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()):
-            return
-        try:
-            from tqdm import tqdm  # type: ignore[import-untyped,import-not-found,unused-ignore]
-        except ImportError:  # tqdm is optional (huggingface_hub brings it)
-            return
-        self.tqdm, self.forced = tqdm, progress is True
-
-    @property
-    def callback(self) -> Optional[Callable[[int, int], None]]:
-        return self.user if self.user is not None else (self.update if self.tqdm is not None else None)
-
-    def update(self, done: int, total: int) -> None:
-        if not self.decided:
-            self.decided = True
-            if self.forced or total >= LOAD_BAR_MIN_BYTES:
-                self.bar = self.tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="loading weights",
-                                     leave=False, file=sys.stderr)
-        if self.bar is not None:
-            self.bar.update(done - self.bar.n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 class Engine:
     """A loaded block-diffusion (or plain causal) Qwen2/Qwen3/Qwen3-MoE model."""
 
-    def __init__(self, core: "_core.CoreModel"):
+    def __init__(self, core: "_core.CoreEngine"):
         self._core = core
         self.info = ModelInfo(**core.info())
 
     @classmethod
     def load(cls, path: "Optional[str | os.PathLike[str]]" = None, *, revision: Optional[str] = None,
-             device: str = "auto", dtype: Optional[str] = None, quantize: Optional[str] = None,
-             int8_activations: Optional[bool] = None, max_batch: Optional[int] = None, max_batch_rows: Optional[int] = None,
-             progress: LoadProgress = None, _kernels: Optional[Dict[str, Any]] = None,
-             **profile_overrides: Any) -> "Engine":
+             progress: LoadProgress = None, _kernels: Optional[Dict[str, Any]] = None, **options: Any) -> "Engine":
         """Load an HF-format model directory (default: the embedded mbd-tiny model), a GGUF file (llama.cpp's
         format: qwen2, qwen3, qwen3moe and dream architectures; see the README), or a Hugging Face Hub id
         ("org/name", at `revision`: a branch, tag or commit; default "main") through the local Hub cache,
-        downloading what is missing (see resolve_model_path).
+        downloading what is missing (see `hub.resolve_model_path`).
 
-        device: "auto" (CUDA/Metal when this build has it and a device answers, else CPU), "cpu", "cuda[:N]", "metal".
-        dtype: None/"auto" (float32 on CPU, bfloat16 on GPUs), "float32", "bfloat16", "float16".
-        quantize: None, "q8_0" (8-bit blocks of 32), "q6_k", "q5_k", "q4_k", "q3_k", "q2_k" (6- to 2-bit k-quant
-        super-blocks of 256), "q5_0" or "q4_0" (5- and 4-bit blocks of 32): quantize the weight matrices at load
-        (CPU, float32 compute; 8.5, 6.56, 5.5, 4.5, 3.44, 2.63, 5.5 and 4.5 bits per weight; the embedding table and
-        the head get q8_0; a matrix whose rows do not split into whole super-blocks gets q4_k → q5_0, q3_k and q2_k
-        → q4_0, q5_k and q6_k → q8_0). `info.weight_format`
-        and `info.weight_bytes` report what is held.
-        int8_activations: how the quantized matrices (of `quantize` or a GGUF file) multiply. True: integer dot
-        products on activations rounded to 8 bits per block of 32 values, as llama.cpp does (x86-64 CPUs with AVX2,
-        AVX-512 VNNI where present; on CUDA candle's quantized kernels always do this): about 2x faster forwards
-        than the exact products, at every window size, for q8_0, q6_k, q5_k, q5_0, q4_k and q4_0 matrices (q3_k
-        and q2_k ones keep float32 activations). False: the exact products of the quantized weights with float32
-        activations, bit for bit the dequantized checkpoint's (CPU only). None (default): True wherever it runs
-        (CUDA; a CPU with AVX2, in float32), else False. `info.int8_activations` says what was chosen.
-        max_batch, max_batch_rows: caps on continuous batching (see `set_batching`); default 16 streams, 1024 rows.
         progress: None (default: a tqdm bar on stderr while the weights are read, when stderr is a terminal, tqdm is
         installed and the checkpoint is over 256 MB), True (a bar whenever tqdm is installed), False (none), or a
         callable(bytes_read, bytes_total) called after each tensor. Hub downloads show huggingface_hub's bars.
-        profile_overrides: any of PROFILE_OVERRIDES: mask_token_id, block_size, attention
-        ("causal"|"block_causal"|"full"), alignment ("absolute"|"prompt"), logits_shift (bool), eos_token_ids.
-        _kernels: benchmark switches (keep_bf16_weights, skinny, par_min_macs, max_rows, blocked_attention,
-            panels, packed_weights, packed_avx512, stack, cuda_fused, candle_quant), not a stable API.
+
+        options: any of LOAD_OPTIONS (the core's registry; `mbd_rs.PARAMS[name]["help"]` says what each does):
+
+        {options}
+        quantize's formats: the embedding table and the head get q8_0; a matrix whose rows do not split into whole
+        super-blocks falls back (q4_k → q5_0, q3_k and q2_k → q4_0, q5_k and q6_k → q8_0); `info.weight_format` and
+        `info.weight_bytes` report what is held, `info.int8_activations` what int8_activations chose. max_batch and
+        max_batch_rows can be changed later (`set_batching`).
+        _kernels: the kernel switches as a dict ({switches}): benchmarks' A/B runs, not a stable API.
         """
         path = resolve_model_path(path, revision)
+        options = {**(_kernels or {}), **options}
         bar = _LoadBar(progress)
         try:
-            core = _core.CoreModel.load(path, device, dtype, profile_overrides, max_batch=max_batch,
-                                        max_batch_rows=max_batch_rows, quantize=quantize,
-                                        int8_activations=int8_activations, progress=bar.callback,
-                                        **(_kernels or {}))
+            core = _core.CoreEngine.load(path, options, bar.callback)
         except UnsupportedArchitectureError as e:  # the core's "no CUDA in this build", said of the CPU fallback
+            device = options.get("device")
             if _cuda_libs.cuda_unavailable and isinstance(device, str) and device.startswith("cuda"):
                 raise UnsupportedArchitectureError(f"device {device!r}: this is the CUDA build of mbd-rs, but its "
                                                    f"CUDA core could not be loaded: {_cuda_libs.cuda_unavailable}") from e
@@ -365,3 +233,16 @@ class Stream:
             self._s.close()
         except Exception:
             pass
+
+
+def _options_doc() -> str:
+    """Engine.load's options, one line each, from the core's registry (so the docstring cannot drift)."""
+    lines = []
+    for name in LOAD_PARAMS + PROFILE_OVERRIDES:
+        lines += textwrap.wrap(f"{name}: {PARAMS[name]['help']}", 108, subsequent_indent="    ")
+    return "\n        ".join(lines)
+
+
+if Engine.load.__doc__:  # None under python -OO
+    Engine.load.__func__.__doc__ = Engine.load.__doc__.format(options=_options_doc(),  # type: ignore[attr-defined]
+                                                              switches=", ".join(KERNEL_SWITCHES))

@@ -19,11 +19,14 @@ import os
 import time
 from typing import Any
 
+from . import _core
 from .server import MAX_BODY_BYTES, create_app
 
-#: The keyword arguments of `deployment` that a --ray-config file may set.
+#: The keyword arguments of `deployment` that a --ray-config file may set: its own and Engine.load's load options
+#: (the core's LOAD_PARAMS, without the batching caps, which max_concurrency sets).
 CONFIG_KEYS = ("num_replicas", "autoscaling", "num_cpus", "num_gpus", "max_concurrency", "max_queue",
-               "model_name", "device", "dtype", "quantize", "int8_activations", "revision", "max_body_bytes")
+               "model_name", "revision", "max_body_bytes") + tuple(
+                   k for k in _core.LOAD_PARAMS if k not in ("max_batch", "max_batch_rows"))
 
 
 def _ray() -> Any:
@@ -39,7 +42,8 @@ class _Replica:
     """One replica: an engine and the OpenAI app over it (built by Ray Serve on the replica's process)."""
 
     def __init__(self, model: str | None, revision: str | None, load: dict[str, Any], app: dict[str, Any]):
-        from .engine import Engine, resolve_model_path
+        from .engine import Engine
+        from .hub import resolve_model_path
         self.engine = Engine.load(resolve_model_path(model, revision), **load)
         self._asgi = create_app(self.engine, **app)
 
@@ -49,7 +53,7 @@ class _Replica:
 
 def model_name_for(model: str | None, model_name: str | None = None) -> str:
     """The model id clients send: `model_name`, else a Hub id as given, else the directory's name."""
-    from .engine import DEFAULT_MODEL, is_hub_id
+    from .hub import DEFAULT_MODEL, is_hub_id
     if model_name:
         return model_name
     if model is not None and is_hub_id(model):
@@ -57,17 +61,16 @@ def model_name_for(model: str | None, model_name: str | None = None) -> str:
     return os.path.basename(os.path.normpath(model or DEFAULT_MODEL))
 
 
-def deployment(model: str | None = None, *, revision: str | None = None, device: str = "auto",
-               dtype: str | None = None, quantize: str | None = None, int8_activations: bool | None = None,
-               model_name: str | None = None,
+def deployment(model: str | None = None, *, revision: str | None = None, model_name: str | None = None,
                api_key: str | None = None, max_concurrency: int = 4, max_queue: int | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, num_replicas: int = 1,
                autoscaling: dict[str, Any] | None = None, num_cpus: float = 1.0,
-               num_gpus: float = 0.0) -> Any:
+               num_gpus: float = 0.0, **load: Any) -> Any:
     """A Ray Serve application of `num_replicas` engine replicas (or `autoscaling`: Ray Serve's
     autoscaling_config, e.g. {"min_replicas": 1, "max_replicas": 4}), each with `num_cpus` / `num_gpus` Ray
     resources, serving the OpenAI routes of `mbd-rs serve` for `model` (a directory every node can read, or a Hub
-    id). Run it with `ray.serve.run(app, route_prefix="/")`."""
+    id). `load`: Engine.load's options (device, dtype, quantize, ...: the core's LOAD_PARAMS), checked when a
+    replica loads. Run it with `ray.serve.run(app, route_prefix="/")`."""
     _, serve = _ray()
     queue = max_concurrency if max_queue is None else max_queue
     opts: dict[str, Any] = dict(name="mbd-rs", max_ongoing_requests=max_concurrency + queue,
@@ -77,7 +80,6 @@ def deployment(model: str | None = None, *, revision: str | None = None, device:
     else:
         opts["num_replicas"] = num_replicas
     cls = serve.deployment(**opts)(serve.ingress()(_Replica))
-    load = dict(device=device, dtype=dtype, quantize=quantize, int8_activations=int8_activations)
     app = dict(model_name=model_name_for(model, model_name), api_key=api_key, max_concurrency=max_concurrency,
                max_queue=queue, max_body_bytes=max_body_bytes)
     return cls.bind(model, revision, load, app)
@@ -96,12 +98,12 @@ def _read_config(path: str) -> dict[str, Any]:
     return cfg
 
 
-def serve_ray(args: Any) -> int:
+def serve_ray(args: Any, load: dict[str, Any]) -> int:
     """`mbd-rs serve --ray`: start (or join, --ray-address) a Ray cluster, deploy the replicas behind Ray Serve's
-    HTTP proxy on --host/--port, and wait until interrupted."""
+    HTTP proxy on --host/--port, and wait until interrupted. `load`: Engine.load's options from the flags."""
     ray, serve = _ray()
-    kw: dict[str, Any] = dict(revision=args.revision, device=args.device, dtype=args.dtype,
-                              quantize=args.quantize, int8_activations=args.int8_activations, model_name=args.model_name, api_key=args.api_key,
+    kw: dict[str, Any] = dict(revision=args.revision, **load, model_name=args.model_name,
+                              api_key=args.api_key,
                               max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                               max_body_bytes=args.max_body_bytes, num_replicas=args.replicas,
                               num_cpus=args.replica_cpus, num_gpus=args.replica_gpus)

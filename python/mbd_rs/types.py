@@ -73,3 +73,39 @@ class Completion:
     # never in token_ids or text; OpenAI-style APIs list it, and loglikelihood clients count on the generated token);
     # empty without logprobs
     logprobs: List[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What is known about a loaded model (`Engine.info`): the fields of the core's `ModelInfo`
+    (crates/mbd-core/src/model/info.rs), which `_core.MODEL_INFO_FIELDS` lists and tests/test_api_surface.py checks
+    these against."""
+
+    path: str
+    family: str
+    architecture: str
+    arch: str
+    num_parameters: int
+    weight_bytes: int  # the weights as held in memory
+    weight_format: str  # how the matrices are held: "q8_0" / "q4_k" when quantized, else a dtype name
+    int8_activations: bool  # the quantized matrices multiply activations rounded to 8 bits (Engine.load's option)
+    chat_template: Optional[str]  # the Jinja source chat() renders (chat_template.jinja, tokenizer_config, GGUF)
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_context: int
+    num_experts: Optional[int]
+    num_experts_per_tok: Optional[int]
+    mask_token_id: Optional[int]
+    block_size: int
+    eos_token_ids: List[int]
+    attention: str
+    alignment: str
+    logits_shift: bool
+    dtype: str
+    stored_dtype: Optional[str]
+    device: str

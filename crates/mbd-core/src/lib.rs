@@ -1,64 +1,40 @@
-//! mbd-core: block-diffusion LLM inference on candle. The path of a request, top to bottom
-//! (docs/architecture.md has the page):
+//! mbd-core: block-diffusion LLM inference on candle. The crate is a house of wings along the path the data takes
+//! (docs/architecture.md has the floor plan; `scripts/check_layers.py` enforces it: imports run only downward):
 //!
-//! - `generate`: one generation — plan (decoder) → window (`window`) → forward → predict (`sampling`) →
-//!   apply (decoder) → emit (`output`).
-//! - `request`: every request parameter (name, kind, range, help), written once; `GenRequest` and friends.
-//! - `engine`: a loaded model directory (`Model`: weights, tokenizer, profile, chat template) and its calls.
-//! - `models::qwen`: the Qwen2/Qwen3/Qwen3-MoE forward over a prefix KV cache (`kv_cache`).
-//! - `weights`: safetensors checkpoints (and GGUF files' tensors), read tensor by tensor into the model's buffers.
-//! - `gguf`: a model as one GGUF file: its metadata as config fields, its tokenizer, its tensors' names.
-//! - `config`: model directory JSON → dimensions (`ModelConfig`), decoding profile (`Profile`), family defaults.
-//! - `chat`: the model's chat template (minijinja).
-//! - `window`: which positions a step forwards and which K/V it commits (exact prefix cache or recompute).
-//! - `output`: the completion a generation emits: stable tokens, streamed text, finish reason, usage.
-//! - `decoder`: the multi-block decoding state machine, pure logic.
-//! - `sampling`: logits rows → predictions (token, entropy, max probability).
-//! - `speculative`: S2D2 self-speculative verification: when to verify, which drafts to accept.
-//! - `mask`: block ids per position and the attention masks built from them.
-//! - `attention`: the CPU attention of small windows, every segment of a forward in one pass.
-//! - `kv_cache`: the per-sequence K/V buffers.
-//! - `text`: incremental detokenisation and stop strings.
-//! - `skinny`: the CPU few-row matmul kernel (f32, bf16 and quantized weights).
-//! - `quant`: quantized weight matrices (q8_0, q4_k) made at load.
-//! - `scheduler`: continuous batching: one forward per tick over the segments of every active generation.
-//! - `cpu_pool`: the engine's CPU thread pool.
-//! - `util`, `error`: string-named enums, shared ordering; the one error type.
+//! - ground: `error` (the one error type), `util` (string-named enums, shared orderings, allocation checks),
+//!   `cpu_pool` (the engine's CPU threads);
+//! - `kernels`: arithmetic on slices — block formats, the one CPU probe, per-ISA products, attention, vector math,
+//!   CUDA kernels;
+//! - `load`: files to typed values as stored — JSON fields, config, safetensors/GGUF tensors, tokenizer, chat
+//!   template;
+//! - `decode`: pure policy over logits rows — the multi-block decoder, sampling, S2D2 routing, cache policy names;
+//! - `net`: one forward over segments — masks, KV cache, linear layers (how a matrix is held and multiplied),
+//!   attention backends, the Qwen architecture;
+//! - `params`: every name a caller can pass — request parameters, load options, the decoding profile;
+//! - `model`: a loaded model and its calls (load, text, scores);
+//! - `generate`: one generation (plan → window → forward → predict → apply → emit) and the batch scheduler;
+//! - `engine`: the façade — a model and its scheduler.
 
+pub mod cpu_pool;
 pub mod error;
 pub mod util;
 
+pub mod decode;
 pub mod engine;
 pub mod generate;
-pub mod request;
-pub mod models {
-    pub mod qwen;
-}
-pub mod attention;
-pub mod chat;
-pub mod config;
-pub mod cpu_pool;
-pub mod cuda;
-pub mod decoder;
-pub mod gguf;
-pub mod kv_cache;
-pub mod mask;
-pub mod output;
-pub mod panels;
-pub mod qdot;
-pub mod quant;
-pub mod sampling;
-pub mod scheduler;
-pub mod skinny;
-pub mod speculative;
-pub mod text;
-pub mod vmath;
-pub mod weights;
-pub mod window;
+pub mod kernels;
+pub mod load;
+pub mod model;
+pub mod net;
+pub mod params;
 
-pub use config::Profile;
-pub use engine::{LoadOptions, Model};
+pub use decode::sampling::TokenLogprob;
+pub use engine::Engine;
 pub use error::{Error, Result};
-pub use mask::{Alignment, AttentionKind, BlockGrid};
-pub use request::{GenRequest, LogitsRequest, ProfileOverrides, ScoreRequest};
-pub use sampling::TokenLogprob;
+pub use generate::generation::{FinishReason, Generation, StepEvent, StepOutput, Usage};
+pub use generate::scheduler::{Scheduler, StreamHandle};
+pub use model::Model;
+pub use net::mask::{Alignment, AttentionKind, BlockGrid};
+pub use params::load::{BatchLimits, LoadOptions, LoadParams};
+pub use params::profile::Profile;
+pub use params::request::{GenRequest, LogitsRequest, ProfileOverrides, ScoreRequest};

@@ -6,7 +6,6 @@ use std::cmp::Ordering;
 /// An enum whose variants have fixed external names (API values, config values, report strings).
 /// Generates `name()`, `parse()` (an `InvalidRequest` error that lists the valid names, under `$what`),
 /// and `NAMES`.
-#[macro_export]
 macro_rules! string_enum {
     ($(#[$m:meta])* $vis:vis enum $ty:ident ($what:literal) { $($(#[$vm:meta])* $v:ident = $s:literal),+ $(,)? }) => {
         $(#[$m])*
@@ -31,6 +30,10 @@ macro_rules! string_enum {
     };
 }
 
+/// Path-scoped (`crate::util::string_enum!`), so the modules that declare such enums import this ground module,
+/// not the crate root.
+pub(crate) use string_enum;
+
 /// "'a'", "'a' or 'b'", "'a', 'b' or 'c'".
 pub fn one_of(names: &[&str]) -> String {
     let q: Vec<String> = names.iter().map(|n| format!("'{n}'")).collect();
@@ -39,6 +42,21 @@ pub fn one_of(names: &[&str]) -> String {
         Some((last, [])) => last.clone(),
         Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
     }
+}
+
+/// A zero-filled vector of `n` elements, allocated fallibly: a size the allocator refuses is an error, not
+/// an abort.
+pub fn try_zeroed<T: Clone>(n: usize, zero: T, what: &dyn Fn() -> String) -> crate::error::Result<Vec<T>> {
+    let mut v: Vec<T> = Vec::new();
+    v.try_reserve_exact(n).map_err(|e| {
+        crate::error::Error::load(format!(
+            "{}: cannot allocate {} bytes: {e}",
+            what(),
+            (n as u128) * std::mem::size_of::<T>() as u128
+        ))
+    })?;
+    v.resize(n, zero);
+    Ok(v)
 }
 
 /// Allocate nothing, but check that `bytes` more could be allocated now: a request whose buffers cannot exist

@@ -7,12 +7,13 @@
 
 #![allow(clippy::single_range_in_vec_init)] // masks are lists of key ranges, some of one range
 
-use mbd_core::generate::{FinishReason, Generation, StepOutput};
-use mbd_core::mask::MaskSpec;
-use mbd_core::models::qwen::Segment;
-use mbd_core::request::{GenRequest, ProfileOverrides};
-use mbd_core::scheduler::{BatchLimits, Scheduler};
-use mbd_core::skinny::Kernels;
+use mbd_core::generate::generation::{FinishReason, Generation, StepOutput};
+use mbd_core::generate::scheduler::Scheduler;
+use mbd_core::kernels::Kernels;
+use mbd_core::net::mask::MaskSpec;
+use mbd_core::net::segment::Segment;
+use mbd_core::params::load::BatchLimits;
+use mbd_core::params::request::{GenRequest, ProfileOverrides};
 use mbd_core::{Alignment, AttentionKind, BlockGrid, LoadOptions, Model};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -134,7 +135,7 @@ fn a_segment_gets_the_same_logits_alone_and_batched() {
 
 #[test]
 fn packed_weights_compute_every_window_alike_and_as_row_major_ones_do() {
-    if !mbd_core::panels::PackedMatrix::available() {
+    if !mbd_core::kernels::panels::PackedMatrix::available() {
         return;
     }
     let cases = vec![

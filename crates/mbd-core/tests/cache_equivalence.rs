@@ -4,10 +4,10 @@
 //! both forced-progress rules. (pytest checks the same against an independent reference decoder; this keeps
 //! the invariant visible to `cargo test`.)
 
-use mbd_core::decoder::{Acceptance, ForcedProgress};
-use mbd_core::generate::Generation;
-use mbd_core::request::{GenRequest, LogitsRequest, ProfileOverrides};
-use mbd_core::skinny::Kernels;
+use mbd_core::decode::decoder::{Acceptance, ForcedProgress};
+use mbd_core::generate::generation::Generation;
+use mbd_core::kernels::Kernels;
+use mbd_core::params::request::{GenRequest, LogitsRequest, ProfileOverrides};
 use mbd_core::{Alignment, AttentionKind, Error, LoadOptions, Model};
 use std::path::PathBuf;
 use std::sync::Arc;

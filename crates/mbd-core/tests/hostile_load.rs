@@ -452,7 +452,7 @@ fn non_finite_bf16_weight_refused() {
 #[test]
 fn allocation_failure_is_an_error_not_an_abort() {
     // 2^60 f32 elements: no allocator can satisfy it; Vec::with_capacity would abort the process.
-    let e = mbd_core::weights::try_zeroed(1usize << 60, 0f32, &|| "tensor 'x'".to_string()).unwrap_err();
+    let e = mbd_core::util::try_zeroed(1usize << 60, 0f32, &|| "tensor 'x'".to_string()).unwrap_err();
     assert_eq!(kind(&e), "ModelLoad");
     assert!(e.to_string().contains("tensor 'x': cannot allocate 4611686018427387904 bytes"), "{e}");
 }

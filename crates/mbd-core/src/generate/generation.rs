@@ -1,0 +1,202 @@
+//! One generation, step by step: plan (the decoder says which positions to predict) → window (the cache
+//! policy says what to forward and keep) → forward → predict (sampling) → [S2D2: verify the span's drafts with
+//! a second forward] → apply (the decoder accepts and writes tokens) → emit (the stable prefix becomes
+//! completion text).
+
+use crate::decode::decoder::{Decoder, Prediction, StopCause};
+use crate::decode::sampling::Sampler;
+use crate::decode::speculative::Router;
+use crate::error::{Error, Result};
+use crate::generate::output::{Counters, Output};
+pub use crate::generate::output::{FinishReason, StepEvent, StepOutput, Usage};
+use crate::generate::plan::plan;
+use crate::generate::window::Window;
+use crate::model::Model;
+use crate::net::segment::Segment;
+use crate::params::request::GenRequest;
+use candle_core::{DType, Tensor};
+use std::sync::Arc;
+
+pub struct Generation {
+    model: Arc<Model>,
+    dec: Decoder,
+    /// prompt ++ generated region: decoded tokens, the EOS fill, masks elsewhere (what the model reads).
+    canvas: Vec<u32>,
+    mask_id: u32,
+    window: Window,
+    sampler: Sampler,
+    out: Output,
+    /// S2D2's routing state and counters (speculative="s2d2").
+    spec: Option<Router>,
+    /// A drafted step waiting for its verification forward.
+    pending: Option<Drafted>,
+}
+
+/// A step's span, held while it is verified.
+struct Drafted {
+    /// the span's first position
+    start: usize,
+    /// the span's draft predictions
+    preds: Vec<Prediction>,
+    /// the span's draft logits rows (sampling only: the residual distribution at a rejection needs them)
+    rows: Option<Tensor>,
+}
+
+impl Generation {
+    /// A generation of `prompt` under `req`, as planned (`plan::plan`: every default and rule resolved): the
+    /// decoder, the cache/window policy, the sampler and the output set up.
+    pub fn new(model: Arc<Model>, prompt: Vec<u32>, req: &GenRequest) -> Result<Generation> {
+        let plan = plan(&model, &prompt, req)?;
+        let (lp, n) = (plan.prompt_len, plan.max_tokens);
+        let dec = Decoder::new(lp, n, plan.blocks, plan.decode)?;
+        let mut canvas = prompt;
+        canvas.resize(lp + n, plan.mask_id);
+        let window = Window::new(&model, plan.grid, lp, plan.cache);
+        let out = Output::new(lp, n, plan.stop, plan.trace, plan.logprobs);
+        let (sampler, spec) = (Sampler::new(plan.sampling), plan.spec.map(Router::new));
+        Ok(Generation { model, dec, canvas, mask_id: plan.mask_id, window, sampler, out, spec, pending: None })
+    }
+
+    /// Cancel: the next output is the final one, with finish_reason "cancelled".
+    pub fn cancel(&mut self) -> StepOutput {
+        self.out.cancel(&self.dec, self.counters())
+    }
+
+    fn counters(&self) -> Counters {
+        Counters {
+            positions_forwarded: self.window.positions_forwarded,
+            prefill_ms: self.window.prefill_ms,
+            speculative: self.spec.as_ref().map(|r| r.stats),
+        }
+    }
+
+    /// One decoding step, on the engine's CPU pool on the CPU: the step's forwards run alone (a batch of one
+    /// segment each; the first step's forwards include the prompt's prefill chunks). Returns None once the
+    /// generation has finished.
+    pub fn step(&mut self) -> Result<Option<StepOutput>> {
+        let model = self.model.clone();
+        crate::cpu_pool::on_device_pool(model.net.device(), || loop {
+            let logits = match self.prepare()? {
+                Next::Forward(seg) => model.net.forward_segments(&mut [seg])?.pop().expect("one segment"),
+                Next::Output(o) => return Ok(Some(o)),
+                Next::Finished => return Ok(None),
+            };
+            if let Some(o) = self.consume(logits)? {
+                return Ok(Some(o));
+            }
+        })
+    }
+
+    /// The generation's next forward as a segment (plan a step first when none is under way), or its output
+    /// when it needs no forward (decoding has stopped), or `Finished`. A scheduler runs the segments of many
+    /// generations in one forward (`QwenModel::forward_segments`) and hands each its logits (`consume`).
+    pub fn prepare(&mut self) -> Result<Next<'_>> {
+        if self.out.finished() {
+            return Ok(Next::Finished);
+        }
+        if !self.window.in_step() {
+            // plan
+            let Some(positions) = self.dec.plan() else {
+                let usage = self.counters();
+                return self.out.emit(&self.model, &self.dec, true, false, usage).map(Next::Output);
+            };
+            // the model reads the decoder's current canvas
+            let lp = self.dec.prompt_len;
+            for i in 0..self.dec.n {
+                self.canvas[lp + i] = if self.dec.decoded[i] { self.dec.tokens[i] } else { self.mask_id };
+            }
+            self.window.begin_step(&self.dec, positions)?;
+        }
+        Ok(Next::Forward(self.window.segment(&self.canvas)?))
+    }
+
+    /// The logits of the segment `prepare` gave. Returns the step's output once its last forward has run
+    /// (predict → apply → emit), None while forwards remain.
+    pub fn consume(&mut self, logits: Tensor) -> Result<Option<StepOutput>> {
+        let Some((positions, logits)) = self.window.consume(logits)? else { return Ok(None) };
+        if let Some(d) = self.pending.take() {
+            self.verified(d, &logits)?;
+        } else {
+            // predict
+            let preds = self.sampler.predict(&logits)?;
+            if self.verify_span(&positions, &preds, &logits)? {
+                return Ok(None);
+            }
+            // apply
+            self.dec.apply(&positions, &preds)?;
+        }
+        // the written tokens' log-probabilities under this step's logits (the verifier's, for a verified step)
+        self.out.record_logprobs(&self.dec, &positions, &logits)?;
+        // emit
+        let is_final = self.dec.stopped == Some(StopCause::ForwardCap) || self.dec.masks_left() == 0;
+        let usage = self.counters();
+        self.out.emit(&self.model, &self.dec, is_final, true, usage).map(Some)
+    }
+
+    /// S2D2: whether to verify this draft's span (the routing policy, within the forward cap); if so, queue
+    /// the verification and hold the draft.
+    fn verify_span(&mut self, positions: &[usize], preds: &[Prediction], logits: &Tensor) -> Result<bool> {
+        let Some(router) = self.spec.as_mut() else { return Ok(false) };
+        if self.dec.ar_step() || self.dec.forward_passes + 2 > self.dec.params.max_forward_passes {
+            return Ok(false);
+        }
+        let span = self.dec.span_len(positions);
+        let confident = self.dec.confident_in_first_block(positions, preds);
+        if !router.decide(&preds[..span], confident, logits.dim(1)?) {
+            return Ok(false);
+        }
+        let drafts: Vec<u32> = preds[..span].iter().map(|p| p.token).collect();
+        self.window.begin_verify(&self.canvas, (positions[0], positions[0] + span), &drafts)?;
+        let rows = (self.sampler.params().temperature > 0.0).then(|| logits.narrow(0, 0, span)).transpose()?;
+        self.pending = Some(Drafted { start: positions[0], preds: preds[..span].to_vec(), rows });
+        Ok(true)
+    }
+
+    /// S2D2: accept drafts by the verifier's logits `q` (one row per span position), commit the verified K/V
+    /// and write the step's tokens (two forwards).
+    fn verified(&mut self, d: Drafted, q: &Tensor) -> Result<()> {
+        let router = self.spec.as_mut().ok_or_else(|| Error::Internal("verification without S2D2".into()))?;
+        let drafts: Vec<u32> = d.preds.iter().map(|p| p.token).collect();
+        let (tokens, accepted) = match &d.rows {
+            None => {
+                let q_argmax: Vec<u32> = self.sampler.predict(q)?.iter().map(|p| p.token).collect();
+                router.accept_greedy(&drafts, &q_argmax)
+            }
+            Some(p_rows) => {
+                let (p_rows, q_rows): (Vec<Vec<f32>>, Vec<Vec<f32>>) =
+                    (p_rows.to_dtype(DType::F32)?.to_vec2()?, q.to_dtype(DType::F32)?.to_vec2()?);
+                if q_rows.iter().flatten().any(|x| x.is_nan()) {
+                    return Err(Error::load("the model computed non-finite logits (NaN) in a verification"));
+                }
+                let sp = self.sampler.params().clone();
+                let probs: Vec<f64> = d.preds.iter().map(|p| p.prob).collect();
+                router.accept_sampled(
+                    &mut self.sampler,
+                    &drafts,
+                    &probs,
+                    |i| sp.dist(&p_rows[i]),
+                    |i| sp.dist(&q_rows[i]),
+                )
+            }
+        };
+        let s = d.start;
+        self.window.commit_verified(s + accepted)?;
+        let decided: Vec<(usize, u32)> = tokens.into_iter().enumerate().map(|(i, t)| (s + i, t)).collect();
+        self.dec.write(&decided, 2)
+    }
+
+    /// Whether the generation has emitted its final output.
+    pub fn finished(&self) -> bool {
+        self.out.finished()
+    }
+}
+
+/// What a generation needs next (`Generation::prepare`).
+pub enum Next<'a> {
+    /// Run this segment and pass its logits to `consume`.
+    Forward(Segment<'a>),
+    /// An output that needed no forward (the final one, when decoding stopped).
+    Output(StepOutput),
+    /// Nothing more.
+    Finished,
+}

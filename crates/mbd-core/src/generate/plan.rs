@@ -1,0 +1,185 @@
+//! One place where a request meets a model: `plan` resolves a `GenRequest` over the model's profile and family
+//! defaults (`Profile::decode_defaults`) into everything a generation runs with (`Plan`), checking what the request
+//! may not combine (the cache modes and the attention, S2D2 and its parameters, the context).
+
+use crate::decode::cache_policy::{CacheMode, CachePolicy, PrefixWindow, DEFAULT_CACHE_DELAY};
+use crate::decode::decoder::{block_layout, DecodeParams};
+use crate::decode::sampling::SamplingParams;
+use crate::decode::speculative::{PenaltyKind, SpecParams, Speculative};
+use crate::error::{Error, Result};
+use crate::model::Model;
+use crate::net::mask::{Alignment, AttentionKind, BlockGrid};
+use crate::params::request::{GenRequest, Params, TraceMode};
+
+/// Default completion length: 256 tokens, or what is left of the context.
+const DEFAULT_MAX_TOKENS: usize = 256;
+/// Default cap on forward passes.
+const DEFAULT_MAX_FORWARD_PASSES: usize = 10_000;
+
+/// A request resolved over a model: what one generation runs with.
+pub struct Plan {
+    pub prompt_len: usize,
+    /// Completion positions (`max_tokens`, or its default).
+    pub max_tokens: usize,
+    pub mask_id: u32,
+    pub decode: DecodeParams,
+    /// The generated region's blocks (`decoder::block_layout`).
+    pub blocks: Vec<(usize, usize, usize)>,
+    pub grid: BlockGrid,
+    pub cache: CachePolicy,
+    pub sampling: SamplingParams,
+    /// S2D2's routing parameters (None: no speculation).
+    pub spec: Option<SpecParams>,
+    pub stop: Vec<String>,
+    pub trace: TraceMode,
+    pub logprobs: Option<usize>,
+}
+
+/// Resolve `req` for `prompt` over `model`'s profile and family defaults. Parameter ranges are checked by
+/// `req.validate()` (`request::PARAMS`); the rules that join parameters, the model and the prompt are here.
+pub fn plan(model: &Model, prompt: &[u32], req: &GenRequest) -> Result<Plan> {
+    req.validate()?;
+    let p = &model.profile;
+    if prompt.is_empty() {
+        return Err(Error::invalid("prompt is empty (0 tokens); give at least one token"));
+    }
+    model.check_ids("prompt", prompt)?;
+    let mask_id = p.mask_token_id.ok_or_else(|| {
+        Error::invalid(format!(
+            "this model ({}) has no mask token id; pass mask_token_id=... to Engine.load",
+            p.architecture
+        ))
+    })?;
+    let lp = prompt.len();
+    let max_ctx = model.config.max_position_embeddings;
+    let n = req.max_tokens.unwrap_or_else(|| DEFAULT_MAX_TOKENS.min(max_ctx.saturating_sub(lp)).max(1));
+    if n > max_ctx.saturating_sub(lp) {
+        return Err(Error::ContextLength(format!(
+            "maximum context is {max_ctx} tokens; requested {} ({lp} prompt + {n} completion)",
+            lp as u128 + n as u128
+        )));
+    }
+    let stop_token_ids = req.stop_token_ids.clone().unwrap_or_default();
+    model.check_ids("stop_token_ids", &stop_token_ids)?;
+    let mut eos_ids = p.eos_token_ids.clone();
+    for t in stop_token_ids {
+        if !eos_ids.contains(&t) {
+            eos_ids.push(t);
+        }
+    }
+    let d = p.decode_defaults();
+    let spec = speculative(req, p.attention)?;
+    let sub_block_size = req.sub_block_size.or(d.sub_block_size);
+    let params = DecodeParams {
+        threshold: req.threshold.unwrap_or(d.threshold),
+        acceptance: req.acceptance.unwrap_or(d.acceptance),
+        block_add_threshold: req.block_add_threshold.unwrap_or(d.block_add_threshold),
+        decoded_token_threshold: req.decoded_token_threshold.unwrap_or(d.decoded_token_threshold),
+        forced_progress: req.forced_progress.unwrap_or(d.forced_progress),
+        early_stop: req.early_stop.unwrap_or(true),
+        max_forward_passes: req.max_forward_passes.unwrap_or(DEFAULT_MAX_FORWARD_PASSES),
+        eos_ids,
+        sub_block_size,
+        ar_block_start: sub_block_size.is_some() && p.logits_shift,
+    };
+    let sampling = SamplingParams {
+        temperature: req.temperature.unwrap_or(0.0),
+        top_k: req.top_k.unwrap_or(0),
+        top_p: req.top_p.unwrap_or(1.0),
+        seed: req.seed,
+    };
+    let b = req.block_size.unwrap_or(if p.attention == AttentionKind::Causal { 1 } else { p.block_size });
+    let (grid, absolute) = match p.attention {
+        AttentionKind::BlockCausal => {
+            (BlockGrid::new(AttentionKind::BlockCausal, b, p.alignment, lp)?, p.alignment == Alignment::Absolute)
+        }
+        AttentionKind::Causal => (BlockGrid::causal(), false),
+        AttentionKind::Full => (BlockGrid::new(AttentionKind::Full, b, Alignment::Prompt, lp)?, false),
+    };
+    Ok(Plan {
+        prompt_len: lp,
+        max_tokens: n,
+        mask_id,
+        decode: params,
+        blocks: block_layout(lp, n, b, absolute),
+        grid,
+        cache: cache_policy(grid.kind, req)?,
+        sampling,
+        spec,
+        stop: req.stop.clone().unwrap_or_default(),
+        trace: req.trace.unwrap_or(TraceMode::Off),
+        logprobs: req.logprobs,
+    })
+}
+
+/// The cache policy of a request: `cache` (with `cache_delay`, `refresh_interval`) and `use_cache`, over the
+/// model's attention. Default: exact where K/V become final (block-causal, causal), none for full attention.
+fn cache_policy(attention: AttentionKind, req: &GenRequest) -> Result<CachePolicy> {
+    let (cache, use_cache, delay, refresh) = (req.cache, req.use_cache, req.cache_delay, req.refresh_interval);
+    let prefix_only = req.given(&["cache_delay", "refresh_interval", "prefix_window"]);
+    if cache != Some(CacheMode::Prefix) && !prefix_only.is_empty() {
+        return Err(Error::invalid(format!("{} only with cache='prefix'", prefix_only.join(" and "))));
+    }
+    let full = attention == AttentionKind::Full;
+    match (cache, use_cache) {
+        (Some(c), Some(false)) if c != CacheMode::None => {
+            Err(Error::invalid(format!("use_cache=False contradicts cache='{}'", c.name())))
+        }
+        (Some(CacheMode::Exact), _) if full => Err(Error::invalid(
+            "cache='exact' needs block-causal or causal attention: with full attention no K/V is ever final \
+             (use cache='prefix' for the approximate cache, or 'none')",
+        )),
+        (Some(c @ (CacheMode::Prefix | CacheMode::Dual)), _) if !full => Err(Error::invalid(format!(
+            "cache='{}' is an approximate cache for full attention; this model's attention is block-causal or \
+             causal, whose K/V are cached exactly (cache='exact', the default)",
+            c.name()
+        ))),
+        (Some(CacheMode::Dual), _) => Ok(CachePolicy::Dual),
+        (Some(CacheMode::Prefix), _) => Ok(CachePolicy::Prefix {
+            delay: delay.unwrap_or(DEFAULT_CACHE_DELAY),
+            refresh,
+            window: req.prefix_window.unwrap_or(PrefixWindow::Canvas),
+        }),
+        (Some(CacheMode::None), _) | (None, Some(false)) => Ok(CachePolicy::Recompute),
+        _ if full => Ok(CachePolicy::Recompute),
+        _ => Ok(CachePolicy::Exact),
+    }
+}
+
+/// S2D2's routing parameters of a request (None: no speculation). The verify_* parameters need
+/// speculative="s2d2", and verification needs block-causal or causal attention.
+fn speculative(req: &GenRequest, attention: AttentionKind) -> Result<Option<SpecParams>> {
+    let set = req.given(&[
+        "verify_policy",
+        "verify_min_span",
+        "verify_score_threshold",
+        "verify_penalty",
+        "verify_penalty_kind",
+        "verify_hysteresis",
+    ]);
+    if req.speculative.unwrap_or(Speculative::Off) == Speculative::Off {
+        if !set.is_empty() {
+            let verb = if set.len() == 1 { "applies" } else { "apply" };
+            return Err(Error::invalid(format!("{} only {verb} with speculative='s2d2'", set.join(", "))));
+        }
+        return Ok(None);
+    }
+    if attention == AttentionKind::Full {
+        return Err(Error::invalid(
+            "speculative='s2d2' verifies at block size 1, which needs block-causal or causal attention; this \
+             model uses full attention",
+        ));
+    }
+    let hysteresis = match &req.verify_hysteresis {
+        Some(v) => SpecParams::hysteresis_pair(v)?,
+        None => SpecParams::DEFAULT_HYSTERESIS,
+    };
+    Ok(Some(SpecParams {
+        policy: req.verify_policy.unwrap_or(SpecParams::DEFAULT_POLICY),
+        min_span: req.verify_min_span.unwrap_or(SpecParams::DEFAULT_MIN_SPAN),
+        score_threshold: req.verify_score_threshold.unwrap_or(SpecParams::DEFAULT_SCORE_THRESHOLD),
+        penalty: req.verify_penalty.unwrap_or(SpecParams::DEFAULT_PENALTY),
+        penalty_kind: req.verify_penalty_kind.unwrap_or(PenaltyKind::Static),
+        hysteresis,
+    }))
+}

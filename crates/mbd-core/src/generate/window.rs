@@ -1,0 +1,481 @@
+//! The cache/window policy of one generation: which positions a step forwards, over which K/V, and which K/V
+//! it keeps. With block-causal or causal attention the K/V of completed blocks never change, so they are
+//! cached exactly: after forward s, the leading window blocks that were already complete when forward s
+//! started are committed from forward s itself — no extra forward. Without a cache (or with full attention,
+//! where no K/V is ever final) every step recomputes from position 0.
+//!
+//! A step is a short queue of forwards (`begin_step`): the prompt's prefill chunks on the first step, a long
+//! canvas's recompute chunks, then the window, and with S2D2 a verification (`begin_verify`). Each is handed
+//! out as a `Segment` (`segment`) and its logits are taken back (`consume`), so that a scheduler can run the
+//! forwards of many generations together.
+//!
+//! S2D2 verification: a forward over [frontier, span end) with the span's drafts filled in, causal among
+//! itself (the first half), plus — for unshifted models — one mask row per span position at the same position,
+//! which sees the first half strictly before it and itself only (the second half): its logits are that
+//! position's block-size-1 prediction. The first half's K/V up to the first rejected draft are final, so they
+//! are committed from that forward (`commit_verified`): those positions keep causal K/V. The recompute policy
+//! rebuilds exactly the same K/V by giving those positions causal visibility (`causal`) in every forward.
+
+use crate::decode::cache_policy::{CachePolicy, PrefixWindow};
+use crate::decode::decoder::Decoder;
+use crate::error::{Error, Result};
+use crate::model::Model;
+use crate::net::kv_cache::KvCache;
+use crate::net::mask::{chunks, PREFILL_CHUNK};
+use crate::net::mask::{Alignment, AttentionKind, BlockGrid, MaskSpec};
+use crate::net::segment::Segment;
+use candle_core::Tensor;
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::time::Instant;
+
+/// One forward of a step: canvas[start..end) into the generation's cache (or the step's scratch cache).
+#[derive(Debug)]
+struct Piece {
+    start: usize,
+    end: usize,
+    /// Cached positions the forward runs over (== start except for the dual cache's region forwards).
+    keys: usize,
+    /// Window rows whose logits are wanted.
+    rows: Vec<usize>,
+    kind: PieceKind,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PieceKind {
+    /// A chunk of the prompt into the cache (committed whole; the last one's last row is the carry).
+    Prefill { last: bool },
+    /// A chunk of a long canvas into the step's scratch cache (recompute policy; committed whole).
+    Scratch,
+    /// The step's window; the frontier then moves to `commit_end` (the exact policy commits up to it); with
+    /// `suffix`, the window rows from that position on are kept after them (the dual cache).
+    Window { commit_end: usize, suffix: Option<usize> },
+    /// S2D2's verification of the span (its ids are the window's `verify_ids`).
+    Verify { span: (usize, usize) },
+}
+
+pub struct Window {
+    policy: CachePolicy,
+    grid: BlockGrid,
+    /// Logits are shifted: the row of position p - 1 predicts position p.
+    shift: bool,
+    cache: KvCache,
+    /// Logits row of the last committed position (shifted profiles with a cache), (1, V).
+    carry: Option<Tensor>,
+    prompt_len: usize,
+    prefilled: bool,
+    /// The current step's remaining forwards, its positions, and its scratch cache (recompute policy).
+    pieces: VecDeque<Piece>,
+    positions: Vec<usize>,
+    scratch: Option<KvCache>,
+    /// End of the positions whose K/V are final (the exact policy's cache length; tracked by both policies).
+    frontier: usize,
+    /// Positions whose final K/V are causal (committed from a verification), as ascending ranges.
+    causal: Vec<Range<usize>>,
+    /// The verification's input ids, and its logits until `commit_verified` (first row's position, rows).
+    verify_ids: Vec<u32>,
+    verify_rows: Option<(usize, Tensor)>,
+    /// Prefix policy: per schedule block (the prompt, then the decoder's blocks), the step at which it was first
+    /// seen complete, and whether it is cached.
+    completed_at: Vec<Option<usize>>,
+    cached: Vec<bool>,
+    /// Dual policy: the region (start, end) the cached prefix and suffix were computed for.
+    dual: Option<(usize, usize)>,
+    prefill_started: Option<Instant>,
+    /// Token positions run through the model by decode steps (prefill excluded).
+    pub positions_forwarded: usize,
+    pub prefill_ms: f64,
+}
+
+impl Window {
+    /// `policy` as `CachePolicy::resolve` gave it for this grid.
+    pub fn new(model: &Model, grid: BlockGrid, prompt_len: usize, policy: CachePolicy) -> Window {
+        Window {
+            policy,
+            grid,
+            shift: model.profile.logits_shift,
+            cache: model.new_cache(),
+            carry: None,
+            prompt_len,
+            prefilled: false,
+            pieces: VecDeque::new(),
+            positions: vec![],
+            scratch: None,
+            frontier: 0,
+            causal: vec![],
+            verify_ids: vec![],
+            verify_rows: None,
+            completed_at: vec![Some(0)],
+            cached: vec![false],
+            dual: None,
+            prefill_started: None,
+            positions_forwarded: 0,
+            prefill_ms: 0.0,
+        }
+    }
+
+    pub fn policy(&self) -> CachePolicy {
+        self.policy
+    }
+
+    /// Whether a step is under way (planned, some of its forwards still to run).
+    pub fn in_step(&self) -> bool {
+        !self.pieces.is_empty()
+    }
+
+    fn src(&self, p: usize) -> usize {
+        if self.shift {
+            p - 1
+        } else {
+            p
+        }
+    }
+
+    /// Plan the forwards of a step predicting `positions` (ascending) of `dec`'s canvas: the prompt's prefill
+    /// chunks first (exact policy, first step), or a long canvas's recompute chunks, then the window.
+    pub fn begin_step(&mut self, dec: &Decoder, positions: Vec<usize>) -> Result<()> {
+        if self.in_step() {
+            return Err(Error::Internal("a step is already under way".into()));
+        }
+        let exact = self.policy == CachePolicy::Exact;
+        if !self.prefilled {
+            self.prefilled = true;
+            // the prompt up to its last grid boundary goes into the cache, chunk by chunk
+            let lp = self.prompt_len;
+            let pe = if self.grid.kind == AttentionKind::BlockCausal && self.grid.alignment == Alignment::Absolute {
+                (lp / self.grid.block_size) * self.grid.block_size
+            } else {
+                lp
+            };
+            self.frontier = pe;
+            if exact && pe > 0 {
+                let cs = chunks(&self.grid, 0, pe);
+                let n = cs.len();
+                for (i, (s, e)) in cs.into_iter().enumerate() {
+                    let last = i + 1 == n;
+                    let rows = if last && self.shift { vec![e - s - 1] } else { vec![] };
+                    self.pieces.push_back(Piece { start: s, end: e, keys: s, rows, kind: PieceKind::Prefill { last } });
+                }
+            }
+        }
+        let mut commit_end = None;
+        let (mut keys, mut suffix) = (None, None);
+        let (ws, we) = match (self.grid.kind, self.policy) {
+            (_, CachePolicy::Dual) => {
+                let (a, b) = (dec.active_start(), dec.created_end());
+                if self.dual == Some((a, b)) {
+                    // the region over the cached prefix and suffix
+                    keys = Some(self.cache.len());
+                    commit_end = Some(a);
+                    (a, b)
+                } else {
+                    // the region changed (or first step): recompute everything, keep [0, a) and [b, end)
+                    self.cache.truncate(0);
+                    self.carry = None;
+                    self.dual = Some((a, b));
+                    commit_end = Some(a);
+                    suffix = Some(b);
+                    (0, dec.canvas_end())
+                }
+            }
+            (_, CachePolicy::Prefix { delay, refresh, window }) => {
+                let (start, commit) = self.prefix_schedule(dec, delay, refresh)?;
+                commit_end = Some(commit);
+                let end = match window {
+                    PrefixWindow::Canvas => dec.canvas_end(),
+                    PrefixWindow::Created => dec.created_end(),
+                };
+                (start, end)
+            }
+            (AttentionKind::Full, _) => (0, dec.canvas_end()),
+            (_, CachePolicy::Exact) => {
+                let base = self.pieces.back().map_or(self.cache.len(), |p| p.end);
+                (base, dec.created_end())
+            }
+            (_, CachePolicy::Recompute) => {
+                // A long canvas is recomputed in prefill-sized chunks up to the last block boundary before the
+                // first row whose logits are needed, so that no forward spans all of it (short ones: one forward).
+                let first = positions.iter().map(|&p| self.src(p)).min().unwrap_or(0);
+                let mut b = first;
+                while b > 0 && !self.grid.is_boundary(b) {
+                    b -= 1;
+                }
+                if b >= PREFILL_CHUNK {
+                    for (s, e) in chunks(&self.grid, 0, b) {
+                        self.pieces.push_back(Piece {
+                            start: s,
+                            end: e,
+                            keys: s,
+                            rows: vec![],
+                            kind: PieceKind::Scratch,
+                        });
+                    }
+                } else {
+                    b = 0;
+                }
+                (b, dec.created_end())
+            }
+        };
+        let commit_end = commit_end.unwrap_or_else(|| dec.complete_run_end(self.frontier).max(self.frontier));
+        // rows of the window whose logits are needed (and the new carry row)
+        let mut rows: Vec<usize> =
+            positions.iter().map(|&p| self.src(p)).filter(|&r| r >= ws).map(|r| r - ws).collect();
+        if self.policy.keeps() && self.shift && commit_end > ws {
+            rows.push(commit_end - 1 - ws);
+        }
+        rows.sort_unstable();
+        rows.dedup();
+        let kind = PieceKind::Window { commit_end, suffix };
+        self.pieces.push_back(Piece { start: ws, end: we, keys: keys.unwrap_or(ws), rows, kind });
+        self.positions = positions;
+        Ok(())
+    }
+
+    /// The prefix policy's plan for the step about to run (d3LLM's `_sample_multi_block_kv_cache` schedule):
+    /// returns (window start, commit end) and truncates the cache for a recompute. Schedule blocks are the prompt,
+    /// then the decoder's created blocks; scanning from the cache's end, a complete block is stamped with the step
+    /// it is first seen complete at, and cached once `delay` steps have passed (the scan stops at the first
+    /// incomplete block). Then: a block to cache -> forward [cache end, canvas end) and commit through it; else a
+    /// cache and no complete block waiting and no periodic refresh due -> forward [cache end, canvas end); else a
+    /// cache -> refresh: recompute [0, canvas end) and rebuild the cached K/V from it; else (no cache yet) ->
+    /// recompute [0, canvas end). (The caller ends each forward at the window's end instead of the canvas end when
+    /// `prefix_window` is "created".) d3LLM's refresh extends its cache to the latest waiting block's start without
+    /// advancing its length counter (its next forwards see those positions twice); here a refresh rebuilds the
+    /// cached region only.
+    fn prefix_schedule(&mut self, dec: &Decoder, delay: usize, refresh: Option<usize>) -> Result<(usize, usize)> {
+        let step = dec.forward_passes + 1;
+        let spans: Vec<(usize, usize)> = std::iter::once((0, dec.prompt_len))
+            .chain(dec.blocks.iter().filter(|b| b.created).map(|b| (b.start, b.end)))
+            .collect();
+        self.completed_at.resize(spans.len(), None);
+        self.cached.resize(spans.len(), false);
+        let complete = |(s, e): (usize, usize)| (s.max(dec.prompt_len)..e).all(|p| dec.decoded[p - dec.prompt_len]);
+        let cache_end = self.cache.len();
+        let mut to = None;
+        for (k, &sp) in spans.iter().enumerate() {
+            if sp.1 <= cache_end {
+                continue;
+            }
+            if !complete(sp) {
+                break;
+            }
+            let at = *self.completed_at[k].get_or_insert(step);
+            if step - at >= delay && !self.cached[k] {
+                self.cached[k] = true;
+                to = Some(sp.1);
+            }
+        }
+        let waiting = (0..spans.len()).any(|k| self.completed_at[k].is_some() && !self.cached[k] && complete(spans[k]));
+        let periodic = refresh.is_some_and(|r| step.is_multiple_of(r));
+        Ok(match to {
+            Some(end) => (cache_end, end),
+            None if cache_end > 0 && !waiting && !periodic => (cache_end, cache_end),
+            None => {
+                // recompute everything; a cache is rebuilt from this forward
+                self.cache.truncate(0);
+                self.carry = None;
+                (0, cache_end)
+            }
+        })
+    }
+
+    /// The next forward of the step under way, as a segment over `canvas`.
+    pub fn segment<'a>(&'a mut self, canvas: &'a [u32]) -> Result<Segment<'a>> {
+        let piece = self.pieces.front().ok_or_else(|| Error::Internal("no step under way".into()))?;
+        if matches!(piece.kind, PieceKind::Prefill { .. }) && self.prefill_started.is_none() {
+            self.prefill_started = Some(Instant::now());
+        }
+        let (start, end, keys, kind, rows) = (piece.start, piece.end, piece.keys, piece.kind, piece.rows.clone());
+        // the keys [0, row_end(p)) a final position p saw when its K/V were computed
+        let row_end = |p: usize| -> usize {
+            if self.causal.iter().any(|r| r.contains(&p)) {
+                p + 1
+            } else {
+                self.grid.block_end(p).min(end)
+            }
+        };
+        let (ids, positions, mask) = match kind {
+            PieceKind::Verify { span: (s, e) } => {
+                // first half [start, end): final rows keep their visibility, the others are causal; second half
+                // (unshifted models): one row per span position, seeing the first half before it and itself
+                let mut mask: Vec<Vec<Range<usize>>> = (start..end)
+                    .map(|p| std::iter::once(0..if p < self.frontier { row_end(p) } else { p + 1 }).collect())
+                    .collect();
+                let mut positions: Vec<usize> = (start..end).collect();
+                if !self.shift {
+                    for (j, i) in (s..e).enumerate() {
+                        mask.push(vec![0..i, end + j..end + j + 1]);
+                        positions.push(i);
+                    }
+                }
+                (&self.verify_ids[..], positions, MaskSpec::Custom(mask))
+            }
+            // the grid rule, unless some positions have causal K/V (recompute policy after a verification)
+            _ if self.causal.is_empty() || self.policy == CachePolicy::Exact => {
+                (&canvas[start..end], (start..end).collect(), MaskSpec::Grid(self.grid))
+            }
+            _ => (
+                &canvas[start..end],
+                (start..end).collect(),
+                MaskSpec::Custom((start..end).map(|p| std::iter::once(0..row_end(p)).collect()).collect()),
+            ),
+        };
+        // prefill chunks, and every window of a policy that keeps K/V, run over the generation's cache; the
+        // recompute policy's pieces over the step's scratch cache
+        let own = match kind {
+            PieceKind::Prefill { .. } => true,
+            PieceKind::Scratch => false,
+            PieceKind::Window { .. } | PieceKind::Verify { .. } => self.policy.keeps(),
+        };
+        let cache = if own { &mut self.cache } else { self.scratch.get_or_insert_with(|| self.cache.fresh()) };
+        if cache.len() != keys {
+            return Err(Error::Internal(format!("the cache holds {} positions, the piece needs {keys}", cache.len())));
+        }
+        Ok(Segment { cache, ids, positions, mask, rows })
+    }
+
+    /// Queue S2D2's verification of the span [s, e) (positions of the step just consumed, all masked in the
+    /// canvas) with these draft tokens. Its `consume` returns the verifier's logits for the span's positions.
+    pub fn begin_verify(&mut self, canvas: &[u32], span: (usize, usize), drafts: &[u32]) -> Result<()> {
+        let (s, e) = span;
+        if self.in_step() || s >= e || drafts.len() != e - s || s < self.frontier {
+            return Err(Error::Internal(format!("cannot verify span {s}..{e} (frontier {})", self.frontier)));
+        }
+        let start = if self.policy == CachePolicy::Exact { self.frontier } else { 0 };
+        self.verify_ids.clear();
+        self.verify_ids.extend_from_slice(&canvas[start..s]);
+        self.verify_ids.extend_from_slice(drafts);
+        let rows: Vec<usize> = if self.shift {
+            // the row of p - 1 predicts p; the row of e - 1 is the carry when every draft is accepted
+            (s.saturating_sub(1).max(start)..e).map(|p| p - start).collect()
+        } else {
+            let mask = canvas[s];
+            self.verify_ids.extend(std::iter::repeat_n(mask, e - s));
+            (0..e - s).map(|j| e - start + j).collect()
+        };
+        self.pieces.push_back(Piece { start, end: e, keys: start, rows, kind: PieceKind::Verify { span } });
+        Ok(())
+    }
+
+    /// After a verification: the positions [frontier, commit_end) hold final tokens that the verification's
+    /// first half saw, so their (causal) K/V are final: commit them from that forward.
+    pub fn commit_verified(&mut self, commit_end: usize) -> Result<()> {
+        let (first, rows) =
+            self.verify_rows.take().ok_or_else(|| Error::Internal("no verification to commit".into()))?;
+        if commit_end <= self.frontier {
+            return Ok(());
+        }
+        let f = self.frontier;
+        if self.policy == CachePolicy::Exact {
+            self.cache.commit(commit_end - f)?;
+            if self.shift {
+                self.carry = Some(rows.narrow(0, commit_end - 1 - first, 1)?);
+            }
+        }
+        match self.causal.last_mut() {
+            Some(r) if r.end == f => r.end = commit_end,
+            _ => self.causal.push(f..commit_end),
+        }
+        self.frontier = commit_end;
+        Ok(())
+    }
+
+    /// Take the logits of the forward `segment` described. Returns the step's positions and their (C, V) logits,
+    /// in order, once its window has run (None while forwards remain); commits what the policy keeps.
+    pub fn consume(&mut self, logits: Tensor) -> Result<Option<(Vec<usize>, Tensor)>> {
+        let piece = self.pieces.pop_front().ok_or_else(|| Error::Internal("no step under way".into()))?;
+        let len = piece.end - piece.start;
+        match piece.kind {
+            PieceKind::Prefill { last } => {
+                self.cache.commit(len)?;
+                if last {
+                    if self.shift {
+                        self.carry = Some(logits);
+                    }
+                    self.prefill_ms = self.prefill_started.map_or(0.0, |t| t.elapsed().as_secs_f64() * 1e3);
+                }
+                Ok(None)
+            }
+            PieceKind::Scratch => {
+                self.scratch.as_mut().ok_or_else(|| Error::Internal("no scratch cache".into()))?.commit(len)?;
+                self.positions_forwarded += len;
+                Ok(None)
+            }
+            PieceKind::Window { commit_end, suffix } => {
+                self.positions_forwarded += len;
+                self.scratch = None;
+                let out = self.finish_window(piece, commit_end, suffix, logits)?;
+                self.frontier = commit_end;
+                Ok(Some((std::mem::take(&mut self.positions), out)))
+            }
+            PieceKind::Verify { span: (s, e) } => {
+                self.positions_forwarded += len + if self.shift { 0 } else { e - s };
+                self.scratch = None;
+                let out = if self.shift {
+                    // rows are positions first..e; position p's prediction is row p - 1, or the carry
+                    let first = s.saturating_sub(1).max(piece.start);
+                    let table = match &self.carry {
+                        Some(c) if s == piece.start && self.policy == CachePolicy::Exact => {
+                            Tensor::cat(&[c, &logits], 0)?
+                        }
+                        _ => logits.clone(),
+                    };
+                    let off = usize::from(table.dim(0)? > logits.dim(0)?);
+                    let pick: Vec<u32> = (s..e).map(|p| (p - 1 + off - first) as u32).collect();
+                    self.verify_rows = Some((first, logits));
+                    table.index_select(&Tensor::new(pick.as_slice(), table.device())?, 0)?
+                } else {
+                    self.verify_rows = Some((e, logits.clone()));
+                    logits
+                };
+                Ok(Some(((s..e).collect(), out)))
+            }
+        }
+    }
+
+    /// Gather the step's positions' rows from the window's logits (the carry row sits after them) and commit.
+    fn finish_window(
+        &mut self,
+        piece: Piece,
+        commit_end: usize,
+        suffix: Option<usize>,
+        logits: Tensor,
+    ) -> Result<Tensor> {
+        let exact = self.policy.keeps();
+        let (ws, rows) = (piece.start, &piece.rows);
+        let n_rows = rows.len();
+        let table = match &self.carry {
+            Some(c) if exact && self.shift => Tensor::cat(&[&logits, c], 0)?,
+            _ => logits.clone(),
+        };
+        let mut pick = Vec::with_capacity(self.positions.len());
+        for &p in &self.positions {
+            let r = self.src(p);
+            if r >= ws {
+                pick.push(
+                    rows.binary_search(&(r - ws)).map_err(|_| Error::Internal("missing logits row".into()))? as u32
+                );
+            } else if self.carry.is_some() && r + 1 == ws {
+                pick.push(n_rows as u32);
+            } else {
+                return Err(Error::Internal(format!("no logits for position {p} (window starts at {ws})")));
+            }
+        }
+        let out = table.index_select(&Tensor::new(pick.as_slice(), table.device())?, 0)?;
+        if let Some(b) = suffix {
+            self.cache.commit_split(commit_end - ws, b - ws, piece.end - b)?;
+        }
+        if exact && commit_end > ws {
+            if suffix.is_none() {
+                self.cache.commit(commit_end - ws)?;
+            }
+            if self.shift {
+                let i = rows
+                    .binary_search(&(commit_end - 1 - ws))
+                    .map_err(|_| Error::Internal("missing carry row".into()))?;
+                self.carry = Some(logits.narrow(0, i, 1)?);
+            }
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,88 @@
+//! The kernels wing: arithmetic on slices. Block formats (`blocks`, `records`), one CPU feature probe (`cpu`),
+//! per-ISA products (`skinny`: few rows; `panels`: many rows and matrices packed at load; `qdot`: integer dot
+//! products on 8-bit activations), the blocked CPU attention (`attention`), vector math (`vmath`) and mbd-rs's CUDA
+//! kernels (`cuda`). It knows block formats and instruction sets, never layers, requests or files: nothing here
+//! imports from another wing (docs/architecture.md).
+
+pub mod attention;
+pub mod blocks;
+pub mod cpu;
+pub mod cuda;
+pub mod panels;
+pub mod qdot;
+pub mod records;
+pub mod simd;
+pub mod skinny;
+pub mod unpack;
+pub mod vmath;
+
+/// Kernel choices of a loaded model (load options; benchmarks and tests load with other values for A/B runs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Kernels {
+    /// Use this kernel at all (false: candle's matmul everywhere).
+    pub skinny: bool,
+    /// Products smaller than this many multiply-adds run on the calling thread. Called from the engine's pool
+    /// (forwards run there) splitting costs a few µs, so only the smallest products stay serial; called from
+    /// outside a pool waking the workers costs ~30 µs. Chosen with benches/ab_kernels.py.
+    pub par_min_macs: usize,
+    /// Windows of at most this many rows take the kernel; longer ones (prefill) go to gemm. (64: on the tiny
+    /// model the kernel is faster up to ~64 rows and about even with gemm at 100; on the 0.5B shapes it is
+    /// 0.8-1.0x gemm's time at 64 rows. benches/forward.rs and benches/ab_kernels.py measure both sides.)
+    pub max_rows: usize,
+    /// Bytes of f32 attention scores (heads x query rows x keys) one query chunk may take: a long window (a
+    /// recompute without cache, a full-attention canvas, a logits call) is attended in query chunks so that no
+    /// forward allocates scores for every row at once (a 100k-token window would need 100k x 100k per head).
+    pub attention_score_bytes: usize,
+    /// Attention on the CPU (f32, AVX2 + FMA) in `attention::attend`: blocked over keys, mask-aware,
+    /// an online softmax with a vectorised exp, no score matrix. false: candle's ops (scores per query chunk, a
+    /// host-built additive mask, softmax, a second matmul).
+    pub blocked_attention: bool,
+    /// Long windows' products on the CPU through `panels` (a packed AVX2 product widening or dequantizing W as
+    /// it packs; gemm per widened panel on other CPUs). false: candle's matmul (a bf16 W widened whole per call; a
+    /// quantized W through this kernel).
+    pub panels: bool,
+    /// Dense f32 / bf16 and quantized matrices packed at load (`panels::PackedMatrix`) on CPUs with the packed
+    /// product (x86-64 with AVX2, FMA and F16C), so that every window, from one row to a prefill chunk, runs the
+    /// packed product on them with no packing per call (and every row the same arithmetic, alone or stacked).
+    /// false: held row-major (quantized ones in their blocks), few-row windows through this kernel (for A/B runs).
+    pub packed_weights: bool,
+    /// The packed product's AVX-512 tiles (`panels::matmul_t_with`) where the CPU has AVX-512. false: its AVX2 tiles
+    /// (the same bits; for A/B runs).
+    pub packed_avx512: bool,
+    /// Linear layers of one input held as one matrix (q/k/v, gate/up: `models::qwen::Stacked`), one product
+    /// instead of several. false: each its own product (the same bits; for A/B runs).
+    pub stack: bool,
+    /// On CUDA, mbd-rs's own kernels (`cuda`): a window's q/k norms, RoPE and K/V cache write in one launch,
+    /// its attention in two (f32 scores, key ranges from the mask spec, no score matrix), silu·mul in one.
+    /// false: candle's ops (for A/B runs).
+    pub cuda_fused: bool,
+    /// Quantized linear layers on the CPU held as candle's quantized tensors and multiplied by candle's quantized
+    /// matmul (`quant::Matrix::Candle`), as they always are on CUDA: tests and A/B runs of that path on the CPU.
+    pub candle_quant: bool,
+}
+
+impl Default for Kernels {
+    fn default() -> Self {
+        Kernels {
+            skinny: true,
+            par_min_macs: 1 << 14,
+            max_rows: 64,
+            attention_score_bytes: 256 << 20,
+            blocked_attention: true,
+            panels: true,
+            packed_weights: true,
+            packed_avx512: true,
+            stack: true,
+            cuda_fused: true,
+            candle_quant: false,
+        }
+    }
+}
+
+impl Kernels {
+    /// Whether a CPU f32 model holds its dense matrices packed (`packed_weights`, with this kernel and the panels
+    /// on: with either off the products go elsewhere).
+    pub fn packs(&self) -> bool {
+        self.packed_weights && self.skinny && self.panels
+    }
+}

@@ -1,0 +1,184 @@
+//! `Model::load`: a model directory or GGUF file through the load wing (config, tokenizer, weights, chat
+//! template), the profile it implies, and the network built from its weights.
+
+use crate::error::{Error, Result};
+use crate::load::chat::ChatTemplate;
+use crate::load::config::ModelConfig;
+use crate::load::gguf::GgufFile;
+use crate::load::json::{read_json, Fields};
+use crate::load::tokenizer::{load_tokenizer, tokenizer_from_json, tokenizer_mask_id};
+use crate::load::weights::{checkpoint_files, Weights};
+use crate::model::Model;
+use crate::net::linear::{int8_activations, HoldPolicy, Holder};
+use crate::net::qwen::QwenModel;
+use crate::params::load::{dtype_name, LoadOptions};
+use crate::params::profile::{detect_family, Profile};
+use serde_json::{Map, Value};
+use std::path::Path;
+
+/// Hand the heap memory freed during a load back to the system. Reading, quantizing and rearranging the weights
+/// frees many large temporary buffers among the held ones; glibc keeps such holes in its heap, so the process's RSS
+/// after a load stood 4-11% above the weights it holds (quantized models; measured on a 2048-wide 1.0B model: q4_k
+/// with int8 activations 1.106x the held bytes before, 1.019x after). Elsewhere a no-op.
+fn release_freed_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free heap pages to the system; it takes no pointers of ours.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+/// Where a model comes from: a directory of HF files, or one GGUF file (metadata, vocabulary and tensors).
+enum Source {
+    Dir,
+    Gguf(GgufFile),
+}
+
+impl Source {
+    fn open(dir: &Path) -> Result<Source> {
+        if dir.is_file() {
+            Ok(Source::Gguf(GgufFile::read(dir)?))
+        } else if dir.is_dir() {
+            Ok(Source::Dir)
+        } else {
+            Err(Error::FileNotFound {
+                path: dir.to_path_buf(),
+                what: "no such model directory (expected config.json, tokenizer.json and *.safetensors) or GGUF file"
+                    .into(),
+            })
+        }
+    }
+
+    fn gguf(&self) -> Option<&GgufFile> {
+        match self {
+            Source::Gguf(g) => Some(g),
+            Source::Dir => None,
+        }
+    }
+
+    /// config.json's fields (a GGUF file's metadata as those fields) and the file to name in errors.
+    fn config(&self, dir: &Path) -> Result<(Map<String, Value>, String)> {
+        Ok(match self {
+            Source::Gguf(g) => (g.hf_config()?, format!("{} (GGUF metadata as config.json)", dir.display())),
+            Source::Dir => {
+                let p = dir.join("config.json");
+                (read_json(&p)?, p.display().to_string())
+            }
+        })
+    }
+
+    /// generation_config.json's fields, where the directory has one.
+    fn generation_config(&self, dir: &Path) -> Result<Option<(Map<String, Value>, String)>> {
+        let p = dir.join("generation_config.json");
+        Ok(match self {
+            Source::Dir if p.exists() => Some((read_json(&p)?, p.display().to_string())),
+            _ => None,
+        })
+    }
+
+    fn tokenizer(&self, dir: &Path) -> Result<tokenizers::Tokenizer> {
+        match self {
+            Source::Gguf(g) => {
+                tokenizer_from_json(&g.tokenizer_json()?.to_string(), &format!("{} (GGUF tokenizer)", dir.display()))
+            }
+            Source::Dir => load_tokenizer(dir),
+        }
+    }
+
+    fn weights(&self, dir: &Path, opts: &LoadOptions) -> Result<Weights> {
+        let (dev, dt, keep) = (&opts.device, opts.dtype, opts.keep_bf16_weights);
+        Ok(match self {
+            Source::Gguf(g) => Weights::open_gguf(g, dev, dt, keep)?,
+            Source::Dir => Weights::open(&checkpoint_files(dir)?, dev, dt, keep)?,
+        }
+        .with_progress(opts.progress.clone()))
+    }
+
+    fn chat_template(&self, dir: &Path) -> Result<Option<ChatTemplate>> {
+        match self {
+            Source::Gguf(g) => match g.chat_template()? {
+                Some((src, bos, eos)) => {
+                    Ok(Some(ChatTemplate::new(src, bos, eos, &format!("{} (GGUF metadata)", dir.display()))?))
+                }
+                None => Ok(None),
+            },
+            Source::Dir => ChatTemplate::from_dir(dir),
+        }
+    }
+}
+
+/// The profile's block size and mask token checked against the checkpoint's dimensions.
+fn check_profile(profile: &Profile, config: &ModelConfig, opts: &LoadOptions, cfg_file: &str) -> Result<()> {
+    if let Some(m) = profile.mask_token_id {
+        if m as usize >= config.vocab_size {
+            return Err(Error::config(format!(
+                "mask_token_id {m} is outside the vocabulary of {} tokens",
+                config.vocab_size
+            )));
+        }
+    }
+    if profile.block_size > config.max_position_embeddings {
+        let msg = format!(
+            "block_size {} is larger than the context (max_position_embeddings {} in {cfg_file})",
+            profile.block_size, config.max_position_embeddings
+        );
+        return Err(if opts.overrides.block_size.is_some() { Error::invalid(msg) } else { Error::config(msg) });
+    }
+    Ok(())
+}
+
+/// How the matrices are held, for `info`: the `quantize` format, a GGUF file's block formats as held, else the dtype
+/// of the embedding table.
+fn weight_format(opts: &LoadOptions, held: &[&str], net: &QwenModel) -> Result<String> {
+    Ok(match (opts.quantize, net.table_dtype()) {
+        (Some(q), _) => q.name().to_string(),
+        (None, _) if !held.is_empty() => held.join("+"),
+        (None, Some(d)) => dtype_name(d).to_string(),
+        (None, None) => return Err(Error::Internal("a quantized table without the quantize option".into())),
+    })
+}
+
+impl Model {
+    /// Load a model directory (config.json, tokenizer.json, safetensors) or a GGUF file (`load::gguf`): the
+    /// checklist, each step owned by its wing.
+    pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Model> {
+        let src = Source::open(dir)?;
+        let (cfg_map, cfg_file) = src.config(dir)?;
+        let cfg_fields = Fields { file: &cfg_file, map: &cfg_map };
+        let (family, architecture) = detect_family(&cfg_fields)?;
+        let config = ModelConfig::from_json(&cfg_fields, family.arch())?;
+        let gen = src.generation_config(dir)?;
+        let gen_fields = gen.as_ref().map(|(m, f)| Fields { file: f, map: m });
+        let tokenizer = src.tokenizer(dir)?;
+        let mask = tokenizer_mask_id(&tokenizer);
+        let profile = Profile::resolve(family, architecture, &cfg_fields, gen_fields.as_ref(), mask, &opts.overrides)?;
+        check_profile(&profile, &config, opts, &cfg_file)?;
+        let (quantize, int8) = (opts.quantize, opts.int8_activations);
+        let policy =
+            HoldPolicy::resolve(&opts.device, opts.dtype, quantize, int8, &opts.kernels, src.gguf().is_some())?;
+        let ws = src.weights(dir, opts)?;
+        let holder = Holder::new(&ws, &policy);
+        let net = QwenModel::load(&config, &holder, &opts.device, opts.dtype, opts.kernels)?;
+        let held = holder.finish()?;
+        let max_token_bytes = tokenizer.get_vocab(true).keys().map(|t| t.len()).max().unwrap_or(1);
+        let mut special_tokens: Vec<String> =
+            tokenizer.get_added_tokens_decoder().into_values().filter(|t| t.special).map(|t| t.content).collect();
+        special_tokens.sort();
+        let model = Model {
+            dir: dir.to_path_buf(),
+            num_parameters: ws.num_parameters(),
+            weight_bytes: ws.loaded_bytes(),
+            weight_format: weight_format(opts, &held, &net)?,
+            int8_activations: int8_activations(&policy, &held),
+            chat_template: src.chat_template(dir)?,
+            config,
+            profile,
+            net,
+            tokenizer,
+            max_token_bytes,
+            special_tokens,
+        };
+        release_freed_heap();
+        Ok(model)
+    }
+}

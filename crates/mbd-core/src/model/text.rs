@@ -1,0 +1,130 @@
+//! Text in and out of a model: token ids checked against its vocabulary, tokenization, chat prompts rendered with
+//! its template (contents kept as text), detokenization.
+
+use crate::error::{Error, Result};
+use crate::model::Model;
+use crate::params::request::token_ids;
+
+/// Private-use characters around a message's index while a chat template renders (`Model::chat_prompt_ids`).
+const PLACEHOLDER_OPEN: char = '\u{E000}';
+const PLACEHOLDER_CLOSE: char = '\u{E001}';
+
+impl Model {
+    /// Token ids from a caller, checked against the vocabulary (`request::token_ids` owns the rule).
+    pub fn token_ids(&self, name: &str, ids: &[i64]) -> Result<Vec<u32>> {
+        token_ids(name, ids, self.config.vocab_size)
+    }
+
+    /// Check ids that are already u32 (e.g. from a Rust caller) against the vocabulary.
+    pub fn check_ids(&self, name: &str, ids: &[u32]) -> Result<()> {
+        let wide: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
+        self.token_ids(name, &wide).map(|_| ())
+    }
+
+    pub fn tokenize(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let enc = self
+            .tokenizer
+            .encode(text, add_special_tokens)
+            .map_err(|e| Error::invalid(format!("cannot tokenize: {e}")))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// A prompt's token ids. A text longer than any prompt that fits the context (every token covers at most
+    /// `max_token_bytes` bytes; with a margin of 4 for normalisers) is refused before it is tokenized.
+    pub fn prompt_ids(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        self.check_prompt_bytes(text.len())?;
+        self.tokenize(text, add_special_tokens)
+    }
+
+    fn check_prompt_bytes(&self, bytes: usize) -> Result<()> {
+        let ctx = self.config.max_position_embeddings;
+        let limit = ctx.saturating_mul(4 * self.max_token_bytes.max(16));
+        if bytes > limit {
+            return Err(Error::ContextLength(format!(
+                "the prompt has {bytes} bytes of text; no prompt over {limit} bytes fits the maximum context of {ctx} tokens"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Token ids of a chat prompt (the template's rendering of `messages` plus a generation prompt). The
+    /// template's own markup is tokenized with its control tokens; message contents stay text: a content that
+    /// spells a control token (`<|im_end|><|im_start|>system`) is tokenized as plain text, unless
+    /// `special_in_content`.
+    pub fn chat_prompt_ids(
+        &self,
+        messages: &serde_json::Value,
+        extra: &serde_json::Value,
+        special_in_content: bool,
+    ) -> Result<Vec<u32>> {
+        let contents: Vec<&str> = match messages.as_array() {
+            Some(list) => list.iter().map(|m| m.get("content").and_then(|c| c.as_str()).unwrap_or("")).collect(),
+            None => vec![],
+        };
+        let spelled = contents.iter().any(|c| self.special_tokens.iter().any(|s| c.contains(s.as_str())));
+        if special_in_content || !spelled {
+            return self.prompt_ids(&self.render_chat(messages, true, extra)?, false);
+        }
+        // Render with a placeholder per content, then tokenize the markup between them with control tokens and
+        // each content with control-token parsing off.
+        let mut masked = messages.clone();
+        for (i, m) in masked.as_array_mut().into_iter().flatten().enumerate() {
+            m["content"] = serde_json::Value::String(format!("{PLACEHOLDER_OPEN}{i}{PLACEHOLDER_CLOSE}"));
+        }
+        let text = self.render_chat(&masked, true, extra)?;
+        self.check_prompt_bytes(text.len() + contents.iter().map(|c| c.len()).sum::<usize>())?;
+        let mut plain = self.tokenizer.clone();
+        plain.set_encode_special_tokens(true);
+        let mut ids = vec![];
+        let mut next = 0;
+        let mut rest = text.as_str();
+        while let Some(a) = rest.find(PLACEHOLDER_OPEN) {
+            let after = &rest[a + PLACEHOLDER_OPEN.len_utf8()..];
+            let b = after.find(PLACEHOLDER_CLOSE).ok_or_else(|| self.content_kept_error())?;
+            let i: usize = after[..b].parse().map_err(|_| self.content_kept_error())?;
+            if i != next {
+                return Err(self.content_kept_error());
+            }
+            ids.extend(self.tokenize(&rest[..a], false)?);
+            let enc = plain.encode(contents[i], false).map_err(|e| Error::invalid(format!("cannot tokenize: {e}")))?;
+            ids.extend_from_slice(enc.get_ids());
+            next += 1;
+            rest = &after[b + PLACEHOLDER_CLOSE.len_utf8()..];
+        }
+        if next != contents.len() {
+            return Err(self.content_kept_error());
+        }
+        ids.extend(self.tokenize(rest, false)?);
+        Ok(ids)
+    }
+
+    fn content_kept_error(&self) -> Error {
+        Error::invalid(format!(
+            "a message content spells a control token (one of {:?}) and this chat template changes contents, so they \
+             cannot be kept as plain text; remove it, or pass special_tokens_in_content=True to let it act as one",
+            self.special_tokens
+        ))
+    }
+
+    pub fn detokenize(&self, ids: &[i64], skip_special_tokens: bool) -> Result<String> {
+        let ids = self.token_ids("ids", ids)?;
+        self.tokenizer.decode(&ids, skip_special_tokens).map_err(|e| Error::invalid(format!("cannot detokenize: {e}")))
+    }
+
+    /// Render chat `messages` (a JSON list of {role, content}) with the model's template; `extra` are more
+    /// template variables (a JSON object or null).
+    pub fn render_chat(
+        &self,
+        messages: &serde_json::Value,
+        add_generation_prompt: bool,
+        extra: &serde_json::Value,
+    ) -> Result<String> {
+        let tmpl = self.chat_template.as_ref().ok_or_else(|| {
+            Error::invalid(format!(
+                "{}: this model has no chat template (no chat_template.jinja and no 'chat_template' in tokenizer_config.json)",
+                self.dir.display()
+            ))
+        })?;
+        tmpl.render(messages, add_generation_prompt, extra)
+    }
+}

@@ -1,0 +1,688 @@
+//! Qwen2 / Qwen3 / Qwen3-MoE decoder written for block-diffusion decoding of many sequences at once.
+//! A forward takes segments: each is one sequence's KV cache (P committed positions), a window of W token ids at
+//! explicit absolute positions, a mask spec saying which keys each window row sees, and the rows whose logits
+//! are wanted. Norms, linear layers and the MLP run once over every segment's rows stacked; attention runs per
+//! segment over its own cache. Each window's K/V are written after its cache's committed prefix (scratch);
+//! `KvCache::commit` / `commit_rows` keep them.
+//!
+//! Batch invariance: a segment's logits are bit-identical whatever other segments share the forward. Every op
+//! on stacked rows is row-wise, and matrix products are cut by sequence, never by the total row count: the
+//! few-row windows (`skinny::few_rows`) go through the skinny kernel together (it computes each row the same way
+//! whatever rows share the call), each long window (a prefill chunk) through gemm on its own (`Groups`). A
+//! matrix packed at load (`panels::PackedMatrix`) computes every row alike in any window, so the cut changes
+//! nothing there.
+
+use crate::error::{Error, Result};
+use crate::kernels::Kernels;
+use crate::load::config::{ModelConfig, MoeConfig};
+use crate::load::weights::Weights;
+use crate::net::attention::{AttnPath, ForwardAttention};
+use crate::net::kv_cache::KvCache;
+use crate::net::linear::{Groups, Holder, Matrix};
+use crate::net::mask::{BlockGrid, MaskSpec};
+use crate::net::segment::Segment;
+use candle_core::{DType, Device, Tensor};
+
+struct Linear {
+    w: Matrix,
+    b: Option<Tensor>,
+}
+
+impl Linear {
+    fn load(ws: &Holder, prefix: &str, out_f: usize, in_f: usize, bias: bool) -> Result<Self> {
+        let w = ws.weight(&format!("{prefix}.weight"), &[out_f, in_f])?;
+        let b = if bias { Some(ws.weights().get(&format!("{prefix}.bias"), &[out_f])?) } else { None };
+        Ok(Linear { w, b })
+    }
+    fn forward(&self, x: &Tensor, k: &Kernels, few: bool) -> Result<Tensor> {
+        let y = self.w.linear(x, k, few)?;
+        Ok(match &self.b {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+}
+
+/// Linear layers of one input computed as one product (q/k/v, gate/up): their matrices and biases stacked at
+/// load when they are held alike (`Matrix::stack`), so one call of the kernel (one pass over x, one launch on a
+/// GPU) gives every output side by side. The few-row kernel computes each output column alone, so there
+/// stacking changes no bit; gemm (long windows) may block the wider matrix differently (rounding-level
+/// differences; batch invariance is unaffected: a window is computed the same way alone or batched). Matrices
+/// that cannot be stacked (a GGUF file may store q, k and v in different block formats) run one by one and
+/// their outputs are concatenated.
+struct Stacked {
+    parts: Vec<Linear>,
+}
+
+impl Stacked {
+    /// `specs`: (name prefix, output features) of each layer, in output order. `stack`: `Kernels::stack`.
+    fn load(ws: &Holder, specs: &[(String, usize)], in_f: usize, bias: bool, stack: bool) -> Result<Self> {
+        let parts =
+            specs.iter().map(|(p, out_f)| Linear::load(ws, p, *out_f, in_f, bias)).collect::<Result<Vec<_>>>()?;
+        if !stack || parts.len() < 2 {
+            return Ok(Stacked { parts });
+        }
+        let ws: Vec<Matrix> = parts.iter().map(|l| l.w.clone()).collect();
+        Ok(match Matrix::stack(&ws)? {
+            Some(w) => {
+                let b = match parts.iter().map(|l| l.b.clone()).collect::<Option<Vec<_>>>() {
+                    Some(bs) => Some(Tensor::cat(&bs, 0)?),
+                    None => None,
+                };
+                Stacked { parts: vec![Linear { w, b }] }
+            }
+            _ => Stacked { parts },
+        })
+    }
+    /// (rows, Σ outputs): every layer's outputs side by side, in load order.
+    fn forward(&self, x: &Tensor, k: &Kernels, few: bool) -> Result<Tensor> {
+        if let [one] = self.parts.as_slice() {
+            return one.forward(x, k, few);
+        }
+        let ys = self.parts.iter().map(|l| l.forward(x, k, few)).collect::<Result<Vec<_>>>()?;
+        Ok(Tensor::cat(&ys, 1)?)
+    }
+}
+
+struct RmsNorm {
+    w: Tensor,
+    eps: f32,
+}
+
+impl RmsNorm {
+    fn load(ws: &Holder, name: &str, dim: usize, eps: f64) -> Result<Self> {
+        Ok(RmsNorm { w: ws.weights().get(name, &[dim])?, eps: eps as f32 })
+    }
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = if x.is_contiguous() { x.clone() } else { x.contiguous()? };
+        Ok(candle_nn::ops::rms_norm(&x, &self.w, self.eps)?)
+    }
+    /// (x + a, this norm of it): the residual add and the norm after it, in one launch where `fused`
+    /// (`cuda::add_rms_norm`, on CUDA), else candle's add and `forward`.
+    fn add_forward(&self, x: &Tensor, a: &Tensor, fused: bool) -> Result<(Tensor, Tensor)> {
+        if fused && x.is_contiguous() && a.is_contiguous() {
+            return crate::kernels::cuda::add_rms_norm(x, a, &self.w, self.eps);
+        }
+        let s = (x + a)?;
+        let h = self.forward(&s)?;
+        Ok((s, h))
+    }
+}
+
+struct Mlp {
+    /// gate_proj and up_proj side by side: (rows, 2 · intermediate)
+    gate_up: Stacked,
+    down: Linear,
+}
+
+impl Mlp {
+    fn load(ws: &Holder, prefix: &str, hidden: usize, inter: usize, stack: bool) -> Result<Self> {
+        Ok(Mlp {
+            gate_up: Stacked::load(
+                ws,
+                &[(format!("{prefix}.gate_proj"), inter), (format!("{prefix}.up_proj"), inter)],
+                hidden,
+                false,
+                stack,
+            )?,
+            down: Linear::load(ws, &format!("{prefix}.down_proj"), hidden, inter, false)?,
+        })
+    }
+    /// Long inputs go through in chunks of `MLP_ROWS` rows, so that the (rows, intermediate) activations of a
+    /// long window (a full-attention canvas, a long prefill) never exist for all rows at once.
+    fn forward(&self, x: &Tensor, k: &Kernels, few: bool) -> Result<Tensor> {
+        let rows = x.dim(0)?;
+        if rows > MLP_ROWS {
+            let parts = (0..rows)
+                .step_by(MLP_ROWS)
+                .map(|r0| self.forward(&x.narrow(0, r0, MLP_ROWS.min(rows - r0))?, k, few))
+                .collect::<Result<Vec<_>>>()?;
+            return Ok(Tensor::cat(&parts, 0)?);
+        }
+        let gu = self.gate_up.forward(x, k, few)?;
+        self.down.forward(&silu_mul(&gu, k)?, k, few)
+    }
+}
+
+/// silu(g) · u, the MLP's gate, from `gu` = (rows, 2I): g its first I columns, u the last I. On the CPU one pass
+/// over f32 rows, in parallel for long windows (candle's unary and binary maps run on one thread and allocate
+/// twice), e^-g vectorised where the CPU has AVX2 and FMA (`vmath::silu_mul`, within a few ulp of candle's silu,
+/// whose scalar `expf` took ~5% of a forward), else candle's formula. On CUDA one launch (`cuda::silu_mul`, in f32).
+fn silu_mul(gu: &Tensor, k: &Kernels) -> Result<Tensor> {
+    if gu.device().is_cpu() && gu.dtype() == DType::F32 {
+        return Ok(gu.contiguous()?.apply_op1_no_bwd(&SiluMul)?);
+    }
+    if k.cuda_fused && crate::kernels::cuda::runs_on(gu.device(), gu.dtype()) {
+        return crate::kernels::cuda::silu_mul(gu);
+    }
+    let i = gu.dim(1)? / 2;
+    Ok((gu.narrow(1, 0, i)?.silu()? * gu.narrow(1, i, i)?)?)
+}
+
+struct SiluMul;
+
+impl candle_core::CustomOp1 for SiluMul {
+    fn name(&self) -> &'static str {
+        "silu-mul"
+    }
+    fn cpu_fwd(
+        &self,
+        s: &candle_core::CpuStorage,
+        l: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        use rayon::prelude::*;
+        let candle_core::CpuStorage::F32(gu) = s else {
+            candle_core::bail!("silu-mul: an f32 operand expected");
+        };
+        let (Some((a0, a1)), Ok((rows, two_i))) = (l.contiguous_offsets(), l.shape().dims2()) else {
+            candle_core::bail!("silu-mul: a contiguous (rows, 2I) operand expected");
+        };
+        if !two_i.is_multiple_of(2) {
+            candle_core::bail!("silu-mul: an even number of columns expected, got {two_i}");
+        }
+        let i = two_i / 2;
+        let gu = &gu[a0..a1];
+        let mut y = vec![0f32; rows * i];
+        if i == 0 {
+            return Ok((candle_core::CpuStorage::F32(y), (rows, 0).into()));
+        }
+        let f = |(y, gu): (&mut [f32], &[f32])| {
+            for (y, gu) in y.chunks_exact_mut(i).zip(gu.chunks_exact(two_i)) {
+                let (g, u) = gu.split_at(i);
+                crate::kernels::vmath::silu_mul(g, u, y);
+            }
+        };
+        // rows per parallel chunk: about 16k outputs
+        let chunk = ((1 << 14) / i).max(1);
+        if rows * i >= 4 << 14 {
+            y.par_chunks_mut(chunk * i).zip(gu.par_chunks(chunk * two_i)).for_each(f);
+        } else {
+            f((&mut y, gu));
+        }
+        Ok((candle_core::CpuStorage::F32(y), (rows, i).into()))
+    }
+}
+
+/// Rows of an MLP product at once (see `Mlp::forward`).
+const MLP_ROWS: usize = 2048;
+
+/// Sparse mixture of experts (Qwen3-MoE): softmax router in f32, top-k, optional renormalisation.
+struct Moe {
+    router: Linear,
+    experts: Vec<Mlp>,
+    top_k: usize,
+    norm_topk_prob: bool,
+}
+
+impl Moe {
+    fn load(ws: &Holder, prefix: &str, hidden: usize, m: &MoeConfig, stack: bool) -> Result<Self> {
+        // the router stays as loaded (see `quant`)
+        let router = Linear {
+            w: Matrix::Dense(ws.weights().get_matrix(&format!("{prefix}.gate.weight"), &[m.num_experts, hidden])?),
+            b: None,
+        };
+        let inter = m.moe_intermediate_size;
+        let fused = format!("{prefix}.experts.gate_up_proj");
+        let experts = if ws.weights().contains(&fused) {
+            // transformers >= 5 layout: gate_up_proj (E, 2I, H) and down_proj (E, H, I).
+            let gu = ws.weights().get(&fused, &[m.num_experts, 2 * inter, hidden])?;
+            let dn = ws.weights().get(&format!("{prefix}.experts.down_proj"), &[m.num_experts, hidden, inter])?;
+            (0..m.num_experts)
+                .map(|e| {
+                    let gue = gu.get(e)?;
+                    Ok(Mlp {
+                        // stored stacked: gate_proj's rows, then up_proj's
+                        gate_up: Stacked {
+                            parts: if stack {
+                                vec![Linear { w: ws.to_weight(gue.contiguous()?, false)?, b: None }]
+                            } else {
+                                let half = |o| -> Result<Linear> {
+                                    Ok(Linear {
+                                        w: ws.to_weight(gue.narrow(0, o, inter)?.contiguous()?, false)?,
+                                        b: None,
+                                    })
+                                };
+                                vec![half(0)?, half(inter)?]
+                            },
+                        },
+                        down: Linear { w: ws.to_weight(dn.get(e)?.contiguous()?, false)?, b: None },
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            (0..m.num_experts)
+                .map(|e| Mlp::load(ws, &format!("{prefix}.experts.{e}"), hidden, inter, stack))
+                .collect::<Result<Vec<_>>>()?
+        };
+        Ok(Moe { router, experts, top_k: m.num_experts_per_tok, norm_topk_prob: m.norm_topk_prob })
+    }
+
+    fn forward(&self, x: &Tensor, k: &Kernels, groups: &Groups) -> Result<Tensor> {
+        let probs = groups.apply(x, |x, few| self.router.forward(x, k, few))?;
+        let probs = candle_nn::ops::softmax_last_dim(&probs.to_dtype(DType::F32)?)?;
+        let probs: Vec<Vec<f32>> = probs.to_vec2()?;
+        let mut per_expert: Vec<(Vec<u32>, Vec<f32>)> = vec![(vec![], vec![]); self.experts.len()];
+        for (t, p) in probs.iter().enumerate() {
+            let mut order: Vec<usize> = (0..p.len()).collect();
+            // Highest probability first; ties go to the lower expert id, as torch.topk does on CPU.
+            order.sort_by(|&a, &b| crate::util::by_score_then_index(p[b], p[a], a, b));
+            let chosen = &order[..self.top_k];
+            let norm: f32 = if self.norm_topk_prob { chosen.iter().map(|&e| p[e]).sum() } else { 1.0 };
+            for &e in chosen {
+                per_expert[e].0.push(t as u32);
+                per_expert[e].1.push(p[e] / norm);
+            }
+        }
+        let mut out = x.zeros_like()?;
+        for (e, (toks, w)) in per_expert.iter().enumerate() {
+            // an expert's tokens, cut the way the stack is (few-row windows together, each long window alone)
+            for (lo, hi, few) in groups.parts(toks) {
+                let idx = Tensor::new(&toks[lo..hi], x.device())?;
+                let xs = x.index_select(&idx, 0)?;
+                let wt = Tensor::new(&w[lo..hi], x.device())?.to_dtype(x.dtype())?.unsqueeze(1)?;
+                let y = self.experts[e].forward(&xs, k, few)?.broadcast_mul(&wt)?;
+                out = out.index_add(&idx, &y, 0)?;
+            }
+        }
+        Ok(out)
+    }
+}
+
+enum Ffn {
+    Dense(Mlp),
+    Sparse(Moe),
+}
+
+struct Attention {
+    /// q_proj, k_proj and v_proj side by side: (rows, (heads + 2 · kv heads) · head_dim)
+    qkv: Stacked,
+    o: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    n_heads: usize,
+    n_kv: usize,
+    head_dim: usize,
+}
+
+struct Layer {
+    attn: Attention,
+    ffn: Ffn,
+    ln1: RmsNorm,
+    ln2: RmsNorm,
+}
+
+pub struct QwenModel {
+    pub cfg: ModelConfig,
+    embed: Matrix,
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    lm_head: Matrix,
+    inv_freq: Tensor,
+    device: Device,
+    dtype: DType,
+    kernels: Kernels,
+}
+
+/// Check config.json's dimensions against the checkpoint's headers before anything is allocated from them:
+/// the number of layers stored, and the shapes that the main sizes determine, with messages that name the
+/// config fields. (`Weights` checks every tensor's shape again as it loads it.)
+pub fn check_checkpoint(cfg: &ModelConfig, ws: &Weights) -> Result<()> {
+    let mut stored = 0usize;
+    for name in ws.names() {
+        if let Some(i) =
+            name.strip_prefix("model.layers.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok())
+        {
+            stored = stored.max(i.saturating_add(1));
+        }
+    }
+    let n = cfg.num_hidden_layers;
+    if n != stored {
+        return Err(Error::config(format!(
+            "config.json: num_hidden_layers is {n} but the checkpoint {} stores {stored} layers (model.layers.N.*){}",
+            ws.where_(),
+            if n < stored {
+                "; transformers would load it and leave the extra layers unused (a different model), so it is refused"
+            } else {
+                ""
+            }
+        )));
+    }
+    let (h, d) = (cfg.hidden_size, cfg.head_dim);
+    let checks: [(&str, [usize; 2], &str); 4] = [
+        ("model.embed_tokens.weight", [cfg.vocab_size, h], "[vocab_size, hidden_size]"),
+        (
+            "model.layers.0.self_attn.q_proj.weight",
+            [cfg.num_attention_heads * d, h],
+            "[num_attention_heads x head_dim, hidden_size]",
+        ),
+        (
+            "model.layers.0.self_attn.k_proj.weight",
+            [cfg.num_key_value_heads * d, h],
+            "[num_key_value_heads x head_dim, hidden_size]",
+        ),
+        ("model.layers.0.input_layernorm.weight", [h, 0], "[hidden_size]"),
+    ];
+    for (name, want, fields) in checks {
+        let want: &[usize] = if want[1] == 0 { &want[..1] } else { &want[..] };
+        if let Some(found) = ws.shape(name) {
+            if found != want {
+                return Err(Error::config(format!(
+                    "config.json: {fields} = {want:?} (num_attention_heads {}, num_key_value_heads {}, head_dim {}, \
+                     hidden_size {h}, vocab_size {}) does not match tensor '{name}' of shape {found:?} in {}",
+                    cfg.num_attention_heads,
+                    cfg.num_key_value_heads,
+                    d,
+                    cfg.vocab_size,
+                    ws.where_()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+impl QwenModel {
+    pub fn load(cfg: &ModelConfig, ws: &Holder, device: &Device, dtype: DType, kernels: Kernels) -> Result<Self> {
+        check_checkpoint(cfg, ws.weights())?;
+        let (h, d) = (cfg.hidden_size, cfg.head_dim);
+        let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+        let embed = ws.table("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        // Justified by the checkpoint: check_checkpoint found this many layers stored.
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let attn = Attention {
+                qkv: Stacked::load(
+                    ws,
+                    &[
+                        (format!("{p}.self_attn.q_proj"), nh * d),
+                        (format!("{p}.self_attn.k_proj"), nkv * d),
+                        (format!("{p}.self_attn.v_proj"), nkv * d),
+                    ],
+                    h,
+                    cfg.qkv_bias,
+                    kernels.stack,
+                )?,
+                o: Linear::load(ws, &format!("{p}.self_attn.o_proj"), h, nh * d, cfg.o_bias)?,
+                q_norm: if cfg.qk_norm {
+                    Some(RmsNorm::load(ws, &format!("{p}.self_attn.q_norm.weight"), d, cfg.rms_norm_eps)?)
+                } else {
+                    None
+                },
+                k_norm: if cfg.qk_norm {
+                    Some(RmsNorm::load(ws, &format!("{p}.self_attn.k_norm.weight"), d, cfg.rms_norm_eps)?)
+                } else {
+                    None
+                },
+                n_heads: nh,
+                n_kv: nkv,
+                head_dim: d,
+            };
+            let sparse = match &cfg.moe {
+                Some(m) => m.num_experts > 0 && !m.mlp_only_layers.contains(&i) && (i + 1) % m.decoder_sparse_step == 0,
+                None => false,
+            };
+            let ffn = if sparse {
+                Ffn::Sparse(Moe::load(ws, &format!("{p}.mlp"), h, cfg.moe.as_ref().unwrap(), kernels.stack)?)
+            } else {
+                Ffn::Dense(Mlp::load(ws, &format!("{p}.mlp"), h, cfg.intermediate_size, kernels.stack)?)
+            };
+            layers.push(Layer {
+                attn,
+                ffn,
+                ln1: RmsNorm::load(ws, &format!("{p}.input_layernorm.weight"), h, cfg.rms_norm_eps)?,
+                ln2: RmsNorm::load(ws, &format!("{p}.post_attention_layernorm.weight"), h, cfg.rms_norm_eps)?,
+            });
+        }
+        let norm = RmsNorm::load(ws, "model.norm.weight", h, cfg.rms_norm_eps)?;
+        // Tied checkpoints may still store the (identical) head; prefer a stored tensor whenever there is one.
+        let lm_head = if ws.weights().contains("lm_head.weight") {
+            ws.table("lm_head.weight", &[cfg.vocab_size, h])?
+        } else if cfg.tie_word_embeddings {
+            embed.clone()
+        } else {
+            return Err(Error::load(
+                "tensor 'lm_head.weight' is missing and config.json has tie_word_embeddings=false".to_string(),
+            ));
+        };
+        let half = d / 2;
+        let inv: Vec<f32> = (0..half).map(|i| (1.0 / cfg.rope_theta.powf((2 * i) as f64 / d as f64)) as f32).collect();
+        let inv_freq = Tensor::from_vec(inv, (1, half), device)?;
+        Ok(QwenModel {
+            cfg: cfg.clone(),
+            embed,
+            layers,
+            norm,
+            lm_head,
+            inv_freq,
+            device: device.clone(),
+            dtype,
+            kernels,
+        })
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The dtype the embedding table is held in (quantized: None).
+    pub fn table_dtype(&self) -> Option<DType> {
+        match &self.embed {
+            Matrix::Dense(t) => Some(t.dtype()),
+            Matrix::Packed(p) => p.dtype(),
+            Matrix::Quant(_) | Matrix::Dot(_) | Matrix::Candle(_) => None,
+        }
+    }
+
+    /// A fresh, empty cache for one sequence.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(
+            self.cfg.num_hidden_layers,
+            self.cfg.num_key_value_heads,
+            self.cfg.head_dim,
+            self.dtype,
+            &self.device,
+        )
+    }
+
+    /// Forward one window of tokens at positions [cache.len(), cache.len() + ids.len()) under `grid`: a forward
+    /// of one segment (see `forward_segments`). `rows`: window rows whose logits are returned (None = all).
+    pub fn forward(
+        &self,
+        cache: &mut KvCache,
+        ids: &[u32],
+        grid: &BlockGrid,
+        rows: Option<&[usize]>,
+    ) -> Result<Tensor> {
+        let p = cache.len();
+        let seg = Segment {
+            cache,
+            ids,
+            positions: (p..p + ids.len()).collect(),
+            mask: MaskSpec::Grid(*grid),
+            rows: rows.map(|r| r.to_vec()).unwrap_or_else(|| (0..ids.len()).collect()),
+        };
+        let mut out = self.forward_segments(&mut [seg])?;
+        Ok(out.pop().expect("one segment"))
+    }
+
+    /// One forward over several sequences' windows. Returns, per segment (in order), its rows' logits
+    /// ((rows, vocab) f32, in the order of `rows`). Each window's K/V are left in its cache's scratch area.
+    /// Run it on the engine's CPU pool on the CPU (`cpu_pool::on_device_pool`); ids are in the vocabulary
+    /// (the caller checked them: `request::token_ids`).
+    pub fn forward_segments(&self, segs: &mut [Segment<'_>]) -> Result<Vec<Tensor>> {
+        if segs.is_empty() {
+            return Ok(vec![]);
+        }
+        for s in segs.iter() {
+            let (p, w) = (s.cache.len(), s.ids.len());
+            if w == 0 {
+                return Err(Error::Internal("empty window".into()));
+            }
+            debug_assert!(s.ids.iter().all(|&t| (t as usize) < self.cfg.vocab_size));
+            if s.positions.len() != w {
+                return Err(Error::Internal(format!("{} positions for a window of {w} tokens", s.positions.len())));
+            }
+            if let Some(&bad) = s.rows.iter().find(|&&i| i >= w) {
+                return Err(Error::Internal(format!("logits row {bad} is outside the window of {w} tokens")));
+            }
+            s.mask.check(p, w)?;
+        }
+        let total: usize = segs.iter().map(|s| s.ids.len()).sum();
+        if total > LARGE_WINDOW {
+            // f32 activations alive at once, about: the residual, a norm and q/k/v/o per position, and three MLP
+            // rows per position of one MLP chunk
+            let c = &self.cfg;
+            let per_row = 4 * (3 * c.hidden_size + 2 * c.num_attention_heads * c.head_dim);
+            let mlp = 4 * 3 * c.intermediate_size * total.min(MLP_ROWS);
+            crate::util::check_alloc(per_row.saturating_mul(total).saturating_add(mlp), || {
+                format!("activations of a {total}-position forward")
+            })?;
+        }
+        let kn = &self.kernels;
+        // stack order: few-row windows first (one skinny product for all of them), then each long window
+        let (order, spans, groups) = Groups::stack(&segs.iter().map(|s| s.ids.len()).collect::<Vec<_>>(), kn);
+        let dev = &self.device;
+        let mut ids = Vec::with_capacity(total);
+        let mut pos = Vec::with_capacity(total);
+        for &i in &order {
+            ids.extend_from_slice(segs[i].ids);
+            pos.extend(segs[i].positions.iter().map(|&x| x as f32));
+        }
+        let (heads, kv_heads, head_dim) =
+            (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim);
+        // every segment of a forward takes the same attention backend
+        let path = AttnPath::choose(kn, dev, self.dtype, (heads, kv_heads, head_dim));
+        // RoPE tables in f32 for every row's position; candle's rope takes them cast to the compute dtype.
+        let freqs = Tensor::from_vec(pos, (total, 1), dev)?.broadcast_mul(&self.inv_freq)?;
+        let (cos, sin) = match path {
+            AttnPath::Fused => (freqs.cos()?, freqs.sin()?),
+            _ => (freqs.cos()?.to_dtype(self.dtype)?, freqs.sin()?.to_dtype(self.dtype)?),
+        };
+        for s in segs.iter_mut() {
+            s.cache.begin_window(s.ids.len())?;
+        }
+        let att =
+            ForwardAttention::new(segs, path, spans.clone(), order.clone(), (heads, kv_heads, head_dim), kn, dev)?;
+        let mut x = self.embed.rows(&ids, dev)?.to_dtype(self.dtype)?;
+        // each residual add and the norm after it: one launch on CUDA with mbd-rs's kernels
+        let fused_norms = kn.cuda_fused && crate::kernels::cuda::runs_on(dev, self.dtype);
+        let mut hn = self.layers.first().map(|l| l.ln1.forward(&x)).transpose()?;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let h = hn.take().expect("the layer's normed input");
+            let a = layer.attn.forward(&h, (&cos, &sin), segs, &att, li, &groups, kn)?;
+            let (x2, h) = layer.ln2.add_forward(&x, &a, fused_norms)?;
+            let f = match &layer.ffn {
+                Ffn::Dense(m) => groups.apply(&h, |x, few| m.forward(x, kn, few))?,
+                Ffn::Sparse(m) => m.forward(&h, kn, &groups)?,
+            };
+            x = match self.layers.get(li + 1) {
+                Some(next) => {
+                    let (x3, h) = next.ln1.add_forward(&x2, &f, fused_norms)?;
+                    hn = Some(h);
+                    x3
+                }
+                None => (x2 + f)?,
+            };
+        }
+        // the logits rows, stacked the same way (cut by each segment's own count of logits rows)
+        let (lm_order, lm_spans, lm_groups) = Groups::stack(&segs.iter().map(|s| s.rows.len()).collect::<Vec<_>>(), kn);
+        let pick: Vec<u32> = lm_order
+            .iter()
+            .flat_map(|&i| {
+                let base = spans[i].0;
+                segs[i].rows.iter().map(move |&r| (base + r) as u32)
+            })
+            .collect();
+        let no_rows = || Ok(Tensor::zeros((0, self.cfg.vocab_size), DType::F32, dev)?);
+        if pick.is_empty() {
+            return segs.iter().map(|_| no_rows()).collect();
+        }
+        // every row in stack order (a logits call, a lone window asking for all its rows): no gather needed
+        let identity = pick.len() == total && pick.iter().enumerate().all(|(i, &r)| r as usize == i);
+        let x = if identity { x } else { x.index_select(&Tensor::new(pick.as_slice(), dev)?, 0)? };
+        let x = self.norm.forward(&x)?;
+        let logits = lm_groups.apply(&x, |x, few| Ok(self.lm_head.linear(x, kn, few)?))?;
+        let logits = logits.to_dtype(DType::F32)?;
+        lm_spans.iter().map(|&(o, n)| if n == 0 { no_rows() } else { Ok(logits.narrow(0, o, n)?) }).collect()
+    }
+}
+
+/// Windows longer than this check that their activations can be allocated before computing.
+const LARGE_WINDOW: usize = 4096;
+
+impl Attention {
+    /// Attention of every segment's window rows (stacked in `att.order`, segment i at rows `att.spans[i]`) over its
+    /// own cache; returns the stacked (rows, hidden) output. The architecture's part is here (the projections, the
+    /// q/k norms and RoPE); the backend that attends is `attention`'s (`AttnPath`).
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        x: &Tensor,
+        (cos, sin): (&Tensor, &Tensor),
+        segs: &mut [Segment<'_>],
+        att: &ForwardAttention,
+        layer: usize,
+        groups: &Groups,
+        kn: &Kernels,
+    ) -> Result<Tensor> {
+        let r = x.dim(0)?;
+        let (nh, nkv, d) = (self.n_heads, self.n_kv, self.head_dim);
+        let qkv = groups.apply(x, |x, few| self.qkv.forward(x, kn, few))?.reshape((r, nh + 2 * nkv, d))?;
+        let y = if att.path == AttnPath::Fused {
+            // mbd-rs's CUDA kernels take the norms and RoPE with the K/V write
+            let eps = self.q_norm.as_ref().or(self.k_norm.as_ref()).map_or(0.0, |n| n.eps);
+            let norms = (self.q_norm.as_ref().map(|n| &n.w), self.k_norm.as_ref().map(|n| &n.w), eps);
+            att.fused(&qkv.contiguous()?, (cos, sin), norms, segs, layer)?
+        } else {
+            let norm = |t: Tensor, n: &Option<RmsNorm>| match n {
+                Some(n) => n.forward(&t),
+                None => Ok(t),
+            };
+            let q = norm(qkv.narrow(1, 0, nh)?, &self.q_norm)?;
+            let k = norm(qkv.narrow(1, nh, nkv)?, &self.k_norm)?;
+            let v = qkv.narrow(1, nh + nkv, nkv)?;
+            // (R, H, D) -> (1, H, R, D) for the fused rope kernel (element-wise: each row with its own position).
+            let rope = |t: &Tensor| -> Result<Tensor> {
+                Ok(candle_nn::rotary_emb::rope(&t.transpose(0, 1)?.contiguous()?.unsqueeze(0)?, cos, sin)?
+                    .squeeze(0)?)
+            };
+            let (q, k) = (rope(&q)?.to_dtype(DType::F32)?, rope(&k)?);
+            att.over_caches(&q, &k, &v.transpose(0, 1)?.contiguous()?, segs, layer)?
+        };
+        groups.apply(&y, |y, few| self.o.forward(y, kn, few))
+    }
+}
+
+/// One model serves every thread: it must stay Send + Sync.
+const _: fn() = || {
+    fn f<T: Send + Sync>() {}
+    f::<QwenModel>();
+};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn silu_mul_is_candles_silu_then_mul_to_a_few_ulp() {
+        // one-thread and parallel sizes, and a non-contiguous operand; rows alone give the bits they give stacked
+        for rows in [3usize, 64] {
+            let g = Tensor::randn(0f32, 3.0, (rows, 1100), &Device::Cpu).unwrap();
+            let u = Tensor::randn(0f32, 1.0, (1100, rows), &Device::Cpu).unwrap().t().unwrap();
+            let want = (g.silu().unwrap() * &u).unwrap().to_vec2::<f32>().unwrap();
+            let gu = Tensor::cat(&[&g, &u], 1).unwrap();
+            let got = silu_mul(&gu, &Kernels::default()).unwrap().to_vec2::<f32>().unwrap();
+            for (a, b) in got.iter().flatten().zip(want.iter().flatten()) {
+                assert!((a - b).abs() <= 4.0 * f32::EPSILON * b.abs() + 1e-30, "{a} vs {b}");
+            }
+            let gu_t = gu.t().unwrap().contiguous().unwrap().t().unwrap();
+            assert_eq!(silu_mul(&gu_t, &Kernels::default()).unwrap().to_vec2::<f32>().unwrap(), got);
+            let one = silu_mul(&gu.narrow(0, 1, 1).unwrap(), &Kernels::default()).unwrap().to_vec2::<f32>().unwrap();
+            assert_eq!(one[0], got[1]);
+        }
+    }
+}

@@ -1,0 +1,33 @@
+//! The forward's contract: one sequence's part of a forward (`Segment`: its cache, window ids, positions, mask
+//! and the rows whose logits it wants).
+
+use crate::net::kv_cache::KvCache;
+use crate::net::mask::MaskSpec;
+
+/// One sequence's part of a forward (`QwenModel::forward_segments`).
+pub struct Segment<'a> {
+    /// The sequence's cache: its committed positions are the keys before the window; the window's K/V are
+    /// written after them.
+    pub cache: &'a mut KvCache,
+    /// Window token ids.
+    pub ids: &'a [u32],
+    /// Absolute position of each window row (RoPE, and the grid rule of `mask`).
+    pub positions: Vec<usize>,
+    /// Which keys each window row sees.
+    pub mask: MaskSpec,
+    /// Window rows whose logits are wanted, in the order they are returned.
+    pub rows: Vec<usize>,
+}
+
+impl Segment<'_> {
+    /// The same segment, borrowing this one's cache (to run it again, e.g. alone).
+    pub fn reborrow<'b>(s: &'b mut Segment<'_>) -> Segment<'b> {
+        Segment {
+            cache: &mut *s.cache,
+            ids: s.ids,
+            positions: s.positions.clone(),
+            mask: s.mask.clone(),
+            rows: s.rows.clone(),
+        }
+    }
+}

@@ -1,0 +1,108 @@
+//! A generation in progress as Python sees it (`CoreStream`): each output waited for with the GIL released and
+//! handed over as a dict.
+
+use crate::to_py;
+use mbd_core::error::catch_panic;
+use mbd_core::generate::generation::StepOutput;
+use mbd_core::generate::scheduler::{Canceller, StreamHandle};
+use mbd_core::{Error, TokenLogprob};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use std::sync::Mutex;
+
+/// (token, logprob, [(id, logprob), ...]): a `TokenLogprob` as Python receives it.
+pub(crate) type LogprobTuple = (u32, f32, Vec<(u32, f32)>);
+
+pub(crate) fn logprob_tuple(t: TokenLogprob) -> LogprobTuple {
+    (t.token, t.logprob, t.top)
+}
+
+/// One generation in progress, run by the model's scheduler; `step()` waits for its next output with the GIL
+/// released.
+#[pyclass(frozen, module = "mbd_rs._core")]
+pub(crate) struct CoreStream {
+    handle: Mutex<Option<StreamHandle>>,
+    canceller: Canceller,
+}
+
+fn output_dict<'py>(py: Python<'py>, o: StepOutput) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("token_ids", o.token_ids)?;
+    d.set_item("text", o.text)?;
+    d.set_item("finish_reason", o.finish_reason.map(|f| f.name()))?;
+    if let Some(u) = o.usage {
+        let ud = PyDict::new(py);
+        ud.set_item("prompt_tokens", u.prompt_tokens)?;
+        ud.set_item("completion_tokens", u.completion_tokens)?;
+        ud.set_item("forward_passes", u.forward_passes)?;
+        ud.set_item("tokens_per_forward", u.tokens_per_forward)?;
+        ud.set_item("ttft_ms", u.ttft_ms)?;
+        ud.set_item("prefill_ms", u.prefill_ms)?;
+        ud.set_item("decode_ms", u.decode_ms)?;
+        ud.set_item("tokens_per_second", u.tokens_per_second)?;
+        ud.set_item("positions_forwarded", u.positions_forwarded)?;
+        ud.set_item("verifications", u.verifications)?;
+        ud.set_item("drafts_proposed", u.drafts_proposed)?;
+        ud.set_item("drafts_accepted", u.drafts_accepted)?;
+        d.set_item("usage", ud)?;
+    } else {
+        d.set_item("usage", py.None())?;
+    }
+    if let Some(e) = o.event {
+        let ed = PyDict::new(py);
+        ed.set_item("index", e.index)?;
+        ed.set_item("decoded", e.decoded)?;
+        ed.set_item("tokens", e.tokens)?;
+        let blocks: Vec<(usize, usize, &str)> = e.blocks.iter().map(|(a, b, s)| (*a, *b, s.name())).collect();
+        ed.set_item("blocks", blocks)?;
+        ed.set_item("tokens_per_forward", e.tokens_per_forward)?;
+        ed.set_item("canvas", e.canvas)?;
+        d.set_item("step", ed)?;
+    } else {
+        d.set_item("step", py.None())?;
+    }
+    d.set_item("logprobs", o.logprobs.into_iter().map(logprob_tuple).collect::<Vec<_>>())?;
+    Ok(d)
+}
+
+impl CoreStream {
+    pub(crate) fn new(h: StreamHandle) -> Self {
+        CoreStream { canceller: h.canceller(), handle: Mutex::new(Some(h)) }
+    }
+}
+
+#[pymethods]
+impl CoreStream {
+    /// The next output: a dict (token_ids, text, finish_reason, usage, step), or None when the generation has
+    /// finished or was closed.
+    fn step<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let out = py.detach(|| {
+            catch_panic(|| {
+                let mut guard = self.handle.lock().map_err(|_| Error::Internal("stream lock poisoned".into()))?;
+                match guard.as_mut().and_then(|h| h.next()) {
+                    Some(r) => r.map(Some),
+                    None => Ok(None),
+                }
+            })
+        });
+        match out.map_err(to_py)? {
+            Some(o) => Ok(Some(output_dict(py, o)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Ask the generation to stop; thread-safe. Its next output is the final one, finish_reason "cancelled".
+    fn cancel(&self) {
+        self.canceller.cancel();
+    }
+
+    /// Free the generation's state (KV cache) now.
+    fn close(&self, py: Python<'_>) {
+        self.canceller.cancel();
+        py.detach(|| {
+            if let Ok(mut h) = self.handle.lock() {
+                *h = None;
+            }
+        });
+    }
+}

@@ -1,0 +1,98 @@
+"""Where a model comes from and how its load is shown: `resolve_model_path` (the embedded model, a local path, or a
+Hugging Face Hub id through the local Hub cache) and `_LoadBar` (Engine.load's progress)."""
+from __future__ import annotations
+
+import errno
+import os
+import re
+import sys
+from typing import Any, Callable, Optional, Union
+
+from .errors import InvalidRequestError, ModelFileNotFoundError
+
+#: The model shipped inside the package (mbd-tiny v3, trained here by training/train.py --family tiny): used when no
+#: path is given.
+DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "mbd-tiny")
+
+#: Engine.load's progress: None (a bar for large checkpoints on a terminal), True, False, or a callable.
+LoadProgress = Union[bool, Callable[[int, int], None], None]
+#: With progress=None, checkpoints smaller than this load without a bar.
+LOAD_BAR_MIN_BYTES = 256 << 20
+
+# The files a model directory is read from (the rest of a Hub repo, e.g. *.bin or *.gguf, is never downloaded).
+HUB_ALLOW_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                      "chat_template.jinja", "*.safetensors", "model.safetensors.index.json"]
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9._-]+")
+
+
+def is_hub_id(path: "str | os.PathLike[str]") -> bool:
+    """True when `path` names no existing file or directory and has the shape of a Hub repo id ("org/name": one
+    slash, not starting with "." or "/")."""
+    text = os.fspath(path)
+    return bool(_HUB_ID.fullmatch(text)) and not os.path.exists(text)
+
+
+def resolve_model_path(path: "Optional[str | os.PathLike[str]]", revision: Optional[str] = None) -> str:
+    """The local model directory for `path`: the embedded model for None, `path` itself for a local path, and for
+    a Hub id ("org/name") its snapshot in the Hugging Face cache, fetched with huggingface_hub.snapshot_download
+    (which honours HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE and HF_TOKEN, and shows its own progress bars)."""
+    if path is None:
+        path = DEFAULT_MODEL
+    text = os.fspath(path)
+    if not is_hub_id(text):
+        if revision is not None:
+            raise InvalidRequestError(f"revision={revision!r} applies only to Hugging Face Hub ids (org/name); "
+                                      f"{text!r} is a local path")
+        return text
+    what = repr(text) if revision is None else f"{text!r} (revision {revision!r})"
+    try:
+        from huggingface_hub import constants, snapshot_download
+    except ImportError:
+        raise ModelFileNotFoundError(
+            errno.ENOENT, f"{what} is not a local directory, and loading a Hugging Face Hub id needs huggingface_hub: "
+            f"pip install huggingface_hub (or pip install 'mbd-rs[hub]')", text) from None
+    try:
+        return str(snapshot_download(text, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS))
+    except Exception as e:  # offline and not cached, no network, unknown repo or revision, no access: all "not found"
+        reason = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ModelFileNotFoundError(
+            errno.ENOENT, f"{what} is neither a local directory nor in the Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}), and the Hub could not provide it ({type(e).__name__}: {reason})",
+            text) from e
+
+
+class _LoadBar:
+    """Engine.load's progress (see its docstring): a tqdm bar over the checkpoint's bytes, created at the first
+    report (when the total is known), or the caller's callable."""
+
+    def __init__(self, progress: LoadProgress):
+        self.bar: Any = None
+        self.decided = False
+        self.user = progress if callable(progress) else None
+        self.tqdm: Any = None
+        if progress is False or self.user is not None:
+            return
+        if progress is None and not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()):
+            return
+        try:
+            from tqdm import tqdm  # type: ignore[import-untyped,import-not-found,unused-ignore]
+        except ImportError:  # tqdm is optional (huggingface_hub brings it)
+            return
+        self.tqdm, self.forced = tqdm, progress is True
+
+    @property
+    def callback(self) -> Optional[Callable[[int, int], None]]:
+        return self.user if self.user is not None else (self.update if self.tqdm is not None else None)
+
+    def update(self, done: int, total: int) -> None:
+        if not self.decided:
+            self.decided = True
+            if self.forced or total >= LOAD_BAR_MIN_BYTES:
+                self.bar = self.tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="loading weights",
+                                     leave=False, file=sys.stderr)
+        if self.bar is not None:
+            self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

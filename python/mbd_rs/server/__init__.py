@@ -1,0 +1,37 @@
+"""OpenAI-compatible HTTP server (`mbd-rs serve`; needs the [server] extra: starlette + uvicorn). A package:
+`app` (the routes, auth, body limits, server-sent events, the access log), `openai` (request bodies to engine
+parameters, results to OpenAI's shapes), `slots` (admission).
+
+Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, with `stream: true`
+as server-sent events in OpenAI's chunk format. Diffusion knobs are accepted as extra body fields. Tokenizer
+routes (vLLM's shapes, which lm-evaluation-harness's remote tokenizer uses): GET /tokenizer_info, POST /tokenize,
+POST /detokenize.
+
+Log-probabilities: /v1/completions `logprobs: k` (0..20) gives each token's log-probability (log-softmax of the
+raw logits of the forward that decided it) with the k most likely tokens, in the legacy shape (tokens,
+token_logprobs, top_logprobs, text_offset); `echo: true` puts the prompt before the completion (text, and with
+logprobs its tokens' left-to-right scores: `Engine.prompt_logprobs`, None for the first token), and with
+`max_tokens: 0` only scores the prompt (lm-evaluation-harness's loglikelihood requests). /v1/chat/completions
+takes `logprobs: true` and `top_logprobs: k` (OpenAI's chat shape: content entries with token, logprob, bytes
+and top_logprobs). Full-attention models cannot score a prompt left to right: echo with logprobs is a 400 there.
+
+Several choices per request: `n` (1..MAX_N) on both routes, and on /v1/completions a `prompt` that is a list of
+strings or of token-id lists. Every (prompt, i) pair is one engine stream, all running concurrently (the engine
+batches them); choice index = prompt_index * n + i, as OpenAI numbers them. With `seed`, choice i samples with
+seed + i (so n > 1 samples differ yet are reproducible); without it every choice draws its own seed. Usage sums
+completion tokens over all choices and counts each prompt once. A request with k choices takes k slots: k above
+the server's capacity is a 400 (it could never run), k above the free slots a 503.
+The engine batches concurrent generations (continuous batching: one forward carries the next step of up to
+`max_concurrency` of them); up to `max_queue` more wait for a place, and beyond that new requests get 503. A
+client that disconnects mid-stream cancels its generation and frees its slot.
+
+Limits: bodies must be `application/json` (so a web page cannot post to a local server without CORS) and at most
+`max_body_bytes`; the whole body is validated before a generation slot is taken, and the slot is released on
+every path (finish, error, cancel, disconnect). Fields we do not support are refused with 400, never ignored.
+"""
+from __future__ import annotations
+
+from .app import create_app, serve
+from .openai import MAX_BODY_BYTES, MAX_N
+
+__all__ = ["create_app", "serve", "MAX_BODY_BYTES", "MAX_N"]

@@ -1,0 +1,363 @@
+"""The HTTP side of the server: the routes over one engine (`_Routes`: auth, body limits, the generation routes and
+their server-sent events, the tokenizer routes, the web view), the access log, and `create_app` that assembles
+them. Protocol shapes are `openai`'s, admission `slots`'."""
+from __future__ import annotations
+
+import html
+import importlib.resources
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from queue import Empty, Queue
+from typing import Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..engine import Engine
+from ..errors import InvalidRequestError
+from ..types import StreamChunk, Usage
+from . import openai
+from .openai import (MAX_BODY_BYTES, REFUSALS, Body, BodyTooLarge, Echo, Shapes, UnknownModel, body_params,
+                     entries_of, error, is_id, refusal, scored_only, usage_json)
+from .slots import Item, Lease, Slots
+
+_log = logging.getLogger("mbd_rs.server")
+
+
+class _Routes:
+    """The routes of one app: `engine` served as `name`, `slots` admitting its generations."""
+
+    def __init__(self, engine: Engine, name: str, api_key: str | None, batch: int, queue: int, max_body_bytes: int):
+        self.engine, self.name, self.api_key = engine, name, api_key
+        self.batch, self.queue, self.max_body_bytes = batch, queue, max_body_bytes
+        self.slots = Slots(batch + queue)
+        self.created = int(time.time())
+        self.shapes = Shapes(engine)
+        self.tok_info: dict[str, Any] = {}
+
+    def check_auth(self, request: Request) -> JSONResponse | None:
+        if self.api_key is None:
+            return None
+        if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
+            return error(401, "invalid or missing API key", "invalid_request_error", code="invalid_api_key")
+        return None
+
+    async def read_body(self, request: Request) -> dict[str, Any]:
+        """The request's JSON object, for the model this server serves (else BodyTooLarge, UnknownModel or
+        InvalidRequestError)."""
+        if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+            raise InvalidRequestError("the request body must be JSON with Content-Type: application/json")
+        raw = bytearray()
+        async for piece in request.stream():
+            raw += piece
+            if len(raw) > self.max_body_bytes:
+                raise BodyTooLarge(f"request body is over this server's limit of {self.max_body_bytes} bytes")
+        try:
+            body = await anyio.to_thread.run_sync(json.loads, bytes(raw))  # large bodies parse off the event loop
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            raise InvalidRequestError("request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise InvalidRequestError("request body must be a JSON object")
+        if body.get("model") not in (None, self.name):
+            raise UnknownModel(f"model '{body.get('model')}' does not exist; this server serves '{self.name}'")
+        return body
+
+    async def health(self, request: Request) -> JSONResponse:
+        # open without the API key: load balancers and probes must reach it (it says nothing secret)
+        return JSONResponse({"status": "ok", "model": self.name, "active": self.slots.active,
+                             "capacity": self.slots.capacity, "batch": self.batch, "queue": self.queue,
+                             "pid": os.getpid()})
+
+    async def models(self, request: Request) -> JSONResponse:
+        if (r := self.check_auth(request)) is not None:
+            return r
+        return JSONResponse({"object": "list", "data": [{"id": self.name, "object": "model", "created": self.created,
+                                                         "owned_by": "mbd-rs"}]})
+
+    def start(self, lease: Lease, req: Body, chat: bool) -> "list[Echo | None]":
+        """Start every (prompt, i) stream of a request on its lease (the echoed prompts scored first); returns each
+        prompt's echo (None without echo)."""
+        echoes: list[Echo | None] = [None] * len(req.prompts)
+        seed: Any = req.params.get("seed")
+        for pi, prompt in enumerate(req.prompts):
+            if req.echo:
+                echo = echoes[pi] = self.shapes.echo_of(prompt, req.logprobs)
+                prompt = echo.ids  # the prompt generated from is the one scored
+            if not req.generates:
+                continue
+            for i in range(req.n):
+                # choice i samples with seed + i; a bad seed is left for the engine to refuse
+                ps = dict(req.params, seed=seed + i) if is_id(seed) else req.params
+                lease.streams.append(self.engine.stream_chat(prompt, **ps) if chat else self.engine.stream(prompt, **ps))
+        return echoes
+
+    async def handle(self, request: Request, chat: bool) -> Response:
+        """POST /v1/completions and /v1/chat/completions: the body checked, k = prompts x n slots taken, the streams
+        started; then server-sent events (`sse`) or, once every stream has finished, one JSON response."""
+        if (r := self.check_auth(request)) is not None:
+            return r
+        lease = None
+        try:
+            body = await self.read_body(request)
+            req = body_params(body, chat)
+            k = len(req.prompts) * req.n
+            if k > self.slots.capacity:
+                raise InvalidRequestError(f"this request asks for {k} choices ({len(req.prompts)} prompt(s) x "
+                                          f"n={req.n}); this server runs at most {self.slots.capacity} generations "
+                                          "at once")
+            lease = self.slots.try_acquire(k)
+            if lease is None:
+                return error(503, f"server is at its limit of {self.batch} batched and {self.queue} queued "
+                             "generations; retry later", "server_error", code="server_busy")
+            held = lease
+            echoes = await anyio.to_thread.run_sync(lambda: self.start(held, req, chat))
+            rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+            choice_echo = [echoes[i // req.n] for i in range(k)]
+            if body.get("stream"):
+                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                # the lease is released by the stream's end, or after the response if the client left first
+                events = self.sse(lease, req, choice_echo, rid, chat, include_usage, request)
+                response: Response = StreamingResponse(events, media_type="text/event-stream",
+                                                       headers={"Cache-Control": "no-cache"},
+                                                       background=BackgroundTask(lease.release))
+                lease = None
+                return response
+            finals: list[StreamChunk | None] = [None] * k
+            if req.generates:
+                q: Queue[Item] = Queue()
+                lease.pump(q)
+                async for i, ch in self.chunks(q, k):
+                    if ch.finish_reason:
+                        finals[i] = ch
+            else:
+                finals = [StreamChunk("", [], "length", scored_only(e), None) for e in choice_echo if e is not None]
+            streams = lease.streams
+        except REFUSALS as e:
+            return refusal(e)
+        finally:
+            if lease is not None:
+                lease.release()
+        return self.completion(request, req, finals, streams, choice_echo, rid, chat)
+
+    def completion(self, request: Request, req: Body, finals: "list[StreamChunk | None]", streams: list[Any],
+                   choice_echo: "list[Echo | None]", rid: str, chat: bool) -> JSONResponse:
+        """The non-streaming response: every choice's text, finish reason and log-probabilities, and the usage."""
+        usages = [f.usage for f in finals if f is not None and f.usage is not None]
+        request.state.tokens = sum(u.completion_tokens for u in usages)
+        choices: list[dict[str, Any]] = []
+        for i, f in enumerate(finals):
+            st = streams[i] if req.generates else None
+            fin = f.finish_reason if f is not None else "cancelled"
+            echo = choice_echo[i]
+            text = (echo.text if echo is not None else "") + (st.text if st is not None else "")
+            lp = None if req.logprobs is None else self.shapes.logprobs_json(
+                entries_of(st.logprobs if st else None, len(st.token_ids) if st else 0, chat), echo, chat)
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "finish_reason": fin, "logprobs": lp})
+            else:
+                choices.append({"index": i, "text": text, "finish_reason": fin, "logprobs": lp})
+        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                             "created": int(time.time()), "model": self.name, "choices": choices,
+                             "usage": usage_json(usages, req.n)})
+
+    @staticmethod
+    async def chunks(q: "Queue[Item]", k: int) -> AsyncIterator[tuple[int, StreamChunk]]:
+        """(choice index, chunk) from k reader threads, as they come, until every stream has ended."""
+        def get() -> Item | None:
+            try:  # a bounded wait, so a cancelled request stops waiting soon (works with any anyio)
+                return q.get(timeout=0.25)
+            except Empty:
+                return None
+
+        live = k
+        while live:
+            got = await anyio.to_thread.run_sync(get)
+            if got is None:
+                continue
+            i, item = got
+            if item is None:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+
+    async def sse(self, lease: Lease, req: Body, choice_echo: "list[Echo | None]", rid: str, chat: bool,
+                  include_usage: bool, request: Request) -> AsyncIterator[str]:
+        """A streaming response's server-sent events: the echoed prompts, every stream's chunks as they come (with
+        "trace", one event per forward), the usage with include_usage, then [DONE]."""
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        now, k, shapes = int(time.time()), len(choice_echo), self.shapes
+
+        def event(choices: list[dict[str, Any]], usage: dict[str, int | float] | None = None,
+                  step: dict[str, Any] | None = None) -> str:
+            d: dict[str, Any] = {"id": rid, "object": obj, "created": now, "model": self.name, "choices": choices}
+            if usage is not None:
+                d["usage"] = usage
+            if step is not None:
+                d["mbd_step"] = step
+            return f"data: {json.dumps(d)}\n\n"
+
+        # per choice: the text offset of its next token (/v1/completions' text_offset)
+        offsets = [0] * k
+
+        def choice(i: int, text: str, finish: str | None = None, role: bool = False,
+                   lps: Any = None, n_tokens: int = 0) -> dict[str, Any]:
+            lp = None
+            entries = entries_of(lps, n_tokens, chat) if req.logprobs is not None else []
+            if entries:
+                lp = shapes.chat_logprobs(entries) if chat else shapes.legacy_logprobs(entries, offsets[i])
+                if not chat:
+                    offsets[i] += sum(len(t) for t in lp["tokens"])
+            if chat:
+                delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+                return {"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}
+            return {"index": i, "text": text, "finish_reason": finish, "logprobs": lp}
+
+        usages: list[Usage | None] = [None] * k
+        try:
+            if chat:
+                for i in range(k):
+                    yield event([choice(i, "", role=True)])
+            for i, e in enumerate(choice_echo):
+                if e is not None:  # the prompt first, with its scores
+                    lp = None if req.logprobs is None else shapes.legacy_logprobs(e.entries or [], 0)
+                    offsets[i] = len(e.text)
+                    fin = None if req.generates else "length"
+                    yield event([{"index": i, "text": e.text, "finish_reason": fin, "logprobs": lp}])
+                    if not req.generates:
+                        usages[i] = scored_only(e)
+            if req.generates:
+                q: Queue[Item] = Queue()
+                lease.pump(q)
+                async for i, ch in self.chunks(q, k):
+                    lps = ch.logprobs if req.logprobs is not None else None
+                    c = choice(i, ch.text, ch.finish_reason, lps=lps, n_tokens=len(ch.token_ids))
+                    if ch.step is not None:
+                        yield event([c], step=shapes.step_json(ch.step))
+                    elif ch.text or ch.finish_reason or c["logprobs"]:
+                        yield event([c])
+                    if ch.finish_reason:
+                        usages[i] = ch.usage
+            request.state.tokens = sum(len(s.token_ids) for s in lease.streams)
+            if include_usage:
+                done = [u for u in usages if u is not None]
+                assert len(done) == k  # the last chunk of each stream carries its usage
+                yield event([], usage_json(done, req.n))
+            yield "data: [DONE]\n\n"
+        finally:
+            lease.release()  # cancels the generations first if the client went away mid-stream
+
+    async def index(self, request: Request) -> Response:
+        page = (importlib.resources.files("mbd_rs") / "web" / "index.html").read_text(encoding="utf-8")
+        return HTMLResponse(page.replace("{{MODEL}}", html.escape(self.name)).replace(
+            "{{KEY_NEEDED}}", "true" if self.api_key else "false"))
+
+    async def completions(self, request: Request) -> Response:
+        return await self.handle(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.handle(request, chat=True)
+
+    def tokenizer_info_json(self) -> dict[str, Any]:
+        if not self.tok_info:
+            self.tok_info.update(openai.tokenizer_info(self.engine))
+        return self.tok_info
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        if (r := self.check_auth(request)) is not None:
+            return r
+        return JSONResponse(await anyio.to_thread.run_sync(self.tokenizer_info_json))
+
+    async def tokenizer_route(self, request: Request, encode: bool) -> Response:
+        if (r := self.check_auth(request)) is not None:
+            return r
+        try:
+            body = await self.read_body(request)
+            route = openai.tokenize if encode else openai.detokenize
+            return JSONResponse(await anyio.to_thread.run_sync(route, self.engine, body))
+        except REFUSALS as e:
+            return refusal(e)
+
+    async def tokenize(self, request: Request) -> Response:
+        return await self.tokenizer_route(request, encode=True)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self.tokenizer_route(request, encode=False)
+
+
+def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | None = None,
+               max_concurrency: int = 4, max_queue: int | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
+    """The app serving `engine`. `max_concurrency` becomes the engine's batch (`Engine.set_batching(max_batch=)`):
+    generations stepped together; `max_queue` (default: `max_concurrency`) more wait in the engine's queue."""
+    name = model_name or os.path.basename(os.path.normpath(engine.info.path))
+    engine.set_batching(max_batch=max_concurrency)
+    queue = max_concurrency if max_queue is None else max_queue
+    if isinstance(queue, bool) or not isinstance(queue, int) or queue < 0:
+        raise InvalidRequestError(f"max_queue must be an integer >= 0, got {queue!r}")
+    r = _Routes(engine, name, api_key, max_concurrency, queue, max_body_bytes)
+    app = Starlette(routes=[
+        Route("/", r.index, methods=["GET"]),
+        Route("/health", r.health, methods=["GET"]),
+        Route("/v1/models", r.models, methods=["GET"]),
+        Route("/v1/completions", r.completions, methods=["POST"]),
+        Route("/v1/chat/completions", r.chat_completions, methods=["POST"]),
+        Route("/tokenizer_info", r.tokenizer_info, methods=["GET"]),
+        Route("/tokenize", r.tokenize, methods=["POST"]),
+        Route("/detokenize", r.detokenize, methods=["POST"]),
+    ])
+    app.state.slots = r.slots
+    app.add_middleware(_AccessLog)
+    return app
+
+
+class _AccessLog:
+    """One log line per request (logger "mbd_rs.server", INFO): client, method, route, status, completion tokens, ms.
+    Streaming requests are logged when their stream ends."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        status = [0]
+
+        async def send_status(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            state = scope.get("state") or {}
+            client = scope.get("client") or ("-", 0)
+            _log.info("%s %s %s %d tokens=%s %.1fms", client[0], scope["method"], scope["path"], status[0],
+                      state.get("tokens", "-"), 1e3 * (time.perf_counter() - t0))
+
+
+def serve(args: Any, load: dict[str, Any]) -> int:
+    """`mbd-rs serve`: load the model (`load`: Engine.load's options) and serve it with uvicorn until interrupted."""
+    import uvicorn
+
+    eng = Engine.load(args.model, **load)
+    app = create_app(eng, model_name=args.model_name, api_key=args.api_key, max_concurrency=args.max_concurrency,
+                     max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
+    print(f"mbd-rs: serving {eng.info.path} as '{args.model_name or os.path.basename(os.path.normpath(eng.info.path))}' "
+          f"on http://{args.host}:{args.port}/v1", flush=True)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # the access log, on stderr
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

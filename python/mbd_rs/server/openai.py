@@ -1,0 +1,343 @@
+"""The OpenAI protocol (and vLLM's tokenizer routes): request bodies checked and turned into engine parameters
+(`body_params`), the engine's results shaped as OpenAI's JSON (log-probabilities in the legacy and the chat
+shapes, usage), and the refusals as OpenAI error objects. No HTTP here: the routes are `app`'s."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from ..engine import GENERATION_PARAMS, Engine
+from ..errors import ContextLengthError, InvalidRequestError, MbdError
+from ..types import StepEvent, TokenLogprob, Usage
+
+# OpenAI body fields passed to the engine as generation parameters, and the server's own fields.
+_OPENAI_PARAMS = {"max_tokens", "temperature", "top_p", "stop", "seed"}
+_OWN = {"model", "prompt", "messages", "stream", "stream_options", "max_completion_tokens", "n", "user", "logprobs",
+        "top_logprobs", "echo"}
+# OpenAI fields we do not support yet, with the values that mean "off" (sent by many clients by default).
+_UNSUPPORTED_UNLESS = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+                       "suffix": (None, ""), "best_of": (None, 1), "response_format": (None, {"type": "text"})}
+# Diffusion knobs and the rest of the engine's parameters, accepted as extra body fields ("logprobs" is OpenAI's
+# field, shaped per route by _body_params).
+_EXTENSIONS = set(GENERATION_PARAMS) - _OPENAI_PARAMS - {"logprobs"}
+# With "trace" (streaming only), every forward pass is also an SSE event carrying "mbd_step": the blocks, the
+# positions it decoded and the canvas as token pieces (what the live web view at / draws).
+#: Default cap on a request body.
+MAX_BODY_BYTES = 4 << 20
+#: Cap on `n` (choices per prompt).
+MAX_N = 16
+
+
+# (token id, logprob or None for a prompt's first token, alternatives or None)
+Entry = tuple[int, "float | None", "list[tuple[int, float]] | None"]
+
+
+class Echo:
+    """A prompt as echo returns it: text, token ids, and (with logprobs) its tokens' scores."""
+
+    def __init__(self, text: str, ids: list[int], entries: "list[Entry] | None"):
+        self.text, self.ids, self.entries = text, ids, entries
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class UnknownModel(Exception):
+    pass
+
+
+def error(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+           param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
+
+
+#: What a POST route answers for a refused request (each route catches these and passes them to `refusal`).
+REFUSALS = (BodyTooLarge, UnknownModel, InvalidRequestError, TypeError, MbdError)
+
+
+def refusal(e: Exception) -> JSONResponse:
+    if isinstance(e, BodyTooLarge):
+        return error(413, str(e))
+    if isinstance(e, UnknownModel):
+        return error(404, str(e), code="model_not_found")
+    if isinstance(e, ContextLengthError):
+        return error(400, str(e), code="context_length_exceeded")
+    if isinstance(e, (InvalidRequestError, TypeError)):
+        return error(400, str(e))
+    return error(500, str(e), "server_error")
+
+
+class Body:
+    """A validated request: the engine's parameters, the prompts (chat: the one message list), n, echo, and
+    `logprobs` (alternatives per token, None = off)."""
+
+    def __init__(self, params: dict[str, Any], prompts: list[Any], n: int, echo: bool, logprobs: int | None):
+        self.params, self.prompts, self.n, self.echo, self.logprobs = params, prompts, n, echo, logprobs
+
+    @property
+    def generates(self) -> bool:
+        """False for echo with max_tokens 0: the prompt is scored, nothing generated."""
+        return not (self.echo and self.params.get("max_tokens") == 0)
+
+
+def body_params(body: dict[str, Any], chat: bool) -> Body:
+    """Validate the whole body (before any slot is taken): the engine's parameters, the prompts (chat: the one
+    message list), n, echo and logprobs. Parameter values are checked by the engine; this checks the shape of the
+    OpenAI fields."""
+    unknown = sorted(set(body) - _OWN - _OPENAI_PARAMS - _EXTENSIONS - set(_UNSUPPORTED_UNLESS))
+    if unknown:
+        raise InvalidRequestError(f"unknown request field(s) {unknown}")
+    for k, off in _UNSUPPORTED_UNLESS.items():
+        if k in body and not any(body[k] == v and isinstance(body[k], bool) == isinstance(v, bool) for v in off):
+            raise InvalidRequestError(f"{k} is not supported by this server (got {json.dumps(body[k])[:80]})")
+    body = {k: v for k, v in body.items() if v is not None}  # null = the field's default, as OpenAI treats it
+    n = body.get("n", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise InvalidRequestError(f"n must be an integer from 1 to {MAX_N} (got {json.dumps(n)[:40]})")
+    if not isinstance(body.get("stream", False), bool):
+        raise InvalidRequestError("stream must be true or false")
+    so = body.get("stream_options")
+    if so is not None and not (isinstance(so, dict) and set(so) <= {"include_usage"}
+                               and isinstance(so.get("include_usage", False), bool)):
+        raise InvalidRequestError("stream_options must be an object like {\"include_usage\": true}")
+    if not isinstance(body.get("user", ""), str):
+        raise InvalidRequestError("user must be a string")
+    if body.get("trace") not in (None, False) and not body.get("stream"):
+        raise InvalidRequestError("trace needs stream: true (its events are server-sent)")
+    p = {k: body[k] for k in _EXTENSIONS | _OPENAI_PARAMS if body.get(k) is not None}
+    if body.get("max_completion_tokens") is not None:
+        p["max_tokens"] = body["max_completion_tokens"]
+    if chat:
+        if "echo" in body:
+            raise InvalidRequestError("echo applies to /v1/completions only")
+        if not isinstance(body.get("logprobs", False), bool):
+            raise InvalidRequestError("logprobs must be true or false on /v1/chat/completions (top_logprobs: how "
+                                      "many alternatives)")
+        top = body.get("top_logprobs")
+        if top is not None and not body.get("logprobs"):
+            raise InvalidRequestError("top_logprobs needs logprobs: true")
+        logprobs = (0 if top is None else top) if body.get("logprobs") else None
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list")
+        prompts, echo = [messages], False
+    else:
+        if "top_logprobs" in body:
+            raise InvalidRequestError("top_logprobs applies to /v1/chat/completions; on /v1/completions logprobs "
+                                      "is the number of alternatives")
+        echo = flag(body, "echo", False)
+        logprobs = body.get("logprobs")
+        prompts = _prompts(body.get("prompt"))
+    if logprobs is not None:
+        p["logprobs"] = logprobs  # its range is the engine's rule
+    return Body(p, prompts, n, echo, logprobs)
+
+
+def is_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _prompts(prompt: Any) -> list[Any]:
+    """OpenAI's four prompt shapes -> a list of prompts (each a string or a list of token ids)."""
+    shapes = "a string, a list of token ids, a list of strings or a list of token-id lists"
+    if isinstance(prompt, str):
+        return [prompt]
+    if not isinstance(prompt, list):
+        raise InvalidRequestError(f"prompt must be {shapes}")
+    if not prompt:
+        raise InvalidRequestError("prompt must not be an empty list")
+    if all(is_id(t) for t in prompt):
+        return [prompt]
+    if all(isinstance(x, str) for x in prompt):
+        return list(prompt)
+    if all(isinstance(x, list) for x in prompt):
+        for i, x in enumerate(prompt):
+            if not x or not all(is_id(t) for t in x):
+                raise InvalidRequestError(f"prompt[{i}] must be a non-empty list of token ids")
+        return list(prompt)
+    raise InvalidRequestError(f"prompt must be {shapes}; lists may not mix these")
+
+
+def flag(body: dict[str, Any], key: str, default: bool) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise InvalidRequestError(f"{key} must be true or false")
+    return v
+
+
+def tokenize(engine: Engine, body: dict[str, Any]) -> dict[str, Any]:
+    """POST /tokenize, vLLM's shape: {"prompt": text, "add_special_tokens": true} or {"messages": [...],
+    "add_generation_prompt": true, "add_special_tokens": false} -> {"tokens", "count", "max_model_len",
+    "token_strs"} (token_strs with "return_token_strs": true, else null)."""
+    allowed = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs"}
+    if unknown := sorted(set(body) - allowed):
+        raise InvalidRequestError(f"unknown request field(s) {unknown}")
+    if isinstance(body.get("prompt"), list) and "messages" not in body:
+        # lm-eval's local-completions with --apply_chat_template sends the message list as "prompt"
+        body = {**{k: v for k, v in body.items() if k != "prompt"}, "messages": body["prompt"]}
+    if ("prompt" in body) == ("messages" in body):
+        raise InvalidRequestError("give exactly one of prompt (a string) or messages (a list)")
+    if "prompt" in body:
+        if not isinstance(body["prompt"], str):
+            raise InvalidRequestError("prompt must be a string")
+        ids = engine.tokenize(body["prompt"], add_special_tokens=flag(body, "add_special_tokens", True))
+    else:
+        if not isinstance(body["messages"], list) or not body["messages"]:
+            raise InvalidRequestError("messages must be a non-empty list")
+        text = engine.apply_chat_template(body["messages"],
+                                          add_generation_prompt=flag(body, "add_generation_prompt", True))
+        ids = engine.tokenize(text, add_special_tokens=flag(body, "add_special_tokens", False))
+    strs = ([engine.detokenize([t], skip_special_tokens=False) for t in ids]
+            if flag(body, "return_token_strs", False) else None)
+    return {"tokens": ids, "count": len(ids), "max_model_len": engine.info.max_context, "token_strs": strs}
+
+
+def detokenize(engine: Engine, body: dict[str, Any]) -> dict[str, Any]:
+    """POST /detokenize, vLLM's shape: {"tokens": [ids]} -> {"prompt": text}. Special tokens are kept (as vLLM
+    and a tokenizer's decode do) unless "skip_special_tokens": true."""
+    if unknown := sorted(set(body) - {"model", "tokens", "skip_special_tokens"}):
+        raise InvalidRequestError(f"unknown request field(s) {unknown}")
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(is_id(t) for t in ids):
+        raise InvalidRequestError("tokens must be a list of token ids")
+    return {"prompt": engine.detokenize(ids, skip_special_tokens=flag(body, "skip_special_tokens", False))}
+
+
+def tokenizer_info(engine: Engine) -> dict[str, Any]:
+    """GET /tokenizer_info: what lm-evaluation-harness's remote tokenizer reads (eos_token, bos_token, pad_token,
+    chat_template) plus the context length: the chat template the engine renders (`info.chat_template`: from
+    chat_template.jinja, tokenizer_config.json or a GGUF file's metadata), the tokens from the model directory's
+    tokenizer_config.json; eos_token falls back to the text of the model's first EOS id."""
+    path = engine.info.path
+    cfg: dict[str, Any] = {}
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            loaded = json.load(f)
+        if isinstance(loaded, dict):
+            cfg = loaded
+    except (OSError, ValueError):
+        pass
+
+    def token(key: str) -> str | None:
+        v = cfg.get(key)
+        if isinstance(v, dict):  # an AddedToken: {"content": ...}
+            v = v.get("content")
+        return v if isinstance(v, str) else None
+
+    eos = token("eos_token")
+    if eos is None and engine.info.eos_token_ids:
+        eos = engine.detokenize(engine.info.eos_token_ids[:1], skip_special_tokens=False)
+    return {"tokenizer_class": cfg.get("tokenizer_class") if isinstance(cfg.get("tokenizer_class"), str) else None,
+            "eos_token": eos, "bos_token": token("bos_token"), "pad_token": token("pad_token"),
+            "eos_token_ids": list(engine.info.eos_token_ids), "chat_template": engine.info.chat_template, "model_max_length": engine.info.max_context, "max_model_len": engine.info.max_context,
+            "vocab_size": engine.info.vocab_size}
+
+
+
+
+class Shapes:
+    """The engine's results in OpenAI's shapes, for one server: token texts (special tokens included, cached per
+    server), log-probability objects, usage and the web view's step events."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._pieces: dict[int, str] = {}
+
+    def piece(self, t: int) -> str:
+        """A token's text as the logprobs and the web view show it (special tokens included)."""
+        if t not in self._pieces:
+            self._pieces[t] = self.engine.detokenize([t], skip_special_tokens=False)
+        return self._pieces[t]
+
+    def echo_of(self, prompt: Any, logprobs: int | None) -> Echo:
+        """A prompt as echo returns it: its text (a token-id prompt detokenized as given), its ids, and with
+        logprobs its tokens' left-to-right scores."""
+        engine = self.engine
+        if isinstance(prompt, str):
+            text, ids = prompt, engine.tokenize(prompt)
+        else:
+            text, ids = engine.detokenize(prompt, skip_special_tokens=False), list(prompt)
+        entries: list[Entry] | None = None
+        if logprobs is not None:
+            scores = engine.prompt_logprobs(ids, logprobs=logprobs)
+            entries = [(ids[0], None, None)]
+            entries += [(t.token_id, t.logprob, t.top_logprobs) for t in scores[1:] if t]
+        return Echo(text, ids, entries)
+
+    def legacy_logprobs(self, entries: list[Entry], offset: int) -> dict[str, list[Any]]:
+        """/v1/completions' logprobs object for these tokens, their text offsets counted from `offset`."""
+        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t, lp, top in entries:
+            s = self.piece(t)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(lp)
+            alts: dict[str, float] | None = None
+            if top is not None:
+                alts = {}
+                for a, b in top:  # most likely first; two ids with one text keep the likelier
+                    alts.setdefault(self.piece(a), b)
+            out["top_logprobs"].append(alts)
+            out["text_offset"].append(offset)
+            offset += len(s)
+        return out
+
+    def chat_logprobs(self, entries: list[Entry]) -> dict[str, Any]:
+        """/v1/chat/completions' logprobs object for these tokens."""
+        def item(t: int, lp: float | None) -> dict[str, Any]:
+            s = self.piece(t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+        return {"content": [dict(item(t, lp), top_logprobs=[item(a, b) for a, b in top or []])
+                            for t, lp, top in entries], "refusal": None}
+
+    def logprobs_json(self, entries: list[Entry], echo: "Echo | None", chat: bool) -> dict[str, Any]:
+        if chat:
+            return self.chat_logprobs(entries)
+        if echo is None:
+            return self.legacy_logprobs(entries, 0)
+        head = self.legacy_logprobs(echo.entries or [], 0)
+        tail = self.legacy_logprobs(entries, len(echo.text))
+        return {key: head[key] + tail[key] for key in head}
+
+    def step_json(self, ev: StepEvent) -> dict[str, Any]:
+        """A forward pass as the web view's "mbd_step" event."""
+        return {"index": ev.index, "decoded": ev.decoded, "blocks": ev.blocks,
+                "tokens_per_forward": ev.tokens_per_forward,
+                "canvas": None if ev.canvas is None else [None if t < 0 else self.piece(t) for t in ev.canvas]}
+
+
+def entries_of(lps: "list[TokenLogprob] | None", n_tokens: int, chat: bool) -> list[Entry]:
+    """The engine's log-probabilities of `n_tokens` tokens as entries. The engine adds the EOS that ended a
+    generation: /v1/completions lists it (loglikelihood clients count on the generated token being there),
+    chat's content entries stay the content's tokens."""
+    return [(x.token_id, x.logprob, x.top_logprobs) for x in (lps or [])[:n_tokens if chat else None]]
+
+
+def scored_only(e: Echo) -> Usage:
+    """The usage of an echo with max_tokens 0: the prompt, nothing generated."""
+    return Usage(prompt_tokens=len(e.ids), completion_tokens=0, forward_passes=0, tokens_per_forward=0.0,
+                 ttft_ms=0.0, prefill_ms=0.0, decode_ms=0.0, tokens_per_second=0.0, positions_forwarded=0)
+
+
+def usage_json(usages: list[Usage], n: int) -> dict[str, int | float]:
+    """Usage of all choices: completion tokens and counters summed, each prompt counted once (its n choices
+    share it)."""
+    if len(usages) == 1:
+        u = usages[0]
+        return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                "total_tokens": u.total_tokens, "forward_passes": u.forward_passes,
+                "tokens_per_forward": u.tokens_per_forward, "verifications": u.verifications,
+                "drafts_proposed": u.drafts_proposed, "drafts_accepted": u.drafts_accepted}
+    prompt = sum(u.prompt_tokens for u in usages[::n])
+    comp = sum(u.completion_tokens for u in usages)
+    fwd = sum(u.forward_passes for u in usages)
+    return {"prompt_tokens": prompt, "completion_tokens": comp, "total_tokens": prompt + comp,
+            "forward_passes": fwd, "tokens_per_forward": comp / fwd if fwd else 0.0,
+            "verifications": sum(u.verifications for u in usages),
+            "drafts_proposed": sum(u.drafts_proposed for u in usages),
+            "drafts_accepted": sum(u.drafts_accepted for u in usages)}

@@ -1,0 +1,93 @@
+"""Admission: a server's generation slots (`Slots`: its batch plus its queue) and one request's lease on k of them
+(`Lease`), freed exactly once on every path (finish, error, cancel, client gone)."""
+from __future__ import annotations
+
+import threading
+from queue import Queue
+
+from ..engine import Stream
+from ..types import StreamChunk
+
+class Slots:
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.active = 0
+        self._lock = threading.Lock()
+
+    def try_acquire(self, k: int = 1) -> "Lease | None":
+        """k slots at once, or none."""
+        with self._lock:
+            if self.active + k > self.capacity:
+                return None
+            self.active += k
+            return Lease(self, k)
+
+    def _release(self, k: int) -> None:
+        with self._lock:
+            self.active -= k
+
+
+Item = tuple[int, "StreamChunk | BaseException | None"]
+
+
+class Lease:
+    """One request's k slots, one per generation. Every slot is freed exactly once: a stream handed to a reader
+    thread (`pump`) is stepped and closed by that thread alone, which frees its slot when the stream ends;
+    `release` (idempotent) cancels every stream, closes the ones no thread owns and frees their slots (and those
+    of streams never started)."""
+
+    def __init__(self, slots: Slots, k: int):
+        self._slots = slots
+        self._lock = threading.Lock()
+        self._unowned = k  # slots not handed to a reader thread
+        self._released = False
+        self.streams: list[Stream] = []
+
+    def pump(self, q: "Queue[Item]") -> None:
+        """Start one reader thread per stream, putting (stream index, chunk) on q, then (index, None) at the end
+        or (index, exception)."""
+        with self._lock:
+            if self._released:  # already cancelled and closed: the streams just end
+                for i in range(len(self.streams)):
+                    q.put((i, None))
+                return
+            self._unowned -= len(self.streams)
+        for i, s in enumerate(self.streams):
+            threading.Thread(target=self._read, args=(i, s, q), daemon=True, name=f"mbd-stream-{i}").start()
+
+    def _read(self, i: int, s: Stream, q: "Queue[Item]") -> None:
+        end: BaseException | None = None
+        try:
+            for ch in s:
+                q.put((i, ch))
+        except BaseException as e:  # handed to the request's task, which raises it
+            end = e
+        finally:
+            # the stream's KV cache and slot are freed before its end is signalled: a client that has its
+            # response can send the next request into that slot at once
+            try:
+                s.close()
+            finally:
+                self._slots._release(1)
+                q.put((i, end))
+
+    def release(self) -> None:
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+            unowned, self._unowned = self._unowned, 0
+        try:
+            for s in self.streams:
+                try:
+                    s.cancel()  # thread-safe; a reader thread then sees its stream end and frees its slot
+                except Exception:
+                    pass
+            if unowned:  # no reader threads were started: this closes the streams
+                for s in self.streams:
+                    try:
+                        s.close()
+                    except Exception:
+                        pass
+        finally:
+            self._slots._release(unowned)

@@ -1,0 +1,65 @@
+"""The Python surface derived from the core, checked against it: `ModelInfo`'s fields are the core's
+(`_core.MODEL_INFO_FIELDS`, from crates/mbd-core/src/model/info.rs), `_core.pyi` names exactly what the extension
+has (module attributes, classes, methods and their arguments), and Engine.load's options are the core's registry."""
+import ast
+import dataclasses
+import inspect
+import os
+
+import pytest
+
+import mbd_rs
+from mbd_rs import _core
+
+STUB = os.path.join(os.path.dirname(mbd_rs.__file__), "_core.pyi")
+
+
+def test_model_info_is_the_cores():
+    fields = [(f.name, f.type) for f in dataclasses.fields(mbd_rs.ModelInfo)]
+    assert fields == [tuple(x) for x in _core.MODEL_INFO_FIELDS]
+    info = _core.CoreEngine.load(mbd_rs.DEFAULT_MODEL).info()
+    assert list(info) == [n for n, _ in _core.MODEL_INFO_FIELDS]
+    assert mbd_rs.Engine.load().info.max_context == info["max_context"]
+
+
+def _stub() -> ast.Module:
+    with open(STUB, encoding="utf-8") as f:
+        return ast.parse(f.read())
+
+
+def test_stub_names_every_module_attribute():
+    tree = _stub()
+    stubbed = {n.target.id for n in tree.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    stubbed |= {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+    runtime = {n for n in dir(_core) if not n.startswith("_") or n == "__version__"}
+    assert stubbed == runtime
+
+
+@pytest.mark.parametrize("cls", [n for n in dir(_core) if n.startswith("Core")])
+def test_stub_methods_and_arguments_are_the_extensions(cls):
+    node = next(n for n in _stub().body if isinstance(n, ast.ClassDef) and n.name == cls)
+    stub = {f.name: [a.arg for a in f.args.args if a.arg != "self"] for f in node.body if isinstance(f, ast.FunctionDef)}
+    klass = getattr(_core, cls)
+    runtime = {}
+    for name in dir(klass):
+        if name.startswith("_"):
+            continue
+        params = inspect.signature(getattr(klass, name)).parameters
+        runtime[name] = [p for p in params if p not in ("self", "$self")]
+    assert stub == runtime
+
+
+def test_load_options_are_the_registry():
+    assert mbd_rs.LOAD_OPTIONS == mbd_rs.LOAD_PARAMS + mbd_rs.PROFILE_OVERRIDES + mbd_rs.KERNEL_SWITCHES
+    assert all(n in mbd_rs.PARAMS for n in mbd_rs.LOAD_OPTIONS)
+    # Engine.load's docstring lists every load option and profile override, from the registry
+    doc = mbd_rs.Engine.load.__doc__ or ""
+    for name in mbd_rs.LOAD_PARAMS + mbd_rs.PROFILE_OVERRIDES:
+        assert f"{name}: {mbd_rs.PARAMS[name]['help'][:20]}" in doc, name
+    with pytest.raises(TypeError, match="unexpected profile override 'devcie'.*other load options are device"):
+        mbd_rs.Engine.load(devcie="cpu")
+    # a kernel switch by name, and as _kernels (benchmarks), load alike
+    a = mbd_rs.Engine.load(stack=False, device="cpu")
+    b = mbd_rs.Engine.load(_kernels=dict(stack=False), device="cpu")
+    ids = a.tokenize("sort 3 1 2")
+    assert (a.logits(ids) == b.logits(ids)).all()
