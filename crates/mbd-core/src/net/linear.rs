@@ -188,9 +188,15 @@ pub struct HoldPolicy {
     exact_on_cuda: bool,
 }
 
-/// Where quantized products run: on the CPU computing in f32 (our kernels), or on CUDA (candle's).
+/// Where our CPU kernels multiply quantized matrices: a CPU computing in f32.
+fn cpu_kernels_run(device: &Device, dtype: DType) -> bool {
+    device.is_cpu() && dtype == DType::F32
+}
+
+/// Where quantized products run at all: our CPU kernels (`cpu_kernels_run`), or candle's on CUDA. The one spelling
+/// of the rule; `quantize`, `int8_activations` and which matrices stay quantized all ask it.
 fn quantized_products_run(device: &Device, dtype: DType) -> bool {
-    device.is_cuda() || device.is_cpu() && dtype == DType::F32
+    device.is_cuda() || cpu_kernels_run(device, dtype)
 }
 
 /// `int8_activations=False` for quantized weights on CUDA.
@@ -224,7 +230,7 @@ impl HoldPolicy {
         }
         // 8-bit activations: CUDA's quantized products (candle's kernels) always round them; the CPU's integer dot
         // products need float32 compute and AVX2. Off where nothing ends up quantized (`Holder::finish`).
-        let int8_here = device.is_cuda() || device.is_cpu() && dtype == DType::F32 && Cpu::get().avx2();
+        let int8_here = device.is_cuda() || cpu_kernels_run(device, dtype) && Cpu::get().avx2();
         let int8 = match int8_activations {
             None => int8_here,
             Some(false) => false,
@@ -270,7 +276,7 @@ impl HoldPolicy {
     /// Whether a matrix stays quantized (a block format as stored, or the `quantize` option): where our CPU kernels
     /// run (f32 compute), elsewhere where candle holds it; otherwise it is dequantized to the compute dtype.
     fn quantized_here(&self, table: bool) -> bool {
-        self.device.is_cpu() && self.dtype == DType::F32 || self.candle_holds(table)
+        cpu_kernels_run(&self.device, self.dtype) || self.candle_holds(table)
     }
 
     /// A quantized matrix as held: candle's quantized tensor (`candle_holds`), for integer dot products (`int8`),
