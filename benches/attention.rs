@@ -54,7 +54,7 @@ fn run() {
         let mut out = vec![0f32; w * nh * d];
         let mut blocked = || {
             let seg = [SegmentKv { k: &kv, v: &vv, capacity: s, row0: 0, visible: &visible }];
-            mbd_core::kernels::attention::attend(&qv, w, &seg, nh, nkv, d, scale as f32, &mut out).unwrap();
+            mbd_core::kernels::attention::attend(&qv, w, &seg, nh, nkv, d, scale as f32, &mut out, None).unwrap();
         };
         let reps = (20_000_000 / (w * s * nh * d)).clamp(5, 2000);
         let (mut a, mut b) = (vec![], vec![]);

@@ -57,12 +57,13 @@ fn main() {
                                 positions: vec![prefix.len()],
                                 mask: mbd_core::net::mask::MaskSpec::Grid(grid),
                                 rows: vec![0],
+                                cancel: None,
                             })
                             .collect();
                         model.net.forward_segments(&mut segs).unwrap();
                     } else {
                         for c in caches.iter_mut() {
-                            model.net.forward(c, &ids, &grid, Some(&[0])).unwrap();
+                            model.net.forward(c, &ids, &grid, Some(&[0]), None).unwrap();
                         }
                     }
                 });

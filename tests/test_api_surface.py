@@ -38,15 +38,25 @@ def test_stub_names_every_module_attribute():
 @pytest.mark.parametrize("cls", [n for n in dir(_core) if n.startswith("Core")])
 def test_stub_methods_and_arguments_are_the_extensions(cls):
     node = next(n for n in _stub().body if isinstance(n, ast.ClassDef) and n.name == cls)
-    stub = {f.name: [a.arg for a in f.args.args if a.arg != "self"] for f in node.body if isinstance(f, ast.FunctionDef)}
+    def is_property(f: ast.FunctionDef) -> bool:
+        return any(isinstance(d, ast.Name) and d.id == "property" for d in f.decorator_list)
+
+    funcs = [f for f in node.body if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")]
+    stub = {f.name: [a.arg for a in f.args.args if a.arg != "self"] for f in funcs if not is_property(f)}
+    stub_props = {f.name for f in funcs if is_property(f)}
     klass = getattr(_core, cls)
-    runtime = {}
+    runtime, props = {}, set()
     for name in dir(klass):
         if name.startswith("_"):
             continue
-        params = inspect.signature(getattr(klass, name)).parameters
+        attr = getattr(klass, name)
+        if not callable(attr):
+            props.add(name)
+            continue
+        params = inspect.signature(attr).parameters
         runtime[name] = [p for p in params if p not in ("self", "$self")]
     assert stub == runtime
+    assert stub_props == props
 
 
 def test_load_options_are_the_registry():

@@ -8,13 +8,13 @@ try:  # the installed distribution's version: Cargo.toml's, plus "+cu130" for th
     __version__: str = _metadata.version("mbd-rs")
 except _metadata.PackageNotFoundError:  # imported from a source tree that was never installed
     __version__ = _core.__version__
-from .engine import (GENERATION_PARAMS, KERNEL_SWITCHES, LOAD_OPTIONS, LOAD_PARAMS, LOGITS_PARAMS, PARAMS,
+from .engine import (GENERATION_PARAMS, CancelToken, KERNEL_SWITCHES, LOAD_OPTIONS, LOAD_PARAMS, LOGITS_PARAMS, PARAMS,
                      PROFILE_OVERRIDES, SCORE_PARAMS, Engine, Stream)
 from .errors import *  # noqa: F401,F403  (the exception hierarchy)
 from .hub import DEFAULT_MODEL
 from .types import Completion, ModelInfo, StepEvent, StreamChunk, TokenLogprob, Usage
 
-__all__ = ["Engine", "ModelInfo", "Stream", "StreamChunk", "StepEvent", "Completion", "Usage", "TokenLogprob",
+__all__ = ["Engine", "ModelInfo", "Stream", "CancelToken", "StreamChunk", "StepEvent", "Completion", "Usage", "TokenLogprob",
            "GENERATION_PARAMS", "PROFILE_OVERRIDES", "LOGITS_PARAMS", "SCORE_PARAMS", "LOAD_PARAMS", "KERNEL_SWITCHES",
            "LOAD_OPTIONS", "PARAMS",
            "DEFAULT_MODEL", "__version__"]

@@ -23,6 +23,8 @@ SCORE_PARAMS: "tuple[str, ...]" = _core.SCORE_PARAMS
 LOAD_PARAMS: "tuple[str, ...]" = _core.LOAD_PARAMS
 KERNEL_SWITCHES: "tuple[str, ...]" = _core.KERNEL_SWITCHES
 LOAD_OPTIONS: "tuple[str, ...]" = _core.LOAD_OPTIONS
+#: Stops a long call (Engine.logits, Engine.prompt_logprobs) from another thread: `token.cancel()`.
+CancelToken = _core.CancelToken
 #: name -> {"kind": ..., "help": ...} for every parameter above.
 PARAMS: "dict[str, dict[str, str]]" = _core.PARAMS
 
@@ -102,23 +104,38 @@ class Engine:
     def detokenize(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._core.detokenize(ids, skip_special_tokens)
 
-    def logits(self, ids: Sequence[int], **params: Any) -> np.ndarray:
-        """Logits (len(ids) x vocab, float32) for every position of `ids`. Parameters (LOGITS_PARAMS):
+    def logits(self, ids: Sequence[int], *, cancel: Optional[CancelToken] = None, **params: Any) -> np.ndarray:
+        """Logits (len(ids) x vocab, float32) for every position of `ids`. `cancel.cancel()` from another thread (or
+        Ctrl-C) stops the call between its chunks and its forwards' layers (RequestCancelledError; KeyboardInterrupt).
+        Parameters (LOGITS_PARAMS):
 
         attention/block_size/alignment default to the model's profile; `prompt_len` ends the prompt block for
         alignment="prompt". With prefix_len > 0 the first prefix_len tokens go through the KV-cache path and the
         rest are forwarded as a window over that cache (the result is the same; prefix_len must sit on a block
         boundary of the chosen attention)."""
-        return self._core.logits(ids, params)
+        return self._core.logits(ids, params, cancel)
 
-    def prompt_logprobs(self, prompt: Prompt, **params: Any) -> List[Optional[TokenLogprob]]:
+    def prompt_logprobs(self, prompt: Prompt, *, cancel: Optional[CancelToken] = None,
+                        **params: Any) -> List[Optional[TokenLogprob]]:
         """The log-probability of each token of `prompt` (a str or a list of token ids) given the tokens before it,
         one per token (None for the first, which has no context): the model's left-to-right likelihood at block
         size 1 (for unshifted models such as SDAR, a mask token at each position seeing the tokens before it and
         itself; for shifted ones the previous position's logits under causal attention). `logprobs=k` (0..20) adds
         the k most likely tokens at each position. Full-attention models (Dream) have no left-to-right
-        likelihood and raise InvalidRequestError."""
-        return [None if t is None else _token_logprob(t) for t in self._core.prompt_logprobs(prompt, params)]
+        likelihood and raise InvalidRequestError. `cancel` (or Ctrl-C) stops it between chunks, as for `logits`."""
+        scores = self._core.prompt_logprobs(prompt, params, True, cancel)
+        return [None if t is None else _token_logprob(t) for t in scores]
+
+    def chat_ids(self, messages: Sequence[Message], *, add_generation_prompt: bool = True,
+                 special_tokens_in_content: bool = False) -> List[int]:
+        """The token ids of `messages` rendered with the chat template, exactly as `stream_chat` runs on them
+        (contents kept as text, roles checked)."""
+        return self._core.chat_ids(_messages_json(messages), add_generation_prompt, special_tokens_in_content)
+
+    def token_bytes(self, ids: Sequence[int]) -> List[bytes]:
+        """Each token's bytes before UTF-8 decoding: a token that holds part of a character (whose text alone
+        would be U+FFFD) gives its bytes."""
+        return self._core.token_bytes(ids)
 
     def stream(self, prompt: Prompt, **params: Any) -> "Stream":
         """Stream a completion of `prompt` (a str or a list of token ids). Parameters: GENERATION_PARAMS."""

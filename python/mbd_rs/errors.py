@@ -30,6 +30,10 @@ class ContextLengthError(InvalidRequestError):
     """The prompt plus the requested completion does not fit the model's context."""
 
 
+class RequestCancelledError(MbdError):
+    """A long call (`Engine.logits`, `Engine.prompt_logprobs`) was stopped by its `CancelToken`."""
+
+
 class InternalError(MbdError, RuntimeError):
     """A bug inside mbd-rs (a caught Rust panic). Please report it."""
 
@@ -42,5 +46,6 @@ __all__ = [
     "UnsupportedArchitectureError",
     "InvalidRequestError",
     "ContextLengthError",
+    "RequestCancelledError",
     "InternalError",
 ]

@@ -32,6 +32,10 @@ pub enum Error {
     #[error("{0}")]
     ContextLength(String),
 
+    /// The caller cancelled the work (a `Cancel` token: a stream's cancel, a client gone, an interrupt).
+    #[error("{0}")]
+    Cancelled(String),
+
     /// Anything raised by the tensor backend during compute.
     #[error("tensor backend error: {0}")]
     Backend(#[from] candle_core::Error),

@@ -2,6 +2,32 @@
 //! index" everywhere (sampling, acceptance, MoE routing).
 
 use std::cmp::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
+use std::sync::Arc;
+
+/// A cancellation token: cheap to clone, set from any thread (`cancel`), polled by long work between its pieces
+/// (a prefill chunk, a layer of a forward, a chunk of scored positions), which then stops with `Error::Cancelled`.
+#[derive(Clone, Debug, Default)]
+pub struct Cancel(Arc<AtomicBool>);
+
+impl Cancel {
+    /// Ask the work to stop.
+    pub fn cancel(&self) {
+        self.0.store(true, AtomicOrdering::SeqCst);
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(AtomicOrdering::SeqCst)
+    }
+
+    /// `Err(Error::Cancelled)` once cancelled (`what`: the work, for the message).
+    pub fn check(&self, what: &str) -> crate::error::Result<()> {
+        if self.is_cancelled() {
+            return Err(crate::error::Error::Cancelled(format!("{what} was cancelled")));
+        }
+        Ok(())
+    }
+}
 
 /// An enum whose variants have fixed external names (API values, config values, report strings).
 /// Generates `name()`, `parse()` (an `InvalidRequest` error that lists the valid names, under `$what`),

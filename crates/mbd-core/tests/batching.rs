@@ -76,6 +76,7 @@ fn forward_cases(model: &Model, cases: &[Case], together: bool) -> Vec<Vec<f32>>
             ids: w,
             mask: c.mask.clone().unwrap_or(MaskSpec::Grid(grid)),
             rows: c.rows.clone(),
+            cancel: None,
         })
         .collect();
     let out = if together {

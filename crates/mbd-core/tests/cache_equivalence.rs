@@ -8,6 +8,7 @@ use mbd_core::decode::decoder::{Acceptance, ForcedProgress};
 use mbd_core::generate::generation::Generation;
 use mbd_core::kernels::Kernels;
 use mbd_core::params::request::{GenRequest, LogitsRequest, ProfileOverrides};
+use mbd_core::util::Cancel;
 use mbd_core::{Alignment, AttentionKind, Error, LoadOptions, Model};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -103,7 +104,10 @@ fn attention_in_query_chunks_equals_one_piece() {
         let prefixes: &[usize] = if attention == AttentionKind::Full { &[0] } else { &[0, 8] };
         for &prefix_len in prefixes {
             let req = LogitsRequest { prefix_len: Some(prefix_len), ..Default::default() };
-            let (a, b) = (whole.logits(&ids, &req).unwrap(), chunked.logits(&ids, &req).unwrap());
+            let (a, b) = (
+                whole.logits(&ids, &req, &Cancel::default()).unwrap(),
+                chunked.logits(&ids, &req, &Cancel::default()).unwrap(),
+            );
             let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));
             let err = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
             assert!(err <= 1e-5 * scale, "{attention:?} prefix {prefix_len}: max error {err} (scale {scale})");
@@ -111,7 +115,7 @@ fn attention_in_query_chunks_equals_one_piece() {
             let blocked =
                 Model::load(&fixture(), &LoadOptions { overrides: overrides_for(attention), ..Default::default() })
                     .unwrap();
-            let c = blocked.logits(&ids, &req).unwrap();
+            let c = blocked.logits(&ids, &req, &Cancel::default()).unwrap();
             let err = a.iter().zip(&c).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
             assert!(err <= 1e-5 * scale, "{attention:?} prefix {prefix_len}: blocked attention, max error {err}");
         }

@@ -3,18 +3,49 @@
 
 use crate::convert::{ids, int, json_to_py, messages_value, request, string};
 use crate::stream::{logprob_tuple, CoreStream, LogprobTuple};
-use crate::{run, to_py};
+use crate::{run, run_cancellable, to_py};
 use mbd_core::load::weights::Progress;
 use mbd_core::model::info::MODEL_INFO_FIELDS;
 use mbd_core::params::load::{BatchLimits, LoadParams};
 use mbd_core::params::request::{GenRequest, LogitsRequest, ScoreRequest};
+use mbd_core::util::Cancel;
 use mbd_core::{Engine, Error, Model};
 use numpy::{PyArray1, PyArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString};
+use pyo3::types::{PyBytes, PyDict, PyString};
 use std::path::PathBuf;
 use std::sync::Arc;
+
+/// Stops a long call (`logits`, `prompt_logprobs`) from another thread: between its chunks and its forwards'
+/// layers; the call then raises `RequestCancelledError`.
+#[pyclass(frozen, module = "mbd_rs._core")]
+pub(crate) struct CancelToken {
+    inner: Cancel,
+}
+
+#[pymethods]
+impl CancelToken {
+    #[new]
+    fn new() -> Self {
+        CancelToken { inner: Cancel::default() }
+    }
+
+    /// Ask the call to stop (thread-safe; calls that start later with this token stop at once).
+    fn cancel(&self) {
+        self.inner.cancel();
+    }
+
+    #[getter]
+    fn cancelled(&self) -> bool {
+        self.inner.is_cancelled()
+    }
+}
+
+/// The token a call stops on: the caller's, or one of its own (an interrupt sets it).
+fn token(cancel: Option<&Bound<'_, CancelToken>>) -> Cancel {
+    cancel.map(|c| c.get().inner.clone()).unwrap_or_default()
+}
 
 #[pyclass(frozen, module = "mbd_rs._core")]
 pub(crate) struct CoreEngine {
@@ -115,19 +146,21 @@ impl CoreEngine {
         run(py, move || m.detokenize(&ids, skip_special_tokens))
     }
 
-    /// Logits (len(ids), vocab) f32 as numpy; `params`: `LOGITS_PARAMS`.
-    #[pyo3(signature = (ids, params=None))]
+    /// Logits (len(ids), vocab) f32 as numpy; `params`: `LOGITS_PARAMS`. `cancel` (or Ctrl-C) stops it between
+    /// chunks and layers.
+    #[pyo3(signature = (ids, params=None, cancel=None))]
     fn logits<'py>(
         &self,
         py: Python<'py>,
         ids: &Bound<'py, PyAny>,
         params: Option<&Bound<'py, PyDict>>,
+        cancel: Option<&Bound<'py, CancelToken>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let ids = crate::convert::ids("ids", ids)?;
         let req: LogitsRequest = request(params)?;
         let m = self.model();
         let (n, v) = (ids.len(), m.config.vocab_size);
-        let out = run(py, move || m.logits(&m.token_ids("ids", &ids)?, &req))?;
+        let out = run_cancellable(py, token(cancel), move |c| m.logits(&m.token_ids("ids", &ids)?, &req, c))?;
         let arr = PyArray1::from_vec(py, out).reshape([n, v]).map_err(|e| PyValueError::new_err(e.to_string()))?;
         Ok(arr.into_any())
     }
@@ -184,18 +217,22 @@ impl CoreEngine {
     /// Each token of `prompt` (a str, tokenized here, or token ids) scored given the ones before it
     /// (`Model::prompt_logprobs`): a list of None (the first token) or (token, logprob, [(id, logprob), ...]);
     /// `params`: `SCORE_PARAMS`.
-    #[pyo3(signature = (prompt, params=None, add_special_tokens=true))]
+    /// `cancel` (or Ctrl-C) stops it between chunks and layers.
+    #[pyo3(signature = (prompt, params=None, add_special_tokens=true, cancel=None))]
     fn prompt_logprobs(
         &self,
         py: Python<'_>,
         prompt: &Bound<'_, PyAny>,
         params: Option<&Bound<'_, PyDict>>,
         add_special_tokens: bool,
+        cancel: Option<&Bound<'_, CancelToken>>,
     ) -> PyResult<Vec<Option<LogprobTuple>>> {
         let prompt = Prompt::from_py(prompt)?;
         let req: ScoreRequest = request(params)?;
         let m = self.model();
-        let out = run(py, move || m.prompt_logprobs(&prompt.ids(&m, add_special_tokens)?, &req))?;
+        let out = run_cancellable(py, token(cancel), move |c| {
+            m.prompt_logprobs(&prompt.ids(&m, add_special_tokens)?, &req, c)
+        })?;
         Ok(out.into_iter().map(|t| t.map(logprob_tuple)).collect())
     }
 
@@ -211,8 +248,35 @@ impl CoreEngine {
     ) -> PyResult<CoreStream> {
         let messages_json = string("messages", messages_json)?;
         self.begin(py, params, move |m| {
-            m.chat_prompt_ids(&messages_value(&messages_json)?, &serde_json::Value::Null, special_tokens_in_content)
+            let msgs = messages_value(&messages_json)?;
+            m.chat_prompt_ids(&msgs, true, &serde_json::Value::Null, special_tokens_in_content)
         })
+    }
+
+    /// The token ids of a chat prompt exactly as a chat generation runs on them (`Model::chat_prompt_ids`).
+    #[pyo3(signature = (messages_json, add_generation_prompt=true, special_tokens_in_content=false))]
+    fn chat_ids(
+        &self,
+        py: Python<'_>,
+        messages_json: &Bound<'_, PyAny>,
+        add_generation_prompt: bool,
+        special_tokens_in_content: bool,
+    ) -> PyResult<Vec<u32>> {
+        let messages_json = string("messages", messages_json)?;
+        let m = self.model();
+        run(py, move || {
+            let msgs = messages_value(&messages_json)?;
+            m.chat_prompt_ids(&msgs, add_generation_prompt, &serde_json::Value::Null, special_tokens_in_content)
+        })
+    }
+
+    /// Each token's bytes before UTF-8 decoding (`Model::token_bytes`): a token holding part of a character gives
+    /// its bytes.
+    fn token_bytes<'py>(&self, py: Python<'py>, ids: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let ids = crate::convert::ids("ids", ids)?;
+        let m = self.model();
+        let out = run(py, move || m.token_bytes(&ids))?;
+        Ok(out.iter().map(|b| PyBytes::new(py, b)).collect())
     }
 }
 

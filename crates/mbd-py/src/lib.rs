@@ -13,6 +13,7 @@ use mbd_core::params::load::ALL_LOAD_PARAMS;
 use mbd_core::params::request::{
     GENERATION_PARAMS, KERNEL_SWITCHES, LOAD_PARAMS, LOGITS_PARAMS, PROFILE_OVERRIDES, SCORE_PARAMS,
 };
+use mbd_core::util::Cancel;
 use mbd_core::Error;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -26,6 +27,7 @@ pyo3::import_exception!(mbd_rs.errors, UnsupportedArchitectureError);
 pyo3::import_exception!(mbd_rs.errors, InvalidRequestError);
 pyo3::import_exception!(mbd_rs.errors, ContextLengthError);
 pyo3::import_exception!(mbd_rs.errors, InternalError);
+pyo3::import_exception!(mbd_rs.errors, RequestCancelledError);
 
 fn to_py(e: Error) -> PyErr {
     match e {
@@ -38,6 +40,7 @@ fn to_py(e: Error) -> PyErr {
         Error::InvalidRequest(m) => InvalidRequestError::new_err(m),
         Error::UnknownParameter(m) => PyTypeError::new_err(m),
         Error::ContextLength(m) => ContextLengthError::new_err(m),
+        Error::Cancelled(m) => RequestCancelledError::new_err(m),
         Error::Backend(b) => MbdError::new_err(format!("tensor backend error: {b}")),
         Error::Internal(m) => InternalError::new_err(format!("internal error (please report): {m}")),
     }
@@ -48,11 +51,54 @@ fn run<T: Send>(py: Python<'_>, f: impl FnOnce() -> mbd_core::Result<T> + Send) 
     py.detach(|| catch_panic(f)).map_err(to_py)
 }
 
+/// How often a waiting call looks at Python's signals (Ctrl-C).
+const SIGNAL_POLL: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// Run a long core call that `cancel` can stop (between its chunks and a forward's layers) on a thread of its own,
+/// while this thread waits without the GIL and looks at Python's signals every `SIGNAL_POLL`: an interrupt
+/// (KeyboardInterrupt, or any exception a signal handler raises) cancels the call, waits for it to stop and is
+/// raised.
+fn run_cancellable<T: Send>(
+    py: Python<'_>,
+    cancel: Cancel,
+    f: impl FnOnce(&Cancel) -> mbd_core::Result<T> + Send,
+) -> PyResult<T> {
+    std::thread::scope(|scope| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let worker = cancel.clone();
+        scope.spawn(move || {
+            let _ = tx.send(catch_panic(|| f(&worker)));
+        });
+        let mut rx = rx;
+        loop {
+            // (the receiver moves into the GIL-free wait and back: it is not Sync)
+            let (back, got) = py.detach(move || {
+                let got = rx.recv_timeout(SIGNAL_POLL);
+                (rx, got)
+            });
+            rx = back;
+            match got {
+                Ok(r) => return r.map_err(to_py),
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(to_py(Error::Internal("a core call ended without a result".into())))
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+            }
+            if let Err(interrupt) = py.check_signals() {
+                cancel.cancel();
+                let _ = py.detach(move || rx.recv());
+                return Err(interrupt);
+            }
+        }
+    })
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<engine::CoreEngine>()?;
     m.add_class::<stream::CoreStream>()?;
+    m.add_class::<engine::CancelToken>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("cuda_available", cfg!(feature = "cuda"))?;
     m.add("PARAMS", convert::params_dict(py)?)?;

@@ -1,10 +1,10 @@
 //! A generation in progress as Python sees it (`CoreStream`): each output waited for with the GIL released and
 //! handed over as a dict.
 
-use crate::to_py;
+use crate::{to_py, SIGNAL_POLL};
 use mbd_core::error::catch_panic;
 use mbd_core::generate::generation::StepOutput;
-use mbd_core::generate::scheduler::{Canceller, StreamHandle};
+use mbd_core::generate::scheduler::{Canceller, StreamHandle, Waiting};
 use mbd_core::{Error, TokenLogprob};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -75,19 +75,29 @@ impl CoreStream {
 impl CoreStream {
     /// The next output: a dict (token_ids, text, finish_reason, usage, step), or None when the generation has
     /// finished or was closed.
+    /// Waits without the GIL, looking at Python's signals every `SIGNAL_POLL`: an interrupt (Ctrl-C) cancels the
+    /// generation (its forward stops between layers) and is raised.
     fn step<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let out = py.detach(|| {
-            catch_panic(|| {
-                let mut guard = self.handle.lock().map_err(|_| Error::Internal("stream lock poisoned".into()))?;
-                match guard.as_mut().and_then(|h| h.next()) {
-                    Some(r) => r.map(Some),
-                    None => Ok(None),
-                }
-            })
-        });
-        match out.map_err(to_py)? {
-            Some(o) => Ok(Some(output_dict(py, o)?)),
-            None => Ok(None),
+        loop {
+            let out = py.detach(|| {
+                catch_panic(|| {
+                    let mut guard = self.handle.lock().map_err(|_| Error::Internal("stream lock poisoned".into()))?;
+                    match guard.as_mut().map(|h| h.next_within(SIGNAL_POLL)) {
+                        Some(Ok(Some(r))) => r.map(|o| Some(Some(o))),
+                        Some(Ok(None)) | None => Ok(Some(None)),
+                        Some(Err(Waiting)) => Ok(None),
+                    }
+                })
+            });
+            match out.map_err(to_py)? {
+                Some(Some(o)) => return Ok(Some(output_dict(py, o)?)),
+                Some(None) => return Ok(None),
+                None => {}
+            }
+            if let Err(interrupt) = py.check_signals() {
+                self.canceller.cancel();
+                return Err(interrupt);
+            }
         }
     }
 

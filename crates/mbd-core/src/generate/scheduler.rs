@@ -19,6 +19,7 @@ use crate::generate::generation::{Generation, Next, StepOutput};
 use crate::model::Model;
 use crate::net::segment::Segment;
 use crate::params::load::BatchLimits;
+use crate::util::Cancel;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -31,7 +32,8 @@ pub const MAX_UNREAD: usize = 16;
 /// What a stream and the worker share besides the channel.
 #[derive(Default)]
 struct Control {
-    cancelled: AtomicBool,
+    /// Set by `Canceller::cancel`; the generation's segments carry it, so a long forward stops between layers.
+    cancelled: Cancel,
     /// The stream's handle is gone: drop the generation.
     gone: AtomicBool,
     unread: AtomicUsize,
@@ -96,7 +98,39 @@ impl Iterator for StreamHandle {
         if self.done {
             return None;
         }
-        let mut r = self.recv(true)?;
+        let r = self.recv(true)?;
+        Some(self.deliver(r))
+    }
+}
+
+/// `StreamHandle::next_within` found no output in time; the stream goes on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Waiting;
+
+impl StreamHandle {
+    /// `next`, waiting at most `timeout` for the next output (a caller that must stay responsive, e.g. to an
+    /// interrupt, polls with this).
+    pub fn next_within(&mut self, timeout: Duration) -> std::result::Result<Option<Result<StepOutput>>, Waiting> {
+        if self.done {
+            return Ok(None);
+        }
+        let r = match self.held.take() {
+            Some(h) => h,
+            None => match self.rx.recv_timeout(timeout) {
+                Ok(r) => {
+                    self.read_one();
+                    r
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => return Err(Waiting),
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return Ok(None),
+            },
+        };
+        Ok(Some(self.deliver(r)))
+    }
+
+    /// The output `r` as delivered: with the outputs that piled up behind it merged in, and the stream marked done
+    /// after its last.
+    fn deliver(&mut self, mut r: Result<StepOutput>) -> Result<StepOutput> {
         // Outputs that piled up while the reader was busy come out as one (tokens and text joined), so that a
         // slow reader catches up in one call; trace events are never merged (each is one forward's picture).
         while let Ok(o) = &mut r {
@@ -121,21 +155,26 @@ impl Iterator for StreamHandle {
                 }
             }
         }
-        Some(r)
+        r
     }
-}
 
-impl StreamHandle {
     /// One output from the channel (or the one held back), waiting for it when `wait`.
     fn recv(&mut self, wait: bool) -> Option<Result<StepOutput>> {
         if let Some(h) = self.held.take() {
             return Some(h);
         }
         let r = if wait { self.rx.recv().ok() } else { self.rx.try_recv().ok() };
-        if r.is_some() && self.c.ctl.unread.fetch_sub(1, Ordering::SeqCst) == MAX_UNREAD {
-            self.c.shared.notify(); // the generation was paused on this reader
+        if r.is_some() {
+            self.read_one();
         }
         r
+    }
+
+    /// Count one output read off the channel.
+    fn read_one(&self) {
+        if self.c.ctl.unread.fetch_sub(1, Ordering::SeqCst) == MAX_UNREAD {
+            self.c.shared.notify(); // the generation was paused on this reader
+        }
     }
 
     /// A handle that cancels this stream from any thread (while another waits on `next`).
@@ -159,7 +198,7 @@ pub struct Canceller {
 impl Canceller {
     /// Ask the generation to stop: its next output is the final one, with finish_reason "cancelled".
     pub fn cancel(&self) {
-        self.ctl.cancelled.store(true, Ordering::SeqCst);
+        self.ctl.cancelled.cancel();
         self.shared.notify();
     }
 }
@@ -288,7 +327,7 @@ impl Entry {
         if self.ctl.gone.load(Ordering::SeqCst) {
             return true;
         }
-        if self.ctl.cancelled.load(Ordering::SeqCst) {
+        if self.ctl.cancelled.is_cancelled() {
             let o = self.gen.cancel();
             if o.finish_reason.is_some() {
                 send(self, Ok(o));
@@ -390,7 +429,8 @@ fn run_tick(
             continue;
         }
         match e.gen.prepare() {
-            Ok(Next::Forward(seg)) => {
+            Ok(Next::Forward(mut seg)) => {
+                seg.cancel = Some(e.ctl.cancelled.clone());
                 let w = seg.ids.len();
                 if !segs.is_empty() && rows + w > limits.max_rows {
                     continue; // next tick (the rotation puts it first soon)
@@ -430,6 +470,8 @@ fn run_tick(
         match r.and_then(|l| active[i].gen.consume(l)) {
             Ok(Some(o)) => outputs.push((i, Ok(o))),
             Ok(None) => {}
+            // its forward stopped for the cancel: the next tick ends it with its "cancelled" output
+            Err(Error::Cancelled(_)) if active[i].ctl.cancelled.is_cancelled() => {}
             Err(e) => outputs.push((i, Err(e))),
         }
     }

@@ -331,7 +331,7 @@ impl Window {
         if cache.len() != keys {
             return Err(Error::Internal(format!("the cache holds {} positions, the piece needs {keys}", cache.len())));
         }
-        Ok(Segment { cache, ids, positions, mask, rows })
+        Ok(Segment { cache, ids, positions, mask, rows, cancel: None })
     }
 
     /// Queue S2D2's verification of the span [s, e) (positions of the step just consumed, all masked in the

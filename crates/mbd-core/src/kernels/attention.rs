@@ -4,6 +4,7 @@
 //! `net::attention`'s choice.)
 
 use crate::error::{Error, Result};
+use crate::util::Cancel;
 use std::ops::Range;
 
 /// One segment's operands: its cache's K and V of one layer ((n_kv, capacity, head_dim) f32, the window's rows
@@ -29,6 +30,8 @@ pub fn available(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
 /// Attention of every segment's rows into `out` ((rows, heads × head_dim), row-major; other rows are left as they
 /// are), in the blocked kernel (`blocked`).
 /// `q`: the stacked queries, (heads, rows, head_dim) row-major, RoPE applied. An error where not `available`.
+/// `cancel`: once set, the tasks not yet started are skipped and the call returns `Error::Cancelled` (a long
+/// window's attention stops within a task's rows).
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     q: &[f32],
@@ -39,13 +42,17 @@ pub fn attend(
     head_dim: usize,
     scale: f32,
     out: &mut [f32],
+    cancel: Option<&Cancel>,
 ) -> Result<()> {
     if !available(heads, kv_heads, head_dim) {
         return Err(Error::Internal("the blocked attention kernel is not available on this CPU or head shape".into()));
     }
     #[cfg(target_arch = "x86_64")]
-    blocked::run(q, rows, segs, (heads, kv_heads, head_dim), scale, out);
-    Ok(())
+    blocked::run(q, rows, segs, (heads, kv_heads, head_dim), scale, out, cancel);
+    match cancel {
+        Some(c) => c.check("the attention"),
+        None => Ok(()),
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -73,6 +80,7 @@ mod blocked {
     use crate::kernels::cpu::Cpu;
     use crate::kernels::simd::{hsum256, transpose8, with_buf, Out};
     use crate::kernels::vmath::{exp8, exp_scalar};
+    use crate::util::Cancel;
     use rayon::prelude::*;
     use std::arch::x86_64::*;
     use std::cell::Cell;
@@ -106,6 +114,7 @@ mod blocked {
         (heads, kv_heads, d): (usize, usize, usize),
         scale: f32,
         out: &mut [f32],
+        cancel: Option<&Cancel>,
     ) {
         assert!(q.len() >= heads * rows * d && out.len() >= rows * heads * d);
         for s in segs {
@@ -126,6 +135,9 @@ mod blocked {
         }
         let out_ptr = Out(out.as_mut_ptr());
         let job = |&(si, g, i0, n): &(usize, usize, usize, usize)| {
+            if cancel.is_some_and(Cancel::is_cancelled) {
+                return; // the caller reports it
+            }
             let s = &segs[si];
             let p = TaskParams { q, rows, heads, n_rep: heads / kv_heads, d, scale, g, i0, n };
             task(&p, s, out_ptr)
@@ -468,7 +480,14 @@ mod blocked {
                 SegmentKv { k: &kb, v: &vb, capacity: cap_b, row0: 150, visible: &vis_b },
             ];
             let mut out = vec![f32::NAN; rows * heads * d];
-            run(&q, rows, &segs, (heads, kvh, d), scale, &mut out);
+            run(&q, rows, &segs, (heads, kvh, d), scale, &mut out, None);
+            // a cancelled call starts no task and says so
+            let mut untouched = vec![f32::NAN; rows * heads * d];
+            let stop = Cancel::default();
+            stop.cancel();
+            let r = super::super::attend(&q, rows, &segs, heads, kvh, d, scale, &mut untouched, Some(&stop));
+            assert!(matches!(r, Err(crate::error::Error::Cancelled(_))));
+            assert!(untouched.iter().all(|v| v.is_nan()));
             let n_rep = heads / kvh;
             let mut worst = 0f64;
             for s in &segs {
@@ -501,7 +520,7 @@ mod blocked {
                 let vis1 = vec![s.visible[i].clone()];
                 let one = [SegmentKv { k: s.k, v: s.v, capacity: s.capacity, row0: 0, visible: &vis1 }];
                 let mut o1 = vec![0f32; heads * d];
-                run(&q1, 1, &one, (heads, kvh, d), scale, &mut o1);
+                run(&q1, 1, &one, (heads, kvh, d), scale, &mut o1, None);
                 assert!(
                     o1.iter().zip(&out[r * heads * d..(r + 1) * heads * d]).all(|(a, b)| a.to_bits() == b.to_bits()),
                     "segment {si} row {i}: alone differs"

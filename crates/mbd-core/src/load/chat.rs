@@ -10,6 +10,10 @@ use std::path::Path;
 /// a looping or hostile template stops with an error instead of holding a worker).
 pub const TEMPLATE_FUEL: u64 = 20_000_000;
 
+/// The roles a message may have: OpenAI's (a role is rendered into the prompt as the template's markup, so a free
+/// string could spell control tokens there: `user<|im_end|>\n<|im_start|>system` would open a system turn).
+pub const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
+
 pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
     source: String,
@@ -94,6 +98,14 @@ impl ChatTemplate {
             if !ok {
                 return Err(Error::invalid(format!(
                     "messages[{i}] must have string 'role' and 'content' fields, got {m}"
+                )));
+            }
+            let role = m["role"].as_str().unwrap_or_default();
+            if !ROLES.contains(&role) {
+                let shown: String = role.chars().take(40).collect();
+                return Err(Error::invalid(format!(
+                    "messages[{i}]: role must be one of {}, got {shown:?}",
+                    crate::util::one_of(ROLES)
                 )));
             }
         }

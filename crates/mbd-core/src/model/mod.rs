@@ -55,7 +55,8 @@ impl Model {
         let base = cache.len();
         let mut last = None;
         for (start, end) in chunks(grid, base, base + ids.len()) {
-            last = Some(self.net.forward(cache, &ids[start - base..end - base], grid, Some(&[end - start - 1]))?);
+            let window = &ids[start - base..end - base];
+            last = Some(self.net.forward(cache, window, grid, Some(&[end - start - 1]), None)?);
             cache.commit(end - start)?;
         }
         last.ok_or_else(|| Error::Internal("fill_cache: no chunk".into()))

@@ -8,6 +8,7 @@ use crate::model::Model;
 use crate::net::mask::{chunks, Alignment, AttentionKind, BlockGrid, MaskSpec};
 use crate::net::segment::Segment;
 use crate::params::request::{LogitsRequest, Params, ScoreRequest};
+use crate::util::Cancel;
 use candle_core::Tensor;
 
 /// Positions scored per forward by `Model::prompt_logprobs` (bounds the logits it holds: 128 rows of a 152K
@@ -35,7 +36,8 @@ impl Model {
     /// Logits for every position of `ids` under the request's attention grid. With `prefix_len > 0` the first
     /// `prefix_len` tokens go through the cache (forward + commit) and the rest are forwarded as a window
     /// over the cached prefix; the result equals the no-cache one. Returns row-major (len, vocab) f32.
-    pub fn logits(&self, ids: &[u32], req: &LogitsRequest) -> Result<Vec<f32>> {
+    /// `cancel` stops the call between chunks and between a forward's layers (`Error::Cancelled`).
+    pub fn logits(&self, ids: &[u32], req: &LogitsRequest, cancel: &Cancel) -> Result<Vec<f32>> {
         if ids.is_empty() {
             return Err(Error::invalid("ids is empty: need at least one token"));
         }
@@ -71,7 +73,8 @@ impl Model {
             let mut cache = self.new_cache();
             let pieces = chunks(&grid, 0, prefix_len).into_iter().chain(chunks(&grid, prefix_len, ids.len()));
             for (start, end) in pieces {
-                let l = self.net.forward(&mut cache, &ids[start..end], &grid, None)?;
+                cancel.check("logits")?;
+                let l = self.net.forward(&mut cache, &ids[start..end], &grid, None, Some(cancel))?;
                 out.extend(l.flatten_all()?.to_vec1::<f32>()?);
                 cache.commit(end - start)?;
             }
@@ -85,7 +88,12 @@ impl Model {
     /// position that sees the tokens before it and itself (two rows per position in one forward, the first half
     /// causal, as S2D2's verification window). The first token has no context and gets None. Full-attention
     /// models (Dream) have no left-to-right likelihood and are refused.
-    pub fn prompt_logprobs(&self, ids: &[u32], req: &ScoreRequest) -> Result<Vec<Option<TokenLogprob>>> {
+    pub fn prompt_logprobs(
+        &self,
+        ids: &[u32],
+        req: &ScoreRequest,
+        cancel: &Cancel,
+    ) -> Result<Vec<Option<TokenLogprob>>> {
         req.validate()?;
         let k = req.logprobs.unwrap_or(0);
         if ids.is_empty() {
@@ -123,6 +131,7 @@ impl Model {
             let mut cache = self.new_cache();
             cache.reserve(ids.len() + SCORE_CHUNK)?;
             for s in (0..ids.len()).step_by(SCORE_CHUNK) {
+                cancel.check("prompt_logprobs")?;
                 let e = (s + SCORE_CHUNK).min(ids.len());
                 let w = e - s;
                 // (window row whose logits predict position q, q) for the positions q >= 1 of this chunk
@@ -132,7 +141,7 @@ impl Model {
                     if rows.is_empty() {
                         break;
                     }
-                    let l = self.net.forward(&mut cache, &ids[s..e], &causal, Some(&rows))?;
+                    let l = self.net.forward(&mut cache, &ids[s..e], &causal, Some(&rows), Some(cancel))?;
                     (l, rows.iter().map(|j| s + j + 1).collect())
                 } else {
                     // rows [0, w): the tokens, causal; rows [w, 2w): a mask at each position, seeing the tokens
@@ -154,6 +163,7 @@ impl Model {
                         positions: (s..e).chain(s..e).collect(),
                         mask: MaskSpec::Custom(visible),
                         rows: rows.clone(),
+                        cancel: Some(cancel.clone()),
                     };
                     let l = self
                         .net
@@ -201,7 +211,7 @@ impl Model {
             let mut out = Vec::with_capacity(reps);
             for _ in 0..reps {
                 let t = std::time::Instant::now();
-                let l = self.net.forward(&mut cache, &win, &one_block, rows)?;
+                let l = self.net.forward(&mut cache, &win, &one_block, rows, None)?;
                 // wait for the device's work before stopping the clock (not by reading a logit back: candle copies
                 // a narrowed CUDA tensor's whole buffer to the host, 39 MB for 64 rows of a 152k vocabulary)
                 self.net.device().synchronize()?;

@@ -47,13 +47,15 @@ impl Model {
         Ok(())
     }
 
-    /// Token ids of a chat prompt (the template's rendering of `messages` plus a generation prompt). The
+    /// Token ids of a chat prompt (the template's rendering of `messages`, plus a generation prompt where
+    /// `add_generation_prompt`): what a chat generation runs on, and what a tokenizer route must report. The
     /// template's own markup is tokenized with its control tokens; message contents stay text: a content that
     /// spells a control token (`<|im_end|><|im_start|>system`) is tokenized as plain text, unless
-    /// `special_in_content`.
+    /// `special_in_content`; roles are OpenAI's (`load::chat::ROLES`).
     pub fn chat_prompt_ids(
         &self,
         messages: &serde_json::Value,
+        add_generation_prompt: bool,
         extra: &serde_json::Value,
         special_in_content: bool,
     ) -> Result<Vec<u32>> {
@@ -63,7 +65,7 @@ impl Model {
         };
         let spelled = contents.iter().any(|c| self.special_tokens.iter().any(|s| c.contains(s.as_str())));
         if special_in_content || !spelled {
-            return self.prompt_ids(&self.render_chat(messages, true, extra)?, false);
+            return self.prompt_ids(&self.render_chat(messages, add_generation_prompt, extra)?, false);
         }
         // Render with a placeholder per content, then tokenize the markup between them with control tokens and
         // each content with control-token parsing off.
@@ -71,7 +73,7 @@ impl Model {
         for (i, m) in masked.as_array_mut().into_iter().flatten().enumerate() {
             m["content"] = serde_json::Value::String(format!("{PLACEHOLDER_OPEN}{i}{PLACEHOLDER_CLOSE}"));
         }
-        let text = self.render_chat(&masked, true, extra)?;
+        let text = self.render_chat(&masked, add_generation_prompt, extra)?;
         self.check_prompt_bytes(text.len() + contents.iter().map(|c| c.len()).sum::<usize>())?;
         let mut plain = self.tokenizer.clone();
         plain.set_encode_special_tokens(true);
@@ -106,6 +108,36 @@ impl Model {
         ))
     }
 
+    /// The bytes each token stands for, before UTF-8 decoding: a token that holds part of a character (byte-level
+    /// BPE splits multi-byte characters; byte-fallback tokens are single bytes) gives its bytes, where its decoded
+    /// text alone would be U+FFFD. Added tokens give their text's bytes.
+    pub fn token_bytes(&self, ids: &[i64]) -> Result<Vec<Vec<u8>>> {
+        let ids = self.token_ids("ids", ids)?;
+        let byte_level = matches!(self.tokenizer.get_decoder(), Some(tokenizers::DecoderWrapper::ByteLevel(_)));
+        let added = self.tokenizer.get_added_tokens_decoder();
+        ids.iter()
+            .map(|&id| {
+                let piece = self.tokenizer.id_to_token(id).unwrap_or_default();
+                if let Some(t) = added.get(&id) {
+                    return Ok(t.content.clone().into_bytes());
+                }
+                if let Some(b) = byte_fallback(&piece) {
+                    return Ok(vec![b]);
+                }
+                if byte_level {
+                    if let Some(bytes) = byte_level_bytes(&piece) {
+                        return Ok(bytes);
+                    }
+                }
+                let text = self
+                    .tokenizer
+                    .decode(&[id], false)
+                    .map_err(|e| Error::invalid(format!("cannot detokenize: {e}")))?;
+                Ok(text.into_bytes())
+            })
+            .collect()
+    }
+
     pub fn detokenize(&self, ids: &[i64], skip_special_tokens: bool) -> Result<String> {
         let ids = self.token_ids("ids", ids)?;
         self.tokenizer.decode(&ids, skip_special_tokens).map_err(|e| Error::invalid(format!("cannot detokenize: {e}")))
@@ -126,5 +158,69 @@ impl Model {
             ))
         })?;
         tmpl.render(messages, add_generation_prompt, extra)
+    }
+}
+
+/// A byte-fallback token's byte (SentencePiece's `<0xE2>`).
+fn byte_fallback(piece: &str) -> Option<u8> {
+    let hex = piece.strip_prefix("<0x")?.strip_suffix('>')?;
+    if hex.len() != 2 {
+        return None;
+    }
+    u8::from_str_radix(hex, 16).ok()
+}
+
+/// The bytes of a byte-level BPE token (GPT-2's alphabet: each byte is one character, the printable ones as
+/// themselves, the other 68 as U+0100 onwards in byte order); None when a character is outside that alphabet.
+fn byte_level_bytes(piece: &str) -> Option<Vec<u8>> {
+    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+    let mut shifted = [0u8; 68];
+    let mut n = 0;
+    for b in 0..=255u8 {
+        if !printable(b) {
+            shifted[n] = b;
+            n += 1;
+        }
+    }
+    piece
+        .chars()
+        .map(|c| {
+            let u = c as u32;
+            if u < 256 && printable(u as u8) {
+                Some(u as u8)
+            } else if (256..256 + 68).contains(&u) {
+                Some(shifted[(u - 256) as usize])
+            } else {
+                None
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_level_alphabet_round_trips_every_byte() {
+        // GPT-2's bytes_to_unicode, written out: printable bytes map to themselves, the rest to 256 + rank
+        let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+        let mut next = 256u32;
+        for b in 0..=255u8 {
+            let c = if printable(b) {
+                char::from(b)
+            } else {
+                next += 1;
+                char::from_u32(next - 1).unwrap()
+            };
+            assert_eq!(byte_level_bytes(&c.to_string()), Some(vec![b]), "byte {b}");
+        }
+        assert_eq!(next, 256 + 68);
+        // "Ġ" is the space, "âĢ" the first two bytes of U+2019 (E2 80 99)
+        assert_eq!(byte_level_bytes("Ġhi"), Some(b" hi".to_vec()));
+        assert_eq!(byte_level_bytes("âĢ"), Some(vec![0xE2, 0x80]));
+        assert_eq!(byte_level_bytes("漢"), None);
+        assert_eq!(byte_fallback("<0xE2>"), Some(0xE2));
+        assert_eq!(byte_fallback("<0xE>"), None);
     }
 }

@@ -7,6 +7,7 @@ use crate::kernels::cuda;
 use crate::kernels::Kernels;
 use crate::net::mask::MaskSpec;
 use crate::net::segment::Segment;
+use crate::util::Cancel;
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
@@ -127,6 +128,9 @@ pub(crate) struct ForwardAttention {
     chunks: Vec<QueryChunks>,
     heads: Heads,
     scale: f64,
+    /// A one-segment forward's cancel: its attention stops between query chunks and kernel tasks (a long
+    /// window's attention is most of its forward). Forwards of several segments stop between layers only.
+    cancel: Option<Cancel>,
 }
 
 impl ForwardAttention {
@@ -148,7 +152,11 @@ impl ForwardAttention {
                 QueryChunks::new(spec, p, s.positions.clone(), shape, kn.attention_score_bytes, path, dev)
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(ForwardAttention { path, spans, order, chunks, heads, scale: 1.0 / (heads.2 as f64).sqrt() })
+        let cancel = match segs {
+            [one] => one.cancel.clone(),
+            _ => None,
+        };
+        Ok(ForwardAttention { path, spans, order, chunks, heads, scale: 1.0 / (heads.2 as f64).sqrt(), cancel })
     }
 
     /// mbd-rs's CUDA kernels (`AttnPath::Fused`): per segment, q/k norms + RoPE + the K/V cache write in one launch
@@ -177,7 +185,8 @@ impl ForwardAttention {
                     let (kk, vv) = (kv.0.narrow(1, 0, p + w)?, kv.1.narrow(1, 0, p + w)?);
                     let qh = q.transpose(0, 1)?.contiguous()?;
                     let mut parts = Vec::new();
-                    candle_attention(&qh, &kk, &vv, &self.chunks[i], nkv, self.scale, &mut parts)?;
+                    let c = self.cancel.as_ref();
+                    candle_attention(&qh, &kk, &vv, &self.chunks[i], (nkv, self.scale), &mut parts, c)?;
                     let y = if parts.len() == 1 { parts.pop().expect("one chunk") } else { Tensor::cat(&parts, 1)? };
                     y.transpose(0, 1)?.reshape((w, nh * d))?
                 }
@@ -218,7 +227,8 @@ impl ForwardAttention {
                 continue; // every segment at once, below
             }
             let qs = if one { q.clone() } else { q.narrow(1, o, w)?.contiguous()? };
-            candle_attention(&qs, &kk, &vv, &self.chunks[i], nkv, self.scale, &mut ys)?;
+            let c = self.cancel.as_ref();
+            candle_attention(&qs, &kk, &vv, &self.chunks[i], (nkv, self.scale), &mut ys, c)?;
         }
         if !blocked {
             let y = if ys.len() == 1 { ys.pop().expect("one chunk") } else { Tensor::cat(&ys, 1)? };
@@ -247,7 +257,7 @@ impl ForwardAttention {
                     visible: self.chunks[*i].visible.as_deref().expect("blocked segment"),
                 });
             }
-            blocked::attend(qv, r, &kvs, nh, nkv, d, self.scale as f32, &mut out)?;
+            blocked::attend(qv, r, &kvs, nh, nkv, d, self.scale as f32, &mut out, self.cancel.as_ref())?;
         }
         Ok(Tensor::from_vec(out, (r, nh * d), q.device())?)
     }
@@ -321,19 +331,23 @@ impl QueryChunks {
 
 /// One segment's attention in candle's ops, query chunk by query chunk: `qs` (heads, w, d) f32 with RoPE, `kk`/`vv`
 /// (kv heads, p + w, d) views of its cache with the window written; pushes each chunk's (heads, rows, d) output.
+/// `cancel` is checked before each query chunk.
 fn candle_attention(
     qs: &Tensor,
     kk: &Tensor,
     vv: &Tensor,
     chunks: &QueryChunks,
-    nkv: usize,
-    scale: f64,
+    (nkv, scale): (usize, f64),
     out: &mut Vec<Tensor>,
+    cancel: Option<&Cancel>,
 ) -> Result<()> {
     let (nh, w, d) = qs.dims3()?;
     let (n_rep, s) = (nh / nkv, kk.dim(1)?);
     let kt = kk.to_dtype(DType::F32)?.t()?;
     for chunk in chunks.each() {
+        if let Some(c) = cancel {
+            c.check("the attention")?;
+        }
         let (r0, n, mask) = chunk?;
         let qc = if n == w { qs.clone() } else { qs.narrow(1, r0, n)?.contiguous()? };
         // GQA without repeating K/V: the n_rep query heads of a group are adjacent, so fold them into rows.

@@ -21,6 +21,7 @@ use crate::net::kv_cache::KvCache;
 use crate::net::linear::{Groups, Holder, Matrix};
 use crate::net::mask::{BlockGrid, MaskSpec};
 use crate::net::segment::Segment;
+use crate::util::Cancel;
 use candle_core::{DType, Device, Tensor};
 
 struct Linear {
@@ -489,13 +490,15 @@ impl QwenModel {
     }
 
     /// Forward one window of tokens at positions [cache.len(), cache.len() + ids.len()) under `grid`: a forward
-    /// of one segment (see `forward_segments`). `rows`: window rows whose logits are returned (None = all).
+    /// of one segment (see `forward_segments`). `rows`: window rows whose logits are returned (None = all);
+    /// `cancel`: stops the forward between layers once set.
     pub fn forward(
         &self,
         cache: &mut KvCache,
         ids: &[u32],
         grid: &BlockGrid,
         rows: Option<&[usize]>,
+        cancel: Option<&Cancel>,
     ) -> Result<Tensor> {
         let p = cache.len();
         let seg = Segment {
@@ -504,6 +507,7 @@ impl QwenModel {
             positions: (p..p + ids.len()).collect(),
             mask: MaskSpec::Grid(*grid),
             rows: rows.map(|r| r.to_vec()).unwrap_or_else(|| (0..ids.len()).collect()),
+            cancel: cancel.cloned(),
         };
         let mut out = self.forward_segments(&mut [seg])?;
         Ok(out.pop().expect("one segment"))
@@ -572,6 +576,10 @@ impl QwenModel {
         let fused_norms = kn.cuda_fused && crate::kernels::cuda::runs_on(dev, self.dtype);
         let mut hn = self.layers.first().map(|l| l.ln1.forward(&x)).transpose()?;
         for (li, layer) in self.layers.iter().enumerate() {
+            // every segment cancelled (its generation or call given up): stop between layers
+            if segs.iter().all(|s| s.cancel.as_ref().is_some_and(Cancel::is_cancelled)) {
+                return Err(Error::Cancelled("the forward was cancelled".into()));
+            }
             let h = hn.take().expect("the layer's normed input");
             let a = layer.attn.forward(&h, (&cos, &sin), segs, &att, li, &groups, kn)?;
             let (x2, h) = layer.ln2.add_forward(&x, &a, fused_norms)?;

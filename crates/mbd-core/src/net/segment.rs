@@ -3,6 +3,7 @@
 
 use crate::net::kv_cache::KvCache;
 use crate::net::mask::MaskSpec;
+use crate::util::Cancel;
 
 /// One sequence's part of a forward (`QwenModel::forward_segments`).
 pub struct Segment<'a> {
@@ -17,6 +18,9 @@ pub struct Segment<'a> {
     pub mask: MaskSpec,
     /// Window rows whose logits are wanted, in the order they are returned.
     pub rows: Vec<usize>,
+    /// The work this segment belongs to may be cancelled: a forward whose segments are all cancelled stops between
+    /// layers (`Error::Cancelled`). None: never.
+    pub cancel: Option<Cancel>,
 }
 
 impl Segment<'_> {
@@ -28,6 +32,7 @@ impl Segment<'_> {
             positions: s.positions.clone(),
             mask: s.mask.clone(),
             rows: s.rows.clone(),
+            cancel: s.cancel.clone(),
         }
     }
 }

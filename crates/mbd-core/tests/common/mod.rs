@@ -117,6 +117,7 @@ pub fn kind(e: &mbd_core::Error) -> &'static str {
         InvalidRequest(_) => "InvalidRequest",
         UnknownParameter(_) => "UnknownParameter",
         ContextLength(_) => "ContextLength",
+        Cancelled(_) => "Cancelled",
         Backend(_) => "Backend",
         Internal(_) => "Internal",
     }
