@@ -38,3 +38,17 @@ def model_copy(tmp_path):
         return dst
 
     return make
+
+
+@pytest.fixture(scope="session")
+def long_context_model(tmp_path_factory):
+    """The embedded model with a 131072-token context, as every real checkpoint has 32k-128k (for long-request
+    tests: cancellation, interrupts, request caps)."""
+    import mbd_rs
+    d = tmp_path_factory.mktemp("long_context")
+    for f in os.listdir(mbd_rs.DEFAULT_MODEL):
+        shutil.copy(os.path.join(mbd_rs.DEFAULT_MODEL, f), d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["max_position_embeddings"] = 131072
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)

@@ -2,9 +2,6 @@
 query chunk or kernel task of a long window's attention), a stream's cancel() stops a long prefill or a no-cache
 recompute at once, and Ctrl-C (SIGINT) interrupts a waiting logits call or stream read (KeyboardInterrupt, the
 generation cancelled)."""
-import json
-import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,19 +12,6 @@ import pytest
 
 import mbd_rs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def long_ctx(tmp_path_factory):
-    """The embedded model with a 131072-token context (every real checkpoint has 32k-128k)."""
-    d = tmp_path_factory.mktemp("long")
-    for f in os.listdir(mbd_rs.DEFAULT_MODEL):
-        shutil.copy(os.path.join(mbd_rs.DEFAULT_MODEL, f), d)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["max_position_embeddings"] = 131072
-    (d / "config.json").write_text(json.dumps(cfg))
-    return str(d)
 
 
 def timed_cancel(call, after=0.3):
@@ -40,8 +24,8 @@ def timed_cancel(call, after=0.3):
 
 
 @pytest.mark.parametrize("kw", [dict(attention="full"), dict(attention="block_causal")])
-def test_a_cancel_token_stops_logits_within_a_chunk(long_ctx, kw):
-    eng = mbd_rs.Engine.load(long_ctx)
+def test_a_cancel_token_stops_logits_within_a_chunk(long_context_model, kw):
+    eng = mbd_rs.Engine.load(long_context_model)
     # the whole call takes tens of seconds here (8000 positions, O(n^2) attention); cancelled at 0.3 s
     took = timed_cancel(lambda tok: eng.logits([87] * 8000, cancel=tok, **kw))
     assert took < 3.0, took
@@ -54,14 +38,14 @@ def test_a_cancel_token_stops_logits_within_a_chunk(long_ctx, kw):
     assert eng.logits([87, 5]).shape == (2, eng.info.vocab_size)
 
 
-def test_a_cancel_token_stops_prompt_logprobs(long_ctx):
-    eng = mbd_rs.Engine.load(long_ctx)
+def test_a_cancel_token_stops_prompt_logprobs(long_context_model):
+    eng = mbd_rs.Engine.load(long_context_model)
     assert timed_cancel(lambda tok: eng.prompt_logprobs([87] * 8000, cancel=tok)) < 3.0
 
 
 @pytest.mark.parametrize("kw", [dict(use_cache=False), dict()])
-def test_stream_cancel_stops_a_long_prefill_or_recompute(long_ctx, kw):
-    eng = mbd_rs.Engine.load(long_ctx)
+def test_stream_cancel_stops_a_long_prefill_or_recompute(long_context_model, kw):
+    eng = mbd_rs.Engine.load(long_context_model)
     s = eng.stream([87] * 6000, max_tokens=4, **kw)
     threading.Timer(0.3, s.cancel).start()
     t0 = time.perf_counter()
@@ -93,8 +77,8 @@ except KeyboardInterrupt:
 
 
 @pytest.mark.parametrize("what", ["logits", "stream"])
-def test_ctrl_c_interrupts_a_long_call(long_ctx, what):
-    p = subprocess.Popen([sys.executable, "-c", SIGINT_CHILD, long_ctx, what], stdout=subprocess.PIPE,
+def test_ctrl_c_interrupts_a_long_call(long_context_model, what):
+    p = subprocess.Popen([sys.executable, "-c", SIGINT_CHILD, long_context_model, what], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "ready"
     time.sleep(1.0)

@@ -12,7 +12,8 @@ SRC = os.path.join(ROOT, "crates", "mbd-core", "src")
 CHECK = os.path.join(ROOT, "scripts", "check_layers.py")
 PLAN = os.path.join(ROOT, "docs", "architecture.md")
 
-pytestmark = pytest.mark.skipif(not os.path.isdir(SRC), reason="needs the source tree (not an installed wheel)")
+pytestmark = [pytest.mark.source_tree,
+              pytest.mark.skipif(not os.path.isdir(SRC), reason="needs the source tree (not an installed wheel)")]
 
 
 def check(src: str = SRC) -> subprocess.CompletedProcess:

@@ -1,6 +1,7 @@
 """`mbd-rs` command line: generate, chat, info, bench, serve.
 
-Exit codes: 0 success, 1 runtime error, 2 usage error (bad flags, bad input, unsupported model)."""
+Exit codes: 0 success, 1 runtime error, 2 usage error (bad flags, bad input, unsupported model), 130 interrupted
+(Ctrl-C; in `chat` it ends the answer, not the session)."""
 from __future__ import annotations
 
 import argparse
@@ -18,34 +19,41 @@ if TYPE_CHECKING:
     from .types import StepEvent, Usage
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
+#: Ctrl-C: 128 + SIGINT, as shells report it.
+EXIT_INTERRUPTED = 130
 
 
-# Load flags come from the core's load options (mbd_rs.LOAD_PARAMS): --device for device, and so on; booleans get
-# --name / --no-name (unset: the core's default). The batching caps are the server's --max-concurrency and the API's.
+# Load flags come from the core's load options and profile overrides (mbd_rs.LOAD_PARAMS, PROFILE_OVERRIDES):
+# --device for device, --attention for attention, and so on; booleans get --name / --no-name (unset: the core's
+# default, or the checkpoint's). The batching caps are the server's --max-concurrency and the API's; a profile
+# override that is also a generation flag (--block-size) is the generation's where the command has those.
 _NOT_LOAD_FLAGS = {"max_batch", "max_batch_rows"}
 
 
-def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    from .engine import LOAD_PARAMS, PARAMS
+def _add_model_flags(p: argparse.ArgumentParser, generates: bool = False) -> None:
+    from .engine import GENERATION_PARAMS, LOAD_PARAMS, PARAMS, PROFILE_OVERRIDES
     p.add_argument("--model", "-m", default=None,
                    help="model directory or Hugging Face Hub id org/name (default: the embedded mbd-tiny model)")
     p.add_argument("--revision", default=None, help="branch, tag or commit of a Hub id (default: main)")
-    for name in LOAD_PARAMS:
-        if name in _NOT_LOAD_FLAGS:
-            continue
+    g = p.add_argument_group("profile overrides (default: the checkpoint's)")
+    names = [n for n in LOAD_PARAMS if n not in _NOT_LOAD_FLAGS]
+    names += [n for n in PROFILE_OVERRIDES if not (generates and n in GENERATION_PARAMS)]
+    for name in names:
         kind, help_ = PARAMS[name]["kind"], PARAMS[name]["help"]
-        flag = "--" + name.replace("_", "-")
+        flag, group = "--" + name.replace("_", "-"), (g if name in PROFILE_OVERRIDES else p)
         if kind == "bool":
-            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        elif kind == "ids":
+            group.add_argument(flag, dest=name, type=int, nargs="+", default=None, help=help_)
         else:
-            p.add_argument(flag, dest=name, type=_TYPES[kind], default=None, help=help_)
+            group.add_argument(flag, dest=name, type=_TYPES[kind], default=None, help=help_)
+    p.set_defaults(load_flags=tuple(names))
     p.add_argument("-v", "--verbose", action="store_true", help="show tracebacks on errors")
 
 
 def load_options(a: argparse.Namespace) -> dict[str, Any]:
-    """The load options given as flags (`_add_model_flags`), for Engine.load."""
-    from .engine import LOAD_PARAMS
-    return {k: getattr(a, k) for k in LOAD_PARAMS if getattr(a, k, None) is not None}
+    """The load options and profile overrides given as flags (`_add_model_flags`), for Engine.load."""
+    return {k: getattr(a, k) for k in getattr(a, "load_flags", ()) if getattr(a, k, None) is not None}
 
 
 # Generation flags come from the core's parameter table (mbd_rs.PARAMS): --max-tokens for max_tokens, and so on.
@@ -207,9 +215,15 @@ def cmd_chat(a: argparse.Namespace) -> int:
             history.clear()
         history.append({"role": "user", "content": line})
         stream = eng.stream_chat(history, **params)
-        for ch in stream:
-            sys.stdout.write(ch.text)
-            sys.stdout.flush()
+        try:
+            for ch in stream:
+                sys.stdout.write(ch.text)
+                sys.stdout.flush()
+        except KeyboardInterrupt:  # Ctrl-C ends this answer (the stream is cancelled), not the session
+            stream.close()
+            history.pop()
+            print("\n(interrupted)", file=sys.stderr)
+            continue
         comp = stream.result()
         print()
         if a.stats:
@@ -390,12 +404,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     g.add_argument("--visual", action="store_true",
                    help="draw every forward: blocks and the tokens each one decodes (legend below)")
-    _add_model_flags(g)
+    _add_model_flags(g, generates=True)
     _add_gen_flags(g)
     c = sub.add_parser("chat", help="interactive chat (/reset, /help)")
     c.add_argument("--single-turn", action="store_true",
                    help="every line is a new conversation (always so for the embedded model, trained on single questions)")
-    _add_model_flags(c)
+    _add_model_flags(c, generates=True)
     _add_gen_flags(c)
     i = sub.add_parser("info", help="describe a model directory and whether it is supported (exit 2 if not)")
     i.add_argument("model_path", nargs="?", default=None,
@@ -407,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time a random prompt of this many tokens (default: the embedded model's chat prompts, "
                         "or 32 random tokens for other models)")
     b.add_argument("--repeats", type=_int_in(1, 10_000), default=3, help="timed runs after a warm-up (default: 3)")
-    _add_model_flags(b)
+    _add_model_flags(b, generates=True)
     _add_gen_flags(b)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
@@ -456,7 +470,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mbd-rs: error: {e}", file=sys.stderr)
         return EXIT_RUNTIME
     except KeyboardInterrupt:
-        return EXIT_RUNTIME
+        print("\nmbd-rs: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         return EXIT_OK
 
