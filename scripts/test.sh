@@ -1,11 +1,21 @@
 #!/usr/bin/env bash
-# Build the extension once (debug) and run every test: Rust tests, mypy --strict on the package and the README's
-# Python examples, then pytest. (The Rust lints, rustfmt and clippy, are scripts/lint.sh; CI runs both.)
+# Build the extension once (debug) and run the tests: Rust tests, mypy --strict on the package and the README's
+# Python examples, then pytest (skip reasons listed at the end). `--all` also runs the client libraries (LiteLLM,
+# langchain-openai) and Ray Serve in venvs of their own (CI does); other arguments go to pytest.
+# (The Rust lints, rustfmt and clippy, are scripts/lint.sh; CI runs both.)
 # Always in its own ./.venv (a user's install, e.g. a release `pip install .`, is never replaced by this debug
-# build). Set CARGO_TARGET_DIR to share a Rust build dir. On a 2-core machine the first run takes ~8 minutes,
-# later runs ~1-2 minutes.
+# build). Set CARGO_TARGET_DIR to share a Rust build dir. On a 2-core machine the first run takes ~10 minutes and
+# ~2.5 GB of disk (the Rust build ~1.5 GB, the venv ~1 GB; --all adds ~1 GB), later runs ~2 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+all=0
+args=()
+for a in "$@"; do
+  if [ "$a" = "--all" ]; then all=1; else args+=("$a"); fi
+done
+start=$(date +%s)
+stage() { echo "== $1 ($(( $(date +%s) - start )) s)"; }
+stage "python test environment (./.venv: maturin, pytest, transformers, ...)"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --disable-pip-version-check maturin==1.16.0 -r scripts/test-requirements.txt
@@ -16,19 +26,24 @@ export MBD_LLAMACPP_SDIST="${XDG_CACHE_HOME:-$HOME/.cache}/mbd-rs/llama_cpp_pyth
 [ -f "$MBD_LLAMACPP_SDIST" ] || python -m pip download -q --disable-pip-version-check --no-deps \
   --no-binary llama-cpp-python llama-cpp-python==0.3.36 -d "${MBD_LLAMACPP_SDIST%/*}" \
   || echo "the llama-cpp-python sdist could not be downloaded: tests/test_qwen_vocab.py will be skipped"
-echo "== build (debug extension into ./.venv)"
+stage "build (debug extension into ./.venv; the first build compiles ~300 crates)"
 maturin develop
-echo "== cargo test"
-cargo test -q -p mbd-core
-echo "== mypy --strict (package + README examples)"
+stage "cargo test"
+cargo test -p mbd-core -- -q
+stage "mypy --strict (package + README examples)"
 bash scripts/check_types.sh
-echo "== pytest"
-python -m pytest -q tests "$@"
-echo "== pytest tests/test_clients.py (LiteLLM, langchain-openai; their own venv, the extension built above)"
+stage "pytest"
+python -m pytest -q -rs tests ${args[@]+"${args[@]}"}
+if [ "$all" != 1 ]; then
+  stage "done (bash scripts/test.sh --all also runs the client-library and Ray Serve tests, as CI does)"
+  exit 0
+fi
+stage "pytest tests/test_clients.py (LiteLLM, langchain-openai; their own venv, the extension built above)"
 [ -x .venv-clients/bin/python ] || python3 -m venv .venv-clients
 .venv-clients/bin/python -m pip install -q --disable-pip-version-check -r scripts/client-requirements.txt
 PYTHONPATH=python .venv-clients/bin/python -m pytest -q -p no:cacheprovider tests/test_clients.py
-echo "== pytest tests/test_ray.py (Ray Serve scale-out: a local Ray cluster, 2 replicas; its own venv)"
+stage "pytest tests/test_ray.py (Ray Serve scale-out: a local Ray cluster, 2 replicas; its own venv)"
 [ -x .venv-ray/bin/python ] || python3 -m venv .venv-ray
 .venv-ray/bin/python -m pip install -q --disable-pip-version-check -r scripts/ray-requirements.txt
 PYTHONPATH=python .venv-ray/bin/python -m pytest -q -p no:cacheprovider tests/test_ray.py
+stage "done"
