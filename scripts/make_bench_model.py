@@ -1,6 +1,6 @@
 """Write a random-weight checkpoint with the Qwen2.5-0.5B shape (hidden 896, 24 layers, 14 heads, 2 KV heads,
 intermediate 4864, vocab 151936, tied embeddings) for the benchmarks. Not committed (about 2 GB in f32).
-Needs only numpy + safetensors:
+Needs only numpy + safetensors (pip install -r scripts/script-requirements.txt):
     python scripts/make_bench_model.py [/tmp/mbd-bench/qwen2.5-0.5b-shape] [--bf16]
 --bf16 stores the same weights rounded to bfloat16 (1 GB), as real checkpoints ship. --hidden/--layers/--heads/
 --inter change the shape (e.g. `--hidden 1024 --layers 4 --heads 16 --inter 2816`: rows of whole 256-value
