@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Write docs/parameters.md, the table of every parameter a caller can pass, from the core's registry
-(`mbd_rs.PARAMS` and its groups), so the manual cannot drift from the code. tests/test_docs.py checks that the file
-is what this script writes.
+"""Write what is derived from the core's parameter registry (`mbd_rs.PARAMS` and its groups), so neither can drift
+from the code: docs/parameters.md (the table of every parameter a caller can pass) and python/mbd_rs/params.py (the
+same names as TypedDicts, so `Engine.generate(..., **params)` and friends are typed: IDEs complete them, mypy checks
+them, `help(mbd_rs.params.GenerationParams)` lists them). tests/test_docs.py checks that both files are what this
+script writes.
 
-    python scripts/gen_param_docs.py            # rewrite docs/parameters.md
-    python scripts/gen_param_docs.py --check    # exit 1 if it is stale
+    python scripts/gen_param_docs.py            # rewrite both
+    python scripts/gen_param_docs.py --check    # exit 1 if either is stale
 """
 from __future__ import annotations
 
@@ -13,7 +15,20 @@ import sys
 
 import mbd_rs
 
-OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "parameters.md")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(ROOT, "docs", "parameters.md")
+PY_OUT = os.path.join(ROOT, "python", "mbd_rs", "params.py")
+
+# a parameter's kind (ParamKind) as the Python type its value arrives as
+PY_TYPES = {"int": "int", "float": "float", "bool": "bool", "str": "str", "strings": "Union[str, Sequence[str]]",
+            "ids": "Sequence[int]", "bool_or_str": "Union[bool, str]", "floats": "Sequence[float]"}
+# TypedDict name -> (registry groups, what takes it)
+TYPED = [
+    ("GenerationParams", ["GENERATION_PARAMS"], "Engine.generate / stream / chat / stream_chat"),
+    ("LoadParams", ["LOAD_PARAMS", "PROFILE_OVERRIDES", "KERNEL_SWITCHES"], "Engine.load"),
+    ("LogitsParams", ["LOGITS_PARAMS"], "Engine.logits"),
+    ("ScoreParams", ["SCORE_PARAMS"], "Engine.prompt_logprobs"),
+]
 
 GROUPS = [
     ("Generation", "GENERATION_PARAMS",
@@ -47,16 +62,35 @@ def render() -> str:
     return "\n".join(lines)
 
 
+def render_py() -> str:
+    lines = ['"""The keyword arguments of the engine\'s calls, typed: generated from the core\'s registry (`mbd_rs.PARAMS`)',
+             "by scripts/gen_param_docs.py; do not edit. Every field is optional (None or absent: the default); ranges",
+             'are checked by the core."""',
+             "from __future__ import annotations", "", "from typing import Optional, Sequence, TypedDict, Union", ""]
+    for name, groups, what in TYPED:
+        lines += ["", f"class {name}(TypedDict, total=False):", f'    """The keyword arguments of {what}."""', ""]
+        for g in groups:
+            for n in getattr(mbd_rs, g):
+                p = mbd_rs.PARAMS[n]
+                lines.append(f"    {n}: Optional[{PY_TYPES[p['kind']]}]")
+                lines.append(f'    """{p["help"]}"""')
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
-    text = render()
+    outputs = {OUT: render(), PY_OUT: render_py()}
     if "--check" in sys.argv[1:]:
-        with open(OUT, encoding="utf-8") as f:
-            if f.read() != text:
-                print(f"{OUT} is stale: run python scripts/gen_param_docs.py", file=sys.stderr)
-                return 1
-        return 0
-    with open(OUT, "w", encoding="utf-8") as f:
-        f.write(text)
+        stale = []
+        for path, text in outputs.items():
+            with open(path, encoding="utf-8") as f:
+                if f.read() != text:
+                    stale.append(path)
+        for path in stale:
+            print(f"{path} is stale: run python scripts/gen_param_docs.py", file=sys.stderr)
+        return 1 if stale else 0
+    for path, text in outputs.items():
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
     return 0
 
 

@@ -1,5 +1,5 @@
-"""The manual's generated parts are current: docs/parameters.md is what scripts/gen_param_docs.py writes from the
-core's registry (#55)."""
+"""The manual's generated parts are current: docs/parameters.md and python/mbd_rs/params.py (the typed keyword
+arguments) are what scripts/gen_param_docs.py writes from the core's registry (#55)."""
 import os
 import subprocess
 import sys
@@ -21,3 +21,16 @@ def test_parameter_table_is_generated_from_the_registry():
     import mbd_rs
     for name in mbd_rs.PARAMS:
         assert f"| `{name}` |" in text, name
+
+
+def test_typed_params_name_every_registry_parameter():
+    import typing
+
+    import mbd_rs
+    from mbd_rs import params
+    groups = {"GenerationParams": mbd_rs.GENERATION_PARAMS, "LogitsParams": mbd_rs.LOGITS_PARAMS,
+              "ScoreParams": mbd_rs.SCORE_PARAMS, "LoadParams": mbd_rs.LOAD_OPTIONS}
+    for name, names in groups.items():
+        assert list(typing.get_type_hints(getattr(params, name))) == list(names), name
+    # the engine's calls take them (IDEs and help() see the names)
+    assert "GenerationParams" in str(mbd_rs.Engine.generate.__annotations__["params"])

@@ -5,14 +5,18 @@ from __future__ import annotations
 import json
 import os
 import textwrap
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from . import _core, _cuda_libs
 from .errors import InvalidRequestError, UnsupportedArchitectureError
 from .hub import DEFAULT_MODEL, LoadProgress, _LoadBar, resolve_model_path
+from .params import GenerationParams, LoadParams, LogitsParams, ScoreParams
 from .types import Completion, ModelInfo, StepEvent, StreamChunk, TokenLogprob, Usage
+
+if TYPE_CHECKING:  # typed **params (PEP 692); typing.Unpack is in the standard library from 3.11
+    from typing_extensions import Unpack
 
 #: Parameter names, from the core: generation parameters, load-time profile overrides, logits options.
 GENERATION_PARAMS: "tuple[str, ...]" = _core.GENERATION_PARAMS
@@ -41,7 +45,8 @@ class Engine:
 
     @classmethod
     def load(cls, path: "Optional[str | os.PathLike[str]]" = None, *, revision: Optional[str] = None,
-             progress: LoadProgress = None, _kernels: Optional[Dict[str, Any]] = None, **options: Any) -> "Engine":
+             progress: LoadProgress = None, _kernels: Optional[Dict[str, Any]] = None,
+             **options: Unpack[LoadParams]) -> "Engine":
         """Load an HF-format model directory (default: the embedded mbd-tiny model), a GGUF file (llama.cpp's
         format: qwen2, qwen3, qwen3moe and dream architectures; see the README), or a Hugging Face Hub id
         ("org/name", at `revision`: a branch, tag or commit; default "main") through the local Hub cache,
@@ -61,12 +66,12 @@ class Engine:
         _kernels: the kernel switches as a dict ({switches}): benchmarks' A/B runs, not a stable API.
         """
         path = resolve_model_path(path, revision)
-        options = {**(_kernels or {}), **options}
+        given: Dict[str, Any] = {**(_kernels or {}), **options}
         bar = _LoadBar(progress)
         try:
-            core = _core.CoreEngine.load(path, options, bar.callback)
+            core = _core.CoreEngine.load(path, given, bar.callback)
         except UnsupportedArchitectureError as e:  # the core's "no CUDA in this build", said of the CPU fallback
-            device = options.get("device")
+            device = given.get("device")
             if _cuda_libs.cuda_unavailable and isinstance(device, str) and device.startswith("cuda"):
                 raise UnsupportedArchitectureError(f"device {device!r}: this is the CUDA build of mbd-rs, but its "
                                                    f"CUDA core could not be loaded: {_cuda_libs.cuda_unavailable}") from e
@@ -104,7 +109,8 @@ class Engine:
     def detokenize(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._core.detokenize(ids, skip_special_tokens)
 
-    def logits(self, ids: Sequence[int], *, cancel: Optional[CancelToken] = None, **params: Any) -> np.ndarray:
+    def logits(self, ids: Sequence[int], *, cancel: Optional[CancelToken] = None,
+               **params: Unpack[LogitsParams]) -> np.ndarray:
         """Logits (len(ids) x vocab, float32) for every position of `ids`. `cancel.cancel()` from another thread (or
         Ctrl-C) stops the call between its chunks and its forwards' layers (RequestCancelledError; KeyboardInterrupt).
         Parameters (LOGITS_PARAMS):
@@ -116,7 +122,7 @@ class Engine:
         return self._core.logits(ids, params, cancel)
 
     def prompt_logprobs(self, prompt: Prompt, *, cancel: Optional[CancelToken] = None,
-                        **params: Any) -> List[Optional[TokenLogprob]]:
+                        **params: Unpack[ScoreParams]) -> List[Optional[TokenLogprob]]:
         """The log-probability of each token of `prompt` (a str or a list of token ids) given the tokens before it,
         one per token (None for the first, which has no context): the model's left-to-right likelihood at block
         size 1 (for unshifted models such as SDAR, a mask token at each position seeing the tokens before it and
@@ -137,11 +143,11 @@ class Engine:
         would be U+FFFD) gives its bytes."""
         return self._core.token_bytes(ids)
 
-    def stream(self, prompt: Prompt, **params: Any) -> "Stream":
+    def stream(self, prompt: Prompt, **params: Unpack[GenerationParams]) -> "Stream":
         """Stream a completion of `prompt` (a str or a list of token ids). Parameters: GENERATION_PARAMS."""
         return Stream(self._core.start(prompt, params), trace=bool(params.get("trace")))
 
-    def generate(self, prompt: Prompt, **params: Any) -> Completion:
+    def generate(self, prompt: Prompt, **params: Unpack[GenerationParams]) -> Completion:
         """Generate a completion of `prompt` (a str or a list of token ids)."""
         return self.stream(prompt, **params).result()
 
@@ -155,14 +161,15 @@ class Engine:
         return self._core.apply_chat_template(_messages_json(messages), add_generation_prompt, extra)
 
     def stream_chat(self, messages: Sequence[Message], *, special_tokens_in_content: bool = False,
-                    **params: Any) -> "Stream":
+                    **params: Unpack[GenerationParams]) -> "Stream":
         """Stream the assistant's reply to `messages` (rendered with the chat template). Message contents stay
         text: a content that spells a control token (e.g. "<|im_end|>") is tokenized as plain text unless
         special_tokens_in_content=True."""
         return Stream(self._core.start_chat(_messages_json(messages), params, special_tokens_in_content),
                       trace=bool(params.get("trace")))
 
-    def chat(self, messages: Sequence[Message], *, special_tokens_in_content: bool = False, **params: Any) -> Completion:
+    def chat(self, messages: Sequence[Message], *, special_tokens_in_content: bool = False,
+             **params: Unpack[GenerationParams]) -> Completion:
         return self.stream_chat(messages, special_tokens_in_content=special_tokens_in_content, **params).result()
 
 
