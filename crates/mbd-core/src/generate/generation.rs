@@ -91,6 +91,12 @@ impl Generation {
     /// when it needs no forward (decoding has stopped), or `Finished`. A scheduler runs the segments of many
     /// generations in one forward (`QwenModel::forward_segments`) and hands each its logits (`consume`).
     pub fn prepare(&mut self) -> Result<Next<'_>> {
+        self.prepare_within(None)
+    }
+
+    /// `prepare`, with a long prompt or recompute chunk cut to `limit` = (budget rows, key equivalent): see
+    /// `Window::limit_next` (the scheduler's fairness beside other streams).
+    pub fn prepare_within(&mut self, limit: Option<(usize, usize)>) -> Result<Next<'_>> {
         if self.out.finished() {
             return Ok(Next::Finished);
         }
@@ -106,6 +112,9 @@ impl Generation {
                 self.canvas[lp + i] = if self.dec.decoded[i] { self.dec.tokens[i] } else { self.mask_id };
             }
             self.window.begin_step(&self.dec, positions)?;
+        }
+        if let Some((budget, key_equivalent)) = limit {
+            self.window.limit_next(budget, key_equivalent);
         }
         Ok(Next::Forward(self.window.segment(&self.canvas)?))
     }

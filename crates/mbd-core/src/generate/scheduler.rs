@@ -17,6 +17,7 @@
 use crate::error::{catch_panic, Error, Result};
 use crate::generate::generation::{Generation, Next, StepOutput};
 use crate::model::Model;
+use crate::net::mask::PREFILL_CHUNK;
 use crate::net::segment::Segment;
 use crate::params::load::BatchLimits;
 use crate::util::Cancel;
@@ -418,6 +419,11 @@ fn run_tick(
     let mut segs = vec![];
     let mut who = vec![];
     let mut rows = 0usize;
+    // fairness: beside other streams, a long prompt or recompute chunk is cut so that no tick costs much more than a
+    // prefill chunk over no keys (where that changes no output: `QwenModel::rows_independent`)
+    let net = &shared.model.net;
+    let ready = active.iter().filter(|e| e.ctl.unread.load(Ordering::SeqCst) < MAX_UNREAD && !e.gen.finished()).count();
+    let limit = (ready > 1 && net.rows_independent()).then(|| (PREFILL_CHUNK, net.key_equivalent()));
     // split the slice so that each generation can lend out its segment at once
     let (head, tail) = active.split_at_mut(start);
     let order = tail.iter_mut().enumerate().map(|(j, e)| (start + j, e)).chain(head.iter_mut().enumerate());
@@ -428,7 +434,7 @@ fn run_tick(
         if e.ctl.unread.load(Ordering::SeqCst) >= MAX_UNREAD || e.gen.finished() {
             continue;
         }
-        match e.gen.prepare() {
+        match e.gen.prepare_within(limit) {
             Ok(Next::Forward(mut seg)) => {
                 seg.cancel = Some(e.ctl.cancelled.clone());
                 let w = seg.ids.len();

@@ -118,6 +118,47 @@ impl Window {
         self.policy
     }
 
+    /// Cut the next forward, when it is a prompt or recompute chunk, so that its rows times their cost stay within
+    /// `budget_rows` rows over no keys: a row over k keys counts 1 + k / `key_equivalent` (`QwenModel::
+    /// key_equivalent`). The cut lands on a grid boundary (a block's positions see each other), one block at the
+    /// least; the rest stays queued as the next forward. The same positions are forwarded, in more forwards: the
+    /// caller cuts only where a row's result does not depend on the rows beside it (`QwenModel::rows_independent`).
+    pub fn limit_next(&mut self, budget_rows: usize, key_equivalent: usize) {
+        let Some(front) = self.pieces.front() else { return };
+        if !matches!(front.kind, PieceKind::Prefill { .. } | PieceKind::Scratch) {
+            return;
+        }
+        let (s, e, keys) = (front.start, front.end, front.keys);
+        let e_k = key_equivalent.max(1);
+        let max_rows = (budget_rows.saturating_mul(e_k) / (e_k + keys)).max(1);
+        if e - s <= max_rows {
+            return;
+        }
+        let mut b = s + max_rows;
+        while b > s && !self.grid.is_boundary(b) {
+            b -= 1;
+        }
+        if b == s {
+            b = s + 1;
+            while b < e && !self.grid.is_boundary(b) {
+                b += 1;
+            }
+        }
+        if b >= e {
+            return;
+        }
+        let Some(piece) = self.pieces.pop_front() else { return };
+        let (head_rows, tail_rows): (Vec<usize>, Vec<usize>) = piece.rows.iter().partition(|&&r| s + r < b);
+        let head_kind = match piece.kind {
+            PieceKind::Prefill { .. } => PieceKind::Prefill { last: false },
+            k => k,
+        };
+        let tail =
+            Piece { start: b, end: e, keys: b, rows: tail_rows.iter().map(|r| s + r - b).collect(), kind: piece.kind };
+        self.pieces.push_front(tail);
+        self.pieces.push_front(Piece { start: s, end: b, keys: piece.keys, rows: head_rows, kind: head_kind });
+    }
+
     /// Whether a step is under way (planned, some of its forwards still to run).
     pub fn in_step(&self) -> bool {
         !self.pieces.is_empty()

@@ -145,6 +145,13 @@ impl Matrix {
         }
     }
 
+    /// Whether a product's row is the same bits whatever rows share the call and however the rows are cut (few
+    /// or long windows): true for matrices packed at load and those held for integer dot products, whose every
+    /// element is computed alone (see `kernels::panels` and `kernels::qdot`).
+    pub fn row_invariant(&self) -> bool {
+        matches!(self, Matrix::Packed(_) | Matrix::Dot(_))
+    }
+
     /// Rows `ids` (an embedding lookup), in the dtype they are held in (quantized: f32).
     pub fn rows(&self, ids: &[u32], dev: &Device) -> Result<Tensor> {
         Ok(match self {

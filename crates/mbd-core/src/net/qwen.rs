@@ -56,6 +56,10 @@ struct Stacked {
 }
 
 impl Stacked {
+    fn row_invariant(&self) -> bool {
+        self.parts.iter().all(|l| l.w.row_invariant())
+    }
+
     /// `specs`: (name prefix, output features) of each layer, in output order. `stack`: `Kernels::stack`.
     fn load(ws: &Holder, specs: &[(String, usize)], in_f: usize, bias: bool, stack: bool) -> Result<Self> {
         let parts =
@@ -322,6 +326,8 @@ pub struct QwenModel {
     device: Device,
     dtype: DType,
     kernels: Kernels,
+    /// `rows_independent`, found at load.
+    rows_independent: bool,
 }
 
 /// Check config.json's dimensions against the checkpoint's headers before anything is allocated from them:
@@ -449,7 +455,7 @@ impl QwenModel {
         let half = d / 2;
         let inv: Vec<f32> = (0..half).map(|i| (1.0 / cfg.rope_theta.powf((2 * i) as f64 / d as f64)) as f32).collect();
         let inv_freq = Tensor::from_vec(inv, (1, half), device)?;
-        Ok(QwenModel {
+        let mut net = QwenModel {
             cfg: cfg.clone(),
             embed,
             layers,
@@ -459,7 +465,10 @@ impl QwenModel {
             device: device.clone(),
             dtype,
             kernels,
-        })
+            rows_independent: false,
+        };
+        net.rows_independent = net.find_rows_independent();
+        Ok(net)
     }
 
     pub fn device(&self) -> &Device {
@@ -467,6 +476,40 @@ impl QwenModel {
     }
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// Whether every window row's logits and K/V are the same bits however a window is cut into forwards: the
+    /// CPU in f32 with the blocked attention (per row over its keys) and every product's matrix row-invariant
+    /// (`Matrix::row_invariant`; not a MoE router, which stays as loaded). The scheduler may then cut a long
+    /// prefill into smaller forwards beside other streams (`Window::limit_next`) without changing any output.
+    pub fn rows_independent(&self) -> bool {
+        self.rows_independent
+    }
+
+    fn find_rows_independent(&self) -> bool {
+        let c = &self.cfg;
+        let heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let blocked = AttnPath::choose(&self.kernels, &self.device, self.dtype, heads) == AttnPath::Blocked;
+        blocked
+            && self.lm_head.row_invariant()
+            && self.layers.iter().all(|l| {
+                l.attn.qkv.row_invariant()
+                    && l.attn.o.w.row_invariant()
+                    && match &l.ffn {
+                        Ffn::Dense(m) => m.gate_up.row_invariant() && m.down.w.row_invariant(),
+                        Ffn::Sparse(_) => false,
+                    }
+            })
+    }
+
+    /// Keys that cost one row's products: a window row attending to this many keys costs about what its
+    /// projections and MLP cost (per layer: q/k/v/o and gate/up/down multiply-adds over 2 · heads · head_dim per key).
+    pub fn key_equivalent(&self) -> usize {
+        let c = &self.cfg;
+        let (h, d, nh, nkv) = (c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads);
+        let inter = c.moe.as_ref().map_or(c.intermediate_size, |m| m.moe_intermediate_size * m.num_experts_per_tok);
+        let products = h * (nh + 2 * nkv) * d + nh * d * h + 3 * h * inter;
+        (products / (2 * nh * d).max(1)).max(1)
     }
 
     /// The dtype the embedding table is held in (quantized: None).
