@@ -130,6 +130,44 @@ def test_a_client_that_leaves_frees_the_slots(long_eng, body):
         s.stop()
 
 
+def test_a_body_that_never_arrives_ends_at_the_deadline(srv):
+    """Headers, then a body that stalls: the request ends at its deadline with 408 (before: it waited forever)."""
+    c = socket.create_connection(("127.0.0.1", srv.port))
+    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+    c.settimeout(10)
+    t0 = time.perf_counter()
+    got = b""
+    while b"}}" not in got:
+        piece = c.recv(4096)
+        assert piece, got
+        got += piece
+    c.close()
+    assert got.startswith(b"HTTP/1.1 408") and b"did not arrive" in got, got
+    assert 1.4 < time.perf_counter() - t0 < 4
+
+
+def test_after_shutdown_requests_get_503(long_eng):
+    s = Server(long_eng)
+    try:
+        results = []
+        t = threading.Thread(target=lambda: results.append(httpx.post(s.base + "/v1/completions", json=LONG,
+                                                                      timeout=30)))
+        t.start()
+        deadline = time.time() + 10
+        while active(s) == 0:
+            assert time.time() < deadline
+            time.sleep(0.02)
+        s.app.state.routes.shutdown()  # what SIGTERM calls
+        t.join(timeout=5)
+        assert results and results[0].status_code == 503 and results[0].json()["error"]["code"] == "shutting_down"
+        r = httpx.post(s.base + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+        assert httpx.get(s.base + "/health").json()["status"] == "stopping"
+    finally:
+        s.stop()
+
+
 def test_sigterm_stops_the_server_within_seconds(long_ctx):
     """`mbd-rs serve` with a long request in flight (and a streaming one): SIGTERM cancels the work and the process
     exits within 5 s (before: the server waited for the request, minutes). Also: the CLI's server answers only to

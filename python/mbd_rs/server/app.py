@@ -33,24 +33,19 @@ from ..errors import ContextLengthError, InvalidRequestError, RequestCancelledEr
 from ..types import StreamChunk, Usage
 from . import net, openai
 from .limits import MAX_BODY_BYTES, MAX_PROMPT_TOKENS, REQUEST_TIMEOUT
-from .openai import (REFUSALS, Body, BodyTooLarge, Echo, Shapes, TextOffsets, UnknownModel, body_params, entries_of,
-                     error, is_id, refusal, scored_only, usage_json)
+from .openai import (REFUSALS, Body, BodyTimeout, BodyTooLarge, Echo, Shapes, TextOffsets, UnknownModel, body_params,
+                     entries_of, error, is_id, refusal, scored_only, usage_json)
 from .slots import Item, Lease, Slots
 
 _log = logging.getLogger("mbd_rs.server")
-
-
-class ClientGone(Exception):
-    """A non-streaming request's client closed its connection: its work was cancelled."""
 
 
 class _Watch:
     """What ends a request's work early: its client leaving (`client`: polled here, where Starlette does not watch
     it) and its deadline. `check` (at most every 0.1 s) cancels the lease's work on either and remembers which."""
 
-    def __init__(self, request: Request, lease: Lease, timeout: float):
-        self.request, self.lease = request, lease
-        self.deadline = time.monotonic() + timeout
+    def __init__(self, request: Request, lease: Lease, deadline: float):
+        self.request, self.lease, self.deadline = request, lease, deadline
         self.gone = self.expired = False
         self._next = 0.0
 
@@ -113,21 +108,25 @@ class _Routes:
             return None
         scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
         # header values arrive as latin-1 text: back to their bytes, compared in constant time with the key's
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode("latin-1"),
-                                                                 self.api_key.encode("utf-8")):
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+                given.strip().encode("latin-1"), self.api_key.encode("utf-8", "surrogateescape")):
             return error(401, "invalid or missing API key", "invalid_request_error", code="invalid_api_key")
         return None
 
-    async def read_body(self, request: Request) -> dict[str, Any]:
-        """The request's JSON object, for the model this server serves (else BodyTooLarge, UnknownModel or
-        InvalidRequestError)."""
+    async def read_body(self, request: Request, deadline: float) -> dict[str, Any]:
+        """The request's JSON object, for the model this server serves (else BodyTooLarge, UnknownModel,
+        BodyTimeout or InvalidRequestError), arrived before `deadline` (time.monotonic())."""
         if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
             raise InvalidRequestError("the request body must be JSON with Content-Type: application/json")
         raw = bytearray()
-        async for piece in request.stream():
-            raw += piece
-            if len(raw) > self.max_body_bytes:
-                raise BodyTooLarge(f"request body is over this server's limit of {self.max_body_bytes} bytes")
+        with anyio.move_on_after(deadline - time.monotonic()) as scope:
+            async for piece in request.stream():
+                raw += piece
+                if len(raw) > self.max_body_bytes:
+                    raise BodyTooLarge(f"request body is over this server's limit of {self.max_body_bytes} bytes")
+        if scope.cancelled_caught:
+            raise BodyTimeout(f"the request body did not arrive within this server's limit of "
+                              f"{self.request_timeout:g} s (--request-timeout)")
         try:
             body = await anyio.to_thread.run_sync(json.loads, bytes(raw))  # large bodies parse off the event loop
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
@@ -212,9 +211,10 @@ class _Routes:
         started; then server-sent events (`sse`) or, once every stream has finished, one JSON response."""
         if (r := self.check_auth(request)) is not None:
             return r
+        deadline = time.monotonic() + self.request_timeout
         lease = None
         try:
-            body = await self.read_body(request)
+            body = await self.read_body(request, deadline)
             req = body_params(body, chat)
             k = len(req.prompts) * req.n
             if k > self.slots.capacity:
@@ -227,7 +227,7 @@ class _Routes:
                     return error(503, "the server is shutting down", "server_error", code="shutting_down")
                 return error(503, f"server is at its limit of {self.batch} batched and {self.queue} queued "
                              "generations; retry later", "server_error", code="server_busy")
-            held, watch = lease, _Watch(request, lease, self.request_timeout)
+            held, watch = lease, _Watch(request, lease, deadline)
             try:
                 echoes = await watch.in_thread(lambda: self.start(held, req, chat))
             except RequestCancelledError:
@@ -399,7 +399,7 @@ class _Routes:
         if (r := self.check_auth(request)) is not None:
             return r
         try:
-            body = await self.read_body(request)
+            body = await self.read_body(request, time.monotonic() + self.request_timeout)
             route = openai.tokenize if encode else openai.detokenize
             return JSONResponse(await anyio.to_thread.run_sync(route, self.engine, body))
         except REFUSALS as e:

@@ -51,18 +51,24 @@ class UnknownModel(Exception):
     pass
 
 
+class BodyTimeout(Exception):
+    pass
+
+
 def error(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
            param: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
 
 
 #: What a POST route answers for a refused request (each route catches these and passes them to `refusal`).
-REFUSALS = (BodyTooLarge, UnknownModel, InvalidRequestError, TypeError, MbdError)
+REFUSALS = (BodyTooLarge, BodyTimeout, UnknownModel, InvalidRequestError, TypeError, MbdError)
 
 
 def refusal(e: Exception) -> JSONResponse:
     if isinstance(e, BodyTooLarge):
         return error(413, str(e))
+    if isinstance(e, BodyTimeout):
+        return error(408, str(e), code="request_timeout")
     if isinstance(e, UnknownModel):
         return error(404, str(e), code="model_not_found")
     if isinstance(e, ContextLengthError):

@@ -17,11 +17,12 @@ class Slots:
         self.active = 0
         self._lock = threading.Lock()
         self._leases: set[Lease] = set()
+        self.closed = False
 
     def try_acquire(self, k: int = 1) -> "Lease | None":
-        """k slots at once, or none."""
+        """k slots at once, or none (always none once `cancel_all` has closed the slots)."""
         with self._lock:
-            if self.active + k > self.capacity:
+            if self.closed or self.active + k > self.capacity:
                 return None
             self.active += k
             lease = Lease(self, k)
@@ -37,8 +38,10 @@ class Slots:
             self._leases.discard(lease)
 
     def cancel_all(self) -> None:
-        """Cancel the work of every lease (its streams end "cancelled", its scoring stops); the requests then end."""
+        """Close the slots (no more leases) and cancel the work of every lease (its streams end "cancelled", its
+        scoring stops); the requests then end."""
         with self._lock:
+            self.closed = True
             leases = list(self._leases)
         for lease in leases:
             lease.cancel()
