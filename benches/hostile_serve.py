@@ -209,7 +209,8 @@ def case_idle(model: str, n: int, header_timeout: float) -> dict[str, Any]:
             except (ConnectionResetError, socket.timeout):
                 closed += 1
         log = s.log_text()
-        return {"stalled_sockets": len(socks), "small_answered": answered, "small_latency_s": [round(x, 3) for x in lat],
+        return {"stalled_sockets": len(socks), "small_answered": answered,
+                "small_latency_s": [round(x, 3) for x in lat],
                 "server_fds_before": fds_before, "server_fds_during": fds_during, "stalled_closed": closed,
                 "all_closed_within_s": round(time.perf_counter() - t1, 2), "tracebacks_in_log": log.count("Traceback"),
                 "ok": answered == 5 and closed == len(socks) and "Traceback" not in log}

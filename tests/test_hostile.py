@@ -347,7 +347,8 @@ SERVER_CASES = [
     (dict(body={"messages": [{"role": "user"}]}), 400, "messages[0] must have string 'role' and 'content' fields"),
     (dict(body={"prompt": 5}, route="/v1/completions"), 400, "prompt must be a string, a list of token ids, a list of"),
     (dict(body={"prompt": [5] * 5000, "use_cache": False}, route="/v1/completions"), 400, "maximum context is 256"),
-    (dict(body={"prompt": "x" * 60000}, route="/v1/completions"), 400, "the prompt has 60000 tokens; this server takes at most 8192"),
+    (dict(body={"prompt": "x" * 60000}, route="/v1/completions"), 400,
+     "the prompt has 60000 tokens; this server takes at most 8192"),
     (dict(body={"prompt": [-1]}, route="/v1/completions"), 400, "token id -1 at index 0 is out of range"),
     # round two (issue #54): the server's cap on positions per request, huge literals, echo's generation fields
     (dict(body={"prompt": [5] * 9000}, route="/v1/completions"), 400, "the prompt has 9000 tokens; this server takes "

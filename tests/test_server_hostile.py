@@ -398,7 +398,8 @@ def test_api_key_scheme_and_comparison(monkeypatch):
             r = httpx.get(url, headers={"Authorization": f"{scheme} sk-ü-key".encode()})
             assert r.status_code == 200, (scheme, r.text)
         assert calls
-        for bad in ("Bearer sk-ü-ke", "Bearer sk-ü-key2", "Basic sk-ü-key", "sk-ü-key", "Bearer", "Bearer \xff\xfe"):
+        for bad in ("Bearer sk-ü-ke", "Bearer sk-ü-key2", "Basic sk-ü-key", "sk-ü-key", "Bearer",
+                    "Bearer \xff\xfe"):
             r = httpx.get(url, headers={"Authorization": bad.encode("latin-1", "replace")
                                         if "\xff" in bad else bad.encode()})
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", bad

@@ -158,7 +158,8 @@ class _Routes:
         if not self._longest_token:
             vocab = self.engine.token_bytes(list(range(self.engine.info.vocab_size)))
             self._longest_token = max(1, max(map(len, vocab), default=1))
-        texts: list[Any] = [prompt] if isinstance(prompt, str) else [m.get("content") for m in prompt if isinstance(m, dict)]
+        texts: list[Any] = ([prompt] if isinstance(prompt, str)
+                            else [m.get("content") for m in prompt if isinstance(m, dict)])
         size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts if isinstance(t, str))
         if size > self.max_prompt_tokens * self._longest_token:
             raise ContextLengthError(f"the prompt has {size} bytes of text: more than this server's limit of "
