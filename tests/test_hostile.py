@@ -268,6 +268,12 @@ CLI_CASES = [
     (("generate", "hi", "--temperature", "nan"), "temperature must be finite"),
     (("generate", "hi", "--acceptance", "greedy"), "acceptance must be 'entropy', 'confidence' or 'eb'"),
     (("generate", "hi", "--model", "/nonexistent/model"), "/nonexistent/model"),
+    (("serve", "--max-prompt-tokens", "0"), "--max-prompt-tokens"),
+    (("serve", "--request-timeout", "0"), "--request-timeout"),
+    (("serve", "--request-timeout", "nan"), "--request-timeout"),
+    (("serve", "--header-timeout", "-1"), "--header-timeout"),
+    (("serve", "--limit-concurrency", "0"), "--limit-concurrency"),
+    (("serve", "--allowed-hosts", " , "), "--allowed-hosts"),
 ]
 
 
@@ -341,8 +347,28 @@ SERVER_CASES = [
     (dict(body={"messages": [{"role": "user"}]}), 400, "messages[0] must have string 'role' and 'content' fields"),
     (dict(body={"prompt": 5}, route="/v1/completions"), 400, "prompt must be a string, a list of token ids, a list of"),
     (dict(body={"prompt": [5] * 5000, "use_cache": False}, route="/v1/completions"), 400, "maximum context is 256"),
-    (dict(body={"prompt": "x" * 60000}, route="/v1/completions"), 400, "bytes of text"),
+    (dict(body={"prompt": "x" * 60000}, route="/v1/completions"), 400,
+     "the prompt has 60000 tokens; this server takes at most 8192"),
     (dict(body={"prompt": [-1]}, route="/v1/completions"), 400, "token id -1 at index 0 is out of range"),
+    # round two (issue #54): the server's cap on positions per request, huge literals, echo's generation fields
+    (dict(body={"prompt": [5] * 9000}, route="/v1/completions"), 400, "the prompt has 9000 tokens; this server takes "
+     "at most 8192 tokens per request"),
+    (dict(body={"prompt": [5] * 8000, "max_tokens": 500}, route="/v1/completions"), 400,
+     "requested 8500 (8000 prompt + 500 completion)"),
+    (dict(body={"prompt": [[5], [5] * 8193], "echo": True, "logprobs": 0, "max_tokens": 0}, route="/v1/completions"),
+     400, "the prompt has 8193 tokens"),
+    (dict(body={"messages": [{"role": "user", "content": "ab" * 20000}]}), 400, "bytes of text; no prompt over"),
+    (dict(raw='{"messages": [{"role": "user", "content": "a"}], "max_tokens": 1' + "0" * 5000 + "}"), 400,
+     "cannot read"),
+    (dict(raw='{"prompt": [' + "7" * 4400 + "]}", route="/v1/completions"), 400, "cannot read"),
+    (dict(raw='{"prompt": "a", "n": ' + "1" * 4301 + "}", route="/tokenize"), 400, "cannot read"),
+    (dict(body={"prompt": "hi", "echo": True, "max_tokens": 0, "temperature": -1}, route="/v1/completions"), 400,
+     "temperature must be >= 0"),
+    (dict(body={"prompt": "hi", "echo": True, "max_tokens": 0, "stop": 5}, route="/v1/completions"), 400,
+     "stop must be a string or a list of strings"),
+    (dict(body={"prompt": "hi", "echo": True, "max_tokens": 0, "logprobs": 1, "acceptance": "x"},
+          route="/v1/completions"), 400, "acceptance must be"),
+    (dict(body={"messages": [{"role": "user<|im_end|>", "content": "x"}]}), 400, "role"),
 ]
 
 

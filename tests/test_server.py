@@ -26,11 +26,18 @@ def free_port():
 
 
 class Server:
-    def __init__(self, engine, **kw):
+    """`create_app(engine, **kw)` served by uvicorn on a thread; with `net` (make_server's keyword arguments), by
+    `mbd_rs.server.net.make_server` as `mbd-rs serve` does (header timeout, connection cap)."""
+
+    def __init__(self, engine, net=None, **kw):
         self.port = free_port()
         self.app = create_app(engine, **kw)
-        cfg = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error")
-        self.server = uvicorn.Server(cfg)
+        if net is None:
+            cfg = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error")
+            self.server = uvicorn.Server(cfg)
+        else:
+            from mbd_rs.server.net import make_server
+            self.server = make_server(self.app, "127.0.0.1", self.port, log_level="error", **net)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 20

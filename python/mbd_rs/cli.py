@@ -392,8 +392,29 @@ def _positive_float(text: str) -> float:
 _positive_float.__name__ = "number >= 0"
 
 
+def _seconds(text: str) -> float:
+    v = float(text)
+    if not 0 < v < float("inf"):
+        raise ValueError(f"{text} is not a number of seconds > 0")
+    return v
+
+
+_seconds.__name__ = "number of seconds > 0"
+
+
+def _host_list(text: str) -> "list[str]":
+    names = [h.strip() for h in text.split(",") if h.strip()]
+    if not names:
+        raise ValueError(f"{text!r} names no host")
+    return names
+
+
+_host_list.__name__ = "comma-separated host names"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
+    from .server.limits import CONNECTIONS, HEADER_TIMEOUT, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, REQUEST_TIMEOUT
     ap = argparse.ArgumentParser(prog="mbd-rs", description="Block-diffusion LLM inference (SDAR, TraDo, Fast-dLLM v2, Dream) on Qwen2/Qwen3")
     ap.add_argument("--version", action="version", version=f"mbd-rs {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -431,9 +452,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="generations batched together, one forward for all (default: 4)")
     s.add_argument("--max-queue", type=_int_in(0, 1 << 16), default=None,
                    help="generations waiting for a place in the batch; more get 503 (default: --max-concurrency)")
-    s.add_argument("--max-body-bytes", type=_int_in(1024, 1 << 30), default=4 << 20,
+    s.add_argument("--max-body-bytes", type=_int_in(1024, 1 << 30), default=MAX_BODY_BYTES,
                    help="largest request body accepted; larger get 413 (default: 4 MiB)")
     s.add_argument("--model-name", default=None, help="the model id clients send (default: the directory's name)")
+    s.add_argument("--max-prompt-tokens", type=_int_in(1, 1 << 30), default=MAX_PROMPT_TOKENS,
+                   help="the most token positions one request spans, its prompt plus max_tokens; longer requests "
+                        f"get 400 context_length_exceeded before any work (default: {MAX_PROMPT_TOKENS}, 16 prefill "
+                        "chunks: seconds of work on a CPU, not a checkpoint's whole context)")
+    s.add_argument("--request-timeout", type=_seconds, default=REQUEST_TIMEOUT,
+                   help="seconds a request may run; then its generations are cancelled (streams end with "
+                        "finish_reason 'cancelled', other requests get 504) (default: %(default)g)")
+    s.add_argument("--header-timeout", type=_seconds, default=HEADER_TIMEOUT,
+                   help="seconds a connection has to send its request headers, then it is closed (default: "
+                        "%(default)g)")
+    s.add_argument("--limit-concurrency", type=_int_in(1, 1 << 20), default=None,
+                   help=f"open connections at most; more are closed at once (default: {CONNECTIONS}, or what the "
+                        "open-files limit leaves; the soft limit is raised to the hard one at start-up)")
+    s.add_argument("--allowed-hosts", default=None, type=_host_list, metavar="NAMES",
+                   help="comma-separated Host names served besides the bound address and localhost ('*': any; "
+                        "'.example.com': a domain and its subdomains); other Hosts get 421 (DNS rebinding). "
+                        "Bound to 0.0.0.0 or ::, any IP address and this machine's names are served too")
     r = s.add_argument_group("scale-out on Ray Serve (pip install 'mbd-rs[ray]')")
     r.add_argument("--ray", action="store_true", help="serve replicas of the engine behind Ray Serve's HTTP proxy")
     r.add_argument("--replicas", type=_int_in(1, 4096), default=1, help="number of replicas (default: 1)")

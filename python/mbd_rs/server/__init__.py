@@ -1,6 +1,8 @@
 """OpenAI-compatible HTTP server (`mbd-rs serve`; needs the [server] extra: starlette + uvicorn). A package:
 `app` (the routes, auth, body limits, server-sent events, the access log), `openai` (request bodies to engine
-parameters, results to OpenAI's shapes), `slots` (admission).
+parameters, results to OpenAI's shapes), `slots` (admission), `net` (connections: header timeout, connection cap,
+open-files limit, shutdown, the Host check and framing headers), `limits` (the defaults, importable without the
+extra).
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, with `stream: true`
 as server-sent events in OpenAI's chunk format. Diffusion knobs are accepted as extra body fields. Tokenizer
@@ -28,10 +30,26 @@ client that disconnects mid-stream cancels its generation and frees its slot.
 Limits: bodies must be `application/json` (so a web page cannot post to a local server without CORS) and at most
 `max_body_bytes`; the whole body is validated before a generation slot is taken, and the slot is released on
 every path (finish, error, cancel, disconnect). Fields we do not support are refused with 400, never ignored.
+A request spans at most `max_prompt_tokens` positions (prompt + max_tokens: 400 context_length_exceeded before
+any work), runs at most `request_timeout` seconds, and is cancelled when its client leaves or the server stops
+(SIGTERM). Responses may not be framed (X-Frame-Options, CSP frame-ancestors), and `mbd-rs serve` answers only to
+the Host names of its bound address (--allowed-hosts for more).
 """
 from __future__ import annotations
 
-from .app import create_app, serve
-from .openai import MAX_BODY_BYTES, MAX_N
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["create_app", "serve", "MAX_BODY_BYTES", "MAX_N"]
+from .limits import MAX_BODY_BYTES, MAX_N, MAX_PROMPT_TOKENS, REQUEST_TIMEOUT
+
+if TYPE_CHECKING:
+    from .app import create_app, serve
+
+__all__ = ["create_app", "serve", "MAX_BODY_BYTES", "MAX_N", "MAX_PROMPT_TOKENS", "REQUEST_TIMEOUT"]
+
+
+def __getattr__(name: str) -> Any:
+    """create_app and serve, imported on first use (they need starlette; the limits do not)."""
+    if name in ("create_app", "serve"):
+        from . import app
+        return getattr(app, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

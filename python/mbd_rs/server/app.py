@@ -1,8 +1,15 @@
 """The HTTP side of the server: the routes over one engine (`_Routes`: auth, body limits, the generation routes and
 their server-sent events, the tokenizer routes, the web view), the access log, and `create_app` that assembles
-them. Protocol shapes are `openai`'s, admission `slots`'."""
+them. Protocol shapes are `openai`'s, admission `slots`', the connection level (timeouts, caps, Host) `net`'s.
+
+Bounded work (issue #54): a request spans at most `max_prompt_tokens` positions (prompt + max_tokens; over it: 400
+context_length_exceeded before any work); its work is cancelled when its client leaves (a non-streaming request's
+client is polled while it waits; Starlette watches a streaming one's), when its deadline (`request_timeout`)
+passes, and when the server shuts down. A cancelled request's streams end with finish_reason "cancelled"; a
+non-streaming request past its deadline gets 504 (code "request_timeout"), one cut by shutdown 503."""
 from __future__ import annotations
 
+import hmac
 import html
 import importlib.resources
 import json
@@ -10,7 +17,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from queue import Empty, Queue
 from typing import Any
 
@@ -22,48 +29,110 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from ..engine import Engine
-from ..errors import InvalidRequestError
+from ..errors import ContextLengthError, InvalidRequestError, RequestCancelledError
 from ..types import StreamChunk, Usage
-from . import openai
-from .openai import (MAX_BODY_BYTES, REFUSALS, Body, BodyTooLarge, Echo, Shapes, UnknownModel, body_params,
+from . import net, openai
+from .limits import MAX_BODY_BYTES, MAX_PROMPT_TOKENS, REQUEST_TIMEOUT
+from .openai import (REFUSALS, Body, BodyTimeout, BodyTooLarge, Echo, Shapes, TextOffsets, UnknownModel, body_params,
                      entries_of, error, is_id, refusal, scored_only, usage_json)
 from .slots import Item, Lease, Slots
 
 _log = logging.getLogger("mbd_rs.server")
 
 
-class _Routes:
-    """The routes of one app: `engine` served as `name`, `slots` admitting its generations."""
+class _Watch:
+    """What ends a request's work early: its client leaving (`client`: polled here, where Starlette does not watch
+    it) and its deadline. `check` (at most every 0.1 s) cancels the lease's work on either and remembers which."""
 
-    def __init__(self, engine: Engine, name: str, api_key: str | None, batch: int, queue: int, max_body_bytes: int):
+    def __init__(self, request: Request, lease: Lease, deadline: float):
+        self.request, self.lease, self.deadline = request, lease, deadline
+        self.gone = self.expired = False
+        self._next = 0.0
+
+    async def check(self, client: bool = True) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + 0.1
+        if client and not self.gone and await self.request.is_disconnected():
+            self.gone = True
+            self.lease.cancel()
+        if not self.expired and now > self.deadline:
+            self.expired = True
+            self.lease.cancel()
+
+    async def in_thread(self, fn: Callable[[], Any]) -> Any:
+        """fn() on a worker thread, checking the client and the deadline while it runs (a cancel stops the lease's
+        scoring and streams, so fn returns or raises soon)."""
+        outcome: list[Any] = []
+        async with anyio.create_task_group() as tg:
+            async def watch() -> None:
+                while True:
+                    await anyio.sleep(0.1)
+                    await self.check()
+
+            tg.start_soon(watch)
+            try:
+                outcome.append(await anyio.to_thread.run_sync(fn))
+            except Exception as e:  # raised below, outside the task group (not wrapped in an ExceptionGroup)
+                outcome.append(e)
+            tg.cancel_scope.cancel()
+        if isinstance(outcome[0], Exception):
+            raise outcome[0]
+        return outcome[0]
+
+
+class _Routes:
+    """The routes of one app: `engine` served as `name`, `slots` admitting its generations; `limits`:
+    max_prompt_tokens and request_timeout."""
+
+    def __init__(self, engine: Engine, name: str, api_key: str | None, batch: int, queue: int, max_body_bytes: int,
+                 max_prompt_tokens: int, request_timeout: float):
         self.engine, self.name, self.api_key = engine, name, api_key
         self.batch, self.queue, self.max_body_bytes = batch, queue, max_body_bytes
+        self.max_prompt_tokens, self.request_timeout = max_prompt_tokens, request_timeout
         self.slots = Slots(batch + queue)
         self.created = int(time.time())
         self.shapes = Shapes(engine)
         self.tok_info: dict[str, Any] = {}
+        self.stopping = False
+        self._longest_token = 0
+
+    def shutdown(self) -> None:
+        """Stop admitting requests and cancel the work of every request in flight (they end at once)."""
+        self.stopping = True
+        self.slots.cancel_all()
 
     def check_auth(self, request: Request) -> JSONResponse | None:
         if self.api_key is None:
             return None
-        if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        # header values arrive as latin-1 text: back to their bytes, compared in constant time with the key's
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+                given.strip().encode("latin-1"), self.api_key.encode("utf-8", "surrogateescape")):
             return error(401, "invalid or missing API key", "invalid_request_error", code="invalid_api_key")
         return None
 
-    async def read_body(self, request: Request) -> dict[str, Any]:
-        """The request's JSON object, for the model this server serves (else BodyTooLarge, UnknownModel or
-        InvalidRequestError)."""
+    async def read_body(self, request: Request, deadline: float) -> dict[str, Any]:
+        """The request's JSON object, for the model this server serves (else BodyTooLarge, UnknownModel,
+        BodyTimeout or InvalidRequestError), arrived before `deadline` (time.monotonic())."""
         if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
             raise InvalidRequestError("the request body must be JSON with Content-Type: application/json")
         raw = bytearray()
-        async for piece in request.stream():
-            raw += piece
-            if len(raw) > self.max_body_bytes:
-                raise BodyTooLarge(f"request body is over this server's limit of {self.max_body_bytes} bytes")
+        with anyio.move_on_after(deadline - time.monotonic()) as scope:
+            async for piece in request.stream():
+                raw += piece
+                if len(raw) > self.max_body_bytes:
+                    raise BodyTooLarge(f"request body is over this server's limit of {self.max_body_bytes} bytes")
+        if scope.cancelled_caught:
+            raise BodyTimeout(f"the request body did not arrive within this server's limit of "
+                              f"{self.request_timeout:g} s (--request-timeout)")
         try:
             body = await anyio.to_thread.run_sync(json.loads, bytes(raw))  # large bodies parse off the event loop
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             raise InvalidRequestError("request body is not valid JSON") from None
+        except ValueError as e:  # Python's limit on int conversion: a literal of over 4300 digits
+            raise InvalidRequestError(f"request body has a number this server cannot read ({e})") from None
         if not isinstance(body, dict):
             raise InvalidRequestError("request body must be a JSON object")
         if body.get("model") not in (None, self.name):
@@ -72,9 +141,10 @@ class _Routes:
 
     async def health(self, request: Request) -> JSONResponse:
         # open without the API key: load balancers and probes must reach it (it says nothing secret)
-        return JSONResponse({"status": "ok", "model": self.name, "active": self.slots.active,
-                             "capacity": self.slots.capacity, "batch": self.batch, "queue": self.queue,
-                             "pid": os.getpid()})
+        return JSONResponse({"status": "stopping" if self.stopping else "ok", "model": self.name,
+                             "active": self.slots.active, "capacity": self.slots.capacity, "batch": self.batch,
+                             "queue": self.queue, "max_prompt_tokens": self.max_prompt_tokens,
+                             "request_timeout": self.request_timeout, "pid": os.getpid()})
 
     async def models(self, request: Request) -> JSONResponse:
         if (r := self.check_auth(request)) is not None:
@@ -82,31 +152,70 @@ class _Routes:
         return JSONResponse({"object": "list", "data": [{"id": self.name, "object": "model", "created": self.created,
                                                          "owned_by": "mbd-rs"}]})
 
+    def too_long_to_tokenize(self, prompt: Any) -> None:
+        """ContextLengthError for a text (or chat contents) too long to fit the cap whatever its tokens: over
+        max_prompt_tokens x the longest token's bytes (refused without tokenizing megabytes)."""
+        if not self._longest_token:
+            vocab = self.engine.token_bytes(list(range(self.engine.info.vocab_size)))
+            self._longest_token = max(1, max(map(len, vocab), default=1))
+        texts: list[Any] = ([prompt] if isinstance(prompt, str)
+                            else [m.get("content") for m in prompt if isinstance(m, dict)])
+        size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts if isinstance(t, str))
+        if size > self.max_prompt_tokens * self._longest_token:
+            raise ContextLengthError(f"the prompt has {size} bytes of text: more than this server's limit of "
+                                     f"{self.max_prompt_tokens} tokens per request can hold (--max-prompt-tokens)")
+
     def start(self, lease: Lease, req: Body, chat: bool) -> "list[Echo | None]":
-        """Start every (prompt, i) stream of a request on its lease (the echoed prompts scored first); returns each
-        prompt's echo (None without echo)."""
-        echoes: list[Echo | None] = [None] * len(req.prompts)
+        """Start every (prompt, i) stream of a request on its lease, the echoed prompts scored first (stopped by the
+        lease's cancel, checked between prompts); returns each prompt's echo (None without echo). Every prompt is
+        tokenized and checked against the cap on positions per request, and the generation parameters by the
+        engine, before any work."""
+        plans: list[tuple[list[int], dict[str, Any]]] = []
+        for prompt in req.prompts:
+            if chat or isinstance(prompt, str):
+                self.too_long_to_tokenize(prompt)
+            ids = self.shapes.prompt_ids(prompt, chat)
+            plans.append((ids, openai.fit_positions(len(ids), req.params, self.max_prompt_tokens,
+                                                    self.engine.info.max_context)))
+        if not req.generates:  # only scored: the generation fields are still checked (a 1-token stream, dropped)
+            probe = self.engine.stream(plans[0][0][:1], **dict(req.params, max_tokens=1))
+            probe.cancel()
+            probe.close()
+        echoes: list[Echo | None] = []
         seed: Any = req.params.get("seed")
-        for pi, prompt in enumerate(req.prompts):
-            if req.echo:
-                echo = echoes[pi] = self.shapes.echo_of(prompt, req.logprobs)
-                prompt = echo.ids  # the prompt generated from is the one scored
+        for prompt, (ids, params) in zip(req.prompts, plans):
+            lease.check()
+            echoes.append(self.shapes.echo_of(prompt, ids, req.logprobs, lease.token) if req.echo else None)
             if not req.generates:
                 continue
             for i in range(req.n):
                 # choice i samples with seed + i; a bad seed is left for the engine to refuse
-                ps = dict(req.params, seed=seed + i) if is_id(seed) else req.params
-                lease.streams.append(self.engine.stream_chat(prompt, **ps) if chat else self.engine.stream(prompt, **ps))
+                lease.add(self.engine.stream(ids, **(dict(params, seed=seed + i) if is_id(seed) else params)))
         return echoes
+
+    def cut_short(self, watch: _Watch) -> Response | None:
+        """The response of a request whose work was cancelled: its client left, the server is stopping, or its
+        deadline passed (None: it was not)."""
+        if watch.gone:
+            return error(499, "the client closed the connection; the request was cancelled", code="client_closed")
+        if self.stopping:
+            return error(503, "the server is shutting down; the request was cancelled", "server_error",
+                         code="shutting_down")
+        if watch.expired:
+            return error(504, f"the request ran past this server's limit of {self.request_timeout:g} s "
+                         "(--request-timeout); its generations were cancelled", "server_error",
+                         code="request_timeout")
+        return None
 
     async def handle(self, request: Request, chat: bool) -> Response:
         """POST /v1/completions and /v1/chat/completions: the body checked, k = prompts x n slots taken, the streams
         started; then server-sent events (`sse`) or, once every stream has finished, one JSON response."""
         if (r := self.check_auth(request)) is not None:
             return r
+        deadline = time.monotonic() + self.request_timeout
         lease = None
         try:
-            body = await self.read_body(request)
+            body = await self.read_body(request, deadline)
             req = body_params(body, chat)
             k = len(req.prompts) * req.n
             if k > self.slots.capacity:
@@ -115,16 +224,21 @@ class _Routes:
                                           "at once")
             lease = self.slots.try_acquire(k)
             if lease is None:
+                if self.stopping:
+                    return error(503, "the server is shutting down", "server_error", code="shutting_down")
                 return error(503, f"server is at its limit of {self.batch} batched and {self.queue} queued "
                              "generations; retry later", "server_error", code="server_busy")
-            held = lease
-            echoes = await anyio.to_thread.run_sync(lambda: self.start(held, req, chat))
+            held, watch = lease, _Watch(request, lease, deadline)
+            try:
+                echoes = await watch.in_thread(lambda: self.start(held, req, chat))
+            except RequestCancelledError:
+                return self.cut_short(watch) or error(500, "the request was cancelled", "server_error")
             rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
             choice_echo = [echoes[i // req.n] for i in range(k)]
             if body.get("stream"):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
                 # the lease is released by the stream's end, or after the response if the client left first
-                events = self.sse(lease, req, choice_echo, rid, chat, include_usage, request)
+                events = self.sse(lease, req, choice_echo, rid, chat, include_usage, request, watch)
                 response: Response = StreamingResponse(events, media_type="text/event-stream",
                                                        headers={"Cache-Control": "no-cache"},
                                                        background=BackgroundTask(lease.release))
@@ -134,11 +248,13 @@ class _Routes:
             if req.generates:
                 q: Queue[Item] = Queue()
                 lease.pump(q)
-                async for i, ch in self.chunks(q, k):
+                async for i, ch in self.chunks(q, k, watch, client=True):
                     if ch.finish_reason:
                         finals[i] = ch
             else:
                 finals = [StreamChunk("", [], "length", scored_only(e), None) for e in choice_echo if e is not None]
+            if (cut := self.cut_short(watch)) is not None:
+                return cut
             streams = lease.streams
         except REFUSALS as e:
             return refusal(e)
@@ -170,17 +286,19 @@ class _Routes:
                              "usage": usage_json(usages, req.n)})
 
     @staticmethod
-    async def chunks(q: "Queue[Item]", k: int) -> AsyncIterator[tuple[int, StreamChunk]]:
-        """(choice index, chunk) from k reader threads, as they come, until every stream has ended."""
+    async def chunks(q: "Queue[Item]", k: int, watch: _Watch, client: bool) -> AsyncIterator[tuple[int, StreamChunk]]:
+        """(choice index, chunk) from k reader threads, as they come, until every stream has ended; `watch` checked
+        in between (its cancel ends the streams "cancelled")."""
         def get() -> Item | None:
-            try:  # a bounded wait, so a cancelled request stops waiting soon (works with any anyio)
-                return q.get(timeout=0.25)
+            try:  # a bounded wait, so that the client and the deadline are checked while nothing comes
+                return q.get(timeout=0.1)
             except Empty:
                 return None
 
         live = k
         while live:
             got = await anyio.to_thread.run_sync(get)
+            await watch.check(client)
             if got is None:
                 continue
             i, item = got
@@ -192,9 +310,10 @@ class _Routes:
                 yield i, item
 
     async def sse(self, lease: Lease, req: Body, choice_echo: "list[Echo | None]", rid: str, chat: bool,
-                  include_usage: bool, request: Request) -> AsyncIterator[str]:
+                  include_usage: bool, request: Request, watch: _Watch) -> AsyncIterator[str]:
         """A streaming response's server-sent events: the echoed prompts, every stream's chunks as they come (with
-        "trace", one event per forward), the usage with include_usage, then [DONE]."""
+        "trace", one event per forward), the usage with include_usage, then [DONE]. Past the deadline the streams
+        end with finish_reason "cancelled"."""
         obj = "chat.completion.chunk" if chat else "text_completion"
         now, k, shapes = int(time.time()), len(choice_echo), self.shapes
 
@@ -207,8 +326,8 @@ class _Routes:
                 d["mbd_step"] = step
             return f"data: {json.dumps(d)}\n\n"
 
-        # per choice: the text offset of its next token (/v1/completions' text_offset)
-        offsets = [0] * k
+        # per choice: the text offsets of its next tokens (/v1/completions' text_offset)
+        offsets = [TextOffsets() for _ in range(k)]
 
         def choice(i: int, text: str, finish: str | None = None, role: bool = False,
                    lps: Any = None, n_tokens: int = 0) -> dict[str, Any]:
@@ -216,8 +335,6 @@ class _Routes:
             entries = entries_of(lps, n_tokens, chat) if req.logprobs is not None else []
             if entries:
                 lp = shapes.chat_logprobs(entries) if chat else shapes.legacy_logprobs(entries, offsets[i])
-                if not chat:
-                    offsets[i] += sum(len(t) for t in lp["tokens"])
             if chat:
                 delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
                 return {"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}
@@ -230,8 +347,8 @@ class _Routes:
                     yield event([choice(i, "", role=True)])
             for i, e in enumerate(choice_echo):
                 if e is not None:  # the prompt first, with its scores
-                    lp = None if req.logprobs is None else shapes.legacy_logprobs(e.entries or [], 0)
-                    offsets[i] = len(e.text)
+                    lp = None if req.logprobs is None else shapes.legacy_logprobs(e.entries or [], TextOffsets())
+                    offsets[i] = TextOffsets(len(e.text))
                     fin = None if req.generates else "length"
                     yield event([{"index": i, "text": e.text, "finish_reason": fin, "logprobs": lp}])
                     if not req.generates:
@@ -239,7 +356,8 @@ class _Routes:
             if req.generates:
                 q: Queue[Item] = Queue()
                 lease.pump(q)
-                async for i, ch in self.chunks(q, k):
+                # Starlette watches the client of a streaming response (and cancels this generator when it leaves)
+                async for i, ch in self.chunks(q, k, watch, client=False):
                     lps = ch.logprobs if req.logprobs is not None else None
                     c = choice(i, ch.text, ch.finish_reason, lps=lps, n_tokens=len(ch.token_ids))
                     if ch.step is not None:
@@ -282,7 +400,7 @@ class _Routes:
         if (r := self.check_auth(request)) is not None:
             return r
         try:
-            body = await self.read_body(request)
+            body = await self.read_body(request, time.monotonic() + self.request_timeout)
             route = openai.tokenize if encode else openai.detokenize
             return JSONResponse(await anyio.to_thread.run_sync(route, self.engine, body))
         except REFUSALS as e:
@@ -296,16 +414,25 @@ class _Routes:
 
 
 def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | None = None,
-               max_concurrency: int = 4, max_queue: int | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
+               max_concurrency: int = 4, max_queue: int | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+               max_prompt_tokens: int = MAX_PROMPT_TOKENS, request_timeout: float = REQUEST_TIMEOUT,
+               allowed_hosts: Sequence[str] | None = None) -> Starlette:
     """The app serving `engine`. `max_concurrency` becomes the engine's batch (`Engine.set_batching(max_batch=)`):
-    generations stepped together; `max_queue` (default: `max_concurrency`) more wait in the engine's queue."""
+    generations stepped together; `max_queue` (default: `max_concurrency`) more wait in the engine's queue.
+    `max_prompt_tokens`: the most positions one request spans (prompt + max_tokens); `request_timeout`: seconds
+    before a request's work is cancelled; `allowed_hosts`: the Host names served (`net.allowed_hosts`; None: any).
+    `app.state.routes.shutdown()` cancels the work in flight (`mbd-rs serve` calls it on SIGTERM)."""
     name = model_name or os.path.basename(os.path.normpath(engine.info.path))
     engine.set_batching(max_batch=max_concurrency)
     queue = max_concurrency if max_queue is None else max_queue
     if isinstance(queue, bool) or not isinstance(queue, int) or queue < 0:
         raise InvalidRequestError(f"max_queue must be an integer >= 0, got {queue!r}")
-    r = _Routes(engine, name, api_key, max_concurrency, queue, max_body_bytes)
+    if isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1:
+        raise InvalidRequestError(f"max_prompt_tokens must be an integer >= 1, got {max_prompt_tokens!r}")
+    if isinstance(request_timeout, bool) or not isinstance(request_timeout, (int, float)) or not request_timeout > 0:
+        raise InvalidRequestError(f"request_timeout must be a number of seconds > 0, got {request_timeout!r}")
+    r = _Routes(engine, name, api_key, max_concurrency, queue, max_body_bytes, max_prompt_tokens,
+                float(request_timeout))
     app = Starlette(routes=[
         Route("/", r.index, methods=["GET"]),
         Route("/health", r.health, methods=["GET"]),
@@ -317,6 +444,8 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
         Route("/detokenize", r.detokenize, methods=["POST"]),
     ])
     app.state.slots = r.slots
+    app.state.routes = r
+    app.add_middleware(net.HostGuard, allowed=None if allowed_hosts is None else list(allowed_hosts))
     app.add_middleware(_AccessLog)
     return app
 
@@ -350,14 +479,18 @@ class _AccessLog:
 
 
 def serve(args: Any, load: dict[str, Any]) -> int:
-    """`mbd-rs serve`: load the model (`load`: Engine.load's options) and serve it with uvicorn until interrupted."""
-    import uvicorn
-
+    """`mbd-rs serve`: load the model (`load`: Engine.load's options) and serve it with uvicorn until interrupted
+    (SIGTERM or Ctrl-C: the work in flight is cancelled, and the process exits within seconds)."""
     eng = Engine.load(args.model, **load)
+    hosts = net.allowed_hosts(args.host, args.allowed_hosts or [])
     app = create_app(eng, model_name=args.model_name, api_key=args.api_key, max_concurrency=args.max_concurrency,
-                     max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
+                     max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+                     max_prompt_tokens=args.max_prompt_tokens, request_timeout=args.request_timeout,
+                     allowed_hosts=hosts)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # the access log, on stderr
+    server = net.make_server(app, args.host, args.port, header_timeout=args.header_timeout,
+                             limit_concurrency=args.limit_concurrency, on_shutdown=app.state.routes.shutdown)
     print(f"mbd-rs: serving {eng.info.path} as '{args.model_name or os.path.basename(os.path.normpath(eng.info.path))}' "
           f"on http://{args.host}:{args.port}/v1", flush=True)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # the access log, on stderr
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    server.run()
     return 0

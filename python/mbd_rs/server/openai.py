@@ -3,15 +3,17 @@
 shapes, usage), and the refusals as OpenAI error objects. No HTTP here: the routes are `app`'s."""
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from typing import Any
 
 from starlette.responses import JSONResponse
 
-from ..engine import GENERATION_PARAMS, Engine
+from ..engine import GENERATION_PARAMS, CancelToken, Engine
 from ..errors import ContextLengthError, InvalidRequestError, MbdError
 from ..types import StepEvent, TokenLogprob, Usage
+from .limits import MAX_N
 
 # OpenAI body fields passed to the engine as generation parameters, and the server's own fields.
 _OPENAI_PARAMS = {"max_tokens", "temperature", "top_p", "stop", "seed"}
@@ -25,10 +27,9 @@ _UNSUPPORTED_UNLESS = {"presence_penalty": (None, 0), "frequency_penalty": (None
 _EXTENSIONS = set(GENERATION_PARAMS) - _OPENAI_PARAMS - {"logprobs"}
 # With "trace" (streaming only), every forward pass is also an SSE event carrying "mbd_step": the blocks, the
 # positions it decoded and the canvas as token pieces (what the live web view at / draws).
-#: Default cap on a request body.
-MAX_BODY_BYTES = 4 << 20
-#: Cap on `n` (choices per prompt).
-MAX_N = 16
+#: The core's max_tokens when a request gives none (generate/plan.rs DEFAULT_MAX_TOKENS), capped by what the
+#: context leaves.
+ENGINE_DEFAULT_MAX_TOKENS = 256
 
 
 # (token id, logprob or None for a prompt's first token, alternatives or None)
@@ -50,18 +51,24 @@ class UnknownModel(Exception):
     pass
 
 
+class BodyTimeout(Exception):
+    pass
+
+
 def error(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
            param: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
 
 
 #: What a POST route answers for a refused request (each route catches these and passes them to `refusal`).
-REFUSALS = (BodyTooLarge, UnknownModel, InvalidRequestError, TypeError, MbdError)
+REFUSALS = (BodyTooLarge, BodyTimeout, UnknownModel, InvalidRequestError, TypeError, MbdError)
 
 
 def refusal(e: Exception) -> JSONResponse:
     if isinstance(e, BodyTooLarge):
         return error(413, str(e))
+    if isinstance(e, BodyTimeout):
+        return error(408, str(e), code="request_timeout")
     if isinstance(e, UnknownModel):
         return error(404, str(e), code="model_not_found")
     if isinstance(e, ContextLengthError):
@@ -174,7 +181,9 @@ def flag(body: dict[str, Any], key: str, default: bool) -> bool:
 def tokenize(engine: Engine, body: dict[str, Any]) -> dict[str, Any]:
     """POST /tokenize, vLLM's shape: {"prompt": text, "add_special_tokens": true} or {"messages": [...],
     "add_generation_prompt": true, "add_special_tokens": false} -> {"tokens", "count", "max_model_len",
-    "token_strs"} (token_strs with "return_token_strs": true, else null)."""
+    "token_strs"} (token_strs with "return_token_strs": true, else null). Messages give exactly the ids a chat
+    generation runs on (`Engine.chat_ids`: contents stay text), with add_special_tokens the tokenizer's own
+    special tokens (a BOS) around them."""
     allowed = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs"}
     if unknown := sorted(set(body) - allowed):
         raise InvalidRequestError(f"unknown request field(s) {unknown}")
@@ -190,12 +199,23 @@ def tokenize(engine: Engine, body: dict[str, Any]) -> dict[str, Any]:
     else:
         if not isinstance(body["messages"], list) or not body["messages"]:
             raise InvalidRequestError("messages must be a non-empty list")
-        text = engine.apply_chat_template(body["messages"],
-                                          add_generation_prompt=flag(body, "add_generation_prompt", True))
-        ids = engine.tokenize(text, add_special_tokens=flag(body, "add_special_tokens", False))
+        ids = engine.chat_ids(body["messages"], add_generation_prompt=flag(body, "add_generation_prompt", True))
+        if flag(body, "add_special_tokens", False):
+            before, after = special_tokens_around(engine)
+            ids = before + ids + after
     strs = ([engine.detokenize([t], skip_special_tokens=False) for t in ids]
             if flag(body, "return_token_strs", False) else None)
     return {"tokens": ids, "count": len(ids), "max_model_len": engine.info.max_context, "token_strs": strs}
+
+
+def special_tokens_around(engine: Engine) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer adds before and after a text with add_special_tokens (a BOS; none for Qwen's)."""
+    bare = engine.tokenize("a", add_special_tokens=False)
+    full = engine.tokenize("a", add_special_tokens=True)
+    for i in range(len(full) - len(bare) + 1):
+        if full[i:i + len(bare)] == bare:
+            return full[:i], full[i + len(bare):]
+    return [], []
 
 
 def detokenize(engine: Engine, body: dict[str, Any]) -> dict[str, Any]:
@@ -241,67 +261,102 @@ def tokenizer_info(engine: Engine) -> dict[str, Any]:
 
 
 
+class TextOffsets:
+    """/v1/completions' text_offset, token by token: where in the text each token's first character starts. Offsets
+    advance by the characters a token's bytes complete, so the tokens of a character split across tokens share its
+    offset and the offsets spell the text."""
+
+    def __init__(self, start: int = 0):
+        self.at = start
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def next(self, token_bytes: bytes) -> int:
+        at = self.at
+        self.at += len(self._utf8.decode(token_bytes))
+        return at
+
+
 class Shapes:
-    """The engine's results in OpenAI's shapes, for one server: token texts (special tokens included, cached per
-    server), log-probability objects, usage and the web view's step events."""
+    """The engine's results in OpenAI's shapes, for one server: token texts and bytes (special tokens included,
+    cached per server), log-probability objects, usage and the web view's step events."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
         self._pieces: dict[int, str] = {}
+        self._bytes: dict[int, bytes] = {}
 
     def piece(self, t: int) -> str:
-        """A token's text as the logprobs and the web view show it (special tokens included)."""
+        """A token's text as the web view shows it (special tokens included)."""
         if t not in self._pieces:
             self._pieces[t] = self.engine.detokenize([t], skip_special_tokens=False)
         return self._pieces[t]
 
-    def echo_of(self, prompt: Any, logprobs: int | None) -> Echo:
-        """A prompt as echo returns it: its text (a token-id prompt detokenized as given), its ids, and with
-        logprobs its tokens' left-to-right scores."""
-        engine = self.engine
+    def token_bytes(self, t: int) -> bytes:
+        if t not in self._bytes:
+            self._bytes[t] = self.engine.token_bytes([t])[0]
+        return self._bytes[t]
+
+    def token_str(self, t: int, legacy: bool) -> str:
+        """A token as the logprobs show it: its text; a token whose bytes are not UTF-8 alone (part of a character)
+        as OpenAI shows it, its bytes escaped: "\\xe2\\x80" in chat (beside its `bytes`), "bytes:\\xe2\\x80" in the
+        legacy completions shape."""
+        b = self.token_bytes(t)
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError:
+            escaped = b.decode("utf-8", "backslashreplace")
+            return "bytes:" + escaped if legacy else escaped
+
+    def prompt_ids(self, prompt: Any, chat: bool) -> list[int]:
+        """The ids a prompt generates from: a chat's message list rendered (`Engine.chat_ids`, exactly what
+        `stream_chat` runs on), a text tokenized as `stream` does, token ids as given."""
+        if chat:
+            return self.engine.chat_ids(prompt)
         if isinstance(prompt, str):
-            text, ids = prompt, engine.tokenize(prompt)
-        else:
-            text, ids = engine.detokenize(prompt, skip_special_tokens=False), list(prompt)
+            return self.engine.tokenize(prompt)
+        return list(prompt)
+
+    def echo_of(self, prompt: Any, ids: list[int], logprobs: int | None, cancel: CancelToken) -> Echo:
+        """A prompt as echo returns it: its text (a token-id prompt detokenized as given), its ids, and with
+        logprobs its tokens' left-to-right scores (stopped by `cancel`: RequestCancelledError)."""
+        text = prompt if isinstance(prompt, str) else self.engine.detokenize(ids, skip_special_tokens=False)
         entries: list[Entry] | None = None
         if logprobs is not None:
-            scores = engine.prompt_logprobs(ids, logprobs=logprobs)
+            scores = self.engine.prompt_logprobs(ids, logprobs=logprobs, cancel=cancel)
             entries = [(ids[0], None, None)]
             entries += [(t.token_id, t.logprob, t.top_logprobs) for t in scores[1:] if t]
         return Echo(text, ids, entries)
 
-    def legacy_logprobs(self, entries: list[Entry], offset: int) -> dict[str, list[Any]]:
-        """/v1/completions' logprobs object for these tokens, their text offsets counted from `offset`."""
+    def legacy_logprobs(self, entries: list[Entry], offsets: TextOffsets) -> dict[str, list[Any]]:
+        """/v1/completions' logprobs object for these tokens, their text offsets from `offsets` (which advances)."""
         out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for t, lp, top in entries:
-            s = self.piece(t)
-            out["tokens"].append(s)
+            out["tokens"].append(self.token_str(t, legacy=True))
             out["token_logprobs"].append(lp)
             alts: dict[str, float] | None = None
             if top is not None:
                 alts = {}
                 for a, b in top:  # most likely first; two ids with one text keep the likelier
-                    alts.setdefault(self.piece(a), b)
+                    alts.setdefault(self.token_str(a, legacy=True), b)
             out["top_logprobs"].append(alts)
-            out["text_offset"].append(offset)
-            offset += len(s)
+            out["text_offset"].append(offsets.next(self.token_bytes(t)))
         return out
 
     def chat_logprobs(self, entries: list[Entry]) -> dict[str, Any]:
-        """/v1/chat/completions' logprobs object for these tokens."""
+        """/v1/chat/completions' logprobs object for these tokens: each token's text and its real bytes."""
         def item(t: int, lp: float | None) -> dict[str, Any]:
-            s = self.piece(t)
-            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+            return {"token": self.token_str(t, legacy=False), "logprob": lp, "bytes": list(self.token_bytes(t))}
         return {"content": [dict(item(t, lp), top_logprobs=[item(a, b) for a, b in top or []])
                             for t, lp, top in entries], "refusal": None}
 
     def logprobs_json(self, entries: list[Entry], echo: "Echo | None", chat: bool) -> dict[str, Any]:
         if chat:
             return self.chat_logprobs(entries)
+        offsets = TextOffsets()
         if echo is None:
-            return self.legacy_logprobs(entries, 0)
-        head = self.legacy_logprobs(echo.entries or [], 0)
-        tail = self.legacy_logprobs(entries, len(echo.text))
+            return self.legacy_logprobs(entries, offsets)
+        head = self.legacy_logprobs(echo.entries or [], offsets)
+        tail = self.legacy_logprobs(entries, TextOffsets(len(echo.text)))
         return {key: head[key] + tail[key] for key in head}
 
     def step_json(self, ev: StepEvent) -> dict[str, Any]:
@@ -309,6 +364,26 @@ class Shapes:
         return {"index": ev.index, "decoded": ev.decoded, "blocks": ev.blocks,
                 "tokens_per_forward": ev.tokens_per_forward,
                 "canvas": None if ev.canvas is None else [None if t < 0 else self.piece(t) for t in ev.canvas]}
+
+
+def fit_positions(n_prompt: int, params: dict[str, Any], cap: int, context: int) -> dict[str, Any]:
+    """A request's parameters for a prompt of `n_prompt` tokens under the server's cap on the positions one request
+    spans (prompt + max_tokens <= cap): ContextLengthError when it cannot fit, before any work; an absent
+    max_tokens becomes what the cap leaves when the engine's default (up to 256, what the context leaves) would
+    pass it."""
+    raw = params.get("max_tokens")
+    mt = raw if isinstance(raw, int) and not isinstance(raw, bool) and 0 <= raw < 1 << 64 else None
+    if n_prompt > cap or n_prompt == cap and mt != 0:
+        raise ContextLengthError(f"the prompt has {n_prompt} tokens; this server takes at most {cap} tokens per "
+                                 "request, prompt and completion (--max-prompt-tokens)")
+    if mt is None:  # absent, or bad (the engine refuses it, naming it)
+        default = max(1, min(ENGINE_DEFAULT_MAX_TOKENS, context - n_prompt))
+        return params if raw is not None or n_prompt + default <= cap else dict(params, max_tokens=cap - n_prompt)
+    if n_prompt + mt > cap:
+        raise ContextLengthError(f"this server takes at most {cap} tokens per request, prompt and completion "
+                                 f"(--max-prompt-tokens); requested {n_prompt + mt} ({n_prompt} prompt + {mt} "
+                                 "completion)")
+    return params
 
 
 def entries_of(lps: "list[TokenLogprob] | None", n_tokens: int, chat: bool) -> list[Entry]:
