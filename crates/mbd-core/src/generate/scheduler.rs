@@ -17,7 +17,6 @@
 use crate::error::{catch_panic, Error, Result};
 use crate::generate::generation::{Generation, Next, StepOutput};
 use crate::model::Model;
-use crate::net::mask::PREFILL_CHUNK;
 use crate::net::segment::Segment;
 use crate::params::load::BatchLimits;
 use crate::util::Cancel;
@@ -26,6 +25,12 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Duration;
+
+/// What a tick may cost beside other streams, in rows over no keys (`Window::limit_next`): a small request's
+/// few steps then wait about this much each behind a long prompt's prefill (measured with benches/hostile_serve.py:
+/// a small chat beside an 8000-token prefill, embedded model, release build, 2 cores: 512 gave 0.42 s median and
+/// 0.58 s at most, against 1.0 s and 2.1 s uncut), and the long prompt takes a few more forwards.
+const FAIR_TICK_ROWS: usize = 256;
 
 /// Outputs a stream may have unread before its generation pauses.
 pub const MAX_UNREAD: usize = 16;
@@ -419,11 +424,11 @@ fn run_tick(
     let mut segs = vec![];
     let mut who = vec![];
     let mut rows = 0usize;
-    // fairness: beside other streams, a long prompt or recompute chunk is cut so that no tick costs much more than a
-    // prefill chunk over no keys (where that changes no output: `QwenModel::rows_independent`)
+    // fairness: beside other streams, a long prompt or recompute chunk is cut so that no tick costs much more than
+    // `FAIR_TICK_ROWS` rows over no keys (where that changes no output: `QwenModel::rows_independent`)
     let net = &shared.model.net;
     let ready = active.iter().filter(|e| e.ctl.unread.load(Ordering::SeqCst) < MAX_UNREAD && !e.gen.finished()).count();
-    let limit = (ready > 1 && net.rows_independent()).then(|| (PREFILL_CHUNK, net.key_equivalent()));
+    let limit = (ready > 1 && net.rows_independent()).then(|| (FAIR_TICK_ROWS, net.key_equivalent()));
     // split the slice so that each generation can lend out its segment at once
     let (head, tail) = active.split_at_mut(start);
     let order = tail.iter_mut().enumerate().map(|(j, e)| (start + j, e)).chain(head.iter_mut().enumerate());
