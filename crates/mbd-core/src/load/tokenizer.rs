@@ -10,13 +10,14 @@ use std::path::Path;
 /// The tokenizers library panics on some malformed files (a syntax error inside `decoder`, a BPE merge shorter
 /// than `continuing_subword_prefix`): the JSON syntax is checked first, and a panic while building is caught
 /// here and reported as this file's error.
+/// tokenizer.json must be a regular file of at most this many bytes (Gemma 3's 262K-token one is 33 MB).
+pub const MAX_TOKENIZER_BYTES: u64 = 256 << 20;
+
 pub fn load_tokenizer(dir: &Path) -> Result<tokenizers::Tokenizer> {
     let p = dir.join("tokenizer.json");
-    if !p.exists() {
-        return Err(Error::FileNotFound { path: p, what: "the tokenizer (tokenizer.json)".into() });
-    }
-    let bad = |why: String| Error::load(format!("{}: not a valid tokenizer: {why}", p.display()));
-    let text = std::fs::read_to_string(&p).map_err(|e| bad(e.to_string()))?;
+    let bytes = crate::util::read_model_file(&p, MAX_TOKENIZER_BYTES, "the tokenizer (tokenizer.json)")?;
+    let text = String::from_utf8(bytes)
+        .map_err(|_| Error::load(format!("{}: not a valid tokenizer: not UTF-8 text", p.display())))?;
     tokenizer_from_json(&text, &p.display().to_string())
 }
 
