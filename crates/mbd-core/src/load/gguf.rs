@@ -11,8 +11,11 @@
 //!   block format), and read by `weights::Weights` like a safetensors shard.
 //!
 //! The file is untrusted input: every length and count is checked against the bytes the file holds before anything
-//! is allocated from it, strings must be UTF-8, tensors must lie inside the data section, aligned and not
-//! overlapping. A file that is not GGUF is called that without echoing its bytes.
+//! is allocated from it; only the values of the keys the loader reads are built (`read_key`: every other value, a
+//! gigabyte array or string included, is skipped unread), under caps on each string (`MAX_STRING`, the chat template
+//! `MAX_CHAT_TEMPLATE_BYTES`) and on the memory of all of them (`MAX_METADATA_BYTES`, counted before allocating);
+//! strings must be UTF-8, floats finite; tensors must lie inside the data section, aligned and not overlapping. A
+//! file that is not GGUF is called that without echoing its bytes.
 
 use crate::error::{Error, Result};
 use crate::load::json::MAX_CHAT_TEMPLATE_BYTES;
