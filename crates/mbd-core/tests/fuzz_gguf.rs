@@ -189,6 +189,9 @@ fn mutate_gguf(g: &mut Gguf, r: &mut Rng) {
         9 | 10 if !g.tensors.is_empty() => {
             let i = r.below(g.tensors.len());
             let d = &mut g.tensors[i].dims;
+            if d.is_empty() {
+                d.push(r.below(4) as u64);
+            }
             let j = r.below(d.len());
             match r.below(7) {
                 0 => d[j] = 0,

@@ -586,3 +586,29 @@ fn gguf_tensor_sizes_that_overflow_are_errors() {
     });
     expect(&p, "ModelLoad", &["tensor 'output_norm.weight'", "claims more bytes than the file holds"]);
 }
+
+#[test]
+fn long_added_tokens_are_refused_quickly() {
+    // The tokenizers library builds its added-token matcher in time that grows with the square of a token's length
+    // for some texts (found by fuzz_gguf: a 47 KB control token held a load for a minute).
+    let (_t, d) = model_copy(&parity(BASE));
+    edit_json(&d.join("tokenizer.json"), |t| {
+        t.get_mut("added_tokens")
+            .unwrap()
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"id": 319, "content": "x".repeat(20_000),
+            "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}));
+    });
+    let t0 = std::time::Instant::now();
+    expect(&d, "ModelLoad", &["tokenizer.json", "added token 4 (id 319) is 20000 bytes long; at most 256"]);
+    assert!(t0.elapsed().as_secs_f64() < 2.0, "{:?}", t0.elapsed());
+    let (_t, p) = gguf_of(|g| {
+        if let Some(common::gguf::Meta::Arr(_, toks)) =
+            g.kv.iter_mut().find(|(k, _)| k == "tokenizer.ggml.tokens").map(|e| &mut e.1)
+        {
+            toks[3] = common::gguf::Meta::Str(vec![b'x'; 47_000]);
+        }
+    });
+    expect(&p, "ModelLoad", &["GGUF tokenizer", "added token 3 (id 3) is 47000 bytes long"]);
+}
