@@ -29,25 +29,60 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 
 
 def read_hf(src):
-    from safetensors.numpy import load_file
+    """config.json and model.safetensors's tensors as numpy arrays (bfloat16 ones, which numpy lacks, as float32)."""
     with open(os.path.join(src, "config.json")) as f:
         cfg = json.load(f)
-    return cfg, load_file(os.path.join(src, "model.safetensors"))
+    path = os.path.join(src, "model.safetensors")
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        data = f.read()
+    if all(v.get("dtype") != "BF16" for k, v in header.items() if k != "__metadata__"):
+        from safetensors.numpy import load_file
+        return cfg, load_file(path)
+    tensors = {}
+    for k, v in header.items():
+        if k == "__metadata__":
+            continue
+        raw = data[v["data_offsets"][0]:v["data_offsets"][1]]
+        if v["dtype"] == "BF16":
+            arr = (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
+        else:
+            arr = np.frombuffer(raw, {"F32": np.float32, "F16": np.float16}[v["dtype"]])
+        tensors[k] = arr.reshape(v["shape"]).copy()
+    return cfg, tensors
+
+
+def _byte_chars():
+    """GPT-2's byte alphabet: the character each byte is spelled with in a byte-level BPE vocabulary."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    extra = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(extra)}}
 
 
 def vocab_fields(src, vocab_size):
     """tokens, token types and merges of the fixture's tokenizer.json, as llama.cpp's converter lays them out
-    (added tokens at their ids, control when special; [PAD<i>] fillers up to the embedding's rows)."""
+    (added tokens at their ids, control when special; [PAD<i>] fillers up to the embedding's rows). GGUF's `gpt2`
+    tokenizer is a byte-level BPE: a vocabulary that is not byte-level (mbd-tiny's characters, split without a
+    pre-tokenizer) is respelled in GPT-2's byte alphabet (" " as "Ġ", "\n" as "Ċ"), the same tokenizer as a
+    byte-level BPE."""
     with open(os.path.join(src, "tokenizer.json")) as f:
         tj = json.load(f)
+    byte_level = "ByteLevel" in (str((tj.get("pre_tokenizer") or {}).get("type")),
+                                 str((tj.get("decoder") or {}).get("type")))
+    chars = _byte_chars()
+
+    def spell(t):
+        return t if byte_level else "".join(chars[b] for b in t.encode())
+
     tokens = [f"[PAD{i}]" for i in range(vocab_size)]
     types = [int(gguf.TokenType.USER_DEFINED)] * vocab_size
     for t, i in tj["model"]["vocab"].items():
-        tokens[i], types[i] = t, int(gguf.TokenType.NORMAL)
+        tokens[i], types[i] = spell(t), int(gguf.TokenType.NORMAL)
     for a in tj["added_tokens"]:
         tokens[a["id"]] = a["content"]
         types[a["id"]] = int(gguf.TokenType.CONTROL if a["special"] else gguf.TokenType.USER_DEFINED)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+    merges = [" ".join(spell(p) for p in (m.split(" ") if isinstance(m, str) else m)) for m in tj["model"]["merges"]]
     return tokens, types, merges
 
 

@@ -10,11 +10,11 @@ from safetensors.numpy import save_file
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "parity" / "qwen2_gqa_tied"
 
 
-def random_checkpoint(path, hidden=256, inter=512, layers=2, seed=0):
-    """A random Qwen2 checkpoint whose rows split into q4_k super-blocks (256 values), tied embeddings."""
+def random_checkpoint(path, hidden=256, inter=512, layers=2, seed=0, head_dim=64):
+    """A random Qwen2 checkpoint whose rows split into q4_k super-blocks (256 values, by default), tied embeddings."""
     path.mkdir()
     rng = np.random.default_rng(seed)
-    heads, kv, hd, vocab = 4, 2, 64, 320
+    heads, kv, hd, vocab = 4, 2, head_dim, 320
     cfg = json.loads(open(FIXTURE / "config.json").read())
     cfg.update(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
                num_key_value_heads=kv, head_dim=hd, layer_types=["full_attention"] * layers)

@@ -13,6 +13,7 @@ from its `TensorNameMap`), never by this engine. Expected values come from elsew
 (e) broken or hostile files raise a specific error, never crash the process.
 """
 import importlib.util
+import json
 import os
 import random
 import shutil
@@ -323,6 +324,51 @@ def test_qwen2_vocabulary_gguf_golden_vectors(tmp_path):
     assert eng.tokenize("<|im_start|>", add_special_tokens=False) == [tok["tokenizer.ggml.tokens"].index("<|im_start|>")]
 
 
+# every file the writer makes: the parity fixtures (f32 and bf16) and the embedded model (bf16, its character
+# vocabulary respelled as a byte-level BPE)
+TWINS = META["fixtures"] + ["qwen3_bf16", "mbd-tiny"]
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "sort 5 3 9 1\nthen add 12+30"},
+        {"role": "assistant", "content": "1 3 5 9, 42"}, {"role": "user", "content": "thanks <3"}]
+
+
+def _twin(name):
+    return mbd_rs.DEFAULT_MODEL if name == "mbd-tiny" else parity_dir(name)
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_control_tokens_mask_and_chat_prompt_match_the_directory(tmp_path, name):
+    """Every control token at its own id: a GGUF's tokenizer encodes and decodes the control tokens, finds the mask
+    token and tokenizes a rendered chat prompt as its safetensors twin does (before, tokens that are not in the BPE
+    vocabulary were numbered after it: `<|im_start|>` 309 instead of 1, the mask 311 instead of 3)."""
+    src = _twin(name)
+    cfg, tensors = read_hf(src)
+    path = str(tmp_path / f"{name}.gguf")
+    write_gguf(path, cfg, tensors, src)
+    g = mbd_rs.Engine.load(path, device="cpu")
+    d = mbd_rs.Engine.load(src, device="cpu")
+    with open(os.path.join(src, "tokenizer.json")) as f:
+        added = json.load(f)["added_tokens"]
+    assert [a["content"] for a in added] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+    for a in added:
+        assert g.tokenize(a["content"], add_special_tokens=False) == [a["id"]], a
+        assert d.tokenize(a["content"], add_special_tokens=False) == [a["id"]], a
+        assert g.detokenize([a["id"]], skip_special_tokens=False) == a["content"]
+    assert g.info.mask_token_id == d.info.mask_token_id == 3
+    prompt = g.apply_chat_template(CHAT)
+    if d.info.chat_template is not None:
+        assert d.apply_chat_template(CHAT) == prompt
+    ids = d.tokenize(prompt, add_special_tokens=False)
+    assert ids.count(1) == 5 and ids.count(2) == 4, ids  # <|im_start|> and <|im_end|> as themselves
+    assert g.tokenize(prompt, add_special_tokens=False) == ids
+    for skip in (False, True):
+        assert g.detokenize(ids, skip_special_tokens=skip) == d.detokenize(ids, skip_special_tokens=skip)
+    assert g.detokenize(ids, skip_special_tokens=False) == prompt
+    # a chat request sends those prompt ids
+    assert g.chat(CHAT, max_tokens=1).usage.prompt_tokens == len(ids)
+    if d.info.chat_template is not None:
+        assert d.chat(CHAT, max_tokens=1).usage.prompt_tokens == len(ids)
+
+
 # --- (e) broken and hostile files ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -411,3 +457,122 @@ def test_fuzzed_headers_never_crash(tmp_path, good_file):
         except mbd_rs.MbdError:
             outcomes["error"] += 1
     assert outcomes["error"] > 30, outcomes
+
+
+def test_nan_and_inf_metadata_floats_are_errors_naming_the_key(tmp_path):
+    """A NaN or infinite float in the metadata (rope theta, rms eps) is refused naming the key; before, a NaN read as
+    missing and the field silently took its default."""
+    src = parity_dir("qwen2_gqa_tied")
+    cfg, tensors = read_hf(src)
+    for field, key, x in (("rope_theta", "qwen2.rope.freq_base", float("nan")),
+                          ("rms_norm_eps", "qwen2.attention.layer_norm_rms_epsilon", float("inf"))):
+        p = str(tmp_path / f"{field}.gguf")
+        write_gguf(p, dict(cfg, **{field: x}), tensors, src)
+        with pytest.raises(mbd_rs.ConfigError, match=rf"metadata '{key}' is {'NaN' if x != x else 'inf'}; expected "
+                                                     r"a finite number"):
+            mbd_rs.Engine.load(p, device="cpu")
+
+
+def test_eos_outside_the_vocabulary_is_refused(tmp_path):
+    src = parity_dir("qwen2_gqa_tied")
+    cfg, tensors = read_hf(src)
+    p = str(tmp_path / "eos.gguf")
+    write_gguf(p, dict(cfg, eos_token_id=5000), tensors, src)
+    with pytest.raises(mbd_rs.ConfigError, match=r"GGUF metadata as config.json\): field 'eos_token_id': token id 5000 "
+                                                 r"is outside the vocabulary of 320 tokens"):
+        mbd_rs.Engine.load(p, device="cpu")
+
+
+# Sparse files: metadata of gigabytes that take nothing on disk. Each load runs in a child under a 3 GB address-space
+# limit, which must survive and report its peak RSS.
+SPARSE_CHILD = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+import mbd_rs
+try:
+    e = mbd_rs.Engine.load(sys.argv[1], device="cpu")
+    print("LOADED", e.tokenize("<|im_end|>", add_special_tokens=False))
+except mbd_rs.MbdError as e:
+    print(type(e).__name__, str(e)[:400])
+print("maxrss_mb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+"""
+
+
+def _kv_head(key, vtype):
+    k = key.encode()
+    return len(k).to_bytes(8, "little") + k + vtype.to_bytes(4, "little")
+
+
+def _sparse_gguf(path, good, entries, rename=()):
+    """`good` (a GGUF file's bytes) with `entries` inserted before its own metadata: each a list of bytes and holes
+    (an int: that many zero bytes, left unwritten). A padding entry keeps the data section aligned (32). `rename`:
+    keys of `good` renamed in place (same length) so that the inserted ones replace them."""
+    for old, new in rename:
+        assert len(old) == len(new) and good.count(old) == 1
+        good = good.replace(old, new)
+    size = sum(len(p) if isinstance(p, bytes) else p for e in entries for p in e)
+    pad = _kv_head("general.padding", 8)
+    size += len(pad) + 8
+    fill = (-size) % 32
+    entries = entries + [[pad, fill.to_bytes(8, "little"), fill]]
+    n_kv = int.from_bytes(good[16:24], "little") + len(entries)
+    with open(path, "wb") as f:
+        f.write(good[:16] + n_kv.to_bytes(8, "little"))
+        for e in entries:
+            for p in e:
+                if isinstance(p, bytes):
+                    f.write(p)
+                else:
+                    f.seek(p, os.SEEK_CUR)
+        f.write(good[24:])
+
+
+def _sparse_load(path):
+    r = __import__("subprocess").run([__import__("sys").executable, "-c", SPARSE_CHILD, str(path)],
+                                     capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    out, rss = r.stdout.rsplit("maxrss_mb", 1)
+    return out.strip(), int(rss)
+
+
+def test_sparse_chat_template_of_gigabytes_is_refused(tmp_path, good_file):
+    """A 3.5 GB chat template of NUL bytes: refused at the header, naming the key and the cap (before: read into
+    memory, then copied: SIGABRT, "memory allocation of 3670016000 bytes failed")."""
+    n = 3_500 << 20
+    path = tmp_path / "template.gguf"
+    _sparse_gguf(path, good_file, [[_kv_head("tokenizer.chat_template", 8), n.to_bytes(8, "little"), n]],
+                 rename=[(b"tokenizer.chat_template", b"tokenizer.chat_templatX")])
+    assert os.path.getsize(path) > n and os.stat(path).st_blocks * 512 < 10 << 20  # sparse
+    out, rss = _sparse_load(path)
+    assert out.startswith("ModelLoadError") and "metadata 'tokenizer.chat_template': a string of 3670016000 bytes; " \
+        "at most 4194304 are accepted" in out, out
+    assert rss < 1024, rss
+
+
+def test_sparse_unused_metadata_is_skipped_unread(tmp_path, good_file):
+    """1 GB of metadata the loader does not read (8 arrays of 2^24 empty strings, and a 2 GB description): skipped
+    without building it, so the file loads, its control tokens right, in bounded memory (before: ~32 bytes per
+    element, 7.7 GB RSS for a 1 GB file)."""
+    n = 1 << 24
+    entries = [[_kv_head(f"general.junk{i}", 9), (8).to_bytes(4, "little"), n.to_bytes(8, "little"), 8 * n]
+               for i in range(8)]
+    entries.append([_kv_head("general.description", 8), (2 << 30).to_bytes(8, "little"), 2 << 30])
+    path = tmp_path / "junk.gguf"
+    _sparse_gguf(path, good_file, entries)
+    out, rss = _sparse_load(path)
+    assert out == "LOADED [2]", out
+    assert rss < 1024, rss
+
+
+def test_sparse_tokenizer_arrays_are_bounded(tmp_path, good_file):
+    """A vocabulary of 2^24 empty tokens (a 128 MB hole): the metadata the loader builds is capped, and the error
+    says so (before: half a gigabyte of values, then the tokenizer built from them)."""
+    n = 1 << 24
+    path = tmp_path / "tokens.gguf"
+    _sparse_gguf(path, good_file, [[_kv_head("tokenizer.ggml.tokens", 9), (8).to_bytes(4, "little"),
+                                    n.to_bytes(8, "little"), 8 * n]],
+                 rename=[(b"tokenizer.ggml.tokens", b"tokenizer.ggml.tokenX")])
+    out, rss = _sparse_load(path)
+    assert out.startswith("ModelLoadError") and "metadata 'tokenizer.ggml.tokens': the metadata and tensor table " \
+        "would take more than 256 MiB of memory" in out, out
+    assert rss < 1024, rss

@@ -183,6 +183,32 @@ def test_load_arguments(kw, exc, msg):
         mbd_rs.Engine.load(parity_dir("qwen2_gqa_tied"), **kw)
 
 
+def test_numpy_booleans_are_booleans(eng):
+    """numpy's bool (not a subclass of bool) is taken for bool parameters; numpy's and Python's ints are not."""
+    np = pytest.importorskip("numpy")
+    a = eng.generate("sort 3 1 2", max_tokens=6, early_stop=np.bool_(False), use_cache=np.True_)
+    b = eng.generate("sort 3 1 2", max_tokens=6, early_stop=False, use_cache=True)
+    assert a.token_ids == b.token_ids
+    for bad in (np.int64(1), 1, np.float32(0.0)):
+        with pytest.raises(InvalidRequestError, match=r"early_stop must be True or False, got"):
+            eng.generate("x", max_tokens=2, early_stop=bad)
+    e = mbd_rs.Engine.load(parity_dir("qwen2_gqa_tied"), logits_shift=np.bool_(False))
+    assert e.info.logits_shift is False
+
+
+def test_model_paths_of_every_path_type():
+    """A model path may be str, bytes or os.PathLike (before, bytes gave a TypeError from the Hub-id regex); any other
+    type is an InvalidRequestError naming it; a missing bytes path is a ModelFileNotFoundError."""
+    import pathlib
+    d = parity_dir("qwen2_gqa_tied")
+    for p in (d, os.fsencode(d), pathlib.Path(d)):
+        assert mbd_rs.Engine.load(p).info.path == d
+    with pytest.raises(mbd_rs.ModelFileNotFoundError, match=r"/no/such/dir"):
+        mbd_rs.Engine.load(b"/no/such/dir")
+    with pytest.raises(InvalidRequestError, match=r"the model path must be a str, bytes or os.PathLike, got int: 5"):
+        mbd_rs.Engine.load(5)
+
+
 def test_tokenizer_inputs(eng):
     with pytest.raises(InvalidRequestError, match=r"text must be a string, got 5"):
         eng.tokenize(5)

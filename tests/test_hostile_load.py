@@ -39,6 +39,8 @@ CONFIG_CASES = [
     ("max_positions_zero", {"max_position_embeddings": 0}, ConfigError, ["'max_position_embeddings'", "found 0"]),
     ("mask_id_beyond_32_bits", {"mask_token_id": 2**32 + 3}, ConfigError, ["'mask_token_id'", "4294967299", "32 bits"]),
     ("eos_id_beyond_32_bits", {"eos_token_id": [0, 2**40]}, ConfigError, ["'eos_token_id'", "1099511627776"]),
+    ("eos_outside_vocab", {"eos_token_id": [0, 320]}, ConfigError,
+     ["config.json", "'eos_token_id'", "token id 320", "outside the vocabulary of 320 tokens"]),
     ("block_size_zero", {"block_size": 0}, ConfigError, ["'block_size'", "found 0"]),
     ("block_size_absurd", {"block_size": 2**40}, ConfigError, ["block_size 1099511627776", "max_position_embeddings 256"]),
 ]
@@ -190,3 +192,69 @@ def test_former_abort_candidates_survive_in_a_subprocess(model_copy, case):
     r = subprocess.run([sys.executable, "-c", CHILD, str(d)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     assert r.stdout.startswith(exc), r.stdout + r.stderr[-2000:]
+
+
+def test_eos_outside_the_vocabulary_is_refused_where_it_is_named(model_copy):
+    """An end-of-sequence id no token has would never end a sequence: generation_config.json's and the load override's
+    are refused too (config.json's: CONFIG_CASES; a GGUF file's: test_gguf.py)."""
+    d = model_copy()
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 4000]}))
+    with pytest.raises(ConfigError, match=r"generation_config.json: field 'eos_token_id': token id 4000 is outside "
+                                          r"the vocabulary of 320 tokens"):
+        mbd_rs.Engine.load(d)
+    q = model_copy("qwen2_gqa_tied")
+    with pytest.raises(mbd_rs.InvalidRequestError, match=r"eos_token_ids: token id 320 is outside the vocabulary of "
+                                                         r"320 tokens"):
+        mbd_rs.Engine.load(q, eos_token_ids=[0, 320])
+    assert mbd_rs.Engine.load(q, eos_token_ids=[0, 319]).info.eos_token_ids == [0, 319]
+
+
+# Files a model brings that are not regular files: a FIFO (opening it for reading blocks until a writer comes: the
+# load hung) and a symlink to /dev/zero (read until memory ran out). Each runs in a child under an address-space
+# limit and a timeout, and must be refused naming the file. (The safetensors files were already: `model_file`.)
+SPECIAL_FILES = ["config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                 "chat_template.jinja"]
+
+LIMITED_CHILD = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+import mbd_rs
+try:
+    mbd_rs.Engine.load(sys.argv[1], device="cpu")
+    print("LOADED")
+except mbd_rs.MbdError as e:
+    print(type(e).__name__, str(e)[:300])
+"""
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero"])
+@pytest.mark.parametrize("name", SPECIAL_FILES)
+def test_fifos_and_devices_are_refused(model_copy, kind, name):
+    d = model_copy("qwen2_gqa_tied")
+    p = d / name
+    if p.exists():
+        p.unlink()
+    if kind == "fifo":
+        if not hasattr(os, "mkfifo"):
+            pytest.skip("no os.mkfifo here")
+        os.mkfifo(p)
+    else:
+        if not os.path.exists("/dev/zero"):
+            pytest.skip("no /dev/zero here")
+        os.symlink("/dev/zero", p)
+    try:
+        r = subprocess.run([sys.executable, "-c", LIMITED_CHILD, str(d)], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the load of a directory whose {name} is a {kind} hung")
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.startswith("ModelLoadError"), r.stdout + r.stderr[-2000:]
+    assert f"{name}: " in r.stdout and "regular file" in r.stdout, r.stdout
+
+
+def test_json_files_are_bounded_in_size(model_copy):
+    d = model_copy()
+    with open(d / "generation_config.json", "wb") as f:  # 65 MiB: sparse, nothing on disk
+        f.write(b"{")
+        f.truncate(65 << 20)
+    with pytest.raises(ModelLoadError, match=r"generation_config.json: 68157440 bytes is larger than the 64 MiB"):
+        mbd_rs.Engine.load(d)

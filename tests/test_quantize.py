@@ -78,7 +78,11 @@ def test_q8_0_computes_its_dequantized_checkpoint(tmp_path, name):
     qb = mbd_rs.Engine.load(src, device="cpu", quantize="q8_0", int8_activations=False,
                             _kernels=dict(packed_weights=False))
     refb = mbd_rs.Engine.load(twin, device="cpu", _kernels=dict(packed_weights=False))
-    assert q.info.weight_format == qb.info.weight_format == "q8_0"
+    # what is held: q8_0, and float32 where a matrix's rows do not split into blocks of 32 (qwen3moe_top2_norm's
+    # experts' down_proj: rows of 24)
+    t = load_file((parity_dir(name + "_f32twin") if name == "qwen3_bf16" else src) + "/model.safetensors")
+    dense = any(not quantized_here(k, v.shape) and (is_table(k) or k.endswith("_proj.weight")) for k, v in t.items())
+    assert q.info.weight_format == qb.info.weight_format == ("q8_0+float32" if dense else "q8_0")
     assert q.info.weight_bytes == qb.info.weight_bytes
     ids = list(np.random.default_rng(0).integers(0, q.info.vocab_size, 40))
     for params in [dict(), dict(attention="block_causal", block_size=4, prefix_len=32)]:
@@ -119,7 +123,7 @@ def test_k_quants_and_q8_0_stay_close_to_the_unquantized_model(tmp_path):
         top1 = (got.argmax(1) == ref.argmax(1)).mean()
         assert rel <= max_rel and top1 >= min_top1, (fmt, rel, top1)
         # every matrix is in the format (rows of 256; the tables are q8_0), norms and biases stay f32
-        assert e.info.weight_format == fmt
+        assert e.info.weight_format == (fmt if fmt == "q8_0" else f"{fmt}+q8_0")
         assert e.info.weight_bytes < 1.05 * ratio * f32_bytes + 320 * 256 * (34 / 32 - 4 * ratio) + 20_000
 
 
@@ -222,7 +226,7 @@ def test_int8_activations_stay_close_to_float_activations(tmp_path):
         f = mbd_rs.Engine.load(d, device="cpu", quantize=fmt, int8_activations=False)
         i = load_int8(d, quantize=fmt)
         assert (i.info.int8_activations, f.info.int8_activations) == (True, False)
-        assert i.info.weight_format == f.info.weight_format == fmt
+        assert i.info.weight_format == f.info.weight_format == (fmt if fmt == "q8_0" else f"{fmt}+q8_0")
         assert i.info.weight_bytes == f.info.weight_bytes
         want, got = f.logits(ids), i.logits(ids)
         rel = np.abs(got - want).max() / np.abs(want).max()
@@ -296,8 +300,60 @@ def test_candle_quantized_tensors_stay_close(tmp_path):
         f = mbd_rs.Engine.load(d, device="cpu", quantize=fmt, int8_activations=False)
         # the tables (embedding, head) as on CUDA: not candle's, here the CPU's exact products
         c = mbd_rs.Engine.load(d, device="cpu", quantize=fmt, int8_activations=False, _kernels=dict(candle_quant=True))
-        assert c.info.weight_bytes == f.info.weight_bytes and c.info.weight_format == fmt
+        assert c.info.weight_bytes == f.info.weight_bytes and c.info.weight_format == f.info.weight_format
         want, got = f.logits(ids), c.logits(ids)
         rel = np.abs(got - want).max() / np.abs(want).max()
         top1 = (got.argmax(1) == want.argmax(1)).mean()
         assert 0 < rel <= 0.03 and top1 >= 0.95, (fmt, rel, top1)
+
+
+def test_values_a_format_cannot_hold_are_refused_at_load_naming_the_tensor(tmp_path):
+    """Weights near 1e7 are a valid float checkpoint (it loads and computes), but q8_0's f16 block scale (max|w| / 127)
+    overflows above about 8.3e6: quantize="q8_0" is refused at load with an error that names the tensor and the
+    format and says the checkpoint is fine (before: the load succeeded and the first forward raised "its weights or
+    config.json are broken")."""
+    d = random_checkpoint(tmp_path / "m")
+    p = str(d / "model.safetensors")
+    t = load_file(p)
+    name = "model.layers.1.mlp.up_proj.weight"
+    t[name][7, :] *= 1.2e7 / np.abs(t[name][7, :]).max()
+    save_file(t, p)
+    f = mbd_rs.Engine.load(d, device="cpu")
+    assert np.isfinite(f.logits([5, 6, 7])).all()
+    for fmt in ("q8_0", "q5_0"):
+        with pytest.raises(mbd_rs.InvalidRequestError) as ei:
+            mbd_rs.Engine.load(d, device="cpu", quantize=fmt)
+        msg = str(ei.value)
+        for needle in (f"tensor '{name}'", f"cannot be held as {fmt}", "row 7", "1.2e7", f"without quantize='{fmt}'"):
+            assert needle in msg, (needle, msg)
+    # a format whose scales reach that far holds it (q6_k: 8-bit sub-scales times an f16 super-block scale)
+    q = mbd_rs.Engine.load(d, device="cpu", quantize="q6_k")
+    assert np.isfinite(q.logits([5, 6, 7])).all()
+
+
+def test_weight_format_names_what_is_held(tmp_path):
+    """`info.weight_format` is derived from what is held: the block formats (sorted), then the dtypes of the matrices
+    left unquantized, joined by "+". Before, it named the requested format: "q4_k" when every matrix fell back to
+    q5_0, and when nothing was quantized at all."""
+    d = random_checkpoint(tmp_path / "m")  # rows of 256 and 512: whole q4_k super-blocks; the tables are q8_0
+    assert mbd_rs.Engine.load(d, device="cpu").info.weight_format == "float32"
+    assert mbd_rs.Engine.load(d, device="cpu", quantize="q8_0").info.weight_format == "q8_0"
+    assert mbd_rs.Engine.load(d, device="cpu", quantize="q4_k").info.weight_format == "q4_k+q8_0"
+    # rows of 64 and 96 values: under q4_k every linear matrix falls back to q5_0
+    e = mbd_rs.Engine.load(parity_dir("qwen2_gqa_tied"), device="cpu", quantize="q4_k")
+    assert e.info.weight_format == "q5_0+q8_0" and e.info.warnings == []
+    assert mbd_rs.Engine.load(parity_dir("qwen3_bf16"), device="cpu").info.weight_format == "bfloat16"
+
+
+def test_quantize_that_quantizes_nothing_is_warned_about(tmp_path):
+    """A checkpoint whose rows (48 and 72 values) split into no format's blocks: quantize="q4_k" quantizes nothing.
+    The format says so ("float32", not "q4_k"), and the load warns."""
+    d = random_checkpoint(tmp_path / "m", hidden=48, inter=72, head_dim=12)
+    with pytest.warns(UserWarning, match=r"quantize='q4_k' quantized no matrix: the weights are held as float32"):
+        e = mbd_rs.Engine.load(d, device="cpu", quantize="q4_k")
+    assert e.info.weight_format == "float32" and e.info.weight_bytes == mbd_rs.Engine.load(d).info.weight_bytes
+    assert len(e.info.warnings) == 1
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert mbd_rs.Engine.load(d, device="cpu").info.warnings == []

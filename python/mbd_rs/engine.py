@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import os
 import textwrap
+import warnings
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from . import _core, _cuda_libs
 from .errors import InvalidRequestError, UnsupportedArchitectureError
-from .hub import DEFAULT_MODEL, LoadProgress, _LoadBar, resolve_model_path
+from .hub import DEFAULT_MODEL, LoadProgress, PathArg, _LoadBar, resolve_model_path
 from .params import GenerationParams, LoadParams, LogitsParams, ScoreParams
 from .types import Completion, ModelInfo, StepEvent, StreamChunk, TokenLogprob, Usage
 
@@ -44,7 +45,7 @@ class Engine:
         self.info = ModelInfo(**core.info())
 
     @classmethod
-    def load(cls, path: "Optional[str | os.PathLike[str]]" = None, *, revision: Optional[str] = None,
+    def load(cls, path: Optional[PathArg] = None, *, revision: Optional[str] = None,
              progress: LoadProgress = None, _kernels: Optional[Dict[str, Any]] = None,
              **options: Unpack[LoadParams]) -> "Engine":
         """Load an HF-format model directory (default: the embedded mbd-tiny model), a GGUF file (llama.cpp's
@@ -60,8 +61,9 @@ class Engine:
 
         {options}
         quantize's formats: the embedding table and the head get q8_0; a matrix whose rows do not split into whole
-        super-blocks falls back (q4_k → q5_0, q3_k and q2_k → q4_0, q5_k and q6_k → q8_0); `info.weight_format` and
-        `info.weight_bytes` report what is held, `info.int8_activations` what int8_activations chose. max_batch and
+        super-blocks falls back (q4_k → q5_0, q3_k and q2_k → q4_0, q5_k and q6_k → q8_0); `info.weight_format` ("q4_k+q8_0":
+        the formats, then the dtypes of unquantized matrices) and `info.weight_bytes` report what is held,
+        `info.int8_activations` what int8_activations chose; a quantize= that quantized no matrix is warned about. max_batch and
         max_batch_rows can be changed later (`set_batching`).
         _kernels: the kernel switches as a dict ({switches}): benchmarks' A/B runs, not a stable API.
         """
@@ -78,7 +80,10 @@ class Engine:
             raise
         finally:
             bar.close()
-        return cls(core)
+        eng = cls(core)
+        for w in eng.info.warnings:  # the core's: e.g. a quantize= option that quantized no matrix
+            warnings.warn(f"{eng.info.path}: {w}", UserWarning, stacklevel=2)
+        return eng
 
     def __repr__(self) -> str:
         i = self.info

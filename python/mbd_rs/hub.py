@@ -25,20 +25,34 @@ HUB_ALLOW_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json",
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9._-]+")
 
 
-def is_hub_id(path: "str | os.PathLike[str]") -> bool:
+PathArg = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
+
+
+def _path_text(path: PathArg) -> str:
+    """A model path as text: str, bytes or os.PathLike (bytes decoded as the file system does, os.fsdecode); any other
+    type is an InvalidRequestError naming it."""
+    try:
+        return os.fsdecode(path)
+    except TypeError:
+        raise InvalidRequestError(f"the model path must be a str, bytes or os.PathLike, got {type(path).__name__}: "
+                                  f"{path!r:.80}") from None
+
+
+def is_hub_id(path: PathArg) -> bool:
     """True when `path` names no existing file or directory and has the shape of a Hub repo id ("org/name": one
     slash, not starting with "." or "/")."""
-    text = os.fspath(path)
+    text = _path_text(path)
     return bool(_HUB_ID.fullmatch(text)) and not os.path.exists(text)
 
 
-def resolve_model_path(path: "Optional[str | os.PathLike[str]]", revision: Optional[str] = None) -> str:
-    """The local model directory for `path`: the embedded model for None, `path` itself for a local path, and for
-    a Hub id ("org/name") its snapshot in the Hugging Face cache, fetched with huggingface_hub.snapshot_download
-    (which honours HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE and HF_TOKEN, and shows its own progress bars)."""
+def resolve_model_path(path: Optional[PathArg], revision: Optional[str] = None) -> str:
+    """The local model directory for `path` (str, bytes or os.PathLike): the embedded model for None, `path` itself
+    for a local path, and for a Hub id ("org/name") its snapshot in the Hugging Face cache, fetched with
+    huggingface_hub.snapshot_download (which honours HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE and HF_TOKEN, and shows
+    its own progress bars)."""
     if path is None:
         path = DEFAULT_MODEL
-    text = os.fspath(path)
+    text = _path_text(path)
     if not is_hub_id(text):
         if revision is not None:
             raise InvalidRequestError(f"revision={revision!r} applies only to Hugging Face Hub ids (org/name); "

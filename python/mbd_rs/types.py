@@ -87,7 +87,7 @@ class ModelInfo:
     arch: str
     num_parameters: int
     weight_bytes: int  # the weights as held in memory
-    weight_format: str  # how the matrices are held: "q8_0" / "q4_k" when quantized, else a dtype name
+    weight_format: str  # how the matrices are held: block formats, then dtypes, joined by "+" ("q4_k+q8_0", "float32")
     int8_activations: bool  # the quantized matrices multiply activations rounded to 8 bits (Engine.load's option)
     chat_template: Optional[str]  # the Jinja source chat() renders (chat_template.jinja, tokenizer_config, GGUF)
     vocab_size: int
@@ -109,3 +109,4 @@ class ModelInfo:
     dtype: str
     stored_dtype: Optional[str]
     device: str
+    warnings: List[str]  # what the load warns about (quantize= that quantized nothing); Engine.load warns each

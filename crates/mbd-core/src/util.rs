@@ -85,6 +85,43 @@ pub fn try_zeroed<T: Clone>(n: usize, zero: T, what: &dyn Fn() -> String) -> cra
     Ok(v)
 }
 
+/// The bytes of a file a model brings (a JSON file, tokenizer.json, chat_template.jinja): a regular file (symlinks
+/// followed) of at most `max` bytes, checked before it is opened (opening a FIFO blocks until a writer comes) and
+/// again while it is read (a file that grows is cut off at `max` + 1 bytes and refused). `what`: why the file is
+/// needed, for a missing file's error.
+pub fn read_model_file(path: &std::path::Path, max: u64, what: &str) -> crate::error::Result<Vec<u8>> {
+    use crate::error::Error;
+    use std::io::Read;
+    let cannot = |e: std::io::Error| {
+        if e.kind() == std::io::ErrorKind::NotFound {
+            Error::FileNotFound { path: path.to_path_buf(), what: what.into() }
+        } else {
+            Error::load(format!("{}: cannot read: {e}", path.display()))
+        }
+    };
+    let too_big = |n: String| {
+        Error::load(format!("{}: {n} bytes is larger than the {} MiB such a file may be", path.display(), max >> 20))
+    };
+    let meta = std::fs::metadata(path).map_err(cannot)?;
+    if !meta.is_file() {
+        let kind = if meta.is_dir() { "a directory" } else { "not a regular file (a FIFO, socket or device)" };
+        return Err(Error::load(format!("{}: {kind}; expected a regular file", path.display())));
+    }
+    if meta.len() > max {
+        return Err(too_big(meta.len().to_string()));
+    }
+    let f = std::fs::File::open(path).map_err(cannot)?;
+    let mut bytes = Vec::new();
+    bytes
+        .try_reserve_exact(meta.len() as usize)
+        .map_err(|e| Error::load(format!("{}: cannot allocate {} bytes: {e}", path.display(), meta.len())))?;
+    f.take(max + 1).read_to_end(&mut bytes).map_err(cannot)?;
+    if bytes.len() as u64 > max {
+        return Err(too_big(format!("more than {max}")));
+    }
+    Ok(bytes)
+}
+
 /// Allocate nothing, but check that `bytes` more could be allocated now: a request whose buffers cannot exist
 /// gets an error instead of aborting the process (Rust aborts on allocation failure, which no panic guard
 /// catches).

@@ -10,34 +10,10 @@
 //! `MBD_FUZZ_ITERS=100000 cargo test --release -p mbd-core --test fuzz_load -- --nocapture`
 
 mod common;
+use common::fuzz::{mutate_bytes, Rng, Tally};
 use common::*;
-use mbd_core::error::catch_panic;
 use serde_json::{json, Value};
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
-
-/// SplitMix64: small, seeded, reproducible.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-    fn chance(&mut self, p: f64) -> bool {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64 <= p
-    }
-    fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
-        &xs[self.below(xs.len())]
-    }
-}
 
 fn interesting_value(r: &mut Rng) -> Value {
     match r.below(30) {
@@ -176,40 +152,6 @@ fn mutate_node(node: &mut Value, r: &mut Rng) {
     };
 }
 
-fn mutate_bytes(b: &mut Vec<u8>, r: &mut Rng) {
-    let n = b.len();
-    match r.below(7) {
-        0 if n > 0 => {
-            let i = r.below(n);
-            b[i] ^= 1 << r.below(8);
-        }
-        1 if n > 0 => {
-            let i = r.below(n);
-            b[i] = *r.pick(&[0u8, 0xff, 0x7f, 0x80, b'"', b'{', b'}', b'[', b']', b',', b':', b'-', b'9', b'e', b'.']);
-        }
-        2 if n > 0 => {
-            let i = r.below(n);
-            let k = r.below(64.min(n - i) + 1);
-            b.drain(i..i + k);
-        }
-        3 if n > 0 => {
-            let i = r.below(n);
-            let k = r.below(64.min(n - i) + 1);
-            let chunk = b[i..i + k].to_vec();
-            let at = r.below(n + 1);
-            b.splice(at..at, chunk);
-        }
-        4 => b.truncate(r.below(n + 1)),
-        5 if n >= 8 => {
-            let i = r.below(n - 7);
-            let x: u64 =
-                *r.pick(&[0, 1, 7, 8, u64::MAX, 1 << 32, 1 << 63, 100_000_001, n as u64, (n as u64).wrapping_sub(8)]);
-            b[i..i + 8].copy_from_slice(&x.to_le_bytes());
-        }
-        _ => b.extend((0..r.below(32)).map(|_| r.next() as u8)),
-    }
-}
-
 /// A safetensors file: mutate its header as JSON (offsets, shapes, dtypes, names), its length prefix, or its
 /// data (NaN/inf patterns), or its raw bytes.
 fn mutate_safetensors(b: &mut Vec<u8>, r: &mut Rng) {
@@ -330,53 +272,14 @@ fn pick_file(seed: &Seed, r: &mut Rng) -> usize {
     0
 }
 
-/// Load the directory and exercise what it loaded; the error kind and a message shape (digits and quoted
-/// parts removed) of the outcome.
-fn run_one(dir: &Path) -> std::result::Result<(), (String, String)> {
-    let res = catch_panic(|| {
-        let m = load(dir)?;
-        let ids = m.tokenize("hello <|im_end|> 12+30", true)?;
-        let _ = m.check_ids("ids", &ids);
-        if let Some(t) = &m.chat_template {
-            t.render(&json!([{"role": "user", "content": "hi"}]), true, &json!({}))?;
-        }
-        Ok(())
-    });
-    res.map_err(|e| {
-        let msg = e.to_string().replace(&dir.display().to_string(), "<dir>");
-        let shape: String = msg
-            .split('\'')
-            .enumerate()
-            .filter(|(i, _)| i % 2 == 0)
-            .map(|(_, s)| s.chars().filter(|c| !c.is_ascii_digit()).collect::<String>())
-            .collect::<Vec<_>>()
-            .join("'…'");
-        (kind(&e).to_string(), shape.chars().take(100).collect())
-    })
-}
-
 #[test]
 fn fuzz_model_dirs() {
     let iters: usize = std::env::var("MBD_FUZZ_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(2000);
     let seed: u64 = std::env::var("MBD_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x5EED_0011);
     let t = TmpDir::new("fuzz");
     let seeds = seeds(t.path());
-    // Panics are caught by catch_panic (as Error::Internal); keep their messages, not the default hook's output.
-    let panics: Arc<Mutex<Vec<String>>> = Arc::default();
-    let seen = panics.clone();
-    std::panic::set_hook(Box::new(move |info| {
-        let loc = info.location().map(|l| format!("{}:{}", l.file(), l.line())).unwrap_or_default();
-        let m = format!("{info} at {loc}");
-        if !m.contains("/tokenizers-") {
-            eprintln!("fuzz: panic: {m}");
-        }
-        seen.lock().unwrap().push(m);
-    }));
+    let mut tally = Tally::new();
     let mut r = Rng(seed);
-    let mut outcomes: BTreeMap<(String, String), usize> = BTreeMap::new();
-    let mut internal: Vec<String> = Vec::new();
-    let (mut n_panics, mut contained) = (0usize, 0usize);
-    let t0 = std::time::Instant::now();
     for it in 0..iters {
         let s = &seeds[r.below(seeds.len())];
         let fi = pick_file(s, &mut r);
@@ -400,55 +303,13 @@ fn fuzz_model_dirs() {
         }
         let path = s.dir.join(name);
         std::fs::write(&path, &b).unwrap();
-        let out = run_one(&s.dir);
-        std::fs::write(&path, orig).unwrap();
-        let key = match out {
-            Ok(()) => ("Ok".to_string(), String::new()),
-            Err(k) => k,
-        };
-        {
-            // A panic inside the tokenizers library that the loader caught and reported as a ModelLoad error
-            // naming tokenizer.json is contained; any other panic fails the run.
-            let mut p = panics.lock().unwrap();
-            let fresh: Vec<String> = p.drain(n_panics..).collect();
-            if !fresh.is_empty() {
-                let in_lib = fresh.iter().all(|m| m.contains("/tokenizers-"));
-                if in_lib && key.0 == "ModelLoad" && key.1.contains("tokenizers library failed") {
-                    contained += fresh.len();
-                } else {
-                    p.extend(fresh);
-                }
-            }
-            n_panics = p.len();
-        }
-        if key.0 == "Internal" {
+        let keep = || {
             let keep = s.dir.parent().unwrap().parent().unwrap().join(format!("mbd-fuzz-crash-{it}-{name}"));
             let _ = std::fs::write(&keep, &b);
-            internal.push(format!("input {it}: {name} of {} (kept at {}): {}", s.dir.display(), keep.display(), key.1));
-        }
-        *outcomes.entry(key).or_default() += 1;
+            keep
+        };
+        tally.run(&s.dir, &format!("input {it}: {name} of {}", s.dir.display()), keep);
+        std::fs::write(&path, orig).unwrap();
     }
-    let secs = t0.elapsed().as_secs_f64();
-    let _ = std::panic::take_hook();
-    let mut kinds: BTreeMap<&str, usize> = BTreeMap::new();
-    for ((k, _), n) in &outcomes {
-        *kinds.entry(k.as_str()).or_default() += n;
-    }
-    eprintln!("fuzz: {iters} inputs in {secs:.1} s (seed {seed:#x}); outcomes by kind: {kinds:?}");
-    eprintln!("fuzz: {contained} panics inside the tokenizers library, caught by the loader as ModelLoad errors");
-    eprintln!(
-        "fuzz: {} distinct error messages (digits and quoted names removed):",
-        outcomes.len() - outcomes.contains_key(&("Ok".into(), String::new())) as usize
-    );
-    for ((k, m), n) in &outcomes {
-        eprintln!("  {n:>7}  {k:<13} {m}");
-    }
-    let panics = panics.lock().unwrap();
-    assert!(
-        internal.is_empty() && panics.is_empty(),
-        "{} panics:\n{}\n{}",
-        panics.len(),
-        panics.join("\n"),
-        internal.join("\n")
-    );
+    tally.finish(iters, seed);
 }

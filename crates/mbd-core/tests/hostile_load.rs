@@ -502,3 +502,113 @@ fn tokenizer_library_panics_become_load_errors() {
     let msg = expect(&d, "ModelLoad", &["tokenizer.json", "malformed JSON"]);
     assert!(!msg.contains("root"), "{msg}");
 }
+
+// ---- GGUF files (issue #54): written by `common::gguf` from the fixture, then broken ----
+
+fn gguf_of(edit: impl FnOnce(&mut common::gguf::Gguf)) -> (TmpDir, std::path::PathBuf) {
+    let mut g = common::gguf::Gguf::from_dir(&parity(BASE), &|_, _, _| 0);
+    edit(&mut g);
+    let t = TmpDir::new("gguf");
+    let p = t.path().join("m.gguf");
+    std::fs::write(&p, g.write().bytes).unwrap();
+    (t, p)
+}
+
+#[test]
+fn gguf_control_tokens_and_mask_have_their_own_ids() {
+    let (_t, p) = gguf_of(|_| {});
+    let (g, d) = (load(&p).unwrap(), load(&parity(BASE)).unwrap());
+    for (i, t) in ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"].iter().enumerate() {
+        assert_eq!(g.tokenize(t, false).unwrap(), [i as u32], "{t}");
+        assert_eq!(g.detokenize(&[i as i64], false).unwrap(), *t);
+    }
+    assert_eq!(g.profile.mask_token_id, Some(3));
+    let text = "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n";
+    assert_eq!(g.tokenize(text, false).unwrap(), d.tokenize(text, false).unwrap());
+}
+
+#[test]
+fn gguf_non_finite_floats_name_the_key() {
+    use common::gguf::Meta;
+    for (key, v, shown) in [
+        ("qwen3.rope.freq_base", Meta::F32(f32::NAN), "NaN"),
+        ("qwen3.attention.layer_norm_rms_epsilon", Meta::F32(f32::INFINITY), "inf"),
+        ("qwen3.rope.freq_base", Meta::F64(f64::NEG_INFINITY), "-inf"),
+    ] {
+        let (_t, p) = gguf_of(|g| g.set(key, v));
+        expect(&p, "Config", &[&format!("metadata '{key}' is {shown}; expected a finite number")]);
+    }
+    // a NaN under a key the loader does not read is skipped unread
+    let (_t, p) = gguf_of(|g| g.set("general.quality", Meta::F32(f32::NAN)));
+    load(&p).unwrap();
+}
+
+#[test]
+fn gguf_eos_outside_the_vocabulary_is_refused() {
+    let (_t, p) = gguf_of(|g| g.set("tokenizer.ggml.eos_token_id", common::gguf::Meta::U32(320)));
+    expect(&p, "Config", &["GGUF metadata as config.json", "'eos_token_id'", "token id 320", "vocabulary of 320"]);
+}
+
+#[test]
+fn gguf_lists_under_keys_of_one_value_are_refused_by_name() {
+    use common::gguf::Meta;
+    let (_t, p) = gguf_of(|g| g.set("tokenizer.ggml.eos_token_id", Meta::Arr(4, vec![Meta::U32(0), Meta::U32(1)])));
+    expect(&p, "Config", &["metadata 'tokenizer.ggml.eos_token_id' is a list of 2 values; one value is expected"]);
+    let (_t, p) = gguf_of(|g| g.set("qwen3.attention.head_count_kv", Meta::Arr(4, vec![Meta::U32(2); 2])));
+    expect(&p, "Unsupported", &["metadata 'qwen3.attention.head_count_kv' is a per-layer list"]);
+}
+
+#[test]
+fn gguf_strings_and_metadata_are_capped() {
+    use common::gguf::Meta;
+    // a chat template over 4 MiB
+    let (_t, p) = gguf_of(|g| g.set("tokenizer.chat_template", Meta::Str(vec![b' '; (4 << 20) + 1])));
+    expect(&p, "ModelLoad", &["metadata 'tokenizer.chat_template': a string of 4194305 bytes; at most 4194304"]);
+    // any other string the loader reads over 64 KiB, and a key over 64 KiB
+    let (_t, p) = gguf_of(|g| g.set("tokenizer.ggml.pre", Meta::Str(vec![b'x'; 70_000])));
+    expect(&p, "ModelLoad", &["metadata 'tokenizer.ggml.pre': a string of 70000 bytes; at most 65536"]);
+    let (_t, p) = gguf_of(|g| g.set(&"k".repeat(70_000), Meta::U8(1)));
+    expect(&p, "ModelLoad", &["a metadata key: a string of 70000 bytes; at most 65536"]);
+    // strings the loader does not read are skipped, whatever their size
+    let (_t, p) = gguf_of(|g| g.set("general.license", Meta::Str(vec![b'x'; 5 << 20])));
+    load(&p).unwrap();
+    // the metadata it builds: 9M token types are 288 MB of values
+    let (_t, p) = gguf_of(|g| g.set("tokenizer.ggml.token_type", Meta::Arr(0, vec![Meta::U8(1); 9 << 20])));
+    expect(&p, "ModelLoad", &["metadata 'tokenizer.ggml.token_type'", "would take more than 256 MiB of memory"]);
+}
+
+#[test]
+fn gguf_tensor_sizes_that_overflow_are_errors() {
+    // 2^63 f32 values: the byte count of a row overflowed before the other dimensions were multiplied (a panic)
+    let (_t, p) = gguf_of(|g| {
+        let t = g.tensors.iter_mut().find(|t| t.name == "output_norm.weight").unwrap();
+        t.dims = vec![1 << 63];
+    });
+    expect(&p, "ModelLoad", &["tensor 'output_norm.weight'", "claims more bytes than the file holds"]);
+}
+
+#[test]
+fn long_added_tokens_are_refused_quickly() {
+    // The tokenizers library builds its added-token matcher in time that grows with the square of a token's length
+    // for some texts (found by fuzz_gguf: a 47 KB control token held a load for a minute).
+    let (_t, d) = model_copy(&parity(BASE));
+    edit_json(&d.join("tokenizer.json"), |t| {
+        t.get_mut("added_tokens")
+            .unwrap()
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"id": 319, "content": "x".repeat(20_000),
+            "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}));
+    });
+    let t0 = std::time::Instant::now();
+    expect(&d, "ModelLoad", &["tokenizer.json", "added token 4 (id 319) is 20000 bytes long; at most 256"]);
+    assert!(t0.elapsed().as_secs_f64() < 2.0, "{:?}", t0.elapsed());
+    let (_t, p) = gguf_of(|g| {
+        if let Some(common::gguf::Meta::Arr(_, toks)) =
+            g.kv.iter_mut().find(|(k, _)| k == "tokenizer.ggml.tokens").map(|e| &mut e.1)
+        {
+            toks[3] = common::gguf::Meta::Str(vec![b'x'; 47_000]);
+        }
+    });
+    expect(&p, "ModelLoad", &["GGUF tokenizer", "added token 3 (id 3) is 47000 bytes long"]);
+}

@@ -71,6 +71,20 @@ pub(crate) fn ids(name: &str, v: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
         .collect()
 }
 
+/// A Python bool or a numpy bool (`numpy.bool_`, which is not a subclass of bool); None for anything else (ints
+/// included: 1 is not True here).
+fn boolean(v: &Bound<'_, PyAny>) -> PyResult<Option<bool>> {
+    if v.is_instance_of::<PyBool>() {
+        return Ok(Some(v.extract()?));
+    }
+    let t = v.get_type();
+    let numpy = t.module().is_ok_and(|m| m.to_str().is_ok_and(|m| m == "numpy"));
+    if numpy && t.name().is_ok_and(|n| n.to_str().is_ok_and(|n| n == "bool" || n == "bool_")) {
+        return Ok(Some(v.is_truthy()?));
+    }
+    Ok(None)
+}
+
 /// Convert a Python value to the kind of `Value` a parameter takes (type conversion only).
 pub(crate) fn to_value(name: &str, kind: ParamKind, v: &Bound<'_, PyAny>) -> PyResult<Value> {
     Ok(match kind {
@@ -83,12 +97,10 @@ pub(crate) fn to_value(name: &str, kind: ParamKind, v: &Bound<'_, PyAny>) -> PyR
                 v.extract::<f64>().map_err(|_| invalid(format!("{name} must be a finite number, got {}", show(v))))?,
             )
         }
-        ParamKind::Bool => {
-            if !v.is_instance_of::<PyBool>() {
-                return Err(invalid(format!("{name} must be True or False, got {}", show(v))));
-            }
-            Value::Bool(v.extract()?)
-        }
+        ParamKind::Bool => match boolean(v)? {
+            Some(b) => Value::Bool(b),
+            None => return Err(invalid(format!("{name} must be True or False, got {}", show(v)))),
+        },
         ParamKind::Str => Value::Str(string(name, v)?),
         ParamKind::Strings => {
             if v.is_instance_of::<PyString>() {
@@ -131,8 +143,8 @@ pub(crate) fn to_value(name: &str, kind: ParamKind, v: &Bound<'_, PyAny>) -> PyR
             Value::Floats(items?)
         }
         ParamKind::BoolOrStr => {
-            if v.is_instance_of::<PyBool>() {
-                Value::Bool(v.extract()?)
+            if let Some(b) = boolean(v)? {
+                Value::Bool(b)
             } else if v.is_instance_of::<PyString>() {
                 Value::Str(string(name, v)?)
             } else {

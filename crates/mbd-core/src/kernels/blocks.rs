@@ -199,19 +199,24 @@ impl QMatrix {
                 format.name()
             )));
         }
-        let scales = format.scale_offsets();
-        let bb = format.block_bytes();
-        for (b, block) in data.chunks_exact(bb).enumerate() {
-            for &o in scales {
-                if !f16::from_le_bytes([block[o], block[o + 1]]).is_finite() {
-                    return Err(Error::load(format!(
-                        "block {b} (row {}) has a non-finite scale; refused (it would give NaN logits)",
-                        b * format.block_values() / k
-                    )));
-                }
-            }
+        let q = QMatrix { format, n, k, data };
+        if let Some((b, row)) = q.first_non_finite_scale() {
+            return Err(Error::load(format!(
+                "block {b} (row {row}) has a non-finite scale; refused (it would give NaN logits)"
+            )));
         }
-        Ok(QMatrix { format, n, k, data })
+        Ok(q)
+    }
+
+    /// The first block whose f16 scale (or min scale) is NaN or infinite, as (block, row): blocks read from a
+    /// file, or values too large for the format's scale when quantized (q8_0's d = max|w| / 127 overflows f16 above
+    /// about 8.3e6).
+    pub fn first_non_finite_scale(&self) -> Option<(usize, usize)> {
+        let scales = self.format.scale_offsets();
+        self.data.chunks_exact(self.format.block_bytes()).enumerate().find_map(|(b, block)| {
+            let bad = scales.iter().any(|&o| !f16::from_le_bytes([block[o], block[o + 1]]).is_finite());
+            bad.then(|| (b, b * self.format.block_values() / self.k))
+        })
     }
 
     pub fn bytes(&self) -> &[u8] {

@@ -2,7 +2,8 @@
 //! rendered with minijinja configured like transformers' renderer.
 
 use crate::error::{Error, Result};
-use crate::load::json::read_json;
+use crate::load::json::{read_json, MAX_CHAT_TEMPLATE_BYTES};
+use crate::util::read_model_file;
 use serde_json::Value;
 use std::path::Path;
 
@@ -36,7 +37,8 @@ impl ChatTemplate {
         let tc = if tc_path.exists() { Some(read_json(&tc_path)?) } else { None };
         let jinja = dir.join("chat_template.jinja");
         let source = if jinja.exists() {
-            Some(std::fs::read_to_string(&jinja).map_err(|e| Error::load(format!("{}: {e}", jinja.display())))?)
+            let bytes = read_model_file(&jinja, MAX_CHAT_TEMPLATE_BYTES as u64, "the chat template")?;
+            Some(String::from_utf8(bytes).map_err(|_| Error::load(format!("{}: not UTF-8 text", jinja.display())))?)
         } else {
             match tc.as_ref().and_then(|m| m.get("chat_template")) {
                 None | Some(Value::Null) => None,
@@ -66,6 +68,13 @@ impl ChatTemplate {
     /// A template from its source and the bos/eos token strings it may use (`label`: where it came from, for
     /// the parse error).
     pub fn new(source: String, bos_token: String, eos_token: String, label: &str) -> Result<ChatTemplate> {
+        if source.len() > MAX_CHAT_TEMPLATE_BYTES {
+            return Err(Error::config(format!(
+                "{label}: the chat template is {} bytes; at most {} MiB is accepted",
+                source.len(),
+                MAX_CHAT_TEMPLATE_BYTES >> 20
+            )));
+        }
         let mut env = minijinja::Environment::new();
         // A template comes from the model directory: bound its work (loops included) per render.
         env.set_fuel(Some(TEMPLATE_FUEL));

@@ -11,12 +11,17 @@
 //!   block format), and read by `weights::Weights` like a safetensors shard.
 //!
 //! The file is untrusted input: every length and count is checked against the bytes the file holds before anything
-//! is allocated from it, strings must be UTF-8, tensors must lie inside the data section, aligned and not
-//! overlapping. A file that is not GGUF is called that without echoing its bytes.
+//! is allocated from it; only the values of the keys the loader reads are built (`read_key`: every other value, a
+//! gigabyte array or string included, is skipped unread), under caps on each string (`MAX_STRING`, the chat template
+//! `MAX_CHAT_TEMPLATE_BYTES`) and on the memory of all of them (`MAX_METADATA_BYTES`, counted before allocating);
+//! strings must be UTF-8, floats finite; tensors must lie inside the data section, aligned and not overlapping. A
+//! file that is not GGUF is called that without echoing its bytes.
 
 use crate::error::{Error, Result};
+use crate::load::json::MAX_CHAT_TEMPLATE_BYTES;
 use candle_core::quantized::GgmlDType;
 use serde_json::{json, Map, Value};
+use std::collections::{BTreeMap, HashSet};
 use std::fs::File;
 use std::io::{BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -29,6 +34,66 @@ const MAX_ARRAY: u64 = 1 << 24;
 const MAX_ENTRIES: u64 = 1 << 20;
 /// Arrays of arrays are allowed one level down.
 const MAX_DEPTH: usize = 2;
+/// Longest metadata key, tensor name, or string value the loader keeps (other than the chat template): real ones
+/// are a few bytes to a few hundred (a token, a merge, an architecture name).
+const MAX_STRING: u64 = 1 << 16;
+/// What the metadata the loader keeps may take in memory, counted as one JSON value (32 bytes) per element plus its
+/// text: Qwen2's 151K-token tokenizer (tokens, types, merges) takes about 18 MB.
+const MAX_METADATA_BYTES: u64 = 256 << 20;
+/// Metadata arrays the loader reads element by element (every other array is skipped unread, its length kept).
+const ARRAYS_READ: &[&str] = &["tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"];
+/// Other keys whose values the loader reads: every other value is skipped without being built.
+const KEYS_READ: &[&str] = &[
+    "general.architecture",
+    "general.alignment",
+    "tokenizer.chat_template",
+    "tokenizer.ggml.model",
+    "tokenizer.ggml.pre",
+    "tokenizer.ggml.bos_token_id",
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.eot_token_id",
+    "tokenizer.ggml.eom_token_id",
+    "tokenizer.ggml.mask_token_id",
+    "tokenizer.ggml.add_bos_token",
+];
+/// The architecture's keys (`<arch>.<key>`) and the config.json field each becomes (`GgufFile::hf_config`).
+const ARCH_FIELDS: [(&str, &str); 12] = [
+    ("block_count", "num_hidden_layers"),
+    ("embedding_length", "hidden_size"),
+    ("feed_forward_length", "intermediate_size"),
+    ("attention.head_count", "num_attention_heads"),
+    ("attention.head_count_kv", "num_key_value_heads"),
+    ("attention.key_length", "head_dim"),
+    ("attention.layer_norm_rms_epsilon", "rms_norm_eps"),
+    ("rope.freq_base", "rope_theta"),
+    ("context_length", "max_position_embeddings"),
+    ("expert_count", "num_experts"),
+    ("expert_used_count", "num_experts_per_tok"),
+    ("expert_feed_forward_length", "moe_intermediate_size"),
+];
+/// The architecture's other keys the loader reads.
+const ARCH_KEYS: &[&str] =
+    &["attention.value_length", "expert_weights_norm", "rope.scaling.type", "rope.scaling.factor"];
+
+/// Whether the loader reads this key's value (an architecture's keys under any prefix: `general.architecture` may
+/// come after them).
+fn read_key(key: &str) -> bool {
+    ARRAYS_READ.contains(&key)
+        || KEYS_READ.contains(&key)
+        || key.split_once('.').is_some_and(|(arch, rest)| {
+            !matches!(arch, "general" | "tokenizer")
+                && (ARCH_KEYS.contains(&rest) || ARCH_FIELDS.iter().any(|(k, _)| *k == rest))
+        })
+}
+
+/// The longest string value `key` may hold.
+fn max_string(key: &str) -> u64 {
+    if key == "tokenizer.chat_template" {
+        MAX_CHAT_TEMPLATE_BYTES as u64
+    } else {
+        MAX_STRING
+    }
+}
 
 /// One tensor of a GGUF file.
 #[derive(Debug, Clone)]
@@ -45,7 +110,11 @@ pub struct GgufTensor {
 /// A parsed GGUF header: metadata as JSON values, the tensor table, and where the data section starts.
 pub struct GgufFile {
     pub path: PathBuf,
+    /// The values of the keys the loader reads (`read_key`); the other keys' values are skipped unread.
     pub metadata: Map<String, Value>,
+    /// Arrays under keys the loader reads that it does not read element by element (e.g. a per-layer
+    /// `<arch>.attention.head_count_kv`): their lengths, so that they can be refused by name.
+    pub arrays: BTreeMap<String, u64>,
     pub tensors: Vec<GgufTensor>,
     pub data_start: u64,
 }
@@ -91,13 +160,27 @@ pub fn dtype_name(d: GgmlDType) -> &'static str {
     }
 }
 
-/// A reader over the header that never reads past the file's length.
+/// A reader over the header that never reads past the file's length, and keeps count of the memory the metadata
+/// it builds takes.
 struct Header {
     r: BufReader<File>,
     /// Bytes consumed so far.
     pos: u64,
     len: u64,
     path: PathBuf,
+    /// Memory taken by the metadata built so far (see `MAX_METADATA_BYTES`).
+    built: u64,
+}
+
+/// The bytes of one element of a metadata array of this value type, for the fixed-size types.
+fn fixed_size(t: u32) -> Option<u64> {
+    Some(match t {
+        0 | 1 | 7 => 1,
+        2 | 3 => 2,
+        4..=6 => 4,
+        10..=12 => 8,
+        _ => return None,
+    })
 }
 
 impl Header {
@@ -107,6 +190,19 @@ impl Header {
     fn left(&self) -> u64 {
         self.len - self.pos
     }
+    /// Count `bytes` of memory against `MAX_METADATA_BYTES` before it is allocated.
+    fn charge(&mut self, bytes: u64, what: &dyn Fn() -> String) -> Result<()> {
+        self.built = self.built.saturating_add(bytes);
+        if self.built > MAX_METADATA_BYTES {
+            return Err(self.bad(format!(
+                "{}: the metadata and tensor table would take more than {} MiB of memory (a real model's take a few \
+                 tens)",
+                what(),
+                MAX_METADATA_BYTES >> 20
+            )));
+        }
+        Ok(())
+    }
     fn bytes<const N: usize>(&mut self) -> Result<[u8; N]> {
         let mut b = [0u8; N];
         if (N as u64) > self.left() {
@@ -115,6 +211,16 @@ impl Header {
         self.r.read_exact(&mut b).map_err(|e| self.bad(e))?;
         self.pos += N as u64;
         Ok(b)
+    }
+    /// Move past `n` bytes without reading them.
+    fn skip(&mut self, n: u64) -> Result<()> {
+        if n > self.left() {
+            return Err(self.bad("the file ends inside its header"));
+        }
+        let step = i64::try_from(n).map_err(|_| self.bad("a value larger than the file"))?;
+        self.r.seek_relative(step).map_err(|e| self.bad(e))?;
+        self.pos += n;
+        Ok(())
     }
     fn u32(&mut self) -> Result<u32> {
         Ok(u32::from_le_bytes(self.bytes()?))
@@ -130,17 +236,64 @@ impl Header {
         }
         Ok(n as usize)
     }
-    fn string(&mut self, what: &dyn Fn() -> String) -> Result<String> {
+    /// A string of at most `max` bytes (each byte counted as metadata memory).
+    fn string(&mut self, max: u64, what: &dyn Fn() -> String) -> Result<String> {
         let n = self.u64()?;
         if n > self.left() {
             return Err(self.bad(format!("{}: a string of {n} bytes runs past the end of the file", what())));
         }
+        if n > max {
+            return Err(self.bad(format!("{}: a string of {n} bytes; at most {max} are accepted", what())));
+        }
+        self.charge(n, what)?;
         let mut b = crate::util::try_zeroed(n as usize, 0u8, what)?;
         self.r.read_exact(&mut b).map_err(|e| self.bad(e))?;
         self.pos += n;
         String::from_utf8(b).map_err(|_| self.bad(format!("{}: a string is not valid UTF-8", what())))
     }
-    /// One metadata value of type `t`.
+    /// A float the loader reads: finite, or an error that names the key (a NaN would otherwise read as missing, and
+    /// the field would silently take its default).
+    fn finite(&self, x: f64, key: &str) -> Result<Value> {
+        serde_json::Number::from_f64(x).map(Value::Number).ok_or_else(|| {
+            Error::config(format!("{}: metadata '{key}' is {x}; expected a finite number", self.path.display()))
+        })
+    }
+    /// An array's element type and length (each element at least its type's bytes, or a string's 8-byte length).
+    fn array_head(&mut self, key: &str, depth: usize) -> Result<(u32, usize)> {
+        if depth >= MAX_DEPTH {
+            return Err(self.bad(format!("metadata '{key}': arrays nested deeper than {MAX_DEPTH} levels")));
+        }
+        let et = self.u32()?;
+        let size = match (et, fixed_size(et)) {
+            (_, Some(s)) => s,
+            (8 | 9, None) => 8,
+            _ => return Err(self.bad(format!("metadata '{key}': unknown array element type {et}"))),
+        };
+        let n = self.count(&format!("metadata '{key}': array"), MAX_ARRAY, size)?;
+        Ok((et, n))
+    }
+    /// Move past one metadata value of type `t` without building it (a string's or array's bytes are not read).
+    fn skip_value(&mut self, t: u32, key: &str, depth: usize) -> Result<()> {
+        if let Some(s) = fixed_size(t) {
+            return self.skip(s);
+        }
+        match t {
+            8 => {
+                let n = self.u64()?;
+                self.skip(n)
+            }
+            9 => {
+                let (et, n) = self.array_head(key, depth)?;
+                match fixed_size(et) {
+                    Some(s) => self.skip(s * n as u64),
+                    None => (0..n).try_for_each(|_| self.skip_value(et, key, depth + 1)),
+                }
+            }
+            _ => Err(self.bad(format!("metadata '{key}' has unknown value type {t}"))),
+        }
+    }
+    /// One metadata value of type `t`, built: its text and an array's values are counted against
+    /// `MAX_METADATA_BYTES` before they are allocated (the value itself by the caller).
     fn value(&mut self, t: u32, key: &str, depth: usize) -> Result<Value> {
         let num = |x: serde_json::Number| Value::Number(x);
         Ok(match t {
@@ -153,28 +306,19 @@ impl Header {
             6 => {
                 // The float as written (its shortest decimal), so 1e-6 reads back as 1e-6, not 9.99999997e-7.
                 let x = f32::from_le_bytes(self.bytes()?);
-                let x: f64 = if x.is_finite() { x.to_string().parse().unwrap_or(x as f64) } else { f64::NAN };
-                serde_json::Number::from_f64(x).map(Value::Number).unwrap_or(Value::Null)
+                let x: f64 = if x.is_finite() { x.to_string().parse().unwrap_or(x as f64) } else { x as f64 };
+                self.finite(x, key)?
             }
             7 => match self.bytes::<1>()?[0] {
                 0 => Value::Bool(false),
                 1 => Value::Bool(true),
                 b => return Err(self.bad(format!("metadata '{key}': a bool must be 0 or 1, found {b}"))),
             },
-            8 => Value::String(self.string(&|| format!("metadata '{key}'"))?),
+            8 => Value::String(self.string(max_string(key), &|| format!("metadata '{key}'"))?),
             9 => {
-                if depth >= MAX_DEPTH {
-                    return Err(self.bad(format!("metadata '{key}': arrays nested deeper than {MAX_DEPTH} levels")));
-                }
-                let et = self.u32()?;
-                let size = match et {
-                    0 | 1 | 7 => 1,
-                    2 | 3 => 2,
-                    4..=6 => 4,
-                    8..=12 => 8,
-                    _ => return Err(self.bad(format!("metadata '{key}': unknown array element type {et}"))),
-                };
-                let n = self.count(&format!("metadata '{key}': array"), MAX_ARRAY, size)?;
+                let (et, n) = self.array_head(key, depth)?;
+                let slots = (n as u64).saturating_mul(std::mem::size_of::<Value>() as u64);
+                self.charge(slots, &|| format!("metadata '{key}'"))?;
                 let mut v = Vec::new();
                 v.try_reserve_exact(n).map_err(|e| self.bad(format!("metadata '{key}': {e}")))?;
                 for _ in 0..n {
@@ -186,7 +330,7 @@ impl Header {
             11 => num(i64::from_le_bytes(self.bytes()?).into()),
             12 => {
                 let x = f64::from_le_bytes(self.bytes()?);
-                serde_json::Number::from_f64(x).map(Value::Number).unwrap_or(Value::Null)
+                self.finite(x, key)?
             }
             _ => return Err(self.bad(format!("metadata '{key}' has unknown value type {t}"))),
         })
@@ -199,7 +343,8 @@ impl GgufFile {
         let open_err = |e: std::io::Error| Error::load(format!("{}: cannot read: {e}", path.display()));
         let file = File::open(path).map_err(open_err)?;
         let len = file.metadata().map_err(open_err)?.len();
-        let mut h = Header { r: BufReader::with_capacity(1 << 16, file), pos: 0, len, path: path.to_path_buf() };
+        let mut h =
+            Header { r: BufReader::with_capacity(1 << 16, file), pos: 0, len, path: path.to_path_buf(), built: 0 };
         let not_gguf = |why: &str| Error::load(format!("{}: not a GGUF file ({why})", path.display()));
         if len < 24 {
             return Err(not_gguf(&format!("{len} bytes is too short for a header")));
@@ -220,11 +365,28 @@ impl GgufFile {
         let n_tensors = h.count("tensor", MAX_ENTRIES, 24)?;
         let n_kv = h.count("metadata entry", MAX_ENTRIES, 13)?;
         let mut metadata = Map::new();
+        let mut arrays = BTreeMap::new();
+        let mut keys = HashSet::new();
         for _ in 0..n_kv {
-            let key = h.string(&|| "a metadata key".to_string())?;
+            let key = h.string(MAX_STRING, &|| "a metadata key".to_string())?;
+            // the key kept for the duplicate check: its bytes (counted above) and a set entry
+            h.charge(64, &|| format!("metadata '{key}'"))?;
             let t = h.u32()?;
-            let v = h.value(t, &key, 0)?;
-            if metadata.insert(key.clone(), v).is_some() {
+            if !read_key(&key) {
+                h.skip_value(t, &key, 0)?;
+            } else if t == 9 && !ARRAYS_READ.contains(&key.as_str()) {
+                let (et, n) = h.array_head(&key, 0)?;
+                match fixed_size(et) {
+                    Some(s) => h.skip(s * n as u64)?,
+                    None => (0..n).try_for_each(|_| h.skip_value(et, &key, 1))?,
+                }
+                arrays.insert(key.clone(), n as u64);
+            } else {
+                h.charge(std::mem::size_of::<Value>() as u64, &|| format!("metadata '{key}'"))?;
+                let v = h.value(t, &key, 0)?;
+                metadata.insert(key.clone(), v);
+            }
+            if !keys.insert(key.clone()) {
                 return Err(h.bad(format!("metadata '{key}' is stored twice")));
             }
         }
@@ -232,7 +394,7 @@ impl GgufFile {
         let mut raw: Vec<(Vec<u64>, u32, u64)> = Vec::new();
         let mut names = std::collections::HashSet::new();
         for i in 0..n_tensors {
-            let name = h.string(&|| format!("the name of tensor {i}"))?;
+            let name = h.string(MAX_STRING, &|| format!("the name of tensor {i}"))?;
             let nd = h.u32()?;
             if nd == 0 || nd > 4 {
                 return Err(h.bad(format!("tensor '{name}' has {nd} dimensions (1 to 4 allowed)")));
@@ -240,11 +402,16 @@ impl GgufFile {
             let dims: Vec<u64> = (0..nd).map(|_| h.u64()).collect::<Result<_>>()?;
             let t = h.u32()?;
             let off = h.u64()?;
+            // the tensor's entry, its dimensions and the duplicate check's copy of its name
+            h.charge(name.len() as u64 + 160, &|| format!("tensor '{name}'"))?;
             if !names.insert(name.clone()) {
                 return Err(h.bad(format!("tensor '{name}' is stored twice")));
             }
             tensors.push(GgufTensor { name, shape: vec![], dtype: GgmlDType::F32, start: off, end: off });
             raw.push((dims, t, off));
+        }
+        if arrays.contains_key("general.alignment") {
+            return Err(h.bad("metadata 'general.alignment' must be a power of two, found a list"));
         }
         let alignment = match metadata.get("general.alignment") {
             None => 32,
@@ -278,7 +445,8 @@ impl GgufFile {
             }
             let bytes = dims[1..]
                 .iter()
-                .try_fold(dims[0] / bs * ts, |a, &d| a.checked_mul(d))
+                .try_fold((dims[0] / bs).checked_mul(ts), |a, &d| a?.checked_mul(d).map(Some))
+                .flatten()
                 .filter(|&b| b <= data_len)
                 .ok_or_else(|| h.bad(format!("tensor '{name}' ({dims:?}) claims more bytes than the file holds")))?;
             if off % alignment != 0 || off > data_len || bytes > data_len - off {
@@ -298,7 +466,7 @@ impl GgufFile {
                 return Err(h.bad(format!("tensors '{}' and '{}' overlap", w[0].name, w[1].name)));
             }
         }
-        Ok(GgufFile { path: path.to_path_buf(), metadata, tensors, data_start })
+        Ok(GgufFile { path: path.to_path_buf(), metadata, arrays, tensors, data_start })
     }
 
     fn where_(&self) -> String {
@@ -306,7 +474,7 @@ impl GgufFile {
     }
 
     pub fn architecture(&self) -> Result<String> {
-        match self.metadata.get("general.architecture") {
+        match self.get("general.architecture")? {
             Some(Value::String(s)) => Ok(s.clone()),
             Some(v) => Err(Error::config(format!(
                 "{}: metadata 'general.architecture' must be a string, found {}",
@@ -317,8 +485,15 @@ impl GgufFile {
         }
     }
 
-    fn get(&self, key: &str) -> Option<&Value> {
-        self.metadata.get(key)
+    /// A key's value; a list under a key that takes one value (kept unread in `arrays`) is an error naming it.
+    fn get(&self, key: &str) -> Result<Option<&Value>> {
+        match self.arrays.get(key) {
+            Some(n) => Err(Error::config(format!(
+                "{}: metadata '{key}' is a list of {n} values; one value is expected",
+                self.where_()
+            ))),
+            None => Ok(self.metadata.get(key)),
+        }
     }
 
     fn tensor(&self, name: &str) -> Option<&GgufTensor> {
@@ -347,30 +522,26 @@ impl GgufFile {
         c.insert("architectures".into(), json!([architectures]));
         c.insert("model_type".into(), json!(model_type));
         let key = |k: &str| format!("{arch}.{k}");
-        // (GGUF key under the architecture, config.json field, required)
-        let fields: [(&str, &str, bool); 12] = [
-            ("block_count", "num_hidden_layers", true),
-            ("embedding_length", "hidden_size", true),
-            ("feed_forward_length", "intermediate_size", arch != "qwen3moe"),
-            ("attention.head_count", "num_attention_heads", true),
-            ("attention.head_count_kv", "num_key_value_heads", false),
-            ("attention.key_length", "head_dim", false),
-            ("attention.layer_norm_rms_epsilon", "rms_norm_eps", true),
-            ("rope.freq_base", "rope_theta", false),
-            ("context_length", "max_position_embeddings", true),
-            ("expert_count", "num_experts", arch == "qwen3moe"),
-            ("expert_used_count", "num_experts_per_tok", arch == "qwen3moe"),
-            ("expert_feed_forward_length", "moe_intermediate_size", arch == "qwen3moe"),
-        ];
-        for (k, field, required) in fields {
-            match self.get(&key(k)) {
-                Some(Value::Array(_)) => {
-                    return Err(Error::Unsupported(format!(
-                        "{}: metadata '{}' is a per-layer list; only one value for every layer is supported",
-                        self.where_(),
-                        key(k)
-                    )))
-                }
+        let moe = arch == "qwen3moe";
+        for (k, field) in ARCH_FIELDS {
+            let required = match k {
+                "block_count"
+                | "embedding_length"
+                | "attention.head_count"
+                | "attention.layer_norm_rms_epsilon"
+                | "context_length" => true,
+                "feed_forward_length" => !moe,
+                "expert_count" | "expert_used_count" | "expert_feed_forward_length" => moe,
+                _ => false,
+            };
+            if self.arrays.contains_key(&key(k)) {
+                return Err(Error::Unsupported(format!(
+                    "{}: metadata '{}' is a per-layer list; only one value for every layer is supported",
+                    self.where_(),
+                    key(k)
+                )));
+            }
+            match self.get(&key(k))? {
                 Some(v) => {
                     c.insert(field.into(), v.clone());
                 }
@@ -384,7 +555,7 @@ impl GgufFile {
                 None => {}
             }
         }
-        if let (Some(k), Some(v)) = (c.get("head_dim").cloned(), self.get(&key("attention.value_length"))) {
+        if let (Some(k), Some(v)) = (c.get("head_dim").cloned(), self.get(&key("attention.value_length"))?) {
             if *v != k {
                 return Err(Error::Unsupported(format!(
                     "{}: attention.key_length {k} differs from attention.value_length {v}",
@@ -402,14 +573,14 @@ impl GgufFile {
                 (0..n).filter(|i| self.tensor(&format!("blk.{i}.ffn_gate_inp.weight")).is_none()).collect();
             c.insert("mlp_only_layers".into(), json!(dense));
             // llama.cpp's qwen3moe graph always renormalises the chosen experts' weights.
-            let norm = self.get(&key("expert_weights_norm")).cloned().unwrap_or(Value::Bool(true));
+            let norm = self.get(&key("expert_weights_norm"))?.cloned().unwrap_or(Value::Bool(true));
             c.insert("norm_topk_prob".into(), norm);
         }
-        if let Some(Value::String(t)) = self.get(&key("rope.scaling.type")) {
+        if let Some(Value::String(t)) = self.get(&key("rope.scaling.type"))? {
             if t != "none" {
                 let mut r = Map::new();
                 r.insert("rope_type".into(), json!(t));
-                if let Some(f) = self.get(&key("rope.scaling.factor")) {
+                if let Some(f) = self.get(&key("rope.scaling.factor"))? {
                     r.insert("factor".into(), f.clone());
                 }
                 c.insert("rope_scaling".into(), Value::Object(r));
@@ -432,7 +603,7 @@ impl GgufFile {
         }
         let mut eos = vec![];
         for k in ["eos_token_id", "eot_token_id", "eom_token_id"] {
-            if let Some(v) = self.get(&format!("tokenizer.ggml.{k}")) {
+            if let Some(v) = self.get(&format!("tokenizer.ggml.{k}"))? {
                 if !eos.contains(v) {
                     eos.push(v.clone());
                 }
@@ -442,7 +613,7 @@ impl GgufFile {
             c.insert("eos_token_id".into(), Value::Array(eos));
         }
         for (k, field) in [("bos_token_id", "bos_token_id"), ("mask_token_id", "mask_token_id")] {
-            if let Some(v) = self.get(&format!("tokenizer.ggml.{k}")) {
+            if let Some(v) = self.get(&format!("tokenizer.ggml.{k}"))? {
                 c.insert(field.into(), v.clone());
             }
         }
@@ -530,7 +701,7 @@ impl GgufFile {
     }
 
     fn strings(&self, key: &str) -> Result<Option<Vec<&str>>> {
-        match self.get(key) {
+        match self.get(key)? {
             None => Ok(None),
             Some(Value::Array(a)) => {
                 a.iter().map(|v| v.as_str()).collect::<Option<Vec<_>>>().map(Some).ok_or_else(|| {
@@ -552,7 +723,7 @@ impl GgufFile {
     /// embedding up to the model's vocab_size are not tokens and are left out.
     pub fn tokenizer_json(&self) -> Result<Value> {
         let w = self.where_();
-        match self.get("tokenizer.ggml.model") {
+        match self.get("tokenizer.ggml.model")? {
             Some(Value::String(m)) if m == "gpt2" => {}
             Some(Value::String(m)) => {
                 return Err(Error::Unsupported(format!(
@@ -564,7 +735,7 @@ impl GgufFile {
         let tokens = self
             .strings("tokenizer.ggml.tokens")?
             .ok_or_else(|| Error::load(format!("{w}: metadata 'tokenizer.ggml.tokens' is missing")))?;
-        let types: Vec<u64> = match self.get("tokenizer.ggml.token_type") {
+        let types: Vec<u64> = match self.get("tokenizer.ggml.token_type")? {
             None => vec![1; tokens.len()],
             Some(Value::Array(a)) => a.iter().map(|v| v.as_u64().unwrap_or(0)).collect(),
             Some(_) => return Err(Error::load(format!("{w}: metadata 'tokenizer.ggml.token_type' must be a list"))),
@@ -582,25 +753,39 @@ impl GgufFile {
                 .and_then(|r| r.strip_suffix(']'))
                 .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
         };
+        // Every token at its own id in the BPE vocabulary, control and user-defined ones too: the tokenizers library
+        // gives an added token the id its text has in the vocabulary, and numbers one whose text is not there after
+        // the vocabulary, whatever id tokenizer.json says (HF's tokenizer.json files list them in both places).
         let mut vocab = Map::new();
-        let mut added = vec![];
+        let (mut added, mut unused) = (vec![], vec![]);
         for (i, (&t, &ty)) in tokens.iter().zip(&types).enumerate() {
-            match ty {
+            let special = match ty {
                 // normal, unknown, byte
-                1 | 2 | 6 => {
-                    if vocab.insert(t.to_string(), json!(i)).is_some() {
-                        return Err(Error::load(format!("{w}: token {i} {t:?} appears twice in the vocabulary")));
-                    }
+                1 | 2 | 6 => None,
+                // control: special added tokens; user-defined: added tokens
+                3 => Some(true),
+                4 if is_pad(t) => continue,
+                4 => Some(false),
+                // unused: in the vocabulary where its text is free, after the others (it is never produced)
+                5 => {
+                    unused.push(i);
+                    continue;
                 }
-                // control: special added tokens
-                3 => added.push(json!({"id": i, "content": t, "single_word": false, "lstrip": false,
-                    "rstrip": false, "normalized": false, "special": true})),
-                4 if is_pad(t) => {}
-                4 => added.push(json!({"id": i, "content": t, "single_word": false, "lstrip": false,
-                    "rstrip": false, "normalized": false, "special": false})),
-                // unused
-                5 => {}
                 other => return Err(Error::load(format!("{w}: token {i} {t:?} has unknown token type {other}"))),
+            };
+            if let Some(prev) = vocab.insert(t.to_string(), json!(i)) {
+                return Err(Error::load(format!(
+                    "{w}: token {i} {t:?} appears twice in the vocabulary (also token {prev}, tokenizer.ggml.tokens)"
+                )));
+            }
+            if let Some(special) = special {
+                added.push(json!({"id": i, "content": t, "single_word": false, "lstrip": false,
+                    "rstrip": false, "normalized": false, "special": special}));
+            }
+        }
+        for i in unused {
+            if !vocab.contains_key(tokens[i]) {
+                vocab.insert(tokens[i].to_string(), json!(i));
             }
         }
         for m in &merges {
@@ -614,7 +799,7 @@ impl GgufFile {
             }
         }
         let byte_level = |regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": regex});
-        let (normalizer, pre) = match self.get("tokenizer.ggml.pre").and_then(|v| v.as_str()) {
+        let (normalizer, pre) = match self.get("tokenizer.ggml.pre")?.and_then(|v| v.as_str()) {
             Some("qwen2") => (
                 json!({"type": "NFC"}),
                 json!({"type": "Sequence", "pretokenizers": [
@@ -629,8 +814,8 @@ impl GgufFile {
                 )))
             }
         };
-        let add_bos = self.get("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false);
-        let post = match (add_bos, self.get("tokenizer.ggml.bos_token_id").and_then(|v| v.as_u64())) {
+        let add_bos = self.get("tokenizer.ggml.add_bos_token")?.and_then(|v| v.as_bool()).unwrap_or(false);
+        let post = match (add_bos, self.get("tokenizer.ggml.bos_token_id")?.and_then(|v| v.as_u64())) {
             (true, Some(b)) => {
                 let bos = tokens.get(b as usize).ok_or_else(|| {
                     Error::load(format!("{w}: tokenizer.ggml.bos_token_id {b} is outside the vocabulary"))
@@ -661,7 +846,7 @@ impl GgufFile {
 
     /// `tokenizer.chat_template`, and the bos/eos token strings a template may use.
     pub fn chat_template(&self) -> Result<Option<(String, String, String)>> {
-        let Some(v) = self.get("tokenizer.chat_template") else { return Ok(None) };
+        let Some(v) = self.get("tokenizer.chat_template")? else { return Ok(None) };
         let Some(src) = v.as_str() else {
             return Err(Error::config(format!(
                 "{}: metadata 'tokenizer.chat_template' must be a string",
@@ -669,14 +854,15 @@ impl GgufFile {
             )));
         };
         let tokens = self.strings("tokenizer.ggml.tokens")?.unwrap_or_default();
-        let tok = |k: &str| {
-            self.get(&format!("tokenizer.ggml.{k}"))
+        let tok = |k: &str| -> Result<String> {
+            Ok(self
+                .get(&format!("tokenizer.ggml.{k}"))?
                 .and_then(|v| v.as_u64())
                 .and_then(|i| tokens.get(i as usize))
                 .map(|s| s.to_string())
-                .unwrap_or_default()
+                .unwrap_or_default())
         };
-        Ok(Some((src.to_string(), tok("bos_token_id"), tok("eos_token_id"))))
+        Ok(Some((src.to_string(), tok("bos_token_id")?, tok("eos_token_id")?)))
     }
 }
 

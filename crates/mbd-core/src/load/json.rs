@@ -5,17 +5,19 @@ use crate::error::{Error, Result};
 use serde_json::{Map, Value};
 use std::path::Path;
 
-/// Read and parse a JSON object file, naming the file in every error.
+/// The largest JSON object file read (config.json, generation_config.json, tokenizer_config.json, a shard index: real
+/// ones are kilobytes; a tokenizer_config.json listing a large vocabulary's added tokens a few megabytes).
+pub const MAX_JSON_BYTES: u64 = 64 << 20;
+/// The largest chat template accepted (chat_template.jinja, tokenizer_config.json's, a GGUF file's): real ones are
+/// a few kilobytes to a few hundred.
+pub const MAX_CHAT_TEMPLATE_BYTES: usize = 4 << 20;
+
+/// Read and parse a JSON object file, naming the file in every error. The file must be a regular file (a FIFO
+/// would block the load, a device such as /dev/zero never ends) of at most `MAX_JSON_BYTES`.
 pub fn read_json(path: &Path) -> Result<Map<String, Value>> {
-    let text = std::fs::read_to_string(path).map_err(|e| {
-        if e.kind() == std::io::ErrorKind::NotFound {
-            Error::FileNotFound { path: path.to_path_buf(), what: "required by the model directory".into() }
-        } else if e.kind() == std::io::ErrorKind::InvalidData {
-            Error::config(format!("{}: not a JSON file (not UTF-8 text)", path.display()))
-        } else {
-            Error::load(format!("{}: cannot read: {e}", path.display()))
-        }
-    })?;
+    let bytes = crate::util::read_model_file(path, MAX_JSON_BYTES, "required by the model directory")?;
+    let text = String::from_utf8(bytes)
+        .map_err(|_| Error::config(format!("{}: not a JSON file (not UTF-8 text)", path.display())))?;
     let v: Value =
         serde_json::from_str(&text).map_err(|e| Error::config(format!("{}: malformed JSON: {e}", path.display())))?;
     match v {

@@ -15,7 +15,8 @@ pub struct ModelInfo {
     pub num_parameters: usize,
     /// The weights as held in memory.
     pub weight_bytes: usize,
-    /// How the matrices are held: "q8_0" / "q4_k" when quantized, a GGUF file's block formats, else a dtype name.
+    /// How the matrices are held: their block formats (sorted), then the dtypes of those held unquantized, joined
+    /// by '+' ("q8_0"; "q4_k+q8_0": q4_k layers, q8_0 tables; a GGUF file's formats as held; "float32").
     pub weight_format: String,
     /// The quantized matrices multiply activations rounded to 8 bits (the `int8_activations` load option).
     pub int8_activations: bool,
@@ -40,6 +41,9 @@ pub struct ModelInfo {
     pub dtype: String,
     pub stored_dtype: Option<String>,
     pub device: String,
+    /// What the load warns about (a `quantize` option that quantized nothing); Engine.load issues each as a Python
+    /// warning.
+    pub warnings: Vec<String>,
 }
 
 /// Each `ModelInfo` field's name and its Python annotation, in declaration order (Python's dataclass is checked
@@ -73,6 +77,7 @@ pub const MODEL_INFO_FIELDS: &[(&str, &str)] = &[
     ("dtype", "str"),
     ("stored_dtype", "Optional[str]"),
     ("device", "str"),
+    ("warnings", "List[str]"),
 ];
 
 impl Model {
@@ -108,6 +113,7 @@ impl Model {
             dtype: dtype_name(self.net.dtype()).into(),
             stored_dtype: p.stored_dtype.clone(),
             device: device_name(self.net.device()),
+            warnings: self.load_warnings.clone(),
         }
     }
 }

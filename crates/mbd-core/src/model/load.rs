@@ -9,7 +9,7 @@ use crate::load::json::{read_json, Fields};
 use crate::load::tokenizer::{load_tokenizer, tokenizer_from_json, tokenizer_mask_id};
 use crate::load::weights::{checkpoint_files, Weights};
 use crate::model::Model;
-use crate::net::linear::{int8_activations, HoldPolicy, Holder};
+use crate::net::linear::{int8_activations, HeldMatrices, HoldPolicy, Holder};
 use crate::net::qwen::QwenModel;
 use crate::params::load::{dtype_name, LoadOptions};
 use crate::params::profile::{detect_family, Profile};
@@ -107,8 +107,16 @@ impl Source {
     }
 }
 
-/// The profile's block size and mask token checked against the checkpoint's dimensions.
-fn check_profile(profile: &Profile, config: &ModelConfig, opts: &LoadOptions, cfg_file: &str) -> Result<()> {
+/// The profile's block size, mask token and end-of-sequence tokens checked against the checkpoint's dimensions
+/// (`gen`: generation_config.json, whose eos_token_id adds to config.json's).
+fn check_profile(
+    profile: &Profile,
+    config: &ModelConfig,
+    opts: &LoadOptions,
+    cfg: &Fields,
+    gen: Option<&Fields>,
+) -> Result<()> {
+    let cfg_file = cfg.file;
     if let Some(m) = profile.mask_token_id {
         if m as usize >= config.vocab_size {
             return Err(Error::config(format!(
@@ -116,6 +124,21 @@ fn check_profile(profile: &Profile, config: &ModelConfig, opts: &LoadOptions, cf
                 config.vocab_size
             )));
         }
+    }
+    // An end-of-sequence id no token has would never end a sequence: refused where it is named.
+    if let Some(&e) = profile.eos_token_ids.iter().find(|&&e| e as usize >= config.vocab_size) {
+        let vocab = config.vocab_size;
+        return Err(if opts.overrides.eos_token_ids.is_some() {
+            Error::invalid(format!("eos_token_ids: token id {e} is outside the vocabulary of {vocab} tokens"))
+        } else {
+            let file = match gen {
+                Some(g) if !cfg.ids("eos_token_id")?.contains(&e) => g.file,
+                _ => cfg_file,
+            };
+            Error::config(format!(
+                "{file}: field 'eos_token_id': token id {e} is outside the vocabulary of {vocab} tokens"
+            ))
+        });
     }
     if profile.block_size > config.max_position_embeddings {
         let msg = format!(
@@ -127,15 +150,27 @@ fn check_profile(profile: &Profile, config: &ModelConfig, opts: &LoadOptions, cf
     Ok(())
 }
 
-/// How the matrices are held, for `info`: the `quantize` format, a GGUF file's block formats as held, else the dtype
-/// of the embedding table.
-fn weight_format(opts: &LoadOptions, held: &[&str], net: &QwenModel) -> Result<String> {
-    Ok(match (opts.quantize, net.table_dtype()) {
-        (Some(q), _) => q.name().to_string(),
-        (None, _) if !held.is_empty() => held.join("+"),
-        (None, Some(d)) => dtype_name(d).to_string(),
-        (None, None) => return Err(Error::Internal("a quantized table without the quantize option".into())),
-    })
+/// How the matrices are held, for `info`, from what the holder held: the block formats (sorted), then the dtypes
+/// of the matrices held unquantized, joined by '+' ("q4_k+q8_0": q4_k linear layers and the q8_0 tables a
+/// `quantize="q4_k"` load holds; "float32" or "bfloat16": nothing quantized).
+fn weight_format(held: &HeldMatrices) -> Result<String> {
+    let parts: Vec<&str> = held.formats.iter().copied().chain(held.dense.iter().map(|&d| dtype_name(d))).collect();
+    if parts.is_empty() {
+        return Err(Error::Internal("a model without weight matrices".into()));
+    }
+    Ok(parts.join("+"))
+}
+
+/// The load's warnings (`ModelInfo::warnings`): a `quantize` option that quantized no matrix.
+fn load_warnings(opts: &LoadOptions, held: &HeldMatrices, format: &str) -> Vec<String> {
+    match opts.quantize {
+        Some(q) if held.quantized == 0 => vec![format!(
+            "quantize='{}' quantized no matrix: the weights are held as {format} (a matrix is quantized when its rows \
+             split into whole blocks of the format or of a fallback's, and a GGUF file's blocks stay as stored)",
+            q.name()
+        )],
+        _ => vec![],
+    }
 }
 
 impl Model {
@@ -152,7 +187,7 @@ impl Model {
         let tokenizer = src.tokenizer(dir)?;
         let mask = tokenizer_mask_id(&tokenizer);
         let profile = Profile::resolve(family, architecture, &cfg_fields, gen_fields.as_ref(), mask, &opts.overrides)?;
-        check_profile(&profile, &config, opts, &cfg_file)?;
+        check_profile(&profile, &config, opts, &cfg_fields, gen_fields.as_ref())?;
         let (quantize, int8) = (opts.quantize, opts.int8_activations);
         let policy =
             HoldPolicy::resolve(&opts.device, opts.dtype, quantize, int8, &opts.kernels, src.gguf().is_some())?;
@@ -160,6 +195,7 @@ impl Model {
         let holder = Holder::new(&ws, &policy);
         let net = QwenModel::load(&config, &holder, &opts.device, opts.dtype, opts.kernels)?;
         let held = holder.finish()?;
+        let format = weight_format(&held)?;
         let max_token_bytes = tokenizer.get_vocab(true).keys().map(|t| t.len()).max().unwrap_or(1);
         let mut special_tokens: Vec<String> =
             tokenizer.get_added_tokens_decoder().into_values().filter(|t| t.special).map(|t| t.content).collect();
@@ -168,7 +204,8 @@ impl Model {
             dir: dir.to_path_buf(),
             num_parameters: ws.num_parameters(),
             weight_bytes: ws.loaded_bytes(),
-            weight_format: weight_format(opts, &held, &net)?,
+            load_warnings: load_warnings(opts, &held, &format),
+            weight_format: format,
             int8_activations: int8_activations(&policy, &held),
             chat_template: src.chat_template(dir)?,
             config,

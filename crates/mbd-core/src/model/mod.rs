@@ -26,10 +26,12 @@ pub struct Model {
     pub num_parameters: usize,
     /// Bytes of the weights as held in memory (a bf16 checkpoint's matrices stay bf16 on the CPU).
     pub weight_bytes: usize,
-    /// How the weight matrices are held: the `quantize` format ("q8_0" / "q4_k", see `crate::quant` for the
-    /// matrices that fall back), else the dtype of the embedding table ("bfloat16" for a bf16 checkpoint on the
+    /// How the weight matrices are held: the block formats held, then the dtypes of the matrices held unquantized,
+    /// joined by '+' ("q8_0", "q4_k+q8_0": q4_k layers and q8_0 tables; "bfloat16" for a bf16 checkpoint on the
     /// CPU, else the compute dtype).
     pub weight_format: String,
+    /// What the load warns about (a `quantize` option that quantized nothing); Python's Engine.load warns each.
+    pub load_warnings: Vec<String>,
     /// The quantized matrices multiply activations rounded to 8 bits (`LoadOptions::int8_activations`).
     pub int8_activations: bool,
     pub chat_template: Option<ChatTemplate>,

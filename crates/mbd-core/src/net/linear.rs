@@ -301,16 +301,31 @@ impl HoldPolicy {
 }
 
 /// A checkpoint's matrices as the model holds them: the file reader (`Weights`) under a `HoldPolicy`, counting the
-/// block formats it holds.
+/// block formats and dtypes it holds.
 pub struct Holder<'a> {
     ws: &'a Weights,
     policy: &'a HoldPolicy,
     formats: RefCell<BTreeSet<&'static str>>,
+    /// The dtypes of the matrices held dense (unquantized), in the order first seen.
+    dense: RefCell<Vec<DType>>,
+    /// Matrices quantized under the `quantize` option.
+    quantized: std::cell::Cell<usize>,
+}
+
+/// What a `Holder` held, once the model is built (`Holder::finish`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeldMatrices {
+    /// The block formats held (sorted): a GGUF file's as stored, the `quantize` option's and their fallbacks.
+    pub formats: Vec<&'static str>,
+    /// The dtypes of the matrices held unquantized.
+    pub dense: Vec<DType>,
+    /// How many matrices the `quantize` option quantized (0 with the option: it had nothing to act on).
+    pub quantized: usize,
 }
 
 impl<'a> Holder<'a> {
     pub fn new(ws: &'a Weights, policy: &'a HoldPolicy) -> Self {
-        Holder { ws, policy, formats: RefCell::default() }
+        Holder { ws, policy, formats: RefCell::default(), dense: RefCell::default(), quantized: Default::default() }
     }
 
     /// The file reader (tensors that are not matrices: norms, biases, a MoE router).
@@ -338,45 +353,79 @@ impl<'a> Holder<'a> {
             }
             // a block format the kernels lack: held as q8_0 (or the `quantize` format)
             Stored::Dequantized(t) => {
-                self.quantize_as(t, table, Some(self.policy.quantize.unwrap_or(QuantFormat::Q8_0)))
+                self.quantize_as(t, table, Some(self.policy.quantize.unwrap_or(QuantFormat::Q8_0)), name)
             }
-            Stored::Dense(t) => self.quantize_as(t, table, self.policy.quantize),
+            Stored::Dense(t) => self.quantize_as(t, table, self.policy.quantize, name),
         }
     }
 
-    /// A matrix already read from this checkpoint (e.g. one expert's slice of a fused tensor) as a linear layer's
-    /// weight (`table`: the embedding or the head): quantized under the `quantize` option, its bytes counted as held.
-    pub fn to_weight(&self, t: Tensor, table: bool) -> Result<Matrix> {
-        self.quantize_as(t, table, self.policy.quantize)
+    /// A matrix already read from this checkpoint (e.g. one expert's slice of a fused tensor; `name` says which,
+    /// for errors) as a linear layer's weight (`table`: the embedding or the head): quantized under the `quantize`
+    /// option, its bytes counted as held.
+    pub fn to_weight(&self, t: Tensor, table: bool, name: &str) -> Result<Matrix> {
+        self.quantize_as(t, table, self.policy.quantize, name)
     }
 
-    fn quantize_as(&self, t: Tensor, table: bool, quantize: Option<QuantFormat>) -> Result<Matrix> {
+    fn quantize_as(&self, t: Tensor, table: bool, quantize: Option<QuantFormat>, name: &str) -> Result<Matrix> {
         let quantize = quantize.filter(|_| self.policy.quantized_here(table));
         let Some(format) = quantize.and_then(|f| f.for_matrix(t.dim(1).unwrap_or(0), table)) else {
             // counted as loaded (a packed matrix's padding to whole groups, under 16 rows, is not)
+            let mut dense = self.dense.borrow_mut();
+            if !dense.contains(&t.dtype()) {
+                dense.push(t.dtype());
+            }
             return Matrix::dense(t, self.policy.pack);
         };
         let q = QMatrix::quantize(&t, format)?;
+        if let Some((_, row)) = q.first_non_finite_scale() {
+            return Err(self.overflow(&t, row, format, name));
+        }
         self.ws.recount(t.elem_count() * t.dtype().size_in_bytes(), q.bytes().len());
         self.formats.borrow_mut().insert(format.name());
+        if self.policy.quantize.is_some() {
+            self.quantized.set(self.quantized.get() + 1);
+        }
         self.policy.hold(q, table)
     }
 
-    /// The block formats held (sorted), once the model is built; with `int8_activations=False` on CUDA, an error if
-    /// there are any (a GGUF file's blocks: `quantize=` was refused before the load).
-    pub fn finish(self) -> Result<Vec<&'static str>> {
-        let held: Vec<&'static str> = self.formats.into_inner().into_iter().collect();
-        if self.policy.exact_on_cuda && !held.is_empty() {
+    /// The error for a matrix whose values overflow a block's f16 scale in `format` (row `row`): at load, naming
+    /// the tensor and the format; the checkpoint's own values are fine.
+    fn overflow(&self, t: &Tensor, row: usize, format: QuantFormat, name: &str) -> Error {
+        let largest = t
+            .get(row)
+            .and_then(|r| r.abs()?.max(0)?.to_dtype(DType::F32)?.to_scalar::<f32>())
+            .map(|m| format!(" (its largest |value| is {m:e})"))
+            .unwrap_or_default();
+        let f = format.name();
+        let fix = match self.policy.quantize {
+            Some(q) => format!(
+                "load it without quantize='{}' (the checkpoint's own values are fine), or in a format whose block \
+                 scales reach further",
+                q.name()
+            ),
+            None => "this file's block format is held as q8_0 here; a float (f16/f32) file of the model would load"
+                .to_string(),
+        };
+        Error::invalid(format!(
+            "tensor '{name}' cannot be held as {f}: row {row}{largest} overflows the f16 scale of a {f} block; {fix}"
+        ))
+    }
+
+    /// What was held, once the model is built; with `int8_activations=False` on CUDA, an error if any matrix is
+    /// quantized (a GGUF file's blocks: `quantize=` was refused before the load).
+    pub fn finish(self) -> Result<HeldMatrices> {
+        let formats: Vec<&'static str> = self.formats.into_inner().into_iter().collect();
+        if self.policy.exact_on_cuda && !formats.is_empty() {
             return Err(exact_on_cuda_error());
         }
-        Ok(held)
+        Ok(HeldMatrices { formats, dense: self.dense.into_inner(), quantized: self.quantized.get() })
     }
 }
 
-/// Whether the quantized matrices of a model held under `policy`, `held` being their formats, multiply 8-bit
-/// activations (what `ModelInfo::int8_activations` reports).
-pub fn int8_activations(policy: &HoldPolicy, held: &[&str]) -> bool {
-    policy.int8 && !held.is_empty()
+/// Whether the quantized matrices of a model held under `policy` (`held`) multiply 8-bit activations (what
+/// `ModelInfo::int8_activations` reports).
+pub fn int8_activations(policy: &HoldPolicy, held: &HeldMatrices) -> bool {
+    policy.int8 && !held.formats.is_empty()
 }
 
 /// The candle op for a dense W: (x: (m, k) f32, w: (n, k) f32 or bf16) -> (m, n), both contiguous on the CPU;

@@ -231,26 +231,32 @@ impl Moe {
         let experts = if ws.weights().contains(&fused) {
             // transformers >= 5 layout: gate_up_proj (E, 2I, H) and down_proj (E, H, I).
             let gu = ws.weights().get(&fused, &[m.num_experts, 2 * inter, hidden])?;
-            let dn = ws.weights().get(&format!("{prefix}.experts.down_proj"), &[m.num_experts, hidden, inter])?;
+            let down = format!("{prefix}.experts.down_proj");
+            let dn = ws.weights().get(&down, &[m.num_experts, hidden, inter])?;
             (0..m.num_experts)
                 .map(|e| {
+                    let expert = |t: &str| format!("{t} (expert {e})");
                     let gue = gu.get(e)?;
                     Ok(Mlp {
                         // stored stacked: gate_proj's rows, then up_proj's
                         gate_up: Stacked {
                             parts: if stack {
-                                vec![Linear { w: ws.to_weight(gue.contiguous()?, false)?, b: None }]
+                                vec![Linear { w: ws.to_weight(gue.contiguous()?, false, &expert(&fused))?, b: None }]
                             } else {
                                 let half = |o| -> Result<Linear> {
                                     Ok(Linear {
-                                        w: ws.to_weight(gue.narrow(0, o, inter)?.contiguous()?, false)?,
+                                        w: ws.to_weight(
+                                            gue.narrow(0, o, inter)?.contiguous()?,
+                                            false,
+                                            &expert(&fused),
+                                        )?,
                                         b: None,
                                     })
                                 };
                                 vec![half(0)?, half(inter)?]
                             },
                         },
-                        down: Linear { w: ws.to_weight(dn.get(e)?.contiguous()?, false)?, b: None },
+                        down: Linear { w: ws.to_weight(dn.get(e)?.contiguous()?, false, &expert(&down))?, b: None },
                     })
                 })
                 .collect::<Result<Vec<_>>>()?
@@ -512,15 +518,6 @@ impl QwenModel {
         let inter = c.moe.as_ref().map_or(c.intermediate_size, |m| m.moe_intermediate_size * m.num_experts_per_tok);
         let products = h * (nh + 2 * nkv) * d + nh * d * h + 3 * h * inter;
         (products / (ATTENTION_WEIGHT * 2 * nh * d).max(1)).max(1)
-    }
-
-    /// The dtype the embedding table is held in (quantized: None).
-    pub fn table_dtype(&self) -> Option<DType> {
-        match &self.embed {
-            Matrix::Dense(t) => Some(t.dtype()),
-            Matrix::Packed(p) => p.dtype(),
-            Matrix::Quant(_) | Matrix::Dot(_) | Matrix::Candle(_) => None,
-        }
     }
 
     /// A fresh, empty cache for one sequence.

@@ -2,6 +2,9 @@
 //! fixtures, JSON edits, and a minimal safetensors reader/writer (header + data section).
 #![allow(dead_code)]
 
+pub mod fuzz;
+pub mod gguf;
+
 use mbd_core::error::catch_panic;
 use mbd_core::{LoadOptions, Model};
 use serde_json::{json, Map, Value};
