@@ -48,7 +48,7 @@ NOCC_PATH=$WORK/bin
 # held-out tasks' definitions (training/*.py, which test_tiny_model.py imports) and models/ (test_trained_twins.py).
 check_installed() {  # venv label version
   local venv=$1 label=$2 version=$3 run=$WORK/run-$2
-  mkdir -p "$run/training" && cp -r "$ROOT/tests" "$ROOT/README.md" "$ROOT/models" "$run/" && cp "$ROOT"/training/*.py "$run/training/"
+  mkdir -p "$run/training" && cp -r "$ROOT/tests" "$ROOT/README.md" "$ROOT/docs" "$ROOT/models" "$run/" && cp "$ROOT"/training/*.py "$run/training/"
   (
     cd "$run"
     export PATH="$venv/bin:$NOCC_PATH"
@@ -108,7 +108,7 @@ check_aarch64_emulated() {  # wheel
   python3 -m pip install -q --disable-pip-version-check --target "$site" --platform manylinux_2_28_aarch64 \
     --platform manylinux2014_aarch64 --platform linux_aarch64 --python-version 3.11 --implementation cp \
     --only-binary=:all: -r scripts/test-requirements.txt "$whl"
-  mkdir -p "$run/training" && cp -r "$ROOT/tests" "$ROOT/README.md" "$ROOT/models" "$run/" && cp "$ROOT"/training/*.py "$run/training/"
+  mkdir -p "$run/training" && cp -r "$ROOT/tests" "$ROOT/README.md" "$ROOT/docs" "$ROOT/models" "$run/" && cp "$ROOT"/training/*.py "$run/training/"
   ( cd "$run" && qemu-aarch64 -L "$root" "$root/usr/bin/python3.11" - "$site" <<'EOF'
 import platform, sys
 sys.path.insert(0, sys.argv[1])

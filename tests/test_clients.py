@@ -297,15 +297,15 @@ def test_langchain_logprobs(lc, lc_args, engine):
 
 
 def _readme_block(marker):
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    section = readme.split("\n## OpenAI-compatible server", 1)[1].split("\n## ", 1)[0]
-    (code,) = [c for c in re.findall(r"```python\n(.*?)```", section, re.S) if marker in c]
+    """A client-library snippet of the server's manual page (docs/server.md)."""
+    doc = open(os.path.join(ROOT, "docs", "server.md"), encoding="utf-8").read()
+    (code,) = [c for c in re.findall(r"```python\n(.*?)```", doc, re.S) if marker in c]
     return code
 
 
 @pytest.mark.parametrize("marker", ["import litellm", "from langchain_openai"])
 def test_readme_client_examples(request, marker):
-    """The README's LiteLLM and LangChain snippets run against the live server and print what they say."""
+    """docs/server.md's LiteLLM and LangChain snippets run against the live server and print what they say."""
     pytest.importorskip(marker.split()[-1], reason=f"{marker.split()[-1]} not installed")
     base, _ = request.getfixturevalue("server")  # started only once the client is known to be there
     code = _readme_block(marker).replace("http://127.0.0.1:8000/v1", base).replace('"sk-local"', repr(KEY))

@@ -17,14 +17,38 @@ README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
 MBD = f"{sys.executable} -m mbd_rs"
 
 
-def blocks(after_heading, lang):
-    """The `lang` code blocks of the README section whose heading starts with `after_heading`."""
-    section = README.split("\n## " + after_heading, 1)[1].split("\n## ", 1)[0]
+def read(doc):
+    with open(os.path.join(ROOT, doc), encoding="utf-8") as f:
+        return f.read()
+
+
+def blocks(after_heading, lang, doc=None):
+    """The `lang` code blocks of the README section (or `doc`'s) whose heading starts with `after_heading`."""
+    text = README if doc is None else read(doc)
+    section = text.split("\n## " + after_heading, 1)[1].split("\n## ", 1)[0] if after_heading else text
     return re.findall(r"```" + lang + r"\n(.*?)```", section, re.S)
 
 
 def expectations(code):
-    return [m.strip() for m in re.findall(r"# -> ([^(\n]*)", code)]
+    """What each `# -> X` comment says its line prints (X whole, numbers included)."""
+    return [m.strip() for m in re.findall(r"# -> ([^\n]*?)(?:   \(.*)?$", code, re.M)]
+
+
+NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?"
+
+
+def shows(want, out):
+    """Whether `out` shows `want`: the same words, and every number of `want` within 2% (or 0.005) of the one at its
+    place (a README says -1.6e-05 of -1.5998839e-05)."""
+    parts = re.split(f"({NUMBER})", want)
+    pattern = "".join(f"({NUMBER})" if i % 2 else r"\s+".join(map(re.escape, p.split(" ")))
+                      for i, p in enumerate(parts))
+    for m in re.finditer(pattern, out):
+        got = [float(g) for g in m.groups()]
+        said = [float(n) for n in parts[1::2]]
+        if all(abs(g - s) <= max(0.02 * abs(s), 0.005) for g, s in zip(got, said)):
+            return True
+    return False
 
 
 def shell(line, stdin=None, env=None, timeout=180):
@@ -57,8 +81,27 @@ def test_python_example():
     (code,) = blocks("Python", "python")
     out = run_python(code)
     for want in expectations(code):
-        assert want in out, (want, out)
+        assert shows(want, out), (want, out)
+    assert len(expectations(code)) == 2
+
+
+def test_python_api_doc_example():
+    (code, *_) = blocks("", "python", doc="docs/python-api.md")
+    out = run_python(code)
+    for want in expectations(code):
+        assert shows(want, out), (want, out)
     assert len(expectations(code)) == 5
+
+
+def test_every_task_the_readme_names_is_solved():
+    """The README's list of what the embedded model knows: each `prompt` → `answer` pair is answered so."""
+    import mbd_rs
+    section = README.split("\n## Python", 1)[1].split("\n## ", 1)[0]
+    pairs = re.findall(r"`([^`]+)` → `([^`]+)`", section)
+    assert len(pairs) >= 6, pairs
+    eng = mbd_rs.Engine.load()
+    for prompt, answer in pairs:
+        assert eng.chat([{"role": "user", "content": prompt}], max_tokens=32).text == answer, prompt
 
 
 def test_command_line_examples():
@@ -70,7 +113,7 @@ def test_command_line_examples():
         r = shell(line.split("  #", 1)[0].strip(), stdin=stdin)
         assert r.returncode == 0, (line, r.stderr[-2000:])
         for want in expectations(line):
-            assert re.search(r"\s+".join(map(re.escape, want.split())), r.stdout + r.stderr), (line, want, r.stdout)
+            assert shows(want, r.stdout + r.stderr), (line, want, r.stdout)
 
 
 def _free_port():
@@ -126,7 +169,7 @@ def test_server_openai_client_example(readme_server):
 
 @pytest.mark.source_tree
 def test_benchmark_commands_name_real_files():
-    (code,) = blocks("Benchmarks and GPU", "bash")
+    (code,) = blocks("Benchmarks and GPU", "bash", doc="benches/README.md")
     for path in re.findall(r"(?:python |bash )?((?:benches|scripts)/[\w./-]+\.(?:py|sh))", code):
         assert os.path.exists(os.path.join(ROOT, path)), path
     for bench in re.findall(r"--bench (\w+)", code):

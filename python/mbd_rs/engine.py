@@ -49,7 +49,7 @@ class Engine:
              progress: LoadProgress = None, _kernels: Optional[Dict[str, Any]] = None,
              **options: Unpack[LoadParams]) -> "Engine":
         """Load an HF-format model directory (default: the embedded mbd-tiny model), a GGUF file (llama.cpp's
-        format: qwen2, qwen3, qwen3moe and dream architectures; see the README), or a Hugging Face Hub id
+        format: qwen2, qwen3, qwen3moe and dream architectures; see docs/quantization.md), or a Hugging Face Hub id
         ("org/name", at `revision`: a branch, tag or commit; default "main") through the local Hub cache,
         downloading what is missing (see `hub.resolve_model_path`).
 
