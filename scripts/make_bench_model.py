@@ -14,6 +14,8 @@ import sys
 import numpy as np
 from safetensors.numpy import save_file
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # make_checkpoint.save
+
 SHAPE = {"--hidden": 896, "--layers": 24, "--heads": 14, "--inter": 4864}
 ARGV = sys.argv[1:]
 for _flag in SHAPE:
@@ -29,21 +31,9 @@ D = H // NH
 
 
 def save_bf16(tensors, path):
-    """A safetensors file of bfloat16 tensors (numpy has no bfloat16: round-to-nearest-even on the f32 bits)."""
-    header, blobs, off = {}, [], 0
-    for name in sorted(tensors):
-        a = np.ascontiguousarray(tensors[name], np.float32)
-        bits = a.view(np.uint32)
-        b = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2").tobytes()
-        header[name] = {"dtype": "BF16", "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
-        blobs.append(b)
-        off += len(b)
-    raw = json.dumps(header).encode()
-    raw += b" " * ((8 - len(raw) % 8) % 8)
-    with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little") + raw)
-        for b in blobs:
-            f.write(b)
+    """A safetensors file of bfloat16 tensors (make_checkpoint.save: round-to-nearest-even on the f32 bits)."""
+    from make_checkpoint import save
+    save({name: tensors[name] for name in sorted(tensors)}, path, bf16=True)
 
 
 def main():

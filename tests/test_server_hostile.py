@@ -29,15 +29,9 @@ LONG = {"prompt": [87] * 6000, "max_tokens": 8, "use_cache": False}
 
 
 @pytest.fixture(scope="module")
-def long_ctx(tmp_path_factory):
-    """The embedded model with a 131072-token context (every real checkpoint has 32k-128k)."""
-    d = tmp_path_factory.mktemp("long")
-    for f in os.listdir(mbd_rs.DEFAULT_MODEL):
-        shutil.copy(os.path.join(mbd_rs.DEFAULT_MODEL, f), d)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["max_position_embeddings"] = 131072
-    (d / "config.json").write_text(json.dumps(cfg))
-    return str(d)
+def long_ctx(long_context_model):
+    """The embedded model with a 131072-token context (conftest's)."""
+    return long_context_model
 
 
 @pytest.fixture(scope="module")
