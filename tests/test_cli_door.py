@@ -70,3 +70,19 @@ def test_ctrl_c_in_chat_ends_the_answer_not_the_session(long_context_model):
     assert p.returncode == 0, err
     assert "(interrupted)" in err
     assert "1 2 3" in out
+
+
+def test_serve_names_the_live_views_address():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = subprocess.Popen([sys.executable, "-m", "mbd_rs", "serve", "--port", str(port)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
+    assert f"http://127.0.0.1:{port}/v1" in line and f"live view of decoding: http://127.0.0.1:{port}/" in line, line
+    assert "live view" in cli("serve", "--help").stdout

@@ -444,7 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=_int_in(1, 10_000), default=3, help="timed runs after a warm-up (default: 3)")
     _add_model_flags(b, generates=True)
     _add_gen_flags(b)
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server, with a live view of decoding at its root URL",
+                       description="OpenAI-compatible HTTP server (/v1/...), with a live view of decoding at its root URL "
+                                   "(http://HOST:PORT/ in a browser)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     s.add_argument("--port", type=_int_in(1, 65535), default=8000, help="port (default: 8000)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: no key)")
