@@ -40,6 +40,13 @@ def test_overrides_reach_the_model():
     assert r.returncode == 2 and "attention must be" in r.stderr
 
 
+def test_info_names_the_decoding_defaults():
+    r = cli("info")
+    assert r.returncode == 0, r.stderr
+    row = next(line for line in r.stdout.splitlines() if line.startswith("defaults"))
+    assert "entropy acceptance, tau 0.5, alpha 0.1, beta 0.95, forced progress first" in row, row
+
+
 def test_ctrl_c_in_generate_exits_130_at_once(long_context_model):
     # a prompt whose no-cache recompute takes tens of seconds
     p = subprocess.Popen([sys.executable, "-m", "mbd_rs", "generate", "-m", long_context_model, "-", "--no-cache",

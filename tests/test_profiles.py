@@ -67,3 +67,45 @@ def test_tokenize_roundtrip():
     ids = eng.tokenize("sort 3 1 2 -> 1 2 3")
     assert len(ids) > 3 and all(isinstance(t, int) for t in ids)
     assert eng.detokenize(ids) == "sort 3 1 2 -> 1 2 3"
+
+
+def _defaults(i):
+    return (i.default_acceptance, i.default_threshold, i.default_block_add_threshold,
+            i.default_decoded_token_threshold, i.default_forced_progress, i.default_sub_block_size)
+
+
+def test_family_decoding_defaults_are_the_authors(model_copy):
+    """ModelInfo's default_* fields, per family, against the authors' scripts: SDAR/TraDo decode one block at a
+    time with confidence 0.9; Fast-dLLM v2 the same with sub-blocks of 8 (small_block_size); d3LLM's multi-block
+    decoder entropy 0.5, alpha 0.1, beta 0.95 (the embedded model is d3LLM-style)."""
+    sdar = model_copy("qwen3_headdim_gqa", edit_config=lambda c: c.update(
+        architectures=["SDARForCausalLM"], model_type="sdar", block_size=4, mask_token_id=3))
+    assert _defaults(mbd_rs.Engine.load(sdar).info) == ("confidence", 0.9, 1.0, 0.95, "first", None)
+    fast = model_copy("qwen2_mha_untied", edit_config=lambda c: c.update(
+        architectures=["Fast_dLLM_QwenForCausalLM"], model_type="Fast_dLLM_Qwen", bd_size=16))
+    assert _defaults(mbd_rs.Engine.load(fast).info) == ("confidence", 0.9, 1.0, 0.95, "first", 8)
+    assert _defaults(mbd_rs.Engine.load().info) == ("entropy", 0.5, 0.1, 0.95, "first", None)
+
+
+@pytest.mark.parametrize("model", [None, "sdar"])
+def test_a_request_that_leaves_the_defaults_unset_decodes_with_info_defaults(model, model_copy):
+    if model == "sdar":
+        model = model_copy("qwen3_headdim_gqa", edit_config=lambda c: c.update(
+            architectures=["SDARForCausalLM"], model_type="sdar", block_size=4, mask_token_id=3))
+    eng = mbd_rs.Engine.load(model)
+    i = eng.info
+    text = "sort 7 2 9 4 1 3 8"
+    prompt = eng.chat_ids([{"role": "user", "content": text}]) if i.chat_template else eng.tokenize(text)
+    unset = eng.generate(prompt, max_tokens=24, early_stop=False)
+    explicit = eng.generate(prompt, max_tokens=24, early_stop=False, acceptance=i.default_acceptance,
+                            threshold=i.default_threshold, block_add_threshold=i.default_block_add_threshold,
+                            decoded_token_threshold=i.default_decoded_token_threshold,
+                            forced_progress=i.default_forced_progress)
+    assert explicit.token_ids == unset.token_ids
+    assert explicit.usage.forward_passes == unset.usage.forward_passes
+    # ... and the parameters matter here: accepting every prediction, or none beyond forced progress, changes the
+    # number of forwards
+    eager = eng.generate(prompt, max_tokens=24, early_stop=False, acceptance="confidence", threshold=0.0)
+    strict = eng.generate(prompt, max_tokens=24, early_stop=False, acceptance="confidence", threshold=1.0)
+    assert eager.usage.forward_passes <= unset.usage.forward_passes <= strict.usage.forward_passes
+    assert eager.usage.forward_passes < strict.usage.forward_passes

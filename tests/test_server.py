@@ -103,6 +103,38 @@ def test_chat_streaming(client, engine):
     assert len([c for c in traced if c.choices and c.choices[0].delta.content]) > 1
 
 
+def _steps(server, **body):
+    """The mbd_step events of a streamed chat request with trace="canvas"."""
+    body = dict({"messages": MSG, "max_tokens": 24, "stream": True, "trace": "canvas"}, **body)
+    with httpx.stream("POST", server.base + "/v1/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    return [e["mbd_step"] for e in events if "mbd_step" in e]
+
+
+def test_canvas_steps_mark_the_end_of_the_text(server, engine):
+    """The web view's step events: the canvas as token texts (None: masked) and `end`, the offset of its first
+    end-of-text token (the model's EOS ids, or the request's stop_token_ids), None before one is decoded."""
+    want = [c.step for c in engine.stream_chat(MSG, max_tokens=24, trace="canvas") if c.step]
+    steps = _steps(server)
+    assert [s["index"] for s in steps] == [w.index for w in want]
+    eos = set(engine.info.eos_token_ids)
+    for s, w in zip(steps, want):
+        assert s["canvas"] == [None if t < 0 else engine.detokenize([t], skip_special_tokens=False)
+                               for t in w.canvas]
+        ends = [i for i, t in enumerate(w.canvas) if t in eos]
+        assert s["end"] == (ends[0] if ends else None)
+    assert steps[0]["end"] is None or len(steps) == 1
+    assert steps[-1]["end"] is not None and steps[-1]["end"] == len(engine.chat(MSG, max_tokens=24).token_ids)
+    # a stop token id ends the text where it is first decoded
+    ids = engine.chat(MSG, max_tokens=24).token_ids
+    stop = ids[3]
+    last = _steps(server, stop_token_ids=[stop])[-1]
+    assert last["end"] == ids.index(stop)
+
+
 def test_completion_streaming_and_not(client, engine):
     prompt = engine.apply_chat_template([{"role": "user", "content": "sort 4 1 3"}])
     want = engine.generate(prompt, **GREEDY)

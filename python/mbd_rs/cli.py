@@ -267,6 +267,10 @@ def cmd_info(a: argparse.Namespace) -> int:
         ("decoding", f"{i.attention} attention, block {i.block_size}, {i.alignment} grid, "
                      f"{'shifted' if i.logits_shift else 'unshifted'} logits, mask id {i.mask_token_id}, "
                      f"EOS {i.eos_token_ids}"),
+        ("defaults", f"{i.default_acceptance} acceptance, tau {i.default_threshold:g}, alpha "
+                     f"{i.default_block_add_threshold:g}, beta {i.default_decoded_token_threshold:g}, forced progress "
+                     f"{i.default_forced_progress}"
+                     + (f", sub-blocks of {i.default_sub_block_size}" if i.default_sub_block_size else "")),
         ("supported", "yes"),
     ]
     print("\n".join(f"{k:10s} {v}" for k, v in rows))

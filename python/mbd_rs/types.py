@@ -102,6 +102,14 @@ class ModelInfo:
     num_experts_per_tok: Optional[int]
     mask_token_id: Optional[int]
     block_size: int
+    # the family's decoding defaults: what a request that leaves acceptance, threshold (tau), block_add_threshold
+    # (alpha), decoded_token_threshold (beta), forced_progress or sub_block_size unset decodes with
+    default_acceptance: str
+    default_threshold: float
+    default_block_add_threshold: float
+    default_decoded_token_threshold: float
+    default_forced_progress: str
+    default_sub_block_size: Optional[int]
     eos_token_ids: List[int]
     attention: str
     alignment: str

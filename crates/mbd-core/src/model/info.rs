@@ -34,6 +34,14 @@ pub struct ModelInfo {
     pub num_experts_per_tok: Option<usize>,
     pub mask_token_id: Option<u32>,
     pub block_size: usize,
+    /// The family's decoding defaults (`Profile::decode_defaults`), what a request that leaves them unset decodes
+    /// with: acceptance policy, tau, alpha, beta, forced progress, sub-block size.
+    pub default_acceptance: String,
+    pub default_threshold: f64,
+    pub default_block_add_threshold: f64,
+    pub default_decoded_token_threshold: f64,
+    pub default_forced_progress: String,
+    pub default_sub_block_size: Option<usize>,
     pub eos_token_ids: Vec<u32>,
     pub attention: String,
     pub alignment: String,
@@ -70,6 +78,12 @@ pub const MODEL_INFO_FIELDS: &[(&str, &str)] = &[
     ("num_experts_per_tok", "Optional[int]"),
     ("mask_token_id", "Optional[int]"),
     ("block_size", "int"),
+    ("default_acceptance", "str"),
+    ("default_threshold", "float"),
+    ("default_block_add_threshold", "float"),
+    ("default_decoded_token_threshold", "float"),
+    ("default_forced_progress", "str"),
+    ("default_sub_block_size", "Optional[int]"),
     ("eos_token_ids", "List[int]"),
     ("attention", "str"),
     ("alignment", "str"),
@@ -84,6 +98,7 @@ impl Model {
     /// What is known about this model.
     pub fn info(&self) -> ModelInfo {
         let (c, p) = (&self.config, &self.profile);
+        let d = p.decode_defaults();
         ModelInfo {
             path: self.dir.display().to_string(),
             family: p.family.name().into(),
@@ -106,6 +121,12 @@ impl Model {
             num_experts_per_tok: c.moe.as_ref().map(|x| x.num_experts_per_tok),
             mask_token_id: p.mask_token_id,
             block_size: p.block_size,
+            default_acceptance: d.acceptance.name().into(),
+            default_threshold: d.threshold,
+            default_block_add_threshold: d.block_add_threshold,
+            default_decoded_token_threshold: d.decoded_token_threshold,
+            default_forced_progress: d.forced_progress.name().into(),
+            default_sub_block_size: d.sub_block_size,
             eos_token_ids: p.eos_token_ids.clone(),
             attention: p.attention.name().into(),
             alignment: p.alignment.name().into(),
