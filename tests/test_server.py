@@ -125,7 +125,7 @@ def test_canvas_steps_mark_the_end_of_the_text(server, engine):
         assert s["canvas"] == [None if t < 0 else engine.detokenize([t], skip_special_tokens=False)
                                for t in w.canvas]
         ends = [i for i, t in enumerate(w.canvas) if t in eos]
-        assert s["end"] == (ends[0] if ends else None)
+        assert s["end"] == w.end == (ends[0] if ends else None)
     assert steps[0]["end"] is None or len(steps) == 1
     assert steps[-1]["end"] is not None and steps[-1]["end"] == len(engine.chat(MSG, max_tokens=24).token_ids)
     # a stop token id ends the text where it is first decoded

@@ -40,6 +40,7 @@ class StepEvent:
     blocks: List[Tuple[int, int, str]]  # (start, end, state) per block; state: inactive|activated|fully_activated|completed
     tokens_per_forward: float  # tokens decoded by acceptance / forced progress per forward so far
     canvas: Optional[List[int]]  # the generated region, -1 for masks (trace="canvas")
+    end: Optional[int]  # offset of the first decoded end-of-text token (EOS or stop_token_ids), None while none
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ fn output_dict<'py>(py: Python<'py>, o: StepOutput) -> PyResult<Bound<'py, PyDic
         ed.set_item("blocks", blocks)?;
         ed.set_item("tokens_per_forward", e.tokens_per_forward)?;
         ed.set_item("canvas", e.canvas)?;
+        ed.set_item("end", e.end)?;
         d.set_item("step", ed)?;
     } else {
         d.set_item("step", py.None())?;

@@ -95,6 +95,7 @@ class _Routes:
         self.created = int(time.time())
         self.shapes = Shapes(engine)
         self.tok_info: dict[str, Any] = {}
+        self._page: str | None = None
         self.stopping = False
         self._longest_token = 0
 
@@ -361,7 +362,7 @@ class _Routes:
                     lps = ch.logprobs if req.logprobs is not None else None
                     c = choice(i, ch.text, ch.finish_reason, lps=lps, n_tokens=len(ch.token_ids))
                     if ch.step is not None:
-                        yield event([c], step=shapes.step_json(ch.step, req.params.get("stop_token_ids")))
+                        yield event([c], step=shapes.step_json(ch.step))
                     elif ch.text or ch.finish_reason or c["logprobs"]:
                         yield event([c])
                     if ch.finish_reason:
@@ -375,17 +376,23 @@ class _Routes:
         finally:
             lease.release()  # cancels the generations first if the client went away mid-stream
 
+    def page(self) -> str:
+        """The web view for this server, rendered on the first visit and kept."""
+        if self._page is None:
+            page = (importlib.resources.files("mbd_rs") / "web" / "index.html").read_text(encoding="utf-8")
+            i = self.engine.info
+            # the family's defaults, shown in the fields a request may leave empty; a script literal ("<" escaped:
+            # no "</script>" can end it)
+            defaults = {"family": i.family, "block_size": i.block_size, "acceptance": i.default_acceptance,
+                        "threshold": i.default_threshold, "block_add_threshold": i.default_block_add_threshold,
+                        "decoded_token_threshold": i.default_decoded_token_threshold}
+            self._page = page.replace("{{MODEL}}", html.escape(self.name)).replace(
+                "{{KEY_NEEDED}}", "true" if self.api_key else "false").replace(
+                "{{DEFAULTS}}", json.dumps(defaults).replace("<", "\\u003c"))
+        return self._page
+
     async def index(self, request: Request) -> Response:
-        page = (importlib.resources.files("mbd_rs") / "web" / "index.html").read_text(encoding="utf-8")
-        i = self.engine.info
-        # the family's defaults, shown in the fields a request may leave empty; a script literal ("<" escaped: no
-        # "</script>" can end it)
-        defaults = {"family": i.family, "block_size": i.block_size, "acceptance": i.default_acceptance,
-                    "threshold": i.default_threshold, "block_add_threshold": i.default_block_add_threshold,
-                    "decoded_token_threshold": i.default_decoded_token_threshold}
-        return HTMLResponse(page.replace("{{MODEL}}", html.escape(self.name)).replace(
-            "{{KEY_NEEDED}}", "true" if self.api_key else "false").replace(
-            "{{DEFAULTS}}", json.dumps(defaults).replace("<", "\\u003c")))
+        return HTMLResponse(self.page())
 
     async def completions(self, request: Request) -> Response:
         return await self.handle(request, chat=False)

@@ -359,19 +359,13 @@ class Shapes:
         tail = self.legacy_logprobs(entries, TextOffsets(len(echo.text)))
         return {key: head[key] + tail[key] for key in head}
 
-    def step_json(self, ev: StepEvent, stop_token_ids: Any = None) -> dict[str, Any]:
-        """A forward pass as the web view's "mbd_step" event. With the canvas, `end` is the offset of its first
-        end-of-text token (the model's EOS ids and the request's stop_token_ids; None while there is none): the
-        answer ends there, and what the decoder wrote after it is fill the view collapses."""
-        d: dict[str, Any] = {"index": ev.index, "decoded": ev.decoded, "blocks": ev.blocks,
-                             "tokens_per_forward": ev.tokens_per_forward, "canvas": None}
-        if ev.canvas is not None:
-            ends = set(self.engine.info.eos_token_ids)
-            if isinstance(stop_token_ids, (list, tuple)):
-                ends.update(t for t in stop_token_ids if isinstance(t, int))
-            d["canvas"] = [None if t < 0 else self.piece(t) for t in ev.canvas]
-            d["end"] = next((i for i, t in enumerate(ev.canvas) if t in ends), None)
-        return d
+    def step_json(self, ev: StepEvent) -> dict[str, Any]:
+        """A forward pass as the web view's "mbd_step" event; `end` is where the text ends (the first end-of-text
+        token: EOS or the request's stop_token_ids; None while there is none), and what the decoder wrote after it
+        is fill the view collapses."""
+        return {"index": ev.index, "decoded": ev.decoded, "blocks": ev.blocks,
+                "tokens_per_forward": ev.tokens_per_forward, "end": ev.end,
+                "canvas": None if ev.canvas is None else [None if t < 0 else self.piece(t) for t in ev.canvas]}
 
 
 def fit_positions(n_prompt: int, params: dict[str, Any], cap: int, context: int) -> dict[str, Any]:

@@ -219,6 +219,12 @@ impl Decoder {
         self.decoded.iter().filter(|&&d| !d).count()
     }
 
+    /// The first decoded end-of-text token (one of `eos_ids`: the model's EOS and the request's stop token ids), as
+    /// an offset from the prompt's end: where the text ends.
+    pub fn first_eos(&self) -> Option<usize> {
+        (0..self.n).find(|&i| self.decoded[i] && self.params.eos_ids.contains(&self.tokens[i]))
+    }
+
     /// Steps 1-4. Returns the masked positions (absolute, ascending) of created blocks that the next
     /// forward must predict, or None when decoding has stopped.
     pub fn plan(&mut self) -> Option<Vec<usize>> {
@@ -227,8 +233,7 @@ impl Decoder {
         }
         // 1. EOS fill
         if self.params.early_stop {
-            let first_eos = (0..self.n).find(|&i| self.decoded[i] && self.params.eos_ids.contains(&self.tokens[i]));
-            if let Some(e) = first_eos {
+            if let Some(e) = self.first_eos() {
                 self.eos_filled = true;
                 let t = self.tokens[e];
                 for i in e + 1..self.n {

@@ -54,6 +54,8 @@ pub struct StepEvent {
     pub tokens_per_forward: f64,
     /// Generated region, -1 for masks (only with trace "canvas").
     pub canvas: Option<Vec<i64>>,
+    /// Offset of the first decoded end-of-text token (`Decoder::first_eos`), None while there is none.
+    pub end: Option<usize>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -266,6 +268,7 @@ impl Output {
             },
             canvas: (self.trace == TraceMode::Canvas)
                 .then(|| (0..dec.n).map(|i| if dec.decoded[i] { dec.tokens[i] as i64 } else { -1 }).collect()),
+            end: dec.first_eos(),
         }
     }
 }
