@@ -6,6 +6,9 @@ import pytest
 import mbd_rs
 from conftest import parity_dir
 
+# an SDAR checkpoint: a Qwen3 one with SDAR's architecture, block size and mask token
+SDAR = dict(architectures=["SDARForCausalLM"], model_type="sdar", block_size=4, mask_token_id=3)
+
 
 def test_plain_qwen_is_a_causal_lm():
     i = mbd_rs.Engine.load(parity_dir("qwen2_gqa_tied")).info
@@ -21,8 +24,7 @@ def test_moe_info():
 
 
 def test_sdar_profile(model_copy):
-    d = model_copy("qwen3_headdim_gqa", edit_config=lambda c: c.update(
-        architectures=["SDARForCausalLM"], model_type="sdar", block_size=4, mask_token_id=3))
+    d = model_copy("qwen3_headdim_gqa", edit_config=lambda c: c.update(SDAR))
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     i = mbd_rs.Engine.load(d).info
     assert (i.family, i.arch, i.attention, i.alignment, i.logits_shift) == ("sdar", "qwen3", "block_causal", "absolute", False)
@@ -54,8 +56,7 @@ def test_overrides_win(model_copy):
 
 def test_profile_attention_is_the_default_for_logits(model_copy):
     import numpy as np
-    d = model_copy("qwen3_headdim_gqa", edit_config=lambda c: c.update(
-        architectures=["SDARForCausalLM"], model_type="sdar", block_size=4, mask_token_id=3))
+    d = model_copy("qwen3_headdim_gqa", edit_config=lambda c: c.update(SDAR))
     eng = mbd_rs.Engine.load(d)
     exp = np.load(f"{parity_dir('qwen3_headdim_gqa')}/expected.npz")
     got = eng.logits(exp["ids"])
@@ -78,8 +79,7 @@ def test_family_decoding_defaults_are_the_authors(model_copy):
     """ModelInfo's default_* fields, per family, against the authors' scripts: SDAR/TraDo decode one block at a
     time with confidence 0.9; Fast-dLLM v2 the same with sub-blocks of 8 (small_block_size); d3LLM's multi-block
     decoder entropy 0.5, alpha 0.1, beta 0.95 (the embedded model is d3LLM-style)."""
-    sdar = model_copy("qwen3_headdim_gqa", edit_config=lambda c: c.update(
-        architectures=["SDARForCausalLM"], model_type="sdar", block_size=4, mask_token_id=3))
+    sdar = model_copy("qwen3_headdim_gqa", edit_config=lambda c: c.update(SDAR))
     assert _defaults(mbd_rs.Engine.load(sdar).info) == ("confidence", 0.9, 1.0, 0.95, "first", None)
     fast = model_copy("qwen2_mha_untied", edit_config=lambda c: c.update(
         architectures=["Fast_dLLM_QwenForCausalLM"], model_type="Fast_dLLM_Qwen", bd_size=16))
@@ -90,8 +90,7 @@ def test_family_decoding_defaults_are_the_authors(model_copy):
 @pytest.mark.parametrize("model", [None, "sdar"])
 def test_a_request_that_leaves_the_defaults_unset_decodes_with_info_defaults(model, model_copy):
     if model == "sdar":
-        model = model_copy("qwen3_headdim_gqa", edit_config=lambda c: c.update(
-            architectures=["SDARForCausalLM"], model_type="sdar", block_size=4, mask_token_id=3))
+        model = model_copy("qwen3_headdim_gqa", edit_config=lambda c: c.update(SDAR))
     eng = mbd_rs.Engine.load(model)
     i = eng.info
     text = "sort 7 2 9 4 1 3 8"

@@ -29,19 +29,24 @@ KEY = "sk-web"
 
 
 @pytest.fixture(scope="module")
-def server():
+def engine():
+    return mbd_rs.Engine.load()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
     from test_server import Server
-    s = Server(mbd_rs.Engine.load(), api_key=KEY, max_concurrency=2)
+    s = Server(engine, api_key=KEY, max_concurrency=2)
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="module")
-def open_server():
+def open_server(engine):
     """A key-less server that checks Host, as `mbd-rs serve` on 127.0.0.1 runs."""
     from mbd_rs.server.net import allowed_hosts
     from test_server import Server
-    s = Server(mbd_rs.Engine.load(), max_concurrency=2, allowed_hosts=allowed_hosts("127.0.0.1"))
+    s = Server(engine, max_concurrency=2, allowed_hosts=allowed_hosts("127.0.0.1"))
     yield s
     s.stop()
 
@@ -157,32 +162,9 @@ def browse(url, *extra):
     return r.stdout
 
 
-class AccessLog(logging.Handler):
-    """The server's access log lines ("mbd_rs.server"), as they come."""
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-    def __enter__(self):
-        log = logging.getLogger("mbd_rs.server")
-        self._level = log.level
-        log.setLevel(logging.INFO)
-        log.addHandler(self)
-        return self
-
-    def __exit__(self, *exc):
-        log = logging.getLogger("mbd_rs.server")
-        log.removeHandler(self)
-        log.setLevel(self._level)
-
-
-def test_page_decodes_a_prompt_on_a_click_and_draws_the_blocks(server, browser, tmp_path):
+def test_page_decodes_a_prompt_on_a_click_and_draws_the_blocks(server, engine, browser, tmp_path):
     prompt = "sort 5 3 8 1 9 2"
-    want = mbd_rs.Engine.load().chat([{"role": "user", "content": prompt}], max_tokens=48, block_size=4)
+    want = engine.chat([{"role": "user", "content": prompt}], max_tokens=48, block_size=4)
     url = f"{server.base}/?" + urllib.parse.urlencode({"prompt": prompt, "key": KEY})
     browser.open(url)
     time.sleep(0.5)
@@ -217,11 +199,10 @@ def _steps(engine, prompt, **kw):
                                                trace="canvas", **kw) if c.step]
 
 
-def test_replay_plays_the_recorded_run_one_forward_at_a_time(server, browser):
+def test_replay_plays_the_recorded_run_one_forward_at_a_time(server, engine, browser):
     """Before: a run of the embedded model lasted 30-60 ms and the view showed only its last state. Now the run is
     recorded, replayed at a chosen pace (one forward per tick, the answer growing as it did), and any forward can be
     drawn again from the slider."""
-    engine = mbd_rs.Engine.load()
     prompt = "hello Grace"
     want = _steps(engine, prompt)
     assert len(want) >= 4  # enough forwards to watch
@@ -263,11 +244,10 @@ def test_replay_plays_the_recorded_run_one_forward_at_a_time(server, browser):
         assert "".join(p for p in pieces if p != "·").startswith(text(browser, "answer"))
 
 
-def test_the_end_of_text_fill_is_collapsed(server, browser):
+def test_the_end_of_text_fill_is_collapsed(server, engine, browser):
     """Before: every token the decoder wrote after the end of the text was drawn, each as its full special-token
     text ("<|endoftext|>"), flooding the canvas. Now the end is one small cell and the rest one line, its counts
     those of the engine's trace."""
-    engine = mbd_rs.Engine.load()
     prompt = "hello Grace"
     last = _steps(engine, prompt)[-1].canvas
     eos = set(engine.info.eos_token_ids)
@@ -285,10 +265,10 @@ def test_the_end_of_text_fill_is_collapsed(server, browser):
                                      f"{never} position{'' if never == 1 else 's'} never decoded")
 
 
-def test_empty_fields_show_the_family_defaults(server, browser):
+def test_empty_fields_show_the_family_defaults(server, engine, browser):
     """Before: the τ/α/β fields and the policy said 'family', unexplained. Now they show the model family's
     defaults (ModelInfo.default_*), and a line says what an empty field decodes with."""
-    i = mbd_rs.Engine.load().info
+    i = engine.info
     browser.open(f"{server.base}/")
     for field, value in [("threshold", i.default_threshold), ("block_add_threshold", i.default_block_add_threshold),
                          ("decoded_token_threshold", i.default_decoded_token_threshold),
@@ -319,15 +299,15 @@ def test_a_failed_run_clears_the_last_runs_statistics(server, browser):
     assert browser.eval("document.getElementById('player').hidden")
 
 
-def test_a_link_does_not_make_the_server_generate(open_server):
+def test_a_link_does_not_make_the_server_generate(open_server, caplog):
     """Before: /?prompt=...&run=1 ran the prompt on load, so any link (or a page of another origin) made a
     key-less server generate."""
     url = f"{open_server.base}/?" + urllib.parse.urlencode({"prompt": "sort 3 1 2", "run": 1, "sync": 1})
-    with AccessLog() as log:
+    with caplog.at_level(logging.INFO, logger="mbd_rs.server"):
         dom = browse(url, "--dump-dom")
     assert 'id="run"' in dom
-    assert any(" GET / " in line for line in log.lines), log.lines
-    assert not any("/v1/" in line for line in log.lines), log.lines
+    assert any(" GET / " in line for line in caplog.messages), caplog.messages
+    assert not any("/v1/" in line for line in caplog.messages), caplog.messages
 
 
 class _Attacker(http.server.BaseHTTPRequestHandler):
@@ -343,7 +323,7 @@ class _Attacker(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_a_page_of_another_origin_cannot_drive_the_server_through_a_frame(open_server):
+def test_a_page_of_another_origin_cannot_drive_the_server_through_a_frame(open_server, caplog):
     """Before: a page of another origin framing /?prompt=...&run=1 made the key-less server generate (undoing the
     JSON-only rule against cross-site posts). Now the view is not framed (X-Frame-Options: DENY, CSP
     frame-ancestors 'none') and runs only on a click; the server sees the frame's GET and nothing more."""
@@ -353,13 +333,13 @@ def test_a_page_of_another_origin_cannot_drive_the_server_through_a_frame(open_s
     evil = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Attacker)
     threading.Thread(target=evil.serve_forever, daemon=True).start()
     try:
-        with AccessLog() as log:
+        with caplog.at_level(logging.INFO, logger="mbd_rs.server"):
             # another origin: another host name and port
             dom = browse(f"http://localhost:{evil.server_address[1]}/", "--dump-dom")
             time.sleep(0.5)
     finally:
         evil.shutdown()
     assert "cute cats" in dom
-    assert any(" GET / " in line for line in log.lines), log.lines  # the frame was requested ...
-    assert not any("/v1/" in line for line in log.lines), log.lines  # ... and generated nothing
+    assert any(" GET / " in line for line in caplog.messages), caplog.messages  # the frame was requested ...
+    assert not any("/v1/" in line for line in caplog.messages), caplog.messages  # ... and generated nothing
     assert open_server.app.state.slots.active == 0
