@@ -2,7 +2,7 @@
 //! the binding only wraps it). Model calls that need no scheduler (tokenize, logits, scores) are the `Model`'s.
 
 use crate::error::Result;
-use crate::generate::generation::{Generation, StepOutput};
+use crate::generate::generation::Generation;
 use crate::generate::scheduler::{Scheduler, StreamHandle};
 use crate::model::Model;
 use crate::params::load::{BatchLimits, LoadOptions};
@@ -44,18 +44,5 @@ impl Engine {
     /// arrive on the handle; dropping the handle cancels it.
     pub fn submit(&self, prompt: Vec<u32>, req: &GenRequest) -> Result<StreamHandle> {
         self.scheduler.submit(Generation::new(self.model.clone(), prompt, req)?)
-    }
-
-    /// Run a generation to its end: every output absorbed into one (the whole completion, its usage).
-    pub fn generate(&self, prompt: Vec<u32>, req: &GenRequest) -> Result<StepOutput> {
-        let mut all: Option<StepOutput> = None;
-        for out in self.submit(prompt, req)? {
-            let out = out?;
-            match all.as_mut() {
-                Some(a) => a.absorb(out),
-                None => all = Some(out),
-            }
-        }
-        all.ok_or_else(|| crate::error::Error::Internal("a generation ended without an output".into()))
     }
 }

@@ -125,6 +125,14 @@ impl CoreEngine {
     /// field order (`MODEL_INFO_FIELDS`).
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let v = serde_json::to_value(self.inner.model().info()).map_err(|e| to_py(Error::Internal(e.to_string())))?;
+        // the table names exactly the struct's fields (a field left off it would never reach Python)
+        let names: std::collections::BTreeSet<&str> =
+            v.as_object().into_iter().flatten().map(|(k, _)| k.as_str()).collect();
+        if names != MODEL_INFO_FIELDS.iter().map(|(n, _)| *n).collect() {
+            return Err(to_py(Error::Internal(format!(
+                "ModelInfo's fields {names:?} are not MODEL_INFO_FIELDS (crates/mbd-core/src/model/info.rs)"
+            ))));
+        }
         let d = PyDict::new(py);
         for (name, _) in MODEL_INFO_FIELDS {
             d.set_item(name, json_to_py(py, &v[*name])?)?;

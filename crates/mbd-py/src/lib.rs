@@ -8,6 +8,7 @@ mod engine;
 mod stream;
 
 use mbd_core::error::catch_panic;
+use mbd_core::generate::plan::DEFAULT_MAX_TOKENS;
 use mbd_core::model::info::MODEL_INFO_FIELDS;
 use mbd_core::params::load::ALL_LOAD_PARAMS;
 use mbd_core::params::request::{
@@ -110,6 +111,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("KERNEL_SWITCHES", PyTuple::new(py, KERNEL_SWITCHES)?)?;
     m.add("LOAD_OPTIONS", PyTuple::new(py, ALL_LOAD_PARAMS)?)?;
     m.add("MODEL_INFO_FIELDS", PyTuple::new(py, MODEL_INFO_FIELDS)?)?;
+    m.add("DEFAULT_MAX_TOKENS", DEFAULT_MAX_TOKENS)?;
     // At import, before any stream runs: pin the CPU thread count once (see mbd_core::cpu_pool).
     m.add("cpu_threads", mbd_core::cpu_pool::pin_thread_count())?;
     Ok(())

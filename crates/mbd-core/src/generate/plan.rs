@@ -12,7 +12,7 @@ use crate::net::mask::{Alignment, AttentionKind, BlockGrid};
 use crate::params::request::{GenRequest, Params, TraceMode};
 
 /// Default completion length: 256 tokens, or what is left of the context.
-const DEFAULT_MAX_TOKENS: usize = 256;
+pub const DEFAULT_MAX_TOKENS: usize = 256;
 /// Default cap on forward passes.
 const DEFAULT_MAX_FORWARD_PASSES: usize = 10_000;
 

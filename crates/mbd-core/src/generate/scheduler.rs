@@ -101,11 +101,7 @@ impl Iterator for StreamHandle {
     /// The next output, waiting for it; None once the generation has finished (its final output was read),
     /// failed (the error was read) or was dropped.
     fn next(&mut self) -> Option<Result<StepOutput>> {
-        if self.done {
-            return None;
-        }
-        let r = self.recv(true)?;
-        Some(self.deliver(r))
+        self.next_waiting(Wait::Block).unwrap_or(None)
     }
 }
 
@@ -113,25 +109,26 @@ impl Iterator for StreamHandle {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Waiting;
 
+/// How a read of the stream's channel waits: not at all, until an output (or the end) comes, or at most a while.
+#[derive(Debug, Clone, Copy)]
+enum Wait {
+    Poll,
+    Block,
+    Within(Duration),
+}
+
 impl StreamHandle {
     /// `next`, waiting at most `timeout` for the next output (a caller that must stay responsive, e.g. to an
     /// interrupt, polls with this).
     pub fn next_within(&mut self, timeout: Duration) -> std::result::Result<Option<Result<StepOutput>>, Waiting> {
+        self.next_waiting(Wait::Within(timeout))
+    }
+
+    fn next_waiting(&mut self, wait: Wait) -> std::result::Result<Option<Result<StepOutput>>, Waiting> {
         if self.done {
             return Ok(None);
         }
-        let r = match self.held.take() {
-            Some(h) => h,
-            None => match self.rx.recv_timeout(timeout) {
-                Ok(r) => {
-                    self.read_one();
-                    r
-                }
-                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => return Err(Waiting),
-                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return Ok(None),
-            },
-        };
-        Ok(Some(self.deliver(r)))
+        Ok(self.recv(wait)?.map(|r| self.deliver(r)))
     }
 
     /// The output `r` as delivered: with the outputs that piled up behind it merged in, and the stream marked done
@@ -143,7 +140,7 @@ impl StreamHandle {
             if o.finish_reason.is_some() || o.event.is_some() {
                 break;
             }
-            match self.recv(false) {
+            match self.recv(Wait::Poll).unwrap_or(None) {
                 Some(Ok(next)) if next.event.is_none() => o.absorb(next),
                 Some(other) => {
                     // an event or an error: deliver what we have now, that one next time
@@ -164,16 +161,25 @@ impl StreamHandle {
         r
     }
 
-    /// One output from the channel (or the one held back), waiting for it when `wait`.
-    fn recv(&mut self, wait: bool) -> Option<Result<StepOutput>> {
+    /// One output from the channel (or the one held back), waiting for it as `wait` says; None when there is none
+    /// (the generation is gone, or nothing is there to poll).
+    fn recv(&mut self, wait: Wait) -> std::result::Result<Option<Result<StepOutput>>, Waiting> {
         if let Some(h) = self.held.take() {
-            return Some(h);
+            return Ok(Some(h));
         }
-        let r = if wait { self.rx.recv().ok() } else { self.rx.try_recv().ok() };
+        let r = match wait {
+            Wait::Poll => self.rx.try_recv().ok(),
+            Wait::Block => self.rx.recv().ok(),
+            Wait::Within(t) => match self.rx.recv_timeout(t) {
+                Ok(r) => Some(r),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => return Err(Waiting),
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => None,
+            },
+        };
         if r.is_some() {
             self.read_one();
         }
-        r
+        Ok(r)
     }
 
     /// Count one output read off the channel.
@@ -210,8 +216,11 @@ impl Canceller {
 }
 
 impl Drop for StreamHandle {
+    /// The client is gone: a forward running for it stops between layers (as a cancel), and it leaves with no
+    /// output.
     fn drop(&mut self) {
         self.c.ctl.gone.store(true, Ordering::SeqCst);
+        self.c.ctl.cancelled.cancel();
         self.c.shared.notify();
     }
 }
@@ -464,6 +473,8 @@ fn run_tick(
     shared.rows.fetch_add(rows, Ordering::Relaxed);
     let results: Vec<Result<candle_core::Tensor>> = match model.net.forward_segments(&mut segs) {
         Ok(ls) => ls.into_iter().map(Ok).collect(),
+        // every segment was cancelled: each ends so, with no forward of its own
+        Err(Error::Cancelled(m)) => segs.iter().map(|_| Err(Error::Cancelled(m.clone()))).collect(),
         Err(_) if segs.len() > 1 => {
             // one segment's failure (e.g. memory) must not fail the others: run each alone to tell them apart
             segs.iter_mut()

@@ -188,6 +188,24 @@ impl QMatrix {
         Ok(QMatrix { format, n, k, data })
     }
 
+    /// Matrices of one format and depth stacked (their rows one after another), as built (their scales were
+    /// checked when each was); None when the parts differ in format or depth.
+    pub fn stack(parts: &[&QMatrix]) -> Result<Option<QMatrix>> {
+        let Some(first) = parts.first() else { return Ok(None) };
+        if parts.iter().any(|p| p.k != first.k || p.format != first.format) {
+            return Ok(None);
+        }
+        let n = parts.iter().map(|p| p.n).sum();
+        let mut data = Vec::new();
+        data.try_reserve_exact(parts.iter().map(|p| p.data.len()).sum()).map_err(|_| {
+            Error::load(format!("cannot allocate a stacked {n}x{} {} matrix", first.k, first.format.name()))
+        })?;
+        for p in parts {
+            data.extend_from_slice(&p.data);
+        }
+        Ok(Some(QMatrix { format: first.format, n, k: first.k, data }))
+    }
+
     /// Build from GGUF block bytes (n rows of k values in `format`). Refuses blocks whose f16 scale (or q4_k's
     /// min scale) is NaN or infinite: such a matrix would only ever give NaN logits (q6_k's 8-bit sub-scales
     /// times a finite d stay finite).

@@ -282,15 +282,19 @@ impl Header {
                 let n = self.u64()?;
                 self.skip(n)
             }
-            9 => {
-                let (et, n) = self.array_head(key, depth)?;
-                match fixed_size(et) {
-                    Some(s) => self.skip(s * n as u64),
-                    None => (0..n).try_for_each(|_| self.skip_value(et, key, depth + 1)),
-                }
-            }
+            9 => self.skip_array(key, depth).map(|_| ()),
             _ => Err(self.bad(format!("metadata '{key}' has unknown value type {t}"))),
         }
+    }
+
+    /// Move past an array value without building it; returns its length.
+    fn skip_array(&mut self, key: &str, depth: usize) -> Result<usize> {
+        let (et, n) = self.array_head(key, depth)?;
+        match fixed_size(et) {
+            Some(s) => self.skip(s * n as u64)?,
+            None => (0..n).try_for_each(|_| self.skip_value(et, key, depth + 1))?,
+        }
+        Ok(n)
     }
     /// One metadata value of type `t`, built: its text and an array's values are counted against
     /// `MAX_METADATA_BYTES` before they are allocated (the value itself by the caller).
@@ -375,11 +379,7 @@ impl GgufFile {
             if !read_key(&key) {
                 h.skip_value(t, &key, 0)?;
             } else if t == 9 && !ARRAYS_READ.contains(&key.as_str()) {
-                let (et, n) = h.array_head(&key, 0)?;
-                match fixed_size(et) {
-                    Some(s) => h.skip(s * n as u64)?,
-                    None => (0..n).try_for_each(|_| h.skip_value(et, &key, 1))?,
-                }
+                let n = h.skip_array(&key, 0)?;
                 arrays.insert(key.clone(), n as u64);
             } else {
                 h.charge(std::mem::size_of::<Value>() as u64, &|| format!("metadata '{key}'"))?;

@@ -44,10 +44,20 @@ struct AddedToken {
 /// A tokenizer from the text of a tokenizer.json (`label`: where it came from, for messages).
 pub fn tokenizer_from_json(text: &str, label: &str) -> Result<tokenizers::Tokenizer> {
     let bad = |why: String| Error::load(format!("{label}: not a valid tokenizer: {why}"));
-    serde_json::from_str::<serde::de::IgnoredAny>(text).map_err(|e| {
+    let malformed = |e: serde_json::Error| {
         bad(format!("malformed JSON ({:?} error at line {} column {})", e.classify(), e.line(), e.column()))
-    })?;
-    if let Ok(a) = serde_json::from_str::<AddedTokens>(text) {
+    };
+    // one pass reads the added tokens and checks the syntax of the whole text; where the added tokens are not of
+    // the expected shape (the tokenizers library names that), the syntax is checked alone
+    let added = match serde_json::from_str::<AddedTokens>(text) {
+        Ok(a) => Some(a),
+        Err(e) if e.is_data() => {
+            serde_json::from_str::<serde::de::IgnoredAny>(text).map_err(malformed)?;
+            None
+        }
+        Err(e) => return Err(malformed(e)),
+    };
+    if let Some(a) = added {
         for (i, t) in a.added_tokens.iter().enumerate() {
             let n = t.content.as_ref().map_or(0, |c| c.len());
             if n > MAX_ADDED_TOKEN_BYTES {

@@ -117,10 +117,10 @@ impl Model {
         let added = self.tokenizer.get_added_tokens_decoder();
         ids.iter()
             .map(|&id| {
-                let piece = self.tokenizer.id_to_token(id).unwrap_or_default();
                 if let Some(t) = added.get(&id) {
                     return Ok(t.content.clone().into_bytes());
                 }
+                let piece = self.tokenizer.id_to_token(id).unwrap_or_default();
                 if let Some(b) = byte_fallback(&piece) {
                     return Ok(vec![b]);
                 }
@@ -170,18 +170,28 @@ fn byte_fallback(piece: &str) -> Option<u8> {
     u8::from_str_radix(hex, 16).ok()
 }
 
+/// The bytes GPT-2's byte-level alphabet spells as themselves.
+const fn printable(b: u8) -> bool {
+    (b >= b'!' && b <= b'~') || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE
+}
+
+/// The other 68 bytes, in byte order: the alphabet spells the i-th as U+0100 + i.
+const SHIFTED: [u8; 68] = {
+    let mut shifted = [0u8; 68];
+    let (mut b, mut n) = (0usize, 0usize);
+    while b < 256 {
+        if !printable(b as u8) {
+            shifted[n] = b as u8;
+            n += 1;
+        }
+        b += 1;
+    }
+    shifted
+};
+
 /// The bytes of a byte-level BPE token (GPT-2's alphabet: each byte is one character, the printable ones as
 /// themselves, the other 68 as U+0100 onwards in byte order); None when a character is outside that alphabet.
 fn byte_level_bytes(piece: &str) -> Option<Vec<u8>> {
-    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
-    let mut shifted = [0u8; 68];
-    let mut n = 0;
-    for b in 0..=255u8 {
-        if !printable(b) {
-            shifted[n] = b;
-            n += 1;
-        }
-    }
     piece
         .chars()
         .map(|c| {
@@ -189,7 +199,7 @@ fn byte_level_bytes(piece: &str) -> Option<Vec<u8>> {
             if u < 256 && printable(u as u8) {
                 Some(u as u8)
             } else if (256..256 + 68).contains(&u) {
-                Some(shifted[(u - 256) as usize])
+                Some(SHIFTED[(u - 256) as usize])
             } else {
                 None
             }

@@ -10,7 +10,6 @@
 
 use crate::error::{Error, Result};
 use crate::kernels::blocks::{QMatrix, QuantFormat};
-use crate::kernels::cpu::Cpu;
 use crate::kernels::panels::{PackedMatrix, Source};
 use crate::kernels::qdot::DotMatrix;
 use crate::kernels::skinny::{matmul_q, matmul_t};
@@ -124,23 +123,11 @@ impl Matrix {
                 let Some(ds) = ds else { return Ok(None) };
                 Ok(DotMatrix::stack(&ds)?.map(|d| Matrix::Dot(Arc::new(d))))
             }
-            [Matrix::Quant(first), ..] => {
-                let mut qs = Vec::with_capacity(parts.len());
-                for m in parts {
-                    match m {
-                        Matrix::Quant(q) if q.format == first.format && q.k == first.k => qs.push(q),
-                        _ => return Ok(None),
-                    }
-                }
-                let n = qs.iter().map(|q| q.n).sum();
-                let mut data = Vec::new();
-                data.try_reserve_exact(qs.iter().map(|q| q.bytes().len()).sum()).map_err(|_| {
-                    Error::load(format!("cannot allocate a stacked {n}x{} {} matrix", first.k, first.format.name()))
-                })?;
-                for q in qs {
-                    data.extend_from_slice(q.bytes());
-                }
-                Ok(Some(Matrix::Quant(Arc::new(QMatrix::from_bytes(first.format, n, first.k, data)?))))
+            [Matrix::Quant(_), ..] => {
+                let qs: Option<Vec<&QMatrix>> =
+                    parts.iter().map(|m| if let Matrix::Quant(q) = m { Some(&**q) } else { None }).collect();
+                let Some(qs) = qs else { return Ok(None) };
+                Ok(QMatrix::stack(&qs)?.map(|q| Matrix::Quant(Arc::new(q))))
             }
         }
     }
@@ -237,7 +224,7 @@ impl HoldPolicy {
         }
         // 8-bit activations: CUDA's quantized products (candle's kernels) always round them; the CPU's integer dot
         // products need float32 compute and AVX2. Off where nothing ends up quantized (`Holder::finish`).
-        let int8_here = device.is_cuda() || cpu_kernels_run(device, dtype) && Cpu::get().avx2();
+        let int8_here = device.is_cuda() || cpu_kernels_run(device, dtype) && crate::kernels::qdot::available();
         let int8 = match int8_activations {
             None => int8_here,
             Some(false) => false,

@@ -563,6 +563,14 @@ impl QwenModel {
         if segs.is_empty() {
             return Ok(vec![]);
         }
+        // every segment cancelled (its generation or call given up): stop before the set-up and between layers
+        let all_cancelled = |segs: &[Segment<'_>]| {
+            if segs.iter().all(|s| s.cancel.as_ref().is_some_and(Cancel::is_cancelled)) {
+                return Err(Error::Cancelled("the forward was cancelled".into()));
+            }
+            Ok(())
+        };
+        all_cancelled(segs)?;
         for s in segs.iter() {
             let (p, w) = (s.cache.len(), s.ids.len());
             if w == 0 {
@@ -618,10 +626,7 @@ impl QwenModel {
         let fused_norms = kn.cuda_fused && crate::kernels::cuda::runs_on(dev, self.dtype);
         let mut hn = self.layers.first().map(|l| l.ln1.forward(&x)).transpose()?;
         for (li, layer) in self.layers.iter().enumerate() {
-            // every segment cancelled (its generation or call given up): stop between layers
-            if segs.iter().all(|s| s.cancel.as_ref().is_some_and(Cancel::is_cancelled)) {
-                return Err(Error::Cancelled("the forward was cancelled".into()));
-            }
+            all_cancelled(segs)?;
             let h = hn.take().expect("the layer's normed input");
             let a = layer.attn.forward(&h, (&cos, &sin), segs, &att, li, &groups, kn)?;
             let (x2, h) = layer.ln2.add_forward(&x, &a, fused_norms)?;
