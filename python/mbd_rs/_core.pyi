@@ -20,6 +20,8 @@ KERNEL_SWITCHES: Tuple[str, ...]
 LOAD_OPTIONS: Tuple[str, ...]
 #: (name, Python annotation) of every field of the core's ModelInfo, in order
 MODEL_INFO_FIELDS: Tuple[Tuple[str, str], ...]
+#: max_tokens when a request gives none (capped by what the context leaves)
+DEFAULT_MAX_TOKENS: int
 
 class CancelToken:
     def __init__(self) -> None: ...

@@ -27,16 +27,15 @@ EXIT_INTERRUPTED = 130
 # --device for device, --attention for attention, and so on; booleans get --name / --no-name (unset: the core's
 # default, or the checkpoint's). The batching caps are the server's --max-concurrency and the API's; a profile
 # override that is also a generation flag (--block-size) is the generation's where the command has those.
-_NOT_LOAD_FLAGS = {"max_batch", "max_batch_rows"}
 
 
 def _add_model_flags(p: argparse.ArgumentParser, generates: bool = False) -> None:
-    from .engine import GENERATION_PARAMS, LOAD_PARAMS, PARAMS, PROFILE_OVERRIDES
+    from .engine import BATCH_CAPS, GENERATION_PARAMS, LOAD_PARAMS, PARAMS, PROFILE_OVERRIDES
     p.add_argument("--model", "-m", default=None,
                    help="model directory or Hugging Face Hub id org/name (default: the embedded mbd-tiny model)")
     p.add_argument("--revision", default=None, help="branch, tag or commit of a Hub id (default: main)")
     g = p.add_argument_group("profile overrides (default: the checkpoint's)")
-    names = [n for n in LOAD_PARAMS if n not in _NOT_LOAD_FLAGS]
+    names = [n for n in LOAD_PARAMS if n not in BATCH_CAPS]
     names += [n for n in PROFILE_OVERRIDES if not (generates and n in GENERATION_PARAMS)]
     for name in names:
         kind, help_ = PARAMS[name]["kind"], PARAMS[name]["help"]

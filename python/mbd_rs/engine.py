@@ -3,7 +3,6 @@ every parameter's name, kind and range and does the work; this module only shape
 from __future__ import annotations
 
 import json
-import os
 import textwrap
 import warnings
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
@@ -12,7 +11,7 @@ import numpy as np
 
 from . import _core, _cuda_libs
 from .errors import InvalidRequestError, UnsupportedArchitectureError
-from .hub import DEFAULT_MODEL, LoadProgress, PathArg, _LoadBar, resolve_model_path
+from .hub import LoadProgress, PathArg, _LoadBar, resolve_model_path
 from .params import GenerationParams, LoadParams, LogitsParams, ScoreParams
 from .types import Completion, ModelInfo, StepEvent, StreamChunk, TokenLogprob, Usage
 
@@ -28,6 +27,9 @@ SCORE_PARAMS: "tuple[str, ...]" = _core.SCORE_PARAMS
 LOAD_PARAMS: "tuple[str, ...]" = _core.LOAD_PARAMS
 KERNEL_SWITCHES: "tuple[str, ...]" = _core.KERNEL_SWITCHES
 LOAD_OPTIONS: "tuple[str, ...]" = _core.LOAD_OPTIONS
+#: The load options that cap continuous batching: a server sets them from its own concurrency (`serve`'s
+#: --max-concurrency, Ray's max_concurrency), so they are not load flags or config keys.
+BATCH_CAPS: "tuple[str, ...]" = ("max_batch", "max_batch_rows")
 #: Stops a long call (Engine.logits, Engine.prompt_logprobs) from another thread: `token.cancel()`.
 CancelToken = _core.CancelToken
 #: name -> {"kind": ..., "help": ...} for every parameter above.

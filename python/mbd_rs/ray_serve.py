@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from . import _core
+from .engine import BATCH_CAPS
 from .server import MAX_BODY_BYTES, MAX_PROMPT_TOKENS, REQUEST_TIMEOUT, create_app
 
 #: The keyword arguments of `deployment` that a --ray-config file may set: its own and Engine.load's load options
@@ -27,7 +28,7 @@ from .server import MAX_BODY_BYTES, MAX_PROMPT_TOKENS, REQUEST_TIMEOUT, create_a
 CONFIG_KEYS = ("num_replicas", "autoscaling", "num_cpus", "num_gpus", "max_concurrency", "max_queue",
                "model_name", "revision", "max_body_bytes", "max_prompt_tokens", "request_timeout",
                "allowed_hosts") + tuple(
-                   k for k in _core.LOAD_PARAMS if k not in ("max_batch", "max_batch_rows"))
+                   k for k in _core.LOAD_PARAMS if k not in BATCH_CAPS)
 
 
 def _ray() -> Any:

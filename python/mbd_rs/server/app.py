@@ -96,13 +96,16 @@ class _Routes:
         self.shapes = Shapes(engine)
         self.tok_info: dict[str, Any] = {}
         self._page: str | None = None
-        self.stopping = False
         self._longest_token = 0
 
     def shutdown(self) -> None:
         """Stop admitting requests and cancel the work of every request in flight (they end at once)."""
-        self.stopping = True
         self.slots.cancel_all()
+
+    @property
+    def stopping(self) -> bool:
+        """The server is shutting down: its slots are closed."""
+        return self.slots.closed
 
     def check_auth(self, request: Request) -> JSONResponse | None:
         if self.api_key is None:
@@ -416,7 +419,7 @@ class _Routes:
         try:
             body = await self.read_body(request, time.monotonic() + self.request_timeout)
             route = openai.tokenize if encode else openai.detokenize
-            return JSONResponse(await anyio.to_thread.run_sync(route, self.engine, body))
+            return JSONResponse(await anyio.to_thread.run_sync(route, self.shapes, body))
         except REFUSALS as e:
             return refusal(e)
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from .. import _core
 from ..engine import GENERATION_PARAMS, CancelToken, Engine
 from ..errors import ContextLengthError, InvalidRequestError, MbdError
 from ..types import StepEvent, TokenLogprob, Usage
@@ -27,9 +28,6 @@ _UNSUPPORTED_UNLESS = {"presence_penalty": (None, 0), "frequency_penalty": (None
 _EXTENSIONS = set(GENERATION_PARAMS) - _OPENAI_PARAMS - {"logprobs"}
 # With "trace" (streaming only), every forward pass is also an SSE event carrying "mbd_step": the blocks, the
 # positions it decoded and the canvas as token pieces (what the live web view at / draws).
-#: The core's max_tokens when a request gives none (generate/plan.rs DEFAULT_MAX_TOKENS), capped by what the
-#: context leaves.
-ENGINE_DEFAULT_MAX_TOKENS = 256
 
 
 # (token id, logprob or None for a prompt's first token, alternatives or None)
@@ -178,7 +176,7 @@ def flag(body: dict[str, Any], key: str, default: bool) -> bool:
     return v
 
 
-def tokenize(engine: Engine, body: dict[str, Any]) -> dict[str, Any]:
+def tokenize(shapes: Shapes, body: dict[str, Any]) -> dict[str, Any]:
     """POST /tokenize, vLLM's shape: {"prompt": text, "add_special_tokens": true} or {"messages": [...],
     "add_generation_prompt": true, "add_special_tokens": false} -> {"tokens", "count", "max_model_len",
     "token_strs"} (token_strs with "return_token_strs": true, else null). Messages give exactly the ids a chat
@@ -192,6 +190,7 @@ def tokenize(engine: Engine, body: dict[str, Any]) -> dict[str, Any]:
         body = {**{k: v for k, v in body.items() if k != "prompt"}, "messages": body["prompt"]}
     if ("prompt" in body) == ("messages" in body):
         raise InvalidRequestError("give exactly one of prompt (a string) or messages (a list)")
+    engine = shapes.engine
     if "prompt" in body:
         if not isinstance(body["prompt"], str):
             raise InvalidRequestError("prompt must be a string")
@@ -201,10 +200,9 @@ def tokenize(engine: Engine, body: dict[str, Any]) -> dict[str, Any]:
             raise InvalidRequestError("messages must be a non-empty list")
         ids = engine.chat_ids(body["messages"], add_generation_prompt=flag(body, "add_generation_prompt", True))
         if flag(body, "add_special_tokens", False):
-            before, after = special_tokens_around(engine)
+            before, after = shapes.special_tokens_around()
             ids = before + ids + after
-    strs = ([engine.detokenize([t], skip_special_tokens=False) for t in ids]
-            if flag(body, "return_token_strs", False) else None)
+    strs = [shapes.piece(t) for t in ids] if flag(body, "return_token_strs", False) else None
     return {"tokens": ids, "count": len(ids), "max_model_len": engine.info.max_context, "token_strs": strs}
 
 
@@ -218,7 +216,7 @@ def special_tokens_around(engine: Engine) -> tuple[list[int], list[int]]:
     return [], []
 
 
-def detokenize(engine: Engine, body: dict[str, Any]) -> dict[str, Any]:
+def detokenize(shapes: Shapes, body: dict[str, Any]) -> dict[str, Any]:
     """POST /detokenize, vLLM's shape: {"tokens": [ids]} -> {"prompt": text}. Special tokens are kept (as vLLM
     and a tokenizer's decode do) unless "skip_special_tokens": true."""
     if unknown := sorted(set(body) - {"model", "tokens", "skip_special_tokens"}):
@@ -226,7 +224,8 @@ def detokenize(engine: Engine, body: dict[str, Any]) -> dict[str, Any]:
     ids = body.get("tokens")
     if not isinstance(ids, list) or not all(is_id(t) for t in ids):
         raise InvalidRequestError("tokens must be a list of token ids")
-    return {"prompt": engine.detokenize(ids, skip_special_tokens=flag(body, "skip_special_tokens", False))}
+    skip = flag(body, "skip_special_tokens", False)
+    return {"prompt": shapes.engine.detokenize(ids, skip_special_tokens=skip)}
 
 
 def tokenizer_info(engine: Engine) -> dict[str, Any]:
@@ -284,9 +283,16 @@ class Shapes:
         self.engine = engine
         self._pieces: dict[int, str] = {}
         self._bytes: dict[int, bytes] = {}
+        self._around: tuple[list[int], list[int]] | None = None
+
+    def special_tokens_around(self) -> tuple[list[int], list[int]]:
+        """`special_tokens_around` of this server's engine, found once."""
+        if self._around is None:
+            self._around = special_tokens_around(self.engine)
+        return self._around
 
     def piece(self, t: int) -> str:
-        """A token's text as the web view shows it (special tokens included)."""
+        """A token's text as the web view and /tokenize's token_strs show it (special tokens included)."""
         if t not in self._pieces:
             self._pieces[t] = self.engine.detokenize([t], skip_special_tokens=False)
         return self._pieces[t]
@@ -379,7 +385,7 @@ def fit_positions(n_prompt: int, params: dict[str, Any], cap: int, context: int)
         raise ContextLengthError(f"the prompt has {n_prompt} tokens; this server takes at most {cap} tokens per "
                                  "request, prompt and completion (--max-prompt-tokens)")
     if mt is None:  # absent, or bad (the engine refuses it, naming it)
-        default = max(1, min(ENGINE_DEFAULT_MAX_TOKENS, context - n_prompt))
+        default = max(1, min(_core.DEFAULT_MAX_TOKENS, context - n_prompt))
         return params if raw is not None or n_prompt + default <= cap else dict(params, max_tokens=cap - n_prompt)
     if n_prompt + mt > cap:
         raise ContextLengthError(f"this server takes at most {cap} tokens per request, prompt and completion "
