@@ -16,10 +16,14 @@ import argparse
 import json
 import os
 import shutil
+import sys
 
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from make_qwen_vocab_fixture import token_str  # noqa: E402  (GPT-2's byte alphabet)
 
 ARCH = {"Qwen2ForCausalLM": gguf.MODEL_ARCH.QWEN2, "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3,
         "Qwen3MoeForCausalLM": gguf.MODEL_ARCH.QWEN3MOE}
@@ -33,13 +37,10 @@ def read_hf(src):
     with open(os.path.join(src, "config.json")) as f:
         cfg = json.load(f)
     path = os.path.join(src, "model.safetensors")
-    with open(path, "rb") as f:
+    with open(path, "rb") as f:  # read once, parsed here (safetensors' numpy loader has no bfloat16)
         n = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(n))
         data = f.read()
-    if all(v.get("dtype") != "BF16" for k, v in header.items() if k != "__metadata__"):
-        from safetensors.numpy import load_file
-        return cfg, load_file(path)
     tensors = {}
     for k, v in header.items():
         if k == "__metadata__":
@@ -47,17 +48,12 @@ def read_hf(src):
         raw = data[v["data_offsets"][0]:v["data_offsets"][1]]
         if v["dtype"] == "BF16":
             arr = (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
-        else:
+        elif v["dtype"] in ("F32", "F16"):
             arr = np.frombuffer(raw, {"F32": np.float32, "F16": np.float16}[v["dtype"]])
+        else:
+            raise ValueError(f"{path}: tensor {k} is {v['dtype']}; this script reads F32, F16 and BF16")
         tensors[k] = arr.reshape(v["shape"]).copy()
     return cfg, tensors
-
-
-def _byte_chars():
-    """GPT-2's byte alphabet: the character each byte is spelled with in a byte-level BPE vocabulary."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    extra = [b for b in range(256) if b not in keep]
-    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(extra)}}
 
 
 def vocab_fields(src, vocab_size):
@@ -70,10 +66,8 @@ def vocab_fields(src, vocab_size):
         tj = json.load(f)
     byte_level = "ByteLevel" in (str((tj.get("pre_tokenizer") or {}).get("type")),
                                  str((tj.get("decoder") or {}).get("type")))
-    chars = _byte_chars()
-
     def spell(t):
-        return t if byte_level else "".join(chars[b] for b in t.encode())
+        return t if byte_level else token_str(t.encode())
 
     tokens = [f"[PAD{i}]" for i in range(vocab_size)]
     types = [int(gguf.TokenType.USER_DEFINED)] * vocab_size

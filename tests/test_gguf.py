@@ -48,14 +48,19 @@ W = _writer()
 read_hf, write_gguf, write_dir, CHATML = W.read_hf, W.write_gguf, W.write_dir, W.CHATML
 
 
+def gguf_of(src, path, **cfg_edits):
+    """The model directory `src` written as a GGUF file at `path` (its config edited by `cfg_edits`); the path."""
+    cfg, tensors = read_hf(src)
+    write_gguf(str(path), dict(cfg, **cfg_edits), tensors, src)
+    return str(path)
+
+
 # --- (a) float files of the parity fixtures give transformers' logits --------------------------------------------
 
 @pytest.mark.parametrize("name", META["fixtures"])
 def test_float_gguf_matches_transformers(tmp_path, name):
     src = parity_dir(name)
-    cfg, tensors = read_hf(src)
-    path = str(tmp_path / f"{name}.gguf")
-    write_gguf(path, cfg, tensors, src)
+    path = gguf_of(src, tmp_path / f"{name}.gguf")
     eng = mbd_rs.Engine.load(path, device="cpu")
     ref = mbd_rs.Engine.load(src, device="cpu")
     exp = np.load(os.path.join(src, "expected.npz"))
@@ -230,9 +235,7 @@ TEXTS = ["hello world", "  two  spaces\nand a newline", "Grün ёж 世界 🦙"
 def test_tokenizer_matches_tokenizers_library(tmp_path):
     from tokenizers import Tokenizer
     src = parity_dir("qwen2_gqa_tied")
-    cfg, tensors = read_hf(src)
-    path = str(tmp_path / "m.gguf")
-    write_gguf(path, cfg, tensors, src)
+    path = gguf_of(src, tmp_path / "m.gguf")
     eng = mbd_rs.Engine.load(path, device="cpu")
     ref = Tokenizer.from_file(os.path.join(src, "tokenizer.json"))
     for text in TEXTS:
@@ -255,9 +258,7 @@ def test_tokenizer_matches_tokenizers_library(tmp_path):
 def test_block_diffusion_profile_from_overrides(tmp_path):
     """A GGUF has no block-diffusion fields: the overrides make it one, as they do for the same directory."""
     src = parity_dir("qwen3_headdim_gqa")
-    cfg, tensors = read_hf(src)
-    path = str(tmp_path / "m.gguf")
-    write_gguf(path, cfg, tensors, src)
+    path = gguf_of(src, tmp_path / "m.gguf")
     ov = dict(block_size=4, attention="block_causal", logits_shift=False, mask_token_id=3, eos_token_ids=[0])
     a = mbd_rs.Engine.load(path, device="cpu", **ov)
     b = mbd_rs.Engine.load(src, device="cpu", **ov)
@@ -341,9 +342,7 @@ def test_control_tokens_mask_and_chat_prompt_match_the_directory(tmp_path, name)
     token and tokenizes a rendered chat prompt as its safetensors twin does (before, tokens that are not in the BPE
     vocabulary were numbered after it: `<|im_start|>` 309 instead of 1, the mask 311 instead of 3)."""
     src = _twin(name)
-    cfg, tensors = read_hf(src)
-    path = str(tmp_path / f"{name}.gguf")
-    write_gguf(path, cfg, tensors, src)
+    path = gguf_of(src, tmp_path / f"{name}.gguf")
     g = mbd_rs.Engine.load(path, device="cpu")
     d = mbd_rs.Engine.load(src, device="cpu")
     with open(os.path.join(src, "tokenizer.json")) as f:
@@ -373,10 +372,7 @@ def test_control_tokens_mask_and_chat_prompt_match_the_directory(tmp_path, name)
 
 @pytest.fixture(scope="module")
 def good_file(tmp_path_factory):
-    src = parity_dir("qwen2_gqa_tied")
-    cfg, tensors = read_hf(src)
-    path = str(tmp_path_factory.mktemp("gguf") / "good.gguf")
-    write_gguf(path, cfg, tensors, src)
+    path = gguf_of(parity_dir("qwen2_gqa_tied"), tmp_path_factory.mktemp("gguf") / "good.gguf")
     with open(path, "rb") as f:
         return f.read()
 
@@ -474,10 +470,7 @@ def test_nan_and_inf_metadata_floats_are_errors_naming_the_key(tmp_path):
 
 
 def test_eos_outside_the_vocabulary_is_refused(tmp_path):
-    src = parity_dir("qwen2_gqa_tied")
-    cfg, tensors = read_hf(src)
-    p = str(tmp_path / "eos.gguf")
-    write_gguf(p, dict(cfg, eos_token_id=5000), tensors, src)
+    p = gguf_of(parity_dir("qwen2_gqa_tied"), tmp_path / "eos.gguf", eos_token_id=5000)
     with pytest.raises(mbd_rs.ConfigError, match=r"GGUF metadata as config.json\): field 'eos_token_id': token id 5000 "
                                                  r"is outside the vocabulary of 320 tokens"):
         mbd_rs.Engine.load(p, device="cpu")

@@ -143,8 +143,7 @@ fn mutate_gguf(g: &mut Gguf, r: &mut Rng) {
         }
         6 => {
             // the tokens: swap, duplicate, replace by a control token's text, remove one
-            if let Some(Meta::Arr(_, t)) = g.kv.iter_mut().find(|(k, _)| k == "tokenizer.ggml.tokens").map(|e| &mut e.1)
-            {
+            if let Some(Meta::Arr(_, t)) = g.get_mut("tokenizer.ggml.tokens") {
                 if t.is_empty() {
                     return;
                 }
@@ -160,9 +159,7 @@ fn mutate_gguf(g: &mut Gguf, r: &mut Rng) {
             }
         }
         7 => {
-            if let Some(Meta::Arr(_, t)) =
-                g.kv.iter_mut().find(|(k, _)| k == "tokenizer.ggml.token_type").map(|e| &mut e.1)
-            {
+            if let Some(Meta::Arr(_, t)) = g.get_mut("tokenizer.ggml.token_type") {
                 if !t.is_empty() {
                     let i = r.below(t.len());
                     t[i] = Meta::I32(r.below(9) as i32 - 1);
@@ -170,8 +167,7 @@ fn mutate_gguf(g: &mut Gguf, r: &mut Rng) {
             }
         }
         8 => {
-            if let Some(Meta::Arr(_, m)) = g.kv.iter_mut().find(|(k, _)| k == "tokenizer.ggml.merges").map(|e| &mut e.1)
-            {
+            if let Some(Meta::Arr(_, m)) = g.get_mut("tokenizer.ggml.merges") {
                 match r.below(3) {
                     0 if !m.is_empty() => {
                         let i = r.below(m.len());
@@ -324,8 +320,13 @@ fn mutate_field(b: &mut [u8], fields: &[(usize, Field)], r: &mut Rng) {
 }
 
 /// The seeds: GGUF files of the parity fixtures (f32; and f16 / q8_0 / q4_0 / q5_0 matrices) and of mbd-tiny (q8_0
-/// and q4_k matrices: its f32 file is 18 MB), with how often each is picked.
-fn seeds() -> Vec<(String, Gguf, usize)> {
+/// and q4_k matrices: its f32 file is 18 MB), with how often each is picked; built once for the tests that use them.
+fn seeds() -> &'static [(String, Gguf, usize)] {
+    static SEEDS: std::sync::OnceLock<Vec<(String, Gguf, usize)>> = std::sync::OnceLock::new();
+    SEEDS.get_or_init(build_seeds)
+}
+
+fn build_seeds() -> Vec<(String, Gguf, usize)> {
     let mut out = vec![];
     let fixtures =
         ["qwen2_gqa_tied", "qwen2_mha_untied", "qwen3_headdim_gqa", "qwen3_bias_tied", "qwen3moe_top1", "qwen3_bf16"];

@@ -604,9 +604,7 @@ fn long_added_tokens_are_refused_quickly() {
     expect(&d, "ModelLoad", &["tokenizer.json", "added token 4 (id 319) is 20000 bytes long; at most 256"]);
     assert!(t0.elapsed().as_secs_f64() < 2.0, "{:?}", t0.elapsed());
     let (_t, p) = gguf_of(|g| {
-        if let Some(common::gguf::Meta::Arr(_, toks)) =
-            g.kv.iter_mut().find(|(k, _)| k == "tokenizer.ggml.tokens").map(|e| &mut e.1)
-        {
+        if let Some(common::gguf::Meta::Arr(_, toks)) = g.get_mut("tokenizer.ggml.tokens") {
             toks[3] = common::gguf::Meta::Str(vec![b'x'; 47_000]);
         }
     });

@@ -94,14 +94,14 @@ impl Gguf {
     pub fn get(&self, key: &str) -> Option<&Meta> {
         self.kv.iter().find(|(k, _)| k == key).map(|(_, v)| v)
     }
+    pub fn get_mut(&mut self, key: &str) -> Option<&mut Meta> {
+        self.kv.iter_mut().find(|(k, _)| k == key).map(|(_, v)| v)
+    }
     pub fn set(&mut self, key: &str, v: Meta) {
-        match self.kv.iter_mut().find(|(k, _)| k == key) {
-            Some(e) => e.1 = v,
+        match self.get_mut(key) {
+            Some(e) => *e = v,
             None => self.kv.push((key.to_string(), v)),
         }
-    }
-    pub fn remove(&mut self, key: &str) {
-        self.kv.retain(|(k, _)| k != key);
     }
 
     pub fn write(&self) -> Written {
