@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import json
 import logging
 import socket
 import time
@@ -27,6 +26,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from .limits import CONNECTIONS, HEADER_TIMEOUT
+from .openai import error
 
 _log = logging.getLogger("mbd_rs.server")
 
@@ -241,11 +241,6 @@ class HostGuard:
             await self.app(scope, receive, send_secured)
             return
         shown = ", ".join("any IP address" if a == "<ip>" else a for a in self.allowed)
-        body = json.dumps({"error": {
-            "message": f"Host '{host[:100]}' is not a name this server answers to ({shown}); start it with "
-                       "--allowed-hosts NAME to serve it under another name", "type": "invalid_request_error",
-            "param": None, "code": "invalid_host"}}).encode()
-        await send_secured({"type": "http.response.start", "status": 421,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"content-length", str(len(body)).encode())]})
-        await send_secured({"type": "http.response.body", "body": body})
+        refused = error(421, f"Host '{host[:100]}' is not a name this server answers to ({shown}); start it with "
+                        "--allowed-hosts NAME to serve it under another name", code="invalid_host")
+        await refused(scope, receive, send_secured)

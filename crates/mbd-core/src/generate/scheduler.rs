@@ -336,6 +336,12 @@ fn worker(weak: Weak<Shared>) {
 }
 
 impl Entry {
+    /// Whether the generation takes a step this tick: it has not finished and its reader is not `MAX_UNREAD`
+    /// outputs behind.
+    fn ready(&self) -> bool {
+        self.ctl.unread.load(Ordering::SeqCst) < MAX_UNREAD && !self.gen.finished()
+    }
+
     /// Whether the generation leaves now: its stream's handle is gone, or it was cancelled (then its final
     /// output, finish_reason "cancelled", is sent first).
     fn leaves(&mut self) -> bool {
@@ -436,7 +442,7 @@ fn run_tick(
     // fairness: beside other streams, a long prompt or recompute chunk is cut so that no tick costs much more than
     // `FAIR_TICK_ROWS` rows over no keys (where that changes no output: `QwenModel::rows_independent`)
     let net = &shared.model.net;
-    let ready = active.iter().filter(|e| e.ctl.unread.load(Ordering::SeqCst) < MAX_UNREAD && !e.gen.finished()).count();
+    let ready = active.iter().filter(|e| e.ready()).count();
     let limit = (ready > 1 && net.rows_independent()).then(|| (FAIR_TICK_ROWS, net.key_equivalent()));
     // split the slice so that each generation can lend out its segment at once
     let (head, tail) = active.split_at_mut(start);
@@ -445,7 +451,7 @@ fn run_tick(
         if segs.len() >= limits.max_seqs {
             break;
         }
-        if e.ctl.unread.load(Ordering::SeqCst) >= MAX_UNREAD || e.gen.finished() {
+        if !e.ready() {
             continue;
         }
         match e.gen.prepare_within(limit) {
