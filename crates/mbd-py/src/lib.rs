@@ -65,33 +65,40 @@ fn run_cancellable<T: Send>(
     f: impl FnOnce(&Cancel) -> mbd_core::Result<T> + Send,
 ) -> PyResult<T> {
     std::thread::scope(|scope| {
-        let (tx, rx) = std::sync::mpsc::channel();
+        let (tx, mut rx) = std::sync::mpsc::channel();
         let worker = cancel.clone();
         scope.spawn(move || {
             let _ = tx.send(catch_panic(|| f(&worker)));
         });
-        let mut rx = rx;
-        loop {
-            // (the receiver moves into the GIL-free wait and back: it is not Sync)
-            let (back, got) = py.detach(move || {
-                let got = rx.recv_timeout(SIGNAL_POLL);
-                (rx, got)
-            });
-            rx = back;
-            match got {
-                Ok(r) => return r.map_err(to_py),
-                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-                    return Err(to_py(Error::Internal("a core call ended without a result".into())))
-                }
-                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+        let waiting = &mut rx; // (a Receiver is Send, not Sync: the GIL-free wait borrows it mutably)
+        let got = wait_interruptibly(py, move || match waiting.recv_timeout(SIGNAL_POLL) {
+            Ok(r) => Some(r),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                Some(Err(Error::Internal("a core call ended without a result".into())))
             }
-            if let Err(interrupt) = py.check_signals() {
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => None,
+        });
+        match got {
+            Ok(r) => r.map_err(to_py),
+            Err(interrupt) => {
                 cancel.cancel();
                 let _ = py.detach(move || rx.recv());
-                return Err(interrupt);
+                Err(interrupt)
             }
         }
     })
+}
+
+/// Call `poll` without the GIL (each call waits at most about `SIGNAL_POLL`) until it gives a value, looking at
+/// Python's signals between calls: an interrupt (KeyboardInterrupt, or any exception a signal handler raises) is
+/// returned as the error, for the caller to cancel its work.
+pub(crate) fn wait_interruptibly<R: Send>(py: Python<'_>, mut poll: impl FnMut() -> Option<R> + Send) -> PyResult<R> {
+    loop {
+        if let Some(r) = py.detach(&mut poll) {
+            return Ok(r);
+        }
+        py.check_signals()?;
+    }
 }
 
 #[pymodule]

@@ -1,7 +1,7 @@
 //! A generation in progress as Python sees it (`CoreStream`): each output waited for with the GIL released and
 //! handed over as a dict.
 
-use crate::{to_py, SIGNAL_POLL};
+use crate::{to_py, wait_interruptibly, SIGNAL_POLL};
 use mbd_core::error::catch_panic;
 use mbd_core::generate::generation::StepOutput;
 use mbd_core::generate::scheduler::{Canceller, StreamHandle, Waiting};
@@ -79,25 +79,22 @@ impl CoreStream {
     /// Waits without the GIL, looking at Python's signals every `SIGNAL_POLL`: an interrupt (Ctrl-C) cancels the
     /// generation (its forward stops between layers) and is raised.
     fn step<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        loop {
-            let out = py.detach(|| {
-                catch_panic(|| {
-                    let mut guard = self.handle.lock().map_err(|_| Error::Internal("stream lock poisoned".into()))?;
-                    match guard.as_mut().map(|h| h.next_within(SIGNAL_POLL)) {
-                        Some(Ok(Some(r))) => r.map(|o| Some(Some(o))),
-                        Some(Ok(None)) | None => Ok(Some(None)),
-                        Some(Err(Waiting)) => Ok(None),
-                    }
-                })
-            });
-            match out.map_err(to_py)? {
-                Some(Some(o)) => return Ok(Some(output_dict(py, o)?)),
-                Some(None) => return Ok(None),
-                None => {}
-            }
-            if let Err(interrupt) = py.check_signals() {
+        let next = || {
+            catch_panic(|| {
+                let mut guard = self.handle.lock().map_err(|_| Error::Internal("stream lock poisoned".into()))?;
+                match guard.as_mut().map(|h| h.next_within(SIGNAL_POLL)) {
+                    Some(Ok(Some(r))) => r.map(|o| Some(Some(o))),
+                    Some(Ok(None)) | None => Ok(Some(None)),
+                    Some(Err(Waiting)) => Ok(None),
+                }
+            })
+            .transpose() // None: nothing yet
+        };
+        match wait_interruptibly(py, next) {
+            Ok(out) => out.map_err(to_py)?.map(|o| output_dict(py, o)).transpose(),
+            Err(interrupt) => {
                 self.canceller.cancel();
-                return Err(interrupt);
+                Err(interrupt)
             }
         }
     }
