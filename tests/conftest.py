@@ -1,6 +1,9 @@
 import json
 import os
 import shutil
+import socket
+import threading
+import time
 
 import pytest
 
@@ -23,19 +26,61 @@ def load_cases():
         return json.load(f)
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`create_app(engine, **kw)` served by uvicorn on a thread; with `net` (make_server's keyword arguments), by
+    `mbd_rs.server.net.make_server` as `mbd-rs serve` does (header timeout, connection cap)."""
+
+    def __init__(self, engine, net=None, **kw):
+        import uvicorn
+
+        from mbd_rs.server import create_app
+        self.port = free_port()
+        self.app = create_app(engine, **kw)
+        if net is None:
+            cfg = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error")
+            self.server = uvicorn.Server(cfg)
+        else:
+            from mbd_rs.server.net import make_server
+            self.server = make_server(self.app, "127.0.0.1", self.port, log_level="error", **net)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.02)
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def copy_model(src, dst, edit_config=None):
+    """The model directory `src` copied to `dst` (made, or an empty directory), its config.json edited in place by
+    `edit_config(cfg)`; returns dst."""
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    if edit_config is not None:
+        p = os.path.join(dst, "config.json")
+        with open(p) as f:
+            cfg = json.load(f)
+        edit_config(cfg)
+        with open(p, "w") as f:
+            json.dump(cfg, f)
+    return dst
+
+
 @pytest.fixture
 def model_copy(tmp_path):
     """Copy a parity fixture into a temp dir so a test can edit or break it."""
 
     def make(name="qwen3_headdim_gqa", edit_config=None):
-        dst = tmp_path / name
-        shutil.copytree(parity_dir(name), dst)
-        if edit_config is not None:
-            p = dst / "config.json"
-            cfg = json.loads(p.read_text())
-            edit_config(cfg)
-            p.write_text(json.dumps(cfg))
-        return dst
+        return copy_model(parity_dir(name), tmp_path / name, edit_config)
 
     return make
 
@@ -45,10 +90,5 @@ def long_context_model(tmp_path_factory):
     """The embedded model with a 131072-token context, as every real checkpoint has 32k-128k (for long-request
     tests: cancellation, interrupts, request caps)."""
     import mbd_rs
-    d = tmp_path_factory.mktemp("long_context")
-    for f in os.listdir(mbd_rs.DEFAULT_MODEL):
-        shutil.copy(os.path.join(mbd_rs.DEFAULT_MODEL, f), d)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["max_position_embeddings"] = 131072
-    (d / "config.json").write_text(json.dumps(cfg))
-    return str(d)
+    return str(copy_model(mbd_rs.DEFAULT_MODEL, tmp_path_factory.mktemp("long_context"),
+                          lambda c: c.update(max_position_embeddings=131072)))

@@ -80,10 +80,8 @@ def test_ctrl_c_in_chat_ends_the_answer_not_the_session(long_context_model):
 
 
 def test_serve_names_the_live_views_address():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from conftest import free_port
+    port = free_port()
     p = subprocess.Popen([sys.executable, "-m", "mbd_rs", "serve", "--port", str(port)], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     try:

@@ -12,7 +12,7 @@ import pytest
 
 import mbd_rs
 from mbd_rs import ContextLengthError, InvalidRequestError
-from conftest import parity_dir
+from conftest import copy_model, parity_dir
 
 BIG = 2**64 - 1
 
@@ -235,15 +235,8 @@ def _child(code, limit_mb=3072, timeout=300):
 
 
 def _long_context_copy(tmp_path, ctx):
-    src = parity_dir("qwen3_headdim_gqa")
-    d = tmp_path / "long"
-    d.mkdir()
-    for f in os.listdir(src):
-        (d / f).write_bytes(open(os.path.join(src, f), "rb").read())
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["max_position_embeddings"] = ctx
-    (d / "config.json").write_text(json.dumps(cfg))
-    return d
+    return copy_model(parity_dir("qwen3_headdim_gqa"), tmp_path / "long",
+                      lambda c: c.update(max_position_embeddings=ctx))
 
 
 def test_long_inputs_stay_within_memory(tmp_path):
@@ -319,7 +312,7 @@ KEY = "sk-hostile"
 
 @pytest.fixture(scope="module")
 def srv(eng):
-    from test_server import Server
+    from conftest import Server
     s = Server(eng, api_key=KEY, max_concurrency=2, max_body_bytes=1 << 16)
     yield s
     s.stop()

@@ -1,7 +1,6 @@
 """The OpenAI-compatible server, run for real on 127.0.0.1 with uvicorn and driven by the official openai
 client, on the embedded mbd-tiny model."""
 import json
-import socket
 import threading
 import time
 
@@ -12,43 +11,11 @@ import mbd_rs
 openai = pytest.importorskip("openai", reason="openai client not installed (pip install openai)")
 uvicorn = pytest.importorskip("uvicorn", reason="server extra not installed (pip install 'mbd-rs[server]')")
 httpx = pytest.importorskip("httpx")
-from mbd_rs.server import create_app  # noqa: E402
+from conftest import Server  # noqa: E402
 
 KEY = "sk-test-123"
 MSG = [{"role": "user", "content": "reverse a b c d e"}]
 GREEDY = dict(max_tokens=24)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`create_app(engine, **kw)` served by uvicorn on a thread; with `net` (make_server's keyword arguments), by
-    `mbd_rs.server.net.make_server` as `mbd-rs serve` does (header timeout, connection cap)."""
-
-    def __init__(self, engine, net=None, **kw):
-        self.port = free_port()
-        self.app = create_app(engine, **kw)
-        if net is None:
-            cfg = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error")
-            self.server = uvicorn.Server(cfg)
-        else:
-            from mbd_rs.server.net import make_server
-            self.server = make_server(self.app, "127.0.0.1", self.port, log_level="error", **net)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 20
-        while not self.server.started:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.02)
-        self.base = f"http://127.0.0.1:{self.port}"
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")

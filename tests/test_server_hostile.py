@@ -5,8 +5,6 @@ limit, accept failures logged once), SIGTERM, the Host check and framing headers
 /tokenize against generation, huge integer literals, and log-probabilities of characters split across tokens.
 (The one-line refusals are in test_hostile.py's catalogue.)"""
 import json
-import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -17,11 +15,10 @@ import time
 import pytest
 
 import mbd_rs
-from conftest import parity_dir
+from conftest import Server, copy_model, free_port, parity_dir
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
-from test_server import Server, free_port  # noqa: E402
 
 MSG = [{"role": "user", "content": "sort 3 1 2"}]
 # A request that runs for tens of seconds on the long-context model: 6000 positions recomputed every step.
@@ -459,10 +456,7 @@ def test_echo_without_generation_still_checks_the_generation_fields(tiny, field,
 @pytest.fixture(scope="module")
 def bytes_srv(tmp_path_factory):
     """A byte-level BPE model (312 tokens: every non-ASCII character is several tokens) with a ChatML template."""
-    d = tmp_path_factory.mktemp("bpe")
-    src = parity_dir("qwen2_gqa_tied")
-    for f in os.listdir(src):
-        shutil.copy(os.path.join(src, f), d)
+    d = copy_model(parity_dir("qwen2_gqa_tied"), tmp_path_factory.mktemp("bpe"))
     (d / "chat_template.jinja").write_text(
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

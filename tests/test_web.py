@@ -35,7 +35,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def server(engine):
-    from test_server import Server
+    from conftest import Server
     s = Server(engine, api_key=KEY, max_concurrency=2)
     yield s
     s.stop()
@@ -45,7 +45,7 @@ def server(engine):
 def open_server(engine):
     """A key-less server that checks Host, as `mbd-rs serve` on 127.0.0.1 runs."""
     from mbd_rs.server.net import allowed_hosts
-    from test_server import Server
+    from conftest import Server
     s = Server(engine, max_concurrency=2, allowed_hosts=allowed_hosts("127.0.0.1"))
     yield s
     s.stop()
