@@ -2,6 +2,9 @@ import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -24,6 +27,16 @@ def parity_dir(name):
 def load_cases():
     with open(os.path.join(PARITY, "cases.json")) as f:
         return json.load(f)
+
+
+def run_child(code, *args, limit_mb=None, timeout=300):
+    """`code` (dedented) run by a fresh Python with `args` as its argv, tests/ importable, under an address-space
+    limit of `limit_mb` MB when given (for cases that could abort or exhaust the process); the CompletedProcess."""
+    prelude = f"import sys\nsys.path.insert(0, {HERE!r})\n"
+    if limit_mb is not None:
+        prelude += f"import resource\nresource.setrlimit(resource.RLIMIT_AS, ({limit_mb} << 20, {limit_mb} << 20))\n"
+    return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code), *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def free_port():

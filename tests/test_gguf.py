@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import mbd_rs
-from conftest import HERE, load_cases, parity_dir
+from conftest import HERE, load_cases, parity_dir, run_child
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
@@ -479,8 +479,7 @@ def test_eos_outside_the_vocabulary_is_refused(tmp_path):
 # Sparse files: metadata of gigabytes that take nothing on disk. Each load runs in a child under a 3 GB address-space
 # limit, which must survive and report its peak RSS.
 SPARSE_CHILD = """
-import resource, sys
-resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+import resource
 import mbd_rs
 try:
     e = mbd_rs.Engine.load(sys.argv[1], device="cpu")
@@ -521,8 +520,7 @@ def _sparse_gguf(path, good, entries, rename=()):
 
 
 def _sparse_load(path):
-    r = __import__("subprocess").run([__import__("sys").executable, "-c", SPARSE_CHILD, str(path)],
-                                     capture_output=True, text=True, timeout=300)
+    r = run_child(SPARSE_CHILD, path, limit_mb=3072)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     out, rss = r.stdout.rsplit("maxrss_mb", 1)
     return out.strip(), int(rss)

@@ -6,13 +6,12 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
 import mbd_rs
 from mbd_rs import ContextLengthError, InvalidRequestError
-from conftest import copy_model, parity_dir
+from conftest import copy_model, parity_dir, run_child
 
 BIG = 2**64 - 1
 
@@ -222,18 +221,6 @@ def test_tokenizer_inputs(eng):
 
 # ---- cases that could abort the process: run in a child under an address-space limit -------------------------
 
-def _child(code, limit_mb=3072, timeout=300):
-    """Run `code` in a fresh Python with RLIMIT_AS = limit_mb; return (returncode, stdout, stderr)."""
-    prelude = textwrap.dedent(f"""
-        import resource, sys
-        resource.setrlimit(resource.RLIMIT_AS, ({limit_mb} << 20, {limit_mb} << 20))
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
-    """)
-    r = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True,
-                       timeout=timeout)
-    return r.returncode, r.stdout, r.stderr
-
-
 def _long_context_copy(tmp_path, ctx):
     return copy_model(parity_dir("qwen3_headdim_gqa"), tmp_path / "long",
                       lambda c: c.update(max_position_embeddings=ctx))
@@ -243,7 +230,7 @@ def test_long_inputs_stay_within_memory(tmp_path):
     """A 4000-token no-cache generation and a 4000-position logits call under a 2 GB address-space limit: before,
     the dense masks and scores (4000 x 4000 per head) went into one forward."""
     d = _long_context_copy(tmp_path, 1 << 20)
-    rc, out, err = _child(f"""
+    r = run_child(f"""
         import mbd_rs
         eng = mbd_rs.Engine.load({str(d)!r}, mask_token_id=3, attention="block_causal", logits_shift=False, block_size=4)
         ids = [(i * 7 + 5) % 300 + 10 for i in range(4000)]
@@ -253,13 +240,13 @@ def test_long_inputs_stay_within_memory(tmp_path):
         assert l.shape == (4000, 320)
         print("ok")
     """, limit_mb=2048)
-    assert rc == 0 and out.strip() == "ok", err[-2000:]
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
 def test_impossible_allocation_is_an_error_not_an_abort(tmp_path):
     """Logits for 4M positions x 320 tokens (5 GB) under a 3 GB limit: a clear error, and the process goes on."""
     d = _long_context_copy(tmp_path, 1 << 23)
-    rc, out, err = _child(f"""
+    r = run_child(f"""
         import mbd_rs
         eng = mbd_rs.Engine.load({str(d)!r})
         try:
@@ -268,9 +255,9 @@ def test_impossible_allocation_is_an_error_not_an_abort(tmp_path):
             assert "cannot be allocated" in str(e), e
             print("refused")
         print(eng.logits([5, 6]).shape[0])
-    """)
-    assert rc == 0, err[-2000:]
-    assert out.split() == ["refused", "2"]
+    """, limit_mb=3072)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["refused", "2"]
 
 
 # ---- CLI --------------------------------------------------------------------------------------------------------

@@ -4,13 +4,13 @@ an abort, not a panic) also run in a subprocess, which must survive."""
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
 import mbd_rs
+from conftest import run_child
 from mbd_rs import ConfigError, ModelFileNotFoundError, ModelLoadError, UnsupportedArchitectureError
 
 # qwen3_headdim_gqa: Qwen3, 2 layers, hidden 64, 4 heads / 1 kv head, head_dim 32, vocab 320, untied.
@@ -189,7 +189,7 @@ def test_former_abort_candidates_survive_in_a_subprocess(model_copy, case):
     d = model_copy(edit_config=(lambda c: c.update(edit)) if where == "config" else None)
     if where == "header":
         _edit_header(d, lambda h: h.update(edit))
-    r = subprocess.run([sys.executable, "-c", CHILD, str(d)], capture_output=True, text=True, timeout=120)
+    r = run_child(CHILD, d, timeout=120)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     assert r.stdout.startswith(exc), r.stdout + r.stderr[-2000:]
 
@@ -215,18 +215,6 @@ def test_eos_outside_the_vocabulary_is_refused_where_it_is_named(model_copy):
 SPECIAL_FILES = ["config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
                  "chat_template.jinja"]
 
-LIMITED_CHILD = """
-import resource, sys
-resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
-import mbd_rs
-try:
-    mbd_rs.Engine.load(sys.argv[1], device="cpu")
-    print("LOADED")
-except mbd_rs.MbdError as e:
-    print(type(e).__name__, str(e)[:300])
-"""
-
-
 @pytest.mark.parametrize("kind", ["fifo", "dev_zero"])
 @pytest.mark.parametrize("name", SPECIAL_FILES)
 def test_fifos_and_devices_are_refused(model_copy, kind, name):
@@ -243,7 +231,7 @@ def test_fifos_and_devices_are_refused(model_copy, kind, name):
             pytest.skip("no /dev/zero here")
         os.symlink("/dev/zero", p)
     try:
-        r = subprocess.run([sys.executable, "-c", LIMITED_CHILD, str(d)], capture_output=True, text=True, timeout=60)
+        r = run_child(CHILD, d, limit_mb=3072, timeout=60)
     except subprocess.TimeoutExpired:
         pytest.fail(f"the load of a directory whose {name} is a {kind} hung")
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
