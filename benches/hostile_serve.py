@@ -30,7 +30,6 @@ import shutil
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -40,16 +39,9 @@ from typing import Any
 import httpx
 
 import mbd_rs
-
-HOST = "127.0.0.1"
+from serving import HOST, ServerProc
 SMALL = {"messages": [{"role": "user", "content": "sort 5 3 9 1"}], "max_tokens": 16}
 LONG_NO_CACHE = {"prompt": [87] * 6000, "max_tokens": 8, "use_cache": False}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def long_context_model(root: str) -> str:
@@ -63,43 +55,10 @@ def long_context_model(root: str) -> str:
     return d
 
 
-class ServerProc:
-    def __init__(self, model: str, *flags: str):
-        self.port = free_port()
-        self.base = f"http://{HOST}:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="mbd-hostile-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([sys.executable, "-m", "mbd_rs", "serve", "--model", model, "--port",
-                                      str(self.port), "--max-concurrency", "8", *flags],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            assert self.proc.poll() is None, self.log_text()[-2000:]
-            try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        raise RuntimeError("server did not start: " + self.log_text()[-2000:])
-
-    def active(self) -> int:
-        return int(httpx.get(self.base + "/health", timeout=10).json()["active"])
-
-    def fds(self) -> int:
-        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
-
-    def log_text(self) -> str:
-        self.log.flush()
-        with open(self.log.name) as f:
-            return f.read()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def server(model: str, *flags: str) -> ServerProc:
+    """The long-context model served with 8 slots (and `flags`); stopped with SIGTERM, as a service manager does."""
+    return ServerProc("--model", model, "--max-concurrency", "8", *flags, stop_signal=signal.SIGTERM,
+                      log_prefix="mbd-hostile-")
 
 
 def timed_post(base: str, route: str, body: dict[str, Any], timeout: float) -> tuple[Any, float]:
@@ -119,12 +78,10 @@ def small_latency(base: str, timeout: float = 30) -> float:
 
 
 def wait_active(s: ServerProc, want: int, timeout: float) -> float:
-    t0 = time.perf_counter()
-    while s.active() != want:
-        if time.perf_counter() - t0 > timeout:
-            raise AssertionError(f"active did not reach {want} in {timeout} s")
-        time.sleep(0.02)
-    return time.perf_counter() - t0
+    active, waited = s.wait_active(want, timeout)
+    if active != want:
+        raise AssertionError(f"active did not reach {want} in {timeout} s")
+    return waited
 
 
 def case_refused(s: ServerProc) -> dict[str, Any]:
@@ -162,7 +119,7 @@ def case_beside(s: ServerProc, n_long: int) -> dict[str, Any]:
 
 
 def case_deadline(model: str) -> dict[str, Any]:
-    s = ServerProc(model, "--request-timeout", "2")
+    s = server(model, "--request-timeout", "2")
     try:
         r, dt = timed_post(s.base, "/v1/completions", LONG_NO_CACHE, 60)
         free = wait_active(s, 0, 5)
@@ -182,7 +139,7 @@ def case_client_gone(s: ServerProc) -> dict[str, Any]:
 
 
 def case_idle(model: str, n: int, header_timeout: float) -> dict[str, Any]:
-    s = ServerProc(model, "--header-timeout", str(header_timeout))
+    s = server(model, "--header-timeout", str(header_timeout))
     socks: list[socket.socket] = []
     try:
         fds_before = s.fds()
@@ -221,7 +178,7 @@ def case_idle(model: str, n: int, header_timeout: float) -> dict[str, Any]:
 
 
 def case_sigterm(model: str) -> dict[str, Any]:
-    s = ServerProc(model)
+    s = server(model)
     results: list[Any] = []
     threads = [threading.Thread(target=lambda b=b: results.append(timed_post(s.base, "/v1/completions", b, 60)[0]))
                for b in (LONG_NO_CACHE, dict(LONG_NO_CACHE, stream=True))]
@@ -256,7 +213,7 @@ def main() -> int:
     report: dict[str, Any] = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                                           "load_avg": os.getloadavg()}, "cases": {}}
     try:
-        s = ServerProc(model)
+        s = server(model)
         try:
             report["cases"]["refused"] = case_refused(s)
             report["cases"]["beside"] = case_beside(s, a.long)

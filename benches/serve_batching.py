@@ -9,7 +9,6 @@ Needs the [server] extra and openai. Writes benches/serve_batching.json (--out).
 import argparse
 import json
 import os
-import socket
 import statistics
 import threading
 import time
@@ -19,15 +18,10 @@ import uvicorn
 
 import mbd_rs
 from mbd_rs.server import create_app
+from serving import free_port
 
 TASKS = ["sort 3 1 2", "reverse x y z", "add 12+30", "repeat ab 3", "count a in abcab", "hello Ada", "sort 9 8 7 1",
          "reverse q w e r", "hello Grace", "repeat xy 2", "sort 5 4", "add 7+8"]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def one(client, i, max_tokens, t0, rec):

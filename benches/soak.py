@@ -27,21 +27,16 @@ import json
 import os
 import platform
 import random
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Any
 
-import httpx
 import openai
 
 import mbd_rs
+from serving import ServerProc
 
-HOST = "127.0.0.1"
 KEY = "sk-soak-" + os.urandom(6).hex()
 MODEL = "mbd-tiny"
 GREEDY_EXTRA: dict[str, Any] = {}
@@ -57,12 +52,6 @@ CASES = [  # (name, user message, extra body fields)
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
 def proc_status(pid: int) -> dict[str, int]:
     out: dict[str, int] = {}
     with open(f"/proc/{pid}/status") as f:
@@ -75,62 +64,6 @@ def proc_status(pid: int) -> dict[str, int]:
     except OSError:
         out["fds"] = -1
     return out
-
-
-class ServerProc:
-    """`python -m mbd_rs serve` in its own process on 127.0.0.1."""
-
-    def __init__(self, max_concurrency: int, start_timeout: float = 60.0):
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="mbd-soak-server-", suffix=".log", delete=False)
-        for attempt in range(3):  # the free-port probe can race another process: retry on a fresh port
-            self.port = free_port()
-            self.base = f"http://{HOST}:{self.port}"
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "mbd_rs", "serve", "--host", HOST, "--port", str(self.port), "--api-key", KEY,
-                 "--max-concurrency", str(max_concurrency)],
-                stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-            deadline = time.time() + start_timeout
-            while time.time() < deadline and self.proc.poll() is None:
-                try:
-                    r = httpx.get(self.base + "/health", headers=self.headers, timeout=2)
-                    if r.status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.1)
-            self.stop()
-        raise RuntimeError(f"server did not start; log: {self.log_text()[-2000:]}")
-
-    headers = {"Authorization": f"Bearer {KEY}"}
-
-    def health(self) -> dict[str, Any]:
-        r = httpx.get(self.base + "/health", headers=self.headers, timeout=5)
-        r.raise_for_status()
-        return dict(r.json())
-
-    def wait_idle(self, timeout: float = 30.0) -> tuple[int, float]:
-        """Poll /health until active == 0; returns (active at the end, seconds waited)."""
-        t0 = time.time()
-        active = self.health()["active"]
-        while active != 0 and time.time() - t0 < timeout:
-            time.sleep(0.05)
-            active = self.health()["active"]
-        return active, time.time() - t0
-
-    def log_text(self) -> str:
-        self.log.flush()
-        with open(self.log.name) as f:
-            return f.read()
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)  # uvicorn shuts down cleanly on SIGINT
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        return self.proc.returncode
 
 
 def client(base: str, timeout: float) -> openai.OpenAI:
@@ -352,7 +285,7 @@ def main() -> int:
         f"(shared), Python {platform.python_version()}, openai {openai.__version__}",
         "config": {k: v for k, v in vars(a).items() if k != "out"},
         "cases": [{"name": n, "message": m, "extra_body": e} for n, m, e in CASES]}
-    srv = ServerProc(a.max_concurrency)
+    srv = ServerProc("--max-concurrency", str(a.max_concurrency), api_key=KEY, log_prefix="mbd-soak-server-")
     rounds: list[dict[str, Any]] = []
     try:
         print(f"server pid {srv.proc.pid} on {srv.base}, start RSS {proc_status(srv.proc.pid)['VmRSS']} kB", flush=True)
@@ -370,7 +303,7 @@ def main() -> int:
             tally = run_round(srv.base, rnd, a.clients, a.per_round, a.disconnect_every, ref, a.request_timeout,
                               a.max_503_retries, a.round_timeout)
             secs = time.time() - t0
-            active, waited = srv.wait_idle()
+            active, waited = srv.wait_active(0, 30.0)
             st = proc_status(srv.proc.pid)
             r = {"round": rnd, "requests": a.clients * a.per_round, "completed": tally.completed,
                  "disconnected": tally.disconnected, "disconnect_after_finish": tally.disconnect_after_finish,

@@ -507,7 +507,7 @@ def serve(args: Any, load: dict[str, Any]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # the access log, on stderr
     server = net.make_server(app, args.host, args.port, header_timeout=args.header_timeout,
                              limit_concurrency=args.limit_concurrency, on_shutdown=app.state.routes.shutdown)
-    name = args.model_name or os.path.basename(os.path.normpath(eng.info.path))
+    name = app.state.routes.name
     print(f"mbd-rs: serving {eng.info.path} as '{name}' on http://{args.host}:{args.port}/v1; "
           f"live view of decoding: http://{args.host}:{args.port}/", flush=True)
     server.run()

@@ -410,12 +410,6 @@ def scored_only(e: Echo) -> Usage:
 def usage_json(usages: list[Usage], n: int) -> dict[str, int | float]:
     """Usage of all choices: completion tokens and counters summed, each prompt counted once (its n choices
     share it)."""
-    if len(usages) == 1:
-        u = usages[0]
-        return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                "total_tokens": u.total_tokens, "forward_passes": u.forward_passes,
-                "tokens_per_forward": u.tokens_per_forward, "verifications": u.verifications,
-                "drafts_proposed": u.drafts_proposed, "drafts_accepted": u.drafts_accepted}
     prompt = sum(u.prompt_tokens for u in usages[::n])
     comp = sum(u.completion_tokens for u in usages)
     fwd = sum(u.forward_passes for u in usages)
