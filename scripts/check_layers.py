@@ -212,13 +212,10 @@ def main() -> int:
     modules = {module_of(f): f for f in files}
     edges: dict[Path, set[Path]] = {}
     for f in files:
-        siblings = {g.with_suffix("").name for g in files if g.parent == f.parent} | {
-            g.parent.name for g in files if g.parent.parent == f.parent and g.name == "mod.rs"
+        home = f.parent.parent if f.name == "mod.rs" else f.parent  # a folder's module: its super is the folder's parent
+        siblings = {g.with_suffix("").name for g in files if g.parent == home} | {
+            g.parent.name for g in files if g.parent.parent == home and g.name == "mod.rs"
         }
-        if f.name == "mod.rs":  # a folder's module: its super is the folder's parent
-            siblings = {g.with_suffix("").name for g in files if g.parent == f.parent.parent} | {
-                g.parent.name for g in files if g.parent.parent == f.parent.parent and g.name == "mod.rs"
-            }
         for ref in references((a.src / f).read_text(), module_of(f), siblings):
             t = resolve(ref, modules)
             if t is not None and t != f:
