@@ -212,7 +212,8 @@ def main() -> int:
     modules = {module_of(f): f for f in files}
     edges: dict[Path, set[Path]] = {}
     for f in files:
-        home = f.parent.parent if f.name == "mod.rs" else f.parent  # a folder's module: its super is the folder's parent
+        # a folder's module (mod.rs): its siblings are in the folder's parent
+        home = f.parent.parent if f.name == "mod.rs" else f.parent
         siblings = {g.with_suffix("").name for g in files if g.parent == home} | {
             g.parent.name for g in files if g.parent.parent == home and g.name == "mod.rs"
         }
