@@ -52,7 +52,9 @@ class GenerationParams(TypedDict, total=False):
     sub_block_size: Optional[int]
     """Fast-dLLM v2 sub-blocks: each step decodes within the first sub-block of this size with masks (default: 8 for Fast-dLLM v2, whole blocks otherwise)"""
     speculative: Optional[str]
-    """'s2d2': verify drafts with the same model at block size 1 (default: 'off')"""
+    """'s2d2': verify drafts with the same model at block size 1 | 'isd': I-DLM's introspective strided decoding (causal shifted models) (default: 'off')"""
+    isd_stride: Optional[int]
+    """speculative='isd': N, the most tokens a step writes; a step forwards up to 2N - 1 positions (default 4)"""
     verify_policy: Optional[str]
     """when S2D2 verifies: always | min_span | score (default: E[K] - penalty >= threshold) | hysteresis"""
     verify_min_span: Optional[int]

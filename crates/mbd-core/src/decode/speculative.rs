@@ -17,6 +17,9 @@ crate::util::string_enum! {
         Off = "off",
         /// S2D2: verify the drafts with the same weights at block size 1
         S2d2 = "s2d2",
+        /// I-DLM's introspective strided decoding: one causal forward verifies the last step's drafts and drafts
+        /// the next ones from mask positions (`decode::strided`)
+        Isd = "isd",
     }
 }
 
@@ -138,23 +141,14 @@ impl Router {
         }
     }
 
-    /// Greedy acceptance: drafts are taken left to right while they equal the verifier's argmax; at the first
-    /// disagreement the verifier's token is taken. Returns the tokens to write from the span's start and how
-    /// many of them are accepted drafts.
+    /// Greedy acceptance (`accept_greedy`), counted.
     pub fn accept_greedy(&mut self, drafts: &[u32], q_argmax: &[u32]) -> (Vec<u32>, usize) {
-        let k = drafts.iter().zip(q_argmax).take_while(|(d, q)| d == q).count();
-        let mut out = drafts[..k].to_vec();
-        if k < drafts.len() {
-            out.push(q_argmax[k]);
-        }
-        self.count(drafts.len(), k);
+        let (out, k) = accept_greedy(drafts, q_argmax);
+        self.stats.count(drafts.len(), k);
         (out, k)
     }
 
-    /// Sampled acceptance (speculative sampling): draft i is accepted with probability min(1, q_i(x_i) / p_i(x_i));
-    /// at the first rejection a token is drawn from normalize(max(0, q - p)) (from q when that is empty).
-    /// `p_prob`: each draft's probability under its draft distribution; `p_dist(i)`, `q_dist(i)`: the draft and
-    /// verifier distributions of span position i as (id, probability) pairs.
+    /// Sampled acceptance (`accept_sampled`), counted.
     pub fn accept_sampled(
         &mut self,
         sampler: &mut Sampler,
@@ -163,35 +157,66 @@ impl Router {
         p_dist: impl Fn(usize) -> Vec<(u32, f64)>,
         q_dist: impl Fn(usize) -> Vec<(u32, f64)>,
     ) -> (Vec<u32>, usize) {
-        let mut out = Vec::with_capacity(drafts.len());
-        let mut accepted = 0;
-        for (i, &d) in drafts.iter().enumerate() {
-            let q = q_dist(i);
-            let qd = q.iter().find(|x| x.0 == d).map_or(0.0, |x| x.1);
-            let ratio = (qd / p_prob[i].max(1e-12)).min(1.0);
-            if sampler.uniform() < ratio {
-                out.push(d);
-                accepted += 1;
-                continue;
-            }
-            let p: std::collections::HashMap<u32, f64> = p_dist(i).into_iter().collect();
-            let residual: Vec<(u32, f64)> = q
-                .iter()
-                .map(|&(id, qp)| (id, (qp - p.get(&id).copied().unwrap_or(0.0)).max(0.0)))
-                .filter(|x| x.1 > 0.0)
-                .collect();
-            let t = if residual.is_empty() { sampler.draw(&q) } else { sampler.draw(&residual) };
-            out.push(t);
-            break;
-        }
-        self.count(drafts.len(), accepted);
-        (out, accepted)
+        let (out, k) = accept_sampled(sampler, drafts, p_prob, p_dist, q_dist);
+        self.stats.count(drafts.len(), k);
+        (out, k)
     }
+}
 
-    fn count(&mut self, proposed: usize, accepted: usize) {
-        self.stats.verifications += 1;
-        self.stats.drafts_proposed += proposed;
-        self.stats.drafts_accepted += accepted;
+/// Greedy acceptance: drafts are taken left to right while they equal the verifier's argmax; at the first
+/// disagreement the verifier's token is taken. Returns the tokens to write from the drafts' start and how
+/// many of them are accepted drafts. (S2D2 and ISD.)
+pub fn accept_greedy(drafts: &[u32], q_argmax: &[u32]) -> (Vec<u32>, usize) {
+    let k = drafts.iter().zip(q_argmax).take_while(|(d, q)| d == q).count();
+    let mut out = drafts[..k].to_vec();
+    if k < drafts.len() {
+        out.push(q_argmax[k]);
+    }
+    (out, k)
+}
+
+/// Sampled acceptance (speculative sampling): draft i is accepted with probability min(1, q_i(x_i) / p_i(x_i));
+/// at the first rejection a token is drawn from normalize(max(0, q - p)) (from q when that is empty).
+/// `p_prob`: each draft's probability under its draft distribution; `p_dist(i)`, `q_dist(i)`: the draft and
+/// verifier distributions of draft i as (id, probability) pairs. With drafts drawn from p, each written token
+/// is distributed as q. (S2D2 and ISD.)
+pub fn accept_sampled(
+    sampler: &mut Sampler,
+    drafts: &[u32],
+    p_prob: &[f64],
+    p_dist: impl Fn(usize) -> Vec<(u32, f64)>,
+    q_dist: impl Fn(usize) -> Vec<(u32, f64)>,
+) -> (Vec<u32>, usize) {
+    let mut out = Vec::with_capacity(drafts.len());
+    let mut accepted = 0;
+    for (i, &d) in drafts.iter().enumerate() {
+        let q = q_dist(i);
+        let qd = q.iter().find(|x| x.0 == d).map_or(0.0, |x| x.1);
+        let ratio = (qd / p_prob[i].max(1e-12)).min(1.0);
+        if sampler.uniform() < ratio {
+            out.push(d);
+            accepted += 1;
+            continue;
+        }
+        let p: std::collections::HashMap<u32, f64> = p_dist(i).into_iter().collect();
+        let residual: Vec<(u32, f64)> = q
+            .iter()
+            .map(|&(id, qp)| (id, (qp - p.get(&id).copied().unwrap_or(0.0)).max(0.0)))
+            .filter(|x| x.1 > 0.0)
+            .collect();
+        let t = if residual.is_empty() { sampler.draw(&q) } else { sampler.draw(&residual) };
+        out.push(t);
+        break;
+    }
+    (out, accepted)
+}
+
+impl SpecStats {
+    /// One verification of `proposed` drafts, `accepted` of them taken.
+    pub fn count(&mut self, proposed: usize, accepted: usize) {
+        self.verifications += 1;
+        self.drafts_proposed += proposed;
+        self.drafts_accepted += accepted;
     }
 }
 

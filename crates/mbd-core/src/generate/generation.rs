@@ -1,11 +1,13 @@
 //! One generation, step by step: plan (the decoder says which positions to predict) → window (the cache
 //! policy says what to forward and keep) → forward → predict (sampling) → [S2D2: verify the span's drafts with
 //! a second forward] → apply (the decoder accepts and writes tokens) → emit (the stable prefix becomes
-//! completion text).
+//! completion text). With ISD (speculative="isd") a step is one causal forward over the pending token, the
+//! drafts and masks (`decode::strided`), which writes the accepted drafts and one more token.
 
 use crate::decode::decoder::{Decoder, Prediction, StopCause};
 use crate::decode::sampling::Sampler;
 use crate::decode::speculative::Router;
+use crate::decode::strided::Strided;
 use crate::error::{Error, Result};
 use crate::generate::output::{Counters, Output};
 pub use crate::generate::output::{FinishReason, StepEvent, StepOutput, Usage};
@@ -30,6 +32,8 @@ pub struct Generation {
     spec: Option<Router>,
     /// A drafted step waiting for its verification forward.
     pending: Option<Drafted>,
+    /// ISD's drafts and counters (speculative="isd").
+    isd: Option<Strided>,
 }
 
 /// A step's span, held while it is verified.
@@ -53,8 +57,8 @@ impl Generation {
         canvas.resize(lp + n, plan.mask_id);
         let window = Window::new(&model, plan.grid, lp, plan.cache);
         let out = Output::new(lp, n, plan.stop, plan.trace, plan.logprobs);
-        let (sampler, spec) = (Sampler::new(plan.sampling), plan.spec.map(Router::new));
-        Ok(Generation { model, dec, canvas, mask_id: plan.mask_id, window, sampler, out, spec, pending: None })
+        let (sampler, spec, isd) = (Sampler::new(plan.sampling), plan.spec.map(Router::new), plan.isd.map(Strided::new));
+        Ok(Generation { model, dec, canvas, mask_id: plan.mask_id, window, sampler, out, spec, pending: None, isd })
     }
 
     /// Cancel: the next output is the final one, with finish_reason "cancelled".
@@ -66,7 +70,7 @@ impl Generation {
         Counters {
             positions_forwarded: self.window.positions_forwarded,
             prefill_ms: self.window.prefill_ms,
-            speculative: self.spec.as_ref().map(|r| r.stats),
+            speculative: self.spec.as_ref().map(|r| r.stats).or(self.isd.as_ref().map(|s| s.stats)),
         }
     }
 
@@ -111,7 +115,14 @@ impl Generation {
             for i in 0..self.dec.n {
                 self.canvas[lp + i] = if self.dec.decoded[i] { self.dec.tokens[i] } else { self.mask_id };
             }
-            self.window.begin_step(&self.dec, positions)?;
+            match &mut self.isd {
+                Some(isd) => {
+                    let f = self.window.pending();
+                    let ids = isd.layout(self.dec.canvas_end() - f - 1, self.mask_id);
+                    self.window.begin_strided(&self.canvas, &ids)?;
+                }
+                None => self.window.begin_step(&self.dec, positions)?,
+            }
         }
         if let Some((budget, key_equivalent)) = limit {
             self.window.limit_next(budget, key_equivalent);
@@ -123,6 +134,9 @@ impl Generation {
     /// (predict → apply → emit), None while forwards remain.
     pub fn consume(&mut self, logits: Tensor) -> Result<Option<StepOutput>> {
         let Some((positions, logits)) = self.window.consume(logits)? else { return Ok(None) };
+        if self.isd.is_some() {
+            return self.strided(&positions, &logits).map(Some);
+        }
         if let Some(d) = self.pending.take() {
             self.verified(d, &logits)?;
         } else {
@@ -140,6 +154,24 @@ impl Generation {
         let is_final = self.dec.stopped == Some(StopCause::ForwardCap) || self.dec.masks_left() == 0;
         let usage = self.counters();
         self.out.emit(&self.model, &self.dec, is_final, true, usage).map(Some)
+    }
+
+    /// ISD: accept the step's drafts by the rows of the pending token and the drafts, write them and the next
+    /// token, keep their K/V and the next drafts (`Strided::step`), then emit.
+    fn strided(&mut self, positions: &[usize], logits: &Tensor) -> Result<StepOutput> {
+        let isd = self.isd.as_mut().ok_or_else(|| Error::Internal("an ISD step without ISD".into()))?;
+        let f = positions[0];
+        let (tokens, accepted) = isd.step(&mut self.sampler, logits, self.dec.canvas_end() - f - 1)?;
+        self.window.commit_strided(1 + accepted)?;
+        let decided: Vec<(usize, u32)> = tokens.iter().enumerate().map(|(i, &t)| (f + 1 + i, t)).collect();
+        self.dec.write(&decided, 1)?;
+        // the row of position f + i predicts f + i + 1: the verifier's log-probabilities
+        let n = decided.len();
+        let written: Vec<usize> = (f + 1..=f + n).collect();
+        self.out.record_logprobs(&self.dec, &written, &logits.narrow(0, 0, n)?)?;
+        let is_final = self.dec.stopped == Some(StopCause::ForwardCap) || self.dec.masks_left() == 0;
+        let usage = self.counters();
+        self.out.emit(&self.model, &self.dec, is_final, true, usage)
     }
 
     /// S2D2: whether to verify this draft's span (the routing policy, within the forward cap); if so, queue

@@ -6,6 +6,7 @@ use crate::decode::cache_policy::{CacheMode, CachePolicy, PrefixWindow, DEFAULT_
 use crate::decode::decoder::{block_layout, DecodeParams};
 use crate::decode::sampling::SamplingParams;
 use crate::decode::speculative::{PenaltyKind, SpecParams, Speculative};
+use crate::decode::strided::DEFAULT_STRIDE;
 use crate::error::{Error, Result};
 use crate::model::Model;
 use crate::net::mask::{Alignment, AttentionKind, BlockGrid};
@@ -28,8 +29,10 @@ pub struct Plan {
     pub grid: BlockGrid,
     pub cache: CachePolicy,
     pub sampling: SamplingParams,
-    /// S2D2's routing parameters (None: no speculation).
+    /// S2D2's routing parameters (None: no S2D2).
     pub spec: Option<SpecParams>,
+    /// ISD's stride (None: no ISD).
+    pub isd: Option<usize>,
     pub stop: Vec<String>,
     pub trace: TraceMode,
     pub logprobs: Option<usize>,
@@ -69,7 +72,8 @@ pub fn plan(model: &Model, prompt: &[u32], req: &GenRequest) -> Result<Plan> {
     }
     let d = p.decode_defaults();
     let spec = speculative(req, p.attention)?;
-    let sub_block_size = req.sub_block_size.or(d.sub_block_size);
+    let isd = strided(req, p.attention, p.logits_shift)?;
+    let sub_block_size = if isd.is_some() { None } else { req.sub_block_size.or(d.sub_block_size) };
     let params = DecodeParams {
         threshold: req.threshold.unwrap_or(d.threshold),
         acceptance: req.acceptance.unwrap_or(d.acceptance),
@@ -101,11 +105,13 @@ pub fn plan(model: &Model, prompt: &[u32], req: &GenRequest) -> Result<Plan> {
         max_tokens: n,
         mask_id,
         decode: params,
-        blocks: block_layout(lp, n, b, absolute),
+        // ISD writes where its drafts land: one block, all of it active (the decoder keeps the EOS fill and stops)
+        blocks: if isd.is_some() { block_layout(lp, n, n, false) } else { block_layout(lp, n, b, absolute) },
         grid,
         cache: cache_policy(grid.kind, req)?,
         sampling,
         spec,
+        isd,
         stop: req.stop.clone().unwrap_or_default(),
         trace: req.trace.unwrap_or(TraceMode::Off),
         logprobs: req.logprobs,
@@ -157,7 +163,7 @@ fn speculative(req: &GenRequest, attention: AttentionKind) -> Result<Option<Spec
         "verify_penalty_kind",
         "verify_hysteresis",
     ]);
-    if req.speculative.unwrap_or(Speculative::Off) == Speculative::Off {
+    if req.speculative.unwrap_or(Speculative::Off) != Speculative::S2d2 {
         if !set.is_empty() {
             let verb = if set.len() == 1 { "applies" } else { "apply" };
             return Err(Error::invalid(format!("{} only {verb} with speculative='s2d2'", set.join(", "))));
@@ -182,4 +188,42 @@ fn speculative(req: &GenRequest, attention: AttentionKind) -> Result<Option<Spec
         penalty_kind: req.verify_penalty_kind.unwrap_or(PenaltyKind::Static),
         hysteresis,
     }))
+}
+
+/// ISD's stride of a request (None: no ISD). ISD decodes with a strictly causal in-flight block and shifted logits
+/// (I-DLM), so it needs a model loaded as causal and shifted; the multi-block decoder's parameters do not apply.
+fn strided(req: &GenRequest, attention: AttentionKind, shift: bool) -> Result<Option<usize>> {
+    if req.speculative != Some(Speculative::Isd) {
+        if req.isd_stride.is_some() {
+            return Err(Error::invalid("isd_stride only applies with speculative='isd'"));
+        }
+        return Ok(None);
+    }
+    if attention != AttentionKind::Causal || !shift {
+        return Err(Error::invalid(format!(
+            "speculative='isd' decodes with a strictly causal in-flight block and shifted logits (the row of \
+             position i predicts i + 1); this model is loaded with {} attention{}: load I-DLM checkpoints with \
+             attention='causal', logits_shift=True",
+            attention.name(),
+            if shift { "" } else { " and unshifted logits" }
+        )));
+    }
+    let set = req.given(&[
+        "block_size",
+        "threshold",
+        "acceptance",
+        "block_add_threshold",
+        "decoded_token_threshold",
+        "forced_progress",
+        "sub_block_size",
+    ]);
+    if !set.is_empty() {
+        let verb = if set.len() == 1 { "does" } else { "do" };
+        return Err(Error::invalid(format!(
+            "{} {verb} not apply with speculative='isd' (a step forwards the pending token, up to isd_stride - 1 \
+             drafts and as many masks, and writes 1 to isd_stride tokens)",
+            set.join(", ")
+        )));
+    }
+    Ok(Some(req.isd_stride.unwrap_or(DEFAULT_STRIDE)))
 }

@@ -15,6 +15,11 @@
 //! position's block-size-1 prediction. The first half's K/V up to the first rejected draft are final, so they
 //! are committed from that forward (`commit_verified`): those positions keep causal K/V. The recompute policy
 //! rebuilds exactly the same K/V by giving those positions causal visibility (`causal`) in every forward.
+//!
+//! ISD (`decode::strided`): a step is one causal forward from the frontier, whose first position holds the last
+//! written token (the pending one; on the first step the prompt's last token, so the prompt is prefilled but for
+//! it), then the step's drafts and masks (`begin_strided`); the pending token's and the accepted drafts' K/V are
+//! final and committed from that forward (`commit_strided`). Without a cache every step recomputes from 0.
 
 use crate::decode::cache_policy::{CachePolicy, PrefixWindow};
 use crate::decode::decoder::Decoder;
@@ -50,8 +55,10 @@ enum PieceKind {
     /// The step's window; the frontier then moves to `commit_end` (the exact policy commits up to it); with
     /// `suffix`, the window rows from that position on are kept after them (the dual cache).
     Window { commit_end: usize, suffix: Option<usize> },
-    /// S2D2's verification of the span (its ids are the window's `verify_ids`).
+    /// S2D2's verification of the span (its ids are the window's `step_ids`).
     Verify { span: (usize, usize) },
+    /// An ISD step from the frontier (its ids are the window's `step_ids`; rows: the pending token's on).
+    Strided,
 }
 
 pub struct Window {
@@ -72,8 +79,9 @@ pub struct Window {
     frontier: usize,
     /// Positions whose final K/V are causal (committed from a verification), as ascending ranges.
     causal: Vec<Range<usize>>,
-    /// The verification's input ids, and its logits until `commit_verified` (first row's position, rows).
-    verify_ids: Vec<u32>,
+    /// The verification's or ISD step's input ids; the verification's logits until `commit_verified` (first
+    /// row's position, rows).
+    step_ids: Vec<u32>,
     verify_rows: Option<(usize, Tensor)>,
     /// Prefix policy: per schedule block (the prompt, then the decoder's blocks), the step at which it was first
     /// seen complete, and whether it is cached.
@@ -103,7 +111,7 @@ impl Window {
             scratch: None,
             frontier: 0,
             causal: vec![],
-            verify_ids: vec![],
+            step_ids: vec![],
             verify_rows: None,
             completed_at: vec![Some(0)],
             cached: vec![false],
@@ -349,8 +357,9 @@ impl Window {
                         positions.push(i);
                     }
                 }
-                (&self.verify_ids[..], positions, MaskSpec::Custom(mask))
+                (&self.step_ids[..], positions, MaskSpec::Custom(mask))
             }
+            PieceKind::Strided => (&self.step_ids[..], (start..end).collect(), MaskSpec::Grid(self.grid)),
             // the grid rule, unless some positions have causal K/V (recompute policy after a verification)
             _ if self.causal.is_empty() || self.policy == CachePolicy::Exact => {
                 (&canvas[start..end], (start..end).collect(), MaskSpec::Grid(self.grid))
@@ -366,7 +375,7 @@ impl Window {
         let own = match kind {
             PieceKind::Prefill { .. } => true,
             PieceKind::Scratch => false,
-            PieceKind::Window { .. } | PieceKind::Verify { .. } => self.policy.keeps(),
+            PieceKind::Window { .. } | PieceKind::Verify { .. } | PieceKind::Strided => self.policy.keeps(),
         };
         let cache = if own { &mut self.cache } else { self.scratch.get_or_insert_with(|| self.cache.fresh()) };
         if cache.len() != keys {
@@ -383,18 +392,79 @@ impl Window {
             return Err(Error::Internal(format!("cannot verify span {s}..{e} (frontier {})", self.frontier)));
         }
         let start = if self.policy == CachePolicy::Exact { self.frontier } else { 0 };
-        self.verify_ids.clear();
-        self.verify_ids.extend_from_slice(&canvas[start..s]);
-        self.verify_ids.extend_from_slice(drafts);
+        self.step_ids.clear();
+        self.step_ids.extend_from_slice(&canvas[start..s]);
+        self.step_ids.extend_from_slice(drafts);
         let rows: Vec<usize> = if self.shift {
             // the row of p - 1 predicts p; the row of e - 1 is the carry when every draft is accepted
             (s.saturating_sub(1).max(start)..e).map(|p| p - start).collect()
         } else {
             let mask = canvas[s];
-            self.verify_ids.extend(std::iter::repeat_n(mask, e - s));
+            self.step_ids.extend(std::iter::repeat_n(mask, e - s));
             (0..e - s).map(|j| e - start + j).collect()
         };
         self.pieces.push_back(Piece { start, end: e, keys: start, rows, kind: PieceKind::Verify { span } });
+        Ok(())
+    }
+
+    /// ISD: the position of the pending token (the last written one, whose K/V are not final yet): the frontier,
+    /// or the prompt's last position before the first step.
+    pub fn pending(&self) -> usize {
+        if self.prefilled {
+            self.frontier
+        } else {
+            self.prompt_len - 1
+        }
+    }
+
+    /// ISD: queue a step's forward over the pending token of `canvas` and `ids` after it (drafts, masks), strictly
+    /// causal (the window's grid is causal); its `consume` gives one logits row per position, the pending one's
+    /// first. The first step prefills the prompt up to its last token (exact policy); without a cache a long
+    /// prefix is recomputed in prefill-sized chunks first.
+    pub fn begin_strided(&mut self, canvas: &[u32], ids: &[u32]) -> Result<()> {
+        if self.in_step() || self.grid.kind != AttentionKind::Causal {
+            return Err(Error::Internal("an ISD step needs a causal grid and no step under way".into()));
+        }
+        let exact = self.policy == CachePolicy::Exact;
+        if !self.prefilled {
+            self.prefilled = true;
+            self.frontier = self.prompt_len - 1;
+            if exact && self.frontier > 0 {
+                let cs = chunks(&self.grid, 0, self.frontier);
+                let n = cs.len();
+                for (i, (s, e)) in cs.into_iter().enumerate() {
+                    let kind = PieceKind::Prefill { last: i + 1 == n };
+                    self.pieces.push_back(Piece { start: s, end: e, keys: s, rows: vec![], kind });
+                }
+            }
+        }
+        let f = self.frontier;
+        let start = if exact {
+            f
+        } else if f < PREFILL_CHUNK {
+            0
+        } else {
+            for (s, e) in chunks(&self.grid, 0, f) {
+                self.pieces.push_back(Piece { start: s, end: e, keys: s, rows: vec![], kind: PieceKind::Scratch });
+            }
+            f
+        };
+        self.step_ids.clear();
+        self.step_ids.extend_from_slice(&canvas[start..=f]);
+        self.step_ids.extend_from_slice(ids);
+        let end = f + 1 + ids.len();
+        let rows = (f - start..end - start).collect();
+        self.pieces.push_back(Piece { start, end, keys: start, rows, kind: PieceKind::Strided });
+        Ok(())
+    }
+
+    /// ISD: the first `n` positions of the step just consumed (the pending token and the accepted drafts) hold
+    /// final tokens over final K/V: commit them (exact policy) and move the frontier past them.
+    pub fn commit_strided(&mut self, n: usize) -> Result<()> {
+        if self.policy == CachePolicy::Exact {
+            self.cache.commit(n)?;
+        }
+        self.frontier += n;
         Ok(())
     }
 
@@ -430,7 +500,7 @@ impl Window {
             PieceKind::Prefill { last } => {
                 self.cache.commit(len)?;
                 if last {
-                    if self.shift {
+                    if self.shift && !piece.rows.is_empty() {
                         self.carry = Some(logits);
                     }
                     self.prefill_ms = self.prefill_started.map_or(0.0, |t| t.elapsed().as_secs_f64() * 1e3);
@@ -448,6 +518,12 @@ impl Window {
                 let out = self.finish_window(piece, commit_end, suffix, logits)?;
                 self.frontier = commit_end;
                 Ok(Some((std::mem::take(&mut self.positions), out)))
+            }
+            PieceKind::Strided => {
+                self.positions_forwarded += len;
+                self.scratch = None;
+                let first = piece.end - piece.rows.len();
+                Ok(Some(((first..piece.end).collect(), logits)))
             }
             PieceKind::Verify { span: (s, e) } => {
                 self.positions_forwarded += len + if self.shift { 0 } else { e - s };

@@ -171,7 +171,19 @@ pub const PARAMS: &[ParamSpec] = &[
         "Fast-dLLM v2 sub-blocks: each step decodes within the first sub-block of this size with masks \
          (default: 8 for Fast-dLLM v2, whole blocks otherwise)",
     ),
-    p("speculative", K::Str, R::Any, "'s2d2': verify drafts with the same model at block size 1 (default: 'off')"),
+    p(
+        "speculative",
+        K::Str,
+        R::Any,
+        "'s2d2': verify drafts with the same model at block size 1 | 'isd': I-DLM's introspective strided decoding \
+         (causal shifted models) (default: 'off')",
+    ),
+    p(
+        "isd_stride",
+        K::Int,
+        R::AtLeast(1.0),
+        "speculative='isd': N, the most tokens a step writes; a step forwards up to 2N - 1 positions (default 4)",
+    ),
     p(
         "verify_policy",
         K::Str,
@@ -494,6 +506,7 @@ request! {
         max_forward_passes: usize,
         sub_block_size: usize,
         speculative: Speculative,
+        isd_stride: usize,
         verify_policy: VerifyPolicy,
         verify_min_span: usize,
         verify_score_threshold: f64,

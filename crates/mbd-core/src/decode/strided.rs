@@ -1,0 +1,149 @@
+//! I-DLM's introspective strided decoding (ISD, arXiv 2604.11035) as policy over logits rows: the drafts a step
+//! carries, the layout of its forward, and what a forward's rows commit. With stride N, a step forwards, strictly
+//! causally and with shifted logits (the row of position i predicts i + 1):
+//!
+//! `[pending, d_1 .. d_s, M x m]` at positions F, F+1, .., F+s+m
+//!
+//! where `pending` is the last written token (position F, the end of the final K/V), d_1..d_s (s <= N - 1) the
+//! previous step's drafts for F+1..F+s, and M the mask token. The rows of `pending` and the drafts are the
+//! verifier p for F+1..F+s+1; the drafts are accepted left to right by speculative sampling (greedy: while they
+//! equal p's argmax), the first rejected one is replaced from the residual; when every draft is accepted the row
+//! of d_s gives one more token (the bonus, at F+s+1), and the mask rows, which sit from the bonus's slot on, are
+//! the next step's drafts for F+s+2..F+s+m+1 (drawn from their distribution q, kept for the next acceptance).
+//! After a rejection those drafts were conditioned on a rejected token and are dropped: the next step is a cold
+//! start `[pending, M x m]` (s = 0), which writes one token and drafts N - 1. A step writes 1..N tokens; the K/V
+//! of `pending` and of the accepted drafts are final (causal, over final tokens) and are kept.
+
+use crate::decode::sampling::Sampler;
+use crate::decode::speculative::{accept_greedy, accept_sampled, SpecStats};
+use crate::error::{Error, Result};
+use candle_core::{DType, Tensor};
+
+/// ISD's default stride: I-DLM's `idlm_blockN4` configuration (N = 4, a block of 2N - 1 = 7 positions).
+pub const DEFAULT_STRIDE: usize = 4;
+
+/// One generation's ISD state: the drafts for the positions after the pending token, and the counters.
+#[derive(Debug, Clone)]
+pub struct Strided {
+    stride: usize,
+    drafts: Vec<u32>,
+    /// Sampling: each draft's distribution q (as `SamplingParams::dist` gives it) and its probability there.
+    draft_dists: Vec<Vec<(u32, f64)>>,
+    draft_probs: Vec<f64>,
+    pub stats: SpecStats,
+}
+
+impl Strided {
+    /// `stride` >= 1 (N: the most tokens a step writes; 1 is AR decoding).
+    pub fn new(stride: usize) -> Strided {
+        Strided { stride: stride.max(1), drafts: vec![], draft_dists: vec![], draft_probs: vec![], stats: SpecStats::default() }
+    }
+
+    /// The ids of the step's forward after the pending token, for `room` undecoded positions after it: the drafts,
+    /// then as many masks as give drafts inside the room (a mask row predicts the position after it).
+    pub fn layout(&mut self, room: usize, mask: u32) -> Vec<u32> {
+        self.drafts.truncate(room);
+        self.draft_dists.truncate(room);
+        self.draft_probs.truncate(room);
+        let s = self.drafts.len();
+        let m = (self.stride - 1).min(room.saturating_sub(s + 1));
+        let mut ids = self.drafts.clone();
+        ids.extend(std::iter::repeat_n(mask, m));
+        ids
+    }
+
+    /// Take the step's logits (one row per forwarded id: the pending token's, then the `layout` ids'), with `room`
+    /// as `layout` had it. Returns the tokens to write after the pending token and how many of them are accepted
+    /// drafts (the K/V to keep: the pending token's and theirs), and keeps the next step's drafts.
+    pub fn step(&mut self, sampler: &mut Sampler, logits: &Tensor, room: usize) -> Result<(Vec<u32>, usize)> {
+        let s = self.drafts.len();
+        let rows = logits.dim(0)?;
+        let m = rows.checked_sub(s + 1).ok_or_else(|| Error::Internal(format!("{rows} ISD rows for {s} drafts")))?;
+        // verifier rows: one per position F+1..F+s+1 inside the room
+        let v = (s + 1).min(room);
+        let drafts = std::mem::take(&mut self.drafts);
+        let (dists, probs) = (std::mem::take(&mut self.draft_dists), std::mem::take(&mut self.draft_probs));
+        let (mut tokens, accepted) = if sampler.params().temperature == 0.0 {
+            let best: Vec<u32> = sampler.predict(logits)?.iter().map(|p| p.token).collect();
+            let (mut tokens, k) = accept_greedy(&drafts, &best[..s]);
+            if k == s && v > s {
+                tokens.push(best[s]);
+                self.drafts = best[s + 1..s + 1 + m].to_vec();
+            }
+            (tokens, k)
+        } else {
+            let host: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_vec2()?;
+            if host.iter().flatten().any(|x| x.is_nan()) {
+                return Err(Error::load("the model computed non-finite logits (NaN) in an ISD step"));
+            }
+            let sp = sampler.params().clone();
+            let p: Vec<Vec<(u32, f64)>> = host[..v].iter().map(|r| sp.dist(r)).collect();
+            let (mut tokens, k) = accept_sampled(sampler, &drafts, &probs, |i| dists[i].clone(), |i| p[i].clone());
+            if k == s && v > s {
+                tokens.push(sampler.draw(&p[s]));
+                for row in &host[s + 1..s + 1 + m] {
+                    let q = sp.dist(row);
+                    let t = sampler.draw(&q);
+                    self.draft_probs.push(q.iter().find(|x| x.0 == t).map_or(0.0, |x| x.1));
+                    self.draft_dists.push(q);
+                    self.drafts.push(t);
+                }
+            }
+            (tokens, k)
+        };
+        tokens.truncate(room);
+        if s > 0 {
+            self.stats.count(s, accepted);
+        }
+        Ok((tokens, accepted))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decode::sampling::SamplingParams;
+    use candle_core::Device;
+
+    /// Rows whose argmax is the given token (vocabulary 8).
+    fn rows(argmax: &[u32]) -> Tensor {
+        let v: Vec<f32> = argmax.iter().flat_map(|&t| (0..8).map(move |i| if i == t { 5.0 } else { 0.0 })).collect();
+        Tensor::from_vec(v, (argmax.len(), 8), &Device::Cpu).unwrap()
+    }
+
+    fn greedy() -> Sampler {
+        Sampler::new(SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, seed: Some(0) })
+    }
+
+    #[test]
+    fn greedy_steps_walk_cold_start_accept_and_reject() {
+        let (mut isd, mut s) = (Strided::new(3), greedy());
+        // cold start: [pending, M, M]: one token from the pending row, drafts from the two mask rows
+        assert_eq!(isd.layout(10, 7), vec![7, 7]);
+        assert_eq!(isd.step(&mut s, &rows(&[1, 2, 3]), 10).unwrap(), (vec![1], 0));
+        // [pending=1, 2, 3, M, M]: both drafts agree with p, the bonus 4, then drafts 5, 6
+        assert_eq!(isd.layout(9, 7), vec![2, 3, 7, 7]);
+        assert_eq!(isd.step(&mut s, &rows(&[2, 3, 4, 5, 6]), 9).unwrap(), (vec![2, 3, 4], 2));
+        // [pending=4, 5, 6, M, M]: the second draft is rejected: 5 then p's 0; the drafts are dropped
+        assert_eq!(isd.layout(6, 7), vec![5, 6, 7, 7]);
+        assert_eq!(isd.step(&mut s, &rows(&[5, 0, 1, 1, 1]), 6).unwrap(), (vec![5, 0], 1));
+        assert_eq!(isd.layout(4, 7), vec![7, 7]);
+        assert_eq!(isd.stats, SpecStats { verifications: 2, drafts_proposed: 4, drafts_accepted: 3 });
+    }
+
+    #[test]
+    fn the_room_bounds_drafts_masks_and_tokens() {
+        let (mut isd, mut s) = (Strided::new(4), greedy());
+        // two positions left: one mask (its row drafts the last one)
+        assert_eq!(isd.layout(2, 7), vec![7]);
+        assert_eq!(isd.step(&mut s, &rows(&[1, 2]), 2).unwrap(), (vec![1], 0));
+        // one position left: the draft, no bonus, no masks
+        assert_eq!(isd.layout(1, 7), vec![2]);
+        assert_eq!(isd.step(&mut s, &rows(&[2, 3]), 1).unwrap(), (vec![2], 1));
+        // stride 1 is AR decoding: no drafts, no masks
+        let mut ar = Strided::new(1);
+        assert_eq!(ar.layout(5, 7), Vec::<u32>::new());
+        assert_eq!(ar.step(&mut s, &rows(&[6]), 5).unwrap(), (vec![6], 0));
+        assert_eq!(ar.stats.verifications, 0);
+    }
+}
