@@ -126,3 +126,15 @@ def test_generate_json_with_logprobs():
     assert [t[1] for t in got] == [t.logprob for t in want.logprobs]
     assert all(len(t[2]) == 2 for t in got)
     assert "logprobs" not in json.loads(cli("generate", "hi", "--max-tokens", "2", "--json").stdout)
+
+
+def test_isd_from_the_command_line():
+    """An I-DLM-style load (causal, shifted) and ISD decoding through the CLI's derived flags give the API's answer."""
+    d = parity_dir("qwen2_gqa_tied")
+    load = dict(device="cpu", mask_token_id=3, attention="causal", logits_shift=True)
+    want = mbd_rs.Engine.load(d, **load).generate("abc", max_tokens=12, speculative="isd", isd_stride=3)
+    r = cli("generate", "abc", "--model", d, "--device", "cpu", "--mask-token-id", "3", "--attention", "causal", "--logits-shift",
+            "--max-tokens", "12", "--speculative", "isd", "--isd-stride", "3", "--json", "--stats")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["token_ids"] == want.token_ids and out["usage"]["drafts_proposed"] == want.usage.drafts_proposed

@@ -131,6 +131,10 @@ def test_s2d2_through_the_server(client, engine):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="mbd-tiny", messages=msgs, extra_body={"verify_hysteresis": [1]})
     assert "speculative" in e.value.body["message"]
+    # ISD reaches the plan too: the embedded model is block-causal, which ISD refuses
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="mbd-tiny", messages=msgs, extra_body={"speculative": "isd"})
+    assert "attention='causal'" in e.value.body["message"]
 
 
 def test_invalid_requests(client):

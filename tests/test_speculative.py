@@ -110,7 +110,7 @@ def test_fast_dllm_v2_family_defaults_to_sub_blocks(model_copy):
 @pytest.mark.parametrize("kw,msg", [
     (dict(verify_policy="always"), "only applies with speculative='s2d2'"),
     (dict(verify_hysteresis=[1, -5]), "only applies with speculative='s2d2'"),
-    (dict(speculative="eagle"), "speculative must be 'off' or 's2d2'"),
+    (dict(speculative="eagle"), "speculative must be 'off', 's2d2' or 'isd'"),
     (dict(speculative="s2d2", verify_policy="sometimes"), "verify_policy must be"),
     (dict(speculative="s2d2", verify_hysteresis=[1.0]), "two numbers"),
     (dict(speculative="s2d2", verify_hysteresis=[-5, 1]), "greater than off"),

@@ -96,7 +96,7 @@ def _load(a: argparse.Namespace) -> Engine:
 def _print_stats(u: Usage) -> None:
     print(f"[{u.completion_tokens} tokens, {u.forward_passes} forwards, {u.tokens_per_forward:.2f} tokens/forward, "
           f"{u.tokens_per_second:.1f} tokens/s, ttft {u.ttft_ms:.1f} ms"
-          + (f", S2D2: {u.verifications} verifications, {u.drafts_accepted}/{u.drafts_proposed} drafts accepted"
+          + (f", {u.verifications} verifications, {u.drafts_accepted}/{u.drafts_proposed} drafts accepted"
              if u.verifications else "") + "]", file=sys.stderr)
 
 

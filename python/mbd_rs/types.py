@@ -16,7 +16,7 @@ class Usage:
     decode_ms: float  # wall time of the whole generation
     tokens_per_second: float
     positions_forwarded: int  # token positions run through the model by decode steps (prefill excluded)
-    verifications: int = 0  # S2D2 verification forwards (speculative="s2d2")
+    verifications: int = 0  # S2D2 verification forwards, ISD steps that verified drafts (speculative=...)
     drafts_proposed: int = 0  # draft tokens put to the verifier
     drafts_accepted: int = 0  # draft tokens the verifier accepted
 
@@ -26,7 +26,7 @@ class Usage:
 
     @property
     def acceptance_rate(self) -> float:
-        """S2D2: accepted / proposed drafts (0.0 when nothing was verified)."""
+        """S2D2 and ISD: accepted / proposed drafts (0.0 when nothing was verified)."""
         return self.drafts_accepted / self.drafts_proposed if self.drafts_proposed else 0.0
 
 

@@ -36,7 +36,13 @@ pub struct Strided {
 impl Strided {
     /// `stride` >= 1 (N: the most tokens a step writes; 1 is AR decoding).
     pub fn new(stride: usize) -> Strided {
-        Strided { stride: stride.max(1), drafts: vec![], draft_dists: vec![], draft_probs: vec![], stats: SpecStats::default() }
+        Strided {
+            stride: stride.max(1),
+            drafts: vec![],
+            draft_dists: vec![],
+            draft_probs: vec![],
+            stats: SpecStats::default(),
+        }
     }
 
     /// The ids of the step's forward after the pending token, for `room` undecoded positions after it: the drafts,

@@ -57,7 +57,8 @@ impl Generation {
         canvas.resize(lp + n, plan.mask_id);
         let window = Window::new(&model, plan.grid, lp, plan.cache);
         let out = Output::new(lp, n, plan.stop, plan.trace, plan.logprobs);
-        let (sampler, spec, isd) = (Sampler::new(plan.sampling), plan.spec.map(Router::new), plan.isd.map(Strided::new));
+        let (sampler, spec, isd) =
+            (Sampler::new(plan.sampling), plan.spec.map(Router::new), plan.isd.map(Strided::new));
         Ok(Generation { model, dec, canvas, mask_id: plan.mask_id, window, sampler, out, spec, pending: None, isd })
     }
 

@@ -21,7 +21,7 @@ crate::util::string_enum! {
 pub struct Counters {
     pub positions_forwarded: usize,
     pub prefill_ms: f64,
-    /// S2D2's counters (speculative="s2d2")
+    /// The speculative counters (speculative="s2d2" or "isd")
     pub speculative: Option<SpecStats>,
 }
 
@@ -37,7 +37,8 @@ pub struct Usage {
     pub tokens_per_second: f64,
     /// Token positions run through the model by decode steps (window lengths summed; excludes prefill).
     pub positions_forwarded: usize,
-    /// S2D2 (zero without speculation): verification forwards, drafts put to the verifier, drafts accepted.
+    /// Speculation (zero without): verifications (S2D2: verification forwards; ISD: steps that verified drafts),
+    /// drafts put to the verifier, drafts accepted.
     pub verifications: usize,
     pub drafts_proposed: usize,
     pub drafts_accepted: usize,
