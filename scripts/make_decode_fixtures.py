@@ -1,7 +1,9 @@
 """Record greedy decoding fixtures with the reference decoder (tests/reference/decoder.py) over HF
 transformers, on the parity checkpoints. Developer tool (needs torch + transformers, see
 scripts/make_parity_fixtures.py for the install line). Run from the repository root:
-    /tmp/devenv/bin/python scripts/make_decode_fixtures.py
+    /tmp/devenv/bin/python scripts/make_decode_fixtures.py [--only PREFIX,...]
+--only re-records just the variants whose names start with one of the prefixes and merges them into the existing
+cases.json (the other cases and prompt_logprobs.json are kept as they are).
 Writes tests/fixtures/decode/cases.json (per case: tokens, forward passes, finish reason, and each completion
 token's log-probability under the forward that decided it, with that forward's 3 most likely ids), and
 tests/fixtures/decode/prompt_logprobs.json (left-to-right scores of whole sequences, by definition).
@@ -72,6 +74,7 @@ BASE = dict(block_size=4, attention="block_causal", alignment="absolute", logits
 
 
 def main():
+    only = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else None
     os.makedirs(OUT, exist_ok=True)
     rng = np.random.default_rng(0)
     cases = []
@@ -140,8 +143,28 @@ def main():
                                     cache=dict(mode="dual")),
                 "s2d2_prompt_grid_eos": dict(threshold=h50, alignment="prompt", block_size=5, eos=[0, eos],
                                              s2d2=S2D2("score", score_threshold=0.5)),
+                # issue #53: TDAR's BACD (bounds from this model's confidence quantiles), dInfer's CreditDecoding,
+                # DUS's dilated schedule
+                "bacd_single_block": dict(acceptance="bacd", threshold=None, alpha=1.0, block_size=8,
+                                          bacd=(round(float(pq[0]), 3), round(float(pq[2]), 3))),
+                "bacd_multiblock_every": dict(acceptance="bacd", threshold=None, forced="every",
+                                              bacd=(round(float(pq[0]), 3), round(float(pq[1]), 3))),
+                "bacd_shifted_eos": dict(acceptance="bacd", threshold=None, alpha=1.0, logits_shift=True,
+                                         eos=[0, eos], bacd=(round(float(pq[0]), 3), round(float(pq[2]), 3))),
+                "credit_single_block": dict(acceptance="credit", threshold=round(float(pq[2]), 3), alpha=1.0,
+                                            block_size=8, credit=dict(alpha=0.7, gamma=0.2, beta=0.8)),
+                "credit_strong_multiblock": dict(acceptance="credit", threshold=round(float(pq[2]), 3),
+                                                 credit=dict(alpha=4.0, gamma=0.5, beta=0.5)),
+                "credit_shifted_eos": dict(acceptance="credit", threshold=round(float(pq[1]), 3), alpha=1.0,
+                                           logits_shift=True, eos=[0, eos], credit=dict(alpha=2.0, gamma=0.2, beta=0.8)),
+                "dus_single_block_b8": dict(acceptance="dus", threshold=None, alpha=1.0, block_size=8),
+                "dus_multiblock_b4": dict(acceptance="dus", threshold=None),
+                "dus_prompt_grid_b6_shifted": dict(acceptance="dus", threshold=None, alignment="prompt", block_size=6,
+                                                   logits_shift=True, alpha=0.5, beta=0.5),
             }
             for vname, v in variants.items():
+                if only and not any(vname.startswith(o) for o in only):
+                    continue
                 p = {**BASE, **v}
                 eos_ids = p.pop("eos", [0])
                 lps = {}
@@ -157,6 +180,11 @@ def main():
                                   completion_logprobs=[round(v, 7) for v, _ in lp_comp],
                                   completion_top3=[t for _, t in lp_comp]))
                 print(f"{name} lp={lp} {vname:28s} nfe={nfe:2d} tokens={len(comp):2d} tpf={len(comp) / nfe:.2f} {finish}")
+    if only:
+        old = json.load(open(os.path.join(OUT, "cases.json")))["cases"]
+        kept = [c for c in old if not any(c["variant"].startswith(o) for o in only)]
+        json.dump({"cases": kept + cases}, open(os.path.join(OUT, "cases.json"), "w"), indent=0)
+        return
     json.dump({"cases": cases}, open(os.path.join(OUT, "cases.json"), "w"), indent=0)
     # Prompt scoring (Engine.prompt_logprobs): one sequence longer than the engine's scoring chunk (128)
     scores = []

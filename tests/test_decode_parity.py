@@ -45,8 +45,15 @@ def run(case, use_cache):
             extra["prefix_window"] = p["cache"]["window"]
     if p.get("sub_block"):
         extra["sub_block_size"] = p["sub_block"]
+    if p.get("bacd"):
+        extra.update(bacd_lower=p["bacd"][0], bacd_upper=p["bacd"][1])
+    if p.get("credit"):
+        extra.update(credit_alpha=p["credit"]["alpha"], credit_gamma=p["credit"]["gamma"],
+                     credit_beta=p["credit"]["beta"])
+    if p["threshold"] is not None:  # BACD and DUS have none
+        extra["threshold"] = p["threshold"]
     return eng.generate(case["prompt"], max_tokens=case["max_tokens"], block_size=p["block_size"],
-                        threshold=p["threshold"], acceptance=p["acceptance"], block_add_threshold=p["alpha"],
+                        acceptance=p["acceptance"], block_add_threshold=p["alpha"],
                         decoded_token_threshold=p["beta"], forced_progress=p["forced"], early_stop=p["early_stop"],
                         use_cache=use_cache, logprobs=3, **extra)
 

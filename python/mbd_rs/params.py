@@ -28,7 +28,17 @@ class GenerationParams(TypedDict, total=False):
     threshold: Optional[float]
     """tau: entropy bound, least probability, or EB gamma (default: the family's)"""
     acceptance: Optional[str]
-    """which predictions a step accepts: entropy | confidence | eb"""
+    """which predictions a step accepts: entropy | confidence | eb | bacd (TDAR's bounded adaptive confidence) | credit (dInfer's CreditDecoding) | dus (dilated unmasking)"""
+    bacd_lower: Optional[float]
+    """acceptance='bacd': the lower bound on its confidence threshold (default 0.6)"""
+    bacd_upper: Optional[float]
+    """acceptance='bacd': the upper bound on its confidence threshold (default 0.9)"""
+    credit_alpha: Optional[float]
+    """acceptance='credit': the credit's fusion strength (default 0.7)"""
+    credit_gamma: Optional[float]
+    """acceptance='credit': the exponent on a step's max probability (default 0.2)"""
+    credit_beta: Optional[float]
+    """acceptance='credit': the credit's decay per step (default 0.8)"""
     block_add_threshold: Optional[float]
     """alpha: add a block when the last one is this decoded"""
     decoded_token_threshold: Optional[float]

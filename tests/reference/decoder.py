@@ -3,6 +3,11 @@ from the Rust code: whole-sequence recompute each step with HF transformers and 
 entropy in float64. Greedy only (temperature 0). Used to record fixtures and, where torch is installed,
 to compare live.
 
+Also the acceptance rules of issue #53, from their authors' code as docs/decoding.md states them: TDAR's BACD
+(a per-block threshold: the block's first step's max confidence, then the mean of its committed confidences,
+clipped to bounds), dInfer's CreditDecoding (dense per-block credit tensors, decayed every step of the block after
+its first, fused into the logits) and DUS (the dilated schedule, built here by the DUS authors' level loop).
+
 Also Fast-dLLM v2's sub-blocks and block-start step, and S2D2 verification (issue #19), from the papers'
 pseudo-code: the verifier is the same model at block size 1 (the 2L trick for unshifted models, a causal
 forward for shifted ones), and positions committed through a verification keep causal K/V ("AR-like caching"),
@@ -67,7 +72,7 @@ def mask_from_ends(ends, extra=None, torch=None):
 
 def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignment, logits_shift, threshold,
                      acceptance, alpha, beta, forced, early_stop, eos_ids, max_forward_passes=10000,
-                     sub_block=None, s2d2=None, cache=None, logprobs=None):
+                     sub_block=None, s2d2=None, cache=None, logprobs=None, bacd=None, credit=None):
     """logprobs: None, or a dict filled with position -> (log-probability of the token written there under the
     logits row of the forward that decided it (log-softmax, float64), the 3 most likely ids of that row).
     s2d2: None, or dict(policy=always|min_span|score|hysteresis, min_span=, score_threshold=, penalty=,
@@ -75,7 +80,8 @@ def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignm
     cache: None (recompute every step), or for full attention dict(mode="prefix", delay=, refresh=, window=): d3LLM's
     approximate prefix cache (`_sample_multi_block_kv_cache`), or dict(mode="dual"): Fast-dLLM v1's dual cache
     over the active region (first incomplete created block .. end of the last created block), both kept in a
-    transformers DynamicCache."""
+    transformers DynamicCache.
+    bacd: (lower, upper) for acceptance="bacd"; credit: dict(alpha=, gamma=, beta=) for acceptance="credit"."""
     import torch
     from transformers import DynamicCache
 
@@ -135,8 +141,34 @@ def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignm
             top = sorted(range(len(ls)), key=lambda t: (-ls[t], t))[:3]
             logprobs[p] = (float(ls[x[p]]), top)
 
+    bacd_hist = {}  # block -> confidences of its committed tokens
+    credit_c, credit_steps = {}, {}  # block -> {position: credit vector}, block -> steps it has had
+
+    def block_k(p):
+        return next(k for k in range(len(blocks)) if blocks[k][0] <= p < blocks[k][1])
+
     def rule(cand, pred):
         acc = set()
+        if acceptance in ("bacd", "credit", "dus"):
+            for k in range(len(blocks)):
+                ps = [p for p in cand if blocks[k][0] <= p < blocks[k][1]]
+                if not ps:
+                    continue
+                if acceptance == "bacd":
+                    lo, hi = bacd
+                    h = bacd_hist.get(k)
+                    tau = min(max(max(pred[p][2] for p in ps) if not h else sum(h) / len(h), lo), hi)
+                    acc |= {p for p in ps if pred[p][2] >= tau}
+                elif acceptance == "credit":
+                    best = max(pred[p][2] for p in ps)
+                    acc |= {p for p in ps if pred[p][2] >= min(threshold, best - 1e-5)}
+                else:
+                    for level in dus_levels(blocks[k][1] - origin(k)):
+                        hit = [p for p in ps if p - origin(k) in level]
+                        if hit:
+                            acc |= set(hit)
+                            break
+            return acc
         if acceptance == "entropy":
             acc = {p for p in cand if pred[p][1] < threshold}
         elif acceptance == "confidence":
@@ -282,14 +314,25 @@ def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignm
         nfe += 1
         # 6. predictions for the candidates
         pred = {}
+        if acceptance == "credit":
+            for k in {block_k(p) for p in cand}:
+                if credit_steps.get(k, 0) > 0:
+                    for vec in credit_c[k].values():
+                        vec *= credit["beta"]
+                credit_steps[k] = credit_steps.get(k, 0) + 1
         for p in cand:
             if logits_shift:
                 row = logits[p - 1 - start] if p - 1 >= start else carry
             else:
                 row = logits[p - start]
+            rows[p] = row
+            if acceptance == "credit":
+                pr, _ = probs(row)
+                vec = credit_c.setdefault(block_k(p), {}).setdefault(p, np.zeros(len(row)))
+                vec[int(np.argmax(row))] += float(pr.max()) ** credit["gamma"]
+                row = row + credit["alpha"] * np.log1p(vec)
             pr, h = probs(row)
             pred[p] = (int(np.argmax(row)), h, float(pr.max()))
-            rows[p] = row
         # S2D2: verify the span (first run of consecutive candidates, in one block)?
         verified = None
         if s2d2 and not ar_step and nfe + 1 <= max_forward_passes:
@@ -361,12 +404,14 @@ def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignm
         for k in fa:
             ps = [p for p in cand if blocks[k][0] <= p < blocks[k][1]]
             if ps and not any(p in acc for p in ps):
-                if acceptance == "confidence":
+                if acceptance in ("confidence", "bacd", "credit"):
                     acc.add(min(ps, key=lambda p: (-pred[p][2], p)))
                 else:
                     acc.add(min(ps, key=lambda p: (pred[p][1], p)))
         # 9. write
         for p in acc:
+            if acceptance == "bacd":
+                bacd_hist.setdefault(block_k(p), []).append(pred[p][2])
             x[p] = pred[p][0]
             is_mask[p] = False
             record(p)
@@ -374,6 +419,26 @@ def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignm
             break
     gen = [None if is_mask[p] else x[p] for p in range(lp, lp + n)]
     return gen, nfe
+
+
+def dus_levels(b, a=2, skip=1):
+    """The DUS authors' dilated schedule of a block of b positions (offsets): strides b // a**skip, then divided by
+    a down to 1, each level the offsets divisible by the stride not revealed yet; leftovers form a last level, and
+    a last level smaller than the one before is merged into it."""
+    levels, revealed = [], set()
+    stride = b // a ** skip
+    while stride >= 1:
+        level = [o for o in range(b) if o % stride == 0 and o not in revealed]
+        if level:
+            levels.append(level)
+            revealed |= set(level)
+        stride //= a
+    rest = [o for o in range(b) if o not in revealed]
+    if rest:
+        levels.append(rest)
+    if len(levels) >= 2 and len(levels[-1]) < len(levels[-2]):
+        levels[-2] = sorted(levels[-2] + levels.pop())
+    return levels
 
 
 def completion_tokens(gen, eos_ids):

@@ -22,6 +22,15 @@ crate::util::string_enum! {
         Confidence = "confidence",
         /// EB-sampler per block: sort by H ascending, accept the i-th while the sum of the earlier ones <= gamma
         Eb = "eb",
+        /// TDAR's bounded adaptive confidence (BACD): per block, accept confidence >= tau, tau = the block's first
+        /// step's max confidence, then the mean confidence of its accepted tokens, clipped to the bounds
+        Bacd = "bacd",
+        /// dInfer's CreditDecoding: per block, confidence >= min(tau, the best one - 1e-5), over logits fused with
+        /// each position's decaying credit
+        Credit = "credit",
+        /// DUS, dilated unmasking: per block, the next level of a dilated schedule (strides B/2, B/4, .., 1),
+        /// whatever the confidence
+        Dus = "dus",
     }
 }
 
@@ -54,6 +63,41 @@ pub struct DecodeParams {
     /// Fast-dLLM v2's block start: when the first position to predict starts a grid block and its predecessor
     /// is decoded, the step decodes that one position from the previous block's last logit (shifted models).
     pub ar_block_start: bool,
+    /// BACD's bounds on tau (lower, upper), lower <= upper.
+    pub bacd_bounds: (f64, f64),
+}
+
+/// BACD's default bounds (TDAR's `confidence_lower_threshold`, `confidence_upper_threshold`).
+pub const DEFAULT_BACD_BOUNDS: (f64, f64) = (0.6, 0.9);
+
+/// DUS's schedule of a block of `b` positions (offsets from its grid origin), as the DUS authors' code builds it:
+/// strides b/2, b/4, .., 1; each level takes the offsets divisible by the stride not taken yet; a last level
+/// smaller than the one before joins it.
+pub fn dus_levels(b: usize) -> Vec<Vec<usize>> {
+    let mut levels: Vec<Vec<usize>> = vec![];
+    let mut taken = vec![false; b];
+    let mut stride = b / 2;
+    while stride >= 1 {
+        let level: Vec<usize> = (0..b).filter(|&o| o % stride == 0 && !taken[o]).collect();
+        for &o in &level {
+            taken[o] = true;
+        }
+        if !level.is_empty() {
+            levels.push(level);
+        }
+        stride /= 2;
+    }
+    let rest: Vec<usize> = (0..b).filter(|&o| !taken[o]).collect();
+    if !rest.is_empty() {
+        levels.push(rest);
+    }
+    if levels.len() >= 2 && levels[levels.len() - 1].len() < levels[levels.len() - 2].len() {
+        let last = levels.pop().unwrap_or_default();
+        let prev = levels.last_mut().expect("two levels");
+        prev.extend(last);
+        prev.sort_unstable();
+    }
+    levels
 }
 
 /// A generation block: absolute positions [start, end).
@@ -127,6 +171,8 @@ pub struct Decoder {
     planned: bool,
     /// The planned step is Fast-dLLM v2's block-start step (its one position is accepted as predicted).
     ar_step: bool,
+    /// BACD: per block, (sum, count) of the confidences of its accepted tokens.
+    bacd: Vec<(f64, usize)>,
 }
 
 impl Decoder {
@@ -140,6 +186,7 @@ impl Decoder {
             .collect();
         blocks[0].created = true;
         blocks[0].fully_active = true;
+        let nb = blocks.len();
         Ok(Decoder {
             params,
             prompt_len,
@@ -154,6 +201,7 @@ impl Decoder {
             accepted: 0,
             planned: false,
             ar_step: false,
+            bacd: vec![(0.0, 0); nb],
         })
     }
 
@@ -335,6 +383,43 @@ impl Decoder {
                     accept[i] = pr.max_prob > tau;
                 }
             }
+            Acceptance::Credit => {
+                // dInfer's threshold rule, per block: confidence >= min(tau, the block's best - 1e-5)
+                for (_, idx) in self.groups(positions) {
+                    let best = idx.iter().map(|&i| preds[i].prob).fold(f64::NEG_INFINITY, f64::max);
+                    let t = tau.min(best - 1e-5);
+                    for i in idx {
+                        accept[i] = preds[i].prob >= t;
+                    }
+                }
+            }
+            Acceptance::Bacd => {
+                let (lo, hi) = self.params.bacd_bounds;
+                for (k, idx) in self.groups(positions) {
+                    let t = match self.bacd[k] {
+                        (_, 0) => idx.iter().map(|&i| preds[i].prob).fold(f64::NEG_INFINITY, f64::max),
+                        (sum, n) => sum / n as f64,
+                    }
+                    .clamp(lo, hi);
+                    for i in idx {
+                        accept[i] = preds[i].prob >= t;
+                    }
+                }
+            }
+            Acceptance::Dus => {
+                for (k, idx) in self.groups(positions) {
+                    let b = &self.blocks[k];
+                    // the first level with a position to predict: all of its positions to predict
+                    for level in dus_levels(b.end - b.origin) {
+                        let hit: Vec<usize> =
+                            idx.iter().copied().filter(|&i| level.contains(&(positions[i] - b.origin))).collect();
+                        if !hit.is_empty() {
+                            hit.into_iter().for_each(|i| accept[i] = true);
+                            break;
+                        }
+                    }
+                }
+            }
             Acceptance::Eb => {
                 for (_, idx) in self.groups(positions) {
                     let mut order = idx.clone();
@@ -355,7 +440,7 @@ impl Decoder {
     }
 
     /// Index of the generation block holding generated position `p` (blocks tile [prompt_len, prompt_len + n)).
-    fn block_of(&self, p: usize) -> usize {
+    pub fn block_of(&self, p: usize) -> usize {
         self.blocks.partition_point(|b| b.end <= p)
     }
 
@@ -373,14 +458,19 @@ impl Decoder {
     }
 
     /// Steps 7-8: the acceptance rule, then forced progress in fully active blocks that accepted nothing: the
-    /// most confident position by the rule's own score (lowest entropy; highest probability for `confidence`),
-    /// ties to the lowest position. A block-start step (`ar_block_start`) accepts its one position.
+    /// most confident position by the rule's own score (lowest entropy; highest probability for `confidence`, of
+    /// the drawn token for `bacd` and `credit`), ties to the lowest position. A block-start step (`ar_block_start`)
+    /// accepts its one position.
     fn decide(&self, positions: &[usize], preds: &[Prediction]) -> Vec<bool> {
         if self.ar_step {
             return vec![true; positions.len()];
         }
         let mut accept = self.accepted_by_rule(positions, preds);
-        let by_conf = self.params.acceptance == Acceptance::Confidence;
+        let conf = |p: &Prediction| match self.params.acceptance {
+            Acceptance::Confidence => Some(p.max_prob),
+            Acceptance::Bacd | Acceptance::Credit => Some(p.prob),
+            Acceptance::Entropy | Acceptance::Eb | Acceptance::Dus => None,
+        };
         let mut forced_done = false;
         for (k, idx) in self.groups(positions) {
             if !self.blocks[k].fully_active {
@@ -394,12 +484,9 @@ impl Decoder {
                 let best = idx
                     .iter()
                     .copied()
-                    .min_by(|&a, &b| {
-                        if by_conf {
-                            by_score_then_index(-preds[a].max_prob, -preds[b].max_prob, a, b)
-                        } else {
-                            by_score_then_index(preds[a].entropy, preds[b].entropy, a, b)
-                        }
+                    .min_by(|&a, &b| match (conf(&preds[a]), conf(&preds[b])) {
+                        (Some(ca), Some(cb)) => by_score_then_index(-ca, -cb, a, b),
+                        _ => by_score_then_index(preds[a].entropy, preds[b].entropy, a, b),
                     })
                     .unwrap();
                 accept[best] = true;
@@ -414,6 +501,14 @@ impl Decoder {
             return Err(Error::Internal(format!("{} predictions for {} positions", preds.len(), positions.len())));
         }
         let accept = self.decide(positions, preds);
+        if self.params.acceptance == Acceptance::Bacd {
+            // the block's history: the confidences of every token it accepted (forced ones too)
+            for ((&p, pr), _) in positions.iter().zip(preds).zip(&accept).filter(|x| *x.1) {
+                let k = self.block_of(p);
+                self.bacd[k].0 += pr.prob;
+                self.bacd[k].1 += 1;
+            }
+        }
         let decided: Vec<(usize, u32)> =
             positions.iter().zip(preds).zip(accept).filter(|x| x.1).map(|((&p, pr), _)| (p, pr.token)).collect();
         self.write(&decided, 1)
@@ -479,6 +574,7 @@ mod tests {
             eos_ids: eos,
             sub_block_size: None,
             ar_block_start: false,
+            bacd_bounds: DEFAULT_BACD_BOUNDS,
         }
     }
 
@@ -498,7 +594,14 @@ mod tests {
             let n = rng.random_range(1..40);
             let b = rng.random_range(1..9);
             let abs = rng.random_bool(0.5);
-            let acc = [Acceptance::Entropy, Acceptance::Confidence, Acceptance::Eb][trial % 3];
+            let acc = [
+                Acceptance::Entropy,
+                Acceptance::Confidence,
+                Acceptance::Eb,
+                Acceptance::Bacd,
+                Acceptance::Credit,
+                Acceptance::Dus,
+            ][trial % 6];
             let forced = if rng.random_bool(0.5) { ForcedProgress::First } else { ForcedProgress::Every };
             let p = params(
                 acc,
@@ -523,7 +626,7 @@ mod tests {
                         token: rng.random_range(0..6),
                         entropy: rng.random_range(0.0..3.0),
                         max_prob: rng.random_range(0.0..1.0),
-                        prob: 0.5,
+                        prob: rng.random_range(0.0..1.0),
                     })
                     .collect();
                 let eos_before = d.eos_filled;
@@ -586,5 +689,86 @@ mod tests {
         d.apply(&pos, &preds).unwrap();
         // sorted: .05 (sum before 0), .1 (0.05), .3 (0.15), .4 (0.45 <= .5) -> all four accepted
         assert_eq!(d.last_decoded.len(), 4);
+    }
+
+    #[test]
+    fn dus_levels_are_the_dilated_schedule() {
+        let sizes = |b: usize| dus_levels(b).iter().map(|l| l.len()).collect::<Vec<_>>();
+        assert_eq!(dus_levels(16)[..3], [vec![0, 8], vec![4, 12], vec![2, 6, 10, 14]]);
+        assert_eq!(dus_levels(16)[3], (1..16).step_by(2).collect::<Vec<_>>());
+        assert_eq!(dus_levels(12)[..2], [vec![0, 6], vec![3, 9]]);
+        let table: [(usize, &[usize]); 11] = [
+            (1, &[1]),
+            (2, &[2]),
+            (3, &[3]),
+            (4, &[2, 2]),
+            (5, &[5]),
+            (6, &[2, 4]),
+            (7, &[3, 4]),
+            (8, &[2, 2, 4]),
+            (10, &[2, 4, 4]),
+            (24, &[2, 2, 4, 16]),
+            (32, &[2, 2, 4, 8, 16]),
+        ];
+        for (b, want) in table {
+            assert_eq!(sizes(b), want, "B = {b}");
+            let mut all: Vec<usize> = dus_levels(b).concat();
+            all.sort_unstable();
+            assert_eq!(all, (0..b).collect::<Vec<_>>());
+        }
+    }
+
+    #[test]
+    fn dus_walks_its_levels_and_skips_prompt_offsets() {
+        // absolute grid of 4 over a prompt of 5: the first block is offsets 1..3 of grid block [4, 8)
+        let mut d = Decoder::new(
+            5,
+            7,
+            block_layout(5, 7, 4, true),
+            params(Acceptance::Dus, ForcedProgress::First, 0.0, 1.0, 1.0, vec![]),
+        )
+        .unwrap();
+        let mut steps = vec![];
+        while let Some(pos) = d.plan() {
+            let preds: Vec<_> =
+                pos.iter().map(|_| Prediction { token: 9, entropy: 9.0, max_prob: 0.01, prob: 0.01 }).collect();
+            d.apply(&pos, &preds).unwrap();
+            steps.push(d.last_decoded.clone());
+        }
+        // levels of 4: [0, 2], [1, 3]; offset 0 is the prompt's: then [8, 10], [9, 11]
+        assert_eq!(steps, vec![vec![6], vec![5, 7], vec![8, 10], vec![9, 11]]);
+    }
+
+    #[test]
+    fn bacd_threshold_is_the_first_max_then_the_running_mean_within_bounds() {
+        let mut d = Decoder::new(
+            1,
+            4,
+            block_layout(1, 4, 4, false),
+            params(Acceptance::Bacd, ForcedProgress::First, 0.0, 1.0, 1.0, vec![]),
+        )
+        .unwrap();
+        let step = |d: &mut Decoder, conf: &[f64]| {
+            let pos = d.plan().unwrap();
+            let preds: Vec<_> =
+                conf.iter().map(|&c| Prediction { token: 9, entropy: 1.0, max_prob: c, prob: c }).collect();
+            d.apply(&pos, &preds).unwrap();
+            d.last_decoded.clone()
+        };
+        // first step: tau = clamp(max 0.95) = 0.9: both >= 0.9
+        assert_eq!(step(&mut d, &[0.95, 0.2, 0.91, 0.5]), vec![1, 3]);
+        // then tau = clamp(mean(0.95, 0.91) = 0.93) = 0.9: nothing reaches it, the most confident is forced
+        assert_eq!(step(&mut d, &[0.3, 0.8]), vec![4]);
+        // mean(0.95, 0.91, 0.8) = 0.887: 0.89 passes
+        assert_eq!(step(&mut d, &[0.89]), vec![2]);
+        // a first step under the lower bound: tau = 0.6, nothing passes, the argmax is forced
+        let mut e = Decoder::new(
+            1,
+            2,
+            block_layout(1, 2, 2, false),
+            params(Acceptance::Bacd, ForcedProgress::First, 0.0, 1.0, 1.0, vec![]),
+        )
+        .unwrap();
+        assert_eq!(step(&mut e, &[0.3, 0.5]), vec![2]);
     }
 }

@@ -4,6 +4,7 @@
 //! completion text). With ISD (speculative="isd") a step is one causal forward over the pending token, the
 //! drafts and masks (`decode::strided`), which writes the accepted drafts and one more token.
 
+use crate::decode::credit::Credit;
 use crate::decode::decoder::{Decoder, Prediction, StopCause};
 use crate::decode::sampling::Sampler;
 use crate::decode::speculative::Router;
@@ -34,6 +35,8 @@ pub struct Generation {
     pending: Option<Drafted>,
     /// ISD's drafts and counters (speculative="isd").
     isd: Option<Strided>,
+    /// CreditDecoding's credit (acceptance="credit").
+    credit: Option<Credit>,
 }
 
 /// A step's span, held while it is verified.
@@ -59,7 +62,20 @@ impl Generation {
         let out = Output::new(lp, n, plan.stop, plan.trace, plan.logprobs);
         let (sampler, spec, isd) =
             (Sampler::new(plan.sampling), plan.spec.map(Router::new), plan.isd.map(Strided::new));
-        Ok(Generation { model, dec, canvas, mask_id: plan.mask_id, window, sampler, out, spec, pending: None, isd })
+        let credit = plan.credit.map(Credit::new);
+        Ok(Generation {
+            model,
+            dec,
+            canvas,
+            mask_id: plan.mask_id,
+            window,
+            sampler,
+            out,
+            spec,
+            pending: None,
+            isd,
+            credit,
+        })
     }
 
     /// Cancel: the next output is the final one, with finish_reason "cancelled".
@@ -141,9 +157,14 @@ impl Generation {
         if let Some(d) = self.pending.take() {
             self.verified(d, &logits)?;
         } else {
-            // predict
-            let preds = self.sampler.predict(&logits)?;
-            if self.verify_span(&positions, &preds, &logits)? {
+            // predict (CreditDecoding: from the logits fused with the credit)
+            let fused = match &mut self.credit {
+                Some(c) => Some(c.fuse(&self.dec, &positions, &logits)?),
+                None => None,
+            };
+            let rows = fused.as_ref().unwrap_or(&logits);
+            let preds = self.sampler.predict(rows)?;
+            if self.verify_span(&positions, &preds, rows)? {
                 return Ok(None);
             }
             // apply

@@ -3,7 +3,8 @@
 //! may not combine (the cache modes and the attention, S2D2 and its parameters, the context).
 
 use crate::decode::cache_policy::{CacheMode, CachePolicy, PrefixWindow, DEFAULT_CACHE_DELAY};
-use crate::decode::decoder::{block_layout, DecodeParams};
+use crate::decode::credit::CreditParams;
+use crate::decode::decoder::{block_layout, Acceptance, DecodeParams, DEFAULT_BACD_BOUNDS};
 use crate::decode::sampling::SamplingParams;
 use crate::decode::speculative::{PenaltyKind, SpecParams, Speculative};
 use crate::decode::strided::DEFAULT_STRIDE;
@@ -33,6 +34,8 @@ pub struct Plan {
     pub spec: Option<SpecParams>,
     /// ISD's stride (None: no ISD).
     pub isd: Option<usize>,
+    /// CreditDecoding's parameters (acceptance="credit").
+    pub credit: Option<CreditParams>,
     pub stop: Vec<String>,
     pub trace: TraceMode,
     pub logprobs: Option<usize>,
@@ -74,9 +77,11 @@ pub fn plan(model: &Model, prompt: &[u32], req: &GenRequest) -> Result<Plan> {
     let spec = speculative(req, p.attention)?;
     let isd = strided(req, p.attention, p.logits_shift)?;
     let sub_block_size = if isd.is_some() { None } else { req.sub_block_size.or(d.sub_block_size) };
+    let acceptance = req.acceptance.unwrap_or(d.acceptance);
+    let (bacd_bounds, credit) = acceptance_params(req, acceptance)?;
     let params = DecodeParams {
         threshold: req.threshold.unwrap_or(d.threshold),
-        acceptance: req.acceptance.unwrap_or(d.acceptance),
+        acceptance,
         block_add_threshold: req.block_add_threshold.unwrap_or(d.block_add_threshold),
         decoded_token_threshold: req.decoded_token_threshold.unwrap_or(d.decoded_token_threshold),
         forced_progress: req.forced_progress.unwrap_or(d.forced_progress),
@@ -85,6 +90,7 @@ pub fn plan(model: &Model, prompt: &[u32], req: &GenRequest) -> Result<Plan> {
         eos_ids,
         sub_block_size,
         ar_block_start: sub_block_size.is_some() && p.logits_shift,
+        bacd_bounds,
     };
     let sampling = SamplingParams {
         temperature: req.temperature.unwrap_or(0.0),
@@ -112,6 +118,7 @@ pub fn plan(model: &Model, prompt: &[u32], req: &GenRequest) -> Result<Plan> {
         sampling,
         spec,
         isd,
+        credit,
         stop: req.stop.clone().unwrap_or_default(),
         trace: req.trace.unwrap_or(TraceMode::Off),
         logprobs: req.logprobs,
@@ -226,4 +233,41 @@ fn strided(req: &GenRequest, attention: AttentionKind, shift: bool) -> Result<Op
         )));
     }
     Ok(Some(req.isd_stride.unwrap_or(DEFAULT_STRIDE)))
+}
+
+/// The parameters of the acceptance rules that have their own (BACD's bounds, CreditDecoding's), each only with
+/// its rule; `threshold` does not apply to BACD (its bounds) or DUS (a schedule).
+fn acceptance_params(req: &GenRequest, acceptance: Acceptance) -> Result<((f64, f64), Option<CreditParams>)> {
+    let only = |names: &[&'static str], rule: Acceptance| -> Result<()> {
+        let set = req.given(names);
+        if acceptance != rule && !set.is_empty() {
+            let verb = if set.len() == 1 { "applies" } else { "apply" };
+            return Err(Error::invalid(format!("{} only {verb} with acceptance='{}'", set.join(", "), rule.name())));
+        }
+        Ok(())
+    };
+    only(&["bacd_lower", "bacd_upper"], Acceptance::Bacd)?;
+    only(&["credit_alpha", "credit_gamma", "credit_beta"], Acceptance::Credit)?;
+    if matches!(acceptance, Acceptance::Bacd | Acceptance::Dus) && req.threshold.is_some() {
+        return Err(Error::invalid(format!(
+            "threshold does not apply with acceptance='{}' ({})",
+            acceptance.name(),
+            if acceptance == Acceptance::Bacd {
+                "its threshold moves between bacd_lower and bacd_upper"
+            } else {
+                "it unmasks by a fixed schedule"
+            }
+        )));
+    }
+    let bounds = (req.bacd_lower.unwrap_or(DEFAULT_BACD_BOUNDS.0), req.bacd_upper.unwrap_or(DEFAULT_BACD_BOUNDS.1));
+    if bounds.0 > bounds.1 {
+        return Err(Error::invalid(format!("bacd_lower ({}) must not exceed bacd_upper ({})", bounds.0, bounds.1)));
+    }
+    let d = CreditParams::DEFAULT;
+    let credit = (acceptance == Acceptance::Credit).then(|| CreditParams {
+        alpha: req.credit_alpha.unwrap_or(d.alpha),
+        gamma: req.credit_gamma.unwrap_or(d.gamma),
+        beta: req.credit_beta.unwrap_or(d.beta),
+    });
+    Ok((bounds, credit))
 }
