@@ -10,9 +10,12 @@ benches/s2d2_tiny.png.
 Suite `quant` (issue #18): AR, single-block and multi-block with the weights as loaded and quantized at load
 (q8_0, q4_k, q4_0; q8_0 and q4_k with int8_activations too: "+i8"): accuracy, tokens per forward and how often each output equals the unquantized one. Writes
 benches/quant_tiny.json.
+Suite `methods` (issue #53): AR, single-block, multi-block and S2D2 beside the 2026 acceptance rules: TDAR's BACD,
+dInfer's CreditDecoding and DUS's dilated schedule, at a few settings each. Writes benches/methods_tiny.json and
+benches/methods_tiny.png.
 All configurations run on the same held-out instances, in one process, one after another.
 
-    python benches/eval_tiny.py [--suite modes|s2d2|cache|quant] [--per-task 40] [--model DIR]
+    python benches/eval_tiny.py [--suite modes|s2d2|cache|quant|methods] [--per-task 40] [--model DIR]
 """
 import argparse
 import json
@@ -66,10 +69,25 @@ for label, extra in [("none", dict(cache="none")), ("prefix delay 1", dict(cache
                      ("dual", dict(cache="dual"))]:
     CACHE_CONFIGS.append((f"multi-block {label}", dict(CACHE_BASE, **extra)))
     CACHE_CONFIGS.append((f"single-block {label}", dict(CACHE_BASE, block_add_threshold=1.0, **extra)))
+METHOD_CONFIGS = [("AR (block 1)", CONFIGS[0][1]), ("single-block confidence 0.9", SINGLE),
+                  ("multi-block entropy 0.5", MULTI),
+                  ("single-block + S2D2 always", dict(SINGLE, **S2D2, verify_policy="always"))]
+for b in (4, 8):
+    METHOD_CONFIGS += [
+        (f"BACD B{b} [0.6, 0.9]", dict(block_size=b, block_add_threshold=1.0, acceptance="bacd")),
+        (f"BACD B{b} [0.3, 0.7]", dict(block_size=b, block_add_threshold=1.0, acceptance="bacd", bacd_lower=0.3,
+                                       bacd_upper=0.7)),
+        (f"credit B{b} 0.9", dict(block_size=b, block_add_threshold=1.0, acceptance="credit", threshold=0.9)),
+        (f"credit B{b} 0.7", dict(block_size=b, block_add_threshold=1.0, acceptance="credit", threshold=0.7)),
+        (f"confidence B{b} 0.7 (credit's baseline)", dict(block_size=b, block_add_threshold=1.0,
+                                                          acceptance="confidence", threshold=0.7)),
+        (f"DUS B{b}", dict(block_size=b, block_add_threshold=1.0, acceptance="dus")),
+    ]
+METHOD_CONFIGS.append(("DUS B16", dict(block_size=16, block_add_threshold=1.0, acceptance="dus")))
 QUANT_CONFIGS = [(name, dict(CONFIGS)[name]) for name in ("AR (block 1)", "single-block confidence 0.9",
                                                           "multi-block entropy 0.5", "multi-block B8 entropy 0.5")]
 SUITES = {"modes": (CONFIGS, "tiny_eval"), "s2d2": (S2D2_CONFIGS, "s2d2_tiny"), "cache": (CACHE_CONFIGS, "cache_dream"),
-          "quant": (QUANT_CONFIGS, "quant_tiny")}
+          "quant": (QUANT_CONFIGS, "quant_tiny"), "methods": (METHOD_CONFIGS, "methods_tiny")}
 # (quantize, int8_activations); on mbd-tiny (rows of 128-192) q4_k is q5_0 and q3_k, q2_k are q4_0
 QUANT_FORMATS = [(None, False), ("q8_0", False), ("q4_k", False), ("q4_0", False), ("q8_0", True), ("q4_k", True)]
 
@@ -163,7 +181,7 @@ def main():
         print("matplotlib not installed: no plot", file=sys.stderr)
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    if args.suite in ("s2d2", "cache"):
+    if args.suite in ("s2d2", "cache", "methods"):
         for r, mk in zip(results, "sovD^<>px*hH+8d|_"):
             ax.plot([r["tokens_per_forward"]], [100 * r["accuracy"]], marker=mk, linestyle="", label=r["config"])
         ax.set_xlabel("tokens per forward" + (" (verification forwards counted)" if args.suite == "s2d2" else ""))

@@ -60,6 +60,24 @@ def prompt_scores(model, ids, shift):
     return lps, tops
 
 
+def tccf_tokens(name, model, prompt, n, eos_ids, p):
+    """TCCF's trigger and check text for a case: the trigger is a token this run produces early (one whose text
+    tokenizes back to it alone), the check text a short string; both as text (what a caller passes) and ids."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(os.path.join(PARITY, name, "tokenizer.json"))
+    plain, _ = reference_decode(model, prompt, n=n, mask_id=MASK_ID, eos_ids=eos_ids,
+                                **{k: v for k, v in p.items() if k != "tccf"})
+    for t in plain[2:]:
+        text = tok.decode([t]) if t is not None else ""
+        if t is not None and t not in eos_ids and t != MASK_ID and tok.encode(text, add_special_tokens=False).ids == [t]:
+            break
+    else:
+        return None  # this run makes no token whose text is that token alone
+    check_text = " check it"
+    return dict(p["tccf"], trigger=t, trigger_text=text, check_text=check_text,
+                check=tok.encode(check_text, add_special_tokens=False).ids)
+
+
 def PREFIX(delay, refresh=None, window=None):
     return dict(mode="prefix", delay=delay, refresh=refresh, window=window)
 
@@ -161,25 +179,44 @@ def main():
                 "dus_multiblock_b4": dict(acceptance="dus", threshold=None),
                 "dus_prompt_grid_b6_shifted": dict(acceptance="dus", threshold=None, alignment="prompt", block_size=6,
                                                    logits_shift=True, alpha=0.5, beta=0.5),
+                # TDAR's TCCF (issue #53): think in blocks of 4 until a trigger token the model produces, then the
+                # check text and the answer in blocks of 1 or 2
+                "tccf_b1_multiblock": dict(threshold=h50, eos=[0, eos], tccf=dict(answer_block=1)),
+                "tccf_b2_single_block": dict(acceptance="confidence", threshold=round(float(pq[1]), 3), alpha=1.0,
+                                             tccf=dict(answer_block=2)),
+                "tccf_b1_shifted_no_early_stop": dict(threshold=h50, logits_shift=True, early_stop=False,
+                                                      tccf=dict(answer_block=1)),
+                "tccf_b3_prompt_grid": dict(threshold=h50, alignment="prompt", block_size=5, tccf=dict(answer_block=3)),
             }
             for vname, v in variants.items():
                 if only and not any(vname.startswith(o) for o in only):
                     continue
                 p = {**BASE, **v}
                 eos_ids = p.pop("eos", [0])
+                if p.get("tccf"):
+                    p["tccf"] = tccf_tokens(name, model, prompt, n, eos_ids, p)
+                    if p["tccf"] is None:
+                        print(f"{name} lp={lp} {vname}: no trigger candidate, skipped")
+                        continue
                 lps = {}
                 gen, nfe = reference_decode(model, prompt, n=n, mask_id=MASK_ID, eos_ids=eos_ids, logprobs=lps, **p)
                 comp = completion_tokens(gen, eos_ids)
                 # the completion's tokens, and the EOS that ended it (when one did)
                 ended = len(comp) < n and gen[len(comp)] in eos_ids
-                lp_comp = [lps[lp + i] for i in range(len(comp) + int(ended))]
+                # (TCCF writes a check text that no forward decided: no log-probabilities there)
+                lp_comp = [] if p.get("tccf") else [lps[lp + i] for i in range(len(comp) + int(ended))]
                 finish = "stop" if any(t in eos_ids for t in gen if t is not None) else "length"
                 cases.append(dict(model=name, variant=vname, prompt=prompt, max_tokens=n, mask_token_id=MASK_ID,
                                   eos_token_ids=eos_ids, params=p, generated=gen, completion=comp,
                                   forward_passes=nfe, finish_reason=finish,
                                   completion_logprobs=[round(v, 7) for v, _ in lp_comp],
                                   completion_top3=[t for _, t in lp_comp]))
-                print(f"{name} lp={lp} {vname:28s} nfe={nfe:2d} tokens={len(comp):2d} tpf={len(comp) / nfe:.2f} {finish}")
+                switched = ""
+                if p.get("tccf"):
+                    ck = p["tccf"]["check"]
+                    switched = " switched" if any(gen[i:i + len(ck)] == ck for i in range(n)) else " NOT SWITCHED"
+                print(f"{name} lp={lp} {vname:28s} nfe={nfe:2d} tokens={len(comp):2d} tpf={len(comp) / nfe:.2f} {finish}"
+                      + switched)
     if only:
         old = json.load(open(os.path.join(OUT, "cases.json")))["cases"]
         kept = [c for c in old if not any(c["variant"].startswith(o) for o in only)]

@@ -52,10 +52,16 @@ def run(case, use_cache):
                      credit_beta=p["credit"]["beta"])
     if p["threshold"] is not None:  # BACD and DUS have none
         extra["threshold"] = p["threshold"]
+    if p.get("tccf"):  # TCCF: no log-probabilities (its check text is not the model's)
+        t = p["tccf"]
+        extra.update(tccf=True, tccf_trigger=t["trigger_text"], tccf_check=t["check_text"],
+                     tccf_answer_block_size=t["answer_block"])
+    else:
+        extra["logprobs"] = 3
     return eng.generate(case["prompt"], max_tokens=case["max_tokens"], block_size=p["block_size"],
                         acceptance=p["acceptance"], block_add_threshold=p["alpha"],
                         decoded_token_threshold=p["beta"], forced_progress=p["forced"], early_stop=p["early_stop"],
-                        use_cache=use_cache, logprobs=3, **extra)
+                        use_cache=use_cache, **extra)
 
 
 IDS = [f"{c['model']}-lp{len(c['prompt'])}-{c['variant']}" for c in CASES]
@@ -71,6 +77,8 @@ def test_matches_reference_decoder(case, use_cache):
     assert out.usage.completion_tokens == len(case["completion"])
     if case["params"].get("s2d2"):
         assert out.usage.drafts_accepted <= out.usage.drafts_proposed
+    if case["params"].get("tccf"):
+        return
     ended_at_eos = len(out.logprobs) == len(out.token_ids) + 1
     assert [t.token_id for t in out.logprobs[:len(out.token_ids)]] == out.token_ids
     assert ended_at_eos == (out.finish_reason == "stop")  # no stop strings here: "stop" is an EOS

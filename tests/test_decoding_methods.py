@@ -81,3 +81,77 @@ def test_methods_from_the_command_line():
         assert r.returncode == 0, r.stderr
         out = json.loads(r.stdout)
         assert out["token_ids"] == want.token_ids and out["usage"]["forward_passes"] == want.usage.forward_passes
+
+
+def test_methods_batched_equal_lone_runs(eng):
+    """BACD's per-block history, the credit and DUS's schedule are each generation's own: streams batched together
+    (with each other, plain confidence and S2D2) give exactly what each gives alone."""
+    import threading
+    reqs = []
+    for i in range(8):
+        prompt = [(i * 37 + j * 11 + 5) % 250 + 4 for j in range(2 + (i * 5) % 17)]
+        kw = dict(max_tokens=[13, 6, 21, 9][i % 4], block_size=[4, 8][i % 2], early_stop=False, seed=i,
+                  use_cache=(i % 3 != 2), block_add_threshold=[1.0, 0.3][i % 2])
+        kw.update([dict(acceptance="bacd", bacd_lower=0.01, bacd_upper=0.05),
+                   dict(acceptance="credit", threshold=0.05, credit_alpha=2.0),
+                   dict(acceptance="dus"),
+                   dict(acceptance="confidence", threshold=0.05, speculative="s2d2", verify_policy="always")][i % 4])
+        if i % 3 == 1:
+            kw["temperature"] = 0.8
+        reqs.append((prompt, kw))
+
+    def go(prompt, kw):
+        c = eng.generate(prompt, **kw)
+        return c.token_ids, c.usage.forward_passes
+
+    alone = [go(p, kw) for p, kw in reqs]
+    got, start = [None] * len(reqs), threading.Barrier(len(reqs))
+
+    def work(i):
+        start.wait()
+        got[i] = go(*reqs[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == alone
+
+
+def test_tccf_text_is_the_thinking_then_the_check_then_the_answer():
+    """The completion holds the thinking up to (not including) the trigger, the check text, then the answer,
+    decoded at the answer's block size; the parity cases (test_decode_parity.py, tccf_*) pin the tokens."""
+    c = _case("tccf_b1_multiblock")
+    t = c["params"]["tccf"]
+    out = run(c, True)
+    e = out.token_ids.index(t["check"][0])
+    assert t["trigger"] not in out.token_ids[:e]
+    assert out.token_ids[e:e + len(t["check"])] == t["check"]
+    # up to the trigger the thinking is plain decoding with the trigger as an end of text
+    p = c["params"]
+    eng = mbd_rs.Engine.load(parity_dir(c["model"]), device="cpu", mask_token_id=3, attention=p["attention"],
+                             alignment=p["alignment"], logits_shift=p["logits_shift"],
+                             eos_token_ids=c["eos_token_ids"] + [t["trigger"]])
+    think = eng.generate(c["prompt"], max_tokens=c["max_tokens"], block_size=p["block_size"],
+                         threshold=p["threshold"], acceptance=p["acceptance"], block_add_threshold=p["alpha"],
+                         decoded_token_threshold=p["beta"], forced_progress=p["forced"], early_stop=p["early_stop"])
+    assert out.token_ids[:e] == think.token_ids
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(tccf_check="x"), "tccf_check only applies with tccf=True"),
+    (dict(tccf=True, tccf_trigger="abcdefgh ijk"), "must be one token of this model's vocabulary"),
+    (dict(tccf=True, tccf_trigger="a", speculative="s2d2"), "tccf does not combine with speculative='s2d2'"),
+    (dict(tccf=True, tccf_trigger="a", logprobs=1), "tccf does not combine with logprobs"),
+    (dict(tccf=True, tccf_trigger="a", tccf_answer_block_size=0), "tccf_answer_block_size must be >= 1"),
+])
+def test_bad_tccf_parameters(eng, kw, msg):
+    with pytest.raises(mbd_rs.InvalidRequestError, match=msg):
+        eng.generate([5, 6], max_tokens=4, **kw)
+
+
+def test_tccf_needs_block_boundaries():
+    full = mbd_rs.Engine.load(parity_dir("qwen3_headdim_gqa"), device="cpu", mask_token_id=3, attention="full")
+    with pytest.raises(mbd_rs.InvalidRequestError, match="needs block-causal or causal attention"):
+        full.generate([5, 6], max_tokens=4, tccf=True)

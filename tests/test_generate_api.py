@@ -107,7 +107,7 @@ def test_threads_give_same_outputs(eng):
     (dict(top_p=0), r"top_p must be in \(0, 1\]"),
     (dict(temperature=-1), "temperature must be >= 0, got -1"),
     (dict(max_tokens=0), "max_tokens must be >= 1, got 0"),
-    (dict(acceptance="greedy"), "acceptance must be 'entropy', 'confidence' or 'eb', got 'greedy'"),
+    (dict(acceptance="greedy"), "acceptance must be 'entropy', 'confidence', 'eb', 'bacd', 'credit' or 'dus', got 'greedy'"),
     (dict(forced_progress="all"), "forced_progress must be 'first' or 'every'"),
     (dict(max_tokens=1000), r"maximum context is 256 tokens; requested 1006 \(6 prompt \+ 1000 completion\)"),
 ])

@@ -65,6 +65,14 @@ class GenerationParams(TypedDict, total=False):
     """'s2d2': verify drafts with the same model at block size 1 | 'isd': I-DLM's introspective strided decoding (causal shifted models) (default: 'off')"""
     isd_stride: Optional[int]
     """speculative='isd': N, the most tokens a step writes; a step forwards up to 2N - 1 positions (default 4)"""
+    tccf: Optional[bool]
+    """TDAR's think coarse, critic fine: decode at block_size until tccf_trigger, then append tccf_check and answer at tccf_answer_block_size (default: off)"""
+    tccf_trigger: Optional[str]
+    """tccf: the one token that ends thinking (default '</think>')"""
+    tccf_check: Optional[str]
+    """tccf: the text put after the thinking (default "Let's check if there are any mistakes and give the final answer.")"""
+    tccf_answer_block_size: Optional[int]
+    """tccf: the answer's block size (default 1)"""
     verify_policy: Optional[str]
     """when S2D2 verifies: always | min_span | score (default: E[K] - penalty >= threshold) | hysteresis"""
     verify_min_span: Optional[int]

@@ -6,7 +6,9 @@ to compare live.
 Also the acceptance rules of issue #53, from their authors' code as docs/decoding.md states them: TDAR's BACD
 (a per-block threshold: the block's first step's max confidence, then the mean of its committed confidences,
 clipped to bounds), dInfer's CreditDecoding (dense per-block credit tensors, decayed every step of the block after
-its first, fused into the logits) and DUS (the dilated schedule, built here by the DUS authors' level loop).
+its first, fused into the logits) and DUS (the dilated schedule, built here by the DUS authors' level loop); and
+TDAR's TCCF as docs/decoding.md states it (think until the trigger, write the check text after the thinking, and
+from the trigger's grid block on decode, and attend, in blocks of the answer's size).
 
 Also Fast-dLLM v2's sub-blocks and block-start step, and S2D2 verification (issue #19), from the papers'
 pseudo-code: the verifier is the same model at block size 1 (the 2L trick for unshifted models, a causal
@@ -72,7 +74,7 @@ def mask_from_ends(ends, extra=None, torch=None):
 
 def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignment, logits_shift, threshold,
                      acceptance, alpha, beta, forced, early_stop, eos_ids, max_forward_passes=10000,
-                     sub_block=None, s2d2=None, cache=None, logprobs=None, bacd=None, credit=None):
+                     sub_block=None, s2d2=None, cache=None, logprobs=None, bacd=None, credit=None, tccf=None):
     """logprobs: None, or a dict filled with position -> (log-probability of the token written there under the
     logits row of the forward that decided it (log-softmax, float64), the 3 most likely ids of that row).
     s2d2: None, or dict(policy=always|min_span|score|hysteresis, min_span=, score_threshold=, penalty=,
@@ -81,7 +83,8 @@ def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignm
     approximate prefix cache (`_sample_multi_block_kv_cache`), or dict(mode="dual"): Fast-dLLM v1's dual cache
     over the active region (first incomplete created block .. end of the last created block), both kept in a
     transformers DynamicCache.
-    bacd: (lower, upper) for acceptance="bacd"; credit: dict(alpha=, gamma=, beta=) for acceptance="credit"."""
+    bacd: (lower, upper) for acceptance="bacd"; credit: dict(alpha=, gamma=, beta=) for acceptance="credit".
+    tccf: None, or dict(trigger=id, check=[ids], answer_block=B) (other keys ignored)."""
     import torch
     from transformers import DynamicCache
 
@@ -103,9 +106,27 @@ def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignm
         s, e = blocks[k]
         return all(not is_mask[p] for p in range(s, e))
 
-    def origin(k):
+    def grid_origin(k):
         s = blocks[k][0]
         return s // block_size * block_size if attention == "block_causal" and alignment == "absolute" else s
+
+    origins = [grid_origin(k) for k in range(len(blocks))]
+
+    def origin(k):
+        return origins[k]
+
+    # TCCF: thinking ends at the trigger as at an EOS; after the switch, blocks of the answer's size from `switch_at`
+    think_eos = list(eos_ids) + ([tccf["trigger"]] if tccf else [])
+    final_eos = list(eos_ids)
+    if tccf:
+        eos_ids = think_eos
+    switch_at = None
+
+    def blk(p):
+        if switch_at is not None and p >= switch_at:
+            first = 0 if switch_at == 0 else block_of(switch_at - 1, attention, block_size, alignment, lp) + 1
+            return first + (p - switch_at) // tccf["answer_block"]
+        return block_of(p, attention, block_size, alignment, lp)
 
     # S2D2 state: positions with causal K/V, the end of the final K/V (the cache's length), hysteresis
     causal = set()
@@ -306,6 +327,9 @@ def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignm
         else:
             if causal:
                 am = mask_from_ends([row_end(p) for p in range(total)], torch=torch)
+            elif switch_at is not None:
+                ids_ = torch.tensor([blk(p) for p in range(total)])
+                am = torch.where(ids_[None, :] <= ids_[:, None], 0.0, torch.finfo(torch.float32).min)[None, None]
             else:
                 am = attention_mask(total, attention, block_size, alignment, lp, torch)
             with torch.no_grad():
@@ -415,6 +439,27 @@ def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignm
             x[p] = pred[p][0]
             is_mask[p] = False
             record(p)
+        # TCCF: the first end-of-text is the trigger and everything before it is decoded: switch
+        if tccf and switch_at is None and nfe < max_forward_passes:
+            ends = [p for p in range(lp, lp + n) if not is_mask[p] and x[p] in eos_ids]
+            e = ends[0] if ends else None
+            if e is not None and x[e] == tccf["trigger"] and not any(is_mask[lp:e]):
+                k = block_k(e)
+                switch_at, s0, end = origin(k), blocks[k][0], lp + n
+                c = min(len(tccf["check"]), end - e)
+                for i, p in enumerate(range(e, end)):
+                    x[p], is_mask[p] = (tccf["check"][i], False) if i < c else (mask_id, True)
+                answer, ba = e + c, tccf["answer_block"]
+                blocks, origins, created, fully = blocks[:k], origins[:k], created[:k], fully[:k]
+                while s0 < end:
+                    o = switch_at + (s0 - switch_at) // ba * ba
+                    blocks.append([s0, min(o + ba, end)])
+                    origins.append(o)
+                    created.append(s0 <= answer)
+                    fully.append(s0 <= answer)
+                    s0 = blocks[-1][1]
+                bacd_hist = {kk: v for kk, v in bacd_hist.items() if kk < k}
+                eos_ids, eos_filled = final_eos, False
         if nfe >= max_forward_passes:
             break
     gen = [None if is_mask[p] else x[p] for p in range(lp, lp + n)]

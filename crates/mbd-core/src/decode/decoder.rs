@@ -539,6 +539,45 @@ impl Decoder {
         Ok(())
     }
 
+    /// TCCF's switch from thinking to answering, at the decoded trigger at absolute position `t` (every position
+    /// before it decoded): the trigger and whatever follows it are dropped, `given` (the check text) is written
+    /// from `t` (as much as fits), and from the grid origin of `t`'s block on the positions are laid out again in
+    /// blocks of `answer_block` aligned there; those up to the first one with a mask are created. `trigger` leaves
+    /// the EOS ids. Returns the grid origin of `t`'s block: the attention grid switches there.
+    pub fn switch(&mut self, t: usize, given: &[u32], answer_block: usize, trigger: u32) -> Result<usize> {
+        let end = self.canvas_end();
+        if t < self.prompt_len || t >= end || (self.prompt_len..t).any(|p| !self.is_decoded(p)) || answer_block == 0 {
+            return Err(Error::Internal(format!("cannot switch at {t}")));
+        }
+        let k = self.block_of(t);
+        let (at, start) = (self.blocks[k].origin, self.blocks[k].start);
+        let c = given.len().min(end - t);
+        let answer = t + c;
+        for (i, p) in (t..end).enumerate() {
+            let j = p - self.prompt_len;
+            self.decoded[j] = i < c;
+            if i < c {
+                self.tokens[j] = given[i];
+            }
+        }
+        self.blocks.truncate(k);
+        let mut s = start;
+        while s < end {
+            let origin = at + (s - at) / answer_block * answer_block;
+            let e = (origin + answer_block).min(end);
+            // created up to the block holding the first position to decode
+            let created = s <= answer;
+            self.blocks.push(Block { origin, start: s, end: e, created, fully_active: created });
+            s = e;
+        }
+        self.bacd.truncate(k);
+        self.bacd.resize(self.blocks.len(), (0.0, 0));
+        self.params.eos_ids.retain(|&e| e != trigger);
+        self.eos_filled = false;
+        self.last_decoded.retain(|&p| p < t);
+        Ok(at)
+    }
+
     /// Generation blocks from the first uncommitted one whose positions are all decoded, contiguous from
     /// `from` (absolute). Returns the end of that run (== `from` when none).
     pub fn complete_run_end(&self, from: usize) -> usize {
@@ -770,5 +809,38 @@ mod tests {
         )
         .unwrap();
         assert_eq!(step(&mut e, &[0.3, 0.5]), vec![2]);
+    }
+
+    #[test]
+    fn tccf_switch_keeps_the_thinking_writes_the_check_and_lays_out_the_answer() {
+        // prompt 5, 11 positions, absolute grid of 4: blocks [5, 8) (origin 4), [8, 12), [12, 16)
+        let mut d = Decoder::new(
+            5,
+            11,
+            block_layout(5, 11, 4, true),
+            params(Acceptance::Entropy, ForcedProgress::First, 9.0, 0.0, 0.0, vec![0, 7]),
+        )
+        .unwrap();
+        let pos = d.plan().unwrap();
+        // everything decoded at once; the trigger 7 at 9, more thinking after it
+        let toks = [1, 2, 3, 4, 7, 5, 5, 5, 5, 5, 5];
+        let preds: Vec<_> =
+            pos.iter().map(|&p| Prediction { token: toks[p - 5], entropy: 0.1, max_prob: 0.9, prob: 0.9 }).collect();
+        d.apply(&pos, &preds).unwrap();
+        assert_eq!(d.first_eos(), Some(4));
+        let at = d.switch(9, &[20, 21], 2, 7).unwrap();
+        assert_eq!(at, 8);
+        assert_eq!(d.params.eos_ids, vec![0]);
+        // 5..9 kept, check at 9, 10, masks from 11
+        assert_eq!(&d.tokens[..6], &[1, 2, 3, 4, 20, 21]);
+        assert_eq!(d.decoded, [vec![true; 6], vec![false; 5]].concat());
+        let b: Vec<(usize, usize, usize, bool)> =
+            d.blocks.iter().map(|b| (b.origin, b.start, b.end, b.created)).collect();
+        assert_eq!(
+            b,
+            vec![(4, 5, 8, true), (8, 8, 10, true), (10, 10, 12, true), (12, 12, 14, false), (14, 14, 16, false)]
+        );
+        // the next step predicts the answer's first block's mask, and (alpha 0) the next block's
+        assert_eq!(d.plan().unwrap(), vec![11, 12, 13]);
     }
 }

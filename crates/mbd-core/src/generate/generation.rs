@@ -12,7 +12,7 @@ use crate::decode::strided::Strided;
 use crate::error::{Error, Result};
 use crate::generate::output::{Counters, Output};
 pub use crate::generate::output::{FinishReason, StepEvent, StepOutput, Usage};
-use crate::generate::plan::plan;
+use crate::generate::plan::{plan, Tccf};
 use crate::generate::window::Window;
 use crate::model::Model;
 use crate::net::segment::Segment;
@@ -37,6 +37,8 @@ pub struct Generation {
     isd: Option<Strided>,
     /// CreditDecoding's credit (acceptance="credit").
     credit: Option<Credit>,
+    /// TCCF's switch, until it has happened (tccf=True).
+    tccf: Option<Tccf>,
 }
 
 /// A step's span, held while it is verified.
@@ -62,7 +64,7 @@ impl Generation {
         let out = Output::new(lp, n, plan.stop, plan.trace, plan.logprobs);
         let (sampler, spec, isd) =
             (Sampler::new(plan.sampling), plan.spec.map(Router::new), plan.isd.map(Strided::new));
-        let credit = plan.credit.map(Credit::new);
+        let (credit, tccf) = (plan.credit.map(Credit::new), plan.tccf);
         Ok(Generation {
             model,
             dec,
@@ -75,6 +77,7 @@ impl Generation {
             pending: None,
             isd,
             credit,
+            tccf,
         })
     }
 
@@ -169,6 +172,7 @@ impl Generation {
             }
             // apply
             self.dec.apply(&positions, &preds)?;
+            self.switch_phase()?;
         }
         // the written tokens' log-probabilities under this step's logits (the verifier's, for a verified step)
         self.out.record_logprobs(&self.dec, &positions, &logits)?;
@@ -176,6 +180,21 @@ impl Generation {
         let is_final = self.dec.stopped == Some(StopCause::ForwardCap) || self.dec.masks_left() == 0;
         let usage = self.counters();
         self.out.emit(&self.model, &self.dec, is_final, true, usage).map(Some)
+    }
+
+    /// TCCF: once every position up to the first decoded trigger is decoded, thinking ends there: the check text
+    /// follows it, and from the trigger's block origin on blocks (of the decoder and of the attention grid) are of
+    /// the answer's size (the K/V committed before it stay).
+    fn switch_phase(&mut self) -> Result<()> {
+        let Some(tc) = &self.tccf else { return Ok(()) };
+        let Some(e) = self.dec.first_eos() else { return Ok(()) };
+        if self.dec.tokens[e] != tc.trigger || self.dec.stable_len() <= e || self.dec.stopped.is_some() {
+            return Ok(());
+        }
+        let at = self.dec.switch(self.dec.prompt_len + e, &tc.check, tc.answer_block, tc.trigger)?;
+        self.window.switch_grid(at, tc.answer_block)?;
+        self.tccf = None;
+        Ok(())
     }
 
     /// ISD: accept the step's drafts by the rows of the pending token and the drafts, write them and the next

@@ -13,6 +13,20 @@ use crate::model::Model;
 use crate::net::mask::{Alignment, AttentionKind, BlockGrid};
 use crate::params::request::{GenRequest, Params, TraceMode};
 
+/// TCCF's defaults (TDAR's `tdar_eval_tccf.yaml` and `tdar_sample_tccf.py`).
+pub const TCCF_TRIGGER: &str = "</think>";
+pub const TCCF_CHECK: &str = "Let's check if there are any mistakes and give the final answer.";
+pub const TCCF_ANSWER_BLOCK: usize = 1;
+
+/// TCCF (TDAR's think coarse, critic fine), resolved: the trigger token, the check text's tokens and the answer's
+/// block size.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tccf {
+    pub trigger: u32,
+    pub check: Vec<u32>,
+    pub answer_block: usize,
+}
+
 /// Default completion length: 256 tokens, or what is left of the context.
 pub const DEFAULT_MAX_TOKENS: usize = 256;
 /// Default cap on forward passes.
@@ -36,6 +50,8 @@ pub struct Plan {
     pub isd: Option<usize>,
     /// CreditDecoding's parameters (acceptance="credit").
     pub credit: Option<CreditParams>,
+    /// TCCF's switch (tccf=True).
+    pub tccf: Option<Tccf>,
     pub stop: Vec<String>,
     pub trace: TraceMode,
     pub logprobs: Option<usize>,
@@ -72,6 +88,10 @@ pub fn plan(model: &Model, prompt: &[u32], req: &GenRequest) -> Result<Plan> {
         if !eos_ids.contains(&t) {
             eos_ids.push(t);
         }
+    }
+    let tccf = tccf(model, req, &eos_ids)?;
+    if let Some(t) = &tccf {
+        eos_ids.push(t.trigger); // thinking ends at the trigger as at an EOS, then the answer begins
     }
     let d = p.decode_defaults();
     let spec = speculative(req, p.attention)?;
@@ -119,6 +139,7 @@ pub fn plan(model: &Model, prompt: &[u32], req: &GenRequest) -> Result<Plan> {
         spec,
         isd,
         credit,
+        tccf,
         stop: req.stop.clone().unwrap_or_default(),
         trace: req.trace.unwrap_or(TraceMode::Off),
         logprobs: req.logprobs,
@@ -270,4 +291,44 @@ fn acceptance_params(req: &GenRequest, acceptance: Acceptance) -> Result<((f64, 
         beta: req.credit_beta.unwrap_or(d.beta),
     });
     Ok((bounds, credit))
+}
+
+/// TCCF of a request (None: off). It switches block sizes at a block boundary, so it needs block-causal or causal
+/// attention; it does not combine with speculation (whose drafts span the switch) or log-probabilities (the check
+/// text is not the model's).
+fn tccf(model: &Model, req: &GenRequest, eos_ids: &[u32]) -> Result<Option<Tccf>> {
+    let set = req.given(&["tccf_trigger", "tccf_check", "tccf_answer_block_size"]);
+    if req.tccf != Some(true) {
+        if !set.is_empty() {
+            let verb = if set.len() == 1 { "applies" } else { "apply" };
+            return Err(Error::invalid(format!("{} only {verb} with tccf=True", set.join(", "))));
+        }
+        return Ok(None);
+    }
+    let p = &model.profile;
+    if p.attention == AttentionKind::Full {
+        return Err(Error::invalid(
+            "tccf switches block sizes at a block boundary, which needs block-causal or causal attention; this \
+             model uses full attention",
+        ));
+    }
+    if let Some(s) = req.speculative.filter(|s| *s != Speculative::Off) {
+        return Err(Error::invalid(format!("tccf does not combine with speculative='{}'", s.name())));
+    }
+    if req.logprobs.is_some() {
+        return Err(Error::invalid("tccf does not combine with logprobs (its check text is not the model's)"));
+    }
+    let text = req.tccf_trigger.as_deref().unwrap_or(TCCF_TRIGGER);
+    let ids = model.tokenize(text, false)?;
+    let [trigger] = ids[..] else {
+        return Err(Error::invalid(format!(
+            "tccf_trigger {text:?} must be one token of this model's vocabulary; it is {} tokens",
+            ids.len()
+        )));
+    };
+    if eos_ids.contains(&trigger) {
+        return Err(Error::invalid(format!("tccf_trigger {text:?} is an end-of-text token of this request")));
+    }
+    let check = model.tokenize(req.tccf_check.as_deref().unwrap_or(TCCF_CHECK), false)?;
+    Ok(Some(Tccf { trigger, check, answer_block: req.tccf_answer_block_size.unwrap_or(TCCF_ANSWER_BLOCK) }))
 }

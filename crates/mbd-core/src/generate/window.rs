@@ -407,6 +407,16 @@ impl Window {
         Ok(())
     }
 
+    /// TCCF: the grid switches at `at` (a boundary at or after the final K/V's end) to blocks of `block_size`
+    /// aligned there. Nothing committed changes.
+    pub fn switch_grid(&mut self, at: usize, block_size: usize) -> Result<()> {
+        if self.in_step() || at < self.frontier {
+            return Err(Error::Internal(format!("cannot switch the grid at {at} (frontier {})", self.frontier)));
+        }
+        self.grid = self.grid.then(at, block_size)?;
+        Ok(())
+    }
+
     /// ISD: the position of the pending token (the last written one, whose K/V are not final yet): the frontier,
     /// or the prompt's last position before the first step.
     pub fn pending(&self) -> usize {

@@ -30,6 +30,15 @@ pub struct BlockGrid {
     pub alignment: Alignment,
     /// End of the prompt block (only used with `Alignment::Prompt`).
     pub prompt_len: usize,
+    /// A second grid from a boundary on (TCCF's answer phase): blocks of `block_size` from `at`.
+    pub then: Option<Then>,
+}
+
+/// The grid from a boundary `at` of the first one on: blocks of `block_size` from `at`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Then {
+    pub at: usize,
+    pub block_size: usize,
 }
 
 impl BlockGrid {
@@ -37,15 +46,40 @@ impl BlockGrid {
         if kind == AttentionKind::BlockCausal && block_size == 0 {
             return Err(Error::Internal("a block-causal grid needs blocks of at least one position".into()));
         }
-        Ok(BlockGrid { kind, block_size, alignment, prompt_len })
+        Ok(BlockGrid { kind, block_size, alignment, prompt_len, then: None })
     }
 
     pub fn causal() -> Self {
-        BlockGrid { kind: AttentionKind::Causal, block_size: 1, alignment: Alignment::Absolute, prompt_len: 0 }
+        BlockGrid {
+            kind: AttentionKind::Causal,
+            block_size: 1,
+            alignment: Alignment::Absolute,
+            prompt_len: 0,
+            then: None,
+        }
+    }
+
+    /// This grid up to `at` (one of its boundaries), then blocks of `block_size` from `at` (TCCF's switch from
+    /// thinking to answering).
+    pub fn then(self, at: usize, block_size: usize) -> Result<BlockGrid> {
+        if self.then.is_some() || !self.is_boundary(at) || block_size == 0 || self.kind == AttentionKind::Full {
+            return Err(Error::Internal(format!("cannot switch grids at {at}")));
+        }
+        Ok(BlockGrid { then: Some(Then { at, block_size }), ..self })
     }
 
     /// Block id of absolute position `p`.
     pub fn block_of(&self, p: usize) -> usize {
+        match self.then {
+            Some(t) if p >= t.at => {
+                let first = if t.at == 0 { 0 } else { self.base_block_of(t.at - 1) + 1 };
+                first + (p - t.at) / t.block_size
+            }
+            _ => self.base_block_of(p),
+        }
+    }
+
+    fn base_block_of(&self, p: usize) -> usize {
         match self.kind {
             AttentionKind::Causal => p,
             AttentionKind::Full => 0,
@@ -64,6 +98,13 @@ impl BlockGrid {
 
     /// End (exclusive) of the block of position `p`: the keys [0, block_end(p)) are the ones `p` sees.
     pub fn block_end(&self, p: usize) -> usize {
+        match self.then {
+            Some(t) if p >= t.at => t.at + ((p - t.at) / t.block_size + 1) * t.block_size,
+            _ => self.base_block_end(p),
+        }
+    }
+
+    fn base_block_end(&self, p: usize) -> usize {
         match self.kind {
             AttentionKind::Causal => p + 1,
             AttentionKind::Full => usize::MAX,
@@ -370,5 +411,27 @@ mod tests {
         let b = BlockGrid::new(AttentionKind::BlockCausal, 4, Alignment::Absolute, 0).unwrap();
         assert!(b.additive_mask(8, 4).is_none());
         assert!(b.additive_mask(8, 5).is_some());
+    }
+
+    #[test]
+    fn a_switched_grid_is_the_first_up_to_its_boundary_then_the_second() {
+        let g = BlockGrid::new(AttentionKind::BlockCausal, 4, Alignment::Absolute, 0).unwrap().then(8, 3).unwrap();
+        let ids: Vec<usize> = (0..15).map(|p| g.block_of(p)).collect();
+        assert_eq!(ids, vec![0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4]);
+        let ends: Vec<usize> = (0..15).map(|p| g.block_end(p)).collect();
+        assert_eq!(ends, vec![4, 4, 4, 4, 8, 8, 8, 8, 11, 11, 11, 14, 14, 14, 17]);
+        // the mask is the block-id rule over the switched ids
+        let v = visible(&g, 0, 15);
+        for i in 0..15 {
+            for j in 0..15 {
+                assert_eq!(v[i][j], ids[j] <= ids[i], "q{i} k{j}");
+            }
+        }
+        assert!(g.is_boundary(8) && g.is_boundary(11) && !g.is_boundary(10));
+        // a switch off a boundary, or twice, is refused
+        let b = BlockGrid::new(AttentionKind::BlockCausal, 4, Alignment::Absolute, 0).unwrap();
+        assert!(b.then(6, 1).is_err() && g.then(11, 1).is_err());
+        let c = BlockGrid::causal().then(3, 2).unwrap();
+        assert_eq!((0..7).map(|p| c.block_of(p)).collect::<Vec<_>>(), vec![0, 1, 2, 3, 3, 4, 4]);
     }
 }

@@ -201,6 +201,22 @@ pub const PARAMS: &[ParamSpec] = &[
         "speculative='isd': N, the most tokens a step writes; a step forwards up to 2N - 1 positions (default 4)",
     ),
     p(
+        "tccf",
+        K::Bool,
+        R::Any,
+        "TDAR's think coarse, critic fine: decode at block_size until tccf_trigger, then append tccf_check and \
+         answer at tccf_answer_block_size (default: off)",
+    ),
+    p("tccf_trigger", K::Str, R::Any, "tccf: the one token that ends thinking (default '</think>')"),
+    p(
+        "tccf_check",
+        K::Str,
+        R::Any,
+        "tccf: the text put after the thinking (default \"Let's check if there are any mistakes and give the final \
+         answer.\")",
+    ),
+    p("tccf_answer_block_size", K::Int, R::AtLeast(1.0), "tccf: the answer's block size (default 1)"),
+    p(
         "verify_policy",
         K::Str,
         R::Any,
@@ -528,6 +544,10 @@ request! {
         sub_block_size: usize,
         speculative: Speculative,
         isd_stride: usize,
+        tccf: bool,
+        tccf_trigger: String,
+        tccf_check: String,
+        tccf_answer_block_size: usize,
         verify_policy: VerifyPolicy,
         verify_min_span: usize,
         verify_score_threshold: f64,
@@ -637,7 +657,7 @@ mod tests {
         r.set("trace", Value::Bool(true)).unwrap();
         assert_eq!(r.trace, Some(TraceMode::Steps));
         let e = r.set("acceptance", Value::Str("greedy".into())).unwrap_err().to_string();
-        assert_eq!(e, "acceptance must be 'entropy', 'confidence' or 'eb', got 'greedy'");
+        assert_eq!(e, "acceptance must be 'entropy', 'confidence', 'eb', 'bacd', 'credit' or 'dus', got 'greedy'");
         let e = r.set("stop_token_ids", Value::Ids(vec![1, -1])).unwrap_err().to_string();
         assert!(e.starts_with("stop_token_ids: token id -1 at index 1 is out of range"), "{e}");
         assert!(matches!(r.set("max_new_tokens", Value::Int(3)), Err(Error::UnknownParameter(_))));
