@@ -137,6 +137,17 @@ def test_s2d2_through_the_server(client, engine):
     assert "attention='causal'" in e.value.body["message"]
 
 
+@pytest.mark.parametrize("body", [{"acceptance": "dus"}, {"acceptance": "bacd", "bacd_lower": 0.3},
+                                  {"acceptance": "credit", "credit_alpha": 1.5, "threshold": 0.8}],
+                         ids=["dus", "bacd", "credit"])
+def test_2026_acceptance_rules_through_the_server(client, engine, body):
+    msgs = [{"role": "user", "content": "reverse a b c"}]
+    want = engine.chat(msgs, max_tokens=24, **body)
+    r = client.chat.completions.create(model="mbd-tiny", messages=msgs, max_tokens=24, extra_body=body)
+    assert r.choices[0].message.content == want.text
+    assert r.usage.model_extra["forward_passes"] == want.usage.forward_passes
+
+
 def test_invalid_requests(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="mbd-tiny", messages=MSG, temperature=-1)
