@@ -138,3 +138,12 @@ def test_isd_from_the_command_line():
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["token_ids"] == want.token_ids and out["usage"]["drafts_proposed"] == want.usage.drafts_proposed
+
+
+def test_generate_chats_by_default_and_raw_opts_out():
+    eng = mbd_rs.Engine.load()
+    r = cli("generate", "sort 3 1 2", "--max-tokens", "12")
+    assert r.returncode == 0 and r.stdout == eng.chat([{"role": "user", "content": "sort 3 1 2"}], max_tokens=12).text + "\n"
+    r = cli("generate", "sort 3 1 2", "--max-tokens", "12", "--raw")
+    assert r.returncode == 0 and r.stdout == eng.generate("sort 3 1 2", max_tokens=12, raw=True).text + "\n"
+    assert cli("generate", "x", "--raw", "--chat").returncode == 2  # one or the other

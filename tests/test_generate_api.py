@@ -167,3 +167,25 @@ def test_chat_template(model_copy):
 def test_no_chat_template_is_clear(eng):
     with pytest.raises(mbd_rs.InvalidRequestError, match="has no chat template"):
         eng.chat([{"role": "user", "content": "hi"}])
+
+
+def test_chat_by_default_where_the_model_has_a_template():
+    """A text prompt is the user's message on a model with a chat template (issue #55): the embedded model answers
+    a task as its chat does; raw=True, a templated prompt and token ids complete the text as it is."""
+    eng = mbd_rs.Engine.load()
+    msg = [{"role": "user", "content": "sort 3 1 2"}]
+    chat = eng.chat(msg, max_tokens=12)
+    assert chat.text == "1 2 3" and eng.chats("sort 3 1 2")
+    assert eng.generate("sort 3 1 2", max_tokens=12).token_ids == chat.token_ids
+    assert "".join(c.text for c in eng.stream("sort 3 1 2", max_tokens=12)) == chat.text
+    raw = eng.generate("sort 3 1 2", max_tokens=12, raw=True)
+    assert raw.token_ids == eng.generate(eng.tokenize("sort 3 1 2"), max_tokens=12).token_ids != chat.token_ids
+    templated = eng.apply_chat_template(msg)
+    assert not eng.chats(templated) and eng.generate(templated, max_tokens=12).token_ids == chat.token_ids
+    assert not eng.chats([5, 6]) and not eng.chats("sort 3 1 2", raw=True)
+
+
+def test_no_template_no_chat():
+    eng = mbd_rs.Engine.load(parity_dir("qwen3_headdim_gqa"), device="cpu", mask_token_id=3)
+    assert eng.info.chat_template is None and not eng.chats("abc")
+    assert eng.generate("abc", max_tokens=5).token_ids == eng.generate(eng.tokenize("abc"), max_tokens=5).token_ids

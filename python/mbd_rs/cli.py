@@ -158,8 +158,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
         params["trace"] = "canvas"
     if a.chat:
         stream = eng.stream_chat([{"role": "user", "content": prompt}], **params)
-    else:
-        stream = eng.stream(prompt, **params)
+    else:  # chat by default where the model has a template (Engine.stream), raw with --raw
+        stream = eng.stream(prompt, raw=a.raw, **params)
     vis = Visual(eng, sys.stdout) if a.visual else None
     if vis:
         print(VISUAL_LEGEND, file=sys.stderr)
@@ -425,7 +425,13 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     g.add_argument("prompt", nargs="?", help="the prompt ('-' or absent: read stdin)")
     g.add_argument("--file", "-f", help="read the prompt from a file")
-    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
+    mode = g.add_mutually_exclusive_group()
+    mode.add_argument("--raw", action="store_true",
+                      help="complete the prompt as it is (default: as a user message with the model's chat template, "
+                           "when it has one and the prompt is not templated already)")
+    mode.add_argument("--chat", action="store_true",
+                      help="always send the prompt as a user message with the chat template (the default where the "
+                           "model has one)")
     g.add_argument("--visual", action="store_true",
                    help="draw every forward: blocks and the tokens each one decodes (legend below)")
     _add_model_flags(g, generates=True)

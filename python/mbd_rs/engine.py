@@ -43,6 +43,8 @@ class Engine:
     """A loaded block-diffusion (or plain causal) Qwen2/Qwen3/Qwen3-MoE model."""
 
     def __init__(self, core: "_core.CoreEngine"):
+        self._marker: Optional[str] = None
+        self._marker_known = False
         self._core = core
         self.info = ModelInfo(**core.info())
 
@@ -150,13 +152,44 @@ class Engine:
         would be U+FFFD) gives its bytes."""
         return self._core.token_bytes(ids)
 
-    def stream(self, prompt: Prompt, **params: Unpack[GenerationParams]) -> "Stream":
-        """Stream a completion of `prompt` (a str or a list of token ids). Parameters: GENERATION_PARAMS."""
+    def stream(self, prompt: Prompt, *, raw: bool = False, **params: Unpack[GenerationParams]) -> "Stream":
+        """Stream a completion of `prompt` (a str or a list of token ids). Chat by default: a str is the user's
+        message, rendered with the model's chat template (as `stream_chat` does), when the model has one, unless
+        `raw=True` or the prompt is already templated (it holds the control token that opens the template's turns,
+        e.g. "<|im_start|>"). Token ids are always completed as they are. Parameters: GENERATION_PARAMS."""
+        if self.chats(prompt, raw=raw):
+            return self.stream_chat([{"role": "user", "content": prompt}], **params)
         return Stream(self._core.start(prompt, params), trace=bool(params.get("trace")))
 
-    def generate(self, prompt: Prompt, **params: Unpack[GenerationParams]) -> Completion:
-        """Generate a completion of `prompt` (a str or a list of token ids)."""
-        return self.stream(prompt, **params).result()
+    def generate(self, prompt: Prompt, *, raw: bool = False, **params: Unpack[GenerationParams]) -> Completion:
+        """Generate a completion of `prompt` (a str or a list of token ids; a str is a chat message unless raw=True
+        or already templated: see `stream`)."""
+        return self.stream(prompt, raw=raw, **params).result()
+
+    def chats(self, prompt: Prompt, *, raw: bool = False) -> bool:
+        """Whether `generate`/`stream` send `prompt` as a chat message: a str, not raw, the model has a chat
+        template, and the prompt does not already hold the control token that opens the template's turns."""
+        if raw or not isinstance(prompt, str) or not prompt:  # an empty prompt stays an error, not an empty message
+            return False
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates: the prompt's own error says so
+            return False
+        marker = self._turn_marker()
+        return marker is not None and marker not in prompt
+
+    def _turn_marker(self) -> Optional[str]:
+        """The text the chat template writes before a turn's role (e.g. "<|im_start|>"), or its whole lead-in before
+        a user message's content when it writes none; None without a template (computed once)."""
+        if not self._marker_known:
+            marker = None
+            if self.info.chat_template is not None:
+                sentinel = "\u2063mbd\u2063"
+                lead = self.apply_chat_template([{"role": "user", "content": sentinel}]).split(sentinel)[0]
+                at = lead.rfind("user")
+                marker = (lead[:at] if at > 0 else lead).strip() or None
+            self._marker, self._marker_known = marker, True
+        return self._marker
 
     def apply_chat_template(self, messages: Sequence[Message], *, add_generation_prompt: bool = True,
                             **template_kwargs: Any) -> str:
