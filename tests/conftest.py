@@ -105,3 +105,22 @@ def long_context_model(tmp_path_factory):
     import mbd_rs
     return str(copy_model(mbd_rs.DEFAULT_MODEL, tmp_path_factory.mktemp("long_context"),
                           lambda c: c.update(max_position_embeddings=131072)))
+
+
+def run_concurrently(fn, args_list, timeout=120):
+    """fn(*args) for every args of args_list, each in its own thread, started together; their results in order."""
+    import threading
+    got = [None] * len(args_list)
+    start = threading.Barrier(len(args_list))
+
+    def work(i):
+        start.wait()
+        got[i] = fn(*args_list[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(args_list))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a stream hung"
+    return got

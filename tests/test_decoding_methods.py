@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import mbd_rs
-from conftest import parity_dir
+from conftest import parity_dir, run_concurrently
 from reference.decoder import dus_levels
 from test_decode_parity import CASES, run
 
@@ -86,7 +86,6 @@ def test_methods_from_the_command_line():
 def test_methods_batched_equal_lone_runs(eng):
     """BACD's per-block history, the credit and DUS's schedule are each generation's own: streams batched together
     (with each other, plain confidence and S2D2) give exactly what each gives alone."""
-    import threading
     reqs = []
     for i in range(8):
         prompt = [(i * 37 + j * 11 + 5) % 250 + 4 for j in range(2 + (i * 5) % 17)]
@@ -104,19 +103,7 @@ def test_methods_batched_equal_lone_runs(eng):
         c = eng.generate(prompt, **kw)
         return c.token_ids, c.usage.forward_passes
 
-    alone = [go(p, kw) for p, kw in reqs]
-    got, start = [None] * len(reqs), threading.Barrier(len(reqs))
-
-    def work(i):
-        start.wait()
-        got[i] = go(*reqs[i])
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(reqs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert got == alone
+    assert run_concurrently(go, reqs) == [go(p, kw) for p, kw in reqs]
 
 
 def test_tccf_text_is_the_thinking_then_the_check_then_the_answer():

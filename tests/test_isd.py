@@ -4,13 +4,12 @@ tokens), for every stride, with the cache on and off, with stops inside a step, 
 write each token distributed as the verifier p (speculative sampling), checked against p computed from the logits
 API; and the parameters that do not apply get clear errors."""
 import functools
-import threading
 
 import numpy as np
 import pytest
 
 import mbd_rs
-from conftest import parity_dir
+from conftest import parity_dir, run_concurrently
 
 MASK = 3
 PROMPTS = [[17, 45, 210], [5], [99, 4, 250, 7, 8, 9, 10]]
@@ -90,20 +89,7 @@ def test_batched_isd_streams_equal_lone_runs():
         c = eng.generate(prompt, **kw)
         return c.token_ids, c.usage.forward_passes, c.usage.drafts_accepted
 
-    alone = [run(p, kw) for p, kw in reqs]
-    got = [None] * len(reqs)
-    start = threading.Barrier(len(reqs))
-
-    def work(i):
-        start.wait()
-        got[i] = run(*reqs[i])
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(reqs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert got == alone
+    assert run_concurrently(run, reqs) == [run(p, kw) for p, kw in reqs]
 
 
 def _dist(row, top_k):

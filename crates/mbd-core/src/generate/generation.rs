@@ -7,7 +7,7 @@
 use crate::decode::credit::Credit;
 use crate::decode::decoder::{Decoder, Prediction, StopCause};
 use crate::decode::sampling::Sampler;
-use crate::decode::speculative::Router;
+use crate::decode::speculative::{accept_greedy, accept_sampled, Router};
 use crate::decode::strided::Strided;
 use crate::error::{Error, Result};
 use crate::generate::output::{Counters, Output};
@@ -242,7 +242,7 @@ impl Generation {
         let (tokens, accepted) = match &d.rows {
             None => {
                 let q_argmax: Vec<u32> = self.sampler.predict(q)?.iter().map(|p| p.token).collect();
-                router.accept_greedy(&drafts, &q_argmax)
+                accept_greedy(&drafts, &q_argmax)
             }
             Some(p_rows) => {
                 let (p_rows, q_rows): (Vec<Vec<f32>>, Vec<Vec<f32>>) =
@@ -252,15 +252,10 @@ impl Generation {
                 }
                 let sp = self.sampler.params().clone();
                 let probs: Vec<f64> = d.preds.iter().map(|p| p.prob).collect();
-                router.accept_sampled(
-                    &mut self.sampler,
-                    &drafts,
-                    &probs,
-                    |i| sp.dist(&p_rows[i]),
-                    |i| sp.dist(&q_rows[i]),
-                )
+                accept_sampled(&mut self.sampler, &drafts, &probs, |i| sp.dist(&p_rows[i]), |i| sp.dist(&q_rows[i]))
             }
         };
+        router.stats.count(drafts.len(), accepted);
         let s = d.start;
         self.window.commit_verified(s + accepted)?;
         let decided: Vec<(usize, u32)> = tokens.into_iter().enumerate().map(|(i, t)| (s + i, t)).collect();
