@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Build the extension once (debug) and run the tests: Rust tests, mypy --strict on the package and the README's
-# Python examples, then pytest (skip reasons listed at the end). `--all` also runs the client libraries (LiteLLM,
-# langchain-openai) and Ray Serve in venvs of their own (CI does); other arguments go to pytest.
+# Python examples, then pytest (skip reasons listed at the end). `--all` also runs the tests marked slow (real-shape
+# checkpoints), the client libraries (LiteLLM, langchain-openai) and Ray Serve in venvs of their own (CI does); other
+# arguments go to pytest.
 # (The Rust lints, rustfmt and clippy, are scripts/lint.sh; CI runs both.)
 # Always in its own ./.venv (a user's install, e.g. a release `pip install .`, is never replaced by this debug
 # build). Set CARGO_TARGET_DIR to share a Rust build dir. On a 2-core machine the first run takes ~10 minutes and
-# ~2.5 GB of disk (the Rust build ~1.5 GB, the venv ~1 GB; --all adds ~1 GB), later runs ~2 minutes.
+# ~2.5 GB of disk (the Rust build ~1.5 GB, the venv ~1 GB; --all adds ~1 GB), later runs ~3.5 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 all=0
@@ -33,9 +34,13 @@ cargo test -p mbd-core -- -q
 stage "mypy --strict (package + README examples)"
 bash scripts/check_types.sh
 stage "pytest"
-python -m pytest -q -rs tests ${args[@]+"${args[@]}"}
+if [ "$all" = 1 ]; then
+  python -m pytest -q -rs tests ${args[@]+"${args[@]}"}
+else
+  python -m pytest -q -rs -m "not slow" tests ${args[@]+"${args[@]}"}
+fi
 if [ "$all" != 1 ]; then
-  stage "done (bash scripts/test.sh --all also runs the client-library and Ray Serve tests, as CI does)"
+  stage "done (bash scripts/test.sh --all also runs the slow tests and the client-library and Ray Serve tests, as CI does)"
   exit 0
 fi
 stage "pytest tests/test_clients.py (LiteLLM, langchain-openai; their own venv, the extension built above)"

@@ -18,6 +18,8 @@ def pytest_configure(config):
     # Registered here (not in pyproject.toml) so that it holds where scripts/release-check.sh runs a copy of tests/.
     config.addinivalue_line("markers", "source_tree: needs the repository's files besides tests/ and README.md "
                             "(deselected when an installed wheel is tested)")
+    config.addinivalue_line("markers", "slow: takes tens of seconds (real-shape checkpoints); scripts/test.sh runs "
+                            "it with --all, as CI does")
 
 
 def parity_dir(name):

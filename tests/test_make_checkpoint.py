@@ -24,6 +24,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow  # a real vocabulary's embedding per family: 18-33 s each
 @pytest.mark.parametrize("family", sorted(CASES))
 def test_checkpoint_loads_as_its_family(tmp_path, family):
     shape, arch, mask, shift, attention, block = CASES[family]
