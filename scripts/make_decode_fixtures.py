@@ -187,6 +187,9 @@ def main():
                 "tccf_b1_shifted_no_early_stop": dict(threshold=h50, logits_shift=True, early_stop=False,
                                                       tccf=dict(answer_block=1)),
                 "tccf_b3_prompt_grid": dict(threshold=h50, alignment="prompt", block_size=5, tccf=dict(answer_block=3)),
+                # credit is the block's: positions laid out in other blocks by the switch start afresh
+                "tccf_credit_b2": dict(acceptance="credit", threshold=round(float(pq[2]), 3), block_size=8,
+                                       credit=dict(alpha=2.0, gamma=0.2, beta=0.8), tccf=dict(answer_block=2)),
             }
             for vname, v in variants.items():
                 if only and not any(vname.startswith(o) for o in only):

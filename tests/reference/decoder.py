@@ -163,7 +163,7 @@ def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignm
             logprobs[p] = (float(ls[x[p]]), top)
 
     bacd_hist = {}  # block -> confidences of its committed tokens
-    credit_c, credit_steps = {}, {}  # block -> {position: credit vector}, block -> steps it has had
+    credit_c, credit_steps = {}, {}  # block range -> {position: credit vector}, block range -> steps it has had
 
     def block_k(p):
         return next(k for k in range(len(blocks)) if blocks[k][0] <= p < blocks[k][1])
@@ -338,8 +338,8 @@ def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignm
         nfe += 1
         # 6. predictions for the candidates
         pred = {}
-        if acceptance == "credit":
-            for k in {block_k(p) for p in cand}:
+        if acceptance == "credit":  # credit is keyed by the block's range, as dInfer keys it
+            for k in {tuple(blocks[block_k(p)]) for p in cand}:
                 if credit_steps.get(k, 0) > 0:
                     for vec in credit_c[k].values():
                         vec *= credit["beta"]
@@ -352,7 +352,7 @@ def reference_decode(model, prompt, *, n, mask_id, block_size, attention, alignm
             rows[p] = row
             if acceptance == "credit":
                 pr, _ = probs(row)
-                vec = credit_c.setdefault(block_k(p), {}).setdefault(p, np.zeros(len(row)))
+                vec = credit_c.setdefault(tuple(blocks[block_k(p)]), {}).setdefault(p, np.zeros(len(row)))
                 vec[int(np.argmax(row))] += float(pr.max()) ** credit["gamma"]
                 row = row + credit["alpha"] * np.log1p(vec)
             pr, h = probs(row)

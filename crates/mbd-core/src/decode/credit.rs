@@ -2,9 +2,11 @@
 //! credit per token that decays by beta at every step of its block after the block's first, and gains
 //! (max p)^gamma for the step's argmax of the raw probabilities p. The step predicts from the fused logits
 //! `logits + alpha * ln(1 + credit)`: the token is their argmax (or a draw), the confidence their probability,
-//! which the `credit` acceptance compares with tau. Credit lives per block: a new block starts from none.
+//! which the `credit` acceptance compares with tau. Credit lives per block, keyed as dInfer keys it by the
+//! block's range: a new block (or a position laid out in another block, after TCCF's switch) starts from none.
 
 use crate::decode::decoder::Decoder;
+use crate::decode::sampling::row_stats;
 use crate::error::Result;
 use candle_core::{DType, Tensor};
 use std::collections::HashMap;
@@ -24,13 +26,16 @@ impl CreditParams {
     pub const DEFAULT: CreditParams = CreditParams { alpha: 0.7, gamma: 0.2, beta: 0.8 };
 }
 
-/// One generation's credit: per masked position, (its block's step count when last decayed, token -> credit);
-/// per block, the steps it has had.
+/// A block as dInfer keys its credit: its range [start, end).
+type BlockKey = (usize, usize);
+
+/// One generation's credit: per masked position, (its block, that block's step count when last decayed,
+/// token -> credit); per block, the steps it has had.
 #[derive(Debug, Clone)]
 pub struct Credit {
     params: CreditParams,
-    positions: HashMap<usize, (usize, HashMap<u32, f64>)>,
-    block_steps: HashMap<usize, usize>,
+    positions: HashMap<usize, (BlockKey, usize, HashMap<u32, f64>)>,
+    block_steps: HashMap<BlockKey, usize>,
 }
 
 impl Credit {
@@ -47,24 +52,23 @@ impl Credit {
         let mut out = Vec::with_capacity(r * v);
         let mut seen = vec![];
         for (&p, row) in positions.iter().zip(rows.chunks_exact(v.max(1))) {
-            let k = dec.block_of(p);
+            let b = &dec.blocks[dec.block_of(p)];
+            let k = (b.start, b.end);
             let t = *self.block_steps.get(&k).unwrap_or(&0);
             if !seen.contains(&k) {
                 seen.push(k);
             }
-            let (at, credit) = self.positions.entry(p).or_insert_with(|| (t, HashMap::new()));
+            let entry = self.positions.entry(p).or_insert_with(|| (k, t, HashMap::new()));
+            if entry.0 != k {
+                *entry = (k, t, HashMap::new());
+            }
+            let (_, at, credit) = entry;
             let decay = beta.powi((t - *at) as i32);
             credit.values_mut().for_each(|c| *c *= decay);
             *at = t;
             // the raw argmax (ties -> lowest id) and its probability
-            let mut best = 0usize;
-            for (i, &x) in row.iter().enumerate() {
-                if x > row[best] {
-                    best = i;
-                }
-            }
-            let z: f64 = row.iter().map(|&x| ((x - row[best]) as f64).exp()).sum();
-            *credit.entry(best as u32).or_insert(0.0) += (1.0 / z).powf(gamma);
+            let (best, _, max_prob) = row_stats(row);
+            *credit.entry(best).or_insert(0.0) += max_prob.powf(gamma);
             let start = out.len();
             out.extend_from_slice(row);
             for (&id, &c) in credit.iter() {

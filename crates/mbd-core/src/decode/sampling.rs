@@ -21,7 +21,7 @@ pub struct SamplingParams {
 /// One row's argmax (ties -> lowest id), entropy and max probability of softmax(row), in two passes: the max,
 /// then Z = Σ e^(x - m) and S = Σ e^(x - m)(x - m) (`vmath::softmax_sums`: terms in f32, sums in f64), so that
 /// H = -Σ p log p = ln Z - S / Z and max p = 1 / Z.
-fn row_stats(row: &[f32]) -> (u32, f64, f64) {
+pub fn row_stats(row: &[f32]) -> (u32, f64, f64) {
     let mut best = 0usize;
     for (i, &x) in row.iter().enumerate() {
         if x > row[best] {
