@@ -3,15 +3,14 @@ BACD, CreditDecoding and DUS token for token and forward for forward against tes
 parity cases are sensitive to what each rule adds, each rule reaches the CLI's derived flags, and the parameters
 that do not apply get clear errors."""
 import json
-import subprocess
-import sys
 
 import pytest
 
 import mbd_rs
 from conftest import parity_dir, run_concurrently
 from reference.decoder import dus_levels
-from test_decode_parity import CASES, run
+from test_cli import cli
+from test_decode_parity import CASES, engine, run
 
 
 def _case(variant):
@@ -75,9 +74,8 @@ def test_methods_from_the_command_line():
                        dict(acceptance="credit", credit_alpha=2.0, threshold=0.3)),
                       (["--acceptance", "dus", "--block-size", "8"], dict(acceptance="dus", block_size=8))]:
         want = e.generate("abc", max_tokens=10, **kw)
-        r = subprocess.run([sys.executable, "-m", "mbd_rs", "generate", "abc", "--model", d, "--device", "cpu",
-                            "--mask-token-id", "3", "--max-tokens", "10", "--json", *flags],
-                           capture_output=True, text=True, timeout=120)
+        r = cli("generate", "abc", "--model", d, "--device", "cpu", "--mask-token-id", "3", "--max-tokens", "10",
+                "--json", *flags)
         assert r.returncode == 0, r.stderr
         out = json.loads(r.stdout)
         assert out["token_ids"] == want.token_ids and out["usage"]["forward_passes"] == want.usage.forward_passes
@@ -117,9 +115,7 @@ def test_tccf_text_is_the_thinking_then_the_check_then_the_answer():
     assert out.token_ids[e:e + len(t["check"])] == t["check"]
     # up to the trigger the thinking is plain decoding with the trigger as an end of text
     p = c["params"]
-    eng = mbd_rs.Engine.load(parity_dir(c["model"]), device="cpu", mask_token_id=3, attention=p["attention"],
-                             alignment=p["alignment"], logits_shift=p["logits_shift"],
-                             eos_token_ids=c["eos_token_ids"] + [t["trigger"]])
+    eng = engine(c["model"], p["attention"], p["alignment"], p["logits_shift"], tuple(c["eos_token_ids"] + [t["trigger"]]))
     think = eng.generate(c["prompt"], max_tokens=c["max_tokens"], block_size=p["block_size"],
                          threshold=p["threshold"], acceptance=p["acceptance"], block_add_threshold=p["alpha"],
                          decoded_token_threshold=p["beta"], forced_progress=p["forced"], early_stop=p["early_stop"])

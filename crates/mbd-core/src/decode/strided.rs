@@ -30,6 +30,8 @@ pub struct Strided {
     /// Sampling: each draft's distribution q (as `SamplingParams::dist` gives it) and its probability there.
     draft_dists: Vec<Vec<(u32, f64)>>,
     draft_probs: Vec<f64>,
+    /// The undecoded positions after the pending token when the step under way was laid out.
+    room: usize,
     pub stats: SpecStats,
 }
 
@@ -41,6 +43,7 @@ impl Strided {
             drafts: vec![],
             draft_dists: vec![],
             draft_probs: vec![],
+            room: 0,
             stats: SpecStats::default(),
         }
     }
@@ -48,6 +51,7 @@ impl Strided {
     /// The ids of the step's forward after the pending token, for `room` undecoded positions after it: the drafts,
     /// then as many masks as give drafts inside the room (a mask row predicts the position after it).
     pub fn layout(&mut self, room: usize, mask: u32) -> Vec<u32> {
+        self.room = room;
         self.drafts.truncate(room);
         self.draft_dists.truncate(room);
         self.draft_probs.truncate(room);
@@ -58,11 +62,11 @@ impl Strided {
         ids
     }
 
-    /// Take the step's logits (one row per forwarded id: the pending token's, then the `layout` ids'), with `room`
-    /// as `layout` had it. Returns the tokens to write after the pending token and how many of them are accepted
-    /// drafts (the K/V to keep: the pending token's and theirs), and keeps the next step's drafts.
-    pub fn step(&mut self, sampler: &mut Sampler, logits: &Tensor, room: usize) -> Result<(Vec<u32>, usize)> {
-        let s = self.drafts.len();
+    /// Take the step's logits (one row per forwarded id: the pending token's, then the `layout` ids'). Returns the
+    /// tokens to write after the pending token and how many of them are accepted drafts (the K/V to keep: the
+    /// pending token's and theirs), and keeps the next step's drafts.
+    pub fn step(&mut self, sampler: &mut Sampler, logits: &Tensor) -> Result<(Vec<u32>, usize)> {
+        let (s, room) = (self.drafts.len(), self.room);
         let rows = logits.dim(0)?;
         let m = rows.checked_sub(s + 1).ok_or_else(|| Error::Internal(format!("{rows} ISD rows for {s} drafts")))?;
         // verifier rows: one per position F+1..F+s+1 inside the room
@@ -126,13 +130,13 @@ mod tests {
         let (mut isd, mut s) = (Strided::new(3), greedy());
         // cold start: [pending, M, M]: one token from the pending row, drafts from the two mask rows
         assert_eq!(isd.layout(10, 7), vec![7, 7]);
-        assert_eq!(isd.step(&mut s, &rows(&[1, 2, 3]), 10).unwrap(), (vec![1], 0));
+        assert_eq!(isd.step(&mut s, &rows(&[1, 2, 3])).unwrap(), (vec![1], 0));
         // [pending=1, 2, 3, M, M]: both drafts agree with p, the bonus 4, then drafts 5, 6
         assert_eq!(isd.layout(9, 7), vec![2, 3, 7, 7]);
-        assert_eq!(isd.step(&mut s, &rows(&[2, 3, 4, 5, 6]), 9).unwrap(), (vec![2, 3, 4], 2));
+        assert_eq!(isd.step(&mut s, &rows(&[2, 3, 4, 5, 6])).unwrap(), (vec![2, 3, 4], 2));
         // [pending=4, 5, 6, M, M]: the second draft is rejected: 5 then p's 0; the drafts are dropped
         assert_eq!(isd.layout(6, 7), vec![5, 6, 7, 7]);
-        assert_eq!(isd.step(&mut s, &rows(&[5, 0, 1, 1, 1]), 6).unwrap(), (vec![5, 0], 1));
+        assert_eq!(isd.step(&mut s, &rows(&[5, 0, 1, 1, 1])).unwrap(), (vec![5, 0], 1));
         assert_eq!(isd.layout(4, 7), vec![7, 7]);
         assert_eq!(isd.stats, SpecStats { verifications: 2, drafts_proposed: 4, drafts_accepted: 3 });
     }
@@ -142,14 +146,14 @@ mod tests {
         let (mut isd, mut s) = (Strided::new(4), greedy());
         // two positions left: one mask (its row drafts the last one)
         assert_eq!(isd.layout(2, 7), vec![7]);
-        assert_eq!(isd.step(&mut s, &rows(&[1, 2]), 2).unwrap(), (vec![1], 0));
+        assert_eq!(isd.step(&mut s, &rows(&[1, 2])).unwrap(), (vec![1], 0));
         // one position left: the draft, no bonus, no masks
         assert_eq!(isd.layout(1, 7), vec![2]);
-        assert_eq!(isd.step(&mut s, &rows(&[2, 3]), 1).unwrap(), (vec![2], 1));
+        assert_eq!(isd.step(&mut s, &rows(&[2, 3])).unwrap(), (vec![2], 1));
         // stride 1 is AR decoding: no drafts, no masks
         let mut ar = Strided::new(1);
         assert_eq!(ar.layout(5, 7), Vec::<u32>::new());
-        assert_eq!(ar.step(&mut s, &rows(&[6]), 5).unwrap(), (vec![6], 0));
+        assert_eq!(ar.step(&mut s, &rows(&[6])).unwrap(), (vec![6], 0));
         assert_eq!(ar.stats.verifications, 0);
     }
 }

@@ -202,7 +202,7 @@ impl Generation {
     fn strided(&mut self, positions: &[usize], logits: &Tensor) -> Result<StepOutput> {
         let isd = self.isd.as_mut().ok_or_else(|| Error::Internal("an ISD step without ISD".into()))?;
         let f = positions[0];
-        let (tokens, accepted) = isd.step(&mut self.sampler, logits, self.dec.canvas_end() - f - 1)?;
+        let (tokens, accepted) = isd.step(&mut self.sampler, logits)?;
         self.window.commit_strided(1 + accepted)?;
         let decided: Vec<(usize, u32)> = tokens.iter().enumerate().map(|(i, &t)| (f + 1 + i, t)).collect();
         self.dec.write(&decided, 1)?;

@@ -183,19 +183,17 @@ fn cache_policy(attention: AttentionKind, req: &GenRequest) -> Result<CachePolic
 /// S2D2's routing parameters of a request (None: no speculation). The verify_* parameters need
 /// speculative="s2d2", and verification needs block-causal or causal attention.
 fn speculative(req: &GenRequest, attention: AttentionKind) -> Result<Option<SpecParams>> {
-    let set = req.given(&[
+    let on = req.speculative == Some(Speculative::S2d2);
+    let verify = [
         "verify_policy",
         "verify_min_span",
         "verify_score_threshold",
         "verify_penalty",
         "verify_penalty_kind",
         "verify_hysteresis",
-    ]);
-    if req.speculative.unwrap_or(Speculative::Off) != Speculative::S2d2 {
-        if !set.is_empty() {
-            let verb = if set.len() == 1 { "applies" } else { "apply" };
-            return Err(Error::invalid(format!("{} only {verb} with speculative='s2d2'", set.join(", "))));
-        }
+    ];
+    only_with(req, &verify, on, "speculative='s2d2'")?;
+    if !on {
         return Ok(None);
     }
     if attention == AttentionKind::Full {
@@ -221,10 +219,9 @@ fn speculative(req: &GenRequest, attention: AttentionKind) -> Result<Option<Spec
 /// ISD's stride of a request (None: no ISD). ISD decodes with a strictly causal in-flight block and shifted logits
 /// (I-DLM), so it needs a model loaded as causal and shifted; the multi-block decoder's parameters do not apply.
 fn strided(req: &GenRequest, attention: AttentionKind, shift: bool) -> Result<Option<usize>> {
-    if req.speculative != Some(Speculative::Isd) {
-        if req.isd_stride.is_some() {
-            return Err(Error::invalid("isd_stride only applies with speculative='isd'"));
-        }
+    let on = req.speculative == Some(Speculative::Isd);
+    only_with(req, &["isd_stride"], on, "speculative='isd'")?;
+    if !on {
         return Ok(None);
     }
     if attention != AttentionKind::Causal || !shift {
@@ -259,16 +256,13 @@ fn strided(req: &GenRequest, attention: AttentionKind, shift: bool) -> Result<Op
 /// The parameters of the acceptance rules that have their own (BACD's bounds, CreditDecoding's), each only with
 /// its rule; `threshold` does not apply to BACD (its bounds) or DUS (a schedule).
 fn acceptance_params(req: &GenRequest, acceptance: Acceptance) -> Result<((f64, f64), Option<CreditParams>)> {
-    let only = |names: &[&'static str], rule: Acceptance| -> Result<()> {
-        let set = req.given(names);
-        if acceptance != rule && !set.is_empty() {
-            let verb = if set.len() == 1 { "applies" } else { "apply" };
-            return Err(Error::invalid(format!("{} only {verb} with acceptance='{}'", set.join(", "), rule.name())));
-        }
-        Ok(())
-    };
-    only(&["bacd_lower", "bacd_upper"], Acceptance::Bacd)?;
-    only(&["credit_alpha", "credit_gamma", "credit_beta"], Acceptance::Credit)?;
+    only_with(req, &["bacd_lower", "bacd_upper"], acceptance == Acceptance::Bacd, "acceptance='bacd'")?;
+    only_with(
+        req,
+        &["credit_alpha", "credit_gamma", "credit_beta"],
+        acceptance == Acceptance::Credit,
+        "acceptance='credit'",
+    )?;
     if matches!(acceptance, Acceptance::Bacd | Acceptance::Dus) && req.threshold.is_some() {
         return Err(Error::invalid(format!(
             "threshold does not apply with acceptance='{}' ({})",
@@ -297,12 +291,9 @@ fn acceptance_params(req: &GenRequest, acceptance: Acceptance) -> Result<((f64, 
 /// attention; it does not combine with speculation (whose drafts span the switch) or log-probabilities (the check
 /// text is not the model's).
 fn tccf(model: &Model, req: &GenRequest, eos_ids: &[u32]) -> Result<Option<Tccf>> {
-    let set = req.given(&["tccf_trigger", "tccf_check", "tccf_answer_block_size"]);
-    if req.tccf != Some(true) {
-        if !set.is_empty() {
-            let verb = if set.len() == 1 { "applies" } else { "apply" };
-            return Err(Error::invalid(format!("{} only {verb} with tccf=True", set.join(", "))));
-        }
+    let on = req.tccf == Some(true);
+    only_with(req, &["tccf_trigger", "tccf_check", "tccf_answer_block_size"], on, "tccf=True")?;
+    if !on {
         return Ok(None);
     }
     let p = &model.profile;
@@ -331,4 +322,15 @@ fn tccf(model: &Model, req: &GenRequest, eos_ids: &[u32]) -> Result<Option<Tccf>
     }
     let check = model.tokenize(req.tccf_check.as_deref().unwrap_or(TCCF_CHECK), false)?;
     Ok(Some(Tccf { trigger, check, answer_block: req.tccf_answer_block_size.unwrap_or(TCCF_ANSWER_BLOCK) }))
+}
+
+/// The parameters among `names` that the request gives are an error unless `on` (the option they belong to,
+/// `with`, is chosen): "x, y only apply with <with>".
+fn only_with(req: &GenRequest, names: &[&'static str], on: bool, with: &str) -> Result<()> {
+    let set = req.given(names);
+    if on || set.is_empty() {
+        return Ok(());
+    }
+    let verb = if set.len() == 1 { "applies" } else { "apply" };
+    Err(Error::invalid(format!("{} only {verb} with {with}", set.join(", "))))
 }

@@ -167,6 +167,31 @@ impl Window {
         self.pieces.push_front(Piece { start: s, end: b, keys: piece.keys, rows: head_rows, kind: head_kind });
     }
 
+    /// Queue the prompt's prefill [0, end) into the cache, in chunks; with `carry`, the last chunk's last row gives
+    /// the logits of the position after it (shifted profiles).
+    fn queue_prefill(&mut self, end: usize, carry: bool) {
+        let cs = chunks(&self.grid, 0, end);
+        let n = cs.len();
+        for (i, (s, e)) in cs.into_iter().enumerate() {
+            let last = i + 1 == n;
+            let rows = if last && carry { vec![e - s - 1] } else { vec![] };
+            self.pieces.push_back(Piece { start: s, end: e, keys: s, rows, kind: PieceKind::Prefill { last } });
+        }
+    }
+
+    /// Without a cache: a long prefix [0, b) (b a boundary) is recomputed into the step's scratch cache in
+    /// prefill-sized chunks, so that no forward spans all of it. Returns where the step's own forward starts: b,
+    /// or 0 when the prefix is short enough to go with it.
+    fn queue_recompute(&mut self, b: usize) -> usize {
+        if b < PREFILL_CHUNK {
+            return 0;
+        }
+        for (s, e) in chunks(&self.grid, 0, b) {
+            self.pieces.push_back(Piece { start: s, end: e, keys: s, rows: vec![], kind: PieceKind::Scratch });
+        }
+        b
+    }
+
     /// Whether a step is under way (planned, some of its forwards still to run).
     pub fn in_step(&self) -> bool {
         !self.pieces.is_empty()
@@ -197,14 +222,8 @@ impl Window {
                 lp
             };
             self.frontier = pe;
-            if exact && pe > 0 {
-                let cs = chunks(&self.grid, 0, pe);
-                let n = cs.len();
-                for (i, (s, e)) in cs.into_iter().enumerate() {
-                    let last = i + 1 == n;
-                    let rows = if last && self.shift { vec![e - s - 1] } else { vec![] };
-                    self.pieces.push_back(Piece { start: s, end: e, keys: s, rows, kind: PieceKind::Prefill { last } });
-                }
+            if exact {
+                self.queue_prefill(pe, self.shift);
             }
         }
         let mut commit_end = None;
@@ -249,20 +268,7 @@ impl Window {
                 while b > 0 && !self.grid.is_boundary(b) {
                     b -= 1;
                 }
-                if b >= PREFILL_CHUNK {
-                    for (s, e) in chunks(&self.grid, 0, b) {
-                        self.pieces.push_back(Piece {
-                            start: s,
-                            end: e,
-                            keys: s,
-                            rows: vec![],
-                            kind: PieceKind::Scratch,
-                        });
-                    }
-                } else {
-                    b = 0;
-                }
-                (b, dec.created_end())
+                (self.queue_recompute(b), dec.created_end())
             }
         };
         let commit_end = commit_end.unwrap_or_else(|| dec.complete_run_end(self.frontier).max(self.frontier));
@@ -439,26 +445,12 @@ impl Window {
         if !self.prefilled {
             self.prefilled = true;
             self.frontier = self.prompt_len - 1;
-            if exact && self.frontier > 0 {
-                let cs = chunks(&self.grid, 0, self.frontier);
-                let n = cs.len();
-                for (i, (s, e)) in cs.into_iter().enumerate() {
-                    let kind = PieceKind::Prefill { last: i + 1 == n };
-                    self.pieces.push_back(Piece { start: s, end: e, keys: s, rows: vec![], kind });
-                }
+            if exact {
+                self.queue_prefill(self.frontier, false);
             }
         }
         let f = self.frontier;
-        let start = if exact {
-            f
-        } else if f < PREFILL_CHUNK {
-            0
-        } else {
-            for (s, e) in chunks(&self.grid, 0, f) {
-                self.pieces.push_back(Piece { start: s, end: e, keys: s, rows: vec![], kind: PieceKind::Scratch });
-            }
-            f
-        };
+        let start = if exact { f } else { self.queue_recompute(f) };
         self.step_ids.clear();
         self.step_ids.extend_from_slice(&canvas[start..=f]);
         self.step_ids.extend_from_slice(ids);
