@@ -39,7 +39,7 @@ fn main() {
     let grid = mbd_core::BlockGrid::causal();
     for (n, which) in [1usize, 8, 16].into_iter().flat_map(|n| [(n, true), (n, false)]) {
         let model = if which { &model } else { &other };
-        let mut caches: Vec<_> = (0..n).map(|_| model.new_cache()).collect();
+        let mut caches: Vec<_> = (0..n).map(|_| model.new_cache().unwrap()).collect();
         for c in caches.iter_mut() {
             model.fill_cache(c, &prefix, &grid).unwrap();
         }

@@ -27,6 +27,8 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
 )
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
@@ -75,7 +77,17 @@ FIXTURES = {
     # checked): the fixture that a bfloat16 run (the GPU's) can be held to a bound on. In the two above some
     # positions' k-th and (k+1)-th experts are within ~1e-3 in probability, below what bf16 hidden states resolve.
     "qwen3moe_top2_separated": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True, tie_word_embeddings=False)),
+    # Qwen3.5 hybrid: three Gated DeltaNet layers then gated attention (the default interval), value heads grouped
+    # over key heads (4 over 2), partial RoPE (8 of 32 dims), untied.
+    "qwen35_hybrid": (Qwen3_5TextConfig, Qwen3_5ForCausalLM, dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=False)),
+    # Qwen3.5 with explicit layer_types (attention first and last), as many value as key heads, dk != dv, a 3-tap
+    # convolution, half the head dims rotated, MHA, tied embeddings.
+    "qwen35_mixed_tied": (Qwen3_5TextConfig, Qwen3_5ForCausalLM, dict(num_hidden_layers=3, layer_types=["full_attention", "linear_attention", "full_attention"], num_attention_heads=4, num_key_value_heads=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=3, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}, tie_word_embeddings=True)),
 }
+
+# Hybrid models: the block-diffusion mask goes to the softmax layers only (the Gated DeltaNet layers stay causal, as
+# the multi-block reference decoder runs transformers' Qwen3.5 with a 4-D mask).
+HYBRID = {"qwen35_hybrid", "qwen35_mixed_tied"}
 
 # name -> (factor on the router weights, smallest gap between the k-th and (k+1)-th router logit allowed: bf16
 # hidden states move router logits of this size by ~0.03)
@@ -127,7 +139,12 @@ def scale_weights(model, gen):
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / p.shape[-1] ** 0.5))
             elif "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+                # Qwen3.5's RMSNorms store w - 1 (zero at init; its gated norm stores w)
+                centre = 0.0 if isinstance(model, Qwen3_5ForCausalLM) and "linear_attn.norm" not in name else 1.0
+                p.copy_(centre + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("A_log"):
+                # decay rates exp(A_log) softplus(a + dt_bias) of ~0.1-0.5 per token: the state carries over a window
+                p.copy_(-1.5 + 0.5 * torch.randn(p.shape, generator=gen))
             else:  # biases
                 p.copy_(0.3 * torch.randn(p.shape, generator=gen))
         model.get_output_embeddings().weight.mul_(3.0) if not model.config.tie_word_embeddings else None
@@ -160,10 +177,12 @@ def main():
     for i, (name, (cfg_cls, model_cls, kw)) in enumerate(FIXTURES.items()):
         if only is not None and name != only:
             continue
-        cfg = cfg_cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-6,
-                      eos_token_id=eos_id, bos_token_id=eos_id, pad_token_id=eos_id,
-                      attn_implementation="eager", **kw)
+        base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                    max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-6,
+                    eos_token_id=eos_id, bos_token_id=eos_id, pad_token_id=eos_id, attn_implementation="eager")
+        if "rope_parameters" in kw:
+            del base["rope_theta"]
+        cfg = cfg_cls(**{**base, **kw})
         for attempt in range(100):
             gen = torch.Generator().manual_seed(100 + i + 1000 * attempt)
             model = model_cls(cfg).eval()
@@ -188,7 +207,10 @@ def main():
         with torch.no_grad():
             plain = model(ids).logits[0].float()
             for cname, case in CASES.items():
-                lg = model(ids, attention_mask=mask_4d(SEQ_LEN, case)).logits[0].float()
+                mask = mask_4d(SEQ_LEN, case)
+                if name in HYBRID:
+                    mask = {"full_attention": mask, "linear_attention": None}
+                lg = model(ids, attention_mask=mask).logits[0].float()
                 out[cname] = lg.numpy().astype(np.float32)
             # Sanity: the explicit causal mask reproduces transformers' own causal path.
             assert torch.allclose(plain, torch.from_numpy(out["causal"]), atol=1e-5), name

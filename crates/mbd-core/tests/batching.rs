@@ -58,7 +58,7 @@ fn forward_cases(model: &Model, cases: &[Case], together: bool) -> Vec<Vec<f32>>
         .iter()
         .enumerate()
         .map(|(i, c)| {
-            let mut cache = model.new_cache();
+            let mut cache = model.new_cache().unwrap();
             if c.prefix > 0 {
                 model.fill_cache(&mut cache, &ids(c.prefix, i as u32), &grid).unwrap();
             }

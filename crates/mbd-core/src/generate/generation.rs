@@ -60,7 +60,7 @@ impl Generation {
         let dec = Decoder::new(lp, n, plan.blocks, plan.decode)?;
         let mut canvas = prompt;
         canvas.resize(lp + n, plan.mask_id);
-        let window = Window::new(&model, plan.grid, lp, plan.cache);
+        let window = Window::new(&model, plan.grid, lp, plan.cache)?;
         let out = Output::new(lp, n, plan.stop, plan.trace, plan.logprobs);
         let (sampler, spec, isd) =
             (Sampler::new(plan.sampling), plan.spec.map(Router::new), plan.isd.map(Strided::new));

@@ -95,6 +95,13 @@ pub fn plan(model: &Model, prompt: &[u32], req: &GenRequest) -> Result<Plan> {
     }
     let d = p.decode_defaults();
     let spec = speculative(req, p.attention)?;
+    if spec.is_some() && model.net.is_hybrid() && !p.logits_shift {
+        return Err(Error::invalid(format!(
+            "speculative='s2d2' on this model ({}) verifies with a mask row beside each draft (two rows per \
+             position), which its Gated DeltaNet layers (a recurrence over positions in order) cannot run",
+            p.architecture
+        )));
+    }
     let isd = strided(req, p.attention, p.logits_shift)?;
     let sub_block_size = if isd.is_some() { None } else { req.sub_block_size.or(d.sub_block_size) };
     let acceptance = req.acceptance.unwrap_or(d.acceptance);
@@ -134,7 +141,7 @@ pub fn plan(model: &Model, prompt: &[u32], req: &GenRequest) -> Result<Plan> {
         // ISD writes where its drafts land: one block, all of it active (the decoder keeps the EOS fill and stops)
         blocks: if isd.is_some() { block_layout(lp, n, n, false) } else { block_layout(lp, n, b, absolute) },
         grid,
-        cache: cache_policy(grid.kind, req)?,
+        cache: cache_policy(grid.kind, req, model.net.is_hybrid())?,
         sampling,
         spec,
         isd,
@@ -148,7 +155,8 @@ pub fn plan(model: &Model, prompt: &[u32], req: &GenRequest) -> Result<Plan> {
 
 /// The cache policy of a request: `cache` (with `cache_delay`, `refresh_interval`) and `use_cache`, over the
 /// model's attention. Default: exact where K/V become final (block-causal, causal), none for full attention.
-fn cache_policy(attention: AttentionKind, req: &GenRequest) -> Result<CachePolicy> {
+/// `hybrid`: the model has recurrent layers, whose state the approximate caches cannot refresh or splice.
+fn cache_policy(attention: AttentionKind, req: &GenRequest, hybrid: bool) -> Result<CachePolicy> {
     let (cache, use_cache, delay, refresh) = (req.cache, req.use_cache, req.cache_delay, req.refresh_interval);
     let prefix_only = req.given(&["cache_delay", "refresh_interval", "prefix_window"]);
     if cache != Some(CacheMode::Prefix) && !prefix_only.is_empty() {
@@ -166,6 +174,11 @@ fn cache_policy(attention: AttentionKind, req: &GenRequest) -> Result<CachePolic
         (Some(c @ (CacheMode::Prefix | CacheMode::Dual)), _) if !full => Err(Error::invalid(format!(
             "cache='{}' is an approximate cache for full attention; this model's attention is block-causal or \
              causal, whose K/V are cached exactly (cache='exact', the default)",
+            c.name()
+        ))),
+        (Some(c @ (CacheMode::Prefix | CacheMode::Dual)), _) if hybrid => Err(Error::invalid(format!(
+            "cache='{}' is an approximate cache: it refreshes and splices cached positions, which this model's Gated \
+             DeltaNet layers cannot (their recurrent state only moves forward); use cache='none' with full attention",
             c.name()
         ))),
         (Some(CacheMode::Dual), _) => Ok(CachePolicy::Dual),

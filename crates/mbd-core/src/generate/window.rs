@@ -97,12 +97,12 @@ pub struct Window {
 
 impl Window {
     /// `policy` as `CachePolicy::resolve` gave it for this grid.
-    pub fn new(model: &Model, grid: BlockGrid, prompt_len: usize, policy: CachePolicy) -> Window {
-        Window {
+    pub fn new(model: &Model, grid: BlockGrid, prompt_len: usize, policy: CachePolicy) -> Result<Window> {
+        Ok(Window {
             policy,
             grid,
             shift: model.profile.logits_shift,
-            cache: model.new_cache(),
+            cache: model.new_cache()?,
             carry: None,
             prompt_len,
             prefilled: false,
@@ -119,7 +119,7 @@ impl Window {
             prefill_started: None,
             positions_forwarded: 0,
             prefill_ms: 0.0,
-        }
+        })
     }
 
     pub fn policy(&self) -> CachePolicy {
@@ -238,7 +238,7 @@ impl Window {
                     (a, b)
                 } else {
                     // the region changed (or first step): recompute everything, keep [0, a) and [b, end)
-                    self.cache.truncate(0);
+                    self.cache.truncate(0)?;
                     self.carry = None;
                     self.dual = Some((a, b));
                     commit_end = Some(a);
@@ -327,7 +327,7 @@ impl Window {
             None if cache_end > 0 && !waiting && !periodic => (cache_end, cache_end),
             None => {
                 // recompute everything; a cache is rebuilt from this forward
-                self.cache.truncate(0);
+                self.cache.truncate(0)?;
                 self.carry = None;
                 (0, cache_end)
             }

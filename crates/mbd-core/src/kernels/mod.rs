@@ -1,6 +1,7 @@
 //! The kernels wing: arithmetic on slices. Block formats (`blocks`, `records`), one CPU feature probe (`cpu`),
 //! per-ISA products (`skinny`: few rows; `panels`: many rows and matrices packed at load; `qdot`: integer dot
-//! products on 8-bit activations), the blocked CPU attention (`attention`), vector math (`vmath`) and mbd-rs's CUDA
+//! products on 8-bit activations), the blocked CPU attention (`attention`), the gated delta rule and its
+//! convolution (`delta_rule`), vector math (`vmath`) and mbd-rs's CUDA
 //! kernels (`cuda`). It knows block formats and instruction sets, never layers, requests or files: nothing here
 //! imports from another wing (docs/architecture.md).
 
@@ -8,6 +9,7 @@ pub mod attention;
 pub mod blocks;
 pub mod cpu;
 pub mod cuda;
+pub mod delta_rule;
 pub mod panels;
 pub mod qdot;
 pub mod records;

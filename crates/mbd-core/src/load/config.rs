@@ -7,8 +7,39 @@ use serde_json::Value;
 
 crate::util::string_enum! {
     /// Which weight layout the checkpoint uses.
-    pub enum Arch ("arch") { Qwen2 = "qwen2", Qwen3 = "qwen3", Qwen3Moe = "qwen3_moe" }
+    pub enum Arch ("arch") { Qwen2 = "qwen2", Qwen3 = "qwen3", Qwen3Moe = "qwen3_moe", Qwen35 = "qwen3_5" }
 }
+
+/// What a layer's token mixer is (Qwen3.5's `layer_types`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerKind {
+    /// softmax attention (`full_attention`): the block-diffusion mask applies here
+    Attention,
+    /// a Gated DeltaNet (`linear_attention`): a causal recurrence, whatever the mask
+    Linear,
+}
+
+/// Qwen3.5's Gated DeltaNet dimensions and which layers are GDN (`linear_*` fields, `layer_types`).
+#[derive(Debug, Clone)]
+pub struct LinearAttnConfig {
+    pub layer_types: Vec<LayerKind>,
+    /// `linear_conv_kernel_dim`: taps of the causal depthwise convolution
+    pub conv_kernel: usize,
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub key_dim: usize,
+    pub value_dim: usize,
+}
+
+impl LinearAttnConfig {
+    /// Channels of the convolution: q, k (key heads x key dim each) and v (value heads x value dim).
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+    }
+}
+
+/// Largest `linear_conv_kernel_dim` accepted (released models use 4).
+const MAX_CONV_KERNEL: usize = 64;
 
 #[derive(Debug, Clone)]
 pub struct MoeConfig {
@@ -42,6 +73,14 @@ pub struct ModelConfig {
     /// Per-head RMSNorm on q and k before RoPE (Qwen3).
     pub qk_norm: bool,
     pub moe: Option<MoeConfig>,
+    /// Leading dims of each head that RoPE rotates (head_dim, or Qwen3.5's `partial_rotary_factor` of it).
+    pub rotary_dim: usize,
+    /// q_proj also gives a per-head output gate: attention output x sigmoid(gate) (Qwen3.5).
+    pub attn_gate: bool,
+    /// RMSNorm weights are stored as offsets from 1: y = norm(x) (1 + w) (Qwen3.5).
+    pub norm_offset: bool,
+    /// Qwen3.5's Gated DeltaNet layers; None: every layer is softmax attention.
+    pub linear: Option<LinearAttnConfig>,
 }
 
 /// Largest `max_position_embeddings` accepted: RoPE positions are computed in f32, which represents every
@@ -51,7 +90,7 @@ pub const MAX_POSITIONS: usize = 1 << 24;
 /// Check a `rope_scaling` / `rope_parameters` value: plain RoPE passes; scaling we do not implement is refused
 /// (transformers would apply it, so ignoring it would change every logit); a value whose type cannot be told
 /// is a config error.
-fn check_rope(file: &str, key: &str, value: &Value) -> Result<()> {
+fn check_rope(file: &str, key: &str, value: &Value, arch: Arch) -> Result<()> {
     // Quote at most 120 characters of the value.
     let v = {
         let s = value.to_string();
@@ -81,7 +120,12 @@ fn check_rope(file: &str, key: &str, value: &Value) -> Result<()> {
         // No type: only an object that says nothing but rope_theta (transformers >= 5 fills in "default") is
         // plain RoPE. Scaling parameters without a type cannot be interpreted, and transformers' config
         // validation refuses them too (missing required key 'rope_type').
-        None if m.keys().all(|k| k == "rope_theta" || k == "rope_type" || k == "type") => Ok(()),
+        None if m.keys().all(|k| {
+            k == "rope_theta" || k == "rope_type" || k == "type" || (arch == Arch::Qwen35 && QWEN35_ROPE_KEYS.contains(&k.as_str()))
+        }) =>
+        {
+            Ok(())
+        }
         None => Err(Error::config(format!(
             "{file}: field '{key}' {v} has no 'rope_type' (or 'type'): cannot tell which RoPE scaling it means \
              (transformers refuses it too: missing required key 'rope_type')"
@@ -93,7 +137,138 @@ fn check_rope(file: &str, key: &str, value: &Value) -> Result<()> {
     }
 }
 
+/// Qwen3.5's rope_parameters keys besides the type and theta: read by `qwen35_rope` (text positions make its
+/// multimodal RoPE the 1-D one).
+const QWEN35_ROPE_KEYS: &[&str] = &["partial_rotary_factor", "mrope_section", "mrope_interleaved"];
+
+/// Qwen3.5's rotary dims: `partial_rotary_factor` (in rope_parameters, else top level; default 0.25) of head_dim.
+/// Its multimodal RoPE (`mrope_section`) gives each frequency one of three position components; for text all
+/// three are the token's position, so whatever the sections it is plain 1-D RoPE over the rotary dims.
+fn qwen35_rope(f: &Fields, head_dim: usize) -> Result<usize> {
+    let rp = match f.get("rope_parameters") {
+        Some(Value::Object(p)) => Some(p),
+        _ => None,
+    };
+    let file = format!("{} (rope_parameters)", f.file);
+    let inner = rp.map(|p| Fields { file: &file, map: p });
+    let factor = match inner.as_ref().map(|i| i.opt_f64("partial_rotary_factor")).transpose()?.flatten() {
+        Some(x) => x,
+        None => f.opt_f64("partial_rotary_factor")?.unwrap_or(0.25),
+    };
+    let rot = (head_dim as f64 * factor) as usize;
+    if !(factor > 0.0 && factor <= 1.0) || rot == 0 || rot % 2 != 0 {
+        return Err(Error::config(format!(
+            "{}: partial_rotary_factor {factor} of head_dim {head_dim} must give a positive even number of rotary \
+             dims (found {rot})",
+            f.file
+        )));
+    }
+    if let Some(i) = &inner {
+        // read for its type only: text positions make every section assignment the same 1-D RoPE
+        i.opt_usize_list("mrope_section")?;
+    }
+    Ok(rot)
+}
+
+/// Qwen3.5's `layer_types` (or `full_attention_interval`) and GDN dimensions, checked.
+fn linear_config(f: &Fields, n_layers: usize) -> Result<LinearAttnConfig> {
+    let layer_types = match f.get("layer_types") {
+        Some(Value::Array(a)) => {
+            if a.len() != n_layers {
+                return Err(Error::config(format!(
+                    "{}: field 'layer_types' lists {} layers but num_hidden_layers is {n_layers}",
+                    f.file,
+                    a.len()
+                )));
+            }
+            a.iter()
+                .enumerate()
+                .map(|(i, v)| match v.as_str() {
+                    Some("full_attention") => Ok(LayerKind::Attention),
+                    Some("linear_attention") => Ok(LayerKind::Linear),
+                    _ => Err(Error::config(format!(
+                        "{}: layer_types[{i}] must be 'full_attention' or 'linear_attention', found {v}",
+                        f.file
+                    ))),
+                })
+                .collect::<Result<Vec<_>>>()?
+        }
+        Some(Value::Null) | None => {
+            let every = f.opt_usize("full_attention_interval")?.unwrap_or(4);
+            if every == 0 {
+                return Err(Error::config(format!("{}: field 'full_attention_interval' must be at least 1", f.file)));
+            }
+            (0..n_layers)
+                .map(|i| if (i + 1) % every == 0 { LayerKind::Attention } else { LayerKind::Linear })
+                .collect()
+        }
+        Some(v) => {
+            return Err(Error::config(format!(
+                "{}: field 'layer_types' must be a list of strings, found {}",
+                f.file,
+                type_name(v)
+            )))
+        }
+    };
+    let c = LinearAttnConfig {
+        layer_types,
+        conv_kernel: f.opt_usize("linear_conv_kernel_dim")?.unwrap_or(4),
+        key_heads: f.opt_usize("linear_num_key_heads")?.unwrap_or(16),
+        value_heads: f.opt_usize("linear_num_value_heads")?.unwrap_or(32),
+        key_dim: f.opt_usize("linear_key_head_dim")?.unwrap_or(128),
+        value_dim: f.opt_usize("linear_value_head_dim")?.unwrap_or(128),
+    };
+    if c.conv_kernel == 0 || c.conv_kernel > MAX_CONV_KERNEL {
+        return Err(Error::config(format!(
+            "{}: field 'linear_conv_kernel_dim' must be between 1 and {MAX_CONV_KERNEL}, found {}",
+            f.file, c.conv_kernel
+        )));
+    }
+    for (key, v) in [
+        ("linear_num_key_heads", c.key_heads),
+        ("linear_num_value_heads", c.value_heads),
+        ("linear_key_head_dim", c.key_dim),
+        ("linear_value_head_dim", c.value_dim),
+    ] {
+        if v == 0 {
+            return Err(Error::config(format!("{}: field '{key}' must be at least 1, found 0", f.file)));
+        }
+    }
+    if c.value_heads % c.key_heads != 0 {
+        return Err(Error::config(format!(
+            "{}: linear_num_value_heads ({}) must be a multiple of linear_num_key_heads ({}): each key head serves \
+             a group of value heads",
+            f.file, c.value_heads, c.key_heads
+        )));
+    }
+    // the recurrent state (value heads x key dim x value dim, f32) and the conv channels must be numbers of sane size
+    let state = [c.value_heads, c.key_dim, c.value_dim, 4].iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+    let conv = c.key_heads.checked_mul(c.key_dim).and_then(|k| k.checked_mul(2)).and_then(|k| {
+        c.value_heads.checked_mul(c.value_dim).and_then(|v| k.checked_add(v))
+    });
+    if state.is_none_or(|b| b > MAX_STATE_BYTES) || conv.is_none() {
+        return Err(Error::config(format!(
+            "{}: a Gated DeltaNet state of linear_num_value_heads ({}) x linear_key_head_dim ({}) x \
+             linear_value_head_dim ({}) f32 values is absurd (more than {} MiB per layer)",
+            f.file,
+            c.value_heads,
+            c.key_dim,
+            c.value_dim,
+            MAX_STATE_BYTES >> 20
+        )));
+    }
+    Ok(c)
+}
+
+/// Largest recurrent state accepted per GDN layer and sequence (Qwen3.5-9B's: 2 MiB).
+const MAX_STATE_BYTES: usize = 1 << 30;
+
 impl ModelConfig {
+    /// Layer i's token mixer.
+    pub fn layer_kind(&self, i: usize) -> LayerKind {
+        self.linear.as_ref().map_or(LayerKind::Attention, |l| l.layer_types[i])
+    }
+
     pub fn from_json(f: &Fields, arch: Arch) -> Result<Self> {
         let hidden_size = f.positive("hidden_size")?;
         let num_attention_heads = f.positive("num_attention_heads")?;
@@ -116,7 +291,7 @@ impl ModelConfig {
         }
         for key in ["rope_scaling", "rope_parameters"] {
             if let Some(v) = f.get(key) {
-                check_rope(f.file, key, v)?;
+                check_rope(f.file, key, v, arch)?;
             }
         }
         if f.opt_bool("use_sliding_window")? == Some(true) {
@@ -167,6 +342,14 @@ impl ModelConfig {
                 )));
             }
         }
+        let qwen35 = arch == Arch::Qwen35;
+        let rotary_dim = if qwen35 { qwen35_rope(f, head_dim)? } else { head_dim };
+        if qwen35 && f.opt_bool("attn_output_gate")? == Some(false) {
+            return Err(Error::Unsupported(format!(
+                "{}: attn_output_gate=false is not supported (transformers' Qwen3.5 attention always gates its output)",
+                f.file
+            )));
+        }
         let (qkv_bias, o_bias, qk_norm) = match arch {
             Arch::Qwen2 => (true, false, false),
             _ => {
@@ -177,6 +360,7 @@ impl ModelConfig {
         let vocab_size = f.positive("vocab_size")?;
         let intermediate_size = f.positive("intermediate_size")?;
         let num_hidden_layers = f.positive("num_hidden_layers")?;
+        let linear = if qwen35 { Some(linear_config(f, num_hidden_layers)?) } else { None };
         // Every weight's element count must be a number: the shapes below are compared with the checkpoint's,
         // and a product that wraps around could match a forged header.
         let mut products: Vec<(&str, Vec<(&str, usize)>)> = vec![
@@ -191,6 +375,12 @@ impl ModelConfig {
                 ],
             ),
         ];
+        if qwen35 {
+            products.push(("gated q_proj", vec![("num_attention_heads", num_attention_heads), ("", 2), ("head_dim", head_dim), ("hidden_size", hidden_size)]));
+        }
+        if let Some(l) = &linear {
+            products.push(("in_proj_qkv", vec![("conv channels", l.conv_dim()), ("hidden_size", hidden_size)]));
+        }
         if let Some(m) = &moe {
             products.push((
                 "experts",
@@ -230,6 +420,10 @@ impl ModelConfig {
             o_bias,
             qk_norm,
             moe,
+            rotary_dim,
+            attn_gate: qwen35,
+            norm_offset: qwen35,
+            linear,
         })
     }
 }

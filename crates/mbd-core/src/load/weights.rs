@@ -401,6 +401,22 @@ impl Weights {
         }
     }
 
+    /// A multimodal checkpoint's language model under the names a text model has: `model.language_model.X` is
+    /// read as `model.X` (Qwen3.5's VL checkpoints). The vision tower (`model.visual.*`) and the multi-token
+    /// prediction head (`mtp.*`) are left unread. A text checkpoint is unchanged.
+    pub fn language_model(mut self) -> Self {
+        const LM: &str = "model.language_model.";
+        if !self.index.keys().any(|k| k.starts_with(LM)) {
+            return self;
+        }
+        let rename = |k: &str| k.strip_prefix(LM).map(|r| format!("model.{r}"));
+        self.index = self.index.drain().map(|(k, i)| (rename(&k).unwrap_or(k), i)).collect();
+        for s in &mut self.shards {
+            s.tensors = s.tensors.drain().map(|(k, e)| (rename(&k).unwrap_or(k), e)).collect();
+        }
+        self
+    }
+
     /// Report progress to `p` after each tensor read.
     pub fn with_progress(mut self, p: Option<Progress>) -> Self {
         self.progress = p;

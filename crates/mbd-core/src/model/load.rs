@@ -107,6 +107,26 @@ impl Source {
     }
 }
 
+/// A multimodal checkpoint's config (Qwen3.5's `Qwen3_5ForConditionalGeneration`) keeps the language model's
+/// fields in `text_config`: they are read over the top level's (whose `architectures`, block-diffusion fields and
+/// token ids stay where the text config has none). The vision tower is not loaded.
+fn text_config(mut map: Map<String, Value>, file: &str) -> Result<Map<String, Value>> {
+    match map.remove("text_config") {
+        None | Some(Value::Null) => Ok(map),
+        Some(Value::Object(text)) => {
+            map.remove("vision_config");
+            for (k, v) in text {
+                map.insert(k, v);
+            }
+            Ok(map)
+        }
+        Some(v) => Err(Error::config(format!(
+            "{file}: field 'text_config' must be an object, found {}",
+            crate::load::json::type_name(&v)
+        ))),
+    }
+}
+
 /// The profile's block size, mask token and end-of-sequence tokens checked against the checkpoint's dimensions
 /// (`gen`: generation_config.json, whose eos_token_id adds to config.json's).
 fn check_profile(
@@ -179,6 +199,7 @@ impl Model {
     pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Model> {
         let src = Source::open(dir)?;
         let (cfg_map, cfg_file) = src.config(dir)?;
+        let cfg_map = text_config(cfg_map, &cfg_file)?;
         let cfg_fields = Fields { file: &cfg_file, map: &cfg_map };
         let (family, architecture) = detect_family(&cfg_fields)?;
         let config = ModelConfig::from_json(&cfg_fields, family.arch())?;
@@ -191,7 +212,7 @@ impl Model {
         let (quantize, int8) = (opts.quantize, opts.int8_activations);
         let policy =
             HoldPolicy::resolve(&opts.device, opts.dtype, quantize, int8, &opts.kernels, src.gguf().is_some())?;
-        let ws = src.weights(dir, opts)?;
+        let ws = src.weights(dir, opts)?.language_model();
         let holder = Holder::new(&ws, &policy);
         let net = QwenModel::load(&config, &holder, &opts.device, opts.dtype, opts.kernels)?;
         let held = holder.finish()?;

@@ -42,7 +42,7 @@ pub struct Model {
 }
 
 impl Model {
-    pub fn new_cache(&self) -> KvCache {
+    pub fn new_cache(&self) -> Result<KvCache> {
         self.net.new_cache()
     }
 

@@ -70,7 +70,7 @@ impl Model {
             ))
         })?;
         on_device_pool(self.net.device(), || {
-            let mut cache = self.new_cache();
+            let mut cache = self.new_cache()?;
             let pieces = chunks(&grid, 0, prefix_len).into_iter().chain(chunks(&grid, prefix_len, ids.len()));
             for (start, end) in pieces {
                 cancel.check("logits")?;
@@ -115,6 +115,13 @@ impl Model {
                 p.architecture
             )));
         }
+        if !p.logits_shift && self.net.is_hybrid() {
+            return Err(Error::invalid(format!(
+                "prompt log-probabilities of this model ({}) need a mask row beside each token (two rows per \
+                 position), which its Gated DeltaNet layers (a recurrence over positions in order) cannot run",
+                p.architecture
+            )));
+        }
         let mask_id = match (p.logits_shift, p.mask_token_id) {
             (false, None) => {
                 return Err(Error::invalid(format!(
@@ -128,7 +135,7 @@ impl Model {
         let causal = BlockGrid::causal();
         let mut out: Vec<Option<TokenLogprob>> = vec![None; ids.len()];
         on_device_pool(self.net.device(), || {
-            let mut cache = self.new_cache();
+            let mut cache = self.new_cache()?;
             cache.reserve(ids.len() + SCORE_CHUNK)?;
             for s in (0..ids.len()).step_by(SCORE_CHUNK) {
                 cancel.check("prompt_logprobs")?;
@@ -201,7 +208,7 @@ impl Model {
         // the window is one block over the prefix: every query sees every key
         let one_block = BlockGrid::new(AttentionKind::Full, 1, Alignment::Absolute, 0)?;
         on_device_pool(self.net.device(), || {
-            let mut cache = self.new_cache();
+            let mut cache = self.new_cache()?;
             cache.reserve(prefix + window)?;
             if prefix > 0 {
                 self.fill_cache(&mut cache, &pre, &BlockGrid::causal())?;

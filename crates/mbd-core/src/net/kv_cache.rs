@@ -3,9 +3,76 @@
 //! any other slice of the window can be committed at any offset up to `len` (copied), and `truncate` rewinds:
 //! the primitives of S2D2 verification (keep the verified K/V of a window's second half) and of approximate
 //! caches (refresh from an offset).
+//!
+//! A hybrid model (Qwen3.5) also keeps, per Gated DeltaNet layer, its recurrent state and convolution history at
+//! the committed frontier (`Recurrent`). A forward starts from them and leaves its rows' recurrence inputs; committing
+//! the window's first n rows runs the recurrence over those rows (the same arithmetic as the forward's scan, so the
+//! same bits: `kernels::delta_rule`), never a state that saw the rows after them. A recurrent state cannot be rewound
+//! or spliced: committing other rows than a prefix, or truncating to a non-zero length, is refused.
 
 use crate::error::{Error, Result};
+use crate::kernels::delta_rule::{conv_tail_after, scan, DeltaRows, DeltaShape};
 use candle_core::{DType, Device, Tensor};
+
+/// A Gated DeltaNet layer's dimensions as its cache needs them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecurrentShape {
+    pub delta: DeltaShape,
+    /// channels of the causal convolution (q, k and v before it)
+    pub conv_dim: usize,
+    pub conv_kernel: usize,
+}
+
+impl RecurrentShape {
+    /// f32 values of the convolution's history: kernel - 1 rows.
+    fn tail_len(&self) -> usize {
+        (self.conv_kernel - 1) * self.conv_dim
+    }
+    /// Bytes one layer's state takes per sequence (the state and the convolution history).
+    pub fn bytes(&self) -> usize {
+        4 * (self.delta.state_len() + self.tail_len())
+    }
+}
+
+/// One GDN layer's part of a sequence's cache.
+pub(crate) struct Recurrent {
+    /// the convolution's input rows before the frontier, (kernel - 1, conv_dim), oldest first
+    pub(crate) conv: Vec<f32>,
+    /// the recurrent state at the frontier, (v_heads, dk, dv)
+    pub(crate) state: Vec<f32>,
+    /// the last forward's rows: what committing a prefix of them needs
+    pub(crate) window: Option<RecurrentWindow>,
+}
+
+/// A forward's window rows as the recurrence took them (row-major, `DeltaRows`' layout) and their convolution
+/// inputs.
+pub(crate) struct RecurrentWindow {
+    pub(crate) conv_in: Vec<f32>,
+    pub(crate) q: Vec<f32>,
+    pub(crate) k: Vec<f32>,
+    pub(crate) v: Vec<f32>,
+    pub(crate) g: Vec<f32>,
+    pub(crate) beta: Vec<f32>,
+}
+
+impl Recurrent {
+    fn new(sh: &RecurrentShape) -> Recurrent {
+        Recurrent { conv: vec![0.0; sh.tail_len()], state: vec![0.0; sh.delta.state_len()], window: None }
+    }
+
+    /// Advance the state and history over the first `n` rows of the last forward.
+    fn commit(&mut self, sh: &RecurrentShape, n: usize) -> Result<()> {
+        let w = self.window.take();
+        if n == 0 {
+            return Ok(());
+        }
+        let w = w.ok_or_else(|| Error::Internal("a recurrent layer has no window to commit".into()))?;
+        let x = DeltaRows { q: &w.q, k: &w.k, v: &w.v, g: &w.g, beta: &w.beta };
+        scan(sh.delta, &mut self.state, &x, n, None);
+        self.conv = conv_tail_after(sh.conv_kernel, &self.conv, &w.conv_in[..n * sh.conv_dim], sh.conv_dim);
+        Ok(())
+    }
+}
 
 pub struct KvCache {
     /// Per layer (K, V), each (n_kv, capacity, head_dim), contiguous.
@@ -19,6 +86,9 @@ pub struct KvCache {
     capacity: usize,
     /// Length of the window written by the last forward (committable), 0 when none.
     window: usize,
+    /// Per Gated DeltaNet layer (hybrid models), its state at the committed frontier.
+    recurrent: Vec<Recurrent>,
+    recurrent_shape: Option<RecurrentShape>,
 }
 
 impl KvCache {
@@ -33,12 +103,64 @@ impl KvCache {
             len: 0,
             capacity: 0,
             window: 0,
+            recurrent: vec![],
+            recurrent_shape: None,
         }
+    }
+
+    /// This cache with `layers` Gated DeltaNet layers' states too (zero: the start of a sequence). Their size is
+    /// checked before it is allocated.
+    pub fn with_recurrent(mut self, layers: usize, shape: RecurrentShape) -> Result<KvCache> {
+        crate::util::check_alloc(shape.bytes().saturating_mul(layers), || {
+            format!("the recurrent state of {layers} Gated DeltaNet layers")
+        })?;
+        self.recurrent = (0..layers).map(|_| Recurrent::new(&shape)).collect();
+        self.recurrent_shape = Some(shape);
+        Ok(self)
     }
 
     /// A new empty cache of the same shape, dtype and device.
     pub fn fresh(&self) -> KvCache {
-        KvCache::new(self.n_layers, self.n_kv, self.head_dim, self.dtype, &self.device)
+        let mut c = KvCache::new(self.n_layers, self.n_kv, self.head_dim, self.dtype, &self.device);
+        if let Some(sh) = self.recurrent_shape {
+            c.recurrent = (0..self.recurrent.len()).map(|_| Recurrent::new(&sh)).collect();
+            c.recurrent_shape = Some(sh);
+        }
+        c
+    }
+
+    /// Whether this cache holds recurrent states (a hybrid model's): they can only move forward.
+    pub fn has_recurrent(&self) -> bool {
+        !self.recurrent.is_empty()
+    }
+
+    /// GDN layer `l`'s state (`net::gdn` reads it and leaves its window rows there).
+    pub(crate) fn recurrent_mut(&mut self, l: usize) -> &mut Recurrent {
+        &mut self.recurrent[l]
+    }
+
+    /// Bytes held by the recurrent states.
+    pub fn recurrent_bytes(&self) -> usize {
+        self.recurrent_shape.map_or(0, |s| s.bytes() * self.recurrent.len())
+    }
+
+    /// Advance every recurrent state over the first `n` rows of the last forward.
+    fn commit_recurrent(&mut self, n: usize) -> Result<()> {
+        if let Some(sh) = self.recurrent_shape {
+            for r in &mut self.recurrent {
+                r.commit(&sh, n)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn refuse_recurrent(&self, what: &str) -> Result<()> {
+        if self.has_recurrent() {
+            return Err(Error::Unsupported(format!(
+                "{what}: a Gated DeltaNet layer's recurrent state only moves forward over committed rows in order"
+            )));
+        }
+        Ok(())
     }
 
     /// Number of committed positions.
@@ -76,6 +198,9 @@ impl KvCache {
     pub(crate) fn begin_window(&mut self, w: usize) -> Result<()> {
         self.reserve(w)?;
         self.window = w;
+        for r in &mut self.recurrent {
+            r.window = None;
+        }
         Ok(())
     }
 
@@ -107,6 +232,7 @@ impl KvCache {
                 self.window
             )));
         }
+        self.commit_recurrent(n)?;
         self.len += n;
         self.window = 0;
         Ok(())
@@ -129,6 +255,10 @@ impl KvCache {
                 self.len
             )));
         }
+        if from == 0 && at == self.len {
+            return self.commit(n);
+        }
+        self.refuse_recurrent("keeping window rows other than a prefix at the end of the cache")?;
         self.move_rows(self.len + from, n, at)?;
         self.len = at + n;
         self.window = 0;
@@ -145,6 +275,7 @@ impl KvCache {
                 self.window
             )));
         }
+        self.refuse_recurrent("keeping a prefix and a suffix of a window (the dual cache)")?;
         let at = self.len + n;
         self.move_rows(self.len + from, m, at)?;
         self.len = at + m;
@@ -167,10 +298,19 @@ impl KvCache {
     }
 
     /// Drop committed positions past `n` (the refresh primitive of approximate caches: the next forward
-    /// writes its window from position n on).
-    pub fn truncate(&mut self, n: usize) {
+    /// writes its window from position n on). Recurrent states go back to the start at 0 and cannot go back
+    /// anywhere else.
+    pub fn truncate(&mut self, n: usize) -> Result<()> {
+        if n < self.len && self.has_recurrent() {
+            if n > 0 {
+                self.refuse_recurrent(&format!("rewinding the cache from {} to {n} positions", self.len))?;
+            }
+            let sh = self.recurrent_shape.expect("recurrent layers have a shape");
+            self.recurrent.iter_mut().for_each(|r| *r = Recurrent::new(&sh));
+        }
         self.len = self.len.min(n);
         self.window = 0;
+        Ok(())
     }
 }
 
@@ -197,11 +337,11 @@ mod tests {
         let seen = window(&mut c, &[7.0, 8.0]);
         assert_eq!(seen.flatten_all().unwrap().to_vec1::<f32>().unwrap(), [1.0, 2.0, 7.0, 8.0]);
         c.commit(2).unwrap();
-        c.truncate(1);
+        c.truncate(1).unwrap();
         assert_eq!(c.len(), 1);
         let seen = window(&mut c, &[9.0]);
         assert_eq!(seen.flatten_all().unwrap().to_vec1::<f32>().unwrap(), [1.0, 9.0]);
-        c.truncate(5); // never grows
+        c.truncate(5).unwrap(); // never grows
         assert_eq!(c.len(), 1);
     }
 

@@ -4,7 +4,9 @@
 //! which backend a forward takes), and the Qwen architecture built from them (`qwen`).
 
 pub mod attention;
+pub mod gdn;
 pub mod kv_cache;
+pub mod layers;
 pub mod linear;
 pub mod mask;
 pub mod qwen;

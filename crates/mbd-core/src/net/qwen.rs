@@ -16,103 +16,16 @@ use crate::error::{Error, Result};
 use crate::kernels::Kernels;
 use crate::load::config::{ModelConfig, MoeConfig};
 use crate::load::weights::Weights;
+use crate::load::config::LayerKind;
 use crate::net::attention::{AttnPath, ForwardAttention};
+use crate::net::gdn::{check_in_order, GatedDeltaNet};
 use crate::net::kv_cache::KvCache;
+use crate::net::layers::{Linear, RmsNorm, Stacked};
 use crate::net::linear::{Groups, Holder, Matrix};
 use crate::net::mask::{BlockGrid, MaskSpec};
 use crate::net::segment::Segment;
 use crate::util::Cancel;
 use candle_core::{DType, Device, Tensor};
-
-struct Linear {
-    w: Matrix,
-    b: Option<Tensor>,
-}
-
-impl Linear {
-    fn load(ws: &Holder, prefix: &str, out_f: usize, in_f: usize, bias: bool) -> Result<Self> {
-        let w = ws.weight(&format!("{prefix}.weight"), &[out_f, in_f])?;
-        let b = if bias { Some(ws.weights().get(&format!("{prefix}.bias"), &[out_f])?) } else { None };
-        Ok(Linear { w, b })
-    }
-    fn forward(&self, x: &Tensor, k: &Kernels, few: bool) -> Result<Tensor> {
-        let y = self.w.linear(x, k, few)?;
-        Ok(match &self.b {
-            Some(b) => y.broadcast_add(b)?,
-            None => y,
-        })
-    }
-}
-
-/// Linear layers of one input computed as one product (q/k/v, gate/up): their matrices and biases stacked at
-/// load when they are held alike (`Matrix::stack`), so one call of the kernel (one pass over x, one launch on a
-/// GPU) gives every output side by side. The few-row kernel computes each output column alone, so there
-/// stacking changes no bit; gemm (long windows) may block the wider matrix differently (rounding-level
-/// differences; batch invariance is unaffected: a window is computed the same way alone or batched). Matrices
-/// that cannot be stacked (a GGUF file may store q, k and v in different block formats) run one by one and
-/// their outputs are concatenated.
-struct Stacked {
-    parts: Vec<Linear>,
-}
-
-impl Stacked {
-    fn row_invariant(&self) -> bool {
-        self.parts.iter().all(|l| l.w.row_invariant())
-    }
-
-    /// `specs`: (name prefix, output features) of each layer, in output order. `stack`: `Kernels::stack`.
-    fn load(ws: &Holder, specs: &[(String, usize)], in_f: usize, bias: bool, stack: bool) -> Result<Self> {
-        let parts =
-            specs.iter().map(|(p, out_f)| Linear::load(ws, p, *out_f, in_f, bias)).collect::<Result<Vec<_>>>()?;
-        if !stack || parts.len() < 2 {
-            return Ok(Stacked { parts });
-        }
-        let ws: Vec<Matrix> = parts.iter().map(|l| l.w.clone()).collect();
-        Ok(match Matrix::stack(&ws)? {
-            Some(w) => {
-                let b = match parts.iter().map(|l| l.b.clone()).collect::<Option<Vec<_>>>() {
-                    Some(bs) => Some(Tensor::cat(&bs, 0)?),
-                    None => None,
-                };
-                Stacked { parts: vec![Linear { w, b }] }
-            }
-            _ => Stacked { parts },
-        })
-    }
-    /// (rows, Σ outputs): every layer's outputs side by side, in load order.
-    fn forward(&self, x: &Tensor, k: &Kernels, few: bool) -> Result<Tensor> {
-        if let [one] = self.parts.as_slice() {
-            return one.forward(x, k, few);
-        }
-        let ys = self.parts.iter().map(|l| l.forward(x, k, few)).collect::<Result<Vec<_>>>()?;
-        Ok(Tensor::cat(&ys, 1)?)
-    }
-}
-
-struct RmsNorm {
-    w: Tensor,
-    eps: f32,
-}
-
-impl RmsNorm {
-    fn load(ws: &Holder, name: &str, dim: usize, eps: f64) -> Result<Self> {
-        Ok(RmsNorm { w: ws.weights().get(name, &[dim])?, eps: eps as f32 })
-    }
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let x = if x.is_contiguous() { x.clone() } else { x.contiguous()? };
-        Ok(candle_nn::ops::rms_norm(&x, &self.w, self.eps)?)
-    }
-    /// (x + a, this norm of it): the residual add and the norm after it, in one launch where `fused`
-    /// (`cuda::add_rms_norm`, on CUDA), else candle's add and `forward`.
-    fn add_forward(&self, x: &Tensor, a: &Tensor, fused: bool) -> Result<(Tensor, Tensor)> {
-        if fused && x.is_contiguous() && a.is_contiguous() {
-            return crate::kernels::cuda::add_rms_norm(x, a, &self.w, self.eps);
-        }
-        let s = (x + a)?;
-        let h = self.forward(&s)?;
-        Ok((s, h))
-    }
-}
 
 struct Mlp {
     /// gate_proj and up_proj side by side: (rows, 2 · intermediate)
@@ -305,7 +218,8 @@ enum Ffn {
 }
 
 struct Attention {
-    /// q_proj, k_proj and v_proj side by side: (rows, (heads + 2 · kv heads) · head_dim)
+    /// q_proj, k_proj and v_proj side by side: (rows, (heads + 2 · kv heads) · head_dim); with an output gate
+    /// q_proj gives each head's query then its gate: (rows, (2 · heads + 2 · kv heads) · head_dim)
     qkv: Stacked,
     o: Linear,
     q_norm: Option<RmsNorm>,
@@ -313,10 +227,20 @@ struct Attention {
     n_heads: usize,
     n_kv: usize,
     head_dim: usize,
+    /// leading dims of each head that RoPE rotates
+    rotary_dim: usize,
+    /// output x sigmoid(gate) before o_proj (Qwen3.5)
+    gate: bool,
+}
+
+/// A layer's token mixer, with its index among the cache's layers of that kind.
+enum Mixer {
+    Attention(Attention, usize),
+    Linear(GatedDeltaNet, usize),
 }
 
 struct Layer {
-    attn: Attention,
+    mixer: Mixer,
     ffn: Ffn,
     ln1: RmsNorm,
     ln2: RmsNorm,
@@ -334,6 +258,8 @@ pub struct QwenModel {
     kernels: Kernels,
     /// `rows_independent`, found at load.
     rows_independent: bool,
+    /// mbd-rs's fused CUDA attention takes this architecture's heads (full RoPE, no output gate).
+    fused_heads: bool,
 }
 
 /// Check config.json's dimensions against the checkpoint's headers before anything is allocated from them:
@@ -360,23 +286,54 @@ pub fn check_checkpoint(cfg: &ModelConfig, ws: &Weights) -> Result<()> {
             }
         )));
     }
+    // each layer stores the mixer config.json says it has
+    for i in 0..n {
+        let (want, other) = match cfg.layer_kind(i) {
+            LayerKind::Attention => (("full_attention", "self_attn.q_proj"), ("linear_attention", "linear_attn.in_proj_qkv")),
+            LayerKind::Linear => (("linear_attention", "linear_attn.in_proj_qkv"), ("full_attention", "self_attn.q_proj")),
+        };
+        let has = |t: &str| ws.contains(&format!("model.layers.{i}.{t}.weight"));
+        if !has(want.1) && has(other.1) {
+            return Err(Error::config(format!(
+                "config.json: layer {i} is '{}' ({}) but the checkpoint {} stores a '{}' layer there \
+                 (model.layers.{i}.{}.weight)",
+                want.0,
+                if cfg.linear.is_some() { "layer_types" } else { "every layer of this architecture" },
+                ws.where_(),
+                other.0,
+                other.1
+            )));
+        }
+    }
     let (h, d) = (cfg.hidden_size, cfg.head_dim);
-    let checks: [(&str, [usize; 2], &str); 4] = [
-        ("model.embed_tokens.weight", [cfg.vocab_size, h], "[vocab_size, hidden_size]"),
+    let a0 = (0..n).find(|&i| cfg.layer_kind(i) == LayerKind::Attention).unwrap_or(0);
+    let (q_rows, q_fields) = if cfg.attn_gate {
+        (2 * cfg.num_attention_heads * d, "[2 x num_attention_heads x head_dim (queries and gates), hidden_size]")
+    } else {
+        (cfg.num_attention_heads * d, "[num_attention_heads x head_dim, hidden_size]")
+    };
+    let mut checks: Vec<(String, Vec<usize>, &str)> = vec![
+        ("model.embed_tokens.weight".into(), vec![cfg.vocab_size, h], "[vocab_size, hidden_size]"),
+        (format!("model.layers.{a0}.self_attn.q_proj.weight"), vec![q_rows, h], q_fields),
         (
-            "model.layers.0.self_attn.q_proj.weight",
-            [cfg.num_attention_heads * d, h],
-            "[num_attention_heads x head_dim, hidden_size]",
-        ),
-        (
-            "model.layers.0.self_attn.k_proj.weight",
-            [cfg.num_key_value_heads * d, h],
+            format!("model.layers.{a0}.self_attn.k_proj.weight"),
+            vec![cfg.num_key_value_heads * d, h],
             "[num_key_value_heads x head_dim, hidden_size]",
         ),
-        ("model.layers.0.input_layernorm.weight", [h, 0], "[hidden_size]"),
+        ("model.layers.0.input_layernorm.weight".into(), vec![h], "[hidden_size]"),
     ];
+    if let Some(l) = &cfg.linear {
+        if let Some(g0) = (0..n).find(|&i| cfg.layer_kind(i) == LayerKind::Linear) {
+            checks.push((
+                format!("model.layers.{g0}.linear_attn.in_proj_qkv.weight"),
+                vec![l.conv_dim(), h],
+                "[2 x linear_num_key_heads x linear_key_head_dim + linear_num_value_heads x linear_value_head_dim, \
+                 hidden_size]",
+            ));
+        }
+    }
     for (name, want, fields) in checks {
-        let want: &[usize] = if want[1] == 0 { &want[..1] } else { &want[..] };
+        let (name, want) = (name.as_str(), want.as_slice());
         if let Some(found) = ws.shape(name) {
             if found != want {
                 return Err(Error::config(format!(
@@ -398,38 +355,25 @@ impl QwenModel {
     pub fn load(cfg: &ModelConfig, ws: &Holder, device: &Device, dtype: DType, kernels: Kernels) -> Result<Self> {
         check_checkpoint(cfg, ws.weights())?;
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
-        let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+        let nh = cfg.num_attention_heads;
         let embed = ws.table("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
         // Justified by the checkpoint: check_checkpoint found this many layers stored.
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        let (eps, offset) = (cfg.rms_norm_eps, cfg.norm_offset);
+        let (mut n_attn, mut n_linear) = (0, 0);
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
-            let attn = Attention {
-                qkv: Stacked::load(
-                    ws,
-                    &[
-                        (format!("{p}.self_attn.q_proj"), nh * d),
-                        (format!("{p}.self_attn.k_proj"), nkv * d),
-                        (format!("{p}.self_attn.v_proj"), nkv * d),
-                    ],
-                    h,
-                    cfg.qkv_bias,
-                    kernels.stack,
-                )?,
-                o: Linear::load(ws, &format!("{p}.self_attn.o_proj"), h, nh * d, cfg.o_bias)?,
-                q_norm: if cfg.qk_norm {
-                    Some(RmsNorm::load(ws, &format!("{p}.self_attn.q_norm.weight"), d, cfg.rms_norm_eps)?)
-                } else {
-                    None
-                },
-                k_norm: if cfg.qk_norm {
-                    Some(RmsNorm::load(ws, &format!("{p}.self_attn.k_norm.weight"), d, cfg.rms_norm_eps)?)
-                } else {
-                    None
-                },
-                n_heads: nh,
-                n_kv: nkv,
-                head_dim: d,
+            let q_rows = if cfg.attn_gate { 2 * nh * d } else { nh * d };
+            let mixer = match (cfg.layer_kind(i), &cfg.linear) {
+                (LayerKind::Linear, Some(lc)) => {
+                    n_linear += 1;
+                    let m = GatedDeltaNet::load(ws, &format!("{p}.linear_attn"), h, lc, eps, kernels.stack)?;
+                    Mixer::Linear(m, n_linear - 1)
+                }
+                _ => {
+                    n_attn += 1;
+                    Mixer::Attention(Attention::load(ws, cfg, &p, q_rows, kernels)?, n_attn - 1)
+                }
             };
             let sparse = match &cfg.moe {
                 Some(m) => m.num_experts > 0 && !m.mlp_only_layers.contains(&i) && (i + 1) % m.decoder_sparse_step == 0,
@@ -441,13 +385,13 @@ impl QwenModel {
                 Ffn::Dense(Mlp::load(ws, &format!("{p}.mlp"), h, cfg.intermediate_size, kernels.stack)?)
             };
             layers.push(Layer {
-                attn,
+                mixer,
                 ffn,
-                ln1: RmsNorm::load(ws, &format!("{p}.input_layernorm.weight"), h, cfg.rms_norm_eps)?,
-                ln2: RmsNorm::load(ws, &format!("{p}.post_attention_layernorm.weight"), h, cfg.rms_norm_eps)?,
+                ln1: RmsNorm::load(ws, &format!("{p}.input_layernorm.weight"), h, eps, offset)?,
+                ln2: RmsNorm::load(ws, &format!("{p}.post_attention_layernorm.weight"), h, eps, offset)?,
             });
         }
-        let norm = RmsNorm::load(ws, "model.norm.weight", h, cfg.rms_norm_eps)?;
+        let norm = RmsNorm::load(ws, "model.norm.weight", h, eps, offset)?;
         // Tied checkpoints may still store the (identical) head; prefer a stored tensor whenever there is one.
         let lm_head = if ws.weights().contains("lm_head.weight") {
             ws.table("lm_head.weight", &[cfg.vocab_size, h])?
@@ -458,9 +402,10 @@ impl QwenModel {
                 "tensor 'lm_head.weight' is missing and config.json has tie_word_embeddings=false".to_string(),
             ));
         };
-        let half = d / 2;
-        let inv: Vec<f32> = (0..half).map(|i| (1.0 / cfg.rope_theta.powf((2 * i) as f64 / d as f64)) as f32).collect();
-        let inv_freq = Tensor::from_vec(inv, (1, half), device)?;
+        let rot = cfg.rotary_dim;
+        let inv: Vec<f32> =
+            (0..rot / 2).map(|i| (1.0 / cfg.rope_theta.powf((2 * i) as f64 / rot as f64)) as f32).collect();
+        let inv_freq = Tensor::from_vec(inv, (1, rot / 2), device)?;
         let mut net = QwenModel {
             cfg: cfg.clone(),
             embed,
@@ -472,10 +417,12 @@ impl QwenModel {
             dtype,
             kernels,
             rows_independent: false,
+            fused_heads: !cfg.attn_gate && rot == d,
         };
         net.rows_independent = net.find_rows_independent();
         Ok(net)
     }
+
 
     pub fn device(&self) -> &Device {
         &self.device
@@ -499,8 +446,12 @@ impl QwenModel {
         blocked
             && self.lm_head.row_invariant()
             && self.layers.iter().all(|l| {
-                l.attn.qkv.row_invariant()
-                    && l.attn.o.w.row_invariant()
+                let mixer = match &l.mixer {
+                    Mixer::Attention(a, _) => a.qkv.row_invariant() && a.o.w.row_invariant(),
+                    // the recurrence is token by token: the same bits however a window is cut
+                    Mixer::Linear(g, _) => g.row_invariant(),
+                };
+                mixer
                     && match &l.ffn {
                         Ffn::Dense(m) => m.gate_up.row_invariant() && m.down.w.row_invariant(),
                         Ffn::Sparse(_) => false,
@@ -521,14 +472,23 @@ impl QwenModel {
     }
 
     /// A fresh, empty cache for one sequence.
-    pub fn new_cache(&self) -> KvCache {
-        KvCache::new(
-            self.cfg.num_hidden_layers,
-            self.cfg.num_key_value_heads,
-            self.cfg.head_dim,
-            self.dtype,
-            &self.device,
-        )
+    pub fn new_cache(&self) -> Result<KvCache> {
+        let attn = self.layers.iter().filter(|l| matches!(l.mixer, Mixer::Attention(..))).count();
+        let cache = KvCache::new(attn, self.cfg.num_key_value_heads, self.cfg.head_dim, self.dtype, &self.device);
+        let mut linear = self.layers.iter().filter_map(|l| match &l.mixer {
+            Mixer::Linear(g, _) => Some(g.shape),
+            _ => None,
+        });
+        match linear.next() {
+            Some(shape) => cache.with_recurrent(1 + linear.count(), shape),
+            None => Ok(cache),
+        }
+    }
+
+    /// Whether some layer is a recurrence (Gated DeltaNet): such a model's windows run in order from the cache's
+    /// frontier, and its cache only moves forward.
+    pub fn is_hybrid(&self) -> bool {
+        self.cfg.linear.is_some()
     }
 
     /// Forward one window of tokens at positions [cache.len(), cache.len() + ids.len()) under `grid`: a forward
@@ -584,6 +544,9 @@ impl QwenModel {
                 return Err(Error::Internal(format!("logits row {bad} is outside the window of {w} tokens")));
             }
             s.mask.check(p, w)?;
+            if self.is_hybrid() {
+                check_in_order(s)?;
+            }
         }
         let total: usize = segs.iter().map(|s| s.ids.len()).sum();
         if total > LARGE_WINDOW {
@@ -609,7 +572,10 @@ impl QwenModel {
         let (heads, kv_heads, head_dim) =
             (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim);
         // every segment of a forward takes the same attention backend
-        let path = AttnPath::choose(kn, dev, self.dtype, (heads, kv_heads, head_dim));
+        let path = match AttnPath::choose(kn, dev, self.dtype, (heads, kv_heads, head_dim)) {
+            AttnPath::Fused if !self.fused_heads => AttnPath::Candle,
+            p => p,
+        };
         // RoPE tables in f32 for every row's position; candle's rope takes them cast to the compute dtype.
         let freqs = Tensor::from_vec(pos, (total, 1), dev)?.broadcast_mul(&self.inv_freq)?;
         let (cos, sin) = match path {
@@ -628,7 +594,10 @@ impl QwenModel {
         for (li, layer) in self.layers.iter().enumerate() {
             all_cancelled(segs)?;
             let h = hn.take().expect("the layer's normed input");
-            let a = layer.attn.forward(&h, (&cos, &sin), segs, &att, li, &groups, kn)?;
+            let a = match &layer.mixer {
+                Mixer::Attention(a, slot) => a.forward(&h, (&cos, &sin), segs, &att, *slot, &groups, kn)?,
+                Mixer::Linear(g, slot) => g.forward(&h, segs, &spans, *slot, &groups, kn)?,
+            };
             let (x2, h) = layer.ln2.add_forward(&x, &a, fused_norms)?;
             let f = match &layer.ffn {
                 Ffn::Dense(m) => groups.apply(&h, |x, few| m.forward(x, kn, few))?,
@@ -673,6 +642,36 @@ const ATTENTION_WEIGHT: usize = 3;
 const LARGE_WINDOW: usize = 4096;
 
 impl Attention {
+    /// Layer `p`'s self_attn (`q_rows`: q_proj's outputs, with the gates where the architecture has them).
+    fn load(ws: &Holder, cfg: &ModelConfig, p: &str, q_rows: usize, kernels: Kernels) -> Result<Attention> {
+        let (h, d, nh, nkv) = (cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads);
+        let (eps, offset) = (cfg.rms_norm_eps, cfg.norm_offset);
+        let norm = |n: &str| -> Result<Option<RmsNorm>> {
+            Ok(if cfg.qk_norm { Some(RmsNorm::load(ws, &format!("{p}.self_attn.{n}.weight"), d, eps, offset)?) } else { None })
+        };
+        Ok(Attention {
+            qkv: Stacked::load(
+                ws,
+                &[
+                    (format!("{p}.self_attn.q_proj"), q_rows),
+                    (format!("{p}.self_attn.k_proj"), nkv * d),
+                    (format!("{p}.self_attn.v_proj"), nkv * d),
+                ],
+                h,
+                cfg.qkv_bias,
+                kernels.stack,
+            )?,
+            o: Linear::load(ws, &format!("{p}.self_attn.o_proj"), h, nh * d, cfg.o_bias)?,
+            q_norm: norm("q_norm")?,
+            k_norm: norm("k_norm")?,
+            n_heads: nh,
+            n_kv: nkv,
+            head_dim: d,
+            rotary_dim: cfg.rotary_dim,
+            gate: cfg.attn_gate,
+        })
+    }
+
     /// Attention of every segment's window rows (stacked in `att.order`, segment i at rows `att.spans[i]`) over its
     /// own cache; returns the stacked (rows, hidden) output. The architecture's part is here (the projections, the
     /// q/k norms and RoPE); the backend that attends is `attention`'s (`AttnPath`).
@@ -689,7 +688,17 @@ impl Attention {
     ) -> Result<Tensor> {
         let r = x.dim(0)?;
         let (nh, nkv, d) = (self.n_heads, self.n_kv, self.head_dim);
-        let qkv = groups.apply(x, |x, few| self.qkv.forward(x, kn, few))?.reshape((r, nh + 2 * nkv, d))?;
+        let nq = if self.gate { 2 * nh } else { nh };
+        let qkv = groups.apply(x, |x, few| self.qkv.forward(x, kn, few))?.reshape((r, nq + 2 * nkv, d))?;
+        // each head's gate follows its query: (r, heads, 2, d)
+        let (qkv, gate) = if self.gate {
+            let qg = qkv.narrow(1, 0, nq)?.reshape((r, nh, 2, d))?;
+            let q = qg.narrow(2, 0, 1)?.squeeze(2)?;
+            let gate = qg.narrow(2, 1, 1)?.reshape((r, nh * d))?;
+            (Tensor::cat(&[&q, &qkv.narrow(1, nq, 2 * nkv)?], 1)?, Some(gate))
+        } else {
+            (qkv, None)
+        };
         let y = if att.path == AttnPath::Fused {
             // mbd-rs's CUDA kernels take the norms and RoPE with the K/V write
             let eps = self.q_norm.as_ref().or(self.k_norm.as_ref()).map_or(0.0, |n| n.eps);
@@ -703,13 +712,25 @@ impl Attention {
             let q = norm(qkv.narrow(1, 0, nh)?, &self.q_norm)?;
             let k = norm(qkv.narrow(1, nh, nkv)?, &self.k_norm)?;
             let v = qkv.narrow(1, nh + nkv, nkv)?;
-            // (R, H, D) -> (1, H, R, D) for the fused rope kernel (element-wise: each row with its own position).
+            // (R, H, D) -> (1, H, R, D) for the fused rope kernel (element-wise: each row with its own position);
+            // with partial RoPE the first rotary_dim dims of each head rotate and the others pass
+            let rot = self.rotary_dim;
             let rope = |t: &Tensor| -> Result<Tensor> {
-                Ok(candle_nn::rotary_emb::rope(&t.transpose(0, 1)?.contiguous()?.unsqueeze(0)?, cos, sin)?
-                    .squeeze(0)?)
+                let t = t.transpose(0, 1)?;
+                let rotate = |t: &Tensor| -> Result<Tensor> {
+                    Ok(candle_nn::rotary_emb::rope(&t.contiguous()?.unsqueeze(0)?, cos, sin)?.squeeze(0)?)
+                };
+                if rot == d {
+                    return rotate(&t);
+                }
+                Ok(Tensor::cat(&[&rotate(&t.narrow(2, 0, rot)?)?, &t.narrow(2, rot, d - rot)?], 2)?.contiguous()?)
             };
             let (q, k) = (rope(&q)?.to_dtype(DType::F32)?, rope(&k)?);
             att.over_caches(&q, &k, &v.transpose(0, 1)?.contiguous()?, segs, layer)?
+        };
+        let y = match gate {
+            Some(g) => (&y * candle_nn::ops::sigmoid(&g.to_dtype(y.dtype())?)?)?,
+            None => y,
         };
         groups.apply(&y, |y, few| self.o.forward(y, kn, few))
     }

@@ -15,6 +15,9 @@ crate::util::string_enum! {
         Qwen2 = "qwen2",
         Qwen3 = "qwen3",
         Qwen3Moe = "qwen3_moe",
+        /// Qwen3.5: Gated DeltaNet layers beside gated softmax attention (a block-diffusion conversion is a plain
+        /// Qwen3.5 checkpoint with diffusion fields, like Qwen3's)
+        Qwen35 = "qwen3_5",
         Dream = "dream",
         Sdar = "sdar",
         SdarMoe = "sdar_moe",
@@ -28,6 +31,9 @@ pub const SUPPORTED_ARCHITECTURES: &[(&str, &str, Family)] = &[
     ("Qwen2ForCausalLM", "qwen2", Family::Qwen2),
     ("Qwen3ForCausalLM", "qwen3", Family::Qwen3),
     ("Qwen3MoeForCausalLM", "qwen3_moe", Family::Qwen3Moe),
+    ("Qwen3_5ForCausalLM", "qwen3_5_text", Family::Qwen35),
+    // the VL checkpoint's language model (`text_config`, `model.language_model.*`)
+    ("Qwen3_5ForConditionalGeneration", "qwen3_5", Family::Qwen35),
     ("DreamModel", "Dream", Family::Dream),
     ("SDARForCausalLM", "sdar", Family::Sdar),
     ("SDARMoeForCausalLM", "sdar_moe", Family::SdarMoe),
@@ -40,6 +46,7 @@ impl Family {
             Family::Qwen2 | Family::Dream | Family::FastDllmV2 => Arch::Qwen2,
             Family::Qwen3 | Family::Sdar | Family::MbdTiny => Arch::Qwen3,
             Family::Qwen3Moe | Family::SdarMoe => Arch::Qwen3Moe,
+            Family::Qwen35 => Arch::Qwen35,
         }
     }
 }
@@ -174,7 +181,7 @@ impl Profile {
         let cfg_mask = cfg.opt_id("mask_token_id")?;
         let (attention, alignment, logits_shift, mask, block) = match family {
             // Plain checkpoints: causal LMs unless config.json carries diffusion fields.
-            Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe => {
+            Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe | Family::Qwen35 => {
                 let attn = if cfg_block.is_some() { AttentionKind::BlockCausal } else { AttentionKind::Causal };
                 let shift = cfg.opt_bool("logits_shift")?.unwrap_or(cfg_block.is_none());
                 (attn, Alignment::Absolute, shift, cfg_mask.or(tokenizer_mask_id), cfg_block.unwrap_or(32))
