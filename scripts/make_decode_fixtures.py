@@ -25,10 +25,36 @@ OUT = os.path.join(ROOT, "tests", "fixtures", "decode")
 MASK_ID = 3
 
 
+class HybridMasks:
+    """transformers' Qwen3.5 takes a 4-D mask per layer type: the block mask goes to the softmax-attention layers,
+    the Gated DeltaNet layers get none (they stay causal: Open-dLLM's multi-block generation runs them so)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, input_ids, attention_mask=None, **kw):
+        if isinstance(attention_mask, torch.Tensor):
+            attention_mask = {"full_attention": attention_mask, "linear_attention": None}
+        return self.model(input_ids, attention_mask=attention_mask, **kw)
+
+
 def load(name):
     cfg = json.load(open(os.path.join(PARITY, name, "config.json")))
     cls = getattr(transformers, cfg["architectures"][0])
-    return cls.from_pretrained(os.path.join(PARITY, name), attn_implementation="eager").eval()
+    model = cls.from_pretrained(os.path.join(PARITY, name), attn_implementation="eager").eval()
+    return HybridMasks(model) if "layer_types" in cfg else model
+
+
+def applies(name, v):
+    """Whether a variant applies to a model: a hybrid's recurrent layers take no approximate cache (it refreshes and
+    splices positions) and no unshifted S2D2 verification (two rows per position)."""
+    if name not in HYBRID:
+        return True
+    return not v.get("cache") and not (v.get("s2d2") and not v.get("logits_shift"))
+
+
+MODELS = ["qwen3_headdim_gqa", "qwen2_gqa_tied", "qwen3moe_top2_norm", "qwen35_hybrid"]
+HYBRID = {"qwen35_hybrid"}
 
 
 def entropy_quantiles(model, prompt, n, b):
@@ -93,13 +119,17 @@ BASE = dict(block_size=4, attention="block_causal", alignment="absolute", logits
 
 def main():
     only = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else None
+    # --models A,B: record those models' cases alone and merge them in (the other models' cases are kept)
+    models = sys.argv[sys.argv.index("--models") + 1].split(",") if "--models" in sys.argv else None
     os.makedirs(OUT, exist_ok=True)
     rng = np.random.default_rng(0)
     cases = []
-    for name in ["qwen3_headdim_gqa", "qwen2_gqa_tied", "qwen3moe_top2_norm"]:
+    for name in MODELS:
         model = load(name)
         for lp in (6, 8):
             prompt = [int(t) for t in rng.integers(4, 300, lp)]
+            if models and name not in models:
+                continue
             n = 19
             hq, pq = entropy_quantiles(model, prompt, n, 4)
             h50 = round(float(hq[1]), 3)
@@ -194,6 +224,8 @@ def main():
             for vname, v in variants.items():
                 if only and not any(vname.startswith(o) for o in only):
                     continue
+                if not applies(name, v):
+                    continue
                 p = {**BASE, **v}
                 eos_ids = p.pop("eos", [0])
                 if p.get("tccf"):
@@ -220,9 +252,11 @@ def main():
                     switched = " switched" if any(gen[i:i + len(ck)] == ck for i in range(n)) else " NOT SWITCHED"
                 print(f"{name} lp={lp} {vname:28s} nfe={nfe:2d} tokens={len(comp):2d} tpf={len(comp) / nfe:.2f} {finish}"
                       + switched)
-    if only:
+    if only or models:
         old = json.load(open(os.path.join(OUT, "cases.json")))["cases"]
-        kept = [c for c in old if not any(c["variant"].startswith(o) for o in only)]
+        redone = lambda c: ((not only or any(c["variant"].startswith(o) for o in only))
+                            and (not models or c["model"] in models))
+        kept = [c for c in old if not redone(c)]
         json.dump({"cases": kept + cases}, open(os.path.join(OUT, "cases.json"), "w"), indent=0)
         return
     json.dump({"cases": cases}, open(os.path.join(OUT, "cases.json"), "w"), indent=0)
