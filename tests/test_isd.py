@@ -22,7 +22,7 @@ def engine(name):
                               logits_shift=True, eos_token_ids=[0])
 
 
-@pytest.mark.parametrize("name", ["qwen3_headdim_gqa", "qwen2_gqa_tied", "qwen3moe_top2_norm"])
+@pytest.mark.parametrize("name", ["qwen3_headdim_gqa", "qwen2_gqa_tied", "qwen3moe_top2_norm", "qwen35_hybrid"])
 @pytest.mark.parametrize("stride", [1, 2, 3, 4, 7])
 @pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "nocache"])
 def test_greedy_isd_equals_greedy_ar(name, stride, use_cache):
