@@ -28,6 +28,8 @@ from transformers import (
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
     Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
 )
 
@@ -83,11 +85,13 @@ FIXTURES = {
     # Qwen3.5 with explicit layer_types (attention first and last), as many value as key heads, dk != dv, a 3-tap
     # convolution, half the head dims rotated, MHA, tied embeddings.
     "qwen35_mixed_tied": (Qwen3_5TextConfig, Qwen3_5ForCausalLM, dict(num_hidden_layers=3, layer_types=["full_attention", "linear_attention", "full_attention"], num_attention_heads=4, num_key_value_heads=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=3, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}, tie_word_embeddings=True)),
+    # Qwen3.5-MoE: the hybrid's layers with every MLP routed (top-2 of 6, renormalised) plus a gated shared expert.
+    "qwen35moe_top2_shared": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM, dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=32, tie_word_embeddings=False)),
 }
 
 # Hybrid models: the block-diffusion mask goes to the softmax layers only (the Gated DeltaNet layers stay causal, as
 # the multi-block reference decoder runs transformers' Qwen3.5 with a 4-D mask).
-HYBRID = {"qwen35_hybrid", "qwen35_mixed_tied"}
+HYBRID = {"qwen35_hybrid", "qwen35_mixed_tied", "qwen35moe_top2_shared"}
 
 # name -> (factor on the router weights, smallest gap between the k-th and (k+1)-th router logit allowed: bf16
 # hidden states move router logits of this size by ~0.03)
@@ -140,7 +144,7 @@ def scale_weights(model, gen):
                 p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / p.shape[-1] ** 0.5))
             elif "norm" in name:
                 # Qwen3.5's RMSNorms store w - 1 (zero at init; its gated norm stores w)
-                centre = 0.0 if isinstance(model, Qwen3_5ForCausalLM) and "linear_attn.norm" not in name else 1.0
+                centre = 0.0 if isinstance(model, (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM)) and "linear_attn.norm" not in name else 1.0
                 p.copy_(centre + 0.2 * torch.randn(p.shape, generator=gen))
             elif name.endswith("A_log"):
                 # decay rates exp(A_log) softplus(a + dt_bias) of ~0.1-0.5 per token: the state carries over a window

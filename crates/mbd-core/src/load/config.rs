@@ -7,7 +7,14 @@ use serde_json::Value;
 
 crate::util::string_enum! {
     /// Which weight layout the checkpoint uses.
-    pub enum Arch ("arch") { Qwen2 = "qwen2", Qwen3 = "qwen3", Qwen3Moe = "qwen3_moe", Qwen35 = "qwen3_5" }
+    pub enum Arch ("arch") { Qwen2 = "qwen2", Qwen3 = "qwen3", Qwen3Moe = "qwen3_moe", Qwen35 = "qwen3_5", Qwen35Moe = "qwen3_5_moe" }
+}
+
+impl Arch {
+    /// Qwen3.5's layouts: Gated DeltaNet layers, gated attention, partial RoPE, (1 + w) norms.
+    pub fn qwen35(&self) -> bool {
+        matches!(self, Arch::Qwen35 | Arch::Qwen35Moe)
+    }
 }
 
 /// What a layer's token mixer is (Qwen3.5's `layer_types`).
@@ -49,6 +56,9 @@ pub struct MoeConfig {
     pub norm_topk_prob: bool,
     pub decoder_sparse_step: usize,
     pub mlp_only_layers: Vec<usize>,
+    /// Qwen3.5-MoE: a shared expert of this intermediate size beside the routed ones, its output scaled by
+    /// sigmoid(shared_expert_gate(x)).
+    pub shared_expert_intermediate_size: Option<usize>,
 }
 
 /// The transformer's dimensions, read from config.json.
@@ -121,7 +131,7 @@ fn check_rope(file: &str, key: &str, value: &Value, arch: Arch) -> Result<()> {
         // plain RoPE. Scaling parameters without a type cannot be interpreted, and transformers' config
         // validation refuses them too (missing required key 'rope_type').
         None if m.keys().all(|k| {
-            k == "rope_theta" || k == "rope_type" || k == "type" || (arch == Arch::Qwen35 && QWEN35_ROPE_KEYS.contains(&k.as_str()))
+            k == "rope_theta" || k == "rope_type" || k == "type" || (arch.qwen35() && QWEN35_ROPE_KEYS.contains(&k.as_str()))
         }) =>
         {
             Ok(())
@@ -318,7 +328,18 @@ impl ModelConfig {
                 f.file
             )));
         }
-        let moe = if arch == Arch::Qwen3Moe {
+        let moe = if arch == Arch::Qwen35Moe {
+            // every layer routed, top-k always renormalised (transformers' Qwen3_5MoeTopKRouter), a shared expert
+            Some(MoeConfig {
+                num_experts: f.positive("num_experts")?,
+                num_experts_per_tok: f.usize("num_experts_per_tok")?,
+                moe_intermediate_size: f.positive("moe_intermediate_size")?,
+                norm_topk_prob: true,
+                decoder_sparse_step: 1,
+                mlp_only_layers: vec![],
+                shared_expert_intermediate_size: Some(f.positive("shared_expert_intermediate_size")?),
+            })
+        } else if arch == Arch::Qwen3Moe {
             Some(MoeConfig {
                 // transformers >= 5 writes `num_local_experts`; earlier versions `num_experts`.
                 num_experts: match f.opt_usize("num_experts")? {
@@ -330,6 +351,7 @@ impl ModelConfig {
                 norm_topk_prob: f.opt_bool("norm_topk_prob")?.unwrap_or(false),
                 decoder_sparse_step: f.opt_usize("decoder_sparse_step")?.unwrap_or(1).max(1),
                 mlp_only_layers: f.opt_usize_list("mlp_only_layers")?,
+                shared_expert_intermediate_size: None,
             })
         } else {
             None
@@ -342,7 +364,7 @@ impl ModelConfig {
                 )));
             }
         }
-        let qwen35 = arch == Arch::Qwen35;
+        let qwen35 = arch.qwen35();
         let rotary_dim = if qwen35 { qwen35_rope(f, head_dim)? } else { head_dim };
         if qwen35 && f.opt_bool("attn_output_gate")? == Some(false) {
             return Err(Error::Unsupported(format!(
@@ -358,7 +380,11 @@ impl ModelConfig {
             }
         };
         let vocab_size = f.positive("vocab_size")?;
-        let intermediate_size = f.positive("intermediate_size")?;
+        // Qwen3.5-MoE has no dense MLP (its shared expert's size stands in, for estimates)
+        let intermediate_size = match moe.as_ref().and_then(|m| m.shared_expert_intermediate_size) {
+            Some(s) if f.get("intermediate_size").is_none() => s,
+            _ => f.positive("intermediate_size")?,
+        };
         let num_hidden_layers = f.positive("num_hidden_layers")?;
         let linear = if qwen35 { Some(linear_config(f, num_hidden_layers)?) } else { None };
         // Every weight's element count must be a number: the shapes below are compared with the checkpoint's,

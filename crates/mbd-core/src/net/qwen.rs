@@ -124,12 +124,14 @@ impl candle_core::CustomOp1 for SiluMul {
 /// Rows of an MLP product at once (see `Mlp::forward`).
 const MLP_ROWS: usize = 2048;
 
-/// Sparse mixture of experts (Qwen3-MoE): softmax router in f32, top-k, optional renormalisation.
+/// Sparse mixture of experts (Qwen3-MoE, Qwen3.5-MoE): softmax router in f32, top-k, optional renormalisation,
+/// and Qwen3.5-MoE's shared expert (every token, scaled by sigmoid of its gate).
 struct Moe {
     router: Linear,
     experts: Vec<Mlp>,
     top_k: usize,
     norm_topk_prob: bool,
+    shared: Option<(Mlp, Linear)>,
 }
 
 impl Moe {
@@ -178,7 +180,16 @@ impl Moe {
                 .map(|e| Mlp::load(ws, &format!("{prefix}.experts.{e}"), hidden, inter, stack))
                 .collect::<Result<Vec<_>>>()?
         };
-        Ok(Moe { router, experts, top_k: m.num_experts_per_tok, norm_topk_prob: m.norm_topk_prob })
+        let shared = match m.shared_expert_intermediate_size {
+            Some(si) => {
+                let mlp = Mlp::load(ws, &format!("{prefix}.shared_expert"), hidden, si, stack)?;
+                // the gate, like the router, stays as loaded
+                let g = ws.weights().get_matrix(&format!("{prefix}.shared_expert_gate.weight"), &[1, hidden])?;
+                Some((mlp, Linear { w: Matrix::Dense(g), b: None }))
+            }
+            None => None,
+        };
+        Ok(Moe { router, experts, top_k: m.num_experts_per_tok, norm_topk_prob: m.norm_topk_prob, shared })
     }
 
     fn forward(&self, x: &Tensor, k: &Kernels, groups: &Groups) -> Result<Tensor> {
@@ -207,6 +218,11 @@ impl Moe {
                 let y = self.experts[e].forward(&xs, k, few)?.broadcast_mul(&wt)?;
                 out = out.index_add(&idx, &y, 0)?;
             }
+        }
+        if let Some((mlp, gate)) = &self.shared {
+            let y = groups.apply(x, |x, few| mlp.forward(x, k, few))?;
+            let g = groups.apply(x, |x, few| gate.forward(x, k, few))?;
+            out = (out + y.broadcast_mul(&candle_nn::ops::sigmoid(&g)?)?)?;
         }
         Ok(out)
     }

@@ -18,6 +18,7 @@ crate::util::string_enum! {
         /// Qwen3.5: Gated DeltaNet layers beside gated softmax attention (a block-diffusion conversion is a plain
         /// Qwen3.5 checkpoint with diffusion fields, like Qwen3's)
         Qwen35 = "qwen3_5",
+        Qwen35Moe = "qwen3_5_moe",
         Dream = "dream",
         Sdar = "sdar",
         SdarMoe = "sdar_moe",
@@ -34,6 +35,8 @@ pub const SUPPORTED_ARCHITECTURES: &[(&str, &str, Family)] = &[
     ("Qwen3_5ForCausalLM", "qwen3_5_text", Family::Qwen35),
     // the VL checkpoint's language model (`text_config`, `model.language_model.*`)
     ("Qwen3_5ForConditionalGeneration", "qwen3_5", Family::Qwen35),
+    ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", Family::Qwen35Moe),
+    ("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", Family::Qwen35Moe),
     ("DreamModel", "Dream", Family::Dream),
     ("SDARForCausalLM", "sdar", Family::Sdar),
     ("SDARMoeForCausalLM", "sdar_moe", Family::SdarMoe),
@@ -47,6 +50,7 @@ impl Family {
             Family::Qwen3 | Family::Sdar | Family::MbdTiny => Arch::Qwen3,
             Family::Qwen3Moe | Family::SdarMoe => Arch::Qwen3Moe,
             Family::Qwen35 => Arch::Qwen35,
+            Family::Qwen35Moe => Arch::Qwen35Moe,
         }
     }
 }
@@ -181,7 +185,7 @@ impl Profile {
         let cfg_mask = cfg.opt_id("mask_token_id")?;
         let (attention, alignment, logits_shift, mask, block) = match family {
             // Plain checkpoints: causal LMs unless config.json carries diffusion fields.
-            Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe | Family::Qwen35 => {
+            Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe | Family::Qwen35 | Family::Qwen35Moe => {
                 let attn = if cfg_block.is_some() { AttentionKind::BlockCausal } else { AttentionKind::Causal };
                 let shift = cfg.opt_bool("logits_shift")?.unwrap_or(cfg_block.is_none());
                 (attn, Alignment::Absolute, shift, cfg_mask.or(tokenizer_mask_id), cfg_block.unwrap_or(32))
