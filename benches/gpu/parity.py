@@ -1,7 +1,7 @@
 """GPU parity (issue #17), run by benches/gpu/run.sh on the GPU machine (or anywhere with --device cpu, as a dry run).
 
 1. The committed parity fixtures (tests/fixtures/parity: random Qwen2, Qwen2-MHA, Qwen3, Qwen3-bias, Qwen3-MoE top-1
-   and top-2 checkpoints, logits recorded by transformers in f32 for causal, block-causal at two alignments and full
+   and top-2, Qwen3.5 hybrid and Qwen3.5-MoE checkpoints, logits recorded by transformers in f32 for causal, block-causal at two alignments and full
    masks) loaded on the device in float32 and bfloat16: relative error of every case against the f32 reference, and
    through the KV-cache path (prefix computed first) against the no-cache logits.
 2. transformers itself on the same device in bfloat16 (eager attention, the same explicit 4-D masks as the fixture
@@ -149,6 +149,8 @@ def main():
             for case, c in meta["cases"].items():
                 spec = (c["attention"], c["block_size"], c["alignment"], c["prompt_len"])
                 mask = fx.mask_4d(ids.shape[1], spec).to(dev, tdt)
+                if name in fx.HYBRID:  # Qwen3.5: the mask goes to the softmax layers, the GDN layers stay causal
+                    mask = {"full_attention": mask, "linear_attention": None}
                 with torch.no_grad():
                     ref = hf(ids, attention_mask=mask).logits[0].float().cpu().numpy()
                 got = eng.logits(exp["ids"], attention=c["attention"], block_size=c["block_size"],
