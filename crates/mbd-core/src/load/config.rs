@@ -131,7 +131,10 @@ fn check_rope(file: &str, key: &str, value: &Value, arch: Arch) -> Result<()> {
         // plain RoPE. Scaling parameters without a type cannot be interpreted, and transformers' config
         // validation refuses them too (missing required key 'rope_type').
         None if m.keys().all(|k| {
-            k == "rope_theta" || k == "rope_type" || k == "type" || (arch.qwen35() && QWEN35_ROPE_KEYS.contains(&k.as_str()))
+            k == "rope_theta"
+                || k == "rope_type"
+                || k == "type"
+                || (arch.qwen35() && QWEN35_ROPE_KEYS.contains(&k.as_str()))
         }) =>
         {
             Ok(())
@@ -166,7 +169,7 @@ fn qwen35_rope(f: &Fields, head_dim: usize) -> Result<usize> {
         None => f.opt_f64("partial_rotary_factor")?.unwrap_or(0.25),
     };
     let rot = (head_dim as f64 * factor) as usize;
-    if !(factor > 0.0 && factor <= 1.0) || rot == 0 || rot % 2 != 0 {
+    if !(factor > 0.0 && factor <= 1.0) || rot == 0 || !rot.is_multiple_of(2) {
         return Err(Error::config(format!(
             "{}: partial_rotary_factor {factor} of head_dim {head_dim} must give a positive even number of rotary \
              dims (found {rot})",
@@ -208,9 +211,7 @@ fn linear_config(f: &Fields, n_layers: usize) -> Result<LinearAttnConfig> {
             if every == 0 {
                 return Err(Error::config(format!("{}: field 'full_attention_interval' must be at least 1", f.file)));
             }
-            (0..n_layers)
-                .map(|i| if (i + 1) % every == 0 { LayerKind::Attention } else { LayerKind::Linear })
-                .collect()
+            (0..n_layers).map(|i| if (i + 1) % every == 0 { LayerKind::Attention } else { LayerKind::Linear }).collect()
         }
         Some(v) => {
             return Err(Error::config(format!(
@@ -244,7 +245,7 @@ fn linear_config(f: &Fields, n_layers: usize) -> Result<LinearAttnConfig> {
             return Err(Error::config(format!("{}: field '{key}' must be at least 1, found 0", f.file)));
         }
     }
-    if c.value_heads % c.key_heads != 0 {
+    if !c.value_heads.is_multiple_of(c.key_heads) {
         return Err(Error::config(format!(
             "{}: linear_num_value_heads ({}) must be a multiple of linear_num_key_heads ({}): each key head serves \
              a group of value heads",
@@ -253,9 +254,11 @@ fn linear_config(f: &Fields, n_layers: usize) -> Result<LinearAttnConfig> {
     }
     // the recurrent state (value heads x key dim x value dim, f32) and the conv channels must be numbers of sane size
     let state = [c.value_heads, c.key_dim, c.value_dim, 4].iter().try_fold(1usize, |a, &d| a.checked_mul(d));
-    let conv = c.key_heads.checked_mul(c.key_dim).and_then(|k| k.checked_mul(2)).and_then(|k| {
-        c.value_heads.checked_mul(c.value_dim).and_then(|v| k.checked_add(v))
-    });
+    let conv = c
+        .key_heads
+        .checked_mul(c.key_dim)
+        .and_then(|k| k.checked_mul(2))
+        .and_then(|k| c.value_heads.checked_mul(c.value_dim).and_then(|v| k.checked_add(v)));
     if state.is_none_or(|b| b > MAX_STATE_BYTES) || conv.is_none() {
         return Err(Error::config(format!(
             "{}: a Gated DeltaNet state of linear_num_value_heads ({}) x linear_key_head_dim ({}) x \
@@ -402,7 +405,15 @@ impl ModelConfig {
             ),
         ];
         if qwen35 {
-            products.push(("gated q_proj", vec![("num_attention_heads", num_attention_heads), ("", 2), ("head_dim", head_dim), ("hidden_size", hidden_size)]));
+            products.push((
+                "gated q_proj",
+                vec![
+                    ("num_attention_heads", num_attention_heads),
+                    ("", 2),
+                    ("head_dim", head_dim),
+                    ("hidden_size", hidden_size),
+                ],
+            ));
         }
         if let Some(l) = &linear {
             products.push(("in_proj_qkv", vec![("conv channels", l.conv_dim()), ("hidden_size", hidden_size)]));

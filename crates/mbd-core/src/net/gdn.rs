@@ -146,8 +146,7 @@ impl GatedDeltaNet {
             let xr = DeltaRows { q: &q, k: &k, v: &v, g: &g, beta: &beta };
             scan(sh.delta, &mut state, &xr, n, Some(&mut core));
             // gated RMSNorm per value head: w * norm(o) * silu(z)
-            for (t, (yo, r)) in
-                y[o * vd..(o + n) * vd].chunks_exact_mut(vd).zip(block.chunks_exact(width)).enumerate()
+            for (t, (yo, r)) in y[o * vd..(o + n) * vd].chunks_exact_mut(vd).zip(block.chunks_exact(width)).enumerate()
             {
                 let z = &r[c..c + vd];
                 for h in 0..hv {

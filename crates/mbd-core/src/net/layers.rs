@@ -98,4 +98,3 @@ impl RmsNorm {
         Ok((s, h))
     }
 }
-

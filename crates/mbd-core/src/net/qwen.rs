@@ -14,9 +14,9 @@
 
 use crate::error::{Error, Result};
 use crate::kernels::Kernels;
+use crate::load::config::LayerKind;
 use crate::load::config::{ModelConfig, MoeConfig};
 use crate::load::weights::Weights;
-use crate::load::config::LayerKind;
 use crate::net::attention::{AttnPath, ForwardAttention};
 use crate::net::gdn::{check_in_order, GatedDeltaNet};
 use crate::net::kv_cache::KvCache;
@@ -305,8 +305,12 @@ pub fn check_checkpoint(cfg: &ModelConfig, ws: &Weights) -> Result<()> {
     // each layer stores the mixer config.json says it has
     for i in 0..n {
         let (want, other) = match cfg.layer_kind(i) {
-            LayerKind::Attention => (("full_attention", "self_attn.q_proj"), ("linear_attention", "linear_attn.in_proj_qkv")),
-            LayerKind::Linear => (("linear_attention", "linear_attn.in_proj_qkv"), ("full_attention", "self_attn.q_proj")),
+            LayerKind::Attention => {
+                (("full_attention", "self_attn.q_proj"), ("linear_attention", "linear_attn.in_proj_qkv"))
+            }
+            LayerKind::Linear => {
+                (("linear_attention", "linear_attn.in_proj_qkv"), ("full_attention", "self_attn.q_proj"))
+            }
         };
         let has = |t: &str| ws.contains(&format!("model.layers.{i}.{t}.weight"));
         if !has(want.1) && has(other.1) {
@@ -438,7 +442,6 @@ impl QwenModel {
         net.rows_independent = net.find_rows_independent();
         Ok(net)
     }
-
 
     pub fn device(&self) -> &Device {
         &self.device
@@ -663,7 +666,11 @@ impl Attention {
         let (h, d, nh, nkv) = (cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads);
         let (eps, offset) = (cfg.rms_norm_eps, cfg.norm_offset);
         let norm = |n: &str| -> Result<Option<RmsNorm>> {
-            Ok(if cfg.qk_norm { Some(RmsNorm::load(ws, &format!("{p}.self_attn.{n}.weight"), d, eps, offset)?) } else { None })
+            Ok(if cfg.qk_norm {
+                Some(RmsNorm::load(ws, &format!("{p}.self_attn.{n}.weight"), d, eps, offset)?)
+            } else {
+                None
+            })
         };
         Ok(Attention {
             qkv: Stacked::load(
