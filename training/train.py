@@ -12,6 +12,12 @@ is a multiple of 7). One seeded script; the device is picked automatically (CUDA
                            has; our loader reads the Dream mask id from config.json only), FULL bidirectional
                            attention, SHIFTED logits (position i predicts token i+1). Mask token `<|mask|>` is the
                            LAST vocabulary entry (id 99), as Dream's 151666 sits after the Qwen specials.
+    --family qwen35        Qwen3.5 hybrid twin (issue #52): Qwen3_5ForCausalLM weights, 3 of every 4 layers Gated DeltaNet
+                           (causal), every 4th gated softmax attention (block-causal), config.json with
+                           `block_size`, `mask_token_id` and `logits_shift: false` (a block-diffusion conversion as
+                           arcLM's), v1's tokenizer. Objective d2f only, one sample per row (a recurrence would carry
+                           state across packed samples). On a CPU transformers' GDN runs its torch fallback (~4 s a
+                           step of 48 on 2 cores): train it on a GPU (training/gpu_run.sh, FAMILIES=qwen35).
     --family fast_dllm_v2  Fast-dLLM-v2-style twin: Qwen2 weights (untied head), `architectures
                            ["Fast_dLLM_QwenForCausalLM"]`, `model_type "Fast_dLLM_Qwen"`, `bd_size`,
                            `conplemenrary_mask: true` (sic, as the real config), NO mask_token_id in config.json:
@@ -98,7 +104,8 @@ import time
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (Qwen2Config, Qwen2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tasks import CHAT_TEMPLATE, TASKS, V1_TASKS, correct, held_out_set, render, sample  # noqa: E402
@@ -135,7 +142,26 @@ FAMILIES = {
         pad="<|im_end|>", shift=True, objectives={"bd3c": 1, "d2f": 1}, blocks={1: 1, 2: 1, 4: 2, 8: 2},
         tasks=UNIFORM_TASKS, eval_block=8, bd_size=8,
         name="mbd-fdv2-tiny (Fast-dLLM-v2-style twin)"),
+    # Qwen3.5 hybrid: Gated DeltaNet layers (causal: a recurrence cannot see ahead) beside gated softmax attention
+    # (block-causal), as arcLM-0.8B converts Qwen3.5-0.8B. d2f only: bd3's clean copy would follow the noisy one in
+    # the GDN's order. Unpacked rows: a recurrence would carry one sample's state into the next.
+    "qwen35": dict(
+        arch="qwen35", hidden=256, layers=8, heads=8, kv_heads=2, head_dim=32, inter=640, tie=True,
+        linear=dict(linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
+                    linear_value_head_dim=32, linear_conv_kernel_dim=4, full_attention_interval=4),
+        rotary=0.5, specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"], mask_str="<|mask|>",
+        mask_last=False, pad="<|endoftext|>", shift=False, objectives={"d2f": 1}, blocks={1: 1, 2: 1, 4: 3, 8: 2, 16: 1},
+        tasks=TASK_WEIGHTS, lr=2e-3, eval_block=8, unpacked=True,
+        name="mbd-qwen35-tiny (Qwen3.5 hybrid twin)"),
 }
+
+
+def layer_masks(spec, mask):
+    """transformers' Qwen3.5 takes a mask per layer type: the block mask for the softmax layers; the GDN layers get
+    none (causal)."""
+    if spec["arch"] == "qwen35":
+        return {"full_attention": mask, "linear_attention": None}
+    return mask
 
 
 # ----------------------------------------------------------------------------------------------------- tokenizer
@@ -244,11 +270,16 @@ def pack(items, row_len):
     return [r[1] for r in rows]
 
 
-def build(items, obj, B, shift, ids, row_len):
-    """Model inputs (ids, additive 4-D mask, position ids) and the loss selection for packed samples.
+def build(items, obj, B, shift, ids, row_len, unpacked=False):
+    """Model inputs (ids, additive 4-D mask, position ids) and the loss selection for packed samples (unpacked: one
+    sample per row, padded at its end, for recurrent layers).
     d2f: block-causal on one noisy copy; dream: full attention on one noisy copy; bd3/bd3c: noisy ++ clean (2R)."""
-    R = max(row_len, max(len(it[0]) for it in items))
-    rows = pack(sorted(items, key=lambda it: -len(it[0])), R)
+    if unpacked:
+        R = max(len(it[0]) for it in items)
+        rows = [[(0, it)] for it in items]
+    else:
+        R = max(row_len, max(len(it[0]) for it in items))
+        rows = pack(sorted(items, key=lambda it: -len(it[0])), R)
     nr = len(rows)
     two = obj in ("bd3", "bd3c")
     W = 2 * R if two else R
@@ -310,7 +341,7 @@ def make_batch(r, g, ids, spec, bsz):
     B = pick(r, spec["blocks"])
     n = bsz // 2 if obj == "bd3c" else bsz
     items = noise(r, g, draw_samples(r, ids, n, spec["tasks"], full=obj in FULL_OBJECTIVES), obj, B)
-    inp, mask, posid, sel = build(items, obj, B, spec["shift"], ids, spec.get("row", ROW_LEN))
+    inp, mask, posid, sel = build(items, obj, B, spec["shift"], ids, spec.get("row", ROW_LEN), spec.get("unpacked", False))
     return obj, B, inp, mask, posid, sel
 
 
@@ -328,7 +359,13 @@ def build_model(spec, ids):
               num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"], num_key_value_heads=spec["kv_heads"],
               max_position_embeddings=MAX_POS, rope_theta=10000.0, rms_norm_eps=1e-6,
               tie_word_embeddings=spec["tie"], pad_token_id=ids.pad, bos_token_id=ids.endoftext)
-    if spec["arch"] == "qwen3":
+    if spec["arch"] == "qwen35":
+        kw.pop("rope_theta")
+        cfg = Qwen3_5TextConfig(head_dim=spec["head_dim"], eos_token_id=[ids.im_end, ids.endoftext], **kw,
+                                **spec["linear"], rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                   "partial_rotary_factor": spec["rotary"]})
+        model = Qwen3_5ForCausalLM(cfg)
+    elif spec["arch"] == "qwen3":
         cfg = Qwen3Config(head_dim=spec["head_dim"], eos_token_id=[ids.im_end, ids.endoftext], **kw)
         model = Qwen3ForCausalLM(cfg)
     else:
@@ -340,7 +377,7 @@ def build_model(spec, ids):
 
 
 def hf_class(spec):
-    return Qwen3ForCausalLM if spec["arch"] == "qwen3" else Qwen2ForCausalLM
+    return {"qwen3": Qwen3ForCausalLM, "qwen35": Qwen3_5ForCausalLM}.get(spec["arch"], Qwen2ForCausalLM)
 
 
 def family_config(family, spec, ids, cfg):
@@ -350,6 +387,11 @@ def family_config(family, spec, ids, cfg):
     if family == "tiny":
         cfg.update(block_size=4, mask_token_id=ids.mask, mbd_family="mbd-tiny", mbd_tiny_version=2,
                    eos_token_id=[ids.im_end, ids.endoftext], pad_token_id=ids.pad, bos_token_id=ids.endoftext)
+        return cfg
+    if family == "qwen35":
+        # a block-diffusion conversion of Qwen3.5: its own config plus the diffusion fields (block-causal, unshifted)
+        cfg.update(block_size=4, mask_token_id=ids.mask, logits_shift=False, eos_token_id=[ids.im_end, ids.endoftext],
+                   pad_token_id=ids.pad, bos_token_id=ids.endoftext)
         return cfg
     # Qwen2-based families: legacy rope fields as in the real (transformers 4.x era) configs.
     rp = cfg.pop("rope_parameters", None) or {}
@@ -437,7 +479,7 @@ def ref_generate(model, ids, shift, attention, prompt_ids, N=40, B=4, tau=None):
             break
         s, t_end = next(b for b in blocks if any(b[0] <= p < b[1] for p in masked))
         cand = [p for p in masked if s <= p < t_end]
-        logits = model(x, attention_mask=am).logits[0].float()
+        logits = model(x, attention_mask=layer_masks(spec_of(model), am)).logits[0].float()
         fwd += 1
         rows = torch.tensor([p - 1 if shift else p for p in cand], device=dev)
         lg = logits[rows]
@@ -451,6 +493,11 @@ def ref_generate(model, ids, shift, attention, prompt_ids, N=40, B=4, tau=None):
     toks = x[0, lp:].tolist()
     e = next((i for i in range(N) if decoded[i] and toks[i] in eos), N)
     return ids.tok.decode(toks[:e]), e + 1, fwd
+
+
+def spec_of(model):
+    """The arch a loaded model has, for `layer_masks`."""
+    return {"arch": "qwen35" if isinstance(model, Qwen3_5ForCausalLM) else "other"}
 
 
 def attention_of(family):
@@ -484,11 +531,16 @@ def write_card(out, family, spec, ids, st):
              f"Trained by `training/train.py --family {family}` (mbd-rs), seeded. Status: **{st['status']}** "
              f"(step {st['step']} of {st['steps']}).", "",
              "## Format",
-             f"- Weights: {'Qwen3' if spec['arch'] == 'qwen3' else 'Qwen2'} "
+             f"- Weights: {dict(qwen3='Qwen3', qwen35='Qwen3.5 hybrid').get(spec['arch'], 'Qwen2')} "
              f"(`{hf_class(spec).__name__}` loads `model.safetensors` with no missing/unexpected keys), bf16, "
              f"{st['parameters'] / 1e6:.2f}M parameters: hidden {spec['hidden']}, {spec['layers']} layers, "
              f"{spec['heads']} heads / {spec['kv_heads']} KV heads x {spec['head_dim']}, MLP {spec['inter']}, "
              f"{'tied' if spec['tie'] else 'untied'} head, vocabulary {ids.vocab} (characters + specials).",
+             *([f"- Layers: every {spec['linear']['full_attention_interval']}th gated softmax attention (RoPE over "
+                f"{spec['rotary']:g} of each head), the others Gated DeltaNet ({spec['linear']['linear_num_key_heads']} "
+                f"key / {spec['linear']['linear_num_value_heads']} value heads x {spec['linear']['linear_key_head_dim']}, "
+                f"convolution {spec['linear']['linear_conv_kernel_dim']}), causal whatever the mask."]
+              if spec["arch"] == "qwen35" else []),
              f"- Family profile: attention {attention_of(family)}"
              f"{', aligned at absolute position 0' if attention_of(family) != 'full' else ''}; logits "
              f"{'shifted (position i predicts token i+1)' if spec['shift'] else 'unshifted (position i predicts token i)'}; "
@@ -678,7 +730,7 @@ def train(args):
         for pg in opt.param_groups:
             pg["lr"] = lr
         obj, B, inp, mask, posid, sel = next_batch()
-        logits = model(inp.to(dev), attention_mask=mask.to(dev), position_ids=posid.to(dev)).logits
+        logits = model(inp.to(dev), attention_mask=layer_masks(spec, mask.to(dev)), position_ids=posid.to(dev)).logits
         loss = loss_of(logits, sel)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -724,7 +776,8 @@ def recard(path, per_task):
 def load_checkpoint(path, spec):
     """A written checkpoint in f32 through transformers' Qwen class; asserts no missing/unexpected weights."""
     cfg = json.load(open(os.path.join(path, "config.json")))
-    cls, ccls = (Qwen3ForCausalLM, Qwen3Config) if spec["arch"] == "qwen3" else (Qwen2ForCausalLM, Qwen2Config)
+    cls, ccls = {"qwen3": (Qwen3ForCausalLM, Qwen3Config), "qwen35": (Qwen3_5ForCausalLM, Qwen3_5TextConfig)}.get(
+        spec["arch"], (Qwen2ForCausalLM, Qwen2Config))
     hf_cfg = ccls.from_dict({k: v for k, v in cfg.items() if k not in ("model_type", "architectures")})
     model, info = cls.from_pretrained(path, config=hf_cfg, dtype=torch.float32, output_loading_info=True)
     bad = {k: v for k, v in info.items() if v}
@@ -739,7 +792,8 @@ def check(path, per_task):
     """transformers loads the weights with no missing/unexpected keys; the reference decoder's held-out accuracy."""
     cfg = json.load(open(os.path.join(path, "config.json")))
     arch = cfg["architectures"][0]
-    family = {"DreamModel": "dream", "Fast_dLLM_QwenForCausalLM": "fast_dllm_v2"}.get(arch, "tiny")
+    family = {"DreamModel": "dream", "Fast_dLLM_QwenForCausalLM": "fast_dllm_v2", "Qwen3_5ForCausalLM": "qwen35"}.get(
+        arch, "tiny")
     spec = FAMILIES[family]
     model, ids = load_checkpoint(path, spec)
     print(f"family {family}: mask id config={cfg.get('mask_token_id')} tokenizer({spec['mask_str']})={ids.mask}; "

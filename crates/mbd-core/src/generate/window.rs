@@ -383,7 +383,13 @@ impl Window {
             PieceKind::Scratch => false,
             PieceKind::Window { .. } | PieceKind::Verify { .. } | PieceKind::Strided => self.policy.keeps(),
         };
-        let cache = if own { &mut self.cache } else { self.scratch.get_or_insert_with(|| self.cache.fresh()) };
+        if !own && self.scratch.is_none() {
+            self.scratch = Some(self.cache.fresh()?);
+        }
+        let cache = match &mut self.scratch {
+            Some(scratch) if !own => scratch,
+            _ => &mut self.cache,
+        };
         if cache.len() != keys {
             return Err(Error::Internal(format!("the cache holds {} positions, the piece needs {keys}", cache.len())));
         }

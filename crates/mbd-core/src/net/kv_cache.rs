@@ -120,13 +120,12 @@ impl KvCache {
     }
 
     /// A new empty cache of the same shape, dtype and device.
-    pub fn fresh(&self) -> KvCache {
-        let mut c = KvCache::new(self.n_layers, self.n_kv, self.head_dim, self.dtype, &self.device);
-        if let Some(sh) = self.recurrent_shape {
-            c.recurrent = (0..self.recurrent.len()).map(|_| Recurrent::new(&sh)).collect();
-            c.recurrent_shape = Some(sh);
+    pub fn fresh(&self) -> Result<KvCache> {
+        let c = KvCache::new(self.n_layers, self.n_kv, self.head_dim, self.dtype, &self.device);
+        match self.recurrent_shape {
+            Some(sh) => c.with_recurrent(self.recurrent.len(), sh),
+            None => Ok(c),
         }
-        c
     }
 
     /// Whether this cache holds recurrent states (a hybrid model's): they can only move forward.
