@@ -76,15 +76,20 @@ def sdar():
                               logits_shift=False, block_size=4)
 
 
-def test_concurrent_streams_equal_streams_alone(sdar):
-    reqs = _requests(12)
-    alone = [_run(sdar, p, kw) for p, kw in reqs]
-    f0, s0, _ = sdar.batch_stats
-    got = _concurrently(sdar, reqs)
-    f1, s1, _ = sdar.batch_stats
+def batched_equals_alone(eng, n):
+    """n varied requests run alone, then all at once: the same outputs, and they were batched (fewer forwards than
+    stream steps)."""
+    reqs = _requests(n)
+    alone = [_run(eng, p, kw) for p, kw in reqs]
+    f0, s0, _ = eng.batch_stats
+    got = _concurrently(eng, reqs)
+    f1, s1, _ = eng.batch_stats
     assert got == alone
-    # they were batched: fewer forwards than stream steps
     assert s1 - s0 > f1 - f0 > 0
+
+
+def test_concurrent_streams_equal_streams_alone(sdar):
+    batched_equals_alone(sdar, 12)
 
 
 @pytest.mark.parametrize("overrides", [

@@ -28,6 +28,8 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 META = load_cases()
+# the fixtures GGUF files are written for: not the Qwen3.5 hybrids (GGUF qwen35 is not read yet)
+GGUF_FIXTURES = [f for f in META["fixtures"] if not f.startswith("qwen35")]
 CASES = META["cases"]
 
 
@@ -57,7 +59,7 @@ def gguf_of(src, path, **cfg_edits):
 
 # --- (a) float files of the parity fixtures give transformers' logits --------------------------------------------
 
-@pytest.mark.parametrize("name", META["fixtures"])
+@pytest.mark.parametrize("name", GGUF_FIXTURES)
 def test_float_gguf_matches_transformers(tmp_path, name):
     src = parity_dir(name)
     path = gguf_of(src, tmp_path / f"{name}.gguf")
@@ -327,7 +329,7 @@ def test_qwen2_vocabulary_gguf_golden_vectors(tmp_path):
 
 # every file the writer makes: the parity fixtures (f32 and bf16) and the embedded model (bf16, its character
 # vocabulary respelled as a byte-level BPE)
-TWINS = META["fixtures"] + ["qwen3_bf16", "mbd-tiny"]
+TWINS = GGUF_FIXTURES + ["qwen3_bf16", "mbd-tiny"]
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "sort 5 3 9 1\nthen add 12+30"},
         {"role": "assistant", "content": "1 3 5 9, 42"}, {"role": "user", "content": "thanks <3"}]
 

@@ -11,7 +11,7 @@ import pytest
 
 import mbd_rs
 from conftest import copy_model, load_cases, parity_dir
-from test_batching import _concurrently, _requests, _run
+from test_batching import _requests, batched_equals_alone
 
 HYBRIDS = ["qwen35_hybrid", "qwen35_mixed_tied", "qwen35moe_top2_shared"]
 CASES = load_cases()["cases"]
@@ -64,13 +64,7 @@ def hybrid():
 def test_concurrent_streams_equal_streams_alone(hybrid):
     """Each stream's recurrent state is its own: batched forwards (windows of several streams, prefill chunks,
     shifted S2D2 verifications, sub-blocks, cache on and off) give the tokens each stream gives alone."""
-    reqs = _requests(10)
-    alone = [_run(hybrid, p, kw) for p, kw in reqs]
-    f0, s0, _ = hybrid.batch_stats
-    got = _concurrently(hybrid, reqs)
-    f1, s1, _ = hybrid.batch_stats
-    assert got == alone
-    assert s1 - s0 > f1 - f0 > 0
+    batched_equals_alone(hybrid, 10)
 
 
 def test_cache_on_and_off_give_the_same_tokens_and_forwards(hybrid):
