@@ -134,9 +134,10 @@ CHAIN_LOGIT = 24.0  # the scripted successor's logit; the other logits stay with
 
 # --- the sdist and the GGUF ------------------------------------------------------------------------------------
 
-def extract_vocab(sdist: str, outdir: str) -> Dict[str, str]:
-    """Extract ggml-vocab-qwen2.gguf and its .inp/.out from the llama-cpp-python sdist into outdir."""
-    want = {VOCAB_NAME: None, VOCAB_NAME + ".inp": None, VOCAB_NAME + ".out": None}
+def extract_vocab(sdist: str, outdir: str, name: str = VOCAB_NAME) -> Dict[str, str]:
+    """Extract ggml-vocab-qwen2.gguf (or another vocabulary file `name` of llama.cpp's models/) and its .inp/.out
+    from the llama-cpp-python sdist into outdir."""
+    want = {name: None, name + ".inp": None, name + ".out": None}
     os.makedirs(outdir, exist_ok=True)
     with tarfile.open(sdist, "r:*") as tar:
         for m in tar:

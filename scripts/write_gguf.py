@@ -1,7 +1,10 @@
-"""Write a Hugging Face Qwen2/Qwen3/Qwen3-MoE checkpoint as a GGUF file with llama.cpp's own Python package (`gguf`:
+"""Write a Hugging Face Qwen2/Qwen3/Qwen3-MoE/Qwen3.5/Qwen3.5-MoE checkpoint as a GGUF file with llama.cpp's own Python package (`gguf`:
 its writer, its tensor-name map, its quantizers), as llama.cpp's converter lays such files out: metadata under the
 architecture's keys, the tokenizer.json's byte-level BPE as `tokenizer.ggml.*` (added tokens at their ids, control
-when special, `[PAD<i>]` fillers up to the embedding's rows), MoE experts stacked per layer. For tests and benches:
+when special, `[PAD<i>]` fillers up to the embedding's rows), MoE experts stacked per layer; Qwen3.5 with the
+transforms of llama.cpp's converter (`conversion/qwen.py` in llama-cpp-python 0.3.36's llama.cpp: norm weights + 1
+except the gated norm, `ssm_a` = -exp(A_log), the convolution squeezed, value heads reordered to tiled order, the
+`ssm.*` keys and `attention.recurrent_layers`). For tests and benches:
 llama.cpp's `convert_hf_to_gguf.py` refuses tokenizers whose pre-tokenizer it does not know (our small test
 tokenizers), and needs torch.
 
@@ -26,7 +29,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_qwen_vocab_fixture import token_str  # noqa: E402  (GPT-2's byte alphabet)
 
 ARCH = {"Qwen2ForCausalLM": gguf.MODEL_ARCH.QWEN2, "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3,
-        "Qwen3MoeForCausalLM": gguf.MODEL_ARCH.QWEN3MOE}
+        "Qwen3MoeForCausalLM": gguf.MODEL_ARCH.QWEN3MOE, "Qwen3_5ForCausalLM": gguf.MODEL_ARCH.QWEN35,
+        "Qwen3_5MoeForCausalLM": gguf.MODEL_ARCH.QWEN35MOE}
+QWEN35 = (gguf.MODEL_ARCH.QWEN35, gguf.MODEL_ARCH.QWEN35MOE)
+# Qwen3.5 tensors llama.cpp's converter keeps in f32 whatever the file type
+QWEN35_F32 = ("linear_attn.conv1d.weight", "mlp.gate.weight", "mlp.shared_expert_gate.weight")
 # A ChatML template (written for these files).
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -80,6 +87,55 @@ def vocab_fields(src, vocab_size):
     return tokens, types, merges
 
 
+def to_tiled(arr, axis, hk, hv):
+    """Value heads from transformers' grouped order (head h uses key head h // (hv/hk)) to llama.cpp's tiled order
+    (stored head j uses key head j % hk): along `axis` (hv heads of equal size), stored head j = i * hk + g holds
+    head g * r + i."""
+    r = hv // hk
+    a = np.moveaxis(arr, axis, 0)
+    shape = a.shape
+    a = a.reshape(hk, r, -1, *shape[1:]).swapaxes(0, 1).reshape(shape)
+    return np.ascontiguousarray(np.moveaxis(a, 0, axis))
+
+
+def qwen35_tensors(cfg, tensors):
+    """The tensors as llama.cpp's converter hands them to the name map: norms + 1 (the gated norm excepted),
+    A_log as -exp(A_log), dt_bias as dt_proj.bias, the convolution (C, K), value heads in tiled order, a fused
+    gate_up_proj split into per-expert gate and up matrices."""
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    kd = hk * cfg["linear_key_head_dim"]
+    out = {}
+    for name, arr in tensors.items():
+        arr = arr.astype(np.float32)
+        if name.endswith("norm.weight") and ".linear_attn.norm." not in name:
+            arr = arr + 1.0
+        if ".linear_attn." in name and hk != hv:
+            if name.endswith("in_proj_qkv.weight") or name.endswith("conv1d.weight"):
+                arr = np.concatenate([arr[:2 * kd], to_tiled(arr[2 * kd:], 0, hk, hv)])
+            elif name.endswith(("in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):
+                arr = to_tiled(arr, 0, hk, hv)
+            elif name.endswith("out_proj.weight"):
+                arr = to_tiled(arr, 1, hk, hv)
+        if name.endswith("A_log"):
+            arr = -np.exp(arr)
+        if name.endswith("conv1d.weight"):
+            arr = arr.reshape(arr.shape[0], arr.shape[-1])
+        if name.endswith("dt_bias"):
+            name = name[:-len("dt_bias")] + "dt_proj.bias"
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            inter = arr.shape[1] // 2
+            for e in range(arr.shape[0]):
+                out[f"{name[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = arr[e, :inter]
+                out[f"{name[:-len('gate_up_proj')]}{e}.up_proj.weight"] = arr[e, inter:]
+            continue
+        if name.endswith(".mlp.experts.down_proj"):
+            for e in range(arr.shape[0]):
+                out[f"{name[:-len('down_proj')]}{e}.down_proj.weight"] = arr[e]
+            continue
+        out[name] = np.ascontiguousarray(arr)
+    return out
+
+
 def write_gguf(dst, cfg, tensors, tok_src, encode=None, extra_kv=None, raw_tensors=None):
     """Write `tensors` (HF names -> float arrays) of the model `cfg` as a GGUF file. `encode(name, array)` returns
     (bytes array, quant type) for a block-format tensor, or None to store the floats as they are."""
@@ -103,6 +159,24 @@ def write_gguf(dst, cfg, tensors, tok_src, encode=None, extra_kv=None, raw_tenso
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
         w.add_expert_weights_norm(bool(cfg["norm_topk_prob"]))
+    if arch in QWEN35:
+        name = gguf.MODEL_ARCH_NAMES[arch]
+        w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+        w.add_ssm_state_size(cfg["linear_key_head_dim"])
+        w.add_ssm_group_count(cfg["linear_num_key_heads"])
+        w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+        w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+        w.add_array(f"{name}.attention.recurrent_layers", [t == "linear_attention" for t in cfg["layer_types"]])
+        w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
+        rp = cfg.get("rope_parameters") or {}
+        w.add_rope_dimension_count(int(cfg["head_dim"] * rp.get("partial_rotary_factor", 0.25)))
+        w.add_rope_dimension_sections((rp.get("mrope_section") or [11, 11, 10]) + [0])
+        if arch == gguf.MODEL_ARCH.QWEN35MOE:
+            w.add_expert_count(cfg["num_experts"])
+            w.add_expert_used_count(cfg["num_experts_per_tok"])
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+        tensors = qwen35_tensors(cfg, tensors)
     tokens, types, merges = vocab_fields(tok_src, tensors["model.embed_tokens.weight"].shape[0])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -126,7 +200,8 @@ def write_gguf(dst, cfg, tensors, tok_src, encode=None, extra_kv=None, raw_tenso
         out = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
         out = out or dense_map.get_name(name, try_suffixes=(".weight", ".bias"))
         assert out is not None, name
-        enc = encode(name, arr) if encode else None
+        keep_f32 = arch in QWEN35 and name.endswith(QWEN35_F32)
+        enc = encode(name, arr) if encode and not keep_f32 else None
         if enc is None:
             w.add_tensor(out, np.ascontiguousarray(arr))
         else:

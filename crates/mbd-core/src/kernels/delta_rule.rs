@@ -10,16 +10,26 @@
 use rayon::prelude::*;
 
 /// The recurrence's dimensions: value head h reads key/query head h / (v_heads / k_heads) (transformers'
-/// `repeat_interleave` grouping).
+/// `repeat_interleave` grouping), or h % k_heads when `tiled` (llama.cpp's order of value heads).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeltaShape {
     pub k_heads: usize,
     pub v_heads: usize,
     pub dk: usize,
     pub dv: usize,
+    pub tiled: bool,
 }
 
 impl DeltaShape {
+    /// The key/query head value head h reads.
+    pub fn key_head(&self, h: usize) -> usize {
+        if self.tiled {
+            h % self.k_heads
+        } else {
+            h / (self.v_heads / self.k_heads)
+        }
+    }
+
     /// f32 values of one state: (v_heads, dk, dv).
     pub fn state_len(&self) -> usize {
         self.v_heads * self.dk * self.dv
@@ -45,7 +55,6 @@ const PAR_MIN_WORK: usize = 1 << 16;
 /// same either way).
 pub fn scan(sh: DeltaShape, state: &mut [f32], x: &DeltaRows<'_>, rows: usize, out: Option<&mut [f32]>) {
     let (dk, dv, hv, hk) = (sh.dk, sh.dv, sh.v_heads, sh.k_heads);
-    let group = hv / hk;
     debug_assert_eq!(state.len(), sh.state_len());
     debug_assert!(x.q.len() >= rows * hk * dk && x.k.len() >= rows * hk * dk && x.v.len() >= rows * hv * dv);
     debug_assert!(x.g.len() >= rows * hv && x.beta.len() >= rows * hv);
@@ -54,7 +63,7 @@ pub fn scan(sh: DeltaShape, state: &mut [f32], x: &DeltaRows<'_>, rows: usize, o
         let mut o_all = if want { vec![0f32; rows * dv] } else { vec![] };
         let (mut mem, mut delta) = (vec![0f32; dv], vec![0f32; dv]);
         for t in 0..rows {
-            let kq = (t * hk + h / group) * dk;
+            let kq = (t * hk + sh.key_head(h)) * dk;
             let (q, k) = (&x.q[kq..kq + dk], &x.k[kq..kq + dk]);
             let v = &x.v[(t * hv + h) * dv..][..dv];
             let (decay, b) = (x.g[t * hv + h].exp(), x.beta[t * hv + h]);
@@ -165,7 +174,7 @@ mod tests {
         let mut out = vec![0f32; rows * sh.v_heads * dv];
         for t in 0..rows {
             for h in 0..sh.v_heads {
-                let kh = h / (sh.v_heads / sh.k_heads);
+                let kh = sh.key_head(h);
                 let st = &mut s[h * dk * dv..(h + 1) * dk * dv];
                 let g = x.g[t * sh.v_heads + h].exp();
                 st.iter_mut().for_each(|v| *v *= g);
@@ -191,10 +200,10 @@ mod tests {
     #[test]
     fn scan_is_the_recurrence_and_a_prefix_replays_to_the_same_bits() {
         for (sh, rows) in [
-            (DeltaShape { k_heads: 2, v_heads: 4, dk: 8, dv: 6 }, 7),
-            (DeltaShape { k_heads: 1, v_heads: 1, dk: 5, dv: 3 }, 3),
+            (DeltaShape { k_heads: 2, v_heads: 4, dk: 8, dv: 6, tiled: false }, 7),
+            (DeltaShape { k_heads: 1, v_heads: 1, dk: 5, dv: 3, tiled: false }, 3),
             // long enough to run the heads in parallel
-            (DeltaShape { k_heads: 2, v_heads: 8, dk: 32, dv: 32 }, 12),
+            (DeltaShape { k_heads: 2, v_heads: 8, dk: 32, dv: 32, tiled: true }, 12),
         ] {
             let (hk, hv) = (sh.k_heads, sh.v_heads);
             let q = rnd(rows * hk * sh.dk, 1);

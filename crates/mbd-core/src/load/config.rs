@@ -36,6 +36,9 @@ pub struct LinearAttnConfig {
     pub value_heads: usize,
     pub key_dim: usize,
     pub value_dim: usize,
+    /// Value heads stored in tiled order (llama.cpp's GGUF files: stored head j uses key head j % key_heads),
+    /// not transformers' grouped order (head h uses key head h / (value_heads / key_heads)).
+    pub tiled_value_heads: bool,
 }
 
 impl LinearAttnConfig {
@@ -168,7 +171,8 @@ fn qwen35_rope(f: &Fields, head_dim: usize) -> Result<usize> {
         Some(x) => x,
         None => f.opt_f64("partial_rotary_factor")?.unwrap_or(0.25),
     };
-    let rot = (head_dim as f64 * factor) as usize;
+    // (a factor written as rotary dims / head_dim in f64, as a GGUF file's is, gives its integer back)
+    let rot = (head_dim as f64 * factor + 1e-9) as usize;
     if !(factor > 0.0 && factor <= 1.0) || rot == 0 || !rot.is_multiple_of(2) {
         return Err(Error::config(format!(
             "{}: partial_rotary_factor {factor} of head_dim {head_dim} must give a positive even number of rotary \
@@ -228,6 +232,7 @@ fn linear_config(f: &Fields, n_layers: usize) -> Result<LinearAttnConfig> {
         value_heads: f.opt_usize("linear_num_value_heads")?.unwrap_or(32),
         key_dim: f.opt_usize("linear_key_head_dim")?.unwrap_or(128),
         value_dim: f.opt_usize("linear_value_head_dim")?.unwrap_or(128),
+        tiled_value_heads: f.opt_bool("gguf_tiled_value_heads")?.unwrap_or(false),
     };
     if c.conv_kernel == 0 || c.conv_kernel > MAX_CONV_KERNEL {
         return Err(Error::config(format!(
@@ -459,7 +464,8 @@ impl ModelConfig {
             moe,
             rotary_dim,
             attn_gate: qwen35,
-            norm_offset: qwen35,
+            // a GGUF file's norm weights already hold the 1 (llama.cpp's converter adds it)
+            norm_offset: qwen35 && !f.opt_bool("gguf_norms_include_one")?.unwrap_or(false),
             linear,
         })
     }

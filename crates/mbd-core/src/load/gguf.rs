@@ -1,7 +1,7 @@
 //! GGUF files (llama.cpp's single-file format): a model given as one `.gguf` file instead of a directory.
 //!
 //! What is read from the file, and what it becomes:
-//! - the metadata (`general.architecture` = `qwen2`, `qwen3`, `qwen3moe` or `dream`; `<arch>.block_count`,
+//! - the metadata (`general.architecture` = `qwen2`, `qwen3`, `qwen3moe`, `qwen35`, `qwen35moe` or `dream`; `<arch>.block_count`,
 //!   `.embedding_length`, ...) becomes the config.json fields of the same model (`hf_config`), which then go through
 //!   the one config parser (`config::ModelConfig::from_json`, `config::detect_family`, `Profile::resolve`);
 //! - the tokenizer (`tokenizer.ggml.*`: a byte-level BPE vocabulary, its merges, token types, the pre-tokenizer's
@@ -72,8 +72,34 @@ const ARCH_FIELDS: [(&str, &str); 12] = [
     ("expert_feed_forward_length", "moe_intermediate_size"),
 ];
 /// The architecture's other keys the loader reads.
-const ARCH_KEYS: &[&str] =
-    &["attention.value_length", "expert_weights_norm", "rope.scaling.type", "rope.scaling.factor"];
+const ARCH_KEYS: &[&str] = &[
+    "attention.value_length",
+    "expert_weights_norm",
+    "rope.scaling.type",
+    "rope.scaling.factor",
+    // Qwen3.5 (`qwen35`, `qwen35moe`)
+    "ssm.conv_kernel",
+    "ssm.state_size",
+    "ssm.group_count",
+    "ssm.time_step_rank",
+    "ssm.inner_size",
+    "full_attention_interval",
+    "nextn_predict_layers",
+    "rope.dimension_count",
+    "expert_shared_feed_forward_length",
+    "attention.recurrent_layers",
+];
+
+/// Architecture arrays read element by element (`<arch>.<key>`).
+const ARCH_ARRAYS_READ: &[&str] = &["attention.recurrent_layers"];
+
+/// Whether the loader reads this array's elements.
+fn reads_array(key: &str) -> bool {
+    ARRAYS_READ.contains(&key)
+        || key
+            .split_once('.')
+            .is_some_and(|(arch, rest)| !matches!(arch, "general" | "tokenizer") && ARCH_ARRAYS_READ.contains(&rest))
+}
 
 /// Whether the loader reads this key's value (an architecture's keys under any prefix: `general.architecture` may
 /// come after them).
@@ -378,7 +404,7 @@ impl GgufFile {
             let t = h.u32()?;
             if !read_key(&key) {
                 h.skip_value(t, &key, 0)?;
-            } else if t == 9 && !ARRAYS_READ.contains(&key.as_str()) {
+            } else if t == 9 && !reads_array(&key) {
                 let n = h.skip_array(&key, 0)?;
                 arrays.insert(key.clone(), n as u64);
             } else {
@@ -510,10 +536,13 @@ impl GgufFile {
             "qwen2" => ("Qwen2ForCausalLM", "qwen2"),
             "qwen3" => ("Qwen3ForCausalLM", "qwen3"),
             "qwen3moe" => ("Qwen3MoeForCausalLM", "qwen3_moe"),
+            "qwen35" => ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+            "qwen35moe" => ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
             "dream" => ("DreamModel", "Dream"),
             other => {
                 return Err(Error::Unsupported(format!(
-                    "{}: GGUF architecture '{other}' is not supported; supported: qwen2, qwen3, qwen3moe, dream",
+                    "{}: GGUF architecture '{other}' is not supported; supported: qwen2, qwen3, qwen3moe, qwen35, \
+                     qwen35moe, dream",
                     self.where_()
                 )))
             }
@@ -522,7 +551,7 @@ impl GgufFile {
         c.insert("architectures".into(), json!([architectures]));
         c.insert("model_type".into(), json!(model_type));
         let key = |k: &str| format!("{arch}.{k}");
-        let moe = arch == "qwen3moe";
+        let moe = arch == "qwen3moe" || arch == "qwen35moe";
         for (k, field) in ARCH_FIELDS {
             let required = match k {
                 "block_count"
@@ -601,6 +630,9 @@ impl GgufFile {
         if arch == "qwen3" || arch == "qwen3moe" {
             c.insert("attention_bias".into(), json!(self.tensor("blk.0.attn_q.bias").is_some()));
         }
+        if arch == "qwen35" || arch == "qwen35moe" {
+            self.qwen35_fields(&arch, &mut c)?;
+        }
         let mut eos = vec![];
         for k in ["eos_token_id", "eot_token_id", "eom_token_id"] {
             if let Some(v) = self.get(&format!("tokenizer.ggml.{k}"))? {
@@ -620,16 +652,135 @@ impl GgufFile {
         Ok(c)
     }
 
+    /// Qwen3.5's fields from llama.cpp's keys: the Gated DeltaNet sizes (`ssm.*`), which layers are recurrent
+    /// (`attention.recurrent_layers`, else `full_attention_interval`), the rotary dims (`rope.dimension_count`), the
+    /// trunk's layers (`block_count` counts the multi-token-prediction layers too: `nextn_predict_layers`), the
+    /// shared expert's size; and the two conventions of llama.cpp's converter that the model then follows: norm
+    /// weights stored with their 1 added, value heads in tiled order (`config::LinearAttnConfig`).
+    fn qwen35_fields(&self, arch: &str, c: &mut Map<String, Value>) -> Result<()> {
+        let key = |k: &str| format!("{arch}.{k}");
+        let need = |k: &str| -> Result<u64> {
+            match self.get(&key(k))? {
+                Some(v) => v.as_u64().ok_or_else(|| {
+                    Error::config(format!("{}: metadata '{}' must be a count, found {v}", self.where_(), key(k)))
+                }),
+                None => Err(Error::config(format!(
+                    "{}: metadata '{}' is missing (a {arch} model's Gated DeltaNet needs it)",
+                    self.where_(),
+                    key(k)
+                ))),
+            }
+        };
+        let blocks = need("block_count")?;
+        let nextn = match self.get(&key("nextn_predict_layers"))? {
+            Some(_) => need("nextn_predict_layers")?,
+            None => 0,
+        };
+        if nextn >= blocks {
+            return Err(Error::config(format!(
+                "{}: nextn_predict_layers ({nextn}) leaves no layer of the {blocks} in block_count",
+                self.where_()
+            )));
+        }
+        let layers = blocks - nextn;
+        c.insert("num_hidden_layers".into(), json!(layers));
+        let (hk, hv, inner) = (need("ssm.group_count")?, need("ssm.time_step_rank")?, need("ssm.inner_size")?);
+        if hv == 0 || inner % hv != 0 {
+            return Err(Error::config(format!(
+                "{}: ssm.inner_size ({inner}) must be a multiple of ssm.time_step_rank ({hv}, the value heads)",
+                self.where_()
+            )));
+        }
+        c.insert("linear_conv_kernel_dim".into(), json!(need("ssm.conv_kernel")?));
+        c.insert("linear_key_head_dim".into(), json!(need("ssm.state_size")?));
+        c.insert("linear_num_key_heads".into(), json!(hk));
+        c.insert("linear_num_value_heads".into(), json!(hv));
+        c.insert("linear_value_head_dim".into(), json!(inner / hv));
+        if let Some(n) = self.arrays.get(&key("attention.recurrent_layers")) {
+            return Err(Error::config(format!(
+                "{}: metadata '{}' ({n} entries) could not be read as a list of booleans",
+                self.where_(),
+                key("attention.recurrent_layers")
+            )));
+        }
+        match self.metadata.get(&key("attention.recurrent_layers")) {
+            Some(Value::Array(flags)) => {
+                if (flags.len() as u64) < layers || flags.iter().any(|f| !f.is_boolean()) {
+                    return Err(Error::config(format!(
+                        "{}: metadata '{}' must hold a boolean for each of the {layers} layers",
+                        self.where_(),
+                        key("attention.recurrent_layers")
+                    )));
+                }
+                let types: Vec<&str> = flags[..layers as usize]
+                    .iter()
+                    .map(|f| if f.as_bool() == Some(true) { "linear_attention" } else { "full_attention" })
+                    .collect();
+                c.insert("layer_types".into(), json!(types));
+            }
+            Some(v) => {
+                return Err(Error::config(format!(
+                    "{}: metadata '{}' must be a list of booleans, found {v}",
+                    self.where_(),
+                    key("attention.recurrent_layers")
+                )))
+            }
+            None => {
+                if let Some(v) = self.get(&key("full_attention_interval"))? {
+                    c.insert("full_attention_interval".into(), v.clone());
+                }
+            }
+        }
+        let head_dim = c.get("head_dim").and_then(|v| v.as_u64()).unwrap_or(0);
+        let mut rope = Map::new();
+        rope.insert("rope_type".into(), json!("default"));
+        if let (Some(Value::Number(d)), true) = (self.get(&key("rope.dimension_count"))?, head_dim > 0) {
+            let d = d.as_f64().unwrap_or(0.0);
+            rope.insert("partial_rotary_factor".into(), json!(d / head_dim as f64));
+        }
+        c.insert("rope_parameters".into(), Value::Object(rope));
+        if arch == "qwen35moe" {
+            let shared = match self.get(&key("expert_shared_feed_forward_length"))? {
+                Some(v) => v.clone(),
+                None => c.get("intermediate_size").cloned().ok_or_else(|| {
+                    Error::config(format!(
+                        "{}: metadata '{}' is missing (the shared expert's size)",
+                        self.where_(),
+                        key("expert_shared_feed_forward_length")
+                    ))
+                })?,
+            };
+            c.insert("shared_expert_intermediate_size".into(), shared);
+            c.remove("mlp_only_layers");
+        }
+        c.insert("attention_bias".into(), json!(self.tensors.iter().any(|t| t.name.ends_with(".attn_q.bias"))));
+        c.insert("gguf_norms_include_one".into(), json!(true));
+        c.insert("gguf_tiled_value_heads".into(), json!(true));
+        Ok(())
+    }
+
+    /// The trunk's layers of a Qwen3.5 file: `block_count` less the multi-token-prediction layers stored after them
+    /// (None for other architectures, whose every block is a layer).
+    fn trunk_layers(&self) -> Result<Option<usize>> {
+        let arch = self.architecture()?;
+        if arch != "qwen35" && arch != "qwen35moe" {
+            return Ok(None);
+        }
+        let c = self.hf_config()?;
+        Ok(c.get("num_hidden_layers").and_then(|v| v.as_u64()).map(|n| n as usize))
+    }
+
     /// The tensors under the names the model loader asks for (`model.layers.N.self_attn.q_proj.weight`, ...), with
     /// a MoE layer's stacked experts (`blk.N.ffn_gate_exps.weight`, [experts, rows, cols]) split into one matrix per
     /// expert (`model.layers.N.mlp.experts.E.gate_proj.weight`): a byte range per expert. A tensor this loader does
     /// not know is refused (ignoring it could run a different model than the file describes).
     pub fn hf_tensors(&self) -> Result<Vec<GgufTensor>> {
         let mut out = Vec::with_capacity(self.tensors.len());
+        let trunk = self.trunk_layers()?;
         for t in &self.tensors {
             let unknown = || {
                 Error::Unsupported(format!(
-                    "{}: tensor '{}' is not one a Qwen2/Qwen3 model has; refused",
+                    "{}: tensor '{}' is not one of the tensors this loader knows for its architecture; refused",
                     self.where_(),
                     t.name
                 ))
@@ -647,7 +798,31 @@ impl GgufFile {
             let Some(rest) = t.name.strip_prefix("blk.") else { return Err(unknown()) };
             let Some((layer, part)) = rest.split_once('.') else { return Err(unknown()) };
             let Ok(layer) = layer.parse::<usize>() else { return Err(unknown()) };
+            if trunk.is_some_and(|n| layer >= n) {
+                continue; // Qwen3.5's multi-token-prediction layers: not part of the model transformers runs
+            }
             let p = format!("model.layers.{layer}");
+            // Qwen3.5's Gated DeltaNet layers (those with `ssm_a`), in llama.cpp's names
+            let recurrent = trunk.is_some() && self.tensor(&format!("blk.{layer}.ssm_a")).is_some();
+            let linear = match part {
+                "attn_qkv.weight" if recurrent => Some("in_proj_qkv.weight"),
+                "attn_gate.weight" if recurrent => Some("in_proj_z.weight"),
+                "ssm_beta.weight" => Some("in_proj_b.weight"),
+                "ssm_alpha.weight" => Some("in_proj_a.weight"),
+                "ssm_conv1d.weight" => Some("conv1d.weight"),
+                "ssm_a" => Some("ssm_a"),
+                "ssm_dt.bias" => Some("dt_bias"),
+                "ssm_norm.weight" => Some("norm.weight"),
+                "ssm_out.weight" => Some("out_proj.weight"),
+                _ => None,
+            };
+            if let Some(n) = linear {
+                if trunk.is_none() {
+                    return Err(unknown());
+                }
+                out.push(GgufTensor { name: format!("{p}.linear_attn.{n}"), ..t.clone() });
+                continue;
+            }
             let experts = match part {
                 "ffn_gate_exps.weight" => Some("gate_proj"),
                 "ffn_up_exps.weight" => Some("up_proj"),
@@ -693,6 +868,11 @@ impl GgufFile {
                 "ffn_up.weight" => "mlp.up_proj.weight",
                 "ffn_down.weight" => "mlp.down_proj.weight",
                 "ffn_gate_inp.weight" => "mlp.gate.weight",
+                "post_attention_norm.weight" if trunk.is_some() => "post_attention_layernorm.weight",
+                "ffn_gate_shexp.weight" if trunk.is_some() => "mlp.shared_expert.gate_proj.weight",
+                "ffn_up_shexp.weight" if trunk.is_some() => "mlp.shared_expert.up_proj.weight",
+                "ffn_down_shexp.weight" if trunk.is_some() => "mlp.shared_expert.down_proj.weight",
+                "ffn_gate_inp_shexp.weight" if trunk.is_some() => "mlp.shared_expert_gate.weight",
                 _ => return Err(unknown()),
             };
             out.push(GgufTensor { name: format!("{p}.{hf}"), ..t.clone() });
@@ -800,17 +980,20 @@ impl GgufFile {
         }
         let byte_level = |regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": regex});
         let (normalizer, pre) = match self.get("tokenizer.ggml.pre")?.and_then(|v| v.as_str()) {
-            Some("qwen2") => (
-                json!({"type": "NFC"}),
+            // Qwen2's tokenizer.json normalises to NFC; Qwen3.5's has no normaliser (llama.cpp's golden vectors for
+            // it keep a decomposed "e" + U+0301 as two tokens)
+            Some(name @ ("qwen2" | "qwen35")) => (
+                if name == "qwen2" { json!({"type": "NFC"}) } else { Value::Null },
                 json!({"type": "Sequence", "pretokenizers": [
-                    {"type": "Split", "pattern": {"Regex": QWEN2_SPLIT}, "behavior": "Isolated", "invert": false},
+                    {"type": "Split", "pattern": {"Regex": if name == "qwen2" { QWEN2_SPLIT } else { QWEN35_SPLIT }},
+                     "behavior": "Isolated", "invert": false},
                     byte_level(false)]}),
             ),
             None | Some("default") | Some("gpt2") => (Value::Null, byte_level(true)),
             Some(other) => {
                 return Err(Error::Unsupported(format!(
                     "{w}: tokenizer.ggml.pre '{other}' (the pre-tokenizer) is not supported; supported: qwen2, \
-                     default, gpt2"
+                     qwen35, default, gpt2"
                 )))
             }
         };
@@ -869,3 +1052,6 @@ impl GgufFile {
 /// Qwen2's pre-tokenizer split (llama.cpp's `qwen2` pre-tokenizer; the regex of Qwen2's tokenizer.json).
 const QWEN2_SPLIT: &str =
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen3.5's (llama.cpp's `qwen35` pre-tokenizer, the regex of Qwen3.5's tokenizer.json): Qwen2's with combining
+/// marks (`\p{M}`) counted as letters.
+const QWEN35_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";

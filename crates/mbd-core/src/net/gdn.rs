@@ -77,17 +77,27 @@ impl GatedDeltaNet {
             false,
             stack,
         )?;
-        let a_log = host_f32(ws, &format!("{prefix}.A_log"), &[hv])?;
+        // llama.cpp's GGUF files store -exp(A_log) (`ssm_a`)
+        let neg_a = match ws.weights().contains(&format!("{prefix}.ssm_a")) {
+            true => host_f32(ws, &format!("{prefix}.ssm_a"), &[hv])?,
+            false => host_f32(ws, &format!("{prefix}.A_log"), &[hv])?.iter().map(|a| -a.exp()).collect(),
+        };
+        // (conv_dim, 1, kernel) as transformers stores it, (conv_dim, kernel) as llama.cpp's GGUF files do
+        let conv = format!("{prefix}.conv1d.weight");
+        let conv_shape: &[usize] = match ws.weights().shape(&conv).map(|s| s.len()) {
+            Some(2) => &[conv_dim, lc.conv_kernel],
+            _ => &[conv_dim, 1, lc.conv_kernel],
+        };
         Ok(GatedDeltaNet {
             proj,
             out: Linear::load(ws, &format!("{prefix}.out_proj"), hidden, vd, false)?,
-            conv_w: host_f32(ws, &format!("{prefix}.conv1d.weight"), &[conv_dim, 1, lc.conv_kernel])?,
-            neg_a: a_log.iter().map(|a| -a.exp()).collect(),
+            conv_w: host_f32(ws, &conv, conv_shape)?,
+            neg_a,
             dt_bias: host_f32(ws, &format!("{prefix}.dt_bias"), &[hv])?,
             norm_w: host_f32(ws, &format!("{prefix}.norm.weight"), &[dv])?,
             eps: eps as f32,
             shape: RecurrentShape {
-                delta: DeltaShape { k_heads: hk, v_heads: hv, dk, dv },
+                delta: DeltaShape { k_heads: hk, v_heads: hv, dk, dv, tiled: lc.tiled_value_heads },
                 conv_dim,
                 conv_kernel: lc.conv_kernel,
             },
@@ -111,7 +121,7 @@ impl GatedDeltaNet {
         kn: &Kernels,
     ) -> Result<Tensor> {
         let sh = self.shape;
-        let DeltaShape { k_heads: hk, v_heads: hv, dk, dv } = sh.delta;
+        let DeltaShape { k_heads: hk, v_heads: hv, dk, dv, .. } = sh.delta;
         let (c, kd, vd) = (sh.conv_dim, hk * dk, hv * dv);
         let width = c + vd + 2 * hv;
         let p = groups.apply(x, |x, few| self.proj.forward(x, kn, few))?;
