@@ -53,9 +53,9 @@ class Engine:
              progress: LoadProgress = None, _kernels: Optional[Dict[str, Any]] = None,
              **options: Unpack[LoadParams]) -> "Engine":
         """Load an HF-format model directory (default: the embedded mbd-tiny model), a GGUF file (llama.cpp's
-        format: qwen2, qwen3, qwen3moe and dream architectures; see docs/quantization.md), or a Hugging Face Hub id
-        ("org/name", at `revision`: a branch, tag or commit; default "main") through the local Hub cache,
-        downloading what is missing (see `hub.resolve_model_path`).
+        format: qwen2, qwen3, qwen3moe, qwen35, qwen35moe and dream architectures; see docs/quantization.md), or a
+        Hugging Face Hub id ("org/name", at `revision`: a branch, tag or commit; default "main") through the local
+        Hub cache, downloading what is missing (see `hub.resolve_model_path`).
 
         progress: None (default: a tqdm bar on stderr while the weights are read, when stderr is a terminal, tqdm is
         installed and the checkpoint is over 256 MB), True (a bar whenever tqdm is installed), False (none), or a
