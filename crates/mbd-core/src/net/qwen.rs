@@ -1,4 +1,6 @@
-//! Qwen2 / Qwen3 / Qwen3-MoE decoder written for block-diffusion decoding of many sequences at once.
+//! Qwen2 / Qwen3 / Qwen3-MoE / Qwen3.5 decoder written for block-diffusion decoding of many sequences at once.
+//! Each layer's token mixer is softmax attention or, in Qwen3.5's hybrids, a Gated DeltaNet (`Mixer`, `net::gdn`),
+//! which is causal whatever the mask and keeps a recurrent state in the sequence's cache.
 //! A forward takes segments: each is one sequence's KV cache (P committed positions), a window of W token ids at
 //! explicit absolute positions, a mask spec saying which keys each window row sees, and the rows whose logits
 //! are wanted. Norms, linear layers and the MLP run once over every segment's rows stacked; attention runs per
