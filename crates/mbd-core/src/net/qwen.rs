@@ -570,11 +570,17 @@ impl QwenModel {
             }
         }
         let total: usize = segs.iter().map(|s| s.ids.len()).sum();
-        if total > LARGE_WINDOW {
+        // a hybrid's GDN layers each keep their rows' recurrence inputs in the cache until the commit (about two
+        // f32 rows of the convolution's channels per row and layer), beside one layer's working copies
+        let recurrent_per_row = self.cfg.linear.as_ref().map_or(0, |l| {
+            let (c, gdn) = (l.conv_dim(), l.layer_types.iter().filter(|&&t| t == LayerKind::Linear).count());
+            4 * (gdn * (2 * c + 2 * l.value_heads) + 4 * c)
+        });
+        if total > LARGE_WINDOW || (recurrent_per_row > 0 && total > RECURRENT_CHECK_ROWS) {
             // f32 activations alive at once, about: the residual, a norm and q/k/v/o per position, and three MLP
             // rows per position of one MLP chunk
             let c = &self.cfg;
-            let per_row = 4 * (3 * c.hidden_size + 2 * c.num_attention_heads * c.head_dim);
+            let per_row = 4 * (3 * c.hidden_size + 2 * c.num_attention_heads * c.head_dim) + recurrent_per_row;
             let mlp = 4 * 3 * c.intermediate_size * total.min(MLP_ROWS);
             crate::util::check_alloc(per_row.saturating_mul(total).saturating_add(mlp), || {
                 format!("activations of a {total}-position forward")
@@ -661,6 +667,8 @@ const ATTENTION_WEIGHT: usize = 3;
 
 /// Windows longer than this check that their activations can be allocated before computing.
 const LARGE_WINDOW: usize = 4096;
+/// A hybrid's windows longer than this check too (its recurrent layers keep about 1 MiB per row at 0.8B's shape).
+const RECURRENT_CHECK_ROWS: usize = 256;
 
 impl Attention {
     /// Layer `p`'s self_attn (`q_rows`: q_proj's outputs, with the gates where the architecture has them).
