@@ -75,6 +75,18 @@ def test_cache_on_and_off_give_the_same_tokens_and_forwards(hybrid):
         assert on.token_ids == off.token_ids and on.usage.forward_passes == off.usage.forward_passes, i
 
 
+def test_moe_hybrid_decodes_alike_cached_uncached_and_batched():
+    """Qwen3.5-MoE (routed experts and the shared one beside GDN layers): cache on and off, alone and batched, the
+    same tokens and forwards."""
+    eng = mbd_rs.Engine.load(parity_dir("qwen35moe_top2_shared"), mask_token_id=3, attention="block_causal",
+                             logits_shift=True, block_size=4)
+    for prompt, kw in _requests(4):
+        kw = {k: v for k, v in kw.items() if k != "use_cache"}
+        on, off = eng.generate(prompt, use_cache=True, **kw), eng.generate(prompt, use_cache=False, **kw)
+        assert on.token_ids == off.token_ids and on.usage.forward_passes == off.usage.forward_passes
+    batched_equals_alone(eng, 6)
+
+
 def _vl_copy(src, dst):
     """The text checkpoint rewritten as Qwen3.5's VL layout: config under text_config, tensors under
     model.language_model.*, plus a vision tower and an MTP head that must be left unread."""
