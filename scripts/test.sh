@@ -6,7 +6,7 @@
 # (The Rust lints, rustfmt and clippy, are scripts/lint.sh; CI runs both.)
 # Always in its own ./.venv (a user's install, e.g. a release `pip install .`, is never replaced by this debug
 # build). Set CARGO_TARGET_DIR to share a Rust build dir. On a 2-core machine the first run takes ~10 minutes and
-# ~2.5 GB of disk (the Rust build ~1.5 GB, the venv ~1 GB; --all adds ~1 GB), later runs ~3.5 minutes.
+# ~2.5 GB of disk (the Rust build ~1.5 GB, the venv ~1 GB; --all adds ~1 GB), later runs ~4.5 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 all=0
