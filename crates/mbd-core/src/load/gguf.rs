@@ -659,30 +659,8 @@ impl GgufFile {
     /// weights stored with their 1 added, value heads in tiled order (`config::LinearAttnConfig`).
     fn qwen35_fields(&self, arch: &str, c: &mut Map<String, Value>) -> Result<()> {
         let key = |k: &str| format!("{arch}.{k}");
-        let need = |k: &str| -> Result<u64> {
-            match self.get(&key(k))? {
-                Some(v) => v.as_u64().ok_or_else(|| {
-                    Error::config(format!("{}: metadata '{}' must be a count, found {v}", self.where_(), key(k)))
-                }),
-                None => Err(Error::config(format!(
-                    "{}: metadata '{}' is missing (a {arch} model's Gated DeltaNet needs it)",
-                    self.where_(),
-                    key(k)
-                ))),
-            }
-        };
-        let blocks = need("block_count")?;
-        let nextn = match self.get(&key("nextn_predict_layers"))? {
-            Some(_) => need("nextn_predict_layers")?,
-            None => 0,
-        };
-        if nextn >= blocks {
-            return Err(Error::config(format!(
-                "{}: nextn_predict_layers ({nextn}) leaves no layer of the {blocks} in block_count",
-                self.where_()
-            )));
-        }
-        let layers = blocks - nextn;
+        let need = |k: &str| self.qwen35_count(arch, k);
+        let layers = self.qwen35_trunk(arch)?;
         c.insert("num_hidden_layers".into(), json!(layers));
         let (hk, hv, inner) = (need("ssm.group_count")?, need("ssm.time_step_rank")?, need("ssm.inner_size")?);
         if hv == 0 || inner % hv != 0 {
@@ -759,15 +737,45 @@ impl GgufFile {
         Ok(())
     }
 
+    /// A count that a Qwen3.5 file's metadata must hold (`{arch}.{k}`).
+    fn qwen35_count(&self, arch: &str, k: &str) -> Result<u64> {
+        let key = format!("{arch}.{k}");
+        match self.get(&key)? {
+            Some(v) => v
+                .as_u64()
+                .ok_or_else(|| Error::config(format!("{}: metadata '{key}' must be a count, found {v}", self.where_()))),
+            None => Err(Error::config(format!(
+                "{}: metadata '{key}' is missing (a {arch} model's Gated DeltaNet needs it)",
+                self.where_()
+            ))),
+        }
+    }
+
     /// The trunk's layers of a Qwen3.5 file: `block_count` less the multi-token-prediction layers stored after them
-    /// (None for other architectures, whose every block is a layer).
+    /// (`nextn_predict_layers`), which must leave at least one.
+    fn qwen35_trunk(&self, arch: &str) -> Result<u64> {
+        let blocks = self.qwen35_count(arch, "block_count")?;
+        let nextn = match self.get(&format!("{arch}.nextn_predict_layers"))? {
+            Some(_) => self.qwen35_count(arch, "nextn_predict_layers")?,
+            None => 0,
+        };
+        if nextn >= blocks {
+            return Err(Error::config(format!(
+                "{}: nextn_predict_layers ({nextn}) leaves no layer of the {blocks} in block_count",
+                self.where_()
+            )));
+        }
+        Ok(blocks - nextn)
+    }
+
+    /// The layers `hf_tensors` maps: a Qwen3.5 file's trunk (None for other architectures, whose every block is a
+    /// layer).
     fn trunk_layers(&self) -> Result<Option<usize>> {
         let arch = self.architecture()?;
         if arch != "qwen35" && arch != "qwen35moe" {
             return Ok(None);
         }
-        let c = self.hf_config()?;
-        Ok(c.get("num_hidden_layers").and_then(|v| v.as_u64()).map(|n| n as usize))
+        Ok(Some(self.qwen35_trunk(&arch)? as usize))
     }
 
     /// The tensors under the names the model loader asks for (`model.layers.N.self_attn.q_proj.weight`, ...), with
