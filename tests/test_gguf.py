@@ -489,6 +489,11 @@ def test_qwen35_metadata_and_mtp_layers(tmp_path):
     raw = raw[:i] + struct.pack("<I", n + 1) + raw[i + 4:]
     eng = load_bytes(tmp_path, raw)
     assert eng.info.num_layers == n
+    # MTP layers that would leave no trunk: named, before any tensor is mapped
+    key = b"qwen35.nextn_predict_layers"
+    j = raw.index(key) + len(key) + 4
+    with pytest.raises(mbd_rs.ConfigError, match=rf"nextn_predict_layers \({n + 1}\) leaves no layer of the {n + 1}"):
+        load_bytes(tmp_path, raw[:j] + struct.pack("<I", n + 1) + raw[j + 4:])
     got = eng.logits(exp["ids"], attention="causal")
     assert float(np.abs(got - exp["causal"]).max() / np.abs(exp["causal"]).max()) <= 1e-4
     bad = str(tmp_path / "bad.gguf")
