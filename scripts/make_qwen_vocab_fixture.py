@@ -157,15 +157,43 @@ def extract_vocab(sdist: str, outdir: str, name: str = VOCAB_NAME) -> Dict[str, 
     return {k: v for k, v in want.items() if v is not None}
 
 
-def read_vocab_gguf(path: str) -> dict:
-    """The tokenizer fields of a vocabulary GGUF, read with the gguf package."""
-    from gguf import GGUFReader
+def tokenizer_fields(path: str) -> dict:
+    """A GGUF's `tokenizer.*` metadata, read with the gguf package. Parsing a real vocabulary's ~150k strings takes
+    the gguf package ~10 s, so the fields are kept as JSON in $XDG_CACHE_HOME/mbd-rs/vocab (~/.cache when unset),
+    keyed by the file's SHA-256 and the gguf package's version: a later run reads them in a fraction of a second."""
+    import hashlib
+    from importlib.metadata import version
 
-    r = GGUFReader(path)
+    import gguf
+
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:32]
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mbd-rs", "vocab")
+    kept = os.path.join(cache, f"{digest}-gguf{version('gguf')}.json")
+    try:
+        with open(kept, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        pass
+    r = gguf.GGUFReader(path)
+    out = {k: r.fields[k].contents() for k in r.fields if k.startswith("tokenizer.")}
+    try:
+        os.makedirs(cache, exist_ok=True)
+        tmp = f"{kept}.{os.getpid()}.tmp"  # written whole, then renamed: parallel test workers never read half
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(out, f)
+        os.replace(tmp, kept)
+    except OSError:
+        pass  # a read-only cache only costs the next run the parse
+    return out
+
+
+def read_vocab_gguf(path: str) -> dict:
+    """The tokenizer fields of a vocabulary GGUF (`tokenizer_fields`) that this fixture uses, checked."""
+    fields = tokenizer_fields(path)
 
     def field(name: str, default=None):
-        f = r.fields.get(name)
-        return default if f is None else f.contents()
+        return fields.get(name, default)
 
     out = {
         "model": field("tokenizer.ggml.model"),

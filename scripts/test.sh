@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Build the extension once (debug) and run the tests: Rust tests, mypy --strict on the package and the README's
-# Python examples, then pytest (skip reasons listed at the end). `--all` also runs the tests marked slow (real-shape
+# Python examples, then pytest on up to 4 worker processes (pytest-xdist; MBD_TEST_WORKERS=N sets how many, 0 runs in
+# this process; skip reasons listed at the end). `--all` also runs the tests marked slow (real-shape
 # checkpoints), the client libraries (LiteLLM, langchain-openai) and Ray Serve in venvs of their own (CI does); other
 # arguments go to pytest.
 # (The Rust lints, rustfmt and clippy, are scripts/lint.sh; CI runs both.)
 # Always in its own ./.venv (a user's install, e.g. a release `pip install .`, is never replaced by this debug
 # build). Set CARGO_TARGET_DIR to share a Rust build dir. On a 2-core machine the first run takes ~10 minutes and
-# ~2.5 GB of disk (the Rust build ~1.5 GB, the venv ~1 GB; --all adds ~1 GB), later runs ~4.5 minutes.
+# ~2.5 GB of disk (the Rust build ~1.5 GB, the venv ~1 GB; --all adds ~1 GB), later runs ~2 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 all=0
@@ -33,11 +34,12 @@ stage "cargo test"
 cargo test -p mbd-core -- -q
 stage "mypy --strict (package + README examples)"
 bash scripts/check_types.sh
-stage "pytest"
+workers=${MBD_TEST_WORKERS:-$(n=$(nproc 2>/dev/null || echo 2); echo $(( n < 4 ? n : 4 )))}
+stage "pytest ($workers workers)"
 if [ "$all" = 1 ]; then
-  python -m pytest -q -rs tests ${args[@]+"${args[@]}"}
+  python -m pytest -q -rs -n "$workers" tests ${args[@]+"${args[@]}"}
 else
-  python -m pytest -q -rs -m "not slow" tests ${args[@]+"${args[@]}"}
+  python -m pytest -q -rs -n "$workers" -m "not slow" tests ${args[@]+"${args[@]}"}
 fi
 if [ "$all" != 1 ]; then
   stage "done (bash scripts/test.sh --all also runs the slow tests and the client-library and Ray Serve tests, as CI does)"

@@ -281,9 +281,9 @@ def test_qwen_vocabulary_gguf_golden_vectors(tmp_path, pre):
         pytest.skip("$MBD_LLAMACPP_SDIST (llama-cpp-python's sdist, downloaded by scripts/test.sh) is not there")
     from test_qwen_vocab import _script, read_golden
     name = f"ggml-vocab-{pre}.gguf"
-    files = _script().extract_vocab(sdist, str(tmp_path / "vocab"), name)
-    r = gguf.GGUFReader(files[name])
-    tok = {k: r.fields[k].contents() for k in r.fields if k.startswith("tokenizer.")}
+    script = _script()
+    files = script.extract_vocab(sdist, str(tmp_path / "vocab"), name)
+    tok = script.tokenizer_fields(files[name])
     vocab = len(tok["tokenizer.ggml.tokens"])
     rng = np.random.default_rng(0)
     h = 32
