@@ -8,8 +8,10 @@
    script): our bfloat16 logits against its bfloat16 logits, and its own bfloat16 error against the f32 reference,
    which sets the bf16 bounds of parts 1 and 2 where it is large (OWN_FACTOR; the near-tied MoE fixtures of
    BF16_UNBOUNDED are reported, not bounded).
-3. Greedy decoding: the same requests on the device in float32 and on the CPU in float32 give the same tokens (the
-   embedded mbd-tiny model's tasks and the fixtures' models on random prompts).
+3. Greedy decoding: the same requests on the device in float32 and on the CPU in float32 give the same tokens and
+   the same number of forwards (the embedded mbd-tiny model's tasks and the fixtures' models on random prompts; the
+   acceptance rule reads every row's entropy / max probability, computed on the device by mbd-rs's row-statistics
+   kernel and on the CPU by the host's two passes, so a wrong statistic changes what a step accepts).
 4. Long windows over long caches at head_dim 128 (the fixtures' heads are 16-32 wide): a random 2-layer Qwen3 with
    16 query heads of 128 and 8 kv heads, f32 and bf16 on the device, windows of 1 to 64 rows over 512 / 2048 cached
    positions (`logits(prefix_len=P)`), against transformers f32 on the same device with the same 4-D mask: this
@@ -192,12 +194,14 @@ def main():
             else:
                 kw.update(block_size=4, early_stop=False)
                 a, b = dev_eng.generate(r["ids"], **kw), cpu_eng.generate(r["ids"], **kw)
-            if a.token_ids == b.token_ids:
+            fa, fb = a.usage.forward_passes, b.usage.forward_passes
+            if a.token_ids == b.token_ids and fa == fb:
                 same += 1
             else:
-                failures.append(f"greedy {name} {r}: device {a.token_ids} != cpu {b.token_ids}")
+                failures.append(f"greedy {name} {r}: device {a.token_ids} in {fa} forwards != cpu {b.token_ids} "
+                                f"in {fb}")
         report["greedy"][name] = f"{same}/{len(reqs)} identical"
-        print(f"greedy {name:20s} device f32 == cpu f32: {same}/{len(reqs)}", flush=True)
+        print(f"greedy {name:20s} device f32 == cpu f32 (tokens and forwards): {same}/{len(reqs)}", flush=True)
 
     report["failures"] = failures
     report["seconds"] = round(time.time() - t0, 1)

@@ -18,6 +18,9 @@
 #   quant    quantized weights on the GPU (issue #18): benches/gpu/quant.py (logits of q8_0 / q6_k / q4_k / q4_0
 #            models on CUDA against the CPU's exact quantized path; GGUF blocks kept on the device), then speed.py
 #            on the SDAR-1.7B shape with --ab q8_0,q6_k,q4_k (bf16 vs the quantized formats, each vs its floor)
+#   segments benches/gpu/segments.py (issue #51): K streams of the SDAR-1.7B attention shape batched with one launch
+#            per kernel for all segments (_kernels cuda_segments) == a launch per segment == each stream alone, token
+#            for token; then speed.py's 1/8/32 streams with the switch off and on
 #   batching tests/test_batching.py on the GPU (device "auto" is CUDA there, bf16): do concurrent streams, batched
 #            into shared forwards, still give their lone outputs token for token?
 # Everything goes to $OUT (default ./gpu_out): JSON per stage, logs, nvidia-smi.
@@ -81,10 +84,15 @@ for stage in $stages; do
       done
       grep -E "^  [a-z_A-Z].*\(|Duration|Achieved Occupancy|Registers Per|Memory Throughput|Compute \(SM\) Thr|Warp Cycles Per Issued" \
         "$OUT/ncu.log" | head -150 ;;
+    segments)
+      install > /dev/null
+      "$PY" benches/gpu/segments.py --out "$OUT/gpu_segments.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/segments.log"
+      "$PY" benches/gpu/speed.py --shape sdar-1.7b --cases 512:1,512:32 --rounds 1 --e2e --e2e-engines mbd_rs,segments \
+        --ab segments --out "$OUT/gpu_speed_segments.json" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/segments.log" ;;
     batching)
       install > /dev/null
       (cd /tmp && "$PY" -m pytest -q -p no:cacheprovider -rf --tb=line "$OLDPWD/tests/test_batching.py" 2>&1 | tail -25) \
         | tee "$OUT/batching.log" ;;
-    *) echo "unknown stage $stage (install|parity|speed|speed8b|profile|ncu|batching|all)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (install|parity|speed|speed8b|profile|ncu|quant|segments|batching|all)" >&2; exit 2 ;;
   esac
 done

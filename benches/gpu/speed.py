@@ -41,6 +41,8 @@ SHAPES = {
 
 # --ab variants: mbd-rs loaded otherwise (`Engine.load(**kwargs)`): one part switched off, or quantized weights
 VARIANTS = {"candle_ops": dict(_kernels=dict(cuda_fused=False)),  # candle's ops in place of every mbd-rs CUDA kernel
+            # every segment of a forward in one launch per attention kernel (issue #51)
+            "segments": dict(_kernels=dict(cuda_segments=True)),
             # quantized linear layers (issue #18): candle's quantized tensors and kernels (MMVQ / MMQ)
             "q8_0": dict(quantize="q8_0"), "q6_k": dict(quantize="q6_k"), "q4_k": dict(quantize="q4_k")}
 

@@ -137,6 +137,8 @@ class LoadParams(TypedDict, total=False):
     """q/k/v and gate/up held as one matrix each (default true)"""
     cuda_fused: Optional[bool]
     """mbd-rs's own CUDA kernels (default true)"""
+    cuda_segments: Optional[bool]
+    """CUDA: a forward's segments in one attention launch (default false)"""
     candle_quant: Optional[bool]
     """CPU: quantized matrices as candle's quantized tensors (tests)"""
 

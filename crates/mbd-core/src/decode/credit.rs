@@ -6,8 +6,8 @@
 //! block's range: a new block (or a position laid out in another block, after TCCF's switch) starts from none.
 
 use crate::decode::decoder::Decoder;
-use crate::decode::sampling::row_stats;
 use crate::error::Result;
+use crate::kernels::stats::row_stats;
 use candle_core::{DType, Tensor};
 use std::collections::HashMap;
 

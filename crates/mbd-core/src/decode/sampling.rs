@@ -4,8 +4,9 @@
 
 use crate::decode::decoder::Prediction;
 use crate::error::{Error, Result};
+use crate::kernels::stats;
 use crate::util::by_score_then_index;
-use candle_core::{DType, Tensor, D};
+use candle_core::{DType, Tensor};
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 
@@ -18,20 +19,6 @@ pub struct SamplingParams {
     pub seed: Option<u64>,
 }
 
-/// One row's argmax (ties -> lowest id), entropy and max probability of softmax(row), in two passes: the max,
-/// then Z = Σ e^(x - m) and S = Σ e^(x - m)(x - m) (`vmath::softmax_sums`: terms in f32, sums in f64), so that
-/// H = -Σ p log p = ln Z - S / Z and max p = 1 / Z.
-pub fn row_stats(row: &[f32]) -> (u32, f64, f64) {
-    let mut best = 0usize;
-    for (i, &x) in row.iter().enumerate() {
-        if x > row[best] {
-            best = i;
-        }
-    }
-    let (z, sum) = crate::kernels::vmath::softmax_sums(row, row[best]);
-    (best as u32, z.ln() - sum / z, 1.0 / z)
-}
-
 /// A token's log-probability under softmax(raw logits) (temperature and top-k/top-p do not change it), with
 /// the most likely tokens' log-probabilities when asked for.
 #[derive(Debug, Clone, PartialEq)]
@@ -42,7 +29,7 @@ pub struct TokenLogprob {
     pub top: Vec<(u32, f32)>,
 }
 
-/// `token`'s log-softmax in `row` and the `k` most likely tokens' (the normaliser as in `row_stats`: exponent
+/// `token`'s log-softmax in `row` and the `k` most likely tokens' (the normaliser as in `stats::row_stats`: exponent
 /// terms in f32 around the max, their sum in f64).
 pub fn token_logprob(row: &[f32], token: u32, k: usize) -> TokenLogprob {
     let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -156,51 +143,28 @@ impl Sampler {
         Ok(preds)
     }
 
+    /// On the CPU the rows are read in place (two passes per row for the statistics; a sampled token from the same
+    /// host rows). On a GPU the statistics are one kernel launch over the rows (`stats::rows`), and only a sampled
+    /// token (temperature > 0) copies its rows to the host.
     fn predict_any(&mut self, logits: &Tensor) -> Result<Vec<Prediction>> {
-        let logits = logits.to_dtype(DType::F32)?;
-        if logits.device().is_cpu() {
-            // On the CPU: two passes per row over the logits in place, instead of ~8 tensor ops and buffers.
-            let (r, v) = logits.dims2()?;
-            let flat = logits.flatten_all()?.to_vec1::<f32>()?;
-            let rows: Vec<&[f32]> = flat.chunks_exact(v.max(1)).take(r).collect();
-            // rows in parallel on the calling pool when there is enough work (a full vocabulary)
-            let stats: Vec<(u32, f64, f64)> = if r > 1 && r * v >= 1 << 16 {
-                rows.par_iter().map(|row| row_stats(row)).collect()
-            } else {
-                rows.iter().map(|row| row_stats(row)).collect()
-            };
-            let mut out = Vec::with_capacity(r);
-            for (row, (argmax, entropy, max_prob)) in rows.iter().zip(stats) {
-                let (token, prob) =
-                    if self.params.temperature == 0.0 { (argmax, max_prob) } else { self.sample_row(row) };
-                out.push(Prediction { token, entropy, max_prob, prob });
-            }
-            return Ok(out);
-        }
-        self.predict_on_device(&logits)
-    }
-
-    /// `predict` with tensor operations on the logits' device (the path GPUs take; the CPU takes the host path).
-    pub fn predict_on_device(&mut self, logits: &Tensor) -> Result<Vec<Prediction>> {
-        let logits = logits.to_dtype(DType::F32)?;
-        let lsm = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
-        let entropy = (lsm.exp()? * &lsm)?.sum(D::Minus1)?.neg()?.to_vec1::<f32>()?;
-        let max_lp = lsm.max(D::Minus1)?.to_vec1::<f32>()?;
-        let tokens: Vec<(u32, Option<f64>)> = if self.params.temperature == 0.0 {
-            logits.argmax(D::Minus1)?.to_vec1::<u32>()?.into_iter().map(|t| (t, None)).collect()
+        let greedy = self.params.temperature == 0.0;
+        let v = logits.dims2()?.1;
+        let host_rows = || -> Result<Vec<f32>> { Ok(logits.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?) };
+        let (stats, host) = if logits.device().is_cpu() {
+            let flat = host_rows()?;
+            (stats::host_rows(&flat, v), Some(flat))
         } else {
-            let rows: Vec<Vec<f32>> = logits.to_vec2()?;
-            rows.iter().map(|r| self.sample_row(r)).map(|(t, p)| (t, Some(p))).collect()
+            (stats::rows(logits)?, if greedy { None } else { Some(host_rows()?) })
         };
-        Ok(tokens
-            .into_iter()
-            .zip(entropy)
-            .zip(max_lp)
-            .map(|(((token, prob), h), m)| {
-                let max_prob = (m as f64).exp();
-                Prediction { token, entropy: h as f64, max_prob, prob: prob.unwrap_or(max_prob) }
-            })
-            .collect())
+        let mut out = Vec::with_capacity(stats.len());
+        for (i, (argmax, entropy, max_prob)) in stats.into_iter().enumerate() {
+            let (token, prob) = match &host {
+                Some(flat) if !greedy => self.sample_row(&flat[i * v..(i + 1) * v]),
+                _ => (argmax, max_prob),
+            };
+            out.push(Prediction { token, entropy, max_prob, prob });
+        }
+        Ok(out)
     }
 
     /// The distribution tokens are drawn from (`SamplingParams::dist`).
@@ -262,18 +226,7 @@ mod tests {
     }
 
     #[test]
-    fn cpu_row_stats_match_the_definition() {
-        let rows: [&[f32]; 4] = [&[0.0, 1.0, 2.0, 3.0], &[5.0, 5.0, -1.0], &[-30.0, 10.0, 9.5, -2.0, 0.0], &[7.0]];
-        for row in rows {
-            let m = row.iter().cloned().fold(f32::MIN, f32::max) as f64;
-            let z: f64 = row.iter().map(|&x| (x as f64 - m).exp()).sum();
-            let p: Vec<f64> = row.iter().map(|&x| (x as f64 - m).exp() / z).collect();
-            let h: f64 = -p.iter().filter(|&&q| q > 0.0).map(|q| q * q.ln()).sum::<f64>();
-            let (tok, ent, pmax) = row_stats(row);
-            let first_max = row.iter().position(|&x| x as f64 == m).unwrap() as u32;
-            assert_eq!(tok, first_max);
-            assert!((ent - h).abs() < 1e-6 && (pmax - p.iter().cloned().fold(0.0, f64::max)).abs() < 1e-6, "{row:?}");
-        }
+    fn greedy_predictions_are_the_rows_stats() {
         // through the sampler: greedy rows of a (2, 3) tensor
         let t = Tensor::new(&[[1f32, 3.0, 2.0], [0.0, 0.0, 0.0]], &candle_core::Device::Cpu).unwrap();
         let mut s = Sampler::new(SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, seed: Some(0) });

@@ -1,6 +1,7 @@
 //! mbd-rs's own CUDA kernels (`src/cuda/kernels.cu`, built to PTX by build.rs with the `cuda` feature): a decode
 //! window's attention in three launches per segment and layer (`prep`, then `attend`'s two), each residual add and
-//! the norm after it in one (`add_rms_norm`), and `silu_mul` in one, where candle's ops took 25-38 launches per
+//! the norm after it in one (`add_rms_norm`), `silu_mul` in one, and the logits rows' statistics (`row_stats`,
+//! for `kernels::stats`) in one, where candle's ops took 25-38 launches per
 //! layer (issue #17: the forward was bound by the host launching them). `Kernels::cuda_fused` turns them off for
 //! A/B runs. Without the `cuda` feature, `available` is false and nothing else is reachable.
 
@@ -56,15 +57,101 @@ pub fn ranges_layout(visible: &[Vec<std::ops::Range<usize>>]) -> Result<Vec<u32>
     Ok(out)
 }
 
+/// Threads of an attention block and keys per tile (kernels.cu's THREADS / TILE).
+const THREADS: usize = 128;
+/// Blocks an attention launch aims for (two waves of an H100's 132 multiprocessors): a window of few rows is split
+/// over key chunks until it has about this many.
+const TARGET_BLOCKS: usize = 264;
+
+/// How `attend` splits a segment's keys: (keys per chunk, chunks) for a window of `w` rows and `heads` query heads
+/// over `keys` keys: chunks of whole tiles until the launch has about TARGET_BLOCKS blocks. A segment's chunking
+/// depends on its own shape only, alone or beside others (`segment_table`): its arithmetic is the same either way.
+pub fn chunking(w: usize, heads: usize, keys: usize) -> (usize, usize) {
+    let want = TARGET_BLOCKS.div_ceil((w * heads).max(1)).max(1);
+    let chunk = keys.div_ceil(want).div_ceil(THREADS).max(1) * THREADS;
+    (chunk, keys.div_ceil(chunk).max(1))
+}
+
+/// One segment of a forward whose attention runs in one launch for all segments (`prep_segments`,
+/// `attend_segments`): its rows `row0..row0 + w` of the stacked rows, its committed length `p`, its cache's
+/// capacity, and the key ranges each of its rows sees.
+pub struct SegmentRows<'a> {
+    pub row0: usize,
+    pub w: usize,
+    pub p: usize,
+    pub capacity: usize,
+    pub visible: &'a [Vec<std::ops::Range<usize>>],
+}
+
+/// u32 words per segment in a segment table (kernels.cu's SEG_WORDS): row0, w, p, keys per chunk, chunks, where its
+/// key ranges start, its cache's capacity, and one unused.
+pub const SEG_WORDS: usize = 8;
+
+/// The segment table the `*_segments` kernels read, built on the host and copied to the device once per forward:
+/// `SEG_WORDS` words per segment, then the segment of each stacked row, then each segment's key ranges
+/// (`ranges_layout`). `most`: the most chunks of any segment (the launch's third grid dimension).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SegmentTable {
+    pub words: Vec<u32>,
+    pub rows: usize,
+    pub most: usize,
+}
+
+/// The segment table of `segs` for `heads` query heads. The segments' rows must tile the stacked rows (0..rows, in
+/// any order of segments); each window must fit its cache (p + w ≤ capacity) and see only keys below p + w; every
+/// number must fit the kernels' 32-bit words.
+pub fn segment_table(segs: &[SegmentRows<'_>], heads: usize) -> Result<SegmentTable> {
+    let rows: usize = segs.iter().map(|s| s.w).sum();
+    let u = |x: usize| u32::try_from(x).map_err(|_| too_long());
+    let mut words = vec![0u32; segs.len() * SEG_WORDS + rows];
+    let mut owner = vec![u32::MAX; rows];
+    let mut most = 1;
+    for (i, s) in segs.iter().enumerate() {
+        let keys = s.p + s.w;
+        if keys > s.capacity || s.visible.len() != s.w || s.row0 + s.w > rows {
+            return Err(crate::error::Error::Internal(format!(
+                "a segment table's segment {i} does not fit: rows {}..{} of {rows}, {} key-range lists, {keys} keys \
+                 in a cache of {}",
+                s.row0,
+                s.row0 + s.w,
+                s.visible.len(),
+                s.capacity
+            )));
+        }
+        if s.visible.iter().flatten().any(|r| r.start > r.end || r.end > keys) {
+            return Err(crate::error::Error::Internal(format!(
+                "a segment table's segment {i} sees keys past its {keys}"
+            )));
+        }
+        for o in &mut owner[s.row0..s.row0 + s.w] {
+            if *o != u32::MAX {
+                return Err(crate::error::Error::Internal("two segments of a segment table share a row".into()));
+            }
+            *o = u(i)?;
+        }
+        let (chunk, chunks) = chunking(s.w, heads, keys);
+        most = most.max(chunks);
+        let base = words.len();
+        words.extend(ranges_layout(s.visible)?);
+        let head = [s.row0, s.w, s.p, chunk, chunks, base, s.capacity, 0];
+        for (k, v) in head.into_iter().enumerate() {
+            words[i * SEG_WORDS + k] = u(v)?;
+        }
+    }
+    words[segs.len() * SEG_WORDS..segs.len() * SEG_WORDS + rows].copy_from_slice(&owner);
+    u(words.len())?;
+    Ok(SegmentTable { words, rows, most })
+}
+
 fn too_long() -> crate::error::Error {
     crate::error::Error::Internal("a window's key ranges do not fit the CUDA kernel's 32-bit indices".into())
 }
 
 #[cfg(feature = "cuda")]
-pub use imp::{add_rms_norm, attend, prep, silu_mul};
+pub use imp::{add_rms_norm, attend, attend_segments, device_address, prep, prep_segments, row_stats, silu_mul};
 
 #[cfg(not(feature = "cuda"))]
-pub use off::{add_rms_norm, attend, prep, silu_mul};
+pub use off::{add_rms_norm, attend, attend_segments, device_address, prep, prep_segments, row_stats, silu_mul};
 
 /// The signatures without the `cuda` feature (never called: `available` is false).
 #[cfg(not(feature = "cuda"))]
@@ -102,6 +189,33 @@ mod off {
     pub fn add_rms_norm(_x: &Tensor, _a: &Tensor, _w: &Tensor, _eps: f32) -> Result<(Tensor, Tensor)> {
         unavailable()
     }
+    pub fn row_stats(_logits: &Tensor) -> Result<Tensor> {
+        unavailable()
+    }
+    pub fn device_address(_t: &Tensor) -> Result<u64> {
+        unavailable()
+    }
+    pub fn prep_segments(
+        _qkv: &Tensor,
+        _tables: (&Tensor, &Tensor),
+        _rope: (&Tensor, &Tensor),
+        _norms: (Option<&Tensor>, Option<&Tensor>, f32),
+        _heads: (usize, usize),
+        _n_segs: usize,
+    ) -> Result<Tensor> {
+        unavailable()
+    }
+    pub fn attend_segments(
+        _q: &Tensor,
+        _tables: (&Tensor, &Tensor),
+        _n_segs: usize,
+        _kv_heads: usize,
+        _most: usize,
+        _scale: f32,
+        _dtype: DType,
+    ) -> Result<Tensor> {
+        unavailable()
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -114,13 +228,10 @@ mod imp {
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/mbd_kernels.ptx"));
     const MODULE: &str = "mbd_kernels";
-    /// Threads of an attention block and keys per tile (kernels.cu's THREADS / TILE).
-    const THREADS: usize = 128;
     /// Threads of an add + RMSNorm block (kernels.cu's ADD_THREADS).
     const ADD_THREADS: usize = 256;
-    /// Blocks an attention launch aims for (two waves of an H100's 132 multiprocessors): a window of few rows is
-    /// split over key chunks until it has about this many.
-    const TARGET_BLOCKS: usize = 264;
+    /// Threads of a row-statistics block (kernels.cu's STAT_THREADS).
+    const STAT_THREADS: usize = 512;
 
     fn suffix(dtype: DType) -> Result<&'static str> {
         Ok(match dtype {
@@ -141,9 +252,11 @@ mod imp {
         let stream = cs.device.cuda_stream();
         let (base, size) = match &cs.slice {
             CudaStorageSlice::F32(s) => (s.device_ptr(&stream).0, 4),
+            CudaStorageSlice::F64(s) => (s.device_ptr(&stream).0, 8),
             CudaStorageSlice::BF16(s) => (s.device_ptr(&stream).0, 2),
             CudaStorageSlice::F16(s) => (s.device_ptr(&stream).0, 2),
             CudaStorageSlice::U32(s) => (s.device_ptr(&stream).0, 4),
+            CudaStorageSlice::I64(s) => (s.device_ptr(&stream).0, 8),
             _ => return Err(Error::Internal("a CUDA kernel got a tensor of an unexpected dtype".into())),
         };
         let addr = base + (l.start_offset() * size) as u64;
@@ -168,6 +281,7 @@ mod imp {
         let slice = unsafe {
             match dtype {
                 DType::F32 => CudaStorageSlice::F32(dev.alloc::<f32>(n)?),
+                DType::F64 => CudaStorageSlice::F64(dev.alloc::<f64>(n)?),
                 DType::BF16 => CudaStorageSlice::BF16(dev.alloc::<half::bf16>(n)?),
                 DType::F16 => CudaStorageSlice::F16(dev.alloc::<half::f16>(n)?),
                 d => return Err(Error::Internal(format!("the CUDA kernels do not write {d:?}"))),
@@ -281,10 +395,7 @@ mod imp {
         let (k_p, _) = ptr(cache.0, 16)?;
         let (v_p, _) = ptr(cache.1, 1)?;
         let (r_p, _) = ptr(ranges, 4)?;
-        // split the keys into chunks until the launch has about TARGET_BLOCKS blocks
-        let want = TARGET_BLOCKS.div_ceil(w * nh).max(1);
-        let chunk = keys.div_ceil(want).div_ceil(THREADS).max(1) * THREADS;
-        let chunks = keys.div_ceil(chunk).max(1);
+        let (chunk, chunks) = chunking(w, nh, keys);
         // every (row, head, chunk) block writes its (m, l, acc) record
         let (ws, ws_p) = output(&dev, DType::F32, &[w, nh, chunks, d + 2])?;
         let f = dev.get_or_load_custom_func(&format!("mbd_attn_partial_{sfx}"), MODULE, PTX)?;
@@ -336,6 +447,136 @@ mod imp {
         Ok((xo, ho))
     }
 
+    /// The device address of a CUDA tensor's first element (for a table of addresses a kernel reads; the tensor
+    /// must outlive the launches that use it).
+    pub fn device_address(t: &Tensor) -> Result<u64> {
+        Ok(ptr(t, 1)?.0)
+    }
+
+    /// `prep` for every segment of a forward in one launch: `tables` = (the segment table's words, u32, and this
+    /// layer's K and V cache addresses of each segment, 2 · n_segs i64) on the device (`segment_table`); the other
+    /// operands as `prep`'s. Returns q, (rows, heads, D) f32, for all the stacked rows.
+    pub fn prep_segments(
+        qkv: &Tensor,
+        tables: (&Tensor, &Tensor),
+        (cos, sin): (&Tensor, &Tensor),
+        norms: (Option<&Tensor>, Option<&Tensor>, f32),
+        heads: (usize, usize),
+        n_segs: usize,
+    ) -> Result<Tensor> {
+        let (nh, nkv) = heads;
+        let (rows, slots, d) = qkv.dims3()?;
+        let (table, kv) = tables;
+        if slots != nh + 2 * nkv || rows == 0 || kv.dims() != [2 * n_segs] || kv.dtype() != DType::I64 {
+            return Err(Error::Internal("CUDA prep over segments: operand shapes disagree".into()));
+        }
+        if table.dtype() != DType::U32 || table.elem_count() < n_segs * SEG_WORDS + rows {
+            return Err(Error::Internal("CUDA prep over segments: a segment table of another size".into()));
+        }
+        if cos.dims() != [rows, d / 2] || sin.dims() != [rows, d / 2] || cos.dtype() != DType::F32 {
+            return Err(Error::Internal(
+                "CUDA prep over segments: RoPE tables must be (rows, head_dim / 2) f32".into(),
+            ));
+        }
+        for (t, what) in
+            [(qkv, "q/k/v product"), (cos, "cos"), (sin, "sin"), (table, "segment table"), (kv, "cache table")]
+        {
+            contiguous(t, what)?;
+        }
+        let name = format!("mbd_prep_segments_{}", suffix(qkv.dtype())?);
+        let (qkv_p, dev) = ptr(qkv, 1)?;
+        let (cos_p, _) = ptr(cos, 1)?;
+        let (sin_p, _) = ptr(sin, 1)?;
+        let (t_p, _) = ptr(table, 4)?;
+        let (kv_p, _) = ptr(kv, 8)?;
+        let norm_ptr = |t: Option<&Tensor>| -> Result<u64> {
+            match t {
+                Some(t) if t.dims() == [d] && t.dtype() == qkv.dtype() => Ok(ptr(t, 1)?.0),
+                Some(_) => Err(Error::Internal("CUDA prep: a q/k norm weight of another shape or dtype".into())),
+                None => Ok(0),
+            }
+        };
+        let (qn_p, kn_p, eps) = (norm_ptr(norms.0)?, norm_ptr(norms.1)?, norms.2);
+        // every element of q is written: one thread per (row, head, dim)
+        let (q, q_p) = output(&dev, DType::F32, &[rows, nh, d])?;
+        let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let mut b = f.builder();
+        let (n_, nh_, nkv_, d_) = (i32_of(n_segs)?, i32_of(nh)?, i32_of(nkv)?, i32_of(d)?);
+        b.arg(&qkv_p).arg(&cos_p).arg(&sin_p).arg(&qn_p).arg(&kn_p).arg(&eps).arg(&q_p);
+        b.arg(&t_p).arg(&n_).arg(&kv_p).arg(&nh_).arg(&nkv_).arg(&d_);
+        // SAFETY: the arguments match mbd_prep_segments_*'s parameters; the table was checked by segment_table.
+        unsafe { b.launch(dims((rows, slots, 1), d)?) }.w()?;
+        Ok(q)
+    }
+
+    /// `attend` for every segment of a forward in one launch per kernel: `q` (rows, heads, D) f32 from
+    /// `prep_segments`, `tables` as there, `most` the table's most chunks, `dtype` the caches'. Returns (rows,
+    /// heads · D) in `dtype`.
+    pub fn attend_segments(
+        q: &Tensor,
+        tables: (&Tensor, &Tensor),
+        n_segs: usize,
+        kv_heads: usize,
+        most: usize,
+        scale: f32,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let (rows, nh, d) = q.dims3()?;
+        let (table, kv) = tables;
+        if q.dtype() != DType::F32 || kv_heads == 0 || nh % kv_heads != 0 || kv.dims() != [2 * n_segs] {
+            return Err(Error::Internal("CUDA attention over segments: operand shapes disagree".into()));
+        }
+        if table.dtype() != DType::U32 || table.elem_count() < n_segs * SEG_WORDS + rows {
+            return Err(Error::Internal("CUDA attention over segments: a segment table of another size".into()));
+        }
+        for (t, what) in [(q, "query"), (table, "segment table"), (kv, "cache table")] {
+            contiguous(t, what)?;
+        }
+        let sfx = suffix(dtype)?;
+        let (q_p, dev) = ptr(q, 4)?;
+        let (t_p, _) = ptr(table, 4)?;
+        let (kv_p, _) = ptr(kv, 8)?;
+        // each segment's (row, head, chunk) blocks write their records; the combine reads only those
+        let (ws, ws_p) = output(&dev, DType::F32, &[rows, nh, most, d + 2])?;
+        let f = dev.get_or_load_custom_func(&format!("mbd_attn_partial_segments_{sfx}"), MODULE, PTX)?;
+        let mut b = f.builder();
+        let (n_, rep, d_) = (i32_of(n_segs)?, i32_of(nh / kv_heads)?, i32_of(d)?);
+        b.arg(&q_p).arg(&t_p).arg(&n_).arg(&kv_p).arg(&ws_p).arg(&rep).arg(&d_).arg(&scale);
+        // SAFETY: the arguments match mbd_attn_partial_segments_*'s parameters; key rows are 16-byte aligned as the
+        // caches are whole allocations of D-wide rows (D a multiple of 32, `available`).
+        unsafe { b.launch(dims((rows, nh, most), THREADS)?) }.w()?;
+        let (out, out_p) = output(&dev, dtype, &[rows, nh * d])?;
+        let f = dev.get_or_load_custom_func(&format!("mbd_attn_combine_segments_{sfx}"), MODULE, PTX)?;
+        let mut b = f.builder();
+        let most_ = i32_of(most)?;
+        b.arg(&ws_p).arg(&t_p).arg(&n_).arg(&out_p).arg(&most_).arg(&d_);
+        // SAFETY: as above; `ws` lives until this launch is queued, and frees are ordered on the same stream.
+        unsafe { b.launch(dims((rows, nh, 1), d)?) }.w()?;
+        drop(ws);
+        Ok(out)
+    }
+
+    /// Per row of `logits` (rows, V): (argmax, entropy, max probability) of softmax(row) as `stats::row_stats`
+    /// defines them, in one launch (a block per row). Returns (rows, 3) f64; the argmax is exact as an f64.
+    pub fn row_stats(logits: &Tensor) -> Result<Tensor> {
+        let logits = if logits.is_contiguous() { logits.clone() } else { logits.contiguous()? };
+        let (rows, v) = logits.dims2()?;
+        let sfx = suffix(logits.dtype())?;
+        if rows == 0 || v == 0 {
+            return Err(Error::Internal("CUDA row statistics of an empty logits matrix".into()));
+        }
+        let (x_p, dev) = ptr(&logits, 1)?;
+        // every row's three values are written by its block's first thread
+        let (out, out_p) = output(&dev, DType::F64, &[rows, 3])?;
+        let f = dev.get_or_load_custom_func(&format!("mbd_row_stats_{sfx}"), MODULE, PTX)?;
+        let mut b = f.builder();
+        let v_ = i32_of(v)?;
+        b.arg(&x_p).arg(&out_p).arg(&v_);
+        // SAFETY: the arguments match mbd_row_stats_*'s parameters; the shape was read above.
+        unsafe { b.launch(dims((rows, 1, 1), STAT_THREADS)?) }.w()?;
+        Ok(out)
+    }
+
     /// silu(g) · u of `gu` = (rows, 2I) (g its first I columns), computed in f32, rounded once.
     pub fn silu_mul(gu: &Tensor) -> Result<Tensor> {
         let gu = if gu.is_contiguous() { gu.clone() } else { gu.contiguous()? };
@@ -369,6 +610,60 @@ mod tests {
         assert_eq!(ranges_layout(&visible).unwrap(), vec![0, 1, 1, 3, 0, 5, 0, 3, 7, 9]);
         let too_far = u32::MAX as usize + 1;
         assert!(ranges_layout(&[vec![0..2, too_far - 1..too_far]]).is_err());
+    }
+
+    #[test]
+    fn chunking_fills_about_two_waves_with_whole_tiles() {
+        // one row of 16 heads: 17 chunks wanted (264 blocks), of whole tiles of 128 keys
+        assert_eq!(chunking(1, 16, 2048), (128, 16));
+        assert_eq!(chunking(1, 16, 2049), (128, 17));
+        assert_eq!(chunking(1, 16, 4096), (256, 16));
+        // enough rows for the blocks: one chunk of every key
+        assert_eq!(chunking(32, 16, 544), (640, 1));
+        for (w, h, keys) in [(1, 1, 1), (3, 7, 100_000), (64, 32, 512), (2, 16, 129)] {
+            let (chunk, chunks) = chunking(w, h, keys);
+            assert!(chunk.is_multiple_of(128) && chunks * chunk >= keys && (chunks - 1) * chunk < keys);
+        }
+    }
+
+    #[test]
+    fn segment_table_layout() {
+        let a = vec![vec![0..5], vec![0..6]]; // 2 rows over p 4
+        let b = vec![vec![0..1, 1..2]]; // 1 row over p 1
+        let segs = [
+            SegmentRows { row0: 1, w: 2, p: 4, capacity: 64, visible: &a },
+            SegmentRows { row0: 0, w: 1, p: 1, capacity: 8, visible: &b },
+        ];
+        let t = segment_table(&segs, 16).unwrap();
+        let (c0, n0) = chunking(2, 16, 6);
+        let (c1, n1) = chunking(1, 16, 2);
+        assert_eq!((t.rows, t.most), (3, n0.max(n1)));
+        let base0 = 2 * SEG_WORDS + 3;
+        let base1 = base0 + ranges_layout(&a).unwrap().len();
+        let head0 = [1, 2, 4, c0, n0, base0, 64, 0].map(|x| x as u32);
+        let head1 = [0, 1, 1, c1, n1, base1, 8, 0].map(|x| x as u32);
+        assert_eq!(t.words[..SEG_WORDS], head0);
+        assert_eq!(t.words[SEG_WORDS..2 * SEG_WORDS], head1);
+        assert_eq!(t.words[2 * SEG_WORDS..base0], [1, 0, 0], "row 0 is segment 1's, rows 1-2 segment 0's");
+        assert_eq!(t.words[base0..base1], ranges_layout(&a).unwrap()[..]);
+        assert_eq!(t.words[base1..], ranges_layout(&b).unwrap()[..]);
+    }
+
+    #[test]
+    fn segment_table_refuses_what_the_kernels_cannot_read() {
+        let one = vec![vec![0..3]];
+        let seg = |row0, w, p, capacity, visible| SegmentRows { row0, w, p, capacity, visible };
+        // the window past its cache's capacity
+        assert!(segment_table(&[seg(0, 1, 3, 3, &one)], 8).is_err());
+        // a key range past the window's end
+        let far = vec![vec![0..9]];
+        assert!(segment_table(&[seg(0, 1, 2, 16, &far)], 8).is_err());
+        // two segments on one row, and a row list of another length
+        assert!(segment_table(&[seg(0, 1, 2, 16, &one), seg(0, 1, 2, 16, &one)], 8).is_err());
+        assert!(segment_table(&[seg(0, 2, 2, 16, &one)], 8).is_err());
+        // rows past the stacked rows
+        assert!(segment_table(&[seg(1, 1, 2, 16, &one)], 8).is_err());
+        assert!(segment_table(&[seg(0, 1, 2, 16, &one)], 8).is_ok());
     }
 
     #[test]

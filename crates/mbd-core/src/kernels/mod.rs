@@ -1,8 +1,8 @@
 //! The kernels wing: arithmetic on slices. Block formats (`blocks`, `records`), one CPU feature probe (`cpu`),
 //! per-ISA products (`skinny`: few rows; `panels`: many rows and matrices packed at load; `qdot`: integer dot
 //! products on 8-bit activations), the blocked CPU attention (`attention`), the gated delta rule and its
-//! convolution (`delta_rule`), vector math (`vmath`) and mbd-rs's CUDA
-//! kernels (`cuda`). It knows block formats and instruction sets, never layers, requests or files: nothing here
+//! convolution (`delta_rule`), vector math (`vmath`), a decode step's statistics of the logits rows on the
+//! host or the GPU (`stats`) and mbd-rs's CUDA kernels (`cuda`). It knows block formats and instruction sets, never layers, requests or files: nothing here
 //! imports from another wing (docs/architecture.md).
 
 pub mod attention;
@@ -15,6 +15,7 @@ pub mod qdot;
 pub mod records;
 pub mod simd;
 pub mod skinny;
+pub mod stats;
 pub mod unpack;
 pub mod vmath;
 
@@ -58,6 +59,11 @@ pub struct Kernels {
     /// its attention in two (f32 scores, key ranges from the mask spec, no score matrix), silu·mul in one.
     /// false: candle's ops (for A/B runs).
     pub cuda_fused: bool,
+    /// On CUDA with `cuda_fused`, a forward of several segments runs every segment's `prep` and attention in one
+    /// launch per kernel (`cuda::prep_segments`, `cuda::attend_segments`: a segment table on the device), so that
+    /// launches per forward do not grow with the streams batched. Each segment's arithmetic is the same as in its
+    /// own launches. Off by default until a GPU run has proven it (benches/gpu/run.sh); false: a launch per segment.
+    pub cuda_segments: bool,
     /// Quantized linear layers on the CPU held as candle's quantized tensors and multiplied by candle's quantized
     /// matmul (`quant::Matrix::Candle`), as they always are on CUDA: tests and A/B runs of that path on the CPU.
     pub candle_quant: bool,
@@ -76,6 +82,7 @@ impl Default for Kernels {
             packed_avx512: true,
             stack: true,
             cuda_fused: true,
+            cuda_segments: false,
             candle_quant: false,
         }
     }

@@ -741,9 +741,9 @@ impl GgufFile {
     fn qwen35_count(&self, arch: &str, k: &str) -> Result<u64> {
         let key = format!("{arch}.{k}");
         match self.get(&key)? {
-            Some(v) => v
-                .as_u64()
-                .ok_or_else(|| Error::config(format!("{}: metadata '{key}' must be a count, found {v}", self.where_()))),
+            Some(v) => v.as_u64().ok_or_else(|| {
+                Error::config(format!("{}: metadata '{key}' must be a count, found {v}", self.where_()))
+            }),
             None => Err(Error::config(format!(
                 "{}: metadata '{key}' is missing (a {arch} model's Gated DeltaNet needs it)",
                 self.where_()

@@ -131,6 +131,72 @@ pub(crate) struct ForwardAttention {
     /// A one-segment forward's cancel: its attention stops between query chunks and kernel tasks (a long
     /// window's attention is most of its forward). Forwards of several segments stop between layers only.
     cancel: Option<Cancel>,
+    /// Every segment in one launch per kernel (`Kernels::cuda_segments`), when the forward takes it.
+    together: Option<Together>,
+}
+
+/// What `cuda::prep_segments` and `cuda::attend_segments` read, on the device, copied once per forward: the segment
+/// table (`cuda::segment_table`) and, per cache layer, each segment's K and V addresses ((layers, 2 · segments) i64).
+struct Together {
+    table: Tensor,
+    kv: Tensor,
+    segments: usize,
+    most: usize,
+}
+
+impl Together {
+    /// The tables of `segs` stacked at `spans`, when every segment's attention runs in `cuda::attend`'s kernels
+    /// (`cuda::fused_attention`) and there are several; else None (a launch per segment).
+    fn new(
+        segs: &[Segment<'_>],
+        spans: &[(usize, usize)],
+        (heads, _, head_dim): Heads,
+        dev: &Device,
+    ) -> Result<Option<Self>> {
+        let fused = |s: &Segment<'_>| {
+            let (p, w) = (s.cache.len(), s.positions.len());
+            cuda::fused_attention(w, p + w, heads, head_dim)
+        };
+        if segs.len() < 2 || !segs.iter().all(fused) {
+            return Ok(None);
+        }
+        let visible: Vec<_> = segs.iter().map(|s| s.mask.visible(s.cache.len(), &s.positions)).collect();
+        let rows: Vec<cuda::SegmentRows<'_>> = segs
+            .iter()
+            .zip(spans)
+            .zip(&visible)
+            .map(|((s, &(row0, w)), v)| cuda::SegmentRows {
+                row0,
+                w,
+                p: s.cache.len(),
+                capacity: s.cache.capacity(),
+                visible: v,
+            })
+            .collect();
+        let t = cuda::segment_table(&rows, heads)?;
+        let n = t.words.len();
+        let table = Tensor::from_vec(t.words, n, dev)?;
+        let layers = segs[0].cache.layer_count();
+        let mut addrs = Vec::with_capacity(layers * 2 * segs.len());
+        for l in 0..layers {
+            for s in segs {
+                if s.cache.layer_count() != layers {
+                    return Err(crate::error::Error::Internal("the segments' caches hold different layers".into()));
+                }
+                let (k, v) = s.cache.layer(l);
+                for t in [k, v] {
+                    // key and value rows are read 16 bytes at a time
+                    let a = cuda::device_address(t)?;
+                    if a % 16 != 0 || !t.is_contiguous() {
+                        return Err(crate::error::Error::Internal("a KV cache the CUDA kernels cannot read".into()));
+                    }
+                    addrs.push(a as i64);
+                }
+            }
+        }
+        let kv = Tensor::from_vec(addrs, (layers, 2 * segs.len()), dev)?;
+        Ok(Some(Together { table, kv, segments: segs.len(), most: t.most }))
+    }
 }
 
 impl ForwardAttention {
@@ -144,8 +210,14 @@ impl ForwardAttention {
         kn: &Kernels,
         dev: &Device,
     ) -> Result<Self> {
+        let together = match path {
+            AttnPath::Fused if kn.cuda_segments => Together::new(segs, &spans, heads, dev)?,
+            _ => None,
+        };
+        // (segments attended together need no per-segment ranges or masks)
         let chunks = segs
             .iter()
+            .filter(|_| together.is_none())
             .map(|s| {
                 let shape = (heads.0, heads.2);
                 let (spec, p) = (s.mask.clone(), s.cache.len());
@@ -156,12 +228,13 @@ impl ForwardAttention {
             [one] => one.cancel.clone(),
             _ => None,
         };
-        Ok(ForwardAttention { path, spans, order, chunks, heads, scale: 1.0 / (heads.2 as f64).sqrt(), cancel })
+        let scale = 1.0 / (heads.2 as f64).sqrt();
+        Ok(ForwardAttention { path, spans, order, chunks, heads, scale, cancel, together })
     }
 
     /// mbd-rs's CUDA kernels (`AttnPath::Fused`): per segment, q/k norms + RoPE + the K/V cache write in one launch
     /// (`cuda::prep`), attention over the segment's key ranges in two (`cuda::attend`), or candle's matmuls for a long
-    /// window over a long cache. `qkv`: the stacked (rows, heads + 2 · kv heads, head_dim) projections, contiguous;
+    /// window over a long cache; or every segment in those three launches (`Together`). `qkv`: the stacked (rows, heads + 2 · kv heads, head_dim) projections, contiguous;
     /// `norms`: the q and k norms' weights and their eps. Returns (rows, heads · head_dim).
     pub(crate) fn fused(
         &self,
@@ -172,6 +245,11 @@ impl ForwardAttention {
         layer: usize,
     ) -> Result<Tensor> {
         let (nh, nkv, d) = self.heads;
+        if let Some(t) = &self.together {
+            let kv = t.kv.get(layer)?;
+            let q = cuda::prep_segments(qkv, (&t.table, &kv), (cos, sin), norms, (nh, nkv), t.segments)?;
+            return cuda::attend_segments(&q, (&t.table, &kv), t.segments, nkv, t.most, self.scale as f32, qkv.dtype());
+        }
         let mut ys = Vec::with_capacity(self.order.len());
         for &i in &self.order {
             let (o, w) = self.spans[i];

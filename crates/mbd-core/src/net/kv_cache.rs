@@ -209,6 +209,11 @@ impl KvCache {
         (k, v)
     }
 
+    /// The layers (attention slots) this cache holds K/V for.
+    pub(crate) fn layer_count(&self) -> usize {
+        self.layers.len()
+    }
+
     pub(crate) fn capacity(&self) -> usize {
         self.capacity
     }

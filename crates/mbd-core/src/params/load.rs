@@ -108,6 +108,7 @@ impl LoadParams {
             packed_avx512: k.packed_avx512.unwrap_or(d.packed_avx512),
             stack: k.stack.unwrap_or(d.stack),
             cuda_fused: k.cuda_fused.unwrap_or(d.cuda_fused),
+            cuda_segments: k.cuda_segments.unwrap_or(d.cuda_segments),
             candle_quant: k.candle_quant.unwrap_or(d.candle_quant),
         };
         let opts = LoadOptions {

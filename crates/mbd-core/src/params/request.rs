@@ -286,6 +286,7 @@ pub const PARAMS: &[ParamSpec] = &[
     p("packed_avx512", K::Bool, R::Any, "the packed product's AVX-512 tiles where the CPU has them (default true)"),
     p("stack", K::Bool, R::Any, "q/k/v and gate/up held as one matrix each (default true)"),
     p("cuda_fused", K::Bool, R::Any, "mbd-rs's own CUDA kernels (default true)"),
+    p("cuda_segments", K::Bool, R::Any, "CUDA: a forward's segments in one attention launch (default false)"),
     p("candle_quant", K::Bool, R::Any, "CPU: quantized matrices as candle's quantized tensors (tests)"),
     // logits
     p("prompt_len", K::Int, R::AtLeast(0.0), "end of the prompt block (alignment 'prompt')"),
@@ -614,6 +615,7 @@ request! {
         packed_avx512: bool,
         stack: bool,
         cuda_fused: bool,
+        cuda_segments: bool,
         candle_quant: bool,
     }
 }

@@ -11,10 +11,14 @@
 //   scale, the mask add, the softmax, the cast back, the value matmul and the transposes.
 // - mbd_silu_mul_*: silu(g) * u of the stacked gate/up product in one pass.
 // - mbd_add_rms_norm_*: the residual add and the next RMSNorm in one pass.
+// - mbd_row_stats_*: a decode step's per-row statistics of the logits (argmax, entropy, max probability).
+// - mbd_prep_segments_* / mbd_attn_partial_segments_* / mbd_attn_combine_segments_*: the same for every segment of
+//   a forward in one launch each (a segment table says which rows are whose, with each one's cache and chunking).
 // The key ranges of a row come from the mask spec (MaskSpec::visible on the host): ranges[0..=w] are offsets into
 // the (lo, hi) pairs that follow them.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <limits.h>
 #include <stdint.h>
 
 #define THREADS 128
@@ -90,19 +94,20 @@ __device__ __forceinline__ float dot_row(const float* qs, const float* r, int D)
 // qkv: (rows, slots, D) in the model dtype, this segment's rows from row0. cos/sin: (rows, D/2) f32, same rows.
 // qn/kn: the q/k norm weights (D) or null. q_out: (w, heads, D) f32. k_cache/v_cache: (kv_heads, cap, D), the
 // window's row j written at slot p + j.
+// (prep_row: one row of it, for either grid: stacked row `row` of qkv and the tables, q written at row `qrow` of
+// q_out, k/v at slot `slot` of the caches.)
 template <typename T>
-__device__ void prep(const T* __restrict__ qkv, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
-                     const T* __restrict__ qn, const T* __restrict__ kn, float eps, float* __restrict__ q_out,
-                     T* __restrict__ k_cache, T* __restrict__ v_cache, int row0, int heads, int kv_heads, int D,
-                     int cap, int p) {
+__device__ void prep_row(const T* __restrict__ qkv, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                         const T* __restrict__ qn, const T* __restrict__ kn, float eps, float* __restrict__ q_out,
+                         T* __restrict__ k_cache, T* __restrict__ v_cache, int row, int qrow, int slot, int heads,
+                         int kv_heads, int D, int cap) {
   __shared__ float xs[1024];
   __shared__ float red[32];
-  const int j = blockIdx.x, s = blockIdx.y, t = threadIdx.x;
+  const int s = blockIdx.y, t = threadIdx.x;
   const int slots = heads + 2 * kv_heads, half = D / 2;
-  const int row = row0 + j;
   const T raw = qkv[((size_t)row * slots + s) * D + t];
   if (s >= heads + kv_heads) {  // v: copied as it is
-    v_cache[((size_t)(s - heads - kv_heads) * cap + p + j) * D + t] = raw;
+    v_cache[((size_t)(s - heads - kv_heads) * cap + slot) * D + t] = raw;
     return;
   }
   float x = to_f(raw);
@@ -121,10 +126,47 @@ __device__ void prep(const T* __restrict__ qkv, const float* __restrict__ cos_t,
   const float c = cos_t[(size_t)row * half + i], sn = sin_t[(size_t)row * half + i];
   const float y = t < half ? x * c - xs[t + half] * sn : x * c + xs[t - half] * sn;
   if (s < heads) {
-    q_out[((size_t)j * heads + s) * D + t] = y;
+    q_out[((size_t)qrow * heads + s) * D + t] = y;
   } else {
-    k_cache[((size_t)(s - heads) * cap + p + j) * D + t] = from_f<T>(y);
+    k_cache[((size_t)(s - heads) * cap + slot) * D + t] = from_f<T>(y);
   }
+}
+
+template <typename T>
+__device__ void prep(const T* __restrict__ qkv, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                     const T* __restrict__ qn, const T* __restrict__ kn, float eps, float* __restrict__ q_out,
+                     T* __restrict__ k_cache, T* __restrict__ v_cache, int row0, int heads, int kv_heads, int D,
+                     int cap, int p) {
+  const int j = blockIdx.x;
+  prep_row<T>(qkv, cos_t, sin_t, qn, kn, eps, q_out, k_cache, v_cache, row0 + j, j, p + j, heads, kv_heads, D, cap);
+}
+
+// The segment table of a forward whose segments are attended in one launch (cuda.rs, segment_table): SEG_WORDS
+// words per segment, then the segment of every stacked row, then each segment's key ranges (ranges_layout).
+#define SEG_WORDS 8
+#define SEG_ROW0 0
+#define SEG_W 1
+#define SEG_P 2
+#define SEG_CHUNK 3
+#define SEG_CHUNKS 4
+#define SEG_RANGES 5
+#define SEG_CAP 6
+
+// prep over every segment of a forward: grid (rows, slots), block D threads. Row g belongs to segment
+// table[n_segs * SEG_WORDS + g]; kv holds each segment's K and V cache addresses for this layer.
+template <typename T>
+__device__ void prep_segments(const T* __restrict__ qkv, const float* __restrict__ cos_t,
+                              const float* __restrict__ sin_t, const T* __restrict__ qn, const T* __restrict__ kn,
+                              float eps, float* __restrict__ q_out, const uint32_t* __restrict__ table, int n_segs,
+                              const unsigned long long* __restrict__ kv, int heads, int kv_heads, int D) {
+  const int g = blockIdx.x;
+  const uint32_t seg = table[n_segs * SEG_WORDS + g];
+  const uint32_t* sg = table + seg * SEG_WORDS;
+  T* k_cache = reinterpret_cast<T*>(kv[2 * seg]);
+  T* v_cache = reinterpret_cast<T*>(kv[2 * seg + 1]);
+  const int slot = (int)sg[SEG_P] + (g - (int)sg[SEG_ROW0]);
+  prep_row<T>(qkv, cos_t, sin_t, qn, kn, eps, q_out, k_cache, v_cache, g, g, slot, heads, kv_heads, D,
+              (int)sg[SEG_CAP]);
 }
 
 // Grid (w, heads, chunks), block THREADS. q: (w, heads, D) f32. k/v: (kv_heads, cap, D). Block (i, h, c) attends
@@ -132,19 +174,18 @@ __device__ void prep(const T* __restrict__ qkv, const float* __restrict__ cos_t,
 // ws[((i * heads + h) * chunks + c) * (D + 2)]: the running max of the scaled scores, the sum of exp(s - m) and
 // the exp-weighted sum of value rows. A block reads every key of its chunk once for one query: the work grows
 // with rows x keys, so long windows over long caches take candle's matmuls instead (cuda.rs, fused_attention).
+// (attn_chunk: one block's work, for either grid: row i of a segment of w rows whose key ranges are `ranges`, its
+// query head h at qp, key chunk c, the record written at o.)
 template <typename T>
-__device__ void attn_partial(const float* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                             const uint32_t* __restrict__ ranges, float* __restrict__ ws, int w, int n_rep, int cap,
-                             int D, int chunk, float scale) {
+__device__ void attn_chunk(const float* __restrict__ qp, const T* __restrict__ k, const T* __restrict__ v,
+                           const uint32_t* __restrict__ ranges, float* __restrict__ o, int i, int h, int c, int w,
+                           int n_rep, int cap, int D, int chunk, float scale) {
   __shared__ float qs[MAX_D];
   __shared__ float sc[TILE];
   __shared__ float red[WARPS];
   __shared__ float part[WARPS][MAX_D];
-  const int i = blockIdx.x, h = blockIdx.y, c = blockIdx.z;
-  const int heads = gridDim.y, chunks = gridDim.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int dpl = D / 32;
-  const float* qp = q + ((size_t)i * heads + h) * D;
   for (int d = tid; d < D; d += THREADS) qs[d] = qp[d];
   __syncthreads();
   const int kvh = h / n_rep;
@@ -196,7 +237,6 @@ __device__ void attn_partial(const float* __restrict__ q, const T* __restrict__ 
   for (int t = 0; t < MAX_DPL; ++t)
     if (t < dpl) part[warp][lane * dpl + t] = acc[t];
   __syncthreads();
-  float* o = ws + (((size_t)i * heads + h) * chunks + c) * (D + 2);
   if (tid == 0) {
     o[0] = m;
     o[1] = l;
@@ -208,11 +248,39 @@ __device__ void attn_partial(const float* __restrict__ q, const T* __restrict__ 
   }
 }
 
-// Grid (w, heads), block D threads. out: (w, heads * D) in the model dtype.
 template <typename T>
-__device__ void attn_combine(const float* __restrict__ ws, T* __restrict__ out, int chunks, int D) {
-  const int i = blockIdx.x, h = blockIdx.y, heads = gridDim.y, d = threadIdx.x;
-  const float* b = ws + ((size_t)i * heads + h) * chunks * (D + 2);
+__device__ void attn_partial(const float* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                             const uint32_t* __restrict__ ranges, float* __restrict__ ws, int w, int n_rep, int cap,
+                             int D, int chunk, float scale) {
+  const int i = blockIdx.x, h = blockIdx.y, c = blockIdx.z;
+  const int heads = gridDim.y, chunks = gridDim.z;
+  attn_chunk<T>(q + ((size_t)i * heads + h) * D, k, v, ranges, ws + (((size_t)i * heads + h) * chunks + c) * (D + 2),
+                i, h, c, w, n_rep, cap, D, chunk, scale);
+}
+
+// attn_partial over every segment of a forward: grid (rows, heads, the most chunks of any segment), block THREADS.
+// Each segment keeps the chunking it would have alone (table: SEG_CHUNK, SEG_CHUNKS), so its arithmetic does not
+// depend on what shares the forward; blocks past their segment's chunks return at once. ws: (rows, heads,
+// gridDim.z, D + 2).
+template <typename T>
+__device__ void attn_partial_segments(const float* __restrict__ q, const uint32_t* __restrict__ table, int n_segs,
+                                      const unsigned long long* __restrict__ kv, float* __restrict__ ws, int n_rep,
+                                      int D, float scale) {
+  const int g = blockIdx.x, h = blockIdx.y, c = blockIdx.z;
+  const int heads = gridDim.y, most = gridDim.z;
+  const uint32_t seg = table[n_segs * SEG_WORDS + g];
+  const uint32_t* sg = table + seg * SEG_WORDS;
+  if (c >= (int)sg[SEG_CHUNKS]) return;  // block-uniform
+  const T* k = reinterpret_cast<const T*>(kv[2 * seg]);
+  const T* v = reinterpret_cast<const T*>(kv[2 * seg + 1]);
+  attn_chunk<T>(q + ((size_t)g * heads + h) * D, k, v, table + sg[SEG_RANGES],
+                ws + (((size_t)g * heads + h) * most + c) * (D + 2), g - (int)sg[SEG_ROW0], h, c, (int)sg[SEG_W],
+                n_rep, (int)sg[SEG_CAP], D, (int)sg[SEG_CHUNK], scale);
+}
+
+// (combine_row: merge the `chunks` records at b into out's element d.)
+template <typename T>
+__device__ void combine_row(const float* __restrict__ b, T* __restrict__ out, int chunks, int D, int d) {
   float M = -INFINITY;
   for (int c = 0; c < chunks; ++c) M = fmaxf(M, b[c * (D + 2)]);
   float L = 0.f, a = 0.f;
@@ -225,7 +293,25 @@ __device__ void attn_combine(const float* __restrict__ ws, T* __restrict__ out, 
       a = fmaf(b[c * (D + 2) + 2 + d], e, a);
     }
   }
-  out[(size_t)i * heads * D + (size_t)h * D + d] = from_f<T>(L > 0.f ? a / L : 0.f);
+  *out = from_f<T>(L > 0.f ? a / L : 0.f);
+}
+
+// Grid (w, heads), block D threads. out: (w, heads * D) in the model dtype.
+template <typename T>
+__device__ void attn_combine(const float* __restrict__ ws, T* __restrict__ out, int chunks, int D) {
+  const int i = blockIdx.x, h = blockIdx.y, heads = gridDim.y, d = threadIdx.x;
+  combine_row<T>(ws + ((size_t)i * heads + h) * chunks * (D + 2), out + (size_t)i * heads * D + (size_t)h * D + d,
+                 chunks, D, d);
+}
+
+// attn_combine over every segment of a forward: grid (rows, heads), block D threads; `most`: ws's chunk stride.
+template <typename T>
+__device__ void attn_combine_segments(const float* __restrict__ ws, const uint32_t* __restrict__ table, int n_segs,
+                                      T* __restrict__ out, int most, int D) {
+  const int g = blockIdx.x, h = blockIdx.y, heads = gridDim.y, d = threadIdx.x;
+  const uint32_t seg = table[n_segs * SEG_WORDS + g];
+  combine_row<T>(ws + ((size_t)g * heads + h) * most * (D + 2), out + (size_t)g * heads * D + (size_t)h * D + d,
+                 (int)table[seg * SEG_WORDS + SEG_CHUNKS], D, d);
 }
 
 // gu: (rows, 2 I) contiguous; out: (rows, I). n = rows * I.
@@ -262,6 +348,70 @@ __device__ void add_rms_norm(const T* __restrict__ x, const T* __restrict__ a, c
   for (int c = threadIdx.x; c < n; c += ADD_THREADS) h_out[base + c] = from_f<T>(to_f(x_out[base + c]) * inv * to_f(w[c]));
 }
 
+// Grid (rows), block STAT_THREADS. x: (rows, v). out: (rows, 3) f64: the argmax (ties -> lowest index), the
+// entropy and the max probability of softmax(row), as kernels/stats.rs's row_stats computes them: the max m and its
+// first index, then Z = sum e^(x - m) and S = sum e^(x - m) (x - m) with each term in f32 and the sums in f64;
+// H = ln Z - S / Z, max p = 1 / Z. A NaN logit is never the argmax but makes Z (so the entropy) NaN, as on the host.
+#define STAT_THREADS 512
+__device__ __forceinline__ void better(float& m, int& i, float m2, int i2) {
+  if (m2 > m || (m2 == m && i2 < i)) {
+    m = m2;
+    i = i2;
+  }
+}
+
+template <typename T>
+__device__ void row_stats(const T* __restrict__ x, double* __restrict__ out, int v) {
+  __shared__ float sm[STAT_THREADS / 32];
+  __shared__ int si[STAT_THREADS / 32];
+  __shared__ double sz[STAT_THREADS / 32], ss[STAT_THREADS / 32];
+  const T* r = x + (size_t)blockIdx.x * v;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float m = -INFINITY;
+  int idx = INT_MAX;  // INT_MAX: nothing seen (every value NaN so far)
+  for (int c = threadIdx.x; c < v; c += STAT_THREADS) better(m, idx, to_f(r[c]), c);
+  for (int o = 16; o > 0; o >>= 1) better(m, idx, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, idx, o));
+  if (lane == 0) {
+    sm[warp] = m;
+    si[warp] = idx;
+  }
+  __syncthreads();
+  m = sm[0];
+  idx = si[0];
+  for (int w = 1; w < STAT_THREADS / 32; ++w) better(m, idx, sm[w], si[w]);
+  if (idx == INT_MAX) {  // an all-NaN row: index 0, and its NaN spreads into Z
+    idx = 0;
+    m = to_f(r[0]);
+  }
+  double z = 0.0, s = 0.0;
+  for (int c = threadIdx.x; c < v; c += STAT_THREADS) {
+    const float d = to_f(r[c]) - m;
+    const float e = expf(d);
+    z += (double)e;
+    s += (double)(e * d);
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    z += __shfl_xor_sync(0xffffffffu, z, o);
+    s += __shfl_xor_sync(0xffffffffu, s, o);
+  }
+  if (lane == 0) {
+    sz[warp] = z;
+    ss[warp] = s;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double zt = 0.0, st = 0.0;
+    for (int w = 0; w < STAT_THREADS / 32; ++w) {
+      zt += sz[w];
+      st += ss[w];
+    }
+    double* o = out + (size_t)blockIdx.x * 3;
+    o[0] = (double)idx;
+    o[1] = log(zt) - st / zt;
+    o[2] = 1.0 / zt;
+  }
+}
+
 #define ENTRY(NAME, T)                                                                                           \
   extern "C" __global__ void mbd_prep_##NAME(const T* qkv, const float* cos_t, const float* sin_t, const T* qn,   \
                                              const T* kn, float eps, float* q_out, T* k_cache, T* v_cache,        \
@@ -276,12 +426,30 @@ __device__ void add_rms_norm(const T* __restrict__ x, const T* __restrict__ a, c
   extern "C" __global__ void mbd_attn_combine_##NAME(const float* ws, T* out, int chunks, int D) {                \
     attn_combine<T>(ws, out, chunks, D);                                                                         \
   }                                                                                                              \
+  extern "C" __global__ void mbd_prep_segments_##NAME(const T* qkv, const float* cos_t, const float* sin_t,       \
+                                                      const T* qn, const T* kn, float eps, float* q_out,          \
+                                                      const uint32_t* table, int n_segs,                          \
+                                                      const unsigned long long* kv, int heads, int kv_heads, int D) { \
+    prep_segments<T>(qkv, cos_t, sin_t, qn, kn, eps, q_out, table, n_segs, kv, heads, kv_heads, D);               \
+  }                                                                                                              \
+  extern "C" __global__ void __launch_bounds__(THREADS)                                                          \
+      mbd_attn_partial_segments_##NAME(const float* q, const uint32_t* table, int n_segs,                         \
+                                       const unsigned long long* kv, float* ws, int n_rep, int D, float scale) {  \
+    attn_partial_segments<T>(q, table, n_segs, kv, ws, n_rep, D, scale);                                         \
+  }                                                                                                              \
+  extern "C" __global__ void mbd_attn_combine_segments_##NAME(const float* ws, const uint32_t* table, int n_segs, \
+                                                              T* out, int most, int D) {                          \
+    attn_combine_segments<T>(ws, table, n_segs, out, most, D);                                                   \
+  }                                                                                                              \
   extern "C" __global__ void mbd_silu_mul_##NAME(const T* gu, T* out, size_t n, int inter) {                      \
     silu_mul<T>(gu, out, n, inter);                                                                              \
   }                                                                                                              \
   extern "C" __global__ void __launch_bounds__(ADD_THREADS)                                                      \
       mbd_add_rms_norm_##NAME(const T* x, const T* a, const T* w, float eps, T* x_out, T* h_out, int n) {          \
     add_rms_norm<T>(x, a, w, eps, x_out, h_out, n);                                                              \
+  }                                                                                                              \
+  extern "C" __global__ void __launch_bounds__(STAT_THREADS) mbd_row_stats_##NAME(const T* x, double* out, int v) { \
+    row_stats<T>(x, out, v);                                                                                     \
   }
 
 ENTRY(f32, float)
