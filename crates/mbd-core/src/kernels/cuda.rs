@@ -260,7 +260,7 @@ mod imp {
             _ => return Err(Error::Internal("a CUDA kernel got a tensor of an unexpected dtype".into())),
         };
         let addr = base + (l.start_offset() * size) as u64;
-        if addr % align as u64 != 0 {
+        if !addr.is_multiple_of(align as u64) {
             return Err(Error::Internal(format!("a CUDA kernel's operand is not {align}-byte aligned")));
         }
         Ok((addr, cs.device.clone()))

@@ -187,7 +187,7 @@ impl Together {
                 for t in [k, v] {
                     // key and value rows are read 16 bytes at a time
                     let a = cuda::device_address(t)?;
-                    if a % 16 != 0 || !t.is_contiguous() {
+                    if !a.is_multiple_of(16) || !t.is_contiguous() {
                         return Err(crate::error::Error::Internal("a KV cache the CUDA kernels cannot read".into()));
                     }
                     addrs.push(a as i64);
