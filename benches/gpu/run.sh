@@ -21,6 +21,9 @@
 #   segments benches/gpu/segments.py (issue #51): K streams of the SDAR-1.7B attention shape batched with one launch
 #            per kernel for all segments (_kernels cuda_segments) == a launch per segment == each stream alone, token
 #            for token; then speed.py's 1/8/32 streams with the switch off and on
+#   ptx80    the compute-8.0 PTX wheel (MBD_CUDA_ARCH=80 bash scripts/build-cuda-wheel.sh dist/cuda; carry both
+#            wheels) under CUDA_FORCE_PTX_JIT=1, as a GPU other than 9.0 runs it: parity (fixtures, greedy) and
+#            one-forward speed, then the same speed cases with the sm_90 wheel for the ratio
 #   batching tests/test_batching.py on the GPU (device "auto" is CUDA there, bf16): do concurrent streams, batched
 #            into shared forwards, still give their lone outputs token for token?
 # Everything goes to $OUT (default ./gpu_out): JSON per stage, logs, nvidia-smi.
@@ -89,10 +92,23 @@ for stage in $stages; do
       "$PY" benches/gpu/segments.py --out "$OUT/gpu_segments.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/segments.log"
       "$PY" benches/gpu/speed.py --shape sdar-1.7b --cases 512:1,512:32 --rounds 1 --e2e --e2e-engines mbd_rs,segments \
         --ab segments --out "$OUT/gpu_speed_segments.json" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/segments.log" ;;
+    ptx80)
+      whl=$(ls dist/cuda/mbd_rs-*+cu130.cc80-*.whl 2>/dev/null | head -n 1)
+      [ -n "$whl" ] || { echo "no compute-8.0 wheel in dist/cuda (MBD_CUDA_ARCH=80 bash scripts/build-cuda-wheel.sh)" >&2; exit 1; }
+      rm -rf /tmp/mbd-cc80 && "$PY" -m pip install -q --no-deps --no-index --target /tmp/mbd-cc80 "$whl"
+      cases=512:1,512:32,2048:1,2048:32
+      (export CUDA_FORCE_PTX_JIT=1 PYTHONPATH=/tmp/mbd-cc80
+       cd /tmp && "$PY" -c "import mbd_rs; assert mbd_rs._core.__name__ == 'mbd_rs._cuda._core', mbd_rs._cuda_libs.cuda_unavailable; print('cc80 wheel', mbd_rs.__version__)"
+       cd "$OLDPWD" && "$PY" benches/gpu/parity.py --no-hf --out "$OUT/gpu_parity_cc80.json" 2>&1 | grep -v "Loading weights" | tail -30
+       "$PY" benches/gpu/speed.py --shape sdar-1.7b --cases $cases --rounds 1 --out "$OUT/gpu_speed_cc80.json" 2>&1 \
+         | grep -v "Loading weights") | tee "$OUT/ptx80.log"
+      install > /dev/null
+      "$PY" benches/gpu/speed.py --shape sdar-1.7b --cases $cases --rounds 1 --out "$OUT/gpu_speed_sm90.json" 2>&1 \
+        | grep -v "Loading weights" | tee -a "$OUT/ptx80.log" ;;
     batching)
       install > /dev/null
       (cd /tmp && "$PY" -m pytest -q -p no:cacheprovider -rf --tb=line "$OLDPWD/tests/test_batching.py" 2>&1 | tail -25) \
         | tee "$OUT/batching.log" ;;
-    *) echo "unknown stage $stage (install|parity|speed|speed8b|profile|ncu|quant|segments|batching|all)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (install|parity|speed|speed8b|profile|ncu|quant|segments|ptx80|batching|all)" >&2; exit 2 ;;
   esac
 done
