@@ -10,12 +10,19 @@ are accepted often enough to write more tokens per forward than that.
 
 MODEL_DIR: e.g. the 0.5B shape from scripts/make_bench_model.py (random weights: drafts are almost never accepted,
 so this measures the cost side; a trained I-DLM model brings the acceptance).
+
+--agree: the other side, every draft accepted. The same checkpoint with its final norm's weight set to zero (a copy
+in --agree-dir; every other byte unchanged), so that every position's logits are all zero and every prediction is
+token 0: the verifier agrees with every draft, and ISD writes its most tokens per forward at the same cost per
+forward. An upper bound of what ISD can gain over AR at each stride on this machine, not a model's quality.
 """
 import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
+import struct
 import time
 
 import mbd_rs
@@ -29,6 +36,29 @@ def isa():
     return "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else platform.machine()
 
 
+def agreeing_copy(src, dst):
+    """`src` with model.norm.weight zeroed in its safetensors file (header read, the tensor's bytes overwritten)."""
+    os.makedirs(dst, exist_ok=True)
+    zeroed = False
+    for name in os.listdir(src):
+        if os.path.isdir(os.path.join(src, name)):
+            continue
+        shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+        if not name.endswith(".safetensors"):
+            continue
+        with open(os.path.join(dst, name), "r+b") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            t = json.loads(f.read(n)).get("model.norm.weight")
+            if t is not None:
+                lo, hi = t["data_offsets"]
+                f.seek(8 + n + lo)
+                f.write(bytes(hi - lo))
+                zeroed = True
+    if not zeroed:
+        raise SystemExit(f"{src}: no model.norm.weight in its safetensors files")
+    return dst
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model")
@@ -38,14 +68,21 @@ def main():
     ap.add_argument("--configs", default="bf16,q8_0+int8")
     ap.add_argument("--mask-token-id", type=int, default=151665)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--agree", action="store_true", help="every draft accepted (a copy with a zeroed final norm)")
+    ap.add_argument("--agree-dir", default="/tmp/mbd-bench/isd-agree")
     a = ap.parse_args()
-    prompt = [(i * 7919) % 150000 + 100 for i in range(32)]
+    if a.agree:
+        a.model = agreeing_copy(a.model, a.agree_dir)
+    vocab = json.load(open(os.path.join(a.model, "config.json")))["vocab_size"]
+    prompt = [(i * 7919) % min(150000, vocab - 200) + 100 for i in range(32)]
     modes = [("AR", {})] + [(f"ISD N={n}", {"speculative": "isd", "isd_stride": int(n)}) for n in a.strides.split(",")]
-    results = {"cpu": isa(), "cores": os.cpu_count(), "model": os.path.basename(a.model.rstrip("/")),
+    results = {"agree": a.agree, "cpu": isa(), "cores": os.cpu_count(), "model": os.path.basename(a.model.rstrip("/")),
                "prompt_tokens": len(prompt), "max_tokens": a.tokens, "rounds": a.rounds, "configs": {}}
     for cfg in a.configs.split(","):
+        # (--agree: every prediction is token 0, which must not end the text)
+        eos = dict(eos_token_ids=[1]) if a.agree else {}
         eng = mbd_rs.Engine.load(a.model, device="cpu", attention="causal", logits_shift=True,
-                                 mask_token_id=a.mask_token_id, **CONFIGS[cfg])
+                                 mask_token_id=a.mask_token_id, **eos, **CONFIGS[cfg])
         times = {m: [] for m, _ in modes}
         usage = {}
         for m, kw in modes:  # warm-up, and the deterministic usage (greedy)
