@@ -234,8 +234,9 @@ impl ForwardAttention {
 
     /// mbd-rs's CUDA kernels (`AttnPath::Fused`): per segment, q/k norms + RoPE + the K/V cache write in one launch
     /// (`cuda::prep`), attention over the segment's key ranges in two (`cuda::attend`), or candle's matmuls for a long
-    /// window over a long cache; or every segment in those three launches (`Together`). `qkv`: the stacked (rows, heads + 2 · kv heads, head_dim) projections, contiguous;
-    /// `norms`: the q and k norms' weights and their eps. Returns (rows, heads · head_dim).
+    /// window over a long cache; or every segment in those three launches (`Together`). `qkv`: the stacked (rows,
+    /// heads + 2 · kv heads, head_dim) projections, contiguous; `norms`: the q and k norms' weights and their eps.
+    /// Returns (rows, heads · head_dim).
     pub(crate) fn fused(
         &self,
         qkv: &Tensor,
