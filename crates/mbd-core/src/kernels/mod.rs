@@ -2,8 +2,8 @@
 //! per-ISA products (`skinny`: few rows; `panels`: many rows and matrices packed at load; `qdot`: integer dot
 //! products on 8-bit activations), the blocked CPU attention (`attention`), the gated delta rule and its
 //! convolution (`delta_rule`), vector math (`vmath`), a decode step's statistics of the logits rows on the
-//! host or the GPU (`stats`) and mbd-rs's CUDA kernels (`cuda`). It knows block formats and instruction sets, never layers, requests or files: nothing here
-//! imports from another wing (docs/architecture.md).
+//! host or the GPU (`stats`) and mbd-rs's CUDA kernels (`cuda`). It knows block formats and instruction sets, never
+//! layers, requests or files: nothing here imports from another wing (docs/architecture.md).
 
 pub mod attention;
 pub mod blocks;
