@@ -139,6 +139,11 @@ def main():
         ver, proposed, accepted = 0, 0, 0
         per_task = {t: [0, 0] for t in TASKS}
         outputs = []
+        try:  # a method that does not apply to this model (e.g. S2D2 on an unshifted one) is a clear error: skipped
+            eng.chat([{"role": "user", "content": data[0][1]}], max_tokens=1, **cfg)
+        except mbd_rs.InvalidRequestError as e:
+            print(f"{name:34s} does not apply to this model: {e}", flush=True)
+            continue
         for task, p, a in data:
             t = time.perf_counter()
             c = eng.chat([{"role": "user", "content": p}], max_tokens=args.max_tokens, **cfg)
