@@ -21,7 +21,7 @@
 #   segments benches/gpu/segments.py (issue #51): K streams of the SDAR-1.7B attention shape batched with one launch
 #            per kernel for all segments (_kernels cuda_segments) == a launch per segment == each stream alone, token
 #            for token; then speed.py's 1/8/32 streams with the switch off and on
-#   ptx80    the compute-8.0 PTX wheel (MBD_CUDA_ARCH=80 bash scripts/build-cuda-wheel.sh dist/cuda) under
+#   ptx80    the compute-8.0 PTX wheel (MBD_CUDA_ARCH=80 bash scripts/build-cuda-wheel.sh dist/cuda80) under
 #            CUDA_FORCE_PTX_JIT=1, as a GPU other than 9.0 runs it: parity (fixtures, greedy) and one-forward speed,
 #            then the same speed cases with the sm_90 wheel installed by an earlier stage on this machine, for the
 #            ratio. The two wheels (12 + 35 MB) and the tree (~32 MB) exceed one call's 64 MiB: carry the sm_90 wheel
@@ -95,8 +95,8 @@ for stage in $stages; do
       "$PY" benches/gpu/speed.py --shape sdar-1.7b --cases 512:1,512:32 --rounds 1 --e2e --e2e-engines mbd_rs,segments \
         --ab segments --out "$OUT/gpu_speed_segments.json" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/segments.log" ;;
     ptx80)
-      whl=$(ls dist/cuda/mbd_rs-*+cu130.cc80-*.whl 2>/dev/null | head -n 1)
-      [ -n "$whl" ] || { echo "no compute-8.0 wheel in dist/cuda (MBD_CUDA_ARCH=80 bash scripts/build-cuda-wheel.sh)" >&2; exit 1; }
+      whl=$(ls dist/cuda80/mbd_rs-*+cu130.cc80-*.whl dist/cuda/mbd_rs-*+cu130.cc80-*.whl 2>/dev/null | head -n 1)
+      [ -n "$whl" ] || { echo "no compute-8.0 wheel in dist/cuda80 (MBD_CUDA_ARCH=80 bash scripts/build-cuda-wheel.sh dist/cuda80)" >&2; exit 1; }
       rm -rf /tmp/mbd-cc80 && "$PY" -m pip install -q --no-deps --no-index --target /tmp/mbd-cc80 "$whl"
       cases=512:1,512:32,2048:1,2048:32
       (export CUDA_FORCE_PTX_JIT=1 PYTHONPATH=/tmp/mbd-cc80
