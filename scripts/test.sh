@@ -20,10 +20,15 @@ stage() { echo "== $1 ($(( $(date +%s) - start )) s)"; }
 stage "python test environment (./.venv: maturin, pytest, transformers, ...)"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 . .venv/bin/activate
-python -m pip install -q --disable-pip-version-check maturin==1.16.0 -r scripts/test-requirements.txt
+# pip shows one line per package it collects or installs (a first run's progress), nothing when all is there
+pip_install() {
+  python -m pip install --disable-pip-version-check --progress-bar off "$@" \
+    | { grep -v -e "^Requirement already satisfied" -e "^Looking in links" || true; }
+}
+pip_install maturin==1.16.0 -r scripts/test-requirements.txt
 # tests/test_qwen_vocab.py: Qwen2's real 151k-token vocabulary, from the vocabulary GGUF llama.cpp ships for its
 # tokenizer tests (in llama-cpp-python's 77 MB sdist, downloaded once into the cache; skipped, saying so, without it).
-python -m pip install -q --disable-pip-version-check gguf==0.19.0 tokenizers==0.23.3 transformers==5.23.0 jinja2==3.1.6
+pip_install gguf==0.19.0 tokenizers==0.23.3 transformers==5.23.0 jinja2==3.1.6
 export MBD_LLAMACPP_SDIST="${XDG_CACHE_HOME:-$HOME/.cache}/mbd-rs/llama_cpp_python-0.3.36.tar.gz"
 [ -f "$MBD_LLAMACPP_SDIST" ] || python -m pip download -q --disable-pip-version-check --no-deps \
   --no-binary llama-cpp-python llama-cpp-python==0.3.36 -d "${MBD_LLAMACPP_SDIST%/*}" \
