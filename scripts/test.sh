@@ -17,6 +17,16 @@ for a in "$@"; do
 done
 start=$(date +%s)
 stage() { echo "== $1 ($(( $(date +%s) - start )) s)"; }
+# a line every 30 s while a step runs that can be silent longer (cargo prints nothing while one big crate compiles)
+heartbeat() {
+  (while sleep 30; do echo "   ... still working ($(( $(date +%s) - start )) s)"; done) &
+  local hb=$! rc=0
+  trap "kill $hb 2>/dev/null" EXIT
+  "$@" || rc=$?
+  kill "$hb" 2>/dev/null; wait "$hb" 2>/dev/null || true
+  trap - EXIT
+  return "$rc"
+}
 stage "python test environment (./.venv: maturin, pytest, transformers, ...)"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 . .venv/bin/activate
@@ -34,9 +44,9 @@ export MBD_LLAMACPP_SDIST="${XDG_CACHE_HOME:-$HOME/.cache}/mbd-rs/llama_cpp_pyth
   --no-binary llama-cpp-python llama-cpp-python==0.3.36 -d "${MBD_LLAMACPP_SDIST%/*}" \
   || echo "the llama-cpp-python sdist could not be downloaded: tests/test_qwen_vocab.py will be skipped"
 stage "build (debug extension into ./.venv; the first build compiles ~300 crates)"
-maturin develop
+heartbeat maturin develop
 stage "cargo test"
-cargo test -p mbd-core -- -q
+heartbeat cargo test -p mbd-core -- -q
 stage "mypy --strict (package + README examples)"
 bash scripts/check_types.sh
 workers=${MBD_TEST_WORKERS:-$(n=$(nproc 2>/dev/null || echo 2); echo $(( n < 4 ? n : 4 )))}
