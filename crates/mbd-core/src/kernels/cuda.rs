@@ -649,6 +649,134 @@ mod tests {
         assert_eq!(t.words[base1..], ranges_layout(&b).unwrap()[..]);
     }
 
+    /// The `*_segments` kernels' reading of a segment table, line for line from kernels.cu (`attn_partial_segments`
+    /// and `attn_combine_segments` over `attn_chunk` / `combine_row`, in f64): for each stacked row and head, the
+    /// row's segment, its key ranges inside each of its chunks, one (m, l, acc) record per chunk, then the merge.
+    fn attend_as_the_kernels_read(
+        t: &SegmentTable,
+        n_segs: usize,
+        q: &[f64],
+        caches: &[(Vec<f64>, Vec<f64>)],
+        (heads, kv_heads, d): (usize, usize, usize),
+    ) -> Vec<f64> {
+        let w = &t.words;
+        let mut out = vec![0f64; t.rows * heads * d];
+        for g in 0..t.rows {
+            let seg = w[n_segs * SEG_WORDS + g] as usize;
+            let sg = &w[seg * SEG_WORDS..(seg + 1) * SEG_WORDS];
+            let (row0, rows, chunk, chunks, base, cap) =
+                (sg[0] as usize, sg[1] as usize, sg[3] as usize, sg[4] as usize, sg[5] as usize, sg[6] as usize);
+            assert!(chunks <= t.most);
+            let (i, ranges) = (g - row0, &w[base..]);
+            let pairs = &ranges[rows + 1..];
+            for h in 0..heads {
+                let kvh = h / (heads / kv_heads);
+                let qp = &q[(g * heads + h) * d..][..d];
+                let mut recs = vec![];
+                for c in 0..chunks {
+                    let (c_lo, c_hi) = (c * chunk, (c + 1) * chunk);
+                    let (mut m, mut l, mut acc) = (f64::NEG_INFINITY, 0f64, vec![0f64; d]);
+                    for ri in ranges[i] as usize..ranges[i + 1] as usize {
+                        let (lo, hi) = ((pairs[2 * ri] as usize).max(c_lo), (pairs[2 * ri + 1] as usize).min(c_hi));
+                        for key in lo..hi {
+                            let kr = &caches[seg].0[(kvh * cap + key) * d..][..d];
+                            let s = qp.iter().zip(kr).map(|(a, b)| a * b).sum::<f64>() / (d as f64).sqrt();
+                            let mn = m.max(s);
+                            let corr = (m - mn).exp();
+                            let p = (s - mn).exp();
+                            let vr = &caches[seg].1[(kvh * cap + key) * d..][..d];
+                            for (a, v) in acc.iter_mut().zip(vr) {
+                                *a = *a * corr + p * v;
+                            }
+                            l = l * corr + p;
+                            m = mn;
+                        }
+                    }
+                    recs.push((m, l, acc));
+                }
+                let big = recs.iter().map(|r| r.0).fold(f64::NEG_INFINITY, f64::max);
+                let o = &mut out[(g * heads + h) * d..][..d];
+                if big > f64::NEG_INFINITY {
+                    let lsum: f64 =
+                        recs.iter().filter(|r| r.0 > f64::NEG_INFINITY).map(|r| r.1 * (r.0 - big).exp()).sum();
+                    for (j, oj) in o.iter_mut().enumerate() {
+                        let a: f64 =
+                            recs.iter().filter(|r| r.0 > f64::NEG_INFINITY).map(|r| r.2[j] * (r.0 - big).exp()).sum();
+                        *oj = a / lsum;
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn the_segment_kernels_reading_of_a_table_is_each_segments_own_attention() {
+        // three segments of different windows, caches and masks, stacked out of order, GQA 4:2
+        let (heads, kv_heads, d) = (4, 2, 8);
+        let mut x = 0x2545F4914F6CDD1Du64;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % 2001) as f64 / 1000.0 - 1.0
+        };
+        // (row0, w, p, capacity, visible): a causal row over a long cache (several chunks), a block-causal pair, and
+        // a window of three rows with gaps in what they see
+        let vis_a = vec![vec![0..300]];
+        let vis_b = vec![vec![0..6], vec![0..6]];
+        let vis_c = vec![vec![0..2, 5..8], vec![1..9], vec![]];
+        let specs = [(5, 1, 299, 320, &vis_a), (0, 2, 4, 64, &vis_b), (2, 3, 6, 16, &vis_c)];
+        let segs: Vec<SegmentRows<'_>> = specs
+            .iter()
+            .map(|&(row0, w, p, capacity, visible)| SegmentRows { row0, w, p, capacity, visible })
+            .collect();
+        let t = segment_table(&segs, heads).unwrap();
+        assert!(t.most > 1, "the long segment takes several chunks");
+        let caches: Vec<(Vec<f64>, Vec<f64>)> = specs
+            .iter()
+            .map(|s| {
+                let n = kv_heads * s.3 * d;
+                ((0..n).map(|_| rnd()).collect(), (0..n).map(|_| rnd()).collect())
+            })
+            .collect();
+        let q: Vec<f64> = (0..t.rows * heads * d).map(|_| rnd()).collect();
+        let got = attend_as_the_kernels_read(&t, segs.len(), &q, &caches, (heads, kv_heads, d));
+        // each segment's rows attended directly over the keys its rows see (softmax in f64)
+        for (s, spec) in specs.iter().enumerate() {
+            let (row0, _, _, cap, visible) = *spec;
+            for (i, seen) in visible.iter().enumerate() {
+                for h in 0..heads {
+                    let (g, kvh) = (row0 + i, h / (heads / kv_heads));
+                    let qp = &q[(g * heads + h) * d..][..d];
+                    let keys: Vec<usize> = seen.iter().flat_map(|r| r.clone()).collect();
+                    let sc: Vec<f64> = keys
+                        .iter()
+                        .map(|&k| {
+                            let kr = &caches[s].0[(kvh * cap + k) * d..][..d];
+                            qp.iter().zip(kr).map(|(a, b)| a * b).sum::<f64>() / (d as f64).sqrt()
+                        })
+                        .collect();
+                    let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let z: f64 = sc.iter().map(|s| (s - m).exp()).sum();
+                    for j in 0..d {
+                        let want = if keys.is_empty() {
+                            0.0
+                        } else {
+                            let vv = &caches[s].1;
+                            keys.iter()
+                                .zip(&sc)
+                                .map(|(&k, x)| (x - m).exp() / z * vv[(kvh * cap + k) * d + j])
+                                .sum::<f64>()
+                        };
+                        let have = got[(g * heads + h) * d + j];
+                        assert!((have - want).abs() < 1e-9, "segment {s} row {i} head {h} dim {j}: {have} vs {want}");
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn segment_table_refuses_what_the_kernels_cannot_read() {
         let one = vec![vec![0..3]];
