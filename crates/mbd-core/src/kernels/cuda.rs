@@ -311,6 +311,45 @@ mod imp {
         i32::try_from(x).map_err(|_| Error::Internal(format!("{x} does not fit a CUDA kernel's int argument")))
     }
 
+    /// The device addresses `prep` and `prep_segments` read besides the caches: the stacked q/k/v product, the RoPE
+    /// tables, the q and k norms' weights (a null address: no norm on that side), and the norms' eps.
+    struct PrepOperands {
+        qkv: u64,
+        cos: u64,
+        sin: u64,
+        qn: u64,
+        kn: u64,
+        eps: f32,
+        dev: CudaDevice,
+    }
+
+    impl PrepOperands {
+        fn of(
+            qkv: &Tensor,
+            (cos, sin): (&Tensor, &Tensor),
+            norms: (Option<&Tensor>, Option<&Tensor>, f32),
+        ) -> Result<Self> {
+            let d = qkv.dim(2)?;
+            let norm = |t: Option<&Tensor>| -> Result<u64> {
+                match t {
+                    Some(t) if t.dims() == [d] && t.dtype() == qkv.dtype() => Ok(ptr(t, 1)?.0),
+                    Some(_) => Err(Error::Internal("CUDA prep: a q/k norm weight of another shape or dtype".into())),
+                    None => Ok(0),
+                }
+            };
+            let (qkv_p, dev) = ptr(qkv, 1)?;
+            Ok(PrepOperands {
+                qkv: qkv_p,
+                cos: ptr(cos, 1)?.0,
+                sin: ptr(sin, 1)?.0,
+                qn: norm(norms.0)?,
+                kn: norm(norms.1)?,
+                eps: norms.2,
+                dev,
+            })
+        }
+    }
+
     /// The window's q/k/v from the stacked product: `qkv` (rows, heads + 2 kv_heads, D) contiguous, this
     /// segment's rows `rows` = (first, count). q/k RMSNorm where `norms` = (q weight, k weight, eps) has a weight, RoPE from
     /// the f32 tables `cos`/`sin` (rows, D/2) of the same stacked rows, K and V written into `cache` (each layer's
@@ -342,27 +381,16 @@ mod imp {
             contiguous(t, what)?;
         }
         let name = format!("mbd_prep_{}", suffix(qkv.dtype())?);
-        let (qkv_p, dev) = ptr(qkv, 1)?;
-        let (cos_p, _) = ptr(cos, 1)?;
-        let (sin_p, _) = ptr(sin, 1)?;
+        let o = PrepOperands::of(qkv, (cos, sin), norms)?;
         let (k_p, _) = ptr(cache.0, 1)?;
         let (v_p, _) = ptr(cache.1, 1)?;
-        // a null address: no norm on that side
-        let norm_ptr = |t: Option<&Tensor>| -> Result<u64> {
-            match t {
-                Some(t) if t.dims() == [d] && t.dtype() == qkv.dtype() => Ok(ptr(t, 1)?.0),
-                Some(_) => Err(Error::Internal("CUDA prep: a q/k norm weight of another shape or dtype".into())),
-                None => Ok(0),
-            }
-        };
-        let (qn_p, kn_p, eps) = (norm_ptr(norms.0)?, norm_ptr(norms.1)?, norms.2);
         // every element of q is written: one thread per (row, head, dim)
-        let (q, q_p) = output(&dev, DType::F32, &[w, nh, d])?;
-        let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let (q, q_p) = output(&o.dev, DType::F32, &[w, nh, d])?;
+        let f = o.dev.get_or_load_custom_func(&name, MODULE, PTX)?;
         let mut b = f.builder();
         let (row0, nh_, nkv_, d_, cap_, p_) =
             (i32_of(row0)?, i32_of(nh)?, i32_of(nkv)?, i32_of(d)?, i32_of(cap)?, i32_of(p)?);
-        b.arg(&qkv_p).arg(&cos_p).arg(&sin_p).arg(&qn_p).arg(&kn_p).arg(&eps).arg(&q_p).arg(&k_p).arg(&v_p);
+        b.arg(&o.qkv).arg(&o.cos).arg(&o.sin).arg(&o.qn).arg(&o.kn).arg(&o.eps).arg(&q_p).arg(&k_p).arg(&v_p);
         b.arg(&row0).arg(&nh_).arg(&nkv_).arg(&d_).arg(&cap_).arg(&p_);
         // SAFETY: the arguments match mbd_prep_*'s parameters; the shapes were checked above.
         unsafe { b.launch(dims((w, slots, 1), d)?) }.w()?;
@@ -484,25 +512,15 @@ mod imp {
             contiguous(t, what)?;
         }
         let name = format!("mbd_prep_segments_{}", suffix(qkv.dtype())?);
-        let (qkv_p, dev) = ptr(qkv, 1)?;
-        let (cos_p, _) = ptr(cos, 1)?;
-        let (sin_p, _) = ptr(sin, 1)?;
+        let o = PrepOperands::of(qkv, (cos, sin), norms)?;
         let (t_p, _) = ptr(table, 4)?;
         let (kv_p, _) = ptr(kv, 8)?;
-        let norm_ptr = |t: Option<&Tensor>| -> Result<u64> {
-            match t {
-                Some(t) if t.dims() == [d] && t.dtype() == qkv.dtype() => Ok(ptr(t, 1)?.0),
-                Some(_) => Err(Error::Internal("CUDA prep: a q/k norm weight of another shape or dtype".into())),
-                None => Ok(0),
-            }
-        };
-        let (qn_p, kn_p, eps) = (norm_ptr(norms.0)?, norm_ptr(norms.1)?, norms.2);
         // every element of q is written: one thread per (row, head, dim)
-        let (q, q_p) = output(&dev, DType::F32, &[rows, nh, d])?;
-        let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let (q, q_p) = output(&o.dev, DType::F32, &[rows, nh, d])?;
+        let f = o.dev.get_or_load_custom_func(&name, MODULE, PTX)?;
         let mut b = f.builder();
         let (n_, nh_, nkv_, d_) = (i32_of(n_segs)?, i32_of(nh)?, i32_of(nkv)?, i32_of(d)?);
-        b.arg(&qkv_p).arg(&cos_p).arg(&sin_p).arg(&qn_p).arg(&kn_p).arg(&eps).arg(&q_p);
+        b.arg(&o.qkv).arg(&o.cos).arg(&o.sin).arg(&o.qn).arg(&o.kn).arg(&o.eps).arg(&q_p);
         b.arg(&t_p).arg(&n_).arg(&kv_p).arg(&nh_).arg(&nkv_).arg(&d_);
         // SAFETY: the arguments match mbd_prep_segments_*'s parameters; the table was checked by segment_table.
         unsafe { b.launch(dims((rows, slots, 1), d)?) }.w()?;
