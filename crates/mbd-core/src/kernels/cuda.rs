@@ -1,8 +1,8 @@
 //! mbd-rs's own CUDA kernels (`src/cuda/kernels.cu`, built to PTX by build.rs with the `cuda` feature): a decode
 //! window's attention in three launches per segment and layer (`prep`, then `attend`'s two), each residual add and
-//! the norm after it in one (`add_rms_norm`), `silu_mul` in one, and the logits rows' statistics (`row_stats`,
-//! for `kernels::stats`) in one, where candle's ops took 25-38 launches per
-//! layer (issue #17: the forward was bound by the host launching them). `Kernels::cuda_fused` turns them off for
+//! the norm after it in one (`add_rms_norm`), `silu_mul` in one, and the logits rows' statistics (`row_stats`, for
+//! `kernels::stats`) in one, where candle's ops took 25-38 launches per layer (issue #17: the forward was bound by
+//! the host launching them). `Kernels::cuda_fused` turns them off for
 //! A/B runs. Without the `cuda` feature, `available` is false and nothing else is reachable.
 
 use crate::error::Result;
@@ -481,6 +481,21 @@ mod imp {
         Ok(ptr(t, 1)?.0)
     }
 
+    /// The device addresses of a segment table (`segment_table`'s words, u32, covering `n_segs` segments and `rows`
+    /// stacked rows) and of one layer's K/V address table (2 · n_segs i64), checked for what the `*_segments` kernels
+    /// read; `what` names the caller in the errors.
+    fn segment_tables((table, kv): (&Tensor, &Tensor), n_segs: usize, rows: usize, what: &str) -> Result<(u64, u64)> {
+        if kv.dims() != [2 * n_segs] || kv.dtype() != DType::I64 {
+            return Err(Error::Internal(format!("CUDA {what}: a K/V address table of another shape or dtype")));
+        }
+        if table.dtype() != DType::U32 || table.elem_count() < n_segs * SEG_WORDS + rows {
+            return Err(Error::Internal(format!("CUDA {what}: a segment table of another size")));
+        }
+        contiguous(table, "segment table")?;
+        contiguous(kv, "cache table")?;
+        Ok((ptr(table, 4)?.0, ptr(kv, 8)?.0))
+    }
+
     /// `prep` for every segment of a forward in one launch: `tables` = (the segment table's words, u32, and this
     /// layer's K and V cache addresses of each segment, 2 · n_segs i64) on the device (`segment_table`); the other
     /// operands as `prep`'s. Returns q, (rows, heads, D) f32, for all the stacked rows.
@@ -494,27 +509,20 @@ mod imp {
     ) -> Result<Tensor> {
         let (nh, nkv) = heads;
         let (rows, slots, d) = qkv.dims3()?;
-        let (table, kv) = tables;
-        if slots != nh + 2 * nkv || rows == 0 || kv.dims() != [2 * n_segs] || kv.dtype() != DType::I64 {
+        if slots != nh + 2 * nkv || rows == 0 {
             return Err(Error::Internal("CUDA prep over segments: operand shapes disagree".into()));
         }
-        if table.dtype() != DType::U32 || table.elem_count() < n_segs * SEG_WORDS + rows {
-            return Err(Error::Internal("CUDA prep over segments: a segment table of another size".into()));
-        }
+        let (t_p, kv_p) = segment_tables(tables, n_segs, rows, "prep over segments")?;
         if cos.dims() != [rows, d / 2] || sin.dims() != [rows, d / 2] || cos.dtype() != DType::F32 {
             return Err(Error::Internal(
                 "CUDA prep over segments: RoPE tables must be (rows, head_dim / 2) f32".into(),
             ));
         }
-        for (t, what) in
-            [(qkv, "q/k/v product"), (cos, "cos"), (sin, "sin"), (table, "segment table"), (kv, "cache table")]
-        {
+        for (t, what) in [(qkv, "q/k/v product"), (cos, "cos"), (sin, "sin")] {
             contiguous(t, what)?;
         }
         let name = format!("mbd_prep_segments_{}", suffix(qkv.dtype())?);
         let o = PrepOperands::of(qkv, (cos, sin), norms)?;
-        let (t_p, _) = ptr(table, 4)?;
-        let (kv_p, _) = ptr(kv, 8)?;
         // every element of q is written: one thread per (row, head, dim)
         let (q, q_p) = output(&o.dev, DType::F32, &[rows, nh, d])?;
         let f = o.dev.get_or_load_custom_func(&name, MODULE, PTX)?;
@@ -540,20 +548,13 @@ mod imp {
         dtype: DType,
     ) -> Result<Tensor> {
         let (rows, nh, d) = q.dims3()?;
-        let (table, kv) = tables;
-        if q.dtype() != DType::F32 || kv_heads == 0 || nh % kv_heads != 0 || kv.dims() != [2 * n_segs] {
+        if q.dtype() != DType::F32 || kv_heads == 0 || nh % kv_heads != 0 {
             return Err(Error::Internal("CUDA attention over segments: operand shapes disagree".into()));
         }
-        if table.dtype() != DType::U32 || table.elem_count() < n_segs * SEG_WORDS + rows {
-            return Err(Error::Internal("CUDA attention over segments: a segment table of another size".into()));
-        }
-        for (t, what) in [(q, "query"), (table, "segment table"), (kv, "cache table")] {
-            contiguous(t, what)?;
-        }
+        let (t_p, kv_p) = segment_tables(tables, n_segs, rows, "attention over segments")?;
+        contiguous(q, "query")?;
         let sfx = suffix(dtype)?;
         let (q_p, dev) = ptr(q, 4)?;
-        let (t_p, _) = ptr(table, 4)?;
-        let (kv_p, _) = ptr(kv, 8)?;
         // each segment's (row, head, chunk) blocks write their records; the combine reads only those
         let (ws, ws_p) = output(&dev, DType::F32, &[rows, nh, most, d + 2])?;
         let f = dev.get_or_load_custom_func(&format!("mbd_attn_partial_segments_{sfx}"), MODULE, PTX)?;

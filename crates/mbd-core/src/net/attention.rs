@@ -177,12 +177,12 @@ impl Together {
         let n = t.words.len();
         let table = Tensor::from_vec(t.words, n, dev)?;
         let layers = segs[0].cache.layer_count();
+        if segs.iter().any(|s| s.cache.layer_count() != layers) {
+            return Err(crate::error::Error::Internal("the segments' caches hold different layers".into()));
+        }
         let mut addrs = Vec::with_capacity(layers * 2 * segs.len());
         for l in 0..layers {
             for s in segs {
-                if s.cache.layer_count() != layers {
-                    return Err(crate::error::Error::Internal("the segments' caches hold different layers".into()));
-                }
                 let (k, v) = s.cache.layer(l);
                 for t in [k, v] {
                     // key and value rows are read 16 bytes at a time
