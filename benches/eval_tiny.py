@@ -11,11 +11,12 @@ Suite `quant` (issue #18): AR, single-block and multi-block with the weights as 
 (q8_0, q4_k, q4_0; q8_0 and q4_k with int8_activations too: "+i8"): accuracy, tokens per forward and how often each output equals the unquantized one. Writes
 benches/quant_tiny.json.
 Suite `methods` (issue #53): AR, single-block, multi-block and S2D2 beside the 2026 acceptance rules: TDAR's BACD,
-dInfer's CreditDecoding and DUS's dilated schedule, at a few settings each. Writes benches/methods_tiny.json and
+dInfer's CreditDecoding and DUS's dilated schedule, at a few settings each, and I-DLM's ISD at strides 2, 4 and 8
+(causal shifted models only: the I-DLM twin, `--load '{"attention": "causal", "logits_shift": true}'`). Writes benches/methods_tiny.json and
 benches/methods_tiny.png.
 All configurations run on the same held-out instances, in one process, one after another.
 
-    python benches/eval_tiny.py [--suite modes|s2d2|cache|quant|methods] [--per-task 40] [--model DIR]
+    python benches/eval_tiny.py [--suite modes|s2d2|cache|quant|methods] [--per-task 40] [--model DIR] [--load JSON]
 """
 import argparse
 import json
@@ -84,6 +85,10 @@ for b in (4, 8):
         (f"DUS B{b}", dict(block_size=b, block_add_threshold=1.0, acceptance="dus")),
     ]
 METHOD_CONFIGS.append(("DUS B16", dict(block_size=16, block_add_threshold=1.0, acceptance="dus")))
+for n in (2, 4, 8):   # I-DLM's decoding: only causal shifted models (the I-DLM twin); skipped elsewhere
+    METHOD_CONFIGS.append((f"ISD stride {n}", dict(speculative="isd", isd_stride=n)))
+METHOD_CONFIGS += [("AR (block 1) T 0.7", dict(CONFIGS[0][1], temperature=0.7, seed=0)),   # sampled: each stream seeded
+                   ("ISD stride 4 T 0.7", dict(speculative="isd", isd_stride=4, temperature=0.7, seed=0))]
 QUANT_CONFIGS = [(name, dict(CONFIGS)[name]) for name in ("AR (block 1)", "single-block confidence 0.9",
                                                           "multi-block entropy 0.5", "multi-block B8 entropy 0.5")]
 SUITES = {"modes": (CONFIGS, "tiny_eval"), "s2d2": (S2D2_CONFIGS, "s2d2_tiny"), "cache": (CACHE_CONFIGS, "cache_dream"),
@@ -123,11 +128,13 @@ def main():
     ap.add_argument("--model", default=None)
     ap.add_argument("--max-tokens", type=int, default=40)
     ap.add_argument("--suite", choices=list(SUITES), default="modes")
+    ap.add_argument("--load", default="{}", help='Engine.load keyword arguments as JSON, e.g. for the I-DLM twin '
+                    '\'{"attention": "causal", "logits_shift": true}\'')
     args = ap.parse_args()
     data = held_out_set(args.per_task)
     if args.suite == "quant":
         return quant_suite(args, data)
-    eng = mbd_rs.Engine.load(args.model, device="cpu")
+    eng = mbd_rs.Engine.load(args.model, device="cpu", **json.loads(args.load))
     results = []
     ar_outputs = None
     outputs_of = {}
@@ -187,7 +194,8 @@ def main():
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     if args.suite in ("s2d2", "cache", "methods"):
-        for r, mk in zip(results, "sovD^<>px*hH+8d|_"):
+        for i, r in enumerate(results):   # markers cycle with a period (17) prime to the colours' (10)
+            mk = "sovD^<>px*hH+8d|_"[i % 17]
             ax.plot([r["tokens_per_forward"]], [100 * r["accuracy"]], marker=mk, linestyle="", label=r["config"])
         ax.set_xlabel("tokens per forward" + (" (verification forwards counted)" if args.suite == "s2d2" else ""))
         ax.set_ylabel("held-out accuracy (%, tasks.correct)")

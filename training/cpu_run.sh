@@ -6,7 +6,8 @@
 #
 # Knobs: OUT (default /work/trained, outside the repository), PYTHON (default /tmp/devenv/bin/python),
 # MIN_DREAM / MIN_FDV2 / MIN_TINY (minutes of training each; defaults 20 / 25 / 55, about 110 minutes in all with
-# the evaluations), THREADS (default 1), FAMILIES (default "dream fast_dllm_v2 tiny": the small twins first),
+# the evaluations), MIN_IDLM (70; FAMILIES=idlm trains the I-DLM twin), THREADS (default 1), FAMILIES (default
+# "dream fast_dllm_v2 tiny": the small twins first),
 # RESUME=1 (continue each model from OUT/<name>/train_state.pt: the wall-time schedule goes on where it stopped;
 # a model whose budget is used up only gets its final evaluation and check).
 # Each model gets OUT/<name>/ (HF checkpoint, README.md card, train.log, training_log.json, train_state.pt),
@@ -25,6 +26,7 @@ for fam in $FAMILIES; do
     tiny)         name=mbd-tiny-v2;    min="${MIN_TINY:-55}" ;;
     dream)        name=mbd-dream-tiny; min="${MIN_DREAM:-20}" ;;
     fast_dllm_v2) name=mbd-fdv2-tiny;  min="${MIN_FDV2:-25}" ;;
+    idlm)         name=mbd-idlm-tiny;  min="${MIN_IDLM:-70}" ;;
     *) echo "unknown family $fam" >&2; exit 2 ;;
   esac
   extra=()

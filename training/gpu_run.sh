@@ -12,7 +12,8 @@
 #                 with README.md (model card), train.log, training_log.json (not train_state.pt: too big to
 #                 bring back; it stays in WORK_DIR, default /tmp/mbd_gpu_train, for RESUME=1 on the same machine)
 #   FAMILIES      which to train, in order (default "dream fast_dllm_v2 tiny"; "qwen35": the Qwen3.5 hybrid twin,
-#                 issue #52, alone in one command: FAMILIES=qwen35 bash training/gpu_run.sh, MIN_QWEN35 default 7)
+#                 issue #52, alone in one command: FAMILIES=qwen35 bash training/gpu_run.sh, MIN_QWEN35 default 7;
+#                 "idlm": the I-DLM twin, issue #53, MIN_IDLM default 3, INIT=1 continues models/mbd-idlm-tiny)
 #   MIN_DREAM / MIN_FDV2 / MIN_TINY (minutes), STEPS, BATCH (256), LR (default: each family's), SEED,
 #   WORKERS (8 batch-building processes), EVAL_PER_TASK
 #   RESUME=1      continue from $OUT/<name>/train_state.pt
@@ -48,6 +49,7 @@ for fam in $FAMILIES; do
     dream)        name=mbd-dream-tiny; min="${MIN_DREAM:-2}" ;;
     fast_dllm_v2) name=mbd-fdv2-tiny;  min="${MIN_FDV2:-2}" ;;
     qwen35)       name=mbd-qwen35-tiny; min="${MIN_QWEN35:-7}" ;;
+    idlm)         name=mbd-idlm-tiny;  min="${MIN_IDLM:-3}" ;;
     *) echo "unknown family $fam" >&2; exit 2 ;;
   esac
   extra=()

@@ -23,6 +23,11 @@ is a multiple of 7). One seeded script; the device is picked automatically (CUDA
                            `conplemenrary_mask: true` (sic, as the real config), NO mask_token_id in config.json:
                            the mask is the tokenizer token `|<MASK>|` (id 99, last), found by name as the real
                            checkpoint's 151665. Block-causal aligned at 0, SHIFTED logits. eos = pad = <|im_end|>.
+    --family idlm          I-DLM-style twin (issue #53): Qwen3 weights (untied head, as I-DLM-8B), config.json as
+                           I-DLM's (`architectures ["SDARForCausalLM"]`, `model_type "sdar"`, `block_size` 3,
+                           `mask_token_id`), STRICTLY CAUSAL, SHIFTED logits; mask `<|mask|>` last (id 99). Objective
+                           idlm only. Nothing in the config says causal + shifted (as in the real one): the engine loads
+                           it with `attention="causal", logits_shift=True` and decodes it with `speculative="isd"`.
 
 Every output directory is a genuine HF checkpoint: Qwen3ForCausalLM / Qwen2ForCausalLM load its
 model.safetensors with no missing or unexpected keys (`--check DIR` verifies it). Weights are stored in bf16.
@@ -46,6 +51,14 @@ answer ++ <|im_end|> ++ pad tokens up to a per-sample canvas end, so the model l
         right, the shape semi-AR and multi-block decoding of a full-attention model meet); plain mean cross-entropy
         over the masked tokens. Our addition for a small CPU budget (with `dream` alone a 1.6M-parameter twin had
         not learned to copy from the prompt after 95 minutes; with the mix it still had not after 75: RESULTS.md).
+  idlm  I-DLM's training (arXiv 2604.11035; its repository's training/ code, read for the recipe): noisy ++ clean
+        (2L positions, position ids 0..L-1 in both) where the noisy copy masks EVERY answer position ("all-masked");
+        a noisy query sees the noisy keys of its own block at or before it (strictly causal inside the block) and the
+        clean keys of earlier blocks; a clean query sees the clean keys at or before it (plain causal). Shifted: the
+        noisy row of a masked position p predicts token p + 1 (a draft two or more tokens past the clean context, as
+        ISD's mask rows), the clean rows predict the next answer token (AR, the verifier). Loss (CE_noisy + alpha *
+        CE_clean) / answer tokens; I-DLM converts a trained AR model with alpha 0.2, the twin learns AR from scratch:
+        alpha 1.0 (--ce-alpha). Blocks B = masks per noisy block (I-DLM's block_size b serves ISD stride b + 1).
 With shifted logits (dream, fast_dllm_v2) the target at position p is read from the logit at p-1. In bd3/bd3c the
 first position of a block is predicted from the CLEAN copy's last position of the previous block (at inference that
 logit comes from the committed previous block, the "carry" row); the other positions from the noisy p-1.
@@ -56,6 +69,8 @@ Mixtures (per batch, seeded; block size B per batch):
   fast_dllm_v2  objective bd3c 1/2, d2f 1/2;  B from {1:1, 2:1, 4:2, 8:2}, config bd_size 8; lr 5e-4. The d2f half
                 (noisy earlier blocks) and the blocks below 8 are our additions so that multi-block decoding and
                 small blocks are in distribution; real Fast-dLLM v2 trains bd3c at bd_size only.
+  idlm          objective idlm;  B from {1:1, 2:1, 3:2, 5:1, 7:1} (strides 2..8; config block_size 3: stride 4);
+                lr 2e-3 (Qwen3's QK-norm, as tiny)
 Tasks (weights): tiny sort 1, reverse 1, repeat 1, hello 1, add 2, count 1, shuffle 1.5 (v3; v2 had hello 0.5,
 count 2 and no shuffle: add and count were the hard ones); the twins uniform over v1's six families (a copy-heavy
 mix: copying from the prompt has to be learned first).
@@ -77,11 +92,13 @@ Commands (from the repository root; developer tool, not a runtime dependency):
     /tmp/devenv/bin/python training/train.py --family tiny --out /work/trained/mbd-tiny-v2 --steps 2000 --threads 1
     /tmp/devenv/bin/python training/train.py --family dream --out /work/trained/mbd-dream-tiny --steps 2000
     /tmp/devenv/bin/python training/train.py --family fast_dllm_v2 --out /work/trained/mbd-fdv2-tiny --steps 2000
+    /tmp/devenv/bin/python training/train.py --family idlm --out /work/trained/mbd-idlm-tiny --minutes 70 --threads 2
     /tmp/devenv/bin/python training/train.py --check /work/trained/mbd-tiny-v2      # HF load + reference decode
     nohup bash training/cpu_run.sh > /work/trained/cpu_run.log 2>&1 &   # all three on CPU, ~110 min, --minutes
     bash training/gpu_run.sh                                             # all three on a GPU (writes to $OUT)
 Sizes: tiny 4.62M parameters (hidden 256, 7 layers, 8 heads / 2 KV x 32, MLP 640, tied; 9.2 MB bf16); the twins
-2.62M each (hidden 192, 6 layers, 6 heads / 2 KV x 32, MLP 576, untied head as the 7B originals; 5.2 MB bf16).
+2.62M each (hidden 192, 6 layers, 6 heads / 2 KV x 32, MLP 576, untied head as the 7B originals; 5.2 MB bf16; the
+idlm twin the same shape in Qwen3, with QK-norm).
 --objectives, --blocks, --tasks, --layers, --inter and --lr override the family's mixture and size (recorded in
 training_log.json and the card).
 --resume continues from OUT/train_state.pt (model, optimiser, data RNG) up to the new --steps (the cosine schedule
@@ -110,6 +127,9 @@ from transformers import (Qwen2Config, Qwen2ForCausalLM, Qwen3_5ForCausalLM, Qwe
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tasks import CHAT_TEMPLATE, TASKS, V1_TASKS, correct, held_out_set, render, sample  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from reference.decoder import reference_isd  # noqa: E402
+
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
 MAX_POS = 256
 EXTRA_PAD = 16           # block-causal families: canvas = prompt + answer + <|im_end|> + U{0..EXTRA_PAD} pads
@@ -122,7 +142,7 @@ T_EPS = 1e-3
 ROW_LEN = 96             # packed row length (a family's "row" overrides it)
 FULL_OBJECTIVES = ("dream", "dream_prog")   # full bidirectional attention over the whole canvas
 STAGE_KEYS = ("step", "steps", "minutes", "batch", "lr", "device", "threads", "train_seconds", "loss_ema", "objectives",
-              "blocks", "tasks", "seed")     # a training stage's record in training_log.json (--init continues the list)
+              "blocks", "tasks", "seed", "ce_alpha")     # a training stage's record in training_log.json (--init continues the list)
 
 FAMILIES = {
     "tiny": dict(
@@ -153,6 +173,15 @@ FAMILIES = {
         mask_last=False, pad="<|endoftext|>", shift=False, objectives={"d2f": 1}, blocks={1: 1, 2: 1, 4: 3, 8: 2, 16: 1},
         tasks=TASK_WEIGHTS, lr=2e-3, eval_block=8, unpacked=True,
         name="mbd-qwen35-tiny (Qwen3.5 hybrid twin)"),
+    # I-DLM (arXiv 2604.11035): Qwen3 weights under SDARForCausalLM, strictly causal, shifted logits; trained on
+    # [all-masked answer | clean sequence] (objective idlm). Blocks = masks per noisy block (I-DLM's block_size; a
+    # model of block size b serves ISD strides up to b + 1): the mix covers strides 2..8.
+    "idlm": dict(
+        arch="qwen3", hidden=192, layers=6, heads=6, kv_heads=2, head_dim=32, inter=576, tie=False, lr=2e-3,
+        specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], mask_str="<|mask|>", mask_last=True,
+        pad="<|endoftext|>", shift=True, objectives={"idlm": 1}, blocks={1: 1, 2: 1, 3: 2, 5: 1, 7: 1},
+        tasks=UNIFORM_TASKS, eval_block=3, ce_alpha=1.0,
+        name="mbd-idlm-tiny (I-DLM-style twin)"),
 }
 
 
@@ -245,6 +274,9 @@ def noise(r, g, samples, obj, B):
             t = block_t(g, int(blk[-1]) + 1, sort=True)
             out.append((toks, lp, ans & (u < t[blk]), None))
             continue
+        if obj == "idlm":  # I-DLM's all-masked noisy copy: every answer position is a mask
+            out.append((toks, lp, ans, None))
+            continue
         blk = torch.arange(n) // B
         t = block_t(g, int(blk[-1]) + 1, sort=obj == "d2f" and r.random() < 0.5)
         m = ans & (u < t[blk])
@@ -270,10 +302,12 @@ def pack(items, row_len):
     return [r[1] for r in rows]
 
 
-def build(items, obj, B, shift, ids, row_len, unpacked=False):
+def build(items, obj, B, shift, ids, row_len, unpacked=False, ce_alpha=1.0):
     """Model inputs (ids, additive 4-D mask, position ids) and the loss selection for packed samples (unpacked: one
     sample per row, padded at its end, for recurrent layers).
-    d2f: block-causal on one noisy copy; dream: full attention on one noisy copy; bd3/bd3c: noisy ++ clean (2R)."""
+    d2f: block-causal on one noisy copy; dream: full attention on one noisy copy; bd3/bd3c/idlm: noisy ++ clean (2R).
+    idlm (shifted): the noisy rows of masked positions p predict token p + 1; the clean rows of positions lp - 1 ..
+    n - 2 predict the next token (AR), weighted ce_alpha; both summed over the sample's answer length."""
     if unpacked:
         R = max(len(it[0]) for it in items)
         rows = [[(0, it)] for it in items]
@@ -281,7 +315,7 @@ def build(items, obj, B, shift, ids, row_len, unpacked=False):
         R = max(row_len, max(len(it[0]) for it in items))
         rows = pack(sorted(items, key=lambda it: -len(it[0])), R)
     nr = len(rows)
-    two = obj in ("bd3", "bd3c")
+    two = obj in ("bd3", "bd3c", "idlm")
     W = 2 * R if two else R
     inp = torch.full((nr, W), ids.pad, dtype=torch.long)
     pos = torch.zeros((nr, W), dtype=torch.long)
@@ -303,6 +337,15 @@ def build(items, obj, B, shift, ids, row_len, unpacked=False):
                 seg[k, R + o:R + o + n] = j
                 clean[k, R + o:R + o + n] = True
             mp = m.nonzero().flatten()
+            if obj == "idlm":
+                mp = mp[mp + 1 < n]                      # a mask row predicts the next position
+                cp = torch.arange(lp - 1, n - 1)         # clean rows predicting the answer (AR)
+                bi.append(torch.full((len(mp) + len(cp),), k))
+                rw.append(torch.cat([o + mp, R + o + cp]))
+                tg.append(torch.cat([x[mp + 1], x[cp + 1]]))
+                wt.append(torch.cat([torch.ones(len(mp)), torch.full((len(cp),), float(ce_alpha))]))
+                norm += n - lp
+                continue
             if shift:
                 src = o + mp - 1
                 if two:  # first position of a block: the clean copy's previous position
@@ -318,14 +361,17 @@ def build(items, obj, B, shift, ids, row_len, unpacked=False):
     same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] >= 0)
     bq, bk = blk[:, :, None], blk[:, None, :]
     cq, ck = clean[:, :, None], clean[:, None, :]
+    pq, pk = pos[:, :, None], pos[:, None, :]
     if obj in FULL_OBJECTIVES:
         rule = torch.ones_like(same)
+    elif obj == "idlm":  # strictly causal within a noisy block and over the clean copy
+        rule = (~cq & ~ck & (bk == bq) & (pk <= pq)) | (~cq & ck & (bk < bq)) | (cq & ck & (pk <= pq))
     elif two:
         rule = (~cq & ~ck & (bk == bq)) | (~cq & ck & (bk < bq)) | (cq & ck & (bk <= bq))
     else:
         rule = bk <= bq
     allowed = (same & rule) | torch.eye(W, dtype=torch.bool)[None]
-    sel = (torch.cat(bi), torch.cat(rw), torch.cat(tg), torch.cat(wt), torch.tensor(float(norm)) if obj == "dream" else None)
+    sel = (torch.cat(bi), torch.cat(rw), torch.cat(tg), torch.cat(wt), torch.tensor(float(norm)) if obj in ("dream", "idlm") else None)
     return inp, additive(allowed), pos, sel
 
 
@@ -341,7 +387,8 @@ def make_batch(r, g, ids, spec, bsz):
     B = pick(r, spec["blocks"])
     n = bsz // 2 if obj == "bd3c" else bsz
     items = noise(r, g, draw_samples(r, ids, n, spec["tasks"], full=obj in FULL_OBJECTIVES), obj, B)
-    inp, mask, posid, sel = build(items, obj, B, spec["shift"], ids, spec.get("row", ROW_LEN), spec.get("unpacked", False))
+    inp, mask, posid, sel = build(items, obj, B, spec["shift"], ids, spec.get("row", ROW_LEN), spec.get("unpacked", False),
+                                  spec.get("ce_alpha", 1.0))
     return obj, B, inp, mask, posid, sel
 
 
@@ -386,6 +433,17 @@ def family_config(family, spec, ids, cfg):
     cfg["dtype"] = "bfloat16"
     if family == "tiny":
         cfg.update(block_size=4, mask_token_id=ids.mask, mbd_family="mbd-tiny", mbd_tiny_version=2,
+                   eos_token_id=[ids.im_end, ids.endoftext], pad_token_id=ids.pad, bos_token_id=ids.endoftext)
+        return cfg
+    if family == "idlm":
+        # I-DLM-8B's config.json: SDARForCausalLM, model_type sdar, block_size (masks per noisy block: 3 for ISD
+        # stride 4, as idlm_blockN4), mask_token_id, legacy rope fields (transformers 4.51). Nothing in it says
+        # "causal, shifted": the engine loads it with attention="causal", logits_shift=True, as a real I-DLM model.
+        rp = cfg.pop("rope_parameters", None) or {}
+        cfg.pop("layer_types", None)
+        cfg.update(architectures=["SDARForCausalLM"], model_type="sdar", block_size=spec["eval_block"],
+                   mask_token_id=ids.mask, rope_theta=rp.get("rope_theta", 10000.0), rope_scaling=None,
+                   use_sliding_window=False, sliding_window=None, torch_dtype="bfloat16",
                    eos_token_id=[ids.im_end, ids.endoftext], pad_token_id=ids.pad, bos_token_id=ids.endoftext)
         return cfg
     if family == "qwen35":
@@ -501,13 +559,45 @@ def spec_of(model):
 
 
 def attention_of(family):
-    return "full" if family == "dream" else "block_causal"
+    return {"dream": "full", "idlm": "causal"}.get(family, "block_causal")
+
+
+def ref_isd(model, ids, prompt_ids, N, max_new=40):
+    """Greedy ISD at stride N (1: AR) by tests/reference/decoder.py's `reference_isd`. Returns (text, tokens up to
+    and with the EOS, forwards)."""
+    written, fwd = reference_isd(model, prompt_ids, n=max_new, mask_id=ids.mask, stride=N, eos_ids=set(ids.eos))
+    e = next((i for i, t in enumerate(written) if t in ids.eos), len(written))
+    return ids.tok.decode(written[:e]), min(e + 1, len(written)), fwd
+
+
+def evaluate_isd(model, spec, ids, data, strides=(1, 2, 4, 8)):
+    """The idlm family: greedy AR (stride 1) and greedy ISD at larger strides; ISD must write AR's text."""
+    res, ar = {}, None
+    for n in strides:
+        per = {t: [0, 0] for t in TASKS}
+        toks = fwd = 0
+        texts = []
+        for task, p, a in data:
+            text, k, f = ref_isd(model, ids, ids.encode(render(p)), n)
+            texts.append(text)
+            per[task][0] += correct(task, p, a, text)
+            per[task][1] += 1
+            toks += k
+            fwd += f
+        ar = ar or texts
+        assert texts == ar, f"greedy ISD stride {n} wrote other text than greedy AR"
+        key = "AR (one token per forward)" if n == 1 else f"ISD stride {n} (greedy)"
+        res[key] = dict(accuracy=sum(v[0] for v in per.values()) / len(data), tokens_per_forward=toks / max(fwd, 1),
+                        per_task={k: v[0] / max(v[1], 1) for k, v in per.items()})
+    return dict(block_size=spec["eval_block"], instances=len(data), results=res)
 
 
 def evaluate(model, family, spec, ids, per_task=20, taus=(None, 0.9)):
     model.eval()
     res = {}
     data = held_out_set(per_task)
+    if family == "idlm":
+        return evaluate_isd(model, spec, ids, data)
     for tau in taus:
         per = {t: [0, 0] for t in TASKS}
         toks = fwd = 0
@@ -542,11 +632,15 @@ def write_card(out, family, spec, ids, st):
                 f"convolution {spec['linear']['linear_conv_kernel_dim']}), causal whatever the mask."]
               if spec["arch"] == "qwen35" else []),
              f"- Family profile: attention {attention_of(family)}"
-             f"{', aligned at absolute position 0' if attention_of(family) != 'full' else ''}; logits "
+             f"{', aligned at absolute position 0' if attention_of(family) == 'block_causal' else ''}; logits "
              f"{'shifted (position i predicts token i+1)' if spec['shift'] else 'unshifted (position i predicts token i)'}; "
              f"mask token `{spec['mask_str']}` = {ids.mask}"
              f"{' (tokenizer only; config.json has none, as Fast-dLLM v2)' if family == 'fast_dllm_v2' else ' (config mask_token_id)'}; "
              f"EOS ids {ids.eos if family != 'fast_dllm_v2' else [ids.im_end]}; pad `{spec['pad']}`.",
+             *(["- As a real I-DLM checkpoint (`SDARForCausalLM`, `block_size` "
+                f"{spec['eval_block']} = ISD stride {spec['eval_block'] + 1}), config.json does not say that the "
+                "model is causal and shifted: load it with `mbd_rs.Engine.load(path, attention=\"causal\", "
+                "logits_shift=True)` and decode with `speculative=\"isd\"`."] if family == "idlm" else []),
              "- Chat template: `<|im_start|>{role}\\n{content}<|im_end|>\\n`, generation prompt `<|im_start|>assistant\\n` "
              "(v1's).", "",
              "## Data",
@@ -634,6 +728,8 @@ def family_spec(args):
         spec["layers"] = args.layers
     if args.inter:
         spec["inter"] = args.inter
+    if args.ce_alpha is not None:
+        spec["ce_alpha"] = args.ce_alpha
     return spec
 
 
@@ -704,7 +800,7 @@ def train(args):
         st = dict(status=status, step=step, steps=args.steps, minutes=args.minutes, batch=args.batch, lr=spec["lr"], device=str(dev),
                   train_seconds=time.time() - t0, loss_ema=ema if ema is not None else float("nan"), parameters=n_params,
                   family=family, seed=args.seed, objectives=spec["objectives"], threads=args.threads,
-                  blocks=spec["blocks"], tasks=spec["tasks"])
+                  blocks=spec["blocks"], tasks=spec["tasks"], ce_alpha=spec.get("ce_alpha"))
         st["stages"] = stages + [{k: st.get(k) for k in STAGE_KEYS}]
         if do_eval:
             te = time.time()
@@ -792,15 +888,18 @@ def check(path, per_task):
     """transformers loads the weights with no missing/unexpected keys; the reference decoder's held-out accuracy."""
     cfg = json.load(open(os.path.join(path, "config.json")))
     arch = cfg["architectures"][0]
-    family = {"DreamModel": "dream", "Fast_dLLM_QwenForCausalLM": "fast_dllm_v2", "Qwen3_5ForCausalLM": "qwen35"}.get(
-        arch, "tiny")
+    family = {"DreamModel": "dream", "Fast_dLLM_QwenForCausalLM": "fast_dllm_v2", "Qwen3_5ForCausalLM": "qwen35",
+              "SDARForCausalLM": "idlm"}.get(arch, "tiny")
     spec = FAMILIES[family]
     model, ids = load_checkpoint(path, spec)
     print(f"family {family}: mask id config={cfg.get('mask_token_id')} tokenizer({spec['mask_str']})={ids.mask}; "
           f"eos {cfg.get('eos_token_id')}; block {cfg.get('block_size', cfg.get('bd_size'))}")
     for task, p, a in held_out_set(1):
-        text, n, f = ref_generate(model, ids, spec["shift"], attention_of(family), ids.encode(render(p)), N=40,
-                                  B=spec["eval_block"], tau=0.9)
+        if family == "idlm":
+            text, n, f = ref_isd(model, ids, ids.encode(render(p)), spec["eval_block"] + 1)
+        else:
+            text, n, f = ref_generate(model, ids, spec["shift"], attention_of(family), ids.encode(render(p)), N=40,
+                                      B=spec["eval_block"], tau=0.9)
         print(f"  {p!r} -> {text!r} ({'ok' if correct(task, p, a, text) else 'want ' + repr(a)}; {n} tokens, {f} forwards)")
     if per_task > 0:
         print(json.dumps(evaluate(model, family, spec, ids, per_task=per_task), indent=1))
@@ -821,6 +920,8 @@ def main():
     ap.add_argument("--tasks", help="override the task mixture, e.g. sort:1,reverse:1,repeat:1,hello:1,add:1,count:1")
     ap.add_argument("--layers", type=int, help="override the family's layer count")
     ap.add_argument("--inter", type=int, help="override the family's MLP width")
+    ap.add_argument("--ce-alpha", type=float, default=None, help="idlm: weight of the clean (AR) cross-entropy beside "
+                    "the noisy one (I-DLM converts a trained AR model with 0.2; the twin learns AR from scratch: 1.0)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")

@@ -10,6 +10,9 @@ its first, fused into the logits) and DUS (the dilated schedule, built here by t
 TDAR's TCCF as docs/decoding.md states it (think until the trigger, write the check text after the thinking, and
 from the trigger's grid block on decode, and attend, in blocks of the answer's size).
 
+Also I-DLM's introspective strided decoding (`reference_isd`, issue #53), greedy, from the paper's description as
+docs/decoding.md states it.
+
 Also Fast-dLLM v2's sub-blocks and block-start step, and S2D2 verification (issue #19), from the papers'
 pseudo-code: the verifier is the same model at block size 1 (the 2L trick for unshifted models, a causal
 forward for shifted ones), and positions committed through a verification keep causal K/V ("AR-like caching"),
@@ -484,6 +487,44 @@ def dus_levels(b, a=2, skip=1):
     if len(levels) >= 2 and len(levels[-1]) < len(levels[-2]):
         levels[-2] = sorted(levels[-2] + levels.pop())
     return levels
+
+
+def reference_isd(model, prompt, *, n, mask_id, stride, eos_ids, early_stop=True):
+    """I-DLM's introspective strided decoding (arXiv 2604.11035), greedy, as docs/decoding.md states it, the whole
+    sequence recomputed causally every forward (the model's own causal mask: no mask argument). A step forwards
+    [.., pending, d_1 .. d_s, M x m] (pending: the last written token, before the first step the prompt's last;
+    m = min(stride - 1, room - s - 1) masks, room = positions left of the n). The rows of pending and the drafts
+    verify: drafts are taken while each equals its row's argmax, the first that does not is replaced by that argmax
+    and this step's drafts are dropped (the next step is a cold start); with every draft taken, the last verifier
+    row gives one more token (when room is left) and the mask rows' argmax are the next drafts. stride 1 is AR.
+    Returns (written tokens, forwards); with early_stop the steps end once an EOS is written."""
+    import torch
+
+    dev = next(model.parameters()).device
+    x, drafts, gen, nfe = list(prompt), [], [], 0
+    while len(gen) < n and not (early_stop and any(t in eos_ids for t in gen)):
+        room = n - len(gen)
+        drafts = drafts[:room]
+        s = len(drafts)
+        m = min(stride - 1, max(0, room - s - 1))
+        with torch.no_grad():
+            logits = model(torch.tensor([x + drafts + [mask_id] * m], device=dev)).logits[0]
+        nfe += 1
+        best = logits[len(x) - 1:].float().argmax(-1).tolist()
+        k = 0
+        while k < s and drafts[k] == best[k]:
+            k += 1
+        new = drafts[:k]
+        if k < s:
+            new.append(best[k])
+            drafts = []
+        else:
+            if s < room:
+                new.append(best[s])
+            drafts = best[s + 1:s + 1 + m]
+        x += new[:room]
+        gen += new[:room]
+    return gen, nfe
 
 
 def completion_tokens(gen, eos_ids):

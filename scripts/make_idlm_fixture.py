@@ -1,0 +1,59 @@
+"""Record greedy ISD on the trained I-DLM twin (models/mbd-idlm-tiny, issue #53) with the reference decoder
+(tests/reference/decoder.py `reference_isd`, HF transformers in float32), for tests/test_trained_twins.py to hold the
+engine to: the same tokens and the same forward count at every stride. On random weights no draft is ever accepted,
+so only a trained model checks the acceptance walk (runs of accepted drafts, bonus tokens, rejections and cold
+starts). Developer tool (needs torch + transformers, see scripts/make_parity_fixtures.py for the install line):
+    /tmp/devenv/bin/python scripts/make_idlm_fixture.py
+Writes tests/fixtures/decode/idlm_twin.json.
+"""
+import json
+import os
+import sys
+
+import torch
+import transformers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "training"))
+from reference.decoder import completion_tokens, reference_isd  # noqa: E402
+from tasks import V1_TASKS, held_out, render  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
+
+MODEL = os.path.join(ROOT, "models", "mbd-idlm-tiny")
+STRIDES = (1, 2, 3, 4, 8)
+PER_TASK = 4
+MAX_TOKENS = 40
+
+
+def main():
+    torch.manual_seed(0)
+    cfg = json.load(open(os.path.join(MODEL, "config.json")))
+    # SDARForCausalLM is Qwen3's layout: transformers' Qwen3 class reads it (no missing or unexpected weights)
+    qcfg = transformers.Qwen3Config.from_dict({k: v for k, v in cfg.items() if k not in ("model_type", "architectures")})
+    model, info = transformers.Qwen3ForCausalLM.from_pretrained(MODEL, config=qcfg, dtype=torch.float32,
+                                                                output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    model.config._attn_implementation = "eager"
+    model.eval()
+    tok = Tokenizer.from_file(os.path.join(MODEL, "tokenizer.json"))
+    eos = set(cfg["eos_token_id"])
+    cases = []
+    for task in V1_TASKS:
+        for prompt, _ in held_out(task, PER_TASK):
+            ids = tok.encode(render(prompt), add_special_tokens=False).ids
+            for stride in STRIDES:
+                gen, nfe = reference_isd(model, ids, n=MAX_TOKENS, mask_id=cfg["mask_token_id"], stride=stride,
+                                         eos_ids=eos)
+                cases.append(dict(task=task, prompt=prompt, prompt_ids=ids, stride=stride,
+                                  tokens=completion_tokens(gen, eos), forward_passes=nfe))
+    out = dict(model="models/mbd-idlm-tiny", max_tokens=MAX_TOKENS, recorded_with=f"transformers {transformers.__version__}, "
+               f"torch {torch.__version__}, float32, tests/reference/decoder.py reference_isd", cases=cases)
+    path = os.path.join(ROOT, "tests", "fixtures", "decode", "idlm_twin.json")
+    json.dump(out, open(path, "w"), indent=0)
+    accepted = sum(len(c["tokens"]) + 1 - c["forward_passes"] for c in cases if c["stride"] > 1)
+    print(f"{path}: {len(cases)} cases; tokens written beyond one per forward at strides > 1: {accepted}")
+
+
+if __name__ == "__main__":
+    main()
