@@ -7,6 +7,7 @@ break-even tokens per forward of each stride (its forward's cost over AR's): ISD
 are accepted often enough to write more tokens per forward than that.
 
     python benches/isd.py MODEL_DIR [--rounds 5] [--tokens 48] [--configs bf16,q8_0+int8] [--out benches/isd.json]
+                          [--device cuda]
 
 MODEL_DIR: e.g. the 0.5B shape from scripts/make_bench_model.py (random weights: drafts are almost never accepted,
 so this measures the cost side; a trained I-DLM model brings the acceptance).
@@ -70,6 +71,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--agree", action="store_true", help="every draft accepted (a copy with a zeroed final norm)")
     ap.add_argument("--agree-dir", default="/tmp/mbd-bench/isd-agree")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (benches/gpu/run.sh isd)")
     a = ap.parse_args()
     if a.agree:
         a.model = agreeing_copy(a.model, a.agree_dir)
@@ -77,11 +79,12 @@ def main():
     prompt = [(i * 7919) % min(150000, vocab - 200) + 100 for i in range(32)]
     modes = [("AR", {})] + [(f"ISD N={n}", {"speculative": "isd", "isd_stride": int(n)}) for n in a.strides.split(",")]
     results = {"agree": a.agree, "cpu": isa(), "cores": os.cpu_count(), "model": os.path.basename(a.model.rstrip("/")),
-               "prompt_tokens": len(prompt), "max_tokens": a.tokens, "rounds": a.rounds, "configs": {}}
+               "device": a.device, "prompt_tokens": len(prompt), "max_tokens": a.tokens, "rounds": a.rounds,
+               "configs": {}}
     for cfg in a.configs.split(","):
         # (--agree: every prediction is token 0, which must not end the text)
         eos = dict(eos_token_ids=[1]) if a.agree else {}
-        eng = mbd_rs.Engine.load(a.model, device="cpu", attention="causal", logits_shift=True,
+        eng = mbd_rs.Engine.load(a.model, device=a.device, attention="causal", logits_shift=True,
                                  mask_token_id=a.mask_token_id, **eos, **CONFIGS[cfg])
         times = {m: [] for m, _ in modes}
         usage = {}
@@ -105,7 +108,9 @@ def main():
                        "drafts_accepted": c.usage.drafts_accepted, "break_even_tokens_per_forward": ms / ar_ms,
                        "same_tokens_as_ar": c.token_ids == usage["AR"].token_ids, "times_s": times[m]}
         results["configs"][cfg] = rows
-        print(f"== {cfg} ({isa()}, {os.cpu_count()} cores): median of {a.rounds} interleaved rounds")
+        where = eng.info.device if a.device != "cpu" else f"{isa()}, {os.cpu_count()} cores"
+        results["where"] = where
+        print(f"== {cfg} ({where}): median of {a.rounds} interleaved rounds")
         print(f"{'mode':10} {'tok/s':>7} {'tok/fwd':>8} {'ms/fwd':>7} {'x AR time':>9} {'break-even tok/fwd':>19} = AR")
         for m, r in rows.items():
             print(f"{m:10} {r['tokens_per_s']:7.1f} {r['tokens_per_forward']:8.2f} {r['ms_per_forward']:7.1f} "

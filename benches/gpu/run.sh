@@ -26,6 +26,9 @@
 #            then the same speed cases with the sm_90 wheel installed by an earlier stage on this machine, for the
 #            ratio. The two wheels (12 + 35 MB) and the tree (~32 MB) exceed one call's 64 MiB: carry the sm_90 wheel
 #            in one call (install ...), then only the compute-8.0 wheel in the next, on the still-warm machine.
+#   isd      benches/isd.py on the GPU (issue #53): AR against ISD at strides 2/4/8 on the SDAR-1.7B shape (random
+#            weights, made by speed.py's make_checkpoint), bf16, loaded causal + shifted: the cost side (no draft
+#            accepted), then --agree (a zeroed final norm: every draft accepted), the most ISD gains per forward
 #   batching tests/test_batching.py on the GPU (device "auto" is CUDA there, bf16): do concurrent streams, batched
 #            into shared forwards, still give their lone outputs token for token?
 # Everything goes to $OUT (default ./gpu_out): JSON per stage, logs, nvidia-smi.
@@ -69,6 +72,15 @@ for stage in $stages; do
       "$PY" benches/gpu/quant.py --out "$OUT/gpu_quant.json" 2>&1 | tee "$OUT/quant.log"
       "$PY" benches/gpu/speed.py --shape sdar-1.7b --cases 512:1,512:4,512:16,512:32,2048:1,2048:32 --rounds 1 \
         --ab q8_0,q6_k,q4_k --out "$OUT/gpu_speed_quant.json" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/quant.log" ;;
+    isd)
+      install > /dev/null
+      ck=/tmp/mbd-gpu/sdar-1.7b
+      "$PY" -c "import sys, torch; sys.path.insert(0, 'benches/gpu'); from speed import make_checkpoint; \
+make_checkpoint('sdar-1.7b', '$ck', torch.device('cuda'), torch.bfloat16)" 2>&1 | grep -v "Loading weights" || true
+      for agree in "" --agree; do
+        "$PY" benches/isd.py "$ck" --device cuda --configs bf16 --strides 2,4,8 --rounds 3 --tokens 64 $agree \
+          --agree-dir /tmp/mbd-gpu/isd-agree --out "$OUT/gpu_isd${agree:+_agree}.json" 2>&1 | tee -a "$OUT/isd.log"
+      done ;;
     speed8b)
       install > /dev/null
       "$PY" benches/gpu/speed.py --shape qwen3-8b --cases 512:1,512:32,2048:1,2048:32 --rounds 1 --ab candle_ops \
@@ -114,6 +126,6 @@ for stage in $stages; do
       install > /dev/null
       (cd /tmp && "$PY" -m pytest -q -p no:cacheprovider -rf --tb=line "$OLDPWD/tests/test_batching.py" 2>&1 | tail -25) \
         | tee "$OUT/batching.log" ;;
-    *) echo "unknown stage $stage (install|parity|speed|speed8b|profile|ncu|quant|segments|ptx80|batching|all)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (install|parity|speed|speed8b|profile|ncu|quant|segments|ptx80|isd|batching|all)" >&2; exit 2 ;;
   esac
 done
