@@ -1,8 +1,9 @@
 """The trained family twins in models/ (training/train.py, issue #13): a Dream-style full-attention model and a
 Fast-dLLM-v2-style shifted block-causal model. Each loads as its family with no overrides, greedy decoding solves
 held-out instances of every task family it learned, and multi-block decoding commits more than one token per
-forward (measured with blocks of 8, entropy 0.5: dream 5.6, fdv2 2.7). Bars are set from the measurements in
-benches/RESULTS.md, with margin."""
+forward (measured with blocks of 8, entropy 0.5: dream 5.6, fdv2 2.7). And an I-DLM-style twin (issue #53), loaded
+as I-DLM models are, whose greedy ISD writes greedy AR's tokens at several tokens per forward. Bars are set from the
+measurements in benches/RESULTS.md, with margin."""
 import json
 import os
 import sys
@@ -10,7 +11,7 @@ import sys
 import pytest
 
 import mbd_rs
-from conftest import HERE
+from conftest import HERE, run_concurrently
 
 sys.path.insert(0, os.path.join(HERE, "..", "training"))
 from tasks import V1_TASKS, correct, held_out  # noqa: E402
@@ -63,3 +64,85 @@ def test_multi_block_decodes_several_tokens_per_forward(twin):
             toks += u.completion_tokens
             fwd += u.forward_passes
     assert toks / fwd >= MIN_TOKENS_PER_FORWARD[name], f"{name}: {toks / fwd:.2f} tokens per forward"
+
+
+# ------------------------------------------------------------------------------------------- the I-DLM twin
+# models/mbd-idlm-tiny (training/train.py --family idlm, issue #53): config.json as I-DLM-8B's (SDARForCausalLM,
+# block_size 3, mask_token_id), which says nothing of causal attention or shifted logits: loaded plainly it is an SDAR
+# model (block-causal, unshifted) and ISD refuses it; loaded as I-DLM models are, greedy ISD writes greedy AR's tokens
+# and commits several tokens per forward.
+IDLM = os.path.join(MODELS, "mbd-idlm-tiny")
+AS_IDLM = dict(attention="causal", logits_shift=True)
+IDLM_SOLVED = 8              # of 10 held-out instances per family, greedy AR = greedy ISD (measured: 9-10, session 35)
+IDLM_MIN_TOKENS_PER_FORWARD = 2.0   # greedy ISD at stride 4 over those instances (measured: 2.49, session 35)
+
+
+def test_idlm_twin_loads_as_sdar_unless_told_causal_and_shifted():
+    cfg = json.load(open(os.path.join(IDLM, "config.json")))
+    assert cfg["architectures"] == ["SDARForCausalLM"] and cfg["model_type"] == "sdar"
+    assert cfg["block_size"] == 3 and cfg["mask_token_id"] == 99
+    plain = mbd_rs.Engine.load(IDLM)
+    assert (plain.info.family, plain.info.attention, plain.info.logits_shift) == ("sdar", "block_causal", False)
+    with pytest.raises(mbd_rs.InvalidRequestError, match="isd"):
+        plain.generate([5, 6], max_tokens=4, speculative="isd")
+    eng = mbd_rs.Engine.load(IDLM, **AS_IDLM)
+    i = eng.info
+    assert (i.family, i.attention, i.logits_shift, i.arch) == ("sdar", "causal", True, "qwen3")
+    assert i.mask_token_id == 99 and i.vocab_size == 100 and i.stored_dtype == "bfloat16"
+
+
+def test_idlm_twin_isd_is_ar_and_commits_several_tokens_per_forward():
+    eng = mbd_rs.Engine.load(IDLM, **AS_IDLM)
+    toks = fwd = 0
+    for task in V1_TASKS:
+        ok = 0
+        for p, a in held_out(task, 10):
+            msgs = [{"role": "user", "content": p}]
+            ar = eng.chat(msgs, max_tokens=40, **AR)
+            isd = eng.chat(msgs, max_tokens=40, speculative="isd", isd_stride=4)
+            assert isd.token_ids == ar.token_ids, f"{task} {p!r}: greedy ISD {isd.text!r} != greedy AR {ar.text!r}"
+            ok += correct(task, p, a, isd.text)
+            toks += isd.usage.completion_tokens
+            fwd += isd.usage.forward_passes
+        assert ok >= IDLM_SOLVED, f"{task}: {ok}/10 held-out instances solved (bar {IDLM_SOLVED})"
+    assert toks / fwd >= IDLM_MIN_TOKENS_PER_FORWARD, f"{toks / fwd:.2f} tokens per forward with ISD stride 4"
+
+
+def test_idlm_twin_isd_matches_the_reference_decoder():
+    """The engine's ISD against tests/reference/decoder.py's (recorded with transformers in float32 by
+    scripts/make_idlm_fixture.py): the same tokens and the same forward count, strides 1 (AR) to 8, on held-out
+    prompts, where the trained drafts are accepted in runs, rejected, and cold-started."""
+    fx = json.load(open(os.path.join(HERE, "fixtures", "decode", "idlm_twin.json")))
+    eng = mbd_rs.Engine.load(IDLM, **AS_IDLM)
+    multi = 0
+    for c in fx["cases"]:
+        out = eng.generate(c["prompt_ids"], max_tokens=fx["max_tokens"], speculative="isd", isd_stride=c["stride"])
+        got = (out.token_ids, out.usage.forward_passes)
+        assert got == (c["tokens"], c["forward_passes"]), f"{c['task']} {c['prompt']!r} stride {c['stride']}"
+        multi += c["stride"] > 1 and out.usage.drafts_accepted > 0
+    assert multi >= len(fx["cases"]) // 2, "the fixture should exercise accepted drafts"
+
+
+def test_idlm_twin_batched_isd_equals_lone_runs():
+    """Streams whose drafts are accepted and rejected at different steps share forwards (strides 2-8, sampled and
+    greedy, with and without the cache, beside an AR stream) and give exactly what each gives alone."""
+    eng = mbd_rs.Engine.load(IDLM, **AS_IDLM)
+    prompts = [p for task in V1_TASKS for p, _ in held_out(task, 2)]
+    reqs = []
+    for i, p in enumerate(prompts[:10]):
+        kw = dict(max_tokens=40, seed=i, use_cache=i % 4 != 3)
+        if i % 5 == 4:
+            kw.update(AR)
+        else:
+            kw.update(speculative="isd", isd_stride=[2, 3, 4, 8][i % 4])
+        if i % 3 == 1:
+            kw["temperature"] = 0.8
+        reqs.append(([{"role": "user", "content": p}], kw))
+
+    def run(msgs, kw):
+        c = eng.chat(msgs, **kw)
+        return c.token_ids, c.usage.forward_passes, c.usage.drafts_accepted
+
+    lone = [run(m, kw) for m, kw in reqs]
+    assert sum(r[2] for r in lone) > 0, "the twin's drafts should be accepted"
+    assert run_concurrently(run, reqs) == lone

@@ -441,8 +441,10 @@ def family_config(family, spec, ids, cfg):
         # "causal, shifted": the engine loads it with attention="causal", logits_shift=True, as a real I-DLM model.
         rp = cfg.pop("rope_parameters", None) or {}
         cfg.pop("layer_types", None)
+        # (use_regular_causal: I-DLM's SDARConfig adds it, default true, and save_pretrained writes it)
         cfg.update(architectures=["SDARForCausalLM"], model_type="sdar", block_size=spec["eval_block"],
-                   mask_token_id=ids.mask, rope_theta=rp.get("rope_theta", 10000.0), rope_scaling=None,
+                   mask_token_id=ids.mask, use_regular_causal=True, rope_theta=rp.get("rope_theta", 10000.0),
+                   rope_scaling=None,
                    use_sliding_window=False, sliding_window=None, torch_dtype="bfloat16",
                    eos_token_id=[ids.im_end, ids.endoftext], pad_token_id=ids.pad, bos_token_id=ids.endoftext)
         return cfg
@@ -855,7 +857,7 @@ def recard(path, per_task):
     st = json.load(open(os.path.join(path, "training_log.json")))
     family = st["family"]
     spec = dict(FAMILIES[family], objectives=st["objectives"], lr=st["lr"])
-    spec.update({k: st[k] for k in ("blocks", "tasks") if k in st})
+    spec.update({k: st[k] for k in ("blocks", "tasks", "ce_alpha") if st.get(k) is not None})
     spec["blocks"] = {int(k): v for k, v in spec["blocks"].items()}   # JSON keys are strings
     model, ids = load_checkpoint(path, spec)
     spec.update(layers=model.config.num_hidden_layers, inter=model.config.intermediate_size)
