@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, os.path.join(ROOT, "training"))
 from reference.decoder import completion_tokens, reference_isd  # noqa: E402
 from tasks import V1_TASKS, held_out, render  # noqa: E402
-from tokenizers import Tokenizer  # noqa: E402
+from train import FAMILIES, load_checkpoint  # noqa: E402
 
 MODEL = os.path.join(ROOT, "models", "mbd-idlm-tiny")
 STRIDES = (1, 2, 3, 4, 8)
@@ -29,23 +29,17 @@ MAX_TOKENS = 40
 def main():
     torch.manual_seed(0)
     cfg = json.load(open(os.path.join(MODEL, "config.json")))
-    # SDARForCausalLM is Qwen3's layout: transformers' Qwen3 class reads it (no missing or unexpected weights)
-    qcfg = transformers.Qwen3Config.from_dict({k: v for k, v in cfg.items() if k not in ("model_type", "architectures")})
-    model, info = transformers.Qwen3ForCausalLM.from_pretrained(MODEL, config=qcfg, dtype=torch.float32,
-                                                                output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    model.config._attn_implementation = "eager"
-    model.eval()
-    tok = Tokenizer.from_file(os.path.join(MODEL, "tokenizer.json"))
+    # transformers' Qwen3 class reads SDARForCausalLM's weights (load_checkpoint asserts none missing or unexpected)
+    model, ids = load_checkpoint(MODEL, FAMILIES["idlm"])
     eos = set(cfg["eos_token_id"])
     cases = []
     for task in V1_TASKS:
         for prompt, _ in held_out(task, PER_TASK):
-            ids = tok.encode(render(prompt), add_special_tokens=False).ids
+            pr = ids.encode(render(prompt))
             for stride in STRIDES:
-                gen, nfe = reference_isd(model, ids, n=MAX_TOKENS, mask_id=cfg["mask_token_id"], stride=stride,
+                gen, nfe = reference_isd(model, pr, n=MAX_TOKENS, mask_id=cfg["mask_token_id"], stride=stride,
                                          eos_ids=eos)
-                cases.append(dict(task=task, prompt=prompt, prompt_ids=ids, stride=stride,
+                cases.append(dict(task=task, prompt=prompt, prompt_ids=pr, stride=stride,
                                   tokens=completion_tokens(gen, eos), forward_passes=nfe))
     out = dict(model="models/mbd-idlm-tiny", max_tokens=MAX_TOKENS, recorded_with=f"transformers {transformers.__version__}, "
                f"torch {torch.__version__}, float32, tests/reference/decoder.py reference_isd", cases=cases)

@@ -128,7 +128,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tasks import CHAT_TEMPLATE, TASKS, V1_TASKS, correct, held_out_set, render, sample  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from reference.decoder import reference_isd  # noqa: E402
+from reference.decoder import completion_tokens, reference_isd  # noqa: E402
 
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
 MAX_POS = 256
@@ -568,49 +568,37 @@ def ref_isd(model, ids, prompt_ids, N, max_new=40):
     """Greedy ISD at stride N (1: AR) by tests/reference/decoder.py's `reference_isd`. Returns (text, tokens up to
     and with the EOS, forwards)."""
     written, fwd = reference_isd(model, prompt_ids, n=max_new, mask_id=ids.mask, stride=N, eos_ids=set(ids.eos))
-    e = next((i for i, t in enumerate(written) if t in ids.eos), len(written))
-    return ids.tok.decode(written[:e]), min(e + 1, len(written)), fwd
-
-
-def evaluate_isd(model, spec, ids, data, strides=(1, 2, 4, 8)):
-    """The idlm family: greedy AR (stride 1) and greedy ISD at larger strides; ISD must write AR's text."""
-    res, ar = {}, None
-    for n in strides:
-        per = {t: [0, 0] for t in TASKS}
-        toks = fwd = 0
-        texts = []
-        for task, p, a in data:
-            text, k, f = ref_isd(model, ids, ids.encode(render(p)), n)
-            texts.append(text)
-            per[task][0] += correct(task, p, a, text)
-            per[task][1] += 1
-            toks += k
-            fwd += f
-        ar = ar or texts
-        assert texts == ar, f"greedy ISD stride {n} wrote other text than greedy AR"
-        key = "AR (one token per forward)" if n == 1 else f"ISD stride {n} (greedy)"
-        res[key] = dict(accuracy=sum(v[0] for v in per.values()) / len(data), tokens_per_forward=toks / max(fwd, 1),
-                        per_task={k: v[0] / max(v[1], 1) for k, v in per.items()})
-    return dict(block_size=spec["eval_block"], instances=len(data), results=res)
+    done = completion_tokens(written, ids.eos)
+    return ids.tok.decode(done), min(len(done) + 1, len(written)), fwd
 
 
 def evaluate(model, family, spec, ids, per_task=20, taus=(None, 0.9)):
+    """Held-out accuracy and tokens per forward of each reference decoding: semi-AR blocks at each tau, or for the
+    idlm family greedy AR (stride 1) and greedy ISD at larger strides, which must write AR's text."""
     model.eval()
     res = {}
     data = held_out_set(per_task)
     if family == "idlm":
-        return evaluate_isd(model, spec, ids, data)
-    for tau in taus:
+        decodings = [("AR (one token per forward)" if n == 1 else f"ISD stride {n} (greedy)",
+                      lambda pr, n=n: ref_isd(model, ids, pr, n)) for n in (1, 2, 4, 8)]
+    else:
+        decodings = [("one token per forward" if tau is None else f"max-prob > {tau}",
+                      lambda pr, tau=tau: ref_generate(model, ids, spec["shift"], attention_of(family), pr, N=40,
+                                                       B=spec["eval_block"], tau=tau)) for tau in taus]
+    first = None
+    for key, decode in decodings:
         per = {t: [0, 0] for t in TASKS}
         toks = fwd = 0
+        texts = []
         for task, p, a in data:
-            text, n, f = ref_generate(model, ids, spec["shift"], attention_of(family), ids.encode(render(p)),
-                                      N=40, B=spec["eval_block"], tau=tau)
+            text, n, f = decode(ids.encode(render(p)))
+            texts.append(text)
             per[task][0] += correct(task, p, a, text)
             per[task][1] += 1
             toks += n
             fwd += f
-        key = "one token per forward" if tau is None else f"max-prob > {tau}"
+        first = first or texts
+        assert family != "idlm" or texts == first, f"greedy {key} wrote other text than greedy AR"
         res[key] = dict(accuracy=sum(v[0] for v in per.values()) / len(data), tokens_per_forward=toks / max(fwd, 1),
                         per_task={k: v[0] / max(v[1], 1) for k, v in per.items()})
     return dict(block_size=spec["eval_block"], instances=len(data), results=res)
