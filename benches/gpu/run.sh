@@ -29,6 +29,9 @@
 #   isd      benches/isd.py on the GPU (issue #53): AR against ISD at strides 2/4/8 on the SDAR-1.7B shape (random
 #            weights, made by speed.py's make_checkpoint), bf16, loaded causal + shifted: the cost side (no draft
 #            accepted), then --agree (a zeroed final norm: every draft accepted), the most ISD gains per forward
+#   qwen35   benches/gpu/qwen35.py (issue #52): the Gated DeltaNet kernels at Qwen3.5's head shape (logits through
+#            the cache vs transformers f32 on the GPU), the trained Qwen3.5 twin's reference-decoder cases on the GPU
+#            (cache on = off, batched = alone), one window forward of the Qwen3.5-0.8B shape vs PyTorch and the floor
 #   batching tests/test_batching.py on the GPU (device "auto" is CUDA there, bf16): do concurrent streams, batched
 #            into shared forwards, still give their lone outputs token for token?
 # Everything goes to $OUT (default ./gpu_out): JSON per stage, logs, nvidia-smi.
@@ -122,10 +125,13 @@ make_checkpoint('sdar-1.7b', '$ck', torch.device('cuda'), torch.bfloat16)" 2>&1 
       else
         echo "no sm_90 wheel installed on this machine (run the install stage first): no ratio" | tee -a "$OUT/ptx80.log"
       fi ;;
+    qwen35)
+      install > /dev/null
+      "$PY" benches/gpu/qwen35.py --out "$OUT/gpu_qwen35.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/qwen35.log" ;;
     batching)
       install > /dev/null
       (cd /tmp && "$PY" -m pytest -q -p no:cacheprovider -rf --tb=line "$OLDPWD/tests/test_batching.py" 2>&1 | tail -25) \
         | tee "$OUT/batching.log" ;;
-    *) echo "unknown stage $stage (install|parity|speed|speed8b|profile|ncu|quant|segments|ptx80|isd|batching|all)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (install|parity|speed|speed8b|profile|ncu|quant|segments|ptx80|isd|qwen35|batching|all)" >&2; exit 2 ;;
   esac
 done

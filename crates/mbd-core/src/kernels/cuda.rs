@@ -6,6 +6,7 @@
 //! A/B runs. Without the `cuda` feature, `available` is false and nothing else is reachable.
 
 use crate::error::Result;
+use crate::kernels::delta_rule::{DeltaShape, GdnParams};
 use candle_core::{DType, Device, Tensor};
 
 /// Whether the kernels run on `dev` in `dtype` at all: a CUDA device (in a build with the `cuda` feature),
@@ -143,15 +144,50 @@ pub fn segment_table(segs: &[SegmentRows<'_>], heads: usize) -> Result<SegmentTa
     Ok(SegmentTable { words, rows, most })
 }
 
+/// Whether `gdn_scan` takes a layer's heads: key head dims of 16, 32, 64 or 128 (`gdn_split` threads keep a column
+/// of a head's state in registers), value head dims a multiple of 32 (whole warps) with at most GDN_SCAN_THREADS
+/// threads per head. Qwen3.5's 128 x 128 heads fit.
+pub fn gdn_scan_fits(sh: DeltaShape) -> bool {
+    gdn_split(sh.dk).is_some_and(|split| sh.dv * split <= GDN_SCAN_THREADS)
+        && sh.dv.is_multiple_of(32)
+        && sh.k_heads > 0
+        && sh.v_heads.is_multiple_of(sh.k_heads)
+}
+
+/// Whether `gdn_rows` takes a convolution of `conv_dim` channels: a row's activations in 48 KiB of shared memory
+/// (12k channels; Qwen3.5's have 6-10k).
+pub fn gdn_rows_fit(conv_dim: usize) -> bool {
+    conv_dim * 4 <= GDN_SMEM
+}
+
+/// Threads per state column of `gdn_scan` for key heads of `dk` (kernels.cu's GDN_ENTRY): 64 values in registers
+/// at most. None: no kernel for that size.
+fn gdn_split(dk: usize) -> Option<usize> {
+    match dk {
+        16 | 32 | 64 => Some(1),
+        128 => Some(2),
+        _ => None,
+    }
+}
+
+/// Shared memory `gdn_rows` may take per block (the default limit without opting in).
+const GDN_SMEM: usize = 48 * 1024;
+/// Threads of a `gdn_scan` block at most (kernels.cu's GDN_SCAN_THREADS, its launch bound).
+const GDN_SCAN_THREADS: usize = 256;
+
 fn too_long() -> crate::error::Error {
     crate::error::Error::Internal("a window's key ranges do not fit the CUDA kernel's 32-bit indices".into())
 }
 
 #[cfg(feature = "cuda")]
-pub use imp::{add_rms_norm, attend, attend_segments, device_address, prep, prep_segments, row_stats, silu_mul};
+pub use imp::{
+    add_rms_norm, attend, attend_segments, device_address, gdn_rows, gdn_scan, prep, prep_segments, row_stats, silu_mul,
+};
 
 #[cfg(not(feature = "cuda"))]
-pub use off::{add_rms_norm, attend, attend_segments, device_address, prep, prep_segments, row_stats, silu_mul};
+pub use off::{
+    add_rms_norm, attend, attend_segments, device_address, gdn_rows, gdn_scan, prep, prep_segments, row_stats, silu_mul,
+};
 
 /// The signatures without the `cuda` feature (never called: `available` is false).
 #[cfg(not(feature = "cuda"))]
@@ -213,6 +249,18 @@ mod off {
         _most: usize,
         _scale: f32,
         _dtype: DType,
+    ) -> Result<Tensor> {
+        unavailable()
+    }
+    pub fn gdn_rows(_prm: &GdnParams, _p: &Tensor, _tail: &Tensor) -> Result<Tensor> {
+        unavailable()
+    }
+    pub fn gdn_scan(
+        _sh: DeltaShape,
+        _state: &Tensor,
+        _rows: &Tensor,
+        _out: Option<(&GdnParams, &Tensor)>,
+        _n: usize,
     ) -> Result<Tensor> {
         unavailable()
     }
@@ -577,6 +625,108 @@ mod imp {
 
     /// Per row of `logits` (rows, V): (argmax, entropy, max probability) of softmax(row) as `stats::row_stats`
     /// defines them, in one launch (a block per row). Returns (rows, 3) f64; the argmax is exact as an f64.
+    /// Threads of a `gdn_rows` block (kernels.cu's GDN_THREADS).
+    const GDN_THREADS: usize = 256;
+
+    fn f32_operand(t: &Tensor, dims: &[usize], what: &str) -> Result<()> {
+        if t.dims() != dims || t.dtype() != DType::F32 {
+            return Err(Error::Internal(format!("CUDA Gated DeltaNet: {what} of another shape or dtype")));
+        }
+        contiguous(t, what)
+    }
+
+    /// `delta_rule::window_rows` on the GPU: `p` (rows, width) f32, `tail` (kernel - 1, conv_dim) f32 ->
+    /// (rows, row_width) f32, one launch (a block per row).
+    pub fn gdn_rows(prm: &GdnParams, p: &Tensor, tail: &Tensor) -> Result<Tensor> {
+        let sh = prm.shape;
+        let n = p.dim(0)?;
+        f32_operand(p, &[n, prm.width()], "projected rows")?;
+        f32_operand(tail, &[prm.conv_kernel - 1, prm.conv_dim], "convolution history")?;
+        if !gdn_scan_fits(sh) || !gdn_rows_fit(prm.conv_dim) {
+            return Err(Error::Internal("CUDA Gated DeltaNet: a layer the kernels do not take".into()));
+        }
+        let (p_p, dev) = ptr(p, 4)?;
+        let (out, out_p) = output(&dev, DType::F32, &[n, sh.row_width()])?;
+        if n == 0 {
+            return Ok(out);
+        }
+        let t_p = if tail.elem_count() > 0 { ptr(tail, 4)?.0 } else { 0 };
+        let [cw, na, dt, _] = prm.device_params();
+        let (cw_p, na_p, dt_p) = (ptr(cw, 4)?.0, ptr(na, 4)?.0, ptr(dt, 4)?.0);
+        let f = dev.get_or_load_custom_func("mbd_gdn_rows", MODULE, PTX)?;
+        let mut b = f.builder();
+        let ints = [prm.conv_dim, prm.conv_kernel, prm.width(), sh.k_heads, sh.dk, sh.v_heads, sh.dv]
+            .map(i32_of)
+            .into_iter()
+            .collect::<Result<Vec<i32>>>()?;
+        b.arg(&p_p).arg(&t_p).arg(&cw_p).arg(&na_p).arg(&dt_p).arg(&out_p);
+        for v in &ints {
+            b.arg(v);
+        }
+        let mut cfg = dims((n, 1, 1), GDN_THREADS)?;
+        cfg.shared_mem_bytes = (prm.conv_dim * 4) as u32;
+        // SAFETY: the arguments match mbd_gdn_rows' parameters; the shapes were checked above, and every element
+        // of `out` is written (a block per row writes its whole row).
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(out)
+    }
+
+    /// The recurrence on the GPU from `state` ((v_heads, dk, dv) f32) over the first `n` rows of `rows`
+    /// (`gdn_rows`' layout): with `out` = (the layer's parameters, the projected rows for z), the window's gated
+    /// outputs (n, v_heads·dv) f32 and the state left as it was (`delta_rule::window_out`); without, the state after
+    /// the n rows (`delta_rule::advance`). One launch: a block per value head, a thread per state column.
+    pub fn gdn_scan(
+        sh: DeltaShape,
+        state: &Tensor,
+        rows: &Tensor,
+        out: Option<(&GdnParams, &Tensor)>,
+        n: usize,
+    ) -> Result<Tensor> {
+        f32_operand(state, &[sh.v_heads, sh.dk, sh.dv], "recurrent state")?;
+        if rows.dims2()?.1 != sh.row_width() || rows.dim(0)? < n {
+            return Err(Error::Internal("CUDA Gated DeltaNet: recurrence rows of another shape".into()));
+        }
+        f32_operand(rows, rows.dims(), "recurrence rows")?;
+        let split = match gdn_split(sh.dk) {
+            Some(split) if sh.dv.is_multiple_of(32) && sh.dv * split <= GDN_SCAN_THREADS => split,
+            _ => return Err(Error::Internal("CUDA Gated DeltaNet: a layer the kernels do not take".into())),
+        };
+        let (s_p, dev) = ptr(state, 4)?;
+        let (r_p, _) = ptr(rows, 4)?;
+        let (result, y_p, so_p, p_p, w_p, eps, conv_dim, width) = match out {
+            Some((prm, p)) => {
+                f32_operand(p, &[n, prm.width()], "projected rows")?;
+                let (y, y_p) = output(&dev, DType::F32, &[n, sh.v_heads * sh.dv])?;
+                let w_p = ptr(&prm.device_params()[3], 4)?.0;
+                (y, y_p, 0u64, ptr(p, 4)?.0, w_p, prm.eps, prm.conv_dim, prm.width())
+            }
+            None => {
+                if n == 0 {
+                    return Ok(state.copy()?);
+                }
+                let (so, so_p) = output(&dev, DType::F32, state.dims())?;
+                (so, 0u64, so_p, 0u64, 0u64, 0f32, 0, 0)
+            }
+        };
+        if n == 0 {
+            return Ok(result);
+        }
+        let f = dev.get_or_load_custom_func(&format!("mbd_gdn_scan_{}", sh.dk), MODULE, PTX)?;
+        let mut b = f.builder();
+        let ints = [n, conv_dim, width, sh.k_heads, sh.v_heads, sh.dv, sh.tiled as usize]
+            .map(i32_of)
+            .into_iter()
+            .collect::<Result<Vec<i32>>>()?;
+        b.arg(&s_p).arg(&r_p).arg(&p_p).arg(&w_p).arg(&eps).arg(&y_p).arg(&so_p);
+        for v in &ints {
+            b.arg(v);
+        }
+        // SAFETY: the arguments match mbd_gdn_scan_<dk>'s parameters; the shapes were checked above. A forward
+        // writes every element of y (each head's dv columns of each row), a commit every element of the state.
+        unsafe { b.launch(dims((sh.v_heads, 1, 1), sh.dv * split)?) }.w()?;
+        Ok(result)
+    }
+
     pub fn row_stats(logits: &Tensor) -> Result<Tensor> {
         let logits = if logits.is_contiguous() { logits.clone() } else { logits.contiguous()? };
         let (rows, v) = logits.dims2()?;

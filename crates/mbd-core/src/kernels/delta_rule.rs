@@ -1,5 +1,7 @@
-//! The gated delta rule (Qwen3.5's Gated DeltaNet recurrence) and the causal depthwise convolution before it, in
-//! f32 on the CPU.
+//! The gated delta rule (Qwen3.5's Gated DeltaNet recurrence), the causal depthwise convolution before it and the
+//! gated RMSNorm after it, in f32: on slices for the CPU, and as the three steps a forward and a commit take on
+//! tensors of the model's device (`window_rows`, `window_out`, `advance`: the host's functions on the CPU, mbd-rs's
+//! kernels on CUDA, so that a GPU's recurrent state never leaves it).
 //!
 //! The recurrence runs token by token (not in chunks): every row updates the state the same way whatever rows come
 //! with it, so a sequence's state after n tokens has the same bits however its tokens were cut into windows, and a
@@ -33,6 +35,12 @@ impl DeltaShape {
     /// f32 values of one state: (v_heads, dk, dv).
     pub fn state_len(&self) -> usize {
         self.v_heads * self.dk * self.dv
+    }
+
+    /// f32 values of one window row as `window_rows` packs it: q and k (k_heads x dk each), v (v_heads x dv), g and
+    /// beta (v_heads each).
+    pub fn row_width(&self) -> usize {
+        2 * self.k_heads * self.dk + self.v_heads * self.dv + 2 * self.v_heads
     }
 }
 
@@ -153,6 +161,211 @@ pub fn conv_tail_after(kernel: usize, tail: &[f32], x: &[f32], channels: usize) 
     u[u.len() - keep..].to_vec()
 }
 
+/// log(1 + e^x) as torch's softplus computes it (x itself above 20).
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+/// x / sqrt(sum x^2 + 1e-6) times `scale`, in place (transformers' `l2norm`, as FLA computes it).
+fn l2norm(x: &mut [f32], scale: f32) {
+    let ss: f32 = x.iter().map(|v| v * v).sum();
+    let inv = 1.0 / (ss + 1e-6).sqrt() * scale;
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// A Gated DeltaNet layer's f32 parameters after its projections, on the model's device and (for the CPU's
+/// functions) on the host: the convolution's weight (conv_dim, kernel), -exp(A_log) and dt_bias per value head,
+/// the gated norm's weight (dv) and eps. A projected row is (conv_dim | z: v_heads x dv | b: v_heads | a: v_heads).
+pub struct GdnParams {
+    pub shape: DeltaShape,
+    pub conv_dim: usize,
+    pub conv_kernel: usize,
+    pub eps: f32,
+    host: [Vec<f32>; 4],
+    dev: [candle_core::Tensor; 4],
+}
+
+impl GdnParams {
+    /// From host values: `conv_w` (conv_dim x kernel), `neg_a` and `dt_bias` (v_heads), `norm_w` (dv).
+    pub fn new(
+        shape: DeltaShape,
+        (conv_dim, conv_kernel): (usize, usize),
+        [conv_w, neg_a, dt_bias, norm_w]: [Vec<f32>; 4],
+        eps: f32,
+        dev: &candle_core::Device,
+    ) -> crate::error::Result<GdnParams> {
+        let host = [conv_w, neg_a, dt_bias, norm_w];
+        let lens = [conv_dim * conv_kernel, shape.v_heads, shape.v_heads, shape.dv];
+        if conv_kernel == 0 || host.iter().zip(lens).any(|(h, n)| h.len() != n) {
+            return Err(crate::error::Error::Internal("a Gated DeltaNet layer's parameters have other sizes".into()));
+        }
+        let t = |h: &Vec<f32>| candle_core::Tensor::from_slice(h, h.len(), dev);
+        let dev = [t(&host[0])?, t(&host[1])?, t(&host[2])?, t(&host[3])?];
+        Ok(GdnParams { shape, conv_dim, conv_kernel, eps, host, dev })
+    }
+
+    /// f32 values of a projected row: conv_dim + v_heads x dv + 2 v_heads.
+    pub fn width(&self) -> usize {
+        self.conv_dim + self.shape.v_heads * self.shape.dv + 2 * self.shape.v_heads
+    }
+
+    /// The device's copies: conv_w, neg_a, dt_bias, norm_w.
+    pub fn device_params(&self) -> &[candle_core::Tensor; 4] {
+        &self.dev
+    }
+
+    /// The recurrence's rows of a window on the host: `p` (rows x width) its projected rows, `tail` the
+    /// convolution's history before them. q, k and v after the convolution and SiLU, q and k L2-normalised (q
+    /// also scaled by dk^-1/2), g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b): (rows x row_width).
+    pub fn host_rows(&self, p: &[f32], tail: &[f32]) -> Vec<f32> {
+        let sh = self.shape;
+        let (c, hv, dk) = (self.conv_dim, sh.v_heads, sh.dk);
+        let (kd, vd, width) = (sh.k_heads * dk, hv * sh.dv, self.width());
+        let [conv_w, neg_a, dt_bias, _] = &self.host;
+        let conv_in: Vec<f32> = p.chunks_exact(width).flat_map(|r| &r[..c]).copied().collect();
+        let act = causal_conv_silu(conv_w, self.conv_kernel, tail, &conv_in, c);
+        let scale = 1.0 / (dk as f32).sqrt();
+        let mut out = Vec::with_capacity(p.len() / width * sh.row_width());
+        for (a, r) in act.chunks_exact(c).zip(p.chunks_exact(width)) {
+            let at = out.len();
+            out.extend_from_slice(&a[..c]);
+            out[at..at + kd].chunks_exact_mut(dk).for_each(|h| l2norm(h, scale));
+            out[at + kd..at + 2 * kd].chunks_exact_mut(dk).for_each(|h| l2norm(h, 1.0));
+            let (b, av) = (&r[c + vd..c + vd + hv], &r[c + vd + hv..]);
+            out.extend(av.iter().zip(neg_a).zip(dt_bias).map(|((&a, &na), &dt)| na * softplus(a + dt)));
+            out.extend(b.iter().map(|&b| 1.0 / (1.0 + (-b).exp())));
+        }
+        out
+    }
+
+    /// The window's outputs on the host: the recurrence over `rows` (`host_rows`) from `state` (left as it
+    /// was), then per value head the gated RMSNorm w * norm(o) * silu(z) with z from the projected rows `p`:
+    /// (rows x v_heads·dv).
+    pub fn host_out(&self, state: &[f32], rows: &[f32], p: &[f32]) -> Vec<f32> {
+        let sh = self.shape;
+        let (hv, dv, width) = (sh.v_heads, sh.dv, self.width());
+        let n = rows.len() / sh.row_width();
+        let x = split_rows(sh, rows);
+        let mut st = state.to_vec();
+        let mut core = vec![0f32; n * hv * dv];
+        scan(sh, &mut st, &x.rows(), n, Some(&mut core));
+        let norm_w = &self.host[3];
+        let mut y = vec![0f32; n * hv * dv];
+        for (t, (yo, r)) in y.chunks_exact_mut(hv * dv).zip(p.chunks_exact(width)).enumerate() {
+            let z = &r[self.conv_dim..self.conv_dim + hv * dv];
+            for h in 0..hv {
+                let oh = &core[(t * hv + h) * dv..][..dv];
+                let var = oh.iter().map(|v| v * v).sum::<f32>() / dv as f32;
+                let inv = 1.0 / (var + self.eps).sqrt();
+                for j in 0..dv {
+                    let zj = z[h * dv + j];
+                    yo[h * dv + j] = norm_w[j] * (oh[j] * inv) * (zj / (1.0 + (-zj).exp()));
+                }
+            }
+        }
+        y
+    }
+}
+
+/// `DeltaRows` over rows packed as `GdnParams::host_rows` packs them. The recurrence reads q and k per key head
+/// and v, g and beta per value head: unpacked into separate slices.
+fn split_rows(sh: DeltaShape, rows: &[f32]) -> OwnedRows {
+    let (kd, vd, hv) = (sh.k_heads * sh.dk, sh.v_heads * sh.dv, sh.v_heads);
+    let mut o = OwnedRows::default();
+    for r in rows.chunks_exact(sh.row_width()) {
+        o.q.extend_from_slice(&r[..kd]);
+        o.k.extend_from_slice(&r[kd..2 * kd]);
+        o.v.extend_from_slice(&r[2 * kd..2 * kd + vd]);
+        o.g.extend_from_slice(&r[2 * kd + vd..2 * kd + vd + hv]);
+        o.beta.extend_from_slice(&r[2 * kd + vd + hv..]);
+    }
+    o
+}
+
+#[derive(Default)]
+struct OwnedRows {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    g: Vec<f32>,
+    beta: Vec<f32>,
+}
+
+impl OwnedRows {
+    fn rows(&self) -> DeltaRows<'_> {
+        DeltaRows { q: &self.q, k: &self.k, v: &self.v, g: &self.g, beta: &self.beta }
+    }
+}
+
+/// Whether a layer's recurrence runs in mbd-rs's kernel on `dev`: a CUDA device, and heads the kernel takes
+/// (`cuda::gdn_scan_fits`: Qwen3.5's do). Other heads (the tests' tiny ones) run the host's functions on every
+/// device, their rows copied there and back. A forward's scan and a commit's ask the same question, so they
+/// always run the same arithmetic.
+fn on_gpu(dev: &candle_core::Device, sh: DeltaShape) -> bool {
+    crate::kernels::cuda::runs_on(dev, candle_core::DType::F32) && crate::kernels::cuda::gdn_scan_fits(sh)
+}
+
+fn host(t: &candle_core::Tensor) -> crate::error::Result<Vec<f32>> {
+    Ok(t.flatten_all()?.to_vec1::<f32>()?)
+}
+
+/// A window's recurrence rows on the model's device: `p` (rows, width) its projected rows in f32, `tail`
+/// (kernel - 1, conv_dim) f32 the convolution's history. Returns (rows, row_width) f32 (`GdnParams::host_rows`;
+/// one kernel launch on CUDA).
+pub fn window_rows(
+    prm: &GdnParams,
+    p: &candle_core::Tensor,
+    tail: &candle_core::Tensor,
+) -> crate::error::Result<candle_core::Tensor> {
+    let n = p.dim(0)?;
+    if crate::kernels::cuda::runs_on(p.device(), candle_core::DType::F32)
+        && crate::kernels::cuda::gdn_rows_fit(prm.conv_dim)
+    {
+        return crate::kernels::cuda::gdn_rows(prm, p, tail);
+    }
+    let rows = prm.host_rows(&host(p)?, &host(tail)?);
+    Ok(candle_core::Tensor::from_vec(rows, (n, prm.shape.row_width()), p.device())?)
+}
+
+/// A window's outputs on the model's device: the recurrence over `rows` (`window_rows`) from `state`
+/// ((v_heads, dk, dv) f32, left as it was), then the gated RMSNorm with z from `p`. Returns (rows, v_heads·dv) f32
+/// (`GdnParams::host_out`; one kernel launch on CUDA).
+pub fn window_out(
+    prm: &GdnParams,
+    state: &candle_core::Tensor,
+    rows: &candle_core::Tensor,
+    p: &candle_core::Tensor,
+) -> crate::error::Result<candle_core::Tensor> {
+    let n = rows.dim(0)?;
+    if on_gpu(p.device(), prm.shape) {
+        return crate::kernels::cuda::gdn_scan(prm.shape, state, rows, Some((prm, p)), n);
+    }
+    let y = prm.host_out(&host(state)?, &host(rows)?, &host(p)?);
+    Ok(candle_core::Tensor::from_vec(y, (n, prm.shape.v_heads * prm.shape.dv), p.device())?)
+}
+
+/// The state after the first `n` of a window's `rows` (`window_rows`), from `state` ((v_heads, dk, dv) f32):
+/// a commit. The same arithmetic as `window_out`'s recurrence, so the same bits as the forward's scan over them.
+pub fn advance(
+    sh: DeltaShape,
+    state: &candle_core::Tensor,
+    rows: &candle_core::Tensor,
+    n: usize,
+) -> crate::error::Result<candle_core::Tensor> {
+    if on_gpu(state.device(), sh) {
+        return crate::kernels::cuda::gdn_scan(sh, state, rows, None, n);
+    }
+    let r = host(&rows.narrow(0, 0, n)?)?;
+    let x = split_rows(sh, &r);
+    let mut st = host(state)?;
+    scan(sh, &mut st, &x.rows(), n, None);
+    Ok(candle_core::Tensor::from_vec(st, state.dims(), state.device())?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -237,6 +450,46 @@ mod tests {
             assert_eq!(s_more, s, "two cuts give the one scan's state");
             assert_eq!(o2[..], o[r * hv * sh.dv..], "and its outputs");
         }
+    }
+
+    #[test]
+    fn a_commit_then_the_rest_of_the_window_gives_the_windows_bits() {
+        use candle_core::{Device, Tensor};
+        let sh = DeltaShape { k_heads: 2, v_heads: 4, dk: 8, dv: 6, tiled: false };
+        let (c, kernel, n, r) = (2 * 2 * 8 + 4 * 6, 4, 7, 3);
+        let neg_a: Vec<f32> = rnd(4, 12).iter().map(|x| -x.abs() - 0.1).collect();
+        let prm =
+            GdnParams::new(sh, (c, kernel), [rnd(c * kernel, 11), neg_a, rnd(4, 13), rnd(6, 14)], 1e-6, &Device::Cpu)
+                .unwrap();
+        let width = prm.width();
+        let p = Tensor::from_vec(rnd(n * width, 15), (n, width), &Device::Cpu).unwrap();
+        let tail = Tensor::from_vec(rnd((kernel - 1) * c, 16), (kernel - 1, c), &Device::Cpu).unwrap();
+        let state = Tensor::from_vec(rnd(sh.state_len(), 17), (4, 8, 6), &Device::Cpu).unwrap();
+        let rows = window_rows(&prm, &p, &tail).unwrap();
+        assert_eq!(rows.dims(), [n, sh.row_width()]);
+        let y = window_out(&prm, &state, &rows, &p).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(y.len(), n * 4 * 6);
+        // the forward left the state alone; a commit of r rows, then the window's other rows from there
+        let s_r = advance(sh, &state, &rows, r).unwrap();
+        let p_rest = p.narrow(0, r, n - r).unwrap();
+        let conv_in: Vec<f32> = p
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .chunks_exact(width)
+            .take(r)
+            .flat_map(|row| row[..c].to_vec())
+            .collect();
+        let tail_r = conv_tail_after(kernel, &tail.flatten_all().unwrap().to_vec1::<f32>().unwrap(), &conv_in, c);
+        let tail_r = Tensor::from_vec(tail_r, (kernel - 1, c), &Device::Cpu).unwrap();
+        let rows_rest = window_rows(&prm, &p_rest, &tail_r).unwrap();
+        let want_rows = rows.narrow(0, r, n - r).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(rows_rest.flatten_all().unwrap().to_vec1::<f32>().unwrap(), want_rows);
+        let y_rest = window_out(&prm, &s_r, &rows_rest, &p_rest).unwrap();
+        assert_eq!(y_rest.flatten_all().unwrap().to_vec1::<f32>().unwrap()[..], y[r * 24..]);
+        // and the outputs are the gated norm of the recurrence: not all zero, finite
+        assert!(y.iter().all(|v| v.is_finite()) && y.iter().any(|v| v.abs() > 1e-3));
     }
 
     #[test]

@@ -455,6 +455,11 @@ impl Weights {
         self.loaded.get()
     }
 
+    /// The compute device.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
     /// Load a tensor, checking its shape, in the compute dtype on the compute device.
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         self.load(name, shape, false)

@@ -5,10 +5,10 @@
 //! The layer is causal whatever the block-diffusion mask: each segment's window rows run in order from its cache's
 //! committed state (`kv_cache::Recurrent`), which the forward leaves as it was; the rows' recurrence inputs stay in
 //! the cache so that a commit advances the state over exactly the committed rows. Everything after the projections
-//! runs in f32 on the host (`kernels::delta_rule`).
+//! runs in f32 on the model's device (`kernels::delta_rule`).
 
 use crate::error::{Error, Result};
-use crate::kernels::delta_rule::{causal_conv_silu, scan, DeltaRows, DeltaShape};
+use crate::kernels::delta_rule::{window_out, window_rows, DeltaShape, GdnParams};
 use crate::kernels::Kernels;
 use crate::load::config::LinearAttnConfig;
 use crate::net::kv_cache::{RecurrentShape, RecurrentWindow};
@@ -21,36 +21,14 @@ pub(crate) struct GatedDeltaNet {
     /// in_proj_qkv, in_proj_z, in_proj_b and in_proj_a side by side: (rows, conv_dim + value_dim + 2 v_heads)
     proj: Stacked,
     out: Linear,
-    /// conv1d.weight (conv_dim, kernel)
-    conv_w: Vec<f32>,
-    /// -exp(A_log), per value head
-    neg_a: Vec<f32>,
-    dt_bias: Vec<f32>,
-    /// the gated norm's weight (value dim)
-    norm_w: Vec<f32>,
-    eps: f32,
+    /// the convolution, the decay parameters and the gated norm, on the model's device
+    params: GdnParams,
     pub(crate) shape: RecurrentShape,
 }
 
 /// A small f32 vector of a checkpoint (the convolution, the decay parameters, the gated norm's weight).
 fn host_f32(ws: &Holder, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
     Ok(ws.weights().get(name, shape)?.to_dtype(DType::F32)?.flatten_all()?.to_device(&Device::Cpu)?.to_vec1()?)
-}
-
-/// log(1 + e^x) as torch's softplus computes it (x itself above 20).
-fn softplus(x: f32) -> f32 {
-    if x > 20.0 {
-        x
-    } else {
-        x.exp().ln_1p()
-    }
-}
-
-/// x / sqrt(sum x^2 + 1e-6) times `scale`, in place (transformers' `l2norm`, as FLA computes it).
-fn l2norm(x: &mut [f32], scale: f32) {
-    let ss: f32 = x.iter().map(|v| v * v).sum();
-    let inv = 1.0 / (ss + 1e-6).sqrt() * scale;
-    x.iter_mut().for_each(|v| *v *= inv);
 }
 
 impl GatedDeltaNet {
@@ -88,19 +66,24 @@ impl GatedDeltaNet {
             Some(2) => &[conv_dim, lc.conv_kernel],
             _ => &[conv_dim, 1, lc.conv_kernel],
         };
+        let delta = DeltaShape { k_heads: hk, v_heads: hv, dk, dv, tiled: lc.tiled_value_heads };
+        let params = GdnParams::new(
+            delta,
+            (conv_dim, lc.conv_kernel),
+            [
+                host_f32(ws, &conv, conv_shape)?,
+                neg_a,
+                host_f32(ws, &format!("{prefix}.dt_bias"), &[hv])?,
+                host_f32(ws, &format!("{prefix}.norm.weight"), &[dv])?,
+            ],
+            eps as f32,
+            ws.weights().device(),
+        )?;
         Ok(GatedDeltaNet {
             proj,
             out: Linear::load(ws, &format!("{prefix}.out_proj"), hidden, vd, false)?,
-            conv_w: host_f32(ws, &conv, conv_shape)?,
-            neg_a,
-            dt_bias: host_f32(ws, &format!("{prefix}.dt_bias"), &[hv])?,
-            norm_w: host_f32(ws, &format!("{prefix}.norm.weight"), &[dv])?,
-            eps: eps as f32,
-            shape: RecurrentShape {
-                delta: DeltaShape { k_heads: hk, v_heads: hv, dk, dv, tiled: lc.tiled_value_heads },
-                conv_dim,
-                conv_kernel: lc.conv_kernel,
-            },
+            params,
+            shape: RecurrentShape { delta, conv_dim, conv_kernel: lc.conv_kernel },
         })
     }
 
@@ -110,7 +93,8 @@ impl GatedDeltaNet {
 
     /// The mixer's output for every segment's window rows (stacked: segment i at rows `spans[i]`), each segment's
     /// rows continuing its cache's GDN layer `slot` from the committed state; the rows' recurrence inputs are left
-    /// in the cache for its commit.
+    /// in the cache for its commit. Everything after the projections stays on the model's device
+    /// (`kernels::delta_rule`: the host's functions on the CPU, two kernel launches per segment on CUDA).
     pub(crate) fn forward(
         &self,
         x: &Tensor,
@@ -120,58 +104,30 @@ impl GatedDeltaNet {
         groups: &Groups,
         kn: &Kernels,
     ) -> Result<Tensor> {
-        let sh = self.shape;
-        let DeltaShape { k_heads: hk, v_heads: hv, dk, dv, .. } = sh.delta;
-        let (c, kd, vd) = (sh.conv_dim, hk * dk, hv * dv);
-        let width = c + vd + 2 * hv;
-        let p = groups.apply(x, |x, few| self.proj.forward(x, kn, few))?;
-        let rows = p.dim(0)?;
-        let p: Vec<f32> = p.to_dtype(DType::F32)?.flatten_all()?.to_device(&Device::Cpu)?.to_vec1()?;
-        let mut y = vec![0f32; rows * vd];
-        let scale = 1.0 / (dk as f32).sqrt();
-        for (seg, &(o, n)) in segs.iter_mut().zip(spans) {
-            if n == 0 {
-                continue;
+        let c = self.shape.conv_dim;
+        let p = groups.apply(x, |x, few| self.proj.forward(x, kn, few))?.to_dtype(DType::F32)?;
+        // the segments' outputs in the order of their stacked rows
+        let mut order: Vec<usize> = (0..spans.len()).filter(|&i| spans[i].1 > 0).collect();
+        order.sort_by_key(|&i| spans[i].0);
+        let mut ys = Vec::with_capacity(order.len());
+        let mut next = 0;
+        for i in order {
+            let (o, n) = spans[i];
+            if o != next {
+                return Err(Error::Internal("a forward's segments do not tile its stacked rows".into()));
             }
-            let rec = seg.cache.recurrent_mut(slot);
-            let block = &p[o * width..(o + n) * width];
-            let conv_in: Vec<f32> = block.chunks_exact(width).flat_map(|r| &r[..c]).copied().collect();
-            let act = causal_conv_silu(&self.conv_w, sh.conv_kernel, &rec.conv, &conv_in, c);
-            let (mut q, mut k, mut v) =
-                (Vec::with_capacity(n * kd), Vec::with_capacity(n * kd), Vec::with_capacity(n * vd));
-            let (mut g, mut beta) = (Vec::with_capacity(n * hv), Vec::with_capacity(n * hv));
-            for (a, r) in act.chunks_exact(c).zip(block.chunks_exact(width)) {
-                q.extend_from_slice(&a[..kd]);
-                k.extend_from_slice(&a[kd..2 * kd]);
-                v.extend_from_slice(&a[2 * kd..]);
-                let (b, av) = (&r[c + vd..c + vd + hv], &r[c + vd + hv..]);
-                beta.extend(b.iter().map(|&b| 1.0 / (1.0 + (-b).exp())));
-                g.extend(av.iter().zip(&self.neg_a).zip(&self.dt_bias).map(|((&a, &na), &dt)| na * softplus(a + dt)));
-            }
-            q.chunks_exact_mut(dk).for_each(|h| l2norm(h, scale));
-            k.chunks_exact_mut(dk).for_each(|h| l2norm(h, 1.0));
+            next = o + n;
+            let rec = segs[i].cache.recurrent_mut(slot);
+            let ps = p.narrow(0, o, n)?.contiguous()?;
+            let rows = window_rows(&self.params, &ps, &rec.conv)?;
             // the forward reads the state; only a commit moves it
-            let mut state = rec.state.clone();
-            let mut core = vec![0f32; n * vd];
-            let xr = DeltaRows { q: &q, k: &k, v: &v, g: &g, beta: &beta };
-            scan(sh.delta, &mut state, &xr, n, Some(&mut core));
-            // gated RMSNorm per value head: w * norm(o) * silu(z)
-            for (t, (yo, r)) in y[o * vd..(o + n) * vd].chunks_exact_mut(vd).zip(block.chunks_exact(width)).enumerate()
-            {
-                let z = &r[c..c + vd];
-                for h in 0..hv {
-                    let oh = &core[(t * hv + h) * dv..][..dv];
-                    let var = oh.iter().map(|v| v * v).sum::<f32>() / dv as f32;
-                    let inv = 1.0 / (var + self.eps).sqrt();
-                    for j in 0..dv {
-                        let zj = z[h * dv + j];
-                        yo[h * dv + j] = self.norm_w[j] * (oh[j] * inv) * (zj / (1.0 + (-zj).exp()));
-                    }
-                }
-            }
-            rec.window = Some(RecurrentWindow { conv_in, q, k, v, g, beta });
+            ys.push(window_out(&self.params, &rec.state, &rows, &ps)?);
+            rec.window = Some(RecurrentWindow { conv_in: ps.narrow(1, 0, c)?.contiguous()?, rows });
         }
-        let y = Tensor::from_vec(y, (rows, vd), &Device::Cpu)?.to_device(x.device())?.to_dtype(x.dtype())?;
+        if next != p.dim(0)? {
+            return Err(Error::Internal("a forward's segments do not tile its stacked rows".into()));
+        }
+        let y = Tensor::cat(&ys, 0)?.to_dtype(x.dtype())?;
         groups.apply(&y, |y, few| self.out.forward(y, kn, few))
     }
 }

@@ -11,7 +11,7 @@
 //! or spliced: committing other rows than a prefix, or truncating to a non-zero length, is refused.
 
 use crate::error::{Error, Result};
-use crate::kernels::delta_rule::{conv_tail_after, scan, DeltaRows, DeltaShape};
+use crate::kernels::delta_rule::{advance, DeltaShape};
 use candle_core::{DType, Device, Tensor};
 
 /// A Gated DeltaNet layer's dimensions as its cache needs them.
@@ -34,30 +34,31 @@ impl RecurrentShape {
     }
 }
 
-/// One GDN layer's part of a sequence's cache.
+/// One GDN layer's part of a sequence's cache, on the cache's device (f32).
 pub(crate) struct Recurrent {
     /// the convolution's input rows before the frontier, (kernel - 1, conv_dim), oldest first
-    pub(crate) conv: Vec<f32>,
+    pub(crate) conv: Tensor,
     /// the recurrent state at the frontier, (v_heads, dk, dv)
-    pub(crate) state: Vec<f32>,
+    pub(crate) state: Tensor,
     /// the last forward's rows: what committing a prefix of them needs
     pub(crate) window: Option<RecurrentWindow>,
 }
 
-/// A forward's window rows as the recurrence took them (row-major, `DeltaRows`' layout) and their convolution
-/// inputs.
+/// A forward's window rows as the recurrence took them (`delta_rule::window_rows`) and their convolution inputs
+/// (rows, conv_dim).
 pub(crate) struct RecurrentWindow {
-    pub(crate) conv_in: Vec<f32>,
-    pub(crate) q: Vec<f32>,
-    pub(crate) k: Vec<f32>,
-    pub(crate) v: Vec<f32>,
-    pub(crate) g: Vec<f32>,
-    pub(crate) beta: Vec<f32>,
+    pub(crate) conv_in: Tensor,
+    pub(crate) rows: Tensor,
 }
 
 impl Recurrent {
-    fn new(sh: &RecurrentShape) -> Recurrent {
-        Recurrent { conv: vec![0.0; sh.tail_len()], state: vec![0.0; sh.delta.state_len()], window: None }
+    fn new(sh: &RecurrentShape, dev: &Device) -> Result<Recurrent> {
+        let d = sh.delta;
+        Ok(Recurrent {
+            conv: Tensor::zeros((sh.conv_kernel - 1, sh.conv_dim), DType::F32, dev)?,
+            state: Tensor::zeros((d.v_heads, d.dk, d.dv), DType::F32, dev)?,
+            window: None,
+        })
     }
 
     /// Advance the state and history over the first `n` rows of the last forward.
@@ -67,9 +68,10 @@ impl Recurrent {
             return Ok(());
         }
         let w = w.ok_or_else(|| Error::Internal("a recurrent layer has no window to commit".into()))?;
-        let x = DeltaRows { q: &w.q, k: &w.k, v: &w.v, g: &w.g, beta: &w.beta };
-        scan(sh.delta, &mut self.state, &x, n, None);
-        self.conv = conv_tail_after(sh.conv_kernel, &self.conv, &w.conv_in[..n * sh.conv_dim], sh.conv_dim);
+        self.state = advance(sh.delta, &self.state, &w.rows, n)?;
+        let keep = sh.conv_kernel - 1;
+        let u = Tensor::cat(&[&self.conv, &w.conv_in.narrow(0, 0, n)?], 0)?;
+        self.conv = u.narrow(0, u.dim(0)? - keep, keep)?.contiguous()?;
         Ok(())
     }
 }
@@ -114,7 +116,7 @@ impl KvCache {
         crate::util::check_alloc(shape.bytes().saturating_mul(layers), || {
             format!("the recurrent state of {layers} Gated DeltaNet layers")
         })?;
-        self.recurrent = (0..layers).map(|_| Recurrent::new(&shape)).collect();
+        self.recurrent = (0..layers).map(|_| Recurrent::new(&shape, &self.device)).collect::<Result<_>>()?;
         self.recurrent_shape = Some(shape);
         Ok(self)
     }
@@ -310,7 +312,9 @@ impl KvCache {
                 self.refuse_recurrent(&format!("rewinding the cache from {} to {n} positions", self.len))?;
             }
             let sh = self.recurrent_shape.expect("recurrent layers have a shape");
-            self.recurrent.iter_mut().for_each(|r| *r = Recurrent::new(&sh));
+            for r in &mut self.recurrent {
+                *r = Recurrent::new(&sh, &self.device)?;
+            }
         }
         self.len = self.len.min(n);
         self.window = 0;

@@ -14,6 +14,10 @@
 // - mbd_row_stats_*: a decode step's per-row statistics of the logits (argmax, entropy, max probability).
 // - mbd_prep_segments_* / mbd_attn_partial_segments_* / mbd_attn_combine_segments_*: the same for every segment of
 //   a forward in one launch each (a segment table says which rows are whose, with each one's cache and chunking).
+// - mbd_gdn_rows / mbd_gdn_scan_*: Qwen3.5's Gated DeltaNet after its projections (kernels/delta_rule.rs): a
+//   window's recurrence rows (causal convolution + SiLU, L2-normed q/k, decay and beta) in one launch, and the
+//   recurrence from the committed state with the gated RMSNorm (a forward) or the state after n rows (a commit)
+//   in one, so that the recurrent state never leaves the GPU.
 // The key ranges of a row come from the mask spec (MaskSpec::visible on the host): ranges[0..=w] are offsets into
 // the (lo, hi) pairs that follow them.
 #include <cuda_bf16.h>
@@ -411,6 +415,138 @@ __device__ void row_stats(const T* __restrict__ x, double* __restrict__ out, int
     o[2] = 1.0 / zt;
   }
 }
+
+// ---- Gated DeltaNet (kernels/delta_rule.rs's GdnParams::host_rows / host_out / advance, in f32)
+// Grid (rows), block GDN_THREADS, dynamic shared memory conv_dim floats. p: (rows, width) projected rows (conv_dim |
+// z | b | a), tail: (kernel - 1, conv_dim) the convolution's history, conv_w: (conv_dim, kernel). out: (rows,
+// row_width) = q | k (k_heads x dk, L2-normed, q scaled by dk^-1/2) | v | g | beta. A warp per key head for the
+// norms.
+#define GDN_THREADS 256
+extern "C" __global__ void __launch_bounds__(GDN_THREADS)
+    mbd_gdn_rows(const float* __restrict__ p, const float* __restrict__ tail, const float* __restrict__ conv_w,
+                 const float* __restrict__ neg_a, const float* __restrict__ dt_bias, float* __restrict__ out,
+                 int conv_dim, int kernel, int width, int k_heads, int dk, int v_heads, int dv) {
+  extern __shared__ float act[];
+  const int t = blockIdx.x;
+  const int kd = k_heads * dk, vd = v_heads * dv;
+  const int rw = 2 * kd + vd + 2 * v_heads;
+  float* o = out + (size_t)t * rw;
+  for (int ch = threadIdx.x; ch < conv_dim; ch += GDN_THREADS) {
+    float acc = 0.f;
+    for (int j = 0; j < kernel; ++j) {
+      const int r = t + j;  // row of (tail ++ p)
+      const float u = r < kernel - 1 ? tail[(size_t)r * conv_dim + ch] : p[(size_t)(r - (kernel - 1)) * width + ch];
+      acc = fmaf(conv_w[(size_t)ch * kernel + j], u, acc);
+    }
+    act[ch] = acc / (1.f + expf(-acc));
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const float scale = rsqrtf((float)dk);
+  for (int hh = warp; hh < 2 * k_heads; hh += GDN_THREADS / 32) {
+    const float* a = act + hh * dk;
+    float ss = 0.f;
+    for (int i = lane; i < dk; i += 32) ss = fmaf(a[i], a[i], ss);
+    ss = warp_sum(ss);
+    const float inv = rsqrtf(ss + 1e-6f) * (hh < k_heads ? scale : 1.f);
+    for (int i = lane; i < dk; i += 32) o[hh * dk + i] = a[i] * inv;
+  }
+  for (int i = threadIdx.x; i < vd; i += GDN_THREADS) o[2 * kd + i] = act[2 * kd + i];
+  const float* r = p + (size_t)t * width;
+  for (int h = threadIdx.x; h < v_heads; h += GDN_THREADS) {
+    const float b = r[conv_dim + vd + h], x = r[conv_dim + vd + v_heads + h] + dt_bias[h];
+    const float sp = x > 20.f ? x : log1pf(expf(x));
+    o[2 * kd + vd + h] = neg_a[h] * sp;
+    o[2 * kd + vd + v_heads + h] = 1.f / (1.f + expf(-b));
+  }
+}
+
+#define GDN_SCAN_THREADS 256
+// Grid (v_heads), block dv x SPLIT threads (<= GDN_SCAN_THREADS): SPLIT threads (adjacent lanes) keep column j of their
+// head's state in registers, DK / SPLIT values each, and run the recurrence over `n` rows of `rows` (mbd_gdn_rows'
+// layout): S <- e^g S; delta = beta (v - S^T k); S <- S + k delta^T; o = S^T q. With `p` (a forward): y (n, v_heads
+// x dv) = norm_w * o / rms(o) * silu(z) per head, z from p's rows; the state is not written. Without (a commit): the
+// state after the n rows is written to state_out. key_head: h / (v_heads / k_heads), or h % k_heads when `tiled`.
+template <int DK, int SPLIT>
+__device__ void gdn_scan(const float* __restrict__ state, const float* __restrict__ rows, const float* __restrict__ p,
+                         const float* __restrict__ norm_w, float eps, float* __restrict__ y,
+                         float* __restrict__ state_out, int n, int conv_dim, int width, int k_heads, int v_heads,
+                         int dv, int tiled) {
+  constexpr int PART = DK / SPLIT;
+  __shared__ float ks[DK], qs[DK];
+  __shared__ float red[32];
+  __shared__ float coef[2];
+  const int h = blockIdx.x, j = threadIdx.x / SPLIT, part = threadIdx.x % SPLIT, i0 = part * PART;
+  const int kh = tiled ? h % k_heads : h / (v_heads / k_heads);
+  const int kd = k_heads * DK, vd = v_heads * dv;
+  const int rw = 2 * kd + vd + 2 * v_heads;
+  float s[PART];
+  const float* s0 = state + (size_t)h * DK * dv;
+#pragma unroll
+  for (int i = 0; i < PART; ++i) s[i] = s0[(size_t)(i0 + i) * dv + j];
+  for (int t = 0; t < n; ++t) {
+    const float* r = rows + (size_t)t * rw;
+    for (int i = threadIdx.x; i < DK; i += blockDim.x) {
+      qs[i] = r[kh * DK + i];
+      ks[i] = r[kd + kh * DK + i];
+    }
+    if (threadIdx.x == 0) {
+      coef[0] = expf(r[2 * kd + vd + h]);
+      coef[1] = r[2 * kd + vd + v_heads + h];
+    }
+    __syncthreads();
+    const float decay = coef[0], beta = coef[1];
+    float m = 0.f;
+#pragma unroll
+    for (int i = 0; i < PART; ++i) {
+      s[i] *= decay;
+      m = fmaf(s[i], ks[i0 + i], m);
+    }
+#pragma unroll
+    for (int o = 1; o < SPLIT; o <<= 1) m += __shfl_xor_sync(0xffffffffu, m, o);
+    const float delta = (r[2 * kd + h * dv + j] - m) * beta;
+    float o = 0.f;
+#pragma unroll
+    for (int i = 0; i < PART; ++i) {
+      s[i] = fmaf(ks[i0 + i], delta, s[i]);
+      o = fmaf(s[i], qs[i0 + i], o);
+    }
+#pragma unroll
+    for (int q = 1; q < SPLIT; q <<= 1) o += __shfl_xor_sync(0xffffffffu, o, q);
+    if (p != nullptr) {
+      const float ss = warp_sum(part == 0 ? o * o : 0.f);
+      if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+      __syncthreads();
+      float tot = 0.f;
+      for (int w = 0; w < (int)(blockDim.x + 31) / 32; ++w) tot += red[w];
+      if (part == 0) {
+        const float inv = rsqrtf(tot / (float)dv + eps);
+        const float z = p[(size_t)t * width + conv_dim + h * dv + j];
+        y[(size_t)t * vd + h * dv + j] = norm_w[j] * (o * inv) * (z / (1.f + expf(-z)));
+      }
+    }
+    __syncthreads();  // the next row's q/k and coefficients overwrite the shared ones
+  }
+  if (p == nullptr) {
+    float* so = state_out + (size_t)h * DK * dv;
+#pragma unroll
+    for (int i = 0; i < PART; ++i) so[(size_t)(i0 + i) * dv + j] = s[i];
+  }
+}
+
+#define GDN_ENTRY(DK, SPLIT)                                                                                     \
+  extern "C" __global__ void __launch_bounds__(GDN_SCAN_THREADS)                                                 \
+      mbd_gdn_scan_##DK(const float* state, const float* rows, const float* p, const float* norm_w, float eps,     \
+                        float* y, float* state_out, int n, int conv_dim, int width, int k_heads, int v_heads,     \
+                        int dv, int tiled) {                                                                     \
+    gdn_scan<DK, SPLIT>(state, rows, p, norm_w, eps, y, state_out, n, conv_dim, width, k_heads, v_heads, dv,      \
+                        tiled);                                                                                  \
+  }
+// threads per state column (cuda.rs's gdn_split): 64 state values in registers at most
+GDN_ENTRY(16, 1)
+GDN_ENTRY(32, 1)
+GDN_ENTRY(64, 1)
+GDN_ENTRY(128, 2)
 
 #define ENTRY(NAME, T)                                                                                           \
   extern "C" __global__ void mbd_prep_##NAME(const T* qkv, const float* cos_t, const float* sin_t, const T* qn,   \
