@@ -6,7 +6,6 @@
 //! A/B runs. Without the `cuda` feature, `available` is false and nothing else is reachable.
 
 use crate::error::Result;
-use crate::kernels::delta_rule::{DeltaShape, GdnParams};
 use candle_core::{DType, Device, Tensor};
 
 /// Whether the kernels run on `dev` in `dtype` at all: a CUDA device (in a build with the `cuda` feature),
@@ -144,14 +143,24 @@ pub fn segment_table(segs: &[SegmentRows<'_>], heads: usize) -> Result<SegmentTa
     Ok(SegmentTable { words, rows, most })
 }
 
-/// Whether `gdn_scan` takes a layer's heads: key head dims of 16, 32, 64 or 128 (`gdn_split` threads keep a column
-/// of a head's state in registers), value head dims a multiple of 32 (whole warps) with at most GDN_SCAN_THREADS
-/// threads per head. Qwen3.5's 128 x 128 heads fit.
-pub fn gdn_scan_fits(sh: DeltaShape) -> bool {
-    gdn_split(sh.dk).is_some_and(|split| sh.dv * split <= GDN_SCAN_THREADS)
-        && sh.dv.is_multiple_of(32)
-        && sh.k_heads > 0
-        && sh.v_heads.is_multiple_of(sh.k_heads)
+/// Whether `gdn_scan` takes a Gated DeltaNet layer's heads (`k_heads` key heads of `dk`, `v_heads` value heads of
+/// `dv`): key head dims of 16, 32, 64 or 128 (`gdn_split` threads keep a column of a head's state in registers),
+/// value head dims a multiple of 32 (whole warps) with at most GDN_SCAN_THREADS threads per head. Qwen3.5's 128 x
+/// 128 heads fit.
+pub fn gdn_scan_fits(dk: usize, dv: usize, k_heads: usize, v_heads: usize) -> bool {
+    gdn_split(dk).is_some_and(|split| dv * split <= GDN_SCAN_THREADS)
+        && dv.is_multiple_of(32)
+        && k_heads > 0
+        && v_heads.is_multiple_of(k_heads)
+}
+
+/// What a forward's `gdn_scan` needs besides the recurrence: the projected rows (rows, width) f32 (z at columns
+/// conv_dim.. of each), the gated norm's weight (dv) f32 and eps.
+pub struct GdnOut<'a> {
+    pub p: &'a Tensor,
+    pub conv_dim: usize,
+    pub norm_w: &'a Tensor,
+    pub eps: f32,
 }
 
 /// Whether `gdn_rows` takes a convolution of `conv_dim` channels: a row's activations in 48 KiB of shared memory
@@ -252,15 +261,20 @@ mod off {
     ) -> Result<Tensor> {
         unavailable()
     }
-    pub fn gdn_rows(_prm: &GdnParams, _p: &Tensor, _tail: &Tensor) -> Result<Tensor> {
+    pub fn gdn_rows(
+        _p: &Tensor,
+        _tail: &Tensor,
+        _conv: (&Tensor, &Tensor, &Tensor),
+        _heads: (usize, usize, usize, usize),
+    ) -> Result<Tensor> {
         unavailable()
     }
     pub fn gdn_scan(
-        _sh: DeltaShape,
         _state: &Tensor,
         _rows: &Tensor,
-        _out: Option<(&GdnParams, &Tensor)>,
+        _out: Option<GdnOut<'_>>,
         _n: usize,
+        _keys: (usize, bool),
     ) -> Result<Tensor> {
         unavailable()
     }
@@ -635,36 +649,42 @@ mod imp {
         contiguous(t, what)
     }
 
-    /// `delta_rule::window_rows` on the GPU: `p` (rows, width) f32, `tail` (kernel - 1, conv_dim) f32 ->
-    /// (rows, row_width) f32, one launch (a block per row).
-    pub fn gdn_rows(prm: &GdnParams, p: &Tensor, tail: &Tensor) -> Result<Tensor> {
-        let sh = prm.shape;
+    /// `delta_rule::window_rows` on the GPU: `p` (rows, width) f32 projected rows, `tail` (kernel - 1, conv_dim) f32
+    /// the convolution's history, `conv` = (weight (conv_dim · kernel), -exp(A_log), dt_bias (v_heads)) f32, `heads`
+    /// = (k_heads, dk, v_heads, dv) -> (rows, row_width) f32, one launch (a block per row).
+    pub fn gdn_rows(
+        p: &Tensor,
+        tail: &Tensor,
+        (cw, na, dt): (&Tensor, &Tensor, &Tensor),
+        (hk, dk, hv, dv): (usize, usize, usize, usize),
+    ) -> Result<Tensor> {
+        let (taps, c) = tail.dims2()?;
+        let (kernel, width) = (taps + 1, c + hv * dv + 2 * hv);
         let n = p.dim(0)?;
-        f32_operand(p, &[n, prm.width()], "projected rows")?;
-        f32_operand(tail, &[prm.conv_kernel - 1, prm.conv_dim], "convolution history")?;
-        if !gdn_scan_fits(sh) || !gdn_rows_fit(prm.conv_dim) {
+        f32_operand(p, &[n, width], "projected rows")?;
+        f32_operand(tail, &[taps, c], "convolution history")?;
+        f32_operand(cw, &[c * kernel], "convolution weight")?;
+        f32_operand(na, &[hv], "decay")?;
+        f32_operand(dt, &[hv], "dt bias")?;
+        if c != 2 * hk * dk + hv * dv || !gdn_rows_fit(c) {
             return Err(Error::Internal("CUDA Gated DeltaNet: a layer the kernels do not take".into()));
         }
         let (p_p, dev) = ptr(p, 4)?;
-        let (out, out_p) = output(&dev, DType::F32, &[n, sh.row_width()])?;
+        let (out, out_p) = output(&dev, DType::F32, &[n, c + 2 * hv])?;
         if n == 0 {
             return Ok(out);
         }
         let t_p = if tail.elem_count() > 0 { ptr(tail, 4)?.0 } else { 0 };
-        let [cw, na, dt, _] = prm.device_params();
         let (cw_p, na_p, dt_p) = (ptr(cw, 4)?.0, ptr(na, 4)?.0, ptr(dt, 4)?.0);
         let f = dev.get_or_load_custom_func("mbd_gdn_rows", MODULE, PTX)?;
         let mut b = f.builder();
-        let ints = [prm.conv_dim, prm.conv_kernel, prm.width(), sh.k_heads, sh.dk, sh.v_heads, sh.dv]
-            .map(i32_of)
-            .into_iter()
-            .collect::<Result<Vec<i32>>>()?;
+        let ints = [c, kernel, width, hk, dk, hv, dv].map(i32_of).into_iter().collect::<Result<Vec<i32>>>()?;
         b.arg(&p_p).arg(&t_p).arg(&cw_p).arg(&na_p).arg(&dt_p).arg(&out_p);
         for v in &ints {
             b.arg(v);
         }
         let mut cfg = dims((n, 1, 1), GDN_THREADS)?;
-        cfg.shared_mem_bytes = (prm.conv_dim * 4) as u32;
+        cfg.shared_mem_bytes = (c * 4) as u32;
         // SAFETY: the arguments match mbd_gdn_rows' parameters; the shapes were checked above, and every element
         // of `out` is written (a block per row writes its whole row).
         unsafe { b.launch(cfg) }.w()?;
@@ -672,33 +692,36 @@ mod imp {
     }
 
     /// The recurrence on the GPU from `state` ((v_heads, dk, dv) f32) over the first `n` rows of `rows`
-    /// (`gdn_rows`' layout): with `out` = (the layer's parameters, the projected rows for z), the window's gated
-    /// outputs (n, v_heads·dv) f32 and the state left as it was (`delta_rule::window_out`); without, the state after
-    /// the n rows (`delta_rule::advance`). One launch: a block per value head, a thread per state column.
+    /// (`gdn_rows`' layout), `keys` = (k_heads, tiled value heads): with `out`, the window's gated outputs
+    /// (n, v_heads·dv) f32 and the state left as it was (`delta_rule::window_out`); without, the state after the n
+    /// rows (`delta_rule::advance`). One launch: a block per value head, one or two threads per state column.
     pub fn gdn_scan(
-        sh: DeltaShape,
         state: &Tensor,
         rows: &Tensor,
-        out: Option<(&GdnParams, &Tensor)>,
+        out: Option<GdnOut<'_>>,
         n: usize,
+        (hk, tiled): (usize, bool),
     ) -> Result<Tensor> {
-        f32_operand(state, &[sh.v_heads, sh.dk, sh.dv], "recurrent state")?;
-        if rows.dims2()?.1 != sh.row_width() || rows.dim(0)? < n {
+        let (hv, dk, dv) = state.dims3()?;
+        let rw = 2 * hk * dk + hv * dv + 2 * hv;
+        f32_operand(state, &[hv, dk, dv], "recurrent state")?;
+        if rows.dims2()?.1 != rw || rows.dim(0)? < n {
             return Err(Error::Internal("CUDA Gated DeltaNet: recurrence rows of another shape".into()));
         }
         f32_operand(rows, rows.dims(), "recurrence rows")?;
-        let split = match gdn_split(sh.dk) {
-            Some(split) if sh.dv.is_multiple_of(32) && sh.dv * split <= GDN_SCAN_THREADS => split,
+        let split = match gdn_split(dk) {
+            Some(split) if gdn_scan_fits(dk, dv, hk, hv) => split,
             _ => return Err(Error::Internal("CUDA Gated DeltaNet: a layer the kernels do not take".into())),
         };
         let (s_p, dev) = ptr(state, 4)?;
         let (r_p, _) = ptr(rows, 4)?;
         let (result, y_p, so_p, p_p, w_p, eps, conv_dim, width) = match out {
-            Some((prm, p)) => {
-                f32_operand(p, &[n, prm.width()], "projected rows")?;
-                let (y, y_p) = output(&dev, DType::F32, &[n, sh.v_heads * sh.dv])?;
-                let w_p = ptr(&prm.device_params()[3], 4)?.0;
-                (y, y_p, 0u64, ptr(p, 4)?.0, w_p, prm.eps, prm.conv_dim, prm.width())
+            Some(o) => {
+                let width = o.conv_dim + hv * dv + 2 * hv;
+                f32_operand(o.p, &[n, width], "projected rows")?;
+                f32_operand(o.norm_w, &[dv], "gated norm weight")?;
+                let (y, y_p) = output(&dev, DType::F32, &[n, hv * dv])?;
+                (y, y_p, 0u64, ptr(o.p, 4)?.0, ptr(o.norm_w, 4)?.0, o.eps, o.conv_dim, width)
             }
             None => {
                 if n == 0 {
@@ -711,19 +734,17 @@ mod imp {
         if n == 0 {
             return Ok(result);
         }
-        let f = dev.get_or_load_custom_func(&format!("mbd_gdn_scan_{}", sh.dk), MODULE, PTX)?;
+        let f = dev.get_or_load_custom_func(&format!("mbd_gdn_scan_{dk}"), MODULE, PTX)?;
         let mut b = f.builder();
-        let ints = [n, conv_dim, width, sh.k_heads, sh.v_heads, sh.dv, sh.tiled as usize]
-            .map(i32_of)
-            .into_iter()
-            .collect::<Result<Vec<i32>>>()?;
+        let ints =
+            [n, conv_dim, width, hk, hv, dv, tiled as usize].map(i32_of).into_iter().collect::<Result<Vec<i32>>>()?;
         b.arg(&s_p).arg(&r_p).arg(&p_p).arg(&w_p).arg(&eps).arg(&y_p).arg(&so_p);
         for v in &ints {
             b.arg(v);
         }
         // SAFETY: the arguments match mbd_gdn_scan_<dk>'s parameters; the shapes were checked above. A forward
         // writes every element of y (each head's dv columns of each row), a commit every element of the state.
-        unsafe { b.launch(dims((sh.v_heads, 1, 1), sh.dv * split)?) }.w()?;
+        unsafe { b.launch(dims((hv, 1, 1), dv * split)?) }.w()?;
         Ok(result)
     }
 

@@ -306,7 +306,8 @@ impl OwnedRows {
 /// device, their rows copied there and back. A forward's scan and a commit's ask the same question, so they
 /// always run the same arithmetic.
 fn on_gpu(dev: &candle_core::Device, sh: DeltaShape) -> bool {
-    crate::kernels::cuda::runs_on(dev, candle_core::DType::F32) && crate::kernels::cuda::gdn_scan_fits(sh)
+    crate::kernels::cuda::runs_on(dev, candle_core::DType::F32)
+        && crate::kernels::cuda::gdn_scan_fits(sh.dk, sh.dv, sh.k_heads, sh.v_heads)
 }
 
 fn host(t: &candle_core::Tensor) -> crate::error::Result<Vec<f32>> {
@@ -325,7 +326,9 @@ pub fn window_rows(
     if crate::kernels::cuda::runs_on(p.device(), candle_core::DType::F32)
         && crate::kernels::cuda::gdn_rows_fit(prm.conv_dim)
     {
-        return crate::kernels::cuda::gdn_rows(prm, p, tail);
+        let [cw, na, dt, _] = prm.device_params();
+        let sh = prm.shape;
+        return crate::kernels::cuda::gdn_rows(p, tail, (cw, na, dt), (sh.k_heads, sh.dk, sh.v_heads, sh.dv));
     }
     let rows = prm.host_rows(&host(p)?, &host(tail)?);
     Ok(candle_core::Tensor::from_vec(rows, (n, prm.shape.row_width()), p.device())?)
@@ -342,7 +345,9 @@ pub fn window_out(
 ) -> crate::error::Result<candle_core::Tensor> {
     let n = rows.dim(0)?;
     if on_gpu(p.device(), prm.shape) {
-        return crate::kernels::cuda::gdn_scan(prm.shape, state, rows, Some((prm, p)), n);
+        let out =
+            crate::kernels::cuda::GdnOut { p, conv_dim: prm.conv_dim, norm_w: &prm.device_params()[3], eps: prm.eps };
+        return crate::kernels::cuda::gdn_scan(state, rows, Some(out), n, (prm.shape.k_heads, prm.shape.tiled));
     }
     let y = prm.host_out(&host(state)?, &host(rows)?, &host(p)?);
     Ok(candle_core::Tensor::from_vec(y, (n, prm.shape.v_heads * prm.shape.dv), p.device())?)
@@ -357,7 +362,7 @@ pub fn advance(
     n: usize,
 ) -> crate::error::Result<candle_core::Tensor> {
     if on_gpu(state.device(), sh) {
-        return crate::kernels::cuda::gdn_scan(sh, state, rows, None, n);
+        return crate::kernels::cuda::gdn_scan(state, rows, None, n, (sh.k_heads, sh.tiled));
     }
     let r = host(&rows.narrow(0, 0, n)?)?;
     let x = split_rows(sh, &r);

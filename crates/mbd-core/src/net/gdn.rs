@@ -127,7 +127,10 @@ impl GatedDeltaNet {
         if next != p.dim(0)? {
             return Err(Error::Internal("a forward's segments do not tile its stacked rows".into()));
         }
-        let y = Tensor::cat(&ys, 0)?.to_dtype(x.dtype())?;
+        let y = match ys.is_empty() {
+            true => Tensor::zeros((0, self.shape.delta.v_heads * self.shape.delta.dv), x.dtype(), x.device())?,
+            false => Tensor::cat(&ys, 0)?.to_dtype(x.dtype())?,
+        };
         groups.apply(&y, |y, few| self.out.forward(y, kn, few))
     }
 }
