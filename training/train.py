@@ -16,8 +16,9 @@ is a multiple of 7). One seeded script; the device is picked automatically (CUDA
                            (causal), every 4th gated softmax attention (block-causal), config.json with
                            `block_size`, `mask_token_id` and `logits_shift: false` (a block-diffusion conversion as
                            arcLM's), v1's tokenizer. Objective d2f only, one sample per row (a recurrence would carry
-                           state across packed samples). On a CPU transformers' GDN runs its torch fallback (~4 s a
-                           step of 48 on 2 cores): train it on a GPU (training/gpu_run.sh, FAMILIES=qwen35).
+                           state across packed samples). On a CPU transformers' GDN runs its torch fallback: the
+                           twin is sized for that (3.26M parameters, ~1.0 s a step of 48 on 2 cores; see its card for
+                           the two stages of models/mbd-qwen35-tiny). training/gpu_run.sh FAMILIES=qwen35 on a GPU.
     --family fast_dllm_v2  Fast-dLLM-v2-style twin: Qwen2 weights (untied head), `architectures
                            ["Fast_dLLM_QwenForCausalLM"]`, `model_type "Fast_dLLM_Qwen"`, `bd_size`,
                            `conplemenrary_mask: true` (sic, as the real config), NO mask_token_id in config.json:
@@ -93,6 +94,7 @@ Commands (from the repository root; developer tool, not a runtime dependency):
     /tmp/devenv/bin/python training/train.py --family dream --out /work/trained/mbd-dream-tiny --steps 2000
     /tmp/devenv/bin/python training/train.py --family fast_dllm_v2 --out /work/trained/mbd-fdv2-tiny --steps 2000
     /tmp/devenv/bin/python training/train.py --family idlm --out /work/trained/mbd-idlm-tiny --minutes 70 --threads 2
+    /tmp/devenv/bin/python training/train.py --family qwen35 --out /work/trained/mbd-qwen35-tiny --minutes 85 --threads 2
     /tmp/devenv/bin/python training/train.py --check /work/trained/mbd-tiny-v2      # HF load + reference decode
     nohup bash training/cpu_run.sh > /work/trained/cpu_run.log 2>&1 &   # all three on CPU, ~110 min, --minutes
     bash training/gpu_run.sh                                             # all three on a GPU (writes to $OUT)

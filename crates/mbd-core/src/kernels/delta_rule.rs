@@ -242,15 +242,14 @@ impl GdnParams {
         out
     }
 
-    /// The window's outputs on the host: the recurrence over `rows` (`host_rows`) from `state` (left as it
-    /// was), then per value head the gated RMSNorm w * norm(o) * silu(z) with z from the projected rows `p`:
-    /// (rows x v_heads·dv).
-    pub fn host_out(&self, state: &[f32], rows: &[f32], p: &[f32]) -> Vec<f32> {
+    /// The window's outputs on the host: the recurrence over `rows` (`host_rows`) from `state` (a copy of the
+    /// committed one, which the forward leaves as it was: this one is spent), then per value head the gated RMSNorm
+    /// w * norm(o) * silu(z) with z from the projected rows `p`: (rows x v_heads·dv).
+    pub fn host_out(&self, mut st: Vec<f32>, rows: &[f32], p: &[f32]) -> Vec<f32> {
         let sh = self.shape;
         let (hv, dv, width) = (sh.v_heads, sh.dv, self.width());
         let n = rows.len() / sh.row_width();
         let x = split_rows(sh, rows);
-        let mut st = state.to_vec();
         let mut core = vec![0f32; n * hv * dv];
         scan(sh, &mut st, &x.rows(), n, Some(&mut core));
         let norm_w = &self.host[3];
@@ -314,6 +313,19 @@ fn host(t: &candle_core::Tensor) -> crate::error::Result<Vec<f32>> {
     Ok(t.flatten_all()?.to_vec1::<f32>()?)
 }
 
+/// `f` of an f32 tensor's values on the host: read in place on the CPU (no copy: a window's projected rows are
+/// megabytes at 32 rows), copied from other devices.
+fn with_host<R>(t: &candle_core::Tensor, f: impl FnOnce(&[f32]) -> R) -> crate::error::Result<R> {
+    let t = t.contiguous()?;
+    {
+        let (st, l) = t.storage_and_layout();
+        if let (candle_core::Storage::Cpu(cs), Some((a, b))) = (&*st, l.contiguous_offsets()) {
+            return Ok(f(&cs.as_slice::<f32>()?[a..b]));
+        }
+    }
+    Ok(f(&host(&t)?))
+}
+
 /// A window's recurrence rows on the model's device: `p` (rows, width) its projected rows in f32, `tail`
 /// (kernel - 1, conv_dim) f32 the convolution's history. Returns (rows, row_width) f32 (`GdnParams::host_rows`;
 /// one kernel launch on CUDA).
@@ -330,7 +342,7 @@ pub fn window_rows(
         let sh = prm.shape;
         return crate::kernels::cuda::gdn_rows(p, tail, (cw, na, dt), (sh.k_heads, sh.dk, sh.v_heads, sh.dv));
     }
-    let rows = prm.host_rows(&host(p)?, &host(tail)?);
+    let rows = with_host(p, |p| with_host(tail, |tail| prm.host_rows(p, tail)))??;
     Ok(candle_core::Tensor::from_vec(rows, (n, prm.shape.row_width()), p.device())?)
 }
 
@@ -349,7 +361,8 @@ pub fn window_out(
             crate::kernels::cuda::GdnOut { p, conv_dim: prm.conv_dim, norm_w: &prm.device_params()[3], eps: prm.eps };
         return crate::kernels::cuda::gdn_scan(state, rows, Some(out), n, (prm.shape.k_heads, prm.shape.tiled));
     }
-    let y = prm.host_out(&host(state)?, &host(rows)?, &host(p)?);
+    let st = host(state)?;
+    let y = with_host(rows, |rows| with_host(p, |p| prm.host_out(st, rows, p)))??;
     Ok(candle_core::Tensor::from_vec(y, (n, prm.shape.v_heads * prm.shape.dv), p.device())?)
 }
 
@@ -364,8 +377,7 @@ pub fn advance(
     if on_gpu(state.device(), sh) {
         return crate::kernels::cuda::gdn_scan(state, rows, None, n, (sh.k_heads, sh.tiled));
     }
-    let r = host(&rows.narrow(0, 0, n)?)?;
-    let x = split_rows(sh, &r);
+    let x = with_host(&rows.narrow(0, 0, n)?, |r| split_rows(sh, r))?;
     let mut st = host(state)?;
     scan(sh, &mut st, &x.rows(), n, None);
     Ok(candle_core::Tensor::from_vec(st, state.dims(), state.device())?)

@@ -104,7 +104,6 @@ impl GatedDeltaNet {
         groups: &Groups,
         kn: &Kernels,
     ) -> Result<Tensor> {
-        let c = self.shape.conv_dim;
         let p = groups.apply(x, |x, few| self.proj.forward(x, kn, few))?.to_dtype(DType::F32)?;
         // the segments' outputs in the order of their stacked rows
         let mut order: Vec<usize> = (0..spans.len()).filter(|&i| spans[i].1 > 0).collect();
@@ -122,14 +121,15 @@ impl GatedDeltaNet {
             let rows = window_rows(&self.params, &ps, &rec.conv)?;
             // the forward reads the state; only a commit moves it
             ys.push(window_out(&self.params, &rec.state, &rows, &ps)?);
-            rec.window = Some(RecurrentWindow { conv_in: ps.narrow(1, 0, c)?.contiguous()?, rows });
+            rec.window = Some(RecurrentWindow { p: ps, rows });
         }
         if next != p.dim(0)? {
             return Err(Error::Internal("a forward's segments do not tile its stacked rows".into()));
         }
-        let y = match ys.is_empty() {
-            true => Tensor::zeros((0, self.shape.delta.v_heads * self.shape.delta.dv), x.dtype(), x.device())?,
-            false => Tensor::cat(&ys, 0)?.to_dtype(x.dtype())?,
+        let y = match ys.len() {
+            0 => Tensor::zeros((0, self.shape.delta.v_heads * self.shape.delta.dv), x.dtype(), x.device())?,
+            1 => ys.swap_remove(0).to_dtype(x.dtype())?,
+            _ => Tensor::cat(&ys, 0)?.to_dtype(x.dtype())?,
         };
         groups.apply(&y, |y, few| self.out.forward(y, kn, few))
     }

@@ -44,10 +44,10 @@ pub(crate) struct Recurrent {
     pub(crate) window: Option<RecurrentWindow>,
 }
 
-/// A forward's window rows as the recurrence took them (`delta_rule::window_rows`) and their convolution inputs
-/// (rows, conv_dim).
+/// A forward's window rows as the recurrence took them (`delta_rule::window_rows`) and their projected rows
+/// (rows, width) f32, whose first conv_dim columns are the convolution's inputs.
 pub(crate) struct RecurrentWindow {
-    pub(crate) conv_in: Tensor,
+    pub(crate) p: Tensor,
     pub(crate) rows: Tensor,
 }
 
@@ -70,7 +70,7 @@ impl Recurrent {
         let w = w.ok_or_else(|| Error::Internal("a recurrent layer has no window to commit".into()))?;
         self.state = advance(sh.delta, &self.state, &w.rows, n)?;
         let keep = sh.conv_kernel - 1;
-        let u = Tensor::cat(&[&self.conv, &w.conv_in.narrow(0, 0, n)?], 0)?;
+        let u = Tensor::cat(&[&self.conv, &w.p.narrow(0, 0, n)?.narrow(1, 0, sh.conv_dim)?], 0)?;
         self.conv = u.narrow(0, u.dim(0)? - keep, keep)?.contiguous()?;
         Ok(())
     }
