@@ -35,9 +35,13 @@ SHAPE_08B = dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584, nu
                  rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25})
 
 
-def make(path, layers):
-    cfg = transformers.Qwen3_5TextConfig(**{**SHAPE_08B, "num_hidden_layers": layers}, eos_token_id=248044,
-                                         bos_token_id=248044)
+def make(path, layers, shape=None, dtype=torch.bfloat16):
+    """A random Qwen3.5 checkpoint of `shape` (Qwen3.5-0.8B's by default) with `layers` layers, stored in `dtype`:
+    every weight random, the zero-initialised norms, A_log and dt_bias included (benches/gpu/qwen35.py makes its
+    parity model here too)."""
+    shape = {**(shape or SHAPE_08B), "num_hidden_layers": layers}
+    eos = min(248044, shape["vocab_size"] - 1)
+    cfg = transformers.Qwen3_5TextConfig(**shape, eos_token_id=eos, bos_token_id=eos)
     torch.manual_seed(0)
     model = transformers.Qwen3_5ForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -48,7 +52,7 @@ def make(path, layers):
                 p.copy_(-1.5 + 0.5 * torch.randn(p.shape))
             else:
                 p.copy_(0.1 * torch.randn(p.shape) + (1.0 if "linear_attn.norm" in name else 0.0))
-    model.to(torch.bfloat16).save_pretrained(path)
+    model.to(dtype).save_pretrained(path)
     # a tokenizer is needed to load the directory: the embedded model's (ids are passed directly)
     import shutil
     for f in ["tokenizer.json", "tokenizer_config.json"]:

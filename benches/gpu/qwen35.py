@@ -25,7 +25,6 @@ import argparse
 import copy
 import json
 import os
-import shutil
 import statistics
 import sys
 import threading
@@ -40,7 +39,7 @@ import mbd_rs
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benches"))
 sys.path.insert(0, os.path.join(ROOT, "benches", "gpu"))
-from qwen35_forward import SHAPE_08B  # noqa: E402
+from qwen35_forward import make  # noqa: E402
 from speed import copy_bandwidth, sync  # noqa: E402
 
 SHAPE_PARITY = dict(vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
@@ -52,31 +51,6 @@ SHAPE_PARITY = dict(vocab_size=1024, hidden_size=512, intermediate_size=1024, nu
 BOUND = 1e-3
 
 
-def randomise(model):
-    """Random weights everywhere, the zero-initialised norms, A_log and dt_bias included (else the test proves
-    little)."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
-            elif name.endswith("A_log"):
-                p.copy_(-1.5 + 0.5 * torch.randn(p.shape))
-            else:
-                p.copy_(0.1 * torch.randn(p.shape) + (1.0 if "linear_attn.norm" in name else 0.0))
-
-
-def make(path, shape, dtype):
-    cfg = transformers.Qwen3_5TextConfig(**shape, eos_token_id=0, bos_token_id=0)
-    torch.manual_seed(0)
-    model = transformers.Qwen3_5ForCausalLM(cfg).eval()
-    randomise(model)
-    if os.path.exists(path):
-        shutil.rmtree(path)
-    model.to(dtype).save_pretrained(path)
-    for f in ["tokenizer.json", "tokenizer_config.json"]:
-        shutil.copy(os.path.join(mbd_rs.DEFAULT_MODEL, f), os.path.join(path, f))
-
-
 def block_mask(n, b, dev):
     """transformers' additive 4-D mask of block-causal attention (blocks of b from position 0)."""
     blk = torch.arange(n, device=dev) // b
@@ -86,7 +60,7 @@ def block_mask(n, b, dev):
 
 def parity(args, dev, report):
     path = "/tmp/mbd-gpu/qwen35-parity"
-    make(path, SHAPE_PARITY, torch.float32)
+    make(path, SHAPE_PARITY["num_hidden_layers"], SHAPE_PARITY, torch.float32)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                            attn_implementation="eager").to(dev).eval()
     eng = mbd_rs.Engine.load(path, device=args.device, dtype="float32")
@@ -175,7 +149,7 @@ def torch_ms(hf, dev, p, w, reps):
 def speed(args, dev, report):
     path = "/tmp/mbd-gpu/qwen3.5-0.8b-shape"
     if not os.path.exists(os.path.join(path, "config.json")):
-        make(path, dict(SHAPE_08B, num_hidden_layers=args.layers), torch.bfloat16)
+        make(path, args.layers)
     dtype = "bfloat16" if dev.type == "cuda" else "float32"
     eng = mbd_rs.Engine.load(path, device=args.device, dtype=dtype)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
