@@ -1,12 +1,14 @@
 """Single-stream speed of two builds of mbd-rs, side by side: each build is a Python interpreter with its own
 mbd_rs installed (e.g. two venvs with release wheels of two commits); measurements alternate between them in
-fresh child processes, `--rounds` times, and the medians and new/old ratios are printed.
+fresh child processes, `--rounds` times, the first of each pair switching every round (the second process of a
+pair can run slower on these machines: always starting one build first once showed a 3-16% "regression" that was
+the order), and the medians and new/old ratios are printed.
 
 Measures one forward (Model.bench_forward: a W-row window over a P-token cache, logits for every row) and end to
 end single-stream generation (tokens/s of generate, one request at a time).
 
     python benches/single_stream_ab.py --old /tmp/venv-old/bin/python --new /tmp/venv-new/bin/python \
-        [--model DIR] [--cases 0:1,16:4,64:8] [--rounds 4]
+        [--model DIR] [--cases 0:1,16:4,64:8] [--rounds 4] [--no-e2e] [--out FILE]
 """
 import argparse
 import json
@@ -44,14 +46,17 @@ def main():
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--no-e2e", action="store_true", help="forwards only (no generation)")
+    ap.add_argument("--out", default=None, help="write every run's numbers here (JSON)")
     a = ap.parse_args()
     cases = [[int(x) for x in c.split(":")] + [a.reps] for c in a.cases.split(",")]
-    gen = [["generate multi-block B=4", dict(max_tokens=a.max_tokens, block_size=4, threshold=0.9)],
-           ["generate AR", dict(max_tokens=a.max_tokens, block_size=1)]]
+    gen = [] if a.no_e2e else [
+        ["generate multi-block B=4", dict(max_tokens=a.max_tokens, block_size=4, threshold=0.9)],
+        ["generate AR", dict(max_tokens=a.max_tokens, block_size=1)]]
     arg = json.dumps([a.model, cases, gen])
     runs = {"old": [], "new": []}
-    for _ in range(a.rounds):
-        for which in ("old", "new"):
+    for r in range(a.rounds):
+        for which in (("old", "new") if r % 2 == 0 else ("new", "old")):
             py = a.old if which == "old" else a.new
             r = subprocess.run([py, "-c", CHILD, arg], capture_output=True, text=True, check=True)
             runs[which].append(json.loads(r.stdout.strip().splitlines()[-1]))
@@ -61,6 +66,9 @@ def main():
         n = statistics.median(r[k] for r in runs["new"])
         print(f"{k:<34} {o:>10.2f} {n:>10.2f} {n / o:>8.2f}")
     sys.stdout.flush()
+    if a.out:
+        json.dump(dict(model=a.model, cases=a.cases, rounds=a.rounds, reps=a.reps, runs=runs), open(a.out, "w"),
+                  indent=1)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import pytest
 
 import mbd_rs
 from conftest import HERE, parity_dir
+from fixture_params import generate_kwargs
 
 CASES = json.load(open(os.path.join(HERE, "fixtures", "decode", "cases.json")))["cases"]
 
@@ -20,48 +21,15 @@ def engine(model, attention, alignment, shift, eos):
                               alignment=alignment, logits_shift=shift, eos_token_ids=list(eos))
 
 
-def spec_params(s):
-    """The reference's S2D2 settings as generation parameters."""
-    if not s:
-        return {}
-    return dict(speculative="s2d2", verify_policy=s["policy"], verify_min_span=s["min_span"],
-                verify_score_threshold=s["score_threshold"], verify_penalty=s["penalty"],
-                verify_penalty_kind=s["penalty_kind"], verify_hysteresis=s["hysteresis"])
-
-
 def run(case, use_cache):
     p = case["params"]
     eng = engine(case["model"], p["attention"], p["alignment"], p["logits_shift"], tuple(case["eos_token_ids"]))
-    extra = spec_params(p.get("s2d2"))
-    if p.get("cache"):
-        if not use_cache:
-            pytest.skip("the approximate cache has no uncached twin (the 'full_attention' cases are cache='none')")
-        extra["cache"] = p["cache"]["mode"]
-        if p["cache"].get("delay") is not None:
-            extra["cache_delay"] = p["cache"]["delay"]
-        if p["cache"].get("refresh"):
-            extra["refresh_interval"] = p["cache"]["refresh"]
-        if p["cache"].get("window"):
-            extra["prefix_window"] = p["cache"]["window"]
-    if p.get("sub_block"):
-        extra["sub_block_size"] = p["sub_block"]
-    if p.get("bacd"):
-        extra.update(bacd_lower=p["bacd"][0], bacd_upper=p["bacd"][1])
-    if p.get("credit"):
-        extra.update(credit_alpha=p["credit"]["alpha"], credit_gamma=p["credit"]["gamma"],
-                     credit_beta=p["credit"]["beta"])
-    if p["threshold"] is not None:  # BACD and DUS have none
-        extra["threshold"] = p["threshold"]
-    if p.get("tccf"):  # TCCF: no log-probabilities (its check text is not the model's)
-        t = p["tccf"]
-        extra.update(tccf=True, tccf_trigger=t["trigger_text"], tccf_check=t["check_text"],
-                     tccf_answer_block_size=t["answer_block"])
-    else:
-        extra["logprobs"] = 3
-    return eng.generate(case["prompt"], max_tokens=case["max_tokens"], block_size=p["block_size"],
-                        acceptance=p["acceptance"], block_add_threshold=p["alpha"],
-                        decoded_token_threshold=p["beta"], forced_progress=p["forced"], early_stop=p["early_stop"],
-                        use_cache=use_cache, **extra)
+    if p.get("cache") and not use_cache:
+        pytest.skip("the approximate cache has no uncached twin (the 'full_attention' cases are cache='none')")
+    kw = generate_kwargs(p)
+    if not p.get("tccf"):  # TCCF: no log-probabilities (its check text is not the model's)
+        kw["logprobs"] = 3
+    return eng.generate(case["prompt"], max_tokens=case["max_tokens"], use_cache=use_cache, **kw)
 
 
 IDS = [f"{c['model']}-lp{len(c['prompt'])}-{c['variant']}" for c in CASES]

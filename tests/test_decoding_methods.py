@@ -8,6 +8,7 @@ import pytest
 
 import mbd_rs
 from conftest import parity_dir, run_concurrently
+from fixture_params import generate_kwargs
 from reference.decoder import dus_levels
 from test_cli import cli
 from test_decode_parity import CASES, engine, run
@@ -116,9 +117,7 @@ def test_tccf_text_is_the_thinking_then_the_check_then_the_answer():
     # up to the trigger the thinking is plain decoding with the trigger as an end of text
     p = c["params"]
     eng = engine(c["model"], p["attention"], p["alignment"], p["logits_shift"], tuple(c["eos_token_ids"] + [t["trigger"]]))
-    think = eng.generate(c["prompt"], max_tokens=c["max_tokens"], block_size=p["block_size"],
-                         threshold=p["threshold"], acceptance=p["acceptance"], block_add_threshold=p["alpha"],
-                         decoded_token_threshold=p["beta"], forced_progress=p["forced"], early_stop=p["early_stop"])
+    think = eng.generate(c["prompt"], max_tokens=c["max_tokens"], **generate_kwargs({**p, "tccf": None}))
     assert out.token_ids[:e] == think.token_ids
 
 

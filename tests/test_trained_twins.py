@@ -13,6 +13,7 @@ import pytest
 
 import mbd_rs
 from conftest import HERE, run_concurrently
+from fixture_params import generate_kwargs
 
 sys.path.insert(0, os.path.join(HERE, "..", "training"))
 from tasks import V1_TASKS, correct, held_out  # noqa: E402
@@ -201,13 +202,7 @@ def test_qwen35_twin_matches_the_reference_decoder(qwen35, use_cache):
     sub-blocks, DUS, AR), with the recurrent states cached at each commit or recomputed from the prompt."""
     fx = json.load(open(os.path.join(HERE, "fixtures", "decode", "qwen35_twin.json")))
     for c in fx["cases"]:
-        p = c["params"]
-        kw = dict(block_size=p["block_size"], acceptance=p["acceptance"], block_add_threshold=p["alpha"],
-                  decoded_token_threshold=p["beta"], forced_progress=p["forced"], early_stop=p["early_stop"])
-        if p["threshold"] is not None:
-            kw["threshold"] = p["threshold"]
-        if p.get("sub_block"):
-            kw["sub_block_size"] = p["sub_block"]
+        kw = generate_kwargs(c["params"])
         out = qwen35.generate(c["prompt_ids"], max_tokens=fx["max_tokens"], use_cache=use_cache, **kw)
         got = (out.token_ids, out.usage.forward_passes)
         assert got == (c["tokens"], c["forward_passes"]), f"{c['task']} {c['prompt']!r} {c['variant']}"

@@ -39,6 +39,8 @@ import mbd_rs
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benches"))
 sys.path.insert(0, os.path.join(ROOT, "benches", "gpu"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from fixture_params import generate_kwargs  # noqa: E402
 from qwen35_forward import make  # noqa: E402
 from speed import copy_bandwidth, sync  # noqa: E402
 
@@ -92,13 +94,7 @@ def twin(args, report):
     same = {True: 0, False: 0}
     on_off = 0
     for c in fx["cases"]:
-        p = c["params"]
-        kw = dict(block_size=p["block_size"], acceptance=p["acceptance"], block_add_threshold=p["alpha"],
-                  decoded_token_threshold=p["beta"], forced_progress=p["forced"], early_stop=p["early_stop"])
-        if p["threshold"] is not None:
-            kw["threshold"] = p["threshold"]
-        if p.get("sub_block"):
-            kw["sub_block_size"] = p["sub_block"]
+        kw = generate_kwargs(c["params"])
         outs = {}
         for cache in (True, False):
             o = eng.generate(c["prompt_ids"], max_tokens=fx["max_tokens"], use_cache=cache, **kw)

@@ -108,23 +108,19 @@ impl GatedDeltaNet {
         // the segments' outputs in the order of their stacked rows
         let mut order: Vec<usize> = (0..spans.len()).filter(|&i| spans[i].1 > 0).collect();
         order.sort_by_key(|&i| spans[i].0);
+        let end = order.iter().try_fold(0, |next, &i| (spans[i].0 == next).then_some(next + spans[i].1));
+        if end != Some(p.dim(0)?) {
+            return Err(Error::Internal("a forward's segments do not tile its stacked rows".into()));
+        }
         let mut ys = Vec::with_capacity(order.len());
-        let mut next = 0;
         for i in order {
             let (o, n) = spans[i];
-            if o != next {
-                return Err(Error::Internal("a forward's segments do not tile its stacked rows".into()));
-            }
-            next = o + n;
             let rec = segs[i].cache.recurrent_mut(slot);
             let ps = p.narrow(0, o, n)?.contiguous()?;
             let rows = window_rows(&self.params, &ps, &rec.conv)?;
             // the forward reads the state; only a commit moves it
             ys.push(window_out(&self.params, &rec.state, &rows, &ps)?);
             rec.window = Some(RecurrentWindow { p: ps, rows });
-        }
-        if next != p.dim(0)? {
-            return Err(Error::Internal("a forward's segments do not tile its stacked rows".into()));
         }
         let y = match ys.len() {
             0 => Tensor::zeros((0, self.shape.delta.v_heads * self.shape.delta.dv), x.dtype(), x.device())?,
