@@ -122,33 +122,20 @@ fn scan_head(sh: DeltaShape, s: &mut [f32], x: &DeltaRows<'_>, h: usize, rows: u
     o
 }
 
-/// `scan_head` compiled for AVX-512 F (16 lanes: a tile is one register).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn scan_head_avx512(
-    sh: DeltaShape,
-    s: &mut [f32],
-    x: &DeltaRows<'_>,
-    h: usize,
-    rows: usize,
-    want: bool,
-) -> Vec<f32> {
-    scan_head(sh, s, x, h, rows, want)
+/// `scan_head` compiled for an instruction set (`scan` picks the best the CPU has at run time): AVX-512 F (a tile of
+/// 16 columns is one register) and AVX2 (two).
+macro_rules! scan_head_for {
+    ($($name:ident = $features:literal),*) => {$(
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        unsafe fn $name(
+            sh: DeltaShape, s: &mut [f32], x: &DeltaRows<'_>, h: usize, rows: usize, want: bool,
+        ) -> Vec<f32> {
+            scan_head(sh, s, x, h, rows, want)
+        }
+    )*};
 }
-
-/// `scan_head` compiled for AVX2 (8 lanes).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn scan_head_avx2(
-    sh: DeltaShape,
-    s: &mut [f32],
-    x: &DeltaRows<'_>,
-    h: usize,
-    rows: usize,
-    want: bool,
-) -> Vec<f32> {
-    scan_head(sh, s, x, h, rows, want)
-}
+scan_head_for!(scan_head_avx512 = "avx512f", scan_head_avx2 = "avx2");
 
 /// `scan` of value head `h`'s state `s` ((dk, dv)) over columns j0..j0 + T, every row; `o` ((rows, dv)) receives
 /// the tile's outputs.
