@@ -57,41 +57,60 @@ pub struct DeltaRows<'a> {
 /// Work (rows x state values) below which one thread runs every head.
 const PAR_MIN_WORK: usize = 1 << 16;
 
-/// Advance `state` ((v_heads, dk, dv)) over the first `rows` rows: per value head, S <- e^g S;
-/// delta = beta (v - S^T k); S <- S + k delta^T; the row's output S^T q is read after the update and written to
-/// `out` ((rows, v_heads, dv)) when given. Heads run in parallel for long windows (each head's arithmetic is the
-/// same either way).
+/// The recurrence from `state` ((v_heads, dk, dv), read only) over the first `rows` rows: per value head,
+/// S <- e^g S; delta = beta (v - S^T k); S <- S + k delta^T; the row's output S^T q is read after the update and
+/// written to `out` ((rows, v_heads, dv)) when given; the state after the rows is written to `next` when given (a
+/// commit; a forward leaves the committed state as it was and needs no copy of it). Heads run in parallel for long
+/// windows (each head's arithmetic is the same either way).
 ///
 /// Each column of a head's state evolves on its own (its own delta and output), so the columns go through every row
 /// in tiles (`scan_head`: a tile stays in the L1 cache instead of the whole head streaming through it per row).
 /// Every value sees the same operations in the same order as in a row-by-row pass over the whole state, so
 /// the bits do not depend on the tiling.
-pub fn scan(sh: DeltaShape, state: &mut [f32], x: &DeltaRows<'_>, rows: usize, out: Option<&mut [f32]>) {
+pub fn scan(
+    sh: DeltaShape,
+    state: &[f32],
+    x: &DeltaRows<'_>,
+    rows: usize,
+    next: Option<&mut [f32]>,
+    out: Option<&mut [f32]>,
+) {
     let (dk, dv, hv, hk) = (sh.dk, sh.dv, sh.v_heads, sh.k_heads);
     debug_assert_eq!(state.len(), sh.state_len());
+    debug_assert!(next.as_ref().is_none_or(|n| n.len() == state.len()));
     debug_assert!(x.q.len() >= rows * hk * dk && x.k.len() >= rows * hk * dk && x.v.len() >= rows * hv * dv);
     debug_assert!(x.g.len() >= rows * hv && x.beta.len() >= rows * hv);
     let want = out.is_some();
     let cpu = crate::kernels::cpu::Cpu::get();
-    let head = |h: usize, s: &mut [f32]| -> Vec<f32> {
+    let head = |h: usize, s: &[f32], n: Option<&mut [f32]>| -> Vec<f32> {
         #[cfg(target_arch = "x86_64")]
         {
             // SAFETY: the instruction sets were detected. No fused multiply-adds are formed (Rust does not contract
             // a * b + c), so each is the same arithmetic as the portable code's.
             if cpu.avx512() {
-                return unsafe { scan_head_avx512(sh, s, x, h, rows, want) };
+                return unsafe { scan_head_avx512(sh, s, n, x, h, rows, want) };
             }
             if cpu.avx2() {
-                return unsafe { scan_head_avx2(sh, s, x, h, rows, want) };
+                return unsafe { scan_head_avx2(sh, s, n, x, h, rows, want) };
             }
         }
         let _ = cpu;
-        scan_head(sh, s, x, h, rows, want)
+        scan_head(sh, s, n, x, h, rows, want)
     };
-    let per_head: Vec<Vec<f32>> = if rows * sh.state_len() >= PAR_MIN_WORK && hv > 1 {
-        state.par_chunks_mut(dk * dv).enumerate().map(|(h, s)| head(h, s)).collect()
-    } else {
-        state.chunks_mut(dk * dv).enumerate().map(|(h, s)| head(h, s)).collect()
+    let hs = dk * dv;
+    let par = rows * sh.state_len() >= PAR_MIN_WORK && hv > 1;
+    let per_head: Vec<Vec<f32>> = match next {
+        Some(next) if par => state
+            .par_chunks(hs)
+            .zip(next.par_chunks_mut(hs))
+            .enumerate()
+            .map(|(h, (s, n))| head(h, s, Some(n)))
+            .collect(),
+        Some(next) => {
+            state.chunks(hs).zip(next.chunks_mut(hs)).enumerate().map(|(h, (s, n))| head(h, s, Some(n))).collect()
+        }
+        None if par => state.par_chunks(hs).enumerate().map(|(h, s)| head(h, s, None)).collect(),
+        None => state.chunks(hs).enumerate().map(|(h, s)| head(h, s, None)).collect(),
     };
     if let Some(out) = out {
         for (h, o) in per_head.iter().enumerate() {
@@ -102,22 +121,31 @@ pub fn scan(sh: DeltaShape, state: &mut [f32], x: &DeltaRows<'_>, rows: usize, o
     }
 }
 
-/// `scan` of value head `h`'s state `s` ((dk, dv)), tile by tile; returns its outputs ((rows, dv)) when `want`.
+/// `scan` of value head `h`'s state `s` ((dk, dv)), tile by tile, the state after the rows into `n` when given;
+/// returns its outputs ((rows, dv)) when `want`.
 /// Tiles of 64 columns (four AVX-512 registers: four independent sums in flight; at dk 128 the tile is 32 KiB), then
 /// of 16, then single columns.
 #[inline(always)]
-fn scan_head(sh: DeltaShape, s: &mut [f32], x: &DeltaRows<'_>, h: usize, rows: usize, want: bool) -> Vec<f32> {
+fn scan_head(
+    sh: DeltaShape,
+    s: &[f32],
+    mut n: Option<&mut [f32]>,
+    x: &DeltaRows<'_>,
+    h: usize,
+    rows: usize,
+    want: bool,
+) -> Vec<f32> {
     let dv = sh.dv;
     let mut o = if want { vec![0f32; rows * dv] } else { vec![] };
     let (wide, narrow) = (dv / 64 * 64, dv / 16 * 16);
     for j0 in (0..wide).step_by(64) {
-        scan_columns::<64>(sh, s, x, h, rows, j0, want.then_some(&mut o[..]));
+        scan_columns::<64>(sh, s, n.as_deref_mut(), x, h, rows, j0, want.then_some(&mut o[..]));
     }
     for j0 in (wide..narrow).step_by(16) {
-        scan_columns::<16>(sh, s, x, h, rows, j0, want.then_some(&mut o[..]));
+        scan_columns::<16>(sh, s, n.as_deref_mut(), x, h, rows, j0, want.then_some(&mut o[..]));
     }
     for j0 in narrow..dv {
-        scan_columns::<1>(sh, s, x, h, rows, j0, want.then_some(&mut o[..]));
+        scan_columns::<1>(sh, s, n.as_deref_mut(), x, h, rows, j0, want.then_some(&mut o[..]));
     }
     o
 }
@@ -129,21 +157,22 @@ macro_rules! scan_head_for {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
         unsafe fn $name(
-            sh: DeltaShape, s: &mut [f32], x: &DeltaRows<'_>, h: usize, rows: usize, want: bool,
+            sh: DeltaShape, s: &[f32], n: Option<&mut [f32]>, x: &DeltaRows<'_>, h: usize, rows: usize, want: bool,
         ) -> Vec<f32> {
-            scan_head(sh, s, x, h, rows, want)
+            scan_head(sh, s, n, x, h, rows, want)
         }
     )*};
 }
 scan_head_for!(scan_head_avx512 = "avx512f", scan_head_avx2 = "avx2");
 
-/// `scan` of value head `h`'s state `s` ((dk, dv)) over columns j0..j0 + T, every row; `o` ((rows, dv)) receives
-/// the tile's outputs.
+/// `scan` of value head `h`'s state `s` ((dk, dv)) over columns j0..j0 + T, every row, in a copy of the tile (dk
+/// rows of T, contiguous); `n` receives the tile's state after the rows, `o` ((rows, dv)) its outputs.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn scan_columns<const T: usize>(
     sh: DeltaShape,
-    s: &mut [f32],
+    s: &[f32],
+    n: Option<&mut [f32]>,
     x: &DeltaRows<'_>,
     h: usize,
     rows: usize,
@@ -152,8 +181,8 @@ fn scan_columns<const T: usize>(
 ) {
     let (dk, dv, hv, hk) = (sh.dk, sh.dv, sh.v_heads, sh.k_heads);
     let kh = sh.key_head(h);
-    let mut tile: Vec<&mut [f32; T]> =
-        s.chunks_exact_mut(dv).map(|r| (&mut r[j0..j0 + T]).try_into().expect("a tile of T columns")).collect();
+    let mut tile: Vec<[f32; T]> =
+        s.chunks_exact(dv).map(|r| r[j0..j0 + T].try_into().expect("a tile of T columns")).collect();
     for t in 0..rows {
         let kq = (t * hk + kh) * dk;
         let (q, k) = (&x.q[kq..kq + dk], &x.k[kq..kq + dk]);
@@ -185,6 +214,11 @@ fn scan_columns<const T: usize>(
                     *sv += ki * d;
                 }
             }
+        }
+    }
+    if let Some(n) = n {
+        for (dst, src) in n.chunks_exact_mut(dv).zip(&tile) {
+            dst[j0..j0 + T].copy_from_slice(src);
         }
     }
 }
@@ -340,16 +374,16 @@ impl GdnParams {
         out
     }
 
-    /// The window's outputs on the host: the recurrence over `rows` (`host_rows`) from `state` (a copy of the
-    /// committed one, which the forward leaves as it was: this one is spent), then per value head the gated RMSNorm
-    /// w * norm(o) * silu(z) with z from the projected rows `p`: (rows x v_heads·dv).
-    pub fn host_out(&self, mut st: Vec<f32>, rows: &[f32], p: &[f32]) -> Vec<f32> {
+    /// The window's outputs on the host: the recurrence over `rows` (`host_rows`) from the committed state `st`
+    /// (read, left as it was), then per value head the gated RMSNorm w * norm(o) * silu(z) with z from the projected
+    /// rows `p`: (rows x v_heads·dv).
+    pub fn host_out(&self, st: &[f32], rows: &[f32], p: &[f32]) -> Vec<f32> {
         let sh = self.shape;
         let (hv, dv, width) = (sh.v_heads, sh.dv, self.width());
         let n = rows.len() / sh.row_width();
         let x = split_rows(sh, rows);
         let mut core = vec![0f32; n * hv * dv];
-        scan(sh, &mut st, &x.rows(), n, Some(&mut core));
+        scan(sh, st, &x.rows(), n, None, Some(&mut core));
         let norm_w = &self.host[3];
         let mut y = vec![0f32; n * hv * dv];
         for (t, (yo, r)) in y.chunks_exact_mut(hv * dv).zip(p.chunks_exact(width)).enumerate() {
@@ -459,8 +493,7 @@ pub fn window_out(
             crate::kernels::cuda::GdnOut { p, conv_dim: prm.conv_dim, norm_w: &prm.device_params()[3], eps: prm.eps };
         return crate::kernels::cuda::gdn_scan(state, rows, Some(out), n, (prm.shape.k_heads, prm.shape.tiled));
     }
-    let st = host(state)?;
-    let y = with_host(rows, |rows| with_host(p, |p| prm.host_out(st, rows, p)))??;
+    let y = with_host(state, |st| with_host(rows, |rows| with_host(p, |p| prm.host_out(st, rows, p))))???;
     Ok(candle_core::Tensor::from_vec(y, (n, prm.shape.v_heads * prm.shape.dv), p.device())?)
 }
 
@@ -476,9 +509,9 @@ pub fn advance(
         return crate::kernels::cuda::gdn_scan(state, rows, None, n, (sh.k_heads, sh.tiled));
     }
     let x = with_host(&rows.narrow(0, 0, n)?, |r| split_rows(sh, r))?;
-    let mut st = host(state)?;
-    scan(sh, &mut st, &x.rows(), n, None);
-    Ok(candle_core::Tensor::from_vec(st, state.dims(), state.device())?)
+    let mut next = vec![0f32; sh.state_len()];
+    with_host(state, |st| scan(sh, st, &x.rows(), n, Some(&mut next), None))?;
+    Ok(candle_core::Tensor::from_vec(next, state.dims(), state.device())?)
 }
 
 #[cfg(test)]
@@ -544,18 +577,22 @@ mod tests {
             let x = DeltaRows { q: &q, k: &k, v: &v, g: &g, beta: &beta };
             let s0 = rnd(sh.state_len(), 6);
             let (want_s, want_o) = naive(sh, &s0, &x, rows);
-            let mut s = s0.clone();
+            let mut s = vec![f32::NAN; s0.len()];
             let mut o = vec![0f32; rows * hv * sh.dv];
-            scan(sh, &mut s, &x, rows, Some(&mut o));
+            scan(sh, &s0, &x, rows, Some(&mut s), Some(&mut o));
+            // a forward's scan (no state written) gives the same outputs
+            let mut o_only = vec![0f32; o.len()];
+            scan(sh, &s0, &x, rows, None, Some(&mut o_only));
+            assert_eq!(o_only, o);
             // the naive pass sums in the same order: the tiling changes no bit
             for (a, b) in s.iter().zip(&want_s).chain(o.iter().zip(&want_o)) {
                 assert_eq!(a.to_bits(), b.to_bits(), "{a} vs {b}");
             }
             // the state after the first r rows, found again without outputs: the same bits as a full scan's rows
             let r = rows - 2;
-            let mut s_r = s0.clone();
-            scan(sh, &mut s_r, &x, r, None);
-            let mut s_more = s_r.clone();
+            let mut s_r = vec![0f32; s0.len()];
+            scan(sh, &s0, &x, r, Some(&mut s_r), None);
+            let mut s_more = vec![0f32; s0.len()];
             let tail = DeltaRows {
                 q: &q[r * hk * sh.dk..],
                 k: &k[r * hk * sh.dk..],
@@ -564,7 +601,7 @@ mod tests {
                 beta: &beta[r * hv..],
             };
             let mut o2 = vec![0f32; 2 * hv * sh.dv];
-            scan(sh, &mut s_more, &tail, 2, Some(&mut o2));
+            scan(sh, &s_r, &tail, 2, Some(&mut s_more), Some(&mut o2));
             assert_eq!(s_more, s, "two cuts give the one scan's state");
             assert_eq!(o2[..], o[r * hv * sh.dv..], "and its outputs");
         }
