@@ -58,8 +58,8 @@ def main():
     for r in range(a.rounds):
         for which in (("old", "new") if r % 2 == 0 else ("new", "old")):
             py = a.old if which == "old" else a.new
-            r = subprocess.run([py, "-c", CHILD, arg], capture_output=True, text=True, check=True)
-            runs[which].append(json.loads(r.stdout.strip().splitlines()[-1]))
+            child = subprocess.run([py, "-c", CHILD, arg], capture_output=True, text=True, check=True)
+            runs[which].append(json.loads(child.stdout.strip().splitlines()[-1]))
     print(f"{'measure':<34} {'old':>10} {'new':>10} {'new/old':>8}   (medians of {a.rounds} alternating runs)")
     for k in runs["old"][0]:
         o = statistics.median(r[k] for r in runs["old"])
