@@ -99,18 +99,15 @@ pub fn scan(
     };
     let hs = dk * dv;
     let par = rows * sh.state_len() >= PAR_MIN_WORK && hv > 1;
-    let per_head: Vec<Vec<f32>> = match next {
-        Some(next) if par => state
-            .par_chunks(hs)
-            .zip(next.par_chunks_mut(hs))
-            .enumerate()
-            .map(|(h, (s, n))| head(h, s, Some(n)))
-            .collect(),
-        Some(next) => {
-            state.chunks(hs).zip(next.chunks_mut(hs)).enumerate().map(|(h, (s, n))| head(h, s, Some(n))).collect()
-        }
-        None if par => state.par_chunks(hs).enumerate().map(|(h, s)| head(h, s, None)).collect(),
-        None => state.chunks(hs).enumerate().map(|(h, s)| head(h, s, None)).collect(),
+    // each head's part of `next` (None: no commit)
+    let nexts: Vec<Option<&mut [f32]>> = match next {
+        Some(next) => next.chunks_mut(hs).map(Some).collect(),
+        None => (0..hv).map(|_| None).collect(),
+    };
+    let per_head: Vec<Vec<f32>> = if par {
+        state.par_chunks(hs).zip(nexts).enumerate().map(|(h, (s, n))| head(h, s, n)).collect()
+    } else {
+        state.chunks(hs).zip(nexts).enumerate().map(|(h, (s, n))| head(h, s, n)).collect()
     };
     if let Some(out) = out {
         for (h, o) in per_head.iter().enumerate() {
@@ -223,14 +220,28 @@ fn scan_columns<const T: usize>(
     }
 }
 
+/// A depthwise convolution's weight (channels, kernel) as its taps (kernel, channels): a tap's weights contiguous,
+/// so that a row's products run in vector lanes (`causal_conv_silu`).
+pub fn conv_taps(weight: &[f32], kernel: usize) -> Vec<f32> {
+    let c = weight.len() / kernel;
+    let mut taps = vec![0f32; kernel * c];
+    for (ch, w) in weight.chunks_exact(kernel).enumerate() {
+        for (j, &wj) in w.iter().enumerate() {
+            taps[j * c + ch] = wj;
+        }
+    }
+    taps
+}
+
 /// Causal depthwise convolution of `kernel` taps, then SiLU: `x` (rows, channels) after `tail` (kernel - 1 earlier
-/// rows, oldest first; zeros at a sequence's start); `weight` (channels, kernel). Row t's output is
-/// silu(sum_j weight[c, j] u[t + j, c]) over u = tail then x (transformers' `causal_conv1d_fn`: left padding of
-/// kernel - 1, then the first rows).
-pub fn causal_conv_silu(weight: &[f32], kernel: usize, tail: &[f32], x: &[f32], channels: usize) -> Vec<f32> {
+/// rows, oldest first; zeros at a sequence's start); `taps` (kernel, channels: `conv_taps` of the weight
+/// (channels, kernel)). Row t's output is silu(sum_j weight[c, j] u[t + j, c]) over u = tail then x (transformers'
+/// `causal_conv1d_fn`: left padding of kernel - 1, then the first rows).
+pub fn causal_conv_silu(taps: &[f32], kernel: usize, tail: &[f32], x: &[f32], channels: usize) -> Vec<f32> {
     let c = channels;
     let rows = x.len() / c;
     debug_assert_eq!(tail.len(), (kernel - 1) * c);
+    debug_assert_eq!(taps.len(), kernel * c);
     let u = |r: usize| -> &[f32] {
         if r < kernel - 1 {
             &tail[r * c..(r + 1) * c]
@@ -238,21 +249,22 @@ pub fn causal_conv_silu(weight: &[f32], kernel: usize, tail: &[f32], x: &[f32], 
             &x[(r - (kernel - 1)) * c..][..c]
         }
     };
-    // the taps as (kernel, channels): a tap's weights are contiguous, so a row's products run in vector lanes
-    let mut taps = vec![0f32; kernel * c];
-    for (ch, w) in weight.chunks_exact(kernel).enumerate() {
-        for (j, &wj) in w.iter().enumerate() {
-            taps[j * c + ch] = wj;
-        }
-    }
     let mut y = vec![0f32; rows * c];
+    let cpu = crate::kernels::cpu::Cpu::get();
     let row = |(t, yr): (usize, &mut [f32])| {
         let taps = taps.chunks_exact(c).enumerate().map(|(j, w)| (w, u(t + j)));
         #[cfg(target_arch = "x86_64")]
-        if crate::kernels::cpu::Cpu::get().avx512() {
-            // SAFETY: AVX-512 F was detected; no multiply-add is fused, so the bits are the portable code's.
-            return unsafe { conv_row_avx512(yr, taps) };
+        {
+            // SAFETY: the instruction sets were detected; no multiply-add is fused, so the bits are the portable
+            // code's.
+            if cpu.avx512() {
+                return unsafe { conv_row_avx512(yr, taps) };
+            }
+            if cpu.avx2() {
+                return unsafe { conv_row_avx2(yr, taps) };
+            }
         }
+        let _ = cpu;
         conv_row(yr, taps)
     };
     if rows * c * kernel >= PAR_MIN_WORK {
@@ -277,12 +289,17 @@ fn conv_row<'a>(yr: &mut [f32], taps: impl Iterator<Item = (&'a [f32], &'a [f32]
     }
 }
 
-/// `conv_row` compiled for AVX-512 F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn conv_row_avx512<'a>(yr: &mut [f32], taps: impl Iterator<Item = (&'a [f32], &'a [f32])>) {
-    conv_row(yr, taps)
+/// `conv_row` compiled for an instruction set (`causal_conv_silu` picks the best the CPU has at run time).
+macro_rules! conv_row_for {
+    ($($name:ident = $features:literal),*) => {$(
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        unsafe fn $name<'a>(yr: &mut [f32], taps: impl Iterator<Item = (&'a [f32], &'a [f32])>) {
+            conv_row(yr, taps)
+        }
+    )*};
 }
+conv_row_for!(conv_row_avx512 = "avx512f", conv_row_avx2 = "avx2");
 
 /// The last `kernel - 1` rows of `tail` then `x` (rows, channels): the convolution's history after `x`.
 pub fn conv_tail_after(kernel: usize, tail: &[f32], x: &[f32], channels: usize) -> Vec<f32> {
@@ -310,8 +327,9 @@ fn l2norm(x: &mut [f32], scale: f32) {
 }
 
 /// A Gated DeltaNet layer's f32 parameters after its projections, on the model's device and (for the CPU's
-/// functions) on the host: the convolution's weight (conv_dim, kernel), -exp(A_log) and dt_bias per value head,
-/// the gated norm's weight (dv) and eps. A projected row is (conv_dim | z: v_heads x dv | b: v_heads | a: v_heads).
+/// functions) on the host: the convolution's weight (conv_dim, kernel; on the host its taps, `conv_taps`),
+/// -exp(A_log) and dt_bias per value head, the gated norm's weight (dv) and eps. A projected row is
+/// (conv_dim | z: v_heads x dv | b: v_heads | a: v_heads).
 pub struct GdnParams {
     pub shape: DeltaShape,
     pub conv_dim: usize,
@@ -337,6 +355,8 @@ impl GdnParams {
         }
         let t = |h: &Vec<f32>| candle_core::Tensor::from_slice(h, h.len(), dev);
         let dev = [t(&host[0])?, t(&host[1])?, t(&host[2])?, t(&host[3])?];
+        let [conv_w, neg_a, dt_bias, norm_w] = host;
+        let host = [conv_taps(&conv_w, conv_kernel), neg_a, dt_bias, norm_w];
         Ok(GdnParams { shape, conv_dim, conv_kernel, eps, host, dev })
     }
 
@@ -357,9 +377,9 @@ impl GdnParams {
         let sh = self.shape;
         let (c, hv, dk) = (self.conv_dim, sh.v_heads, sh.dk);
         let (kd, vd, width) = (sh.k_heads * dk, hv * sh.dv, self.width());
-        let [conv_w, neg_a, dt_bias, _] = &self.host;
+        let [taps, neg_a, dt_bias, _] = &self.host;
         let conv_in: Vec<f32> = p.chunks_exact(width).flat_map(|r| &r[..c]).copied().collect();
-        let act = causal_conv_silu(conv_w, self.conv_kernel, tail, &conv_in, c);
+        let act = causal_conv_silu(taps, self.conv_kernel, tail, &conv_in, c);
         let scale = 1.0 / (dk as f32).sqrt();
         let mut out = Vec::with_capacity(p.len() / width * sh.row_width());
         for (a, r) in act.chunks_exact(c).zip(p.chunks_exact(width)) {
@@ -653,7 +673,7 @@ mod tests {
         let w = rnd(c * kernel, 7);
         let x = rnd(rows * c, 8);
         let zero = vec![0f32; (kernel - 1) * c];
-        let y = causal_conv_silu(&w, kernel, &zero, &x, c);
+        let y = causal_conv_silu(&conv_taps(&w, kernel), kernel, &zero, &x, c);
         for t in 0..rows {
             for ch in 0..c {
                 let mut acc = 0f32;
@@ -669,7 +689,31 @@ mod tests {
         }
         // rows 2.. with the history after rows 0..2 are the same as in one call
         let tail = conv_tail_after(kernel, &zero, &x[..2 * c], c);
-        let y2 = causal_conv_silu(&w, kernel, &tail, &x[2 * c..], c);
+        let y2 = causal_conv_silu(&conv_taps(&w, kernel), kernel, &tail, &x[2 * c..], c);
         assert_eq!(y2[..], y[2 * c..]);
+    }
+
+    /// The convolution's copies for each instruction set this CPU has give the portable code's bits.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn conv_copies_are_the_portable_bits() {
+        let (c, kernel) = (37, 4);
+        let (taps, ins) = (rnd(c * kernel, 9), rnd(c * kernel, 10));
+        let run = |f: &dyn Fn(&mut [f32])| {
+            let mut y = vec![0f32; c];
+            f(&mut y);
+            y
+        };
+        let taps_of = || taps.chunks_exact(c).zip(ins.chunks_exact(c));
+        let want = run(&|y| conv_row(y, taps_of()));
+        let cpu = crate::kernels::cpu::Cpu::get();
+        if cpu.avx2() {
+            // SAFETY: AVX2 was detected
+            assert_eq!(run(&|y| unsafe { conv_row_avx2(y, taps_of()) }), want);
+        }
+        if cpu.avx512() {
+            // SAFETY: AVX-512 F was detected
+            assert_eq!(run(&|y| unsafe { conv_row_avx512(y, taps_of()) }), want);
+        }
     }
 }
