@@ -37,6 +37,10 @@ fn run() {
         (9728, 896, "0.5B gate/up 9728x896"),
         (896, 4864, "0.5B down 896x4864"),
         (151936, 896, "0.5B head 151936x896"),
+        (248320, 1024, "q35 head 248320x1024"),
+        (6144, 1024, "q35 qkv 6144x1024"),
+        (7168, 1024, "q35 gate/up 7168x1024"),
+        (1024, 3584, "q35 down 1024x3584"),
     ];
     let par = Kernels::default().par_min_macs;
     for (n, k, name) in shapes {

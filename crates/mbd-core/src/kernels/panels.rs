@@ -584,6 +584,19 @@ mod packed {
     const MC: usize = 144;
     /// `NR`-column groups per task at most (the task's packed weight block: `KC` × 128 f32, 128 KB).
     const MAX_TASK_GROUPS: usize = 8;
+    /// Bytes ahead in each group's weights that a tile asks the memory for at every depth (software prefetch). A
+    /// matrix packed at load streams from memory in the first row panel of each depth block; the hardware
+    /// prefetcher picks up each of the tile's groups only after some misses.
+    const PREFETCH: usize = 1024;
+
+    /// Ask for the line `PREFETCH` bytes after each group's current weights (past the matrix's end: a prefetch
+    /// never faults).
+    #[inline(always)]
+    unsafe fn prefetch<E, const P: usize>(w: &[*const E; P]) {
+        for w in w {
+            _mm_prefetch::<_MM_HINT_T0>((*w as *const i8).wrapping_add(PREFETCH));
+        }
+    }
 
     thread_local! {
         static A: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
@@ -751,6 +764,7 @@ mod packed {
         let w = &w[g0 * t.k * l.step..g1 * t.k * l.step];
         let scales = &scales[g0 * records * l.sbytes..g1 * records * l.sbytes];
         let at = |g: usize, kc0: usize| Cursor {
+            fetch: false,
             w: w.as_ptr().add((g * t.k + kc0) * l.step),
             s: if E::BLOCK > 0 {
                 scales.as_ptr().add((g * records + kc0 / l.sblock) * l.sbytes)
@@ -836,6 +850,8 @@ mod packed {
                 for i in (i0..(i0 + MC).min(full)).step_by(MR) {
                     let ap = a.as_ptr().add(kc0 * m_pad + i * kc);
                     let c = y.offset(i * n + j0 + g * NR).0;
+                    // the first row panel reads the weights from memory (the others from the cache)
+                    let b = |g| Cursor { fetch: i == 0, ..b(g) };
                     if count > 0 {
                         T::full(kc, ap, &b, g, count, c, n, acc);
                     } else {
@@ -847,6 +863,7 @@ mod packed {
         }
         if m > full {
             let ap = a.as_ptr().add(kc0 * m_pad + full * kc);
+            let b = |g| Cursor { fetch: full == 0, ..b(g) };
             T::last_rows(m - full, kc, ap, &b, nt, y.offset(full * n + j0).0, n, acc);
         }
     }
@@ -1156,11 +1173,13 @@ mod packed {
     pub(super) struct Cursor<E> {
         w: *const E,
         s: *const u8,
+        /// Whether the tile that reads these weights is their first since memory (it prefetches, `PREFETCH`).
+        fetch: bool,
     }
 
     impl<E: Panel> Cursor<E> {
         pub(super) fn dense(w: *const E) -> Self {
-            Cursor { w, s: std::ptr::null() }
+            Cursor { w, s: std::ptr::null(), fetch: false }
         }
         /// The scale record of depth p (counted from the cursor's first depth).
         #[inline(always)]
@@ -1630,10 +1649,13 @@ mod packed {
                 }
             }
         }
-        let (mut a, mut w0) = (a, b.map(|b| b.w));
+        let (mut a, mut w0, fetch) = (a, b.map(|b| b.w), b.iter().any(|b| b.fetch));
         let mut d = [[_mm512_setzero_ps(); 2]; P];
         for p in 0..kc {
             next_scales(p, &b, &mut d, |r, j| E::scales16(r, j));
+            if fetch {
+                prefetch(&w0);
+            }
             if R < MR {
                 // few rows: each group's weights formed and used in turn (fewer live registers)
                 let x: [__m512; R] = std::array::from_fn(|r| _mm512_set1_ps(*a.add(r)));
@@ -1717,10 +1739,13 @@ mod packed {
                 }
             }
         }
-        let (mut a, mut w0) = (a, b.map(|b| b.w));
+        let (mut a, mut w0, fetch) = (a, b.map(|b| b.w), b.iter().any(|b| b.fetch));
         let mut d = [[_mm256_setzero_ps(); 4]; P];
         for p in 0..kc {
             next_scales(p, &b, &mut d, |r, j| E::scales(r, j));
+            if fetch {
+                prefetch(&w0);
+            }
             if P == 1 {
                 let (b0, b1) = E::load(w0[0], &d[0]);
                 for (r, s) in s.iter_mut().enumerate() {
