@@ -1,6 +1,7 @@
 //! What this CPU can run: the one feature probe. Every kernel asks it and picks its own tiles from the answer
 //! (`skinny`: AVX-512 / AVX2 / portable tiles; `panels`: `Zmm` / `Ymm`; `qdot::Isa`; `vmath` and the blocked
-//! attention: AVX2 + FMA).
+//! attention: AVX2 + FMA). `per_isa!` makes a loop's copies per instruction set and owns the pick among them
+//! (the Gated DeltaNet's recurrence and convolution).
 
 use std::sync::OnceLock;
 
@@ -55,3 +56,52 @@ impl Cpu {
         self.avx512f && self.avx512_bw_vnni && self.f16c
     }
 }
+
+/// Copies of one function compiled for each x86 instruction-set level, and the one run-time pick among them:
+/// `per_isa! { mod m = f<'a>(arg: Type, ...) -> Ret; }` defines module `m` with
+/// - `m::avx512` and `m::avx2`: `f` compiled with AVX-512 F, resp. AVX2, enabled (x86-64 only; unsafe: the caller
+///   has checked the feature);
+/// - `m::best`: the widest copy this CPU runs (`Cpu::avx512`, else `Cpu::avx2`), else `f` as the baseline build
+///   compiles it.
+///
+/// For loops whose arithmetic is the same at every level (no fused multiply-adds: Rust does not contract
+/// a * b + c), so that only the vector width changes, never the bits.
+macro_rules! per_isa {
+    ($(#[$meta:meta])* mod $m:ident = $f:ident $(<$($lt:lifetime),*>)? ($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)?;) => {
+        $(#[$meta])*
+        mod $m {
+            #[allow(unused_imports)]
+            use super::*;
+
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f")]
+            pub(super) unsafe fn avx512 $(<$($lt),*>)? ($($arg: $ty),*) $(-> $ret)? {
+                $f($($arg),*)
+            }
+
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2")]
+            pub(super) unsafe fn avx2 $(<$($lt),*>)? ($($arg: $ty),*) $(-> $ret)? {
+                $f($($arg),*)
+            }
+
+            #[inline(always)]
+            pub(super) fn best $(<$($lt),*>)? ($($arg: $ty),*) $(-> $ret)? {
+                #[cfg(target_arch = "x86_64")]
+                {
+                    let cpu = $crate::kernels::cpu::Cpu::get();
+                    if cpu.avx512() {
+                        // SAFETY: AVX-512 F was detected
+                        return unsafe { avx512($($arg),*) };
+                    }
+                    if cpu.avx2() {
+                        // SAFETY: AVX2 was detected
+                        return unsafe { avx2($($arg),*) };
+                    }
+                }
+                $f($($arg),*)
+            }
+        }
+    };
+}
+pub(crate) use per_isa;

@@ -81,22 +81,7 @@ pub fn scan(
     debug_assert!(x.q.len() >= rows * hk * dk && x.k.len() >= rows * hk * dk && x.v.len() >= rows * hv * dv);
     debug_assert!(x.g.len() >= rows * hv && x.beta.len() >= rows * hv);
     let want = out.is_some();
-    let cpu = crate::kernels::cpu::Cpu::get();
-    let head = |h: usize, s: &[f32], n: Option<&mut [f32]>| -> Vec<f32> {
-        #[cfg(target_arch = "x86_64")]
-        {
-            // SAFETY: the instruction sets were detected. No fused multiply-adds are formed (Rust does not contract
-            // a * b + c), so each is the same arithmetic as the portable code's.
-            if cpu.avx512() {
-                return unsafe { scan_head_avx512(sh, s, n, x, h, rows, want) };
-            }
-            if cpu.avx2() {
-                return unsafe { scan_head_avx2(sh, s, n, x, h, rows, want) };
-            }
-        }
-        let _ = cpu;
-        scan_head(sh, s, n, x, h, rows, want)
-    };
+    let head = |h: usize, s: &[f32], n: Option<&mut [f32]>| scan_head_isa::best(sh, s, n, x, h, rows, want);
     let hs = dk * dv;
     let par = rows * sh.state_len() >= PAR_MIN_WORK && hv > 1;
     // each head's part of `next` (None: no commit)
@@ -147,20 +132,13 @@ fn scan_head(
     o
 }
 
-/// `scan_head` compiled for an instruction set (`scan` picks the best the CPU has at run time): AVX-512 F (a tile of
-/// 16 columns is one register) and AVX2 (two).
-macro_rules! scan_head_for {
-    ($($name:ident = $features:literal),*) => {$(
-        #[cfg(target_arch = "x86_64")]
-        #[target_feature(enable = $features)]
-        unsafe fn $name(
-            sh: DeltaShape, s: &[f32], n: Option<&mut [f32]>, x: &DeltaRows<'_>, h: usize, rows: usize, want: bool,
-        ) -> Vec<f32> {
-            scan_head(sh, s, n, x, h, rows, want)
-        }
-    )*};
+crate::kernels::cpu::per_isa! {
+    /// `scan_head` for each instruction set (`scan` runs `best`): with AVX-512 F a tile of 16 columns is one
+    /// register, with AVX2 two.
+    mod scan_head_isa = scan_head(
+        sh: DeltaShape, s: &[f32], n: Option<&mut [f32]>, x: &DeltaRows<'_>, h: usize, rows: usize, want: bool,
+    ) -> Vec<f32>;
 }
-scan_head_for!(scan_head_avx512 = "avx512f", scan_head_avx2 = "avx2");
 
 /// `scan` of value head `h`'s state `s` ((dk, dv)) over columns j0..j0 + T, every row, in a copy of the tile (dk
 /// rows of T, contiguous); `n` receives the tile's state after the rows, `o` ((rows, dv)) its outputs.
@@ -250,22 +228,8 @@ pub fn causal_conv_silu(taps: &[f32], kernel: usize, tail: &[f32], x: &[f32], ch
         }
     };
     let mut y = vec![0f32; rows * c];
-    let cpu = crate::kernels::cpu::Cpu::get();
     let row = |(t, yr): (usize, &mut [f32])| {
-        let taps = taps.chunks_exact(c).enumerate().map(|(j, w)| (w, u(t + j)));
-        #[cfg(target_arch = "x86_64")]
-        {
-            // SAFETY: the instruction sets were detected; no multiply-add is fused, so the bits are the portable
-            // code's.
-            if cpu.avx512() {
-                return unsafe { conv_row_avx512(yr, taps) };
-            }
-            if cpu.avx2() {
-                return unsafe { conv_row_avx2(yr, taps) };
-            }
-        }
-        let _ = cpu;
-        conv_row(yr, taps)
+        conv_row_isa::best(yr, taps.chunks_exact(c).enumerate().map(|(j, w)| (w, u(t + j))))
     };
     if rows * c * kernel >= PAR_MIN_WORK {
         y.par_chunks_mut(c).enumerate().for_each(row);
@@ -289,17 +253,10 @@ fn conv_row<'a>(yr: &mut [f32], taps: impl Iterator<Item = (&'a [f32], &'a [f32]
     }
 }
 
-/// `conv_row` compiled for an instruction set (`causal_conv_silu` picks the best the CPU has at run time).
-macro_rules! conv_row_for {
-    ($($name:ident = $features:literal),*) => {$(
-        #[cfg(target_arch = "x86_64")]
-        #[target_feature(enable = $features)]
-        unsafe fn $name<'a>(yr: &mut [f32], taps: impl Iterator<Item = (&'a [f32], &'a [f32])>) {
-            conv_row(yr, taps)
-        }
-    )*};
+crate::kernels::cpu::per_isa! {
+    /// `conv_row` for each instruction set (`causal_conv_silu` runs `best`).
+    mod conv_row_isa = conv_row<'a>(yr: &mut [f32], taps: impl Iterator<Item = (&'a [f32], &'a [f32])>);
 }
-conv_row_for!(conv_row_avx512 = "avx512f", conv_row_avx2 = "avx2");
 
 /// The last `kernel - 1` rows of `tail` then `x` (rows, channels): the convolution's history after `x`.
 pub fn conv_tail_after(kernel: usize, tail: &[f32], x: &[f32], channels: usize) -> Vec<f32> {
@@ -693,6 +650,39 @@ mod tests {
         assert_eq!(y2[..], y[2 * c..]);
     }
 
+    /// The recurrence's copies for each instruction set this CPU has give the baseline build's bits (tiles of
+    /// 64, 16 and single columns; with and without outputs and a state after the rows).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn scan_copies_are_the_baseline_bits() {
+        let (sh, rows) = (DeltaShape { k_heads: 1, v_heads: 2, dk: 16, dv: 88, tiled: false }, 5);
+        let (q, k) = (rnd(rows * sh.dk, 21), rnd(rows * sh.dk, 22));
+        let v = rnd(rows * 2 * sh.dv, 23);
+        let g: Vec<f32> = rnd(rows * 2, 24).iter().map(|x| -x.abs()).collect();
+        let beta: Vec<f32> = rnd(rows * 2, 25).iter().map(|x| x + 0.5).collect();
+        let x = DeltaRows { q: &q, k: &k, v: &v, g: &g, beta: &beta };
+        let s0 = rnd(sh.dk * sh.dv, 26);
+        type Copy = unsafe fn(DeltaShape, &[f32], Option<&mut [f32]>, &DeltaRows<'_>, usize, usize, bool) -> Vec<f32>;
+        let run = |f: Copy, want: bool| {
+            let mut n = vec![0f32; s0.len()];
+            // SAFETY: each copy runs only where `Cpu` found its instruction set (below)
+            let o = unsafe { f(sh, &s0, Some(&mut n), &x, 1, rows, want) };
+            (n, o)
+        };
+        let cpu = crate::kernels::cpu::Cpu::get();
+        let copies: [(bool, Copy); 2] = [(cpu.avx2(), scan_head_isa::avx2), (cpu.avx512(), scan_head_isa::avx512)];
+        for want in [true, false] {
+            let base = run(scan_head, want);
+            assert_eq!(base.0.len(), s0.len());
+            assert_eq!(base.1.len(), if want { rows * sh.dv } else { 0 });
+            for (_, f) in copies.iter().filter(|(has, _)| *has) {
+                let got = run(*f, want);
+                assert!(got.0.iter().zip(&base.0).all(|(a, b)| a.to_bits() == b.to_bits()), "state");
+                assert!(got.1.iter().zip(&base.1).all(|(a, b)| a.to_bits() == b.to_bits()), "outputs");
+            }
+        }
+    }
+
     /// The convolution's copies for each instruction set this CPU has give the portable code's bits.
     #[cfg(target_arch = "x86_64")]
     #[test]
@@ -709,11 +699,11 @@ mod tests {
         let cpu = crate::kernels::cpu::Cpu::get();
         if cpu.avx2() {
             // SAFETY: AVX2 was detected
-            assert_eq!(run(&|y| unsafe { conv_row_avx2(y, taps_of()) }), want);
+            assert_eq!(run(&|y| unsafe { conv_row_isa::avx2(y, taps_of()) }), want);
         }
         if cpu.avx512() {
             // SAFETY: AVX-512 F was detected
-            assert_eq!(run(&|y| unsafe { conv_row_avx512(y, taps_of()) }), want);
+            assert_eq!(run(&|y| unsafe { conv_row_isa::avx512(y, taps_of()) }), want);
         }
     }
 }
