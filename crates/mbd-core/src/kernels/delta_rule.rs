@@ -44,14 +44,63 @@ impl DeltaShape {
     }
 }
 
-/// A window's rows for the recurrence, row-major: q and k (rows, k_heads, dk) already L2-normalised (q also scaled
-/// by dk^-1/2), v (rows, v_heads, dv), g (rows, v_heads) the log decay (<= 0), beta (rows, v_heads).
+/// A window's rows for the recurrence, read in place as `GdnParams::host_rows` packs them ((rows, row_width)): per
+/// row q and k (k_heads, dk) already L2-normalised (q also scaled by dk^-1/2), v (v_heads, dv), g (v_heads) the log
+/// decay (<= 0), beta (v_heads).
+#[derive(Clone, Copy)]
 pub struct DeltaRows<'a> {
-    pub q: &'a [f32],
-    pub k: &'a [f32],
-    pub v: &'a [f32],
-    pub g: &'a [f32],
-    pub beta: &'a [f32],
+    rows: &'a [f32],
+    sh: DeltaShape,
+}
+
+impl<'a> DeltaRows<'a> {
+    /// The rows of `rows` ((rows, `sh.row_width()`)).
+    pub fn new(sh: DeltaShape, rows: &'a [f32]) -> DeltaRows<'a> {
+        debug_assert_eq!(rows.len() % sh.row_width(), 0);
+        DeltaRows { rows, sh }
+    }
+
+    /// How many rows there are.
+    pub fn len(&self) -> usize {
+        self.rows.len() / self.sh.row_width()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    #[inline(always)]
+    fn row(&self, t: usize) -> &'a [f32] {
+        let w = self.sh.row_width();
+        &self.rows[t * w..(t + 1) * w]
+    }
+
+    /// Row t's query of key head kh.
+    #[inline(always)]
+    fn q(&self, t: usize, kh: usize) -> &'a [f32] {
+        &self.row(t)[kh * self.sh.dk..][..self.sh.dk]
+    }
+
+    /// Row t's key of key head kh.
+    #[inline(always)]
+    fn k(&self, t: usize, kh: usize) -> &'a [f32] {
+        &self.row(t)[(self.sh.k_heads + kh) * self.sh.dk..][..self.sh.dk]
+    }
+
+    /// Row t's value of value head h.
+    #[inline(always)]
+    fn v(&self, t: usize, h: usize) -> &'a [f32] {
+        &self.row(t)[2 * self.sh.k_heads * self.sh.dk + h * self.sh.dv..][..self.sh.dv]
+    }
+
+    /// Row t's log decay and beta of value head h.
+    #[inline(always)]
+    fn g_beta(&self, t: usize, h: usize) -> (f32, f32) {
+        let (sh, r) = (self.sh, self.row(t));
+        let at = 2 * sh.k_heads * sh.dk + sh.v_heads * sh.dv + h;
+        (r[at], r[at + sh.v_heads])
+    }
 }
 
 /// Work (rows x state values) below which one thread runs every head.
@@ -75,11 +124,10 @@ pub fn scan(
     next: Option<&mut [f32]>,
     out: Option<&mut [f32]>,
 ) {
-    let (dk, dv, hv, hk) = (sh.dk, sh.dv, sh.v_heads, sh.k_heads);
+    let (dk, dv, hv) = (sh.dk, sh.dv, sh.v_heads);
     debug_assert_eq!(state.len(), sh.state_len());
     debug_assert!(next.as_ref().is_none_or(|n| n.len() == state.len()));
-    debug_assert!(x.q.len() >= rows * hk * dk && x.k.len() >= rows * hk * dk && x.v.len() >= rows * hv * dv);
-    debug_assert!(x.g.len() >= rows * hv && x.beta.len() >= rows * hv);
+    debug_assert!(x.len() >= rows && x.sh == sh);
     let want = out.is_some();
     let head = |h: usize, s: &[f32], n: Option<&mut [f32]>| scan_head_isa::best(sh, s, n, x, h, rows, want);
     let hs = dk * dv;
@@ -154,15 +202,15 @@ fn scan_columns<const T: usize>(
     j0: usize,
     mut o: Option<&mut [f32]>,
 ) {
-    let (dk, dv, hv, hk) = (sh.dk, sh.dv, sh.v_heads, sh.k_heads);
+    let dv = sh.dv;
     let kh = sh.key_head(h);
     let mut tile: Vec<[f32; T]> =
         s.chunks_exact(dv).map(|r| r[j0..j0 + T].try_into().expect("a tile of T columns")).collect();
     for t in 0..rows {
-        let kq = (t * hk + kh) * dk;
-        let (q, k) = (&x.q[kq..kq + dk], &x.k[kq..kq + dk]);
-        let v = &x.v[(t * hv + h) * dv + j0..][..T];
-        let (decay, b) = (x.g[t * hv + h].exp(), x.beta[t * hv + h]);
+        let (q, k) = (x.q(t, kh), x.k(t, kh));
+        let v = &x.v(t, h)[j0..j0 + T];
+        let (g, b) = x.g_beta(t, h);
+        let decay = g.exp();
         let mut mem = [0f32; T];
         for (srow, &ki) in tile.iter_mut().zip(k) {
             for (sv, m) in srow.iter_mut().zip(mem.iter_mut()) {
@@ -358,9 +406,8 @@ impl GdnParams {
         let sh = self.shape;
         let (hv, dv, width) = (sh.v_heads, sh.dv, self.width());
         let n = rows.len() / sh.row_width();
-        let x = split_rows(sh, rows);
         let mut core = vec![0f32; n * hv * dv];
-        scan(sh, st, &x.rows(), n, None, Some(&mut core));
+        scan(sh, st, &DeltaRows::new(sh, rows), n, None, Some(&mut core));
         let norm_w = &self.host[3];
         let mut y = vec![0f32; n * hv * dv];
         for (t, (yo, r)) in y.chunks_exact_mut(hv * dv).zip(p.chunks_exact(width)).enumerate() {
@@ -376,36 +423,6 @@ impl GdnParams {
             }
         }
         y
-    }
-}
-
-/// `DeltaRows` over rows packed as `GdnParams::host_rows` packs them. The recurrence reads q and k per key head
-/// and v, g and beta per value head: unpacked into separate slices.
-fn split_rows(sh: DeltaShape, rows: &[f32]) -> OwnedRows {
-    let (kd, vd, hv) = (sh.k_heads * sh.dk, sh.v_heads * sh.dv, sh.v_heads);
-    let mut o = OwnedRows::default();
-    for r in rows.chunks_exact(sh.row_width()) {
-        o.q.extend_from_slice(&r[..kd]);
-        o.k.extend_from_slice(&r[kd..2 * kd]);
-        o.v.extend_from_slice(&r[2 * kd..2 * kd + vd]);
-        o.g.extend_from_slice(&r[2 * kd + vd..2 * kd + vd + hv]);
-        o.beta.extend_from_slice(&r[2 * kd + vd + hv..]);
-    }
-    o
-}
-
-#[derive(Default)]
-struct OwnedRows {
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    g: Vec<f32>,
-    beta: Vec<f32>,
-}
-
-impl OwnedRows {
-    fn rows(&self) -> DeltaRows<'_> {
-        DeltaRows { q: &self.q, k: &self.k, v: &self.v, g: &self.g, beta: &self.beta }
     }
 }
 
@@ -485,9 +502,10 @@ pub fn advance(
     if on_gpu(state.device(), sh) {
         return crate::kernels::cuda::gdn_scan(state, rows, None, n, (sh.k_heads, sh.tiled));
     }
-    let x = with_host(&rows.narrow(0, 0, n)?, |r| split_rows(sh, r))?;
     let mut next = vec![0f32; sh.state_len()];
-    with_host(state, |st| scan(sh, st, &x.rows(), n, Some(&mut next), None))?;
+    with_host(&rows.narrow(0, 0, n)?, |r| {
+        with_host(state, |st| scan(sh, st, &DeltaRows::new(sh, r), n, Some(&mut next), None))
+    })??;
     Ok(candle_core::Tensor::from_vec(next, state.dims(), state.device())?)
 }
 
@@ -505,8 +523,24 @@ mod tests {
             .collect()
     }
 
-    /// The recurrence written with explicit matrices (transformers' torch_recurrent_gated_delta_rule, per head).
-    fn naive(sh: DeltaShape, s0: &[f32], x: &DeltaRows<'_>, rows: usize) -> (Vec<f32>, Vec<f32>) {
+    /// Rows packed as `GdnParams::host_rows` packs them, from q, k ((rows, k_heads, dk) each), v ((rows, v_heads,
+    /// dv)), g and beta ((rows, v_heads) each).
+    fn pack(sh: DeltaShape, [q, k, v, g, beta]: [&[f32]; 5]) -> Vec<f32> {
+        let (kd, vd, hv) = (sh.k_heads * sh.dk, sh.v_heads * sh.dv, sh.v_heads);
+        let rows = g.len() / hv;
+        let mut out = Vec::with_capacity(rows * sh.row_width());
+        for t in 0..rows {
+            for (x, n) in [(q, kd), (k, kd), (v, vd), (g, hv), (beta, hv)] {
+                out.extend_from_slice(&x[t * n..(t + 1) * n]);
+            }
+        }
+        out
+    }
+
+    /// The recurrence written with explicit matrices (transformers' torch_recurrent_gated_delta_rule, per head),
+    /// reading q, k, v, g and beta ((rows, heads, dim) each) as separate arrays.
+    fn naive(sh: DeltaShape, s0: &[f32], [q, k, v, g, beta]: [&[f32]; 5], rows: usize) -> (Vec<f32>, Vec<f32>) {
+        let (xq, xk, xv, xg, xbeta) = (q, k, v, g, beta);
         let (dk, dv) = (sh.dk, sh.dv);
         let mut s = s0.to_vec();
         let mut out = vec![0f32; rows * sh.v_heads * dv];
@@ -514,12 +548,12 @@ mod tests {
             for h in 0..sh.v_heads {
                 let kh = sh.key_head(h);
                 let st = &mut s[h * dk * dv..(h + 1) * dk * dv];
-                let g = x.g[t * sh.v_heads + h].exp();
+                let g = xg[t * sh.v_heads + h].exp();
                 st.iter_mut().for_each(|v| *v *= g);
-                let k = &x.k[(t * sh.k_heads + kh) * dk..][..dk];
-                let q = &x.q[(t * sh.k_heads + kh) * dk..][..dk];
-                let v = &x.v[(t * sh.v_heads + h) * dv..][..dv];
-                let b = x.beta[t * sh.v_heads + h];
+                let k = &xk[(t * sh.k_heads + kh) * dk..][..dk];
+                let q = &xq[(t * sh.k_heads + kh) * dk..][..dk];
+                let v = &xv[(t * sh.v_heads + h) * dv..][..dv];
+                let b = xbeta[t * sh.v_heads + h];
                 let delta: Vec<f32> =
                     (0..dv).map(|j| (v[j] - (0..dk).map(|i| st[i * dv + j] * k[i]).sum::<f32>()) * b).collect();
                 for i in 0..dk {
@@ -551,9 +585,11 @@ mod tests {
             let v = rnd(rows * hv * sh.dv, 3);
             let g: Vec<f32> = rnd(rows * hv, 4).iter().map(|x| -x.abs() * 2.0).collect();
             let beta: Vec<f32> = rnd(rows * hv, 5).iter().map(|x| x + 0.5).collect();
-            let x = DeltaRows { q: &q, k: &k, v: &v, g: &g, beta: &beta };
+            let packed = pack(sh, [&q, &k, &v, &g, &beta]);
+            let x = DeltaRows::new(sh, &packed);
+            assert_eq!(x.len(), rows);
             let s0 = rnd(sh.state_len(), 6);
-            let (want_s, want_o) = naive(sh, &s0, &x, rows);
+            let (want_s, want_o) = naive(sh, &s0, [&q, &k, &v, &g, &beta], rows);
             let mut s = vec![f32::NAN; s0.len()];
             let mut o = vec![0f32; rows * hv * sh.dv];
             scan(sh, &s0, &x, rows, Some(&mut s), Some(&mut o));
@@ -570,13 +606,7 @@ mod tests {
             let mut s_r = vec![0f32; s0.len()];
             scan(sh, &s0, &x, r, Some(&mut s_r), None);
             let mut s_more = vec![0f32; s0.len()];
-            let tail = DeltaRows {
-                q: &q[r * hk * sh.dk..],
-                k: &k[r * hk * sh.dk..],
-                v: &v[r * hv * sh.dv..],
-                g: &g[r * hv..],
-                beta: &beta[r * hv..],
-            };
+            let tail = DeltaRows::new(sh, &packed[r * sh.row_width()..]);
             let mut o2 = vec![0f32; 2 * hv * sh.dv];
             scan(sh, &s_r, &tail, 2, Some(&mut s_more), Some(&mut o2));
             assert_eq!(s_more, s, "two cuts give the one scan's state");
@@ -660,7 +690,8 @@ mod tests {
         let v = rnd(rows * 2 * sh.dv, 23);
         let g: Vec<f32> = rnd(rows * 2, 24).iter().map(|x| -x.abs()).collect();
         let beta: Vec<f32> = rnd(rows * 2, 25).iter().map(|x| x + 0.5).collect();
-        let x = DeltaRows { q: &q, k: &k, v: &v, g: &g, beta: &beta };
+        let packed = pack(sh, [&q, &k, &v, &g, &beta]);
+        let x = DeltaRows::new(sh, &packed);
         let s0 = rnd(sh.dk * sh.dv, 26);
         type Copy = unsafe fn(DeltaShape, &[f32], Option<&mut [f32]>, &DeltaRows<'_>, usize, usize, bool) -> Vec<f32>;
         let run = |f: Copy, want: bool| {
