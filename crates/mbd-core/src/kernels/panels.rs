@@ -843,20 +843,28 @@ mod packed {
         let full = m / MR * MR;
         let acc = kc0 > 0;
         for i0 in (0..full).step_by(MC) {
+            let i1 = (i0 + MC).min(full);
             let mut g = 0;
             while g < groups {
                 // whole groups this tile covers (none: a partial last group)
                 let count = (nt / NR - g).min(T::full_groups::<E>());
-                for i in (i0..(i0 + MC).min(full)).step_by(MR) {
+                let mut i = i0;
+                while i < i1 {
                     let ap = a.as_ptr().add(kc0 * m_pad + i * kc);
                     let c = y.offset(i * n + j0 + g * NR).0;
                     // the first row panel reads the weights from memory (the others from the cache)
                     let b = |g| Cursor { fetch: i == 0, ..b(g) };
+                    if T::TALL && E::BLOCK == 0 && count > 0 && i + 2 * MR <= i1 {
+                        T::tall(kc, ap, &b, g, count, c, n, acc);
+                        i += 2 * MR;
+                        continue;
+                    }
                     if count > 0 {
                         T::full(kc, ap, &b, g, count, c, n, acc);
                     } else {
                         edge_tile::<T, E, MR>(kc, ap, b(g), c, n, nt - g * NR, acc);
                     }
+                    i += MR;
                 }
                 g += count.max(1);
             }
@@ -888,6 +896,24 @@ mod packed {
             ldc: usize,
             acc: bool,
         );
+        /// Whether the set has `tall`.
+        const TALL: bool = false;
+        /// Two row panels (2 · `MR` rows) over groups [g, g + count), as `full` gives each panel (dense weights:
+        /// f32 or bf16, no block format's scales): each group's weights are formed once per 2 · `MR` rows, where
+        /// `full` forms them once per `MR`.
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn tall<E: Panel>(
+            _kc: usize,
+            _a: *const f32,
+            _b: &impl Fn(usize) -> Cursor<E>,
+            _g: usize,
+            _count: usize,
+            _c: *mut f32,
+            _ldc: usize,
+            _acc: bool,
+        ) {
+            unreachable!("no tall tile in this instruction set")
+        }
         /// c (`R` rows × `P` groups) as `tile` describes.
         unsafe fn tile<E: Panel, const R: usize, const P: usize>(
             kc: usize,
@@ -998,6 +1024,28 @@ mod packed {
 
     impl Tiles for Zmm {
         const FULL: usize = 4;
+        const TALL: bool = true;
+        unsafe fn tall<E: Panel>(
+            kc: usize,
+            a: *const f32,
+            b: &impl Fn(usize) -> Cursor<E>,
+            g: usize,
+            count: usize,
+            c: *mut f32,
+            ldc: usize,
+            acc: bool,
+        ) {
+            // 12 rows over 2 groups: 24 accumulators, and 4 widening uops for bf16 per 24 FMAs (the 6-row tile over
+            // 4 groups: 8)
+            let mut q = 0;
+            while q + 2 <= count {
+                tile512::<E, { 2 * MR }, 2>(kc, a, [b(g + q), b(g + q + 1)], c.add(q * NR), ldc, acc);
+                q += 2;
+            }
+            if q < count {
+                tile512::<E, { 2 * MR }, 1>(kc, a, [b(g + q)], c.add(q * NR), ldc, acc);
+            }
+        }
         unsafe fn decode<E: Panel>(kc: usize, b: Cursor<E>, dst: &mut [f32]) {
             decode512::<E>(kc, b, dst)
         }
@@ -1614,7 +1662,8 @@ mod packed {
     }
 
     /// `tile` with AVX-512: a group in one register (lanes in `E::SLOTS` order), the x value of a row broadcast once
-    /// per depth for all `P` groups. Each lane is the same in-order FMA chain as `tile`'s, so the same bits.
+    /// per depth for all `P` groups. Each lane is the same in-order FMA chain as `tile`'s, so the same bits. `R` up to
+    /// 2 · `MR` (`Tiles::tall`): rows past `MR` are read from the next row panel of `a`.
     #[inline]
     #[target_feature(enable = "avx512f")]
     unsafe fn tile512<E: Panel, const R: usize, const P: usize>(
@@ -1649,7 +1698,9 @@ mod packed {
                 }
             }
         }
-        let (mut a, mut w0, fetch) = (a, b.map(|b| b.w), b.iter().any(|b| b.fetch));
+        // rows past `MR` (a tall tile) lie in the next row panel, MR · kc on (`x_at`)
+        let (mut a, mut a1) = (a, a.wrapping_add(MR * kc));
+        let (mut w0, fetch) = (b.map(|b| b.w), b.iter().any(|b| b.fetch));
         let mut d = [[_mm512_setzero_ps(); 2]; P];
         for p in 0..kc {
             next_scales(p, &b, &mut d, |r, j| E::scales16(r, j));
@@ -1658,7 +1709,7 @@ mod packed {
             }
             if R < MR {
                 // few rows: each group's weights formed and used in turn (fewer live registers)
-                let x: [__m512; R] = std::array::from_fn(|r| _mm512_set1_ps(*a.add(r)));
+                let x: [__m512; R] = std::array::from_fn(|r| _mm512_set1_ps(x_at(a, a1, r)));
                 for q in 0..P {
                     let w = E::load16(w0[q], &d[q]);
                     for (s, x) in s.iter_mut().zip(&x) {
@@ -1668,13 +1719,14 @@ mod packed {
             } else {
                 let w: [__m512; P] = std::array::from_fn(|q| E::load16(w0[q], &d[q]));
                 for (r, s) in s.iter_mut().enumerate() {
-                    let x = _mm512_set1_ps(*a.add(r));
+                    let x = _mm512_set1_ps(x_at(a, a1, r));
                     for q in 0..P {
                         s[q] = _mm512_fmadd_ps(x, w[q], s[q]);
                     }
                 }
             }
             a = a.add(MR);
+            a1 = a1.wrapping_add(MR);
             for w in w0.iter_mut() {
                 *w = w.add(E::LAYOUT.step);
             }
@@ -1687,6 +1739,16 @@ mod packed {
                 };
                 _mm512_storeu_ps(c.add(r * ldc + q * NR), v);
             }
+        }
+    }
+
+    /// Row r's x value at a depth of a tile's row panels: the panel at `a`, then (r >= `MR`) the next at `a1`.
+    #[inline(always)]
+    unsafe fn x_at(a: *const f32, a1: *const f32, r: usize) -> f32 {
+        if r < MR {
+            *a.add(r)
+        } else {
+            *a1.add(r - MR)
         }
     }
 
