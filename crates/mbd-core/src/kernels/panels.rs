@@ -842,6 +842,9 @@ mod packed {
         let groups = nt.div_ceil(NR);
         let full = m / MR * MR;
         let acc = kc0 > 0;
+        // tall tiles take the full panels two at a time from each block's start (`MC` is a multiple of 2 · `MR`), so
+        // with an odd count the last full panel is left alone: it takes the last rows with it (`Tiles::tall_rest`)
+        let rest_tall = T::TALL && E::BLOCK == 0 && m > full && (full / MR) % 2 == 1;
         for i0 in (0..full).step_by(MC) {
             let i1 = (i0 + MC).min(full);
             let mut g = 0;
@@ -859,6 +862,11 @@ mod packed {
                         i += 2 * MR;
                         continue;
                     }
+                    if rest_tall && count > 0 && i + MR == full {
+                        T::tall_rest(m - full, kc, ap, &b, g, count, c, n, acc);
+                        i += MR;
+                        continue;
+                    }
                     if count > 0 {
                         T::full(kc, ap, &b, g, count, c, n, acc);
                     } else {
@@ -871,8 +879,12 @@ mod packed {
         }
         if m > full {
             let ap = a.as_ptr().add(kc0 * m_pad + full * kc);
-            let b = |g| Cursor { fetch: full == 0, ..b(g) };
-            T::last_rows(m - full, kc, ap, &b, nt, y.offset(full * n + j0).0, n, acc);
+            // with `rest_tall` the whole groups' last rows are done: only a partial last group is left
+            let g0 = if rest_tall { nt / NR } else { 0 };
+            let b = |g| Cursor { fetch: full == 0, ..b(g0 + g) };
+            if g0 * NR < nt {
+                T::last_rows(m - full, kc, ap, &b, nt - g0 * NR, y.offset(full * n + j0 + g0 * NR).0, n, acc);
+            }
         }
     }
 
@@ -903,6 +915,21 @@ mod packed {
         /// `full` forms them once per `MR`.
         #[allow(clippy::too_many_arguments)]
         unsafe fn tall<E: Panel>(
+            _kc: usize,
+            _a: *const f32,
+            _b: &impl Fn(usize) -> Cursor<E>,
+            _g: usize,
+            _count: usize,
+            _c: *mut f32,
+            _ldc: usize,
+            _acc: bool,
+        ) {
+            unreachable!("no tall tile in this instruction set")
+        }
+        /// The last full row panel and the `rows` (1 to `MR` − 1) rows after it over groups [g, g + count), as `tall`.
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn tall_rest<E: Panel>(
+            _rows: usize,
             _kc: usize,
             _a: *const f32,
             _b: &impl Fn(usize) -> Cursor<E>,
@@ -1037,13 +1064,25 @@ mod packed {
         ) {
             // 12 rows over 2 groups: 24 accumulators, and 4 widening uops for bf16 per 24 FMAs (the 6-row tile over
             // 4 groups: 8)
-            let mut q = 0;
-            while q + 2 <= count {
-                tile512::<E, { 2 * MR }, 2>(kc, a, [b(g + q), b(g + q + 1)], c.add(q * NR), ldc, acc);
-                q += 2;
-            }
-            if q < count {
-                tile512::<E, { 2 * MR }, 1>(kc, a, [b(g + q)], c.add(q * NR), ldc, acc);
+            tall_pairs::<E, { 2 * MR }>(kc, a, b, g, count, c, ldc, acc)
+        }
+        unsafe fn tall_rest<E: Panel>(
+            rows: usize,
+            kc: usize,
+            a: *const f32,
+            b: &impl Fn(usize) -> Cursor<E>,
+            g: usize,
+            count: usize,
+            c: *mut f32,
+            ldc: usize,
+            acc: bool,
+        ) {
+            match rows {
+                1 => tall_pairs::<E, { MR + 1 }>(kc, a, b, g, count, c, ldc, acc),
+                2 => tall_pairs::<E, { MR + 2 }>(kc, a, b, g, count, c, ldc, acc),
+                3 => tall_pairs::<E, { MR + 3 }>(kc, a, b, g, count, c, ldc, acc),
+                4 => tall_pairs::<E, { MR + 4 }>(kc, a, b, g, count, c, ldc, acc),
+                _ => tall_pairs::<E, { MR + 5 }>(kc, a, b, g, count, c, ldc, acc),
             }
         }
         unsafe fn decode<E: Panel>(kc: usize, b: Cursor<E>, dst: &mut [f32]) {
@@ -1118,6 +1157,28 @@ mod packed {
                 4 => last_rows::<Self, E, 4, 4>(kc, a, b, nt, c, n, acc),
                 _ => last_rows::<Self, E, 5, 4>(kc, a, b, nt, c, n, acc),
             }
+        }
+    }
+
+    /// `R` (`MR` < R <= 2 · `MR`) rows over groups [g, g + count), two groups per tile (at most 24 accumulators).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tall_pairs<E: Panel, const R: usize>(
+        kc: usize,
+        a: *const f32,
+        b: &impl Fn(usize) -> Cursor<E>,
+        g: usize,
+        count: usize,
+        c: *mut f32,
+        ldc: usize,
+        acc: bool,
+    ) {
+        let mut q = 0;
+        while q + 2 <= count {
+            tile512::<E, R, 2>(kc, a, [b(g + q), b(g + q + 1)], c.add(q * NR), ldc, acc);
+            q += 2;
+        }
+        if q < count {
+            tile512::<E, R, 1>(kc, a, [b(g + q)], c.add(q * NR), ldc, acc);
         }
     }
 
