@@ -843,7 +843,7 @@ mod packed {
         let full = m / MR * MR;
         let acc = kc0 > 0;
         // tall tiles take the full panels two at a time from each block's start (`MC` is a multiple of 2 · `MR`), so
-        // with an odd count the last full panel is left alone: it takes the last rows with it (`Tiles::tall_rest`)
+        // with an odd count the last full panel is left alone: it takes the last rows with it (a shorter `Tiles::tall`)
         let rest_tall = T::TALL && E::BLOCK == 0 && m > full && (full / MR) % 2 == 1;
         for i0 in (0..full).step_by(MC) {
             let i1 = (i0 + MC).min(full);
@@ -858,12 +858,12 @@ mod packed {
                     // the first row panel reads the weights from memory (the others from the cache)
                     let b = |g| Cursor { fetch: i == 0, ..b(g) };
                     if T::TALL && E::BLOCK == 0 && count > 0 && i + 2 * MR <= i1 {
-                        T::tall(kc, ap, &b, g, count, c, n, acc);
+                        T::tall(2 * MR, kc, ap, &b, g, count, c, n, acc);
                         i += 2 * MR;
                         continue;
                     }
                     if rest_tall && count > 0 && i + MR == full {
-                        T::tall_rest(m - full, kc, ap, &b, g, count, c, n, acc);
+                        T::tall(MR + m - full, kc, ap, &b, g, count, c, n, acc);
                         i += MR;
                         continue;
                     }
@@ -910,25 +910,11 @@ mod packed {
         );
         /// Whether the set has `tall`.
         const TALL: bool = false;
-        /// Two row panels (2 · `MR` rows) over groups [g, g + count), as `full` gives each panel (dense weights:
-        /// f32 or bf16, no block format's scales): each group's weights are formed once per 2 · `MR` rows, where
-        /// `full` forms them once per `MR`.
+        /// `rows` rows (`MR` + 1 to 2 · `MR`: a full row panel and rows of the next) over groups [g, g + count), as
+        /// `full` gives a panel (dense weights: f32 or bf16, no block format's scales): each group's weights are
+        /// formed once for all the rows, where `full` forms them once per `MR`.
         #[allow(clippy::too_many_arguments)]
         unsafe fn tall<E: Panel>(
-            _kc: usize,
-            _a: *const f32,
-            _b: &impl Fn(usize) -> Cursor<E>,
-            _g: usize,
-            _count: usize,
-            _c: *mut f32,
-            _ldc: usize,
-            _acc: bool,
-        ) {
-            unreachable!("no tall tile in this instruction set")
-        }
-        /// The last full row panel and the `rows` (1 to `MR` − 1) rows after it over groups [g, g + count), as `tall`.
-        #[allow(clippy::too_many_arguments)]
-        unsafe fn tall_rest<E: Panel>(
             _rows: usize,
             _kc: usize,
             _a: *const f32,
@@ -1053,20 +1039,6 @@ mod packed {
         const FULL: usize = 4;
         const TALL: bool = true;
         unsafe fn tall<E: Panel>(
-            kc: usize,
-            a: *const f32,
-            b: &impl Fn(usize) -> Cursor<E>,
-            g: usize,
-            count: usize,
-            c: *mut f32,
-            ldc: usize,
-            acc: bool,
-        ) {
-            // 12 rows over 2 groups: 24 accumulators, and 4 widening uops for bf16 per 24 FMAs (the 6-row tile over
-            // 4 groups: 8)
-            tall_pairs::<E, { 2 * MR }>(kc, a, b, g, count, c, ldc, acc)
-        }
-        unsafe fn tall_rest<E: Panel>(
             rows: usize,
             kc: usize,
             a: *const f32,
@@ -1077,12 +1049,15 @@ mod packed {
             ldc: usize,
             acc: bool,
         ) {
+            // up to 12 rows over 2 groups: 24 accumulators, and at 12 rows 4 widening uops for bf16 per 24 FMAs (the
+            // 6-row tile over 4 groups: 8)
             match rows {
-                1 => tall_pairs::<E, { MR + 1 }>(kc, a, b, g, count, c, ldc, acc),
-                2 => tall_pairs::<E, { MR + 2 }>(kc, a, b, g, count, c, ldc, acc),
-                3 => tall_pairs::<E, { MR + 3 }>(kc, a, b, g, count, c, ldc, acc),
-                4 => tall_pairs::<E, { MR + 4 }>(kc, a, b, g, count, c, ldc, acc),
-                _ => tall_pairs::<E, { MR + 5 }>(kc, a, b, g, count, c, ldc, acc),
+                7 => tall_pairs::<E, 7>(kc, a, b, g, count, c, ldc, acc),
+                8 => tall_pairs::<E, 8>(kc, a, b, g, count, c, ldc, acc),
+                9 => tall_pairs::<E, 9>(kc, a, b, g, count, c, ldc, acc),
+                10 => tall_pairs::<E, 10>(kc, a, b, g, count, c, ldc, acc),
+                11 => tall_pairs::<E, 11>(kc, a, b, g, count, c, ldc, acc),
+                _ => tall_pairs::<E, { 2 * MR }>(kc, a, b, g, count, c, ldc, acc),
             }
         }
         unsafe fn decode<E: Panel>(kc: usize, b: Cursor<E>, dst: &mut [f32]) {
