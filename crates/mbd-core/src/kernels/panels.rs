@@ -843,7 +843,7 @@ mod packed {
         let full = m / MR * MR;
         let acc = kc0 > 0;
         // tall tiles take the full panels two at a time from each block's start (`MC` is a multiple of 2 · `MR`), so
-        // with an odd count the last full panel is left alone: it takes the last rows with it (a shorter `Tiles::tall`)
+        // with an odd count the last full panel is left alone: it takes the last rows with it (a shorter tall tile)
         let rest_tall = T::TALL && E::BLOCK == 0 && m > full && (full / MR) % 2 == 1;
         for i0 in (0..full).step_by(MC) {
             let i1 = (i0 + MC).min(full);
@@ -857,22 +857,20 @@ mod packed {
                     let c = y.offset(i * n + j0 + g * NR).0;
                     // the first row panel reads the weights from memory (the others from the cache)
                     let b = |g| Cursor { fetch: i == 0, ..b(g) };
-                    if T::TALL && E::BLOCK == 0 && count > 0 && i + 2 * MR <= i1 {
-                        T::tall(2 * MR, kc, ap, &b, g, count, c, n, acc);
-                        i += 2 * MR;
-                        continue;
-                    }
-                    if rest_tall && count > 0 && i + MR == full {
-                        T::tall(MR + m - full, kc, ap, &b, g, count, c, n, acc);
-                        i += MR;
-                        continue;
-                    }
+                    // two panels, the last one with the last rows, or one panel
+                    let rows = if T::TALL && E::BLOCK == 0 && count > 0 && i + 2 * MR <= i1 {
+                        2 * MR
+                    } else if rest_tall && count > 0 && i + MR == full {
+                        MR + m - full
+                    } else {
+                        MR
+                    };
                     if count > 0 {
-                        T::full(kc, ap, &b, g, count, c, n, acc);
+                        T::full(rows, kc, ap, &b, g, count, c, n, acc);
                     } else {
                         edge_tile::<T, E, MR>(kc, ap, b(g), c, n, nt - g * NR, acc);
                     }
-                    i += MR;
+                    i += if rows == 2 * MR { 2 * MR } else { MR };
                 }
                 g += count.max(1);
             }
@@ -896,9 +894,14 @@ mod packed {
         fn full_groups<E: Panel>() -> usize {
             Self::FULL.min(E::FULL512)
         }
-        /// The `MR`-row tile over groups [g, g + count) (count: 1 to `FULL`).
+        /// Whether `full` takes tall tiles: `rows` from `MR` + 1 to 2 · `MR` (a full row panel and rows of the
+        /// next), for dense weights (f32 or bf16, no block format's scales). Each group's weights are then formed
+        /// once for all the rows, where an `MR`-row tile forms them once per `MR`.
+        const TALL: bool = false;
+        /// The `rows`-row tile over groups [g, g + count) (count: 1 to `FULL`): `MR` rows, or a tall tile (`TALL`).
         #[allow(clippy::too_many_arguments)]
         unsafe fn full<E: Panel>(
+            rows: usize,
             kc: usize,
             a: *const f32,
             b: &impl Fn(usize) -> Cursor<E>,
@@ -908,25 +911,6 @@ mod packed {
             ldc: usize,
             acc: bool,
         );
-        /// Whether the set has `tall`.
-        const TALL: bool = false;
-        /// `rows` rows (`MR` + 1 to 2 · `MR`: a full row panel and rows of the next) over groups [g, g + count), as
-        /// `full` gives a panel (dense weights: f32 or bf16, no block format's scales): each group's weights are
-        /// formed once for all the rows, where `full` forms them once per `MR`.
-        #[allow(clippy::too_many_arguments)]
-        unsafe fn tall<E: Panel>(
-            _rows: usize,
-            _kc: usize,
-            _a: *const f32,
-            _b: &impl Fn(usize) -> Cursor<E>,
-            _g: usize,
-            _count: usize,
-            _c: *mut f32,
-            _ldc: usize,
-            _acc: bool,
-        ) {
-            unreachable!("no tall tile in this instruction set")
-        }
         /// c (`R` rows × `P` groups) as `tile` describes.
         unsafe fn tile<E: Panel, const R: usize, const P: usize>(
             kc: usize,
@@ -977,6 +961,7 @@ mod packed {
             decode::<E>(kc, b, dst)
         }
         unsafe fn full<E: Panel>(
+            rows: usize,
             kc: usize,
             a: *const f32,
             b: &impl Fn(usize) -> Cursor<E>,
@@ -986,6 +971,7 @@ mod packed {
             ldc: usize,
             acc: bool,
         ) {
+            debug_assert_eq!(rows, MR);
             tile::<E, MR, 1>(kc, a, [b(g)], c, ldc, acc)
         }
         unsafe fn tile<E: Panel, const R: usize, const P: usize>(
@@ -1038,7 +1024,10 @@ mod packed {
     impl Tiles for Zmm {
         const FULL: usize = 4;
         const TALL: bool = true;
-        unsafe fn tall<E: Panel>(
+        unsafe fn decode<E: Panel>(kc: usize, b: Cursor<E>, dst: &mut [f32]) {
+            decode512::<E>(kc, b, dst)
+        }
+        unsafe fn full<E: Panel>(
             rows: usize,
             kc: usize,
             a: *const f32,
@@ -1049,30 +1038,17 @@ mod packed {
             ldc: usize,
             acc: bool,
         ) {
-            // up to 12 rows over 2 groups: 24 accumulators, and at 12 rows 4 widening uops for bf16 per 24 FMAs (the
-            // 6-row tile over 4 groups: 8)
+            // tall: up to 12 rows over 2 groups, 24 accumulators; at 12 rows 4 widening uops for bf16 per 24 FMAs
+            // (the 6-row tile over 4 groups: 8)
             match rows {
-                7 => tall_pairs::<E, 7>(kc, a, b, g, count, c, ldc, acc),
-                8 => tall_pairs::<E, 8>(kc, a, b, g, count, c, ldc, acc),
-                9 => tall_pairs::<E, 9>(kc, a, b, g, count, c, ldc, acc),
-                10 => tall_pairs::<E, 10>(kc, a, b, g, count, c, ldc, acc),
-                11 => tall_pairs::<E, 11>(kc, a, b, g, count, c, ldc, acc),
-                _ => tall_pairs::<E, { 2 * MR }>(kc, a, b, g, count, c, ldc, acc),
+                7 => return tall_pairs::<E, 7>(kc, a, b, g, count, c, ldc, acc),
+                8 => return tall_pairs::<E, 8>(kc, a, b, g, count, c, ldc, acc),
+                9 => return tall_pairs::<E, 9>(kc, a, b, g, count, c, ldc, acc),
+                10 => return tall_pairs::<E, 10>(kc, a, b, g, count, c, ldc, acc),
+                11 => return tall_pairs::<E, 11>(kc, a, b, g, count, c, ldc, acc),
+                12 => return tall_pairs::<E, { 2 * MR }>(kc, a, b, g, count, c, ldc, acc),
+                _ => debug_assert_eq!(rows, MR),
             }
-        }
-        unsafe fn decode<E: Panel>(kc: usize, b: Cursor<E>, dst: &mut [f32]) {
-            decode512::<E>(kc, b, dst)
-        }
-        unsafe fn full<E: Panel>(
-            kc: usize,
-            a: *const f32,
-            b: &impl Fn(usize) -> Cursor<E>,
-            g: usize,
-            count: usize,
-            c: *mut f32,
-            ldc: usize,
-            acc: bool,
-        ) {
             match count {
                 1 => tile512::<E, MR, 1>(kc, a, [b(g)], c, ldc, acc),
                 2 => tile512::<E, MR, 2>(kc, a, [b(g), b(g + 1)], c, ldc, acc),
@@ -1699,7 +1675,7 @@ mod packed {
 
     /// `tile` with AVX-512: a group in one register (lanes in `E::SLOTS` order), the x value of a row broadcast once
     /// per depth for all `P` groups. Each lane is the same in-order FMA chain as `tile`'s, so the same bits. `R` up to
-    /// 2 · `MR` (`Tiles::tall`): rows past `MR` are read from the next row panel of `a`.
+    /// 2 · `MR` (`Tiles::TALL`): rows past `MR` are read from the next row panel of `a`.
     #[inline]
     #[target_feature(enable = "avx512f")]
     unsafe fn tile512<E: Panel, const R: usize, const P: usize>(
