@@ -1041,12 +1041,12 @@ mod packed {
             // tall: up to 12 rows over 2 groups, 24 accumulators; at 12 rows 4 widening uops for bf16 per 24 FMAs
             // (the 6-row tile over 4 groups: 8)
             match rows {
-                7 => return tall_pairs::<E, 7>(kc, a, b, g, count, c, ldc, acc),
-                8 => return tall_pairs::<E, 8>(kc, a, b, g, count, c, ldc, acc),
-                9 => return tall_pairs::<E, 9>(kc, a, b, g, count, c, ldc, acc),
-                10 => return tall_pairs::<E, 10>(kc, a, b, g, count, c, ldc, acc),
-                11 => return tall_pairs::<E, 11>(kc, a, b, g, count, c, ldc, acc),
-                12 => return tall_pairs::<E, { 2 * MR }>(kc, a, b, g, count, c, ldc, acc),
+                7 => return last_rows::<Self, E, 7, 2>(kc, a, &|q| b(g + q), count * NR, c, ldc, acc),
+                8 => return last_rows::<Self, E, 8, 2>(kc, a, &|q| b(g + q), count * NR, c, ldc, acc),
+                9 => return last_rows::<Self, E, 9, 2>(kc, a, &|q| b(g + q), count * NR, c, ldc, acc),
+                10 => return last_rows::<Self, E, 10, 2>(kc, a, &|q| b(g + q), count * NR, c, ldc, acc),
+                11 => return last_rows::<Self, E, 11, 2>(kc, a, &|q| b(g + q), count * NR, c, ldc, acc),
+                12 => return last_rows::<Self, E, { 2 * MR }, 2>(kc, a, &|q| b(g + q), count * NR, c, ldc, acc),
                 _ => debug_assert_eq!(rows, MR),
             }
             match count {
@@ -1111,30 +1111,8 @@ mod packed {
         }
     }
 
-    /// `R` (`MR` < R <= 2 · `MR`) rows over groups [g, g + count), two groups per tile (at most 24 accumulators).
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn tall_pairs<E: Panel, const R: usize>(
-        kc: usize,
-        a: *const f32,
-        b: &impl Fn(usize) -> Cursor<E>,
-        g: usize,
-        count: usize,
-        c: *mut f32,
-        ldc: usize,
-        acc: bool,
-    ) {
-        let mut q = 0;
-        while q + 2 <= count {
-            tile512::<E, R, 2>(kc, a, [b(g + q), b(g + q + 1)], c.add(q * NR), ldc, acc);
-            q += 2;
-        }
-        if q < count {
-            tile512::<E, R, 1>(kc, a, [b(g + q)], c.add(q * NR), ldc, acc);
-        }
-    }
-
-    /// The last `R` (< `MR`) rows over every group: `P` groups per tile (`R · P` accumulator groups), then what is
-    /// left (`Tiles::rest`).
+    /// `R` rows over every group: `P` groups per tile (`R · P` accumulator groups), then what is left
+    /// (`Tiles::rest`). The last rows (R < `MR`), and the tall tiles (`Tiles::TALL`, P = 2).
     #[allow(clippy::too_many_arguments)]
     unsafe fn last_rows<T: Tiles, E: Panel, const R: usize, const P: usize>(
         kc: usize,
