@@ -190,7 +190,8 @@ fn too_long() -> crate::error::Error {
 
 #[cfg(feature = "cuda")]
 pub use imp::{
-    add_rms_norm, attend, attend_segments, device_address, gdn_rows, gdn_scan, prep, prep_segments, row_stats, silu_mul,
+    add_rms_norm, attend, attend_segments, device_address, gdn_rows, gdn_scan, prep, prep_segments, row_stats,
+    silu_mul, write_words,
 };
 
 #[cfg(not(feature = "cuda"))]
@@ -543,11 +544,23 @@ mod imp {
         Ok(ptr(t, 1)?.0)
     }
 
+    /// Writes `words` into a u32 CUDA storage from element `at` on: one host-to-device copy on the device's stream
+    /// (queued after the launches before it that read those elements). A forward's one upload (`net::step`).
+    pub fn write_words(s: &mut CudaStorage, at: usize, words: &[u32]) -> candle_core::Result<()> {
+        let dev = s.device.clone();
+        let slice = s.as_cuda_slice_mut::<u32>()?;
+        let n = slice.len();
+        let Some(mut dst) = slice.try_slice_mut(at..at + words.len()) else {
+            candle_core::bail!("{} words at {at} of a {n}-word buffer", words.len())
+        };
+        dev.memcpy_htod(words, &mut dst)
+    }
+
     /// The device addresses of a segment table (`segment_table`'s words, u32, covering `n_segs` segments and `rows`
-    /// stacked rows) and of one layer's K/V address table (2 · n_segs i64), checked for what the `*_segments` kernels
-    /// read; `what` names the caller in the errors.
+    /// stacked rows) and of one layer's K/V address table (2 · n_segs 8-byte addresses, as 4 · n_segs u32 words),
+    /// checked for what the `*_segments` kernels read; `what` names the caller in the errors.
     fn segment_tables((table, kv): (&Tensor, &Tensor), n_segs: usize, rows: usize, what: &str) -> Result<(u64, u64)> {
-        if kv.dims() != [2 * n_segs] || kv.dtype() != DType::I64 {
+        if kv.dims() != [4 * n_segs] || kv.dtype() != DType::U32 {
             return Err(Error::Internal(format!("CUDA {what}: a K/V address table of another shape or dtype")));
         }
         if table.dtype() != DType::U32 || table.elem_count() < n_segs * SEG_WORDS + rows {
@@ -559,8 +572,8 @@ mod imp {
     }
 
     /// `prep` for every segment of a forward in one launch: `tables` = (the segment table's words, u32, and this
-    /// layer's K and V cache addresses of each segment, 2 · n_segs i64) on the device (`segment_table`); the other
-    /// operands as `prep`'s. Returns q, (rows, heads, D) f32, for all the stacked rows.
+    /// layer's K and V cache addresses of each segment, 2 · n_segs 8-byte addresses as u32 words) on the device
+    /// (`segment_table`); the other operands as `prep`'s. Returns q, (rows, heads, D) f32, for all the stacked rows.
     pub fn prep_segments(
         qkv: &Tensor,
         tables: (&Tensor, &Tensor),

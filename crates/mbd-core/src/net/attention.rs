@@ -7,6 +7,7 @@ use crate::kernels::cuda;
 use crate::kernels::Kernels;
 use crate::net::mask::MaskSpec;
 use crate::net::segment::Segment;
+use crate::net::step::{Section, Step, StepWords};
 use crate::util::Cancel;
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
@@ -135,8 +136,9 @@ pub(crate) struct ForwardAttention {
     together: Option<Together>,
 }
 
-/// What `cuda::prep_segments` and `cuda::attend_segments` read, on the device, copied once per forward: the segment
-/// table (`cuda::segment_table`) and, per cache layer, each segment's K and V addresses ((layers, 2 · segments) i64).
+/// What `cuda::prep_segments` and `cuda::attend_segments` read, on the device, in the forward's one upload
+/// (`net::step`): the segment table (`cuda::segment_table`) and, per cache layer, each segment's K and V addresses
+/// (layers × 2 · segments 8-byte addresses, 4 · segments words per layer).
 struct Together {
     table: Tensor,
     kv: Tensor,
@@ -144,20 +146,31 @@ struct Together {
     most: usize,
 }
 
-impl Together {
+/// `Together`'s sections of the forward's words, before the upload.
+struct TogetherWords {
+    table: Section,
+    kv: Section,
+    segments: usize,
+    most: usize,
+}
+
+/// What a forward's attention hands the device (`ForwardAttention::plan`), as sections of the forward's words: every
+/// segment's tables when they are attended together, else each segment's key ranges where `cuda::attend` takes it.
+pub(crate) struct AttnWords {
+    together: Option<TogetherWords>,
+    ranges: Vec<Option<Section>>,
+}
+
+impl TogetherWords {
     /// The tables of `segs` stacked at `spans`, when every segment's attention runs in `cuda::attend`'s kernels
     /// (`cuda::fused_attention`) and there are several; else None (a launch per segment).
-    fn new(
+    fn plan(
         segs: &[Segment<'_>],
         spans: &[(usize, usize)],
         (heads, _, head_dim): Heads,
-        dev: &Device,
+        words: &mut StepWords,
     ) -> Result<Option<Self>> {
-        let fused = |s: &Segment<'_>| {
-            let (p, w) = (s.cache.len(), s.positions.len());
-            cuda::fused_attention(w, p + w, heads, head_dim)
-        };
-        if segs.len() < 2 || !segs.iter().all(fused) {
+        if segs.len() < 2 || !segs.iter().all(|s| fused_attention(s, heads, head_dim)) {
             return Ok(None);
         }
         let visible: Vec<_> = segs.iter().map(|s| s.mask.visible(s.cache.len(), &s.positions)).collect();
@@ -174,8 +187,7 @@ impl Together {
             })
             .collect();
         let t = cuda::segment_table(&rows, heads)?;
-        let n = t.words.len();
-        let table = Tensor::from_vec(t.words, n, dev)?;
+        let table = words.push(t.words);
         let layers = segs[0].cache.layer_count();
         if segs.iter().any(|s| s.cache.layer_count() != layers) {
             return Err(crate::error::Error::Internal("the segments' caches hold different layers".into()));
@@ -190,17 +202,55 @@ impl Together {
                     if !a.is_multiple_of(16) || !t.is_contiguous() {
                         return Err(crate::error::Error::Internal("a KV cache the CUDA kernels cannot read".into()));
                     }
-                    addrs.push(a as i64);
+                    addrs.push(a);
                 }
             }
         }
-        let kv = Tensor::from_vec(addrs, (layers, 2 * segs.len()), dev)?;
-        Ok(Some(Together { table, kv, segments: segs.len(), most: t.most }))
+        let kv = words.push_u64(addrs);
+        Ok(Some(TogetherWords { table, kv, segments: segs.len(), most: t.most }))
     }
 }
 
+/// Whether a segment's attention runs in `cuda::attend`'s kernels (on the fused path).
+fn fused_attention(s: &Segment<'_>, heads: usize, head_dim: usize) -> bool {
+    let (p, w) = (s.cache.len(), s.positions.len());
+    cuda::fused_attention(w, p + w, heads, head_dim)
+}
+
 impl ForwardAttention {
-    /// The attention of a forward over `segs` (their windows begun in their caches), stacked as `order` / `spans`.
+    /// What the attention of a forward over `segs` (their windows begun in their caches, stacked at `spans`)
+    /// reads from the device, pushed onto the forward's `words` before its one upload.
+    pub(crate) fn plan(
+        segs: &[Segment<'_>],
+        path: AttnPath,
+        spans: &[(usize, usize)],
+        heads: Heads,
+        kn: &Kernels,
+        words: &mut StepWords,
+    ) -> Result<AttnWords> {
+        if path != AttnPath::Fused {
+            return Ok(AttnWords { together: None, ranges: vec![None; segs.len()] });
+        }
+        if kn.cuda_segments {
+            if let Some(t) = TogetherWords::plan(segs, spans, heads, words)? {
+                return Ok(AttnWords { together: Some(t), ranges: vec![] });
+            }
+        }
+        let ranges = segs
+            .iter()
+            .map(|s| {
+                Ok(match fused_attention(s, heads.0, heads.2) {
+                    true => Some(words.push(cuda::ranges_layout(&s.mask.visible(s.cache.len(), &s.positions))?)),
+                    false => None,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(AttnWords { together: None, ranges })
+    }
+
+    /// The attention of a forward over `segs` (their windows begun in their caches), stacked as `order` / `spans`;
+    /// `planned`: what `plan` pushed, now uploaded in `step`.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         segs: &[Segment<'_>],
         path: AttnPath,
@@ -208,20 +258,25 @@ impl ForwardAttention {
         order: Vec<usize>,
         heads: Heads,
         kn: &Kernels,
+        planned: AttnWords,
+        step: &Step<'_>,
         dev: &Device,
     ) -> Result<Self> {
-        let together = match path {
-            AttnPath::Fused if kn.cuda_segments => Together::new(segs, &spans, heads, dev)?,
-            _ => None,
+        let together = match planned.together {
+            Some(t) => {
+                Some(Together { table: step.view(t.table)?, kv: step.view(t.kv)?, segments: t.segments, most: t.most })
+            }
+            None => None,
         };
         // (segments attended together need no per-segment ranges or masks)
         let chunks = segs
             .iter()
-            .filter(|_| together.is_none())
-            .map(|s| {
+            .zip(&planned.ranges)
+            .map(|(s, r)| {
                 let shape = (heads.0, heads.2);
                 let (spec, p) = (s.mask.clone(), s.cache.len());
-                QueryChunks::new(spec, p, s.positions.clone(), shape, kn.attention_score_bytes, path, dev)
+                let ranges = r.map(|r| step.view(r)).transpose()?;
+                QueryChunks::new(spec, p, s.positions.clone(), shape, kn.attention_score_bytes, path, ranges, dev)
             })
             .collect::<Result<Vec<_>>>()?;
         let cancel = match segs {
@@ -247,7 +302,7 @@ impl ForwardAttention {
     ) -> Result<Tensor> {
         let (nh, nkv, d) = self.heads;
         if let Some(t) = &self.together {
-            let kv = t.kv.get(layer)?;
+            let kv = t.kv.narrow(0, layer * 4 * t.segments, 4 * t.segments)?;
             let q = cuda::prep_segments(qkv, (&t.table, &kv), (cos, sin), norms, (nh, nkv), t.segments)?;
             return cuda::attend_segments(&q, (&t.table, &kv), t.segments, nkv, t.most, self.scale as f32, qkv.dtype());
         }
@@ -361,29 +416,23 @@ struct QueryChunks {
 }
 
 impl QueryChunks {
-    /// `path`: where the segment's attention runs (decided per forward: every segment the same way).
+    /// `path`: where the segment's attention runs (decided per forward: every segment the same way); `ranges`: its
+    /// key ranges on the device (`cuda::ranges_layout`, in the forward's upload) where `cuda::attend` takes it.
+    #[allow(clippy::too_many_arguments)]
     fn new(
         spec: MaskSpec,
         p: usize,
         positions: Vec<usize>,
-        (heads, head_dim): (usize, usize),
+        (heads, _): (usize, usize),
         score_bytes: usize,
         path: AttnPath,
+        ranges: Option<Tensor>,
         device: &Device,
     ) -> Result<Self> {
         let w = positions.len();
         let s = p + w;
         let rows = (score_bytes / (4 * heads * s).max(1)).clamp(1, w);
-        let (mut visible, mut ranges) = (None, None);
-        match path {
-            AttnPath::Blocked => visible = Some(spec.visible(p, &positions)),
-            AttnPath::Fused if cuda::fused_attention(w, s, heads, head_dim) => {
-                let r = cuda::ranges_layout(&spec.visible(p, &positions))?;
-                let n = r.len();
-                ranges = Some(Tensor::from_vec(r, n, device)?);
-            }
-            AttnPath::Fused | AttnPath::Candle => {}
-        }
+        let visible = (path == AttnPath::Blocked).then(|| spec.visible(p, &positions));
         let mut c = QueryChunks { visible, ranges, spec, positions, p, w, rows, whole: None, device: device.clone() };
         if rows == w && c.visible.is_none() && c.ranges.is_none() {
             c.whole = c.mask(0, w)?;

@@ -139,10 +139,12 @@ impl Matrix {
         matches!(self, Matrix::Packed(_) | Matrix::Dot(_))
     }
 
-    /// Rows `ids` (an embedding lookup), in the dtype they are held in (quantized: f32).
-    pub fn rows(&self, ids: &[u32], dev: &Device) -> Result<Tensor> {
+    /// Rows `ids` (an embedding lookup), in the dtype they are held in (quantized: f32): `on_device` holds the same
+    /// ids (u32) on the model's device (for a table held there; the others read `ids`).
+    pub fn rows(&self, ids: &[u32], on_device: &Tensor) -> Result<Tensor> {
+        let dev = on_device.device();
         Ok(match self {
-            Matrix::Dense(w) => w.index_select(&Tensor::new(ids, dev)?, 0)?,
+            Matrix::Dense(w) => w.index_select(on_device, 0)?,
             Matrix::Packed(p) => held_rows(ids, p.n, p.k, dev, |id, dst| p.rows_into(id, 1, dst))?,
             Matrix::Quant(q) => Tensor::from_vec(q.rows(ids)?, (ids.len(), q.k), dev)?,
             Matrix::Dot(d) => held_rows(ids, d.n, d.k, dev, |id, dst| d.rows_into(id, 1, dst))?,

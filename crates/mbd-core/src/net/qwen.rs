@@ -26,6 +26,7 @@ use crate::net::layers::{Linear, RmsNorm, Stacked};
 use crate::net::linear::{Groups, Holder, Matrix};
 use crate::net::mask::{BlockGrid, MaskSpec};
 use crate::net::segment::Segment;
+use crate::net::step::{StepBuffers, StepWords};
 use crate::util::Cancel;
 use candle_core::{DType, Device, Tensor};
 
@@ -278,6 +279,8 @@ pub struct QwenModel {
     rows_independent: bool,
     /// mbd-rs's fused CUDA attention takes this architecture's heads (full RoPE, no output gate).
     fused_heads: bool,
+    /// The buffers a forward's inputs are uploaded into, kept between forwards (`net::step`).
+    step_buffers: StepBuffers,
 }
 
 /// Check config.json's dimensions against the checkpoint's headers before anything is allocated from them:
@@ -440,6 +443,7 @@ impl QwenModel {
             kernels,
             rows_independent: false,
             fused_heads: !cfg.attn_gate && rot == d,
+            step_buffers: StepBuffers::new(),
         };
         net.rows_independent = net.find_rows_independent();
         Ok(net)
@@ -594,8 +598,21 @@ impl QwenModel {
         let mut pos = Vec::with_capacity(total);
         for &i in &order {
             ids.extend_from_slice(segs[i].ids);
-            pos.extend(segs[i].positions.iter().map(|&x| x as f32));
+            for &x in &segs[i].positions {
+                pos.push(u32::try_from(x).map_err(|_| Error::Internal(format!("position {x} past 32 bits")))?);
+            }
         }
+        // the logits rows, stacked the same way (cut by each segment's own count of logits rows)
+        let (lm_order, lm_spans, lm_groups) = Groups::stack(&segs.iter().map(|s| s.rows.len()).collect::<Vec<_>>(), kn);
+        let pick: Vec<u32> = lm_order
+            .iter()
+            .flat_map(|&i| {
+                let base = spans[i].0;
+                segs[i].rows.iter().map(move |&r| (base + r) as u32)
+            })
+            .collect();
+        // every row in stack order (a logits call, a lone window asking for all its rows): no gather needed
+        let identity = pick.len() == total && pick.iter().enumerate().all(|(i, &r)| r as usize == i);
         let (heads, kv_heads, head_dim) =
             (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim);
         // every segment of a forward takes the same attention backend
@@ -603,18 +620,25 @@ impl QwenModel {
             AttnPath::Fused if !self.fused_heads => AttnPath::Candle,
             p => p,
         };
+        for s in segs.iter_mut() {
+            s.cache.begin_window(s.ids.len())?;
+        }
+        // what the device reads of this forward, in one upload (net::step)
+        let mut words = StepWords::new();
+        let ids_at = words.push(ids.iter().copied());
+        let pos_at = words.push(pos);
+        let pick_at = words.push(pick.iter().copied().filter(|_| !identity));
+        let att_words = ForwardAttention::plan(segs, path, &spans, (heads, kv_heads, head_dim), kn, &mut words)?;
+        let step = self.step_buffers.upload(words, dev)?;
         // RoPE tables in f32 for every row's position; candle's rope takes them cast to the compute dtype.
-        let freqs = Tensor::from_vec(pos, (total, 1), dev)?.broadcast_mul(&self.inv_freq)?;
+        let freqs = step.view(pos_at)?.to_dtype(DType::F32)?.reshape((total, 1))?.broadcast_mul(&self.inv_freq)?;
         let (cos, sin) = match path {
             AttnPath::Fused => (freqs.cos()?, freqs.sin()?),
             _ => (freqs.cos()?.to_dtype(self.dtype)?, freqs.sin()?.to_dtype(self.dtype)?),
         };
-        for s in segs.iter_mut() {
-            s.cache.begin_window(s.ids.len())?;
-        }
-        let att =
-            ForwardAttention::new(segs, path, spans.clone(), order.clone(), (heads, kv_heads, head_dim), kn, dev)?;
-        let mut x = self.embed.rows(&ids, dev)?.to_dtype(self.dtype)?;
+        let heads = (heads, kv_heads, head_dim);
+        let att = ForwardAttention::new(segs, path, spans.clone(), order.clone(), heads, kn, att_words, &step, dev)?;
+        let mut x = self.embed.rows(&ids, &step.view(ids_at)?)?.to_dtype(self.dtype)?;
         // each residual add and the norm after it: one launch on CUDA with mbd-rs's kernels
         let fused_norms = kn.cuda_fused && crate::kernels::cuda::runs_on(dev, self.dtype);
         let mut hn = self.layers.first().map(|l| l.ln1.forward(&x)).transpose()?;
@@ -639,22 +663,11 @@ impl QwenModel {
                 None => (x2 + f)?,
             };
         }
-        // the logits rows, stacked the same way (cut by each segment's own count of logits rows)
-        let (lm_order, lm_spans, lm_groups) = Groups::stack(&segs.iter().map(|s| s.rows.len()).collect::<Vec<_>>(), kn);
-        let pick: Vec<u32> = lm_order
-            .iter()
-            .flat_map(|&i| {
-                let base = spans[i].0;
-                segs[i].rows.iter().map(move |&r| (base + r) as u32)
-            })
-            .collect();
         let no_rows = || Ok(Tensor::zeros((0, self.cfg.vocab_size), DType::F32, dev)?);
         if pick.is_empty() {
             return segs.iter().map(|_| no_rows()).collect();
         }
-        // every row in stack order (a logits call, a lone window asking for all its rows): no gather needed
-        let identity = pick.len() == total && pick.iter().enumerate().all(|(i, &r)| r as usize == i);
-        let x = if identity { x } else { x.index_select(&Tensor::new(pick.as_slice(), dev)?, 0)? };
+        let x = if identity { x } else { x.index_select(&step.view(pick_at)?, 0)? };
         let x = self.norm.forward(&x)?;
         let logits = lm_groups.apply(&x, |x, few| Ok(self.lm_head.linear(x, kn, few)?))?;
         let logits = logits.to_dtype(DType::F32)?;
