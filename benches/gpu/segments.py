@@ -6,9 +6,11 @@ A random Qwen3 checkpoint with the SDAR-1.7B attention shape (16 query heads of 
 small vocabulary so that greedy tokens are sensitive to the last bit of the logits) decodes K concurrent streams of
 different prompt lengths, block sizes and decoding modes, batched into shared forwards, three ways:
   1. alone, one stream at a time (a launch per kernel, one segment per forward);
-  2. batched with a launch per segment (cuda_segments off, the default);
-  3. batched with every segment in one launch per kernel (cuda_segments on).
-Each stream's tokens and forward count must be the same in all three (batch invariance, and the segment kernels'
+  2. alone with cuda_segments on (the one segment through the segment table: its committed length and key ranges
+     read from device memory, the attention grid sized by its window only);
+  3. batched with a launch per segment (cuda_segments off, the default);
+  4. batched with every segment in one launch per kernel (cuda_segments on).
+Each stream's tokens and forward count must be the same in all four (batch invariance, and the segment kernels'
 arithmetic equal to the per-segment kernels'). Then the streams' tokens/s with the switch off and on, interleaved.
 Writes one JSON (--out); exits non-zero on a difference.
 """
@@ -98,6 +100,10 @@ def main():
     reqs = requests(args.streams, args.vocab)
     alone = run(off, reqs, together=False)
     failures = []
+    for i, (g, a) in enumerate(zip(run(on, reqs, together=False), alone)):
+        if g != a:
+            failures.append(f"cuda_segments on: stream {i} ({reqs[i][1]}) alone {g[0][:8]}... in {g[1]} forwards "
+                            f"!= off {a[0][:8]}... in {a[1]}")
     report = {"device": on.info.device, "streams": args.streams, "rounds": []}
     for r in range(args.rounds):
         row = {}

@@ -67,9 +67,16 @@ const TARGET_BLOCKS: usize = 264;
 /// over `keys` keys: chunks of whole tiles until the launch has about TARGET_BLOCKS blocks. A segment's chunking
 /// depends on its own shape only, alone or beside others (`segment_table`): its arithmetic is the same either way.
 pub fn chunking(w: usize, heads: usize, keys: usize) -> (usize, usize) {
-    let want = TARGET_BLOCKS.div_ceil((w * heads).max(1)).max(1);
+    let want = chunk_bound(w, heads);
     let chunk = keys.div_ceil(want).div_ceil(THREADS).max(1) * THREADS;
     (chunk, keys.div_ceil(chunk).max(1))
+}
+
+/// The most chunks `chunking` gives a window of `w` rows and `heads` query heads, whatever its key count: the chunks
+/// it wants. A launch sized by it (`segment_table`'s `most`) stays valid as the cache grows, as a captured CUDA graph
+/// needs; blocks past a segment's own chunks return at once.
+pub fn chunk_bound(w: usize, heads: usize) -> usize {
+    TARGET_BLOCKS.div_ceil((w * heads).max(1)).max(1)
 }
 
 /// One segment of a forward whose attention runs in one launch for all segments (`prep_segments`,
@@ -89,7 +96,8 @@ pub const SEG_WORDS: usize = 8;
 
 /// The segment table the `*_segments` kernels read, built on the host and copied to the device once per forward:
 /// `SEG_WORDS` words per segment, then the segment of each stacked row, then each segment's key ranges
-/// (`ranges_layout`). `most`: the most chunks of any segment (the launch's third grid dimension).
+/// (`ranges_layout`). `most`: the launch's third grid dimension, the most chunks any segment could take at its window
+/// (`chunk_bound`): it depends on the windows and heads only, never on a committed length.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SegmentTable {
     pub words: Vec<u32>,
@@ -130,7 +138,7 @@ pub fn segment_table(segs: &[SegmentRows<'_>], heads: usize) -> Result<SegmentTa
             *o = u(i)?;
         }
         let (chunk, chunks) = chunking(s.w, heads, keys);
-        most = most.max(chunks);
+        most = most.max(chunk_bound(s.w, heads));
         let base = words.len();
         words.extend(ranges_layout(s.visible)?);
         let head = [s.row0, s.w, s.p, chunk, chunks, base, s.capacity, 0];
@@ -611,7 +619,7 @@ mod imp {
     }
 
     /// `attend` for every segment of a forward in one launch per kernel: `q` (rows, heads, D) f32 from
-    /// `prep_segments`, `tables` as there, `most` the table's most chunks, `dtype` the caches'. Returns (rows,
+    /// `prep_segments`, `tables` as there, `most` the table's chunk bound, `dtype` the caches'. Returns (rows,
     /// heads · D) in `dtype`.
     pub fn attend_segments(
         q: &Tensor,
@@ -830,6 +838,28 @@ mod tests {
     }
 
     #[test]
+    fn the_chunk_bound_holds_for_every_key_count_and_is_reached() {
+        for (w, h) in [(1, 1), (1, 16), (2, 16), (3, 7), (8, 32), (32, 16), (1, 264), (1, 1000)] {
+            let bound = chunk_bound(w, h);
+            let mut reached = false;
+            for keys in (0..40_000).step_by(37).chain([1 << 20, 1 << 24]) {
+                let (_, chunks) = chunking(w, h, keys);
+                assert!(chunks <= bound, "{w} rows x {h} heads over {keys} keys: {chunks} chunks past {bound}");
+                reached |= chunks == bound;
+            }
+            assert!(reached, "{w} rows x {h} heads: the bound {bound} is never used");
+        }
+        // a table's launch size does not move with the committed lengths
+        let vis = |w: usize, keys: usize| vec![vec![0..keys]; w];
+        let (va, vb) = (vis(1, 5), vis(1, 3000));
+        let most = |p: usize, v: &Vec<Vec<std::ops::Range<usize>>>| {
+            let segs = [SegmentRows { row0: 0, w: 1, p, capacity: 4096, visible: v }];
+            segment_table(&segs, 16).unwrap().most
+        };
+        assert_eq!(most(4, &va), most(2999, &vb));
+    }
+
+    #[test]
     fn segment_table_layout() {
         let a = vec![vec![0..5], vec![0..6]]; // 2 rows over p 4
         let b = vec![vec![0..1, 1..2]]; // 1 row over p 1
@@ -840,7 +870,8 @@ mod tests {
         let t = segment_table(&segs, 16).unwrap();
         let (c0, n0) = chunking(2, 16, 6);
         let (c1, n1) = chunking(1, 16, 2);
-        assert_eq!((t.rows, t.most), (3, n0.max(n1)));
+        assert_eq!((t.rows, t.most), (3, chunk_bound(1, 16)));
+        assert!(n0.max(n1) < t.most);
         let base0 = 2 * SEG_WORDS + 3;
         let base1 = base0 + ranges_layout(&a).unwrap().len();
         let head0 = [1, 2, 4, c0, n0, base0, 64, 0].map(|x| x as u32);

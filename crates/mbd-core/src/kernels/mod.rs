@@ -59,10 +59,12 @@ pub struct Kernels {
     /// its attention in two (f32 scores, key ranges from the mask spec, no score matrix), silu·mul in one.
     /// false: candle's ops (for A/B runs).
     pub cuda_fused: bool,
-    /// On CUDA with `cuda_fused`, a forward of several segments runs every segment's `prep` and attention in one
-    /// launch per kernel (`cuda::prep_segments`, `cuda::attend_segments`: a segment table on the device), so that
-    /// launches per forward do not grow with the streams batched. Each segment's arithmetic is the same as in its
-    /// own launches. Off by default until a GPU run has proven it (benches/gpu/run.sh); false: a launch per segment.
+    /// On CUDA with `cuda_fused`, a forward runs every segment's `prep` and attention in one launch per kernel
+    /// (`cuda::prep_segments`, `cuda::attend_segments`: a segment table in the forward's upload, `net::step`), so
+    /// that launches per forward do not grow with the streams batched, and no launch takes a committed length as an
+    /// argument or sizes its grid by one (what a captured CUDA graph needs). Each segment's arithmetic is the same as
+    /// in its own launches. Off by default until a GPU run has proven it (benches/gpu/run.sh); false: a launch per
+    /// segment.
     pub cuda_segments: bool,
     /// Quantized linear layers on the CPU held as candle's quantized tensors and multiplied by candle's quantized
     /// matmul (`quant::Matrix::Candle`), as they always are on CUDA: tests and A/B runs of that path on the CPU.

@@ -163,14 +163,16 @@ pub(crate) struct AttnWords {
 
 impl TogetherWords {
     /// The tables of `segs` stacked at `spans`, when every segment's attention runs in `cuda::attend`'s kernels
-    /// (`cuda::fused_attention`) and there are several; else None (a launch per segment).
+    /// (`cuda::fused_attention`); else None (a launch per segment). One segment takes them too: then its committed
+    /// length, key ranges and cache addresses are read from device memory, and its launches' sizes depend on its
+    /// window only (`cuda::chunk_bound`), as a captured CUDA graph needs.
     fn plan(
         segs: &[Segment<'_>],
         spans: &[(usize, usize)],
         (heads, _, head_dim): Heads,
         words: &mut StepWords,
     ) -> Result<Option<Self>> {
-        if segs.len() < 2 || !segs.iter().all(|s| fused_attention(s, heads, head_dim)) {
+        if !segs.iter().all(|s| fused_attention(s, heads, head_dim)) {
             return Ok(None);
         }
         let visible: Vec<_> = segs.iter().map(|s| s.mask.visible(s.cache.len(), &s.positions)).collect();
