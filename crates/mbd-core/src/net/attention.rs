@@ -275,10 +275,9 @@ impl ForwardAttention {
             .iter()
             .zip(&planned.ranges)
             .map(|(s, r)| {
-                let shape = (heads.0, heads.2);
                 let (spec, p) = (s.mask.clone(), s.cache.len());
                 let ranges = r.map(|r| step.view(r)).transpose()?;
-                QueryChunks::new(spec, p, s.positions.clone(), shape, kn.attention_score_bytes, path, ranges, dev)
+                QueryChunks::new(spec, p, s.positions.clone(), heads.0, kn.attention_score_bytes, path, ranges, dev)
             })
             .collect::<Result<Vec<_>>>()?;
         let cancel = match segs {
@@ -425,7 +424,7 @@ impl QueryChunks {
         spec: MaskSpec,
         p: usize,
         positions: Vec<usize>,
-        (heads, _): (usize, usize),
+        heads: usize,
         score_bytes: usize,
         path: AttnPath,
         ranges: Option<Tensor>,
