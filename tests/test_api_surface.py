@@ -73,3 +73,8 @@ def test_load_options_are_the_registry():
     b = mbd_rs.Engine.load(_kernels=dict(stack=False), device="cpu")
     ids = a.tokenize("sort 3 1 2")
     assert (a.logits(ids) == b.logits(ids)).all()
+    # the CUDA switches are accepted everywhere; on the CPU no graph is made and nothing changes
+    c = mbd_rs.Engine.load(_kernels=dict(cuda_segments=True, cuda_graphs=True), device="cpu")
+    assert (a.logits(ids) == c.logits(ids)).all()
+    assert c.generate("sort 3 1 2", max_tokens=8).text == a.generate("sort 3 1 2", max_tokens=8).text
+    assert c.graph_stats == (0, 0, 0) and a.graph_stats == (0, 0, 0)

@@ -21,6 +21,9 @@
 #   segments benches/gpu/segments.py (issue #51): K streams of the SDAR-1.7B attention shape batched with one launch
 #            per kernel for all segments (_kernels cuda_segments) == a launch per segment == each stream alone, token
 #            for token; then speed.py's 1/8/32 streams with the switch off and on
+#   graphs   benches/gpu/graphs.py (issue #51): the segments streams decoded with CUDA graphs (_kernels cuda_graphs)
+#            == without, alone and batched, token for token, with graphs replayed and none refused; tokens/s off/on;
+#            then speed.py's W x P forwards and 1/8/32 streams: default, cuda_segments, and cuda_segments + graphs
 #   ptx80    the compute-8.0 PTX wheel (MBD_CUDA_ARCH=80 bash scripts/build-cuda-wheel.sh dist/cuda80) under
 #            CUDA_FORCE_PTX_JIT=1, as a GPU other than 9.0 runs it: parity (fixtures, greedy) and one-forward speed,
 #            then the same speed cases with the sm_90 wheel installed by an earlier stage on this machine, for the
@@ -109,6 +112,12 @@ make_checkpoint('sdar-1.7b', '$ck', torch.device('cuda'), torch.bfloat16)" 2>&1 
       "$PY" benches/gpu/segments.py --out "$OUT/gpu_segments.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/segments.log"
       "$PY" benches/gpu/speed.py --shape sdar-1.7b --cases 512:1,512:32 --rounds 1 --e2e --e2e-engines mbd_rs,segments \
         --ab segments --out "$OUT/gpu_speed_segments.json" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/segments.log" ;;
+    graphs)
+      install > /dev/null
+      "$PY" benches/gpu/graphs.py --out "$OUT/gpu_graphs.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/graphs.log"
+      "$PY" benches/gpu/speed.py --shape sdar-1.7b --cases 512:1,512:4,512:32,2048:1,2048:32 --rounds 1 --e2e \
+        --e2e-engines segments,graphs --ab segments,graphs --out "$OUT/gpu_speed_graphs.json" 2>&1 \
+        | grep -v "Loading weights" | tee -a "$OUT/graphs.log" ;;
     ptx80)
       whl=$(ls dist/cuda80/mbd_rs-*+cu130.cc80-*.whl dist/cuda/mbd_rs-*+cu130.cc80-*.whl 2>/dev/null | head -n 1)
       [ -n "$whl" ] || { echo "no compute-8.0 wheel in dist/cuda80 (MBD_CUDA_ARCH=80 bash scripts/build-cuda-wheel.sh dist/cuda80)" >&2; exit 1; }
@@ -132,6 +141,6 @@ make_checkpoint('sdar-1.7b', '$ck', torch.device('cuda'), torch.bfloat16)" 2>&1 
       install > /dev/null
       (cd /tmp && "$PY" -m pytest -q -p no:cacheprovider -rf --tb=line "$OLDPWD/tests/test_batching.py" 2>&1 | tail -25) \
         | tee "$OUT/batching.log" ;;
-    *) echo "unknown stage $stage (install|parity|speed|speed8b|profile|ncu|quant|segments|ptx80|isd|qwen35|batching|all)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (install|parity|speed|speed8b|profile|ncu|quant|segments|graphs|ptx80|isd|qwen35|batching|all)" >&2; exit 2 ;;
   esac
 done

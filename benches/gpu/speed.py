@@ -43,6 +43,8 @@ SHAPES = {
 VARIANTS = {"candle_ops": dict(_kernels=dict(cuda_fused=False)),  # candle's ops in place of every mbd-rs CUDA kernel
             # every segment of a forward in one launch per attention kernel (issue #51)
             "segments": dict(_kernels=dict(cuda_segments=True)),
+            # and a CUDA graph replayed per forward shape (issue #51)
+            "graphs": dict(_kernels=dict(cuda_segments=True, cuda_graphs=True)),
             # quantized linear layers (issue #18): candle's quantized tensors and kernels (MMVQ / MMQ)
             "q8_0": dict(quantize="q8_0"), "q6_k": dict(quantize="q6_k"), "q4_k": dict(quantize="q4_k")}
 
@@ -198,6 +200,9 @@ def main():
                 row = dict(engine=name, **streams_throughput(e, k, 128, 150000))
                 report["streams"].append(row)
                 print(f"streams {k:2d}: {row}", flush=True)
+    # (captured, replayed, refused) CUDA graphs of each engine (zeros without the cuda_graphs switch)
+    report["graph_stats"] = {k: e.graph_stats for k, e in engines.items()}
+    print("graph_stats", report["graph_stats"], flush=True)
     report["seconds"] = round(time.time() - t0, 1)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:

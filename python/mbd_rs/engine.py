@@ -105,6 +105,13 @@ class Engine:
         ratio above 1 means streams were batched) and the window rows they computed."""
         return self._core.batch_stats()
 
+    @property
+    def graph_stats(self) -> "tuple[int, int, int]":
+        """(captured, replayed, refused): CUDA graphs of this engine's forwards (the `cuda_graphs` kernel switch,
+        off by default): graphs captured, forwards replayed from one, forward shapes left to run launch by launch
+        (a failed capture, or a replay that differed from the forward without it). Zeros on the CPU."""
+        return self._core.graph_stats()
+
     def set_batching(self, *, max_batch: Optional[int] = None, max_batch_rows: Optional[int] = None) -> None:
         """Concurrent streams of this engine (from any threads) are batched: each forward runs the next step of
         up to `max_batch` streams together (later ones wait their turn), at most `max_batch_rows` window rows

@@ -139,6 +139,8 @@ class LoadParams(TypedDict, total=False):
     """mbd-rs's own CUDA kernels (default true)"""
     cuda_segments: Optional[bool]
     """CUDA: a forward's segments in one attention launch (default false)"""
+    cuda_graphs: Optional[bool]
+    """CUDA with cuda_segments: replay a graph per forward shape (default false)"""
     candle_quant: Optional[bool]
     """CPU: quantized matrices as candle's quantized tensors (tests)"""
 

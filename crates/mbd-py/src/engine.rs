@@ -110,6 +110,13 @@ impl CoreEngine {
         self.inner.scheduler().stats()
     }
 
+    /// (captured, replayed, refused): the model's CUDA graphs (`_kernels=dict(cuda_graphs=True)`): graphs captured,
+    /// forwards replayed from one, forward shapes left without one.
+    fn graph_stats(&self) -> (usize, usize, usize) {
+        let s = self.inner.model().net.graph_stats();
+        (s.captured, s.replayed, s.refused)
+    }
+
     /// Change the batching caps (None: unchanged).
     #[pyo3(signature = (max_batch=None, max_batch_rows=None))]
     fn set_batch_limits(

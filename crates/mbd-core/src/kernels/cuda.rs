@@ -198,13 +198,14 @@ fn too_long() -> crate::error::Error {
 
 #[cfg(feature = "cuda")]
 pub use imp::{
-    add_rms_norm, attend, attend_segments, device_address, gdn_rows, gdn_scan, prep, prep_segments, row_stats,
-    silu_mul, write_words,
+    add_rms_norm, attend, attend_segments, capture, device_address, gdn_rows, gdn_scan, prep, prep_segments, row_stats,
+    silu_mul, with_upload_cache, write_words, Graph,
 };
 
 #[cfg(not(feature = "cuda"))]
 pub use off::{
-    add_rms_norm, attend, attend_segments, device_address, gdn_rows, gdn_scan, prep, prep_segments, row_stats, silu_mul,
+    add_rms_norm, attend, attend_segments, capture, device_address, gdn_rows, gdn_scan, prep, prep_segments, row_stats,
+    silu_mul, with_upload_cache, Graph,
 };
 
 /// The signatures without the `cuda` feature (never called: `available` is false).
@@ -287,12 +288,26 @@ mod off {
     ) -> Result<Tensor> {
         unavailable()
     }
+    /// No graph exists without the `cuda` feature.
+    pub enum Graph {}
+    impl Graph {
+        pub fn launch(&self) -> Result<()> {
+            match *self {}
+        }
+    }
+    pub fn capture(_dev: &Device, _body: impl FnOnce() -> Result<()>) -> Result<Graph> {
+        unavailable()
+    }
+    pub fn with_upload_cache<T>(_dev: &Device, _body: impl FnOnce() -> Result<T>) -> Result<T> {
+        unavailable()
+    }
 }
 
 #[cfg(feature = "cuda")]
 mod imp {
     use super::*;
     use crate::error::Error;
+    use candle_core::cuda_backend::cudarc;
     use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaDevice, CudaStorage, CudaStorageSlice, WrapErr};
     use candle_core::Storage;
@@ -550,6 +565,59 @@ mod imp {
     /// must outlive the launches that use it).
     pub fn device_address(t: &Tensor) -> Result<u64> {
         Ok(ptr(t, 1)?.0)
+    }
+
+    /// A forward's launches, captured once (`capture`) and replayed (`launch`): a CUDA graph (`net::graph`,
+    /// docs/cuda.md).
+    pub struct Graph(cudarc::driver::CudaGraph);
+
+    // SAFETY: cudarc's graph is not Send because it holds the driver's raw handles, which must not be used by two
+    // threads at once; net::graph runs a graph only on the thread that captured it, and takes it out of its map
+    // while it runs. Dropping it from another thread (with its model) destroys the handles once.
+    unsafe impl Send for Graph {}
+
+    impl Graph {
+        /// Queues the captured launches on the stream they were captured on (the capturing thread's).
+        pub fn launch(&self) -> Result<()> {
+            Ok(self.0.launch().w()?)
+        }
+    }
+
+    fn cuda_device(dev: &Device) -> Result<&CudaDevice> {
+        match dev {
+            Device::Cuda(d) => Ok(d),
+            _ => Err(Error::Internal("a CUDA graph of a forward on another device".into())),
+        }
+    }
+
+    /// Runs `body` with candle's small host-to-device copies (the shapes, strides and parameters its kernels take)
+    /// cached on the device by content, on this thread: the pass before a capture, so that the captured pass finds
+    /// every such copy already on the device (candle refuses an uncached one while capturing).
+    pub fn with_upload_cache<T>(dev: &Device, body: impl FnOnce() -> Result<T>) -> Result<T> {
+        let _cache = cuda_device(dev)?.enable_cuda_graph_htod_cache();
+        body()
+    }
+
+    /// Captures the launches `body` queues on the device's stream (this thread's) into a graph; nothing runs. The
+    /// caller ran the same body under `with_upload_cache` just before, on this thread. `body` must copy nothing to
+    /// the host (candle refuses) and drop every tensor it allocates (each allocation and free becomes a node of
+    /// the graph); what it computes goes into buffers allocated before. Instantiated to free anything left
+    /// allocated when launched again, and uploaded, so that the first launch costs what every launch does.
+    pub fn capture(dev: &Device, body: impl FnOnce() -> Result<()>) -> Result<Graph> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags as Flags, CUstreamCaptureMode as Mode};
+        let d = cuda_device(dev)?;
+        let stream = d.cuda_stream();
+        let _cache = d.enable_cuda_graph_htod_cache();
+        stream.synchronize().w()?;
+        // thread-local: other threads' forwards (on their own streams) go on while this one captures
+        stream.begin_capture(Mode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).w()?;
+        let ran = body();
+        // always end the capture, so that the stream is usable again whatever the body did
+        let graph = stream.end_capture(Flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+        ran?;
+        let graph = graph.w()?.ok_or_else(|| Error::Internal("the CUDA graph capture recorded nothing".into()))?;
+        graph.upload().w()?;
+        Ok(Graph(graph))
     }
 
     /// Writes `words` into a u32 CUDA storage from element `at` on: one host-to-device copy on the device's stream

@@ -66,6 +66,11 @@ pub struct Kernels {
     /// in its own launches. Off by default until a GPU run has proven it (benches/gpu/run.sh); false: a launch per
     /// segment.
     pub cuda_segments: bool,
+    /// On CUDA with `cuda_segments`, a forward of a shape seen before replays a CUDA graph of its launches
+    /// (`net::graph`: captured on a shape's second forward, checked bit for bit against a forward without it on
+    /// its first replay). Off by default until a GPU run has proven it (benches/gpu/run.sh graphs); false: every
+    /// forward launch by launch.
+    pub cuda_graphs: bool,
     /// Quantized linear layers on the CPU held as candle's quantized tensors and multiplied by candle's quantized
     /// matmul (`quant::Matrix::Candle`), as they always are on CUDA: tests and A/B runs of that path on the CPU.
     pub candle_quant: bool,
@@ -85,6 +90,7 @@ impl Default for Kernels {
             stack: true,
             cuda_fused: true,
             cuda_segments: false,
+            cuda_graphs: false,
             candle_quant: false,
         }
     }

@@ -161,6 +161,13 @@ pub(crate) struct AttnWords {
     ranges: Vec<Option<Section>>,
 }
 
+impl AttnWords {
+    /// Every segment is attended in one launch per kernel, with what changes between steps read from the upload.
+    pub(crate) fn together(&self) -> bool {
+        self.together.is_some()
+    }
+}
+
 impl TogetherWords {
     /// The tables of `segs` stacked at `spans`, when every segment's attention runs in `cuda::attend`'s kernels
     /// (`cuda::fused_attention`); else None (a launch per segment). One segment takes them too: then its committed
@@ -260,26 +267,31 @@ impl ForwardAttention {
         order: Vec<usize>,
         heads: Heads,
         kn: &Kernels,
-        planned: AttnWords,
+        planned: &AttnWords,
         step: &Step<'_>,
         dev: &Device,
     ) -> Result<Self> {
-        let together = match planned.together {
+        let together = match &planned.together {
             Some(t) => {
                 Some(Together { table: step.view(t.table)?, kv: step.view(t.kv)?, segments: t.segments, most: t.most })
             }
             None => None,
         };
-        // (segments attended together need no per-segment ranges or masks)
-        let chunks = segs
-            .iter()
-            .zip(&planned.ranges)
-            .map(|(s, r)| {
-                let (spec, p) = (s.mask.clone(), s.cache.len());
-                let ranges = r.map(|r| step.view(r)).transpose()?;
-                QueryChunks::new(spec, p, s.positions.clone(), heads.0, kn.attention_score_bytes, path, ranges, dev)
-            })
-            .collect::<Result<Vec<_>>>()?;
+        // segments attended together need no per-segment ranges or masks (and a CUDA graph of the forward must not
+        // upload a mask)
+        let chunks = match together {
+            Some(_) => vec![],
+            None => segs
+                .iter()
+                .zip(&planned.ranges)
+                .map(|(s, r)| {
+                    let (spec, p) = (s.mask.clone(), s.cache.len());
+                    let ranges = r.map(|r| step.view(r)).transpose()?;
+                    let bytes = kn.attention_score_bytes;
+                    QueryChunks::new(spec, p, s.positions.clone(), heads.0, bytes, path, ranges, dev)
+                })
+                .collect::<Result<Vec<_>>>()?,
+        };
         let cancel = match segs {
             [one] => one.cancel.clone(),
             _ => None,

@@ -21,12 +21,13 @@ use crate::load::config::{ModelConfig, MoeConfig};
 use crate::load::weights::Weights;
 use crate::net::attention::{AttnPath, ForwardAttention};
 use crate::net::gdn::{check_in_order, GatedDeltaNet};
+use crate::net::graph::{self, GraphStats, Graphs, Shape};
 use crate::net::kv_cache::KvCache;
 use crate::net::layers::{Linear, RmsNorm, Stacked};
 use crate::net::linear::{Groups, Holder, Matrix};
 use crate::net::mask::{BlockGrid, MaskSpec};
 use crate::net::segment::Segment;
-use crate::net::step::{StepBuffers, StepWords};
+use crate::net::step::{Step, StepBuffers, StepWords};
 use crate::util::Cancel;
 use candle_core::{DType, Device, Tensor};
 
@@ -281,6 +282,10 @@ pub struct QwenModel {
     fused_heads: bool,
     /// The buffers a forward's inputs are uploaded into, kept between forwards (`net::step`).
     step_buffers: StepBuffers,
+    /// Every layer softmax attention and a dense MLP: what a CUDA graph of a forward may capture (`net::graph`).
+    graphable: bool,
+    /// The CUDA graphs of this model's forward shapes (`Kernels::cuda_graphs`).
+    graphs: Graphs,
 }
 
 /// Check config.json's dimensions against the checkpoint's headers before anything is allocated from them:
@@ -444,7 +449,10 @@ impl QwenModel {
             rows_independent: false,
             fused_heads: !cfg.attn_gate && rot == d,
             step_buffers: StepBuffers::new(),
+            graphable: false,
+            graphs: Graphs::default(),
         };
+        net.graphable = net.layers.iter().all(|l| matches!((&l.mixer, &l.ffn), (Mixer::Attention(..), Ffn::Dense(_))));
         net.rows_independent = net.find_rows_independent();
         Ok(net)
     }
@@ -629,49 +637,74 @@ impl QwenModel {
         let pos_at = words.push(pos);
         let pick_at = words.push(pick.iter().copied().filter(|_| !identity));
         let att_words = ForwardAttention::plan(segs, path, &spans, (heads, kv_heads, head_dim), kn, &mut words)?;
-        let step = self.step_buffers.upload(words, dev)?;
-        // RoPE tables in f32 for every row's position; candle's rope takes them cast to the compute dtype.
-        let freqs = step.view(pos_at)?.to_dtype(DType::F32)?.reshape((total, 1))?.broadcast_mul(&self.inv_freq)?;
-        let (cos, sin) = match path {
-            AttnPath::Fused => (freqs.cos()?, freqs.sin()?),
-            _ => (freqs.cos()?.to_dtype(self.dtype)?, freqs.sin()?.to_dtype(self.dtype)?),
-        };
+        // a CUDA graph per forward shape (net::graph) where every launch reads what changes from the upload
+        let graphed = kn.cuda_graphs
+            && total <= graph::MAX_ROWS
+            && att_words.together()
+            && self.graphable
+            && !pick.is_empty()
+            && crate::kernels::cuda::runs_on(dev, self.dtype);
+        let shape = graphed.then(|| Shape {
+            windows: segs.iter().map(|s| (s.ids.len(), s.rows.len())).collect(),
+            gather: !identity,
+            words: words.len(),
+        });
         let heads = (heads, kv_heads, head_dim);
-        let att = ForwardAttention::new(segs, path, spans.clone(), order.clone(), heads, kn, att_words, &step, dev)?;
-        let mut x = self.embed.rows(&ids, &step.view(ids_at)?)?.to_dtype(self.dtype)?;
         // each residual add and the norm after it: one launch on CUDA with mbd-rs's kernels
         let fused_norms = kn.cuda_fused && crate::kernels::cuda::runs_on(dev, self.dtype);
-        let mut hn = self.layers.first().map(|l| l.ln1.forward(&x)).transpose()?;
-        for (li, layer) in self.layers.iter().enumerate() {
-            all_cancelled(segs)?;
-            let h = hn.take().expect("the layer's normed input");
-            let a = match &layer.mixer {
-                Mixer::Attention(a, slot) => a.forward(&h, (&cos, &sin), segs, &att, *slot, &groups, kn)?,
-                Mixer::Linear(g, slot) => g.forward(&h, segs, &spans, *slot, &groups, kn)?,
+        let vocab = self.cfg.vocab_size;
+        // everything after the upload: a graph captures and replays exactly this
+        let mut body = |step: &Step<'_>| -> Result<Tensor> {
+            // RoPE tables in f32 for every row's position; candle's rope takes them cast to the compute dtype.
+            let freqs = step.view(pos_at)?.to_dtype(DType::F32)?.reshape((total, 1))?.broadcast_mul(&self.inv_freq)?;
+            let (cos, sin) = match path {
+                AttnPath::Fused => (freqs.cos()?, freqs.sin()?),
+                _ => (freqs.cos()?.to_dtype(self.dtype)?, freqs.sin()?.to_dtype(self.dtype)?),
             };
-            let (x2, h) = layer.ln2.add_forward(&x, &a, fused_norms)?;
-            let f = match &layer.ffn {
-                Ffn::Dense(m) => groups.apply(&h, |x, few| m.forward(x, kn, few))?,
-                Ffn::Sparse(m) => m.forward(&h, kn, &groups)?,
-            };
-            x = match self.layers.get(li + 1) {
-                Some(next) => {
-                    let (x3, h) = next.ln1.add_forward(&x2, &f, fused_norms)?;
-                    hn = Some(h);
-                    x3
-                }
-                None => (x2 + f)?,
-            };
-        }
-        let no_rows = || Ok(Tensor::zeros((0, self.cfg.vocab_size), DType::F32, dev)?);
-        if pick.is_empty() {
-            return segs.iter().map(|_| no_rows()).collect();
-        }
-        let x = if identity { x } else { x.index_select(&step.view(pick_at)?, 0)? };
-        let x = self.norm.forward(&x)?;
-        let logits = lm_groups.apply(&x, |x, few| Ok(self.lm_head.linear(x, kn, few)?))?;
-        let logits = logits.to_dtype(DType::F32)?;
+            let att =
+                ForwardAttention::new(segs, path, spans.clone(), order.clone(), heads, kn, &att_words, step, dev)?;
+            let mut x = self.embed.rows(&ids, &step.view(ids_at)?)?.to_dtype(self.dtype)?;
+            let mut hn = self.layers.first().map(|l| l.ln1.forward(&x)).transpose()?;
+            for (li, layer) in self.layers.iter().enumerate() {
+                all_cancelled(segs)?;
+                let h = hn.take().expect("the layer's normed input");
+                let a = match &layer.mixer {
+                    Mixer::Attention(a, slot) => a.forward(&h, (&cos, &sin), segs, &att, *slot, &groups, kn)?,
+                    Mixer::Linear(g, slot) => g.forward(&h, segs, &spans, *slot, &groups, kn)?,
+                };
+                let (x2, h) = layer.ln2.add_forward(&x, &a, fused_norms)?;
+                let f = match &layer.ffn {
+                    Ffn::Dense(m) => groups.apply(&h, |x, few| m.forward(x, kn, few))?,
+                    Ffn::Sparse(m) => m.forward(&h, kn, &groups)?,
+                };
+                x = match self.layers.get(li + 1) {
+                    Some(next) => {
+                        let (x3, h) = next.ln1.add_forward(&x2, &f, fused_norms)?;
+                        hn = Some(h);
+                        x3
+                    }
+                    None => (x2 + f)?,
+                };
+            }
+            if pick.is_empty() {
+                return Ok(Tensor::zeros((0, vocab), DType::F32, dev)?);
+            }
+            let x = if identity { x } else { x.index_select(&step.view(pick_at)?, 0)? };
+            let x = self.norm.forward(&x)?;
+            let logits = lm_groups.apply(&x, |x, few| Ok(self.lm_head.linear(x, kn, few)?))?;
+            Ok(logits.to_dtype(DType::F32)?)
+        };
+        let logits = match shape {
+            Some(shape) => self.graphs.run(shape, words, &self.step_buffers, dev, body)?,
+            None => body(&self.step_buffers.upload(words, dev)?)?,
+        };
+        let no_rows = || Ok(Tensor::zeros((0, vocab), DType::F32, dev)?);
         lm_spans.iter().map(|&(o, n)| if n == 0 { no_rows() } else { Ok(logits.narrow(0, o, n)?) }).collect()
+    }
+
+    /// Counts of this model's CUDA graphs (`Kernels::cuda_graphs`; zeros elsewhere).
+    pub fn graph_stats(&self) -> GraphStats {
+        self.graphs.stats()
     }
 }
 

@@ -75,7 +75,7 @@ impl StepBuffers {
             _ => Tensor::zeros(n.max(MIN_WORDS).next_power_of_two(), DType::U32, dev)?,
         };
         buf.inplace_op1(&Write(&words.words))?;
-        Ok(Step { buf: Some(buf), owner: self })
+        Ok(Step { buf: Some(buf), owner: Some(self) })
     }
 
     /// Buffers free now (for tests).
@@ -85,10 +85,28 @@ impl StepBuffers {
     }
 }
 
-/// One forward's uploaded words: read them as views (`view`); the buffer goes back to its model when this drops.
+/// One forward's uploaded words: read them as views (`view`); the buffer goes back to its model when this drops
+/// (a pool's), or stays with the CUDA graph that reads it (a fixed one, `Step::fixed`).
 pub(crate) struct Step<'a> {
     buf: Option<Tensor>,
-    owner: &'a StepBuffers,
+    owner: Option<&'a StepBuffers>,
+}
+
+impl Step<'static> {
+    /// A buffer of exactly `words`' length on `dev`, for one forward shape's CUDA graph (`net::graph`): the graph
+    /// reads its views at fixed addresses, so every forward it replays writes its words there (`fixed`).
+    pub(crate) fn buffer(words: &StepWords, dev: &Device) -> Result<Tensor> {
+        Ok(Tensor::zeros(words.len().max(1), DType::U32, dev)?)
+    }
+
+    /// Writes `words` into `buf` (made by `buffer` for words of this length) in one copy, and reads them from it.
+    pub(crate) fn fixed(buf: &Tensor, words: &StepWords) -> Result<Step<'static>> {
+        if buf.elem_count() != words.len().max(1) {
+            return Err(Error::Internal(format!("{} words for a fixed buffer of {}", words.len(), buf.elem_count())));
+        }
+        buf.inplace_op1(&Write(&words.words))?;
+        Ok(Step { buf: Some(buf.clone()), owner: None })
+    }
 }
 
 impl Step<'_> {
@@ -100,7 +118,7 @@ impl Step<'_> {
 
 impl Drop for Step<'_> {
     fn drop(&mut self) {
-        if let (Some(b), Ok(mut free)) = (self.buf.take(), self.owner.free.lock()) {
+        if let (Some(b), Some(Ok(mut free))) = (self.buf.take(), self.owner.map(|o| o.free.lock())) {
             free.push(b);
         }
     }

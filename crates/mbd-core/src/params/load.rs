@@ -109,6 +109,7 @@ impl LoadParams {
             stack: k.stack.unwrap_or(d.stack),
             cuda_fused: k.cuda_fused.unwrap_or(d.cuda_fused),
             cuda_segments: k.cuda_segments.unwrap_or(d.cuda_segments),
+            cuda_graphs: k.cuda_graphs.unwrap_or(d.cuda_graphs),
             candle_quant: k.candle_quant.unwrap_or(d.candle_quant),
         };
         let opts = LoadOptions {

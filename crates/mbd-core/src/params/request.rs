@@ -287,6 +287,7 @@ pub const PARAMS: &[ParamSpec] = &[
     p("stack", K::Bool, R::Any, "q/k/v and gate/up held as one matrix each (default true)"),
     p("cuda_fused", K::Bool, R::Any, "mbd-rs's own CUDA kernels (default true)"),
     p("cuda_segments", K::Bool, R::Any, "CUDA: a forward's segments in one attention launch (default false)"),
+    p("cuda_graphs", K::Bool, R::Any, "CUDA with cuda_segments: replay a graph per forward shape (default false)"),
     p("candle_quant", K::Bool, R::Any, "CPU: quantized matrices as candle's quantized tensors (tests)"),
     // logits
     p("prompt_len", K::Int, R::AtLeast(0.0), "end of the prompt block (alignment 'prompt')"),
@@ -616,6 +617,7 @@ request! {
         stack: bool,
         cuda_fused: bool,
         cuda_segments: bool,
+        cuda_graphs: bool,
         candle_quant: bool,
     }
 }

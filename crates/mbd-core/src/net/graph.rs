@@ -1,0 +1,484 @@
+//! CUDA graphs of the decode forward (issue #51, item 4; docs/cuda.md): the one owner of when a forward is captured,
+//! replayed, checked or left to run launch by launch.
+//!
+//! A forward's launches depend only on its shape (`Shape`: each segment's window and logits rows, whether the rows
+//! are gathered, the length of its words) once everything that changes from step to step is data in its one
+//! upload (`net::step`: ids, positions, the rows to gather, the segment table with each committed length and key
+//! range, the caches' addresses). So one graph per shape replays every later forward of that shape:
+//! 1. the first forward of a shape runs without a graph (a prefill chunk or an odd window is not worth one);
+//! 2. the second runs with candle's small uploads cached (`cuda::with_upload_cache`) on a buffer that stays the
+//!    shape's (`Step::fixed`), and its launches are then captured (nothing runs twice); its logits come from the
+//!    run, and the captured pass copies them into an output buffer that stays the graph's too;
+//! 3. the third is replayed (its words written into the graph's buffer, the graph launched, the logits copied
+//!    out) and then run again without the graph: the graph is kept only if the two agree bit for bit, which
+//!    catches any host value a launch took as an argument (it would be the captured step's);
+//! 4. later ones are replayed.
+//!
+//! A failed capture or a replay that differs leaves the shape to run launch by launch (`refused`); neither fails
+//! the forward. Graphs belong to the thread that captured them (candle keeps its cached uploads, which a graph
+//! reads, per thread, and launches on the thread's stream), and live as long as the model.
+
+use crate::error::{Error, Result};
+use crate::kernels::cuda;
+use crate::net::step::{Step, StepBuffers, StepWords};
+use candle_core::{DType, Device, Tensor};
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::thread::ThreadId;
+
+/// Forwards of at most this many rows (all segments') are graphed: decode steps, which the launches' cost bounds.
+/// A prefill chunk's products outlast its launches, and its graph would keep that many rows' activations.
+pub(crate) const MAX_ROWS: usize = 256;
+/// Graphs one model keeps at most (each holds its buffers and the memory its launches allocate).
+const MAX_GRAPHS: usize = 32;
+/// Shapes remembered at most (forwards of further shapes run without a graph).
+const MAX_SHAPES: usize = 1024;
+
+/// What fixes a forward's launches once its step-to-step values are data in its upload.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct Shape {
+    /// Each segment's window and logits rows, in the forward's order.
+    pub(crate) windows: Vec<(usize, usize)>,
+    /// The logits rows are gathered (not every row in stack order).
+    pub(crate) gather: bool,
+    /// The forward's words (their sections' places follow from the windows and this).
+    pub(crate) words: usize,
+}
+
+/// How graphs are made and run: CUDA's (`Cuda`), or a test's.
+pub(crate) trait Capture {
+    type Graph: Send;
+    /// Runs `body` so that a capture of it right after, on this thread, finds everything it uploads.
+    fn warm(&self, dev: &Device, body: &mut dyn FnMut() -> Result<Tensor>) -> Result<Tensor>;
+    /// Records `body`'s launches into a graph; they read the words from `step` and leave the logits in `out`.
+    fn capture(
+        &self,
+        dev: &Device,
+        step_out: (&Tensor, &Tensor),
+        body: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<Self::Graph>;
+    fn launch(&self, graph: &Self::Graph) -> Result<()>;
+}
+
+/// CUDA's graphs (`kernels::cuda`).
+#[derive(Debug, Default)]
+pub(crate) struct Cuda;
+
+impl Capture for Cuda {
+    type Graph = cuda::Graph;
+    fn warm(&self, dev: &Device, body: &mut dyn FnMut() -> Result<Tensor>) -> Result<Tensor> {
+        cuda::with_upload_cache(dev, body)
+    }
+    fn capture(
+        &self,
+        dev: &Device,
+        _: (&Tensor, &Tensor),
+        body: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<cuda::Graph> {
+        cuda::capture(dev, body)
+    }
+    fn launch(&self, graph: &cuda::Graph) -> Result<()> {
+        graph.launch()
+    }
+}
+
+/// A captured forward: the graph, the buffer its words are read from and the one its logits are copied into.
+struct Held<G> {
+    graph: G,
+    step: Tensor,
+    out: Tensor,
+}
+
+enum Entry<G> {
+    /// Ran once without a graph.
+    Seen,
+    /// Captured; its first replay is checked against a run without it.
+    Captured(Held<G>),
+    Checked(Held<G>),
+    /// Runs without a graph: its capture failed or its replay differed.
+    Refused,
+    /// Taken out by the forward running it.
+    Busy,
+}
+
+/// Counts of a model's graphs, for benchmarks and tests (Python: `Engine.graph_stats`).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct GraphStats {
+    /// Graphs captured (and kept until checked).
+    pub captured: usize,
+    /// Forwards run by replaying a graph.
+    pub replayed: usize,
+    /// Shapes left to run without a graph (a failed capture, a replay that differed).
+    pub refused: usize,
+}
+
+/// One model's graphs, per thread and forward shape.
+pub(crate) struct Graphs<C: Capture = Cuda> {
+    capture: C,
+    state: Mutex<State<C::Graph>>,
+}
+
+struct State<G> {
+    entries: HashMap<(ThreadId, Shape), Entry<G>>,
+    graphs: usize,
+    stats: GraphStats,
+}
+
+impl<C: Capture + Default> Default for Graphs<C> {
+    fn default() -> Self {
+        Graphs::new(C::default())
+    }
+}
+
+impl<C: Capture> Graphs<C> {
+    pub(crate) fn new(capture: C) -> Self {
+        let state = State { entries: HashMap::new(), graphs: 0, stats: GraphStats::default() };
+        Graphs { capture, state: Mutex::new(state) }
+    }
+
+    pub(crate) fn stats(&self) -> GraphStats {
+        self.state.lock().map(|s| s.stats).unwrap_or_default()
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, State<C::Graph>>> {
+        self.state.lock().map_err(|_| Error::Internal("a forward panicked while holding the CUDA graphs".into()))
+    }
+
+    /// Runs a forward of `shape` whose device inputs are `words`, by `body` (everything after the upload: the
+    /// layers, the head, the logits rows as one (rows, vocab) f32 tensor), with or without its graph (see the
+    /// module's comment). Without a graph the words go into one of `pool`'s buffers.
+    pub(crate) fn run(
+        &self,
+        shape: Shape,
+        words: StepWords,
+        pool: &StepBuffers,
+        dev: &Device,
+        mut body: impl FnMut(&Step<'_>) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let key = (std::thread::current().id(), shape);
+        let taken = {
+            let mut st = self.lock()?;
+            let room = st.entries.len() < MAX_SHAPES;
+            match st.entries.get_mut(&key) {
+                Some(e) => Some(std::mem::replace(e, Entry::Busy)),
+                None => {
+                    if room {
+                        st.entries.insert(key.clone(), Entry::Seen);
+                    }
+                    None
+                }
+            }
+        };
+        let (entry, out) = match taken {
+            Some(Entry::Seen) if self.lock()?.graphs < MAX_GRAPHS => self.first_capture(&words, dev, &mut body),
+            Some(Entry::Captured(h)) => self.checked_replay(h, &words, &mut body),
+            Some(Entry::Checked(h)) => {
+                let out = self.replay(&h, &words);
+                if out.is_ok() {
+                    self.lock()?.stats.replayed += 1;
+                }
+                (Entry::Checked(h), out)
+            }
+            // a shape seen once, refused, or beyond the caps: without a graph
+            other => {
+                let out = pool.upload(words, dev).and_then(|step| body(&step));
+                match other {
+                    Some(e @ (Entry::Seen | Entry::Refused)) => (e, out),
+                    _ => return out,
+                }
+            }
+        };
+        if let Some(e) = self.lock()?.entries.get_mut(&key) {
+            *e = entry;
+        }
+        out
+    }
+
+    /// The second forward of a shape: run on the shape's own buffer with candle's small uploads cached, then
+    /// captured. The run's logits are the forward's; a capture that fails leaves the shape refused, a cancelled one
+    /// seen (to try again).
+    fn first_capture(
+        &self,
+        words: &StepWords,
+        dev: &Device,
+        body: &mut impl FnMut(&Step<'_>) -> Result<Tensor>,
+    ) -> (Entry<C::Graph>, Result<Tensor>) {
+        let made = (|| -> Result<(Tensor, Tensor)> {
+            let buf = Step::buffer(words, dev)?;
+            let step = Step::fixed(&buf, words)?;
+            Ok((self.capture.warm(dev, &mut || body(&step))?, buf))
+        })();
+        let (logits, buf) = match made {
+            Ok(x) => x,
+            Err(e) => return (Entry::Seen, Err(e)),
+        };
+        let held = (|| -> Result<Held<C::Graph>> {
+            let out = Tensor::zeros(logits.shape(), DType::F32, dev)?;
+            let step = Step::fixed(&buf, words)?;
+            let graph = self.capture.capture(dev, (&buf, &out), &mut || {
+                let t = body(&step)?;
+                Ok(out.slice_set(&t, 0, 0)?)
+            })?;
+            Ok(Held { graph, step: buf, out })
+        })();
+        let Ok(mut st) = self.lock() else {
+            return (Entry::Refused, Ok(logits));
+        };
+        match held {
+            Ok(h) => {
+                st.graphs += 1;
+                st.stats.captured += 1;
+                (Entry::Captured(h), Ok(logits))
+            }
+            Err(Error::Cancelled(_)) => (Entry::Seen, Ok(logits)),
+            Err(_) => {
+                st.stats.refused += 1;
+                (Entry::Refused, Ok(logits))
+            }
+        }
+    }
+
+    /// A replay: `words` into the graph's buffer, the graph launched, its logits copied out (the copy is queued
+    /// before any later replay writes them).
+    fn replay(&self, h: &Held<C::Graph>, words: &StepWords) -> Result<Tensor> {
+        let _step = Step::fixed(&h.step, words)?;
+        self.capture.launch(&h.graph)?;
+        Ok(h.out.copy()?)
+    }
+
+    /// The first replay of a graph, then the same forward without it (on the same words: the window's K/V are
+    /// written again with the same values): the graph is kept when the logits agree bit for bit.
+    fn checked_replay(
+        &self,
+        h: Held<C::Graph>,
+        words: &StepWords,
+        body: &mut impl FnMut(&Step<'_>) -> Result<Tensor>,
+    ) -> (Entry<C::Graph>, Result<Tensor>) {
+        let replayed = match self.replay(&h, words) {
+            Ok(t) => t,
+            Err(e) => return (self.refuse(), Err(e)),
+        };
+        let run = Step::fixed(&h.step, words).and_then(|step| body(&step));
+        let run = match run {
+            Ok(t) => t,
+            // cancelled (or failed) before the check: check on the next forward of this shape
+            Err(e) => return (Entry::Captured(h), Err(e)),
+        };
+        match same_bits(&replayed, &run) {
+            Ok(true) => {
+                if let Ok(mut st) = self.lock() {
+                    st.stats.replayed += 1;
+                }
+                (Entry::Checked(h), Ok(run))
+            }
+            _ => (self.refuse(), Ok(run)),
+        }
+    }
+
+    /// A captured graph dropped: its shape runs without one from now on.
+    fn refuse(&self) -> Entry<C::Graph> {
+        if let Ok(mut st) = self.lock() {
+            st.graphs -= 1;
+            st.stats.refused += 1;
+        }
+        Entry::Refused
+    }
+}
+
+/// `a` and `b` hold the same values bit for bit (f32; a NaN counts as different).
+fn same_bits(a: &Tensor, b: &Tensor) -> Result<bool> {
+    if a.shape() != b.shape() {
+        return Ok(false);
+    }
+    let differ = a.ne(b)?.to_dtype(DType::U32)?.sum_all()?.to_scalar::<u32>()?;
+    Ok(differ == 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::net::step::Section;
+    use std::cell::Cell;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Graphs on the CPU for the tests: `capture` runs the body once (on the CPU a launch runs as it is queued) and
+    /// keeps the buffers; a launch computes what the tests' forward computes (2 · the words) from the graph's
+    /// buffer into its output, or, `stale`, leaves the output as the capture left it (a launch that took the
+    /// captured step's values as arguments).
+    #[derive(Default)]
+    struct Fake {
+        warmed: AtomicUsize,
+        captured: AtomicUsize,
+        launched: AtomicUsize,
+        fail_capture: bool,
+        stale: bool,
+    }
+
+    struct FakeGraph {
+        step: Tensor,
+        out: Tensor,
+    }
+
+    impl Capture for Fake {
+        type Graph = FakeGraph;
+        fn warm(&self, _dev: &Device, body: &mut dyn FnMut() -> Result<Tensor>) -> Result<Tensor> {
+            self.warmed.fetch_add(1, Ordering::SeqCst);
+            body()
+        }
+        fn capture(
+            &self,
+            _dev: &Device,
+            (step, out): (&Tensor, &Tensor),
+            body: &mut dyn FnMut() -> Result<()>,
+        ) -> Result<FakeGraph> {
+            self.captured.fetch_add(1, Ordering::SeqCst);
+            if self.fail_capture {
+                return Err(Error::Internal("capture refused".into()));
+            }
+            body()?;
+            Ok(FakeGraph { step: step.clone(), out: out.clone() })
+        }
+        fn launch(&self, g: &FakeGraph) -> Result<()> {
+            self.launched.fetch_add(1, Ordering::SeqCst);
+            if !self.stale {
+                let n = g.step.elem_count();
+                g.out.slice_set(&(g.step.to_dtype(DType::F32)? * 2.0)?.reshape((1, n))?, 0, 0)?;
+            }
+            Ok(())
+        }
+    }
+
+    fn words(vals: &[u32]) -> (Section, StepWords) {
+        let mut w = StepWords::new();
+        (w.push(vals.iter().copied()), w)
+    }
+
+    /// Runs the tests' forward (logits = 2 · the words, one row) of `vals` through `g`; returns the logits and how
+    /// often the forward's body ran.
+    fn run(g: &Graphs<Fake>, pool: &StepBuffers, vals: &[u32]) -> Result<(Vec<f32>, usize)> {
+        run_with(g, pool, vals, |_| None)
+    }
+
+    /// `run`, with `fail(k)` an error for the body's k-th run (from 0) in this forward.
+    fn run_with(
+        g: &Graphs<Fake>,
+        pool: &StepBuffers,
+        vals: &[u32],
+        fail: impl Fn(usize) -> Option<Error>,
+    ) -> Result<(Vec<f32>, usize)> {
+        let (sec, w) = words(vals);
+        let shape = Shape { windows: vec![(vals.len(), 1)], gather: false, words: w.len() };
+        let calls = Cell::new(0);
+        let out = g.run(shape, w, pool, &Device::Cpu, |step| {
+            let k = calls.get();
+            calls.set(k + 1);
+            if let Some(e) = fail(k) {
+                return Err(e);
+            }
+            Ok((step.view(sec)?.to_dtype(DType::F32)? * 2.0)?.unsqueeze(0)?)
+        })?;
+        Ok((out.flatten_all()?.to_vec1::<f32>()?, calls.get()))
+    }
+
+    fn doubled(vals: &[u32]) -> Vec<f32> {
+        vals.iter().map(|&v| 2.0 * v as f32).collect()
+    }
+
+    fn counts(f: &Fake) -> [usize; 3] {
+        [f.warmed.load(Ordering::SeqCst), f.captured.load(Ordering::SeqCst), f.launched.load(Ordering::SeqCst)]
+    }
+
+    #[test]
+    fn a_shape_runs_once_then_is_captured_checked_and_replayed() {
+        let (g, pool) = (Graphs::new(Fake::default()), StepBuffers::new());
+        let steps: [&[u32]; 5] = [&[1, 2, 3], &[4, 5, 6], &[7, 8, 9], &[10, 11, 12], &[13, 14, 15]];
+        // (body runs, [warmed, captured, launched]) after each forward
+        let expect = [(1, [0, 0, 0]), (2, [1, 1, 0]), (1, [1, 1, 1]), (0, [1, 1, 2]), (0, [1, 1, 3])];
+        for (vals, (runs, c)) in steps.iter().zip(expect) {
+            let (out, n) = run(&g, &pool, vals).unwrap();
+            assert_eq!(out, doubled(vals), "every forward's own logits");
+            assert_eq!((n, counts(&g.capture)), (runs, c), "after {vals:?}");
+        }
+        assert_eq!(g.stats(), GraphStats { captured: 1, replayed: 3, refused: 0 });
+        // another shape starts over; the first keeps its graph
+        let (out, n) = run(&g, &pool, &[1, 2]).unwrap();
+        assert_eq!((out, n, counts(&g.capture)), (doubled(&[1, 2]), 1, [1, 1, 3]));
+        assert_eq!(run(&g, &pool, &[20, 21, 22]).unwrap(), (doubled(&[20, 21, 22]), 0));
+    }
+
+    #[test]
+    fn a_replay_that_differs_from_the_run_is_refused_and_the_forward_keeps_the_run() {
+        let (g, pool) = (Graphs::new(Fake { stale: true, ..Fake::default() }), StepBuffers::new());
+        for vals in [[1, 2], [3, 4], [5, 6], [7, 8], [9, 10]] {
+            assert_eq!(run(&g, &pool, &vals).unwrap().0, doubled(&vals));
+        }
+        // replayed once (the check), then never again
+        assert_eq!(counts(&g.capture), [1, 1, 1]);
+        assert_eq!(g.stats(), GraphStats { captured: 1, replayed: 0, refused: 1 });
+        assert_eq!(g.lock().unwrap().graphs, 0);
+        // a stale replay of the same words agrees, so the check passes for an unchanged step
+        let (g, pool) = (Graphs::new(Fake { stale: true, ..Fake::default() }), StepBuffers::new());
+        for _ in 0..4 {
+            assert_eq!(run(&g, &pool, &[3, 4]).unwrap().0, doubled(&[3, 4]));
+        }
+        assert_eq!(g.stats(), GraphStats { captured: 1, replayed: 2, refused: 0 });
+    }
+
+    #[test]
+    fn a_failed_capture_leaves_the_shape_without_a_graph() {
+        let (g, pool) = (Graphs::new(Fake { fail_capture: true, ..Fake::default() }), StepBuffers::new());
+        for vals in [[1, 2], [3, 4], [5, 6], [7, 8]] {
+            assert_eq!(run(&g, &pool, &vals).unwrap().0, doubled(&vals));
+        }
+        assert_eq!(counts(&g.capture), [1, 1, 0]);
+        assert_eq!(g.stats(), GraphStats { captured: 0, replayed: 0, refused: 1 });
+    }
+
+    #[test]
+    fn a_cancelled_capture_is_tried_again_and_a_cancelled_check_checks_later() {
+        let (g, pool) = (Graphs::new(Fake::default()), StepBuffers::new());
+        let cancel = |at: usize| move |k: usize| (k == at).then(|| Error::Cancelled("stop".into()));
+        run(&g, &pool, &[1, 2]).unwrap();
+        // the second forward's run succeeds and its capture pass is cancelled: the run's logits, no graph yet
+        assert_eq!(run_with(&g, &pool, &[3, 4], cancel(1)).unwrap(), (doubled(&[3, 4]), 2));
+        assert_eq!(g.stats().captured, 0);
+        assert_eq!(run(&g, &pool, &[5, 6]).unwrap(), (doubled(&[5, 6]), 2));
+        assert_eq!(g.stats().captured, 1);
+        // the check's run is cancelled: the forward fails as cancelled, and the next one checks
+        assert!(matches!(run_with(&g, &pool, &[7, 8], cancel(0)), Err(Error::Cancelled(_))));
+        assert_eq!(run(&g, &pool, &[9, 10]).unwrap(), (doubled(&[9, 10]), 1));
+        assert_eq!(run(&g, &pool, &[11, 12]).unwrap(), (doubled(&[11, 12]), 0));
+        assert_eq!(g.stats(), GraphStats { captured: 1, replayed: 2, refused: 0 });
+    }
+
+    #[test]
+    fn graphs_belong_to_the_thread_that_captured_them() {
+        let (g, pool) = (Graphs::new(Fake::default()), StepBuffers::new());
+        for vals in [[1, 2], [3, 4], [5, 6]] {
+            run(&g, &pool, &vals).unwrap();
+        }
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                // a shape this thread has not run: once without a graph, whatever other threads hold
+                assert_eq!(run(&g, &pool, &[7, 8]).unwrap(), (doubled(&[7, 8]), 1));
+            });
+        });
+        assert_eq!(run(&g, &pool, &[9, 10]).unwrap(), (doubled(&[9, 10]), 0));
+        assert_eq!(counts(&g.capture), [1, 1, 2]);
+    }
+
+    #[test]
+    fn graphs_and_shapes_are_capped() {
+        let (g, pool) = (Graphs::new(Fake::default()), StepBuffers::new());
+        // shapes of 1..=MAX_GRAPHS + 2 words, each run three times: only MAX_GRAPHS are captured
+        for n in 1..=MAX_GRAPHS + 2 {
+            let vals: Vec<u32> = (0..n as u32).collect();
+            for _ in 0..3 {
+                assert_eq!(run(&g, &pool, &vals).unwrap().0, doubled(&vals));
+            }
+        }
+        assert_eq!(g.stats().captured, MAX_GRAPHS);
+        let st = g.lock().unwrap();
+        assert_eq!((st.graphs, st.entries.len()), (MAX_GRAPHS, MAX_GRAPHS + 2));
+    }
+}
