@@ -172,13 +172,14 @@ impl<C: Capture> Graphs<C> {
         let (entry, out) = match taken {
             Some(Entry::Seen) if self.lock()?.graphs < MAX_GRAPHS => self.first_capture(&words, dev, &mut body),
             Some(Entry::Captured(h)) => self.checked_replay(h, &words, &mut body),
-            Some(Entry::Checked(h)) => {
-                let out = self.replay(&h, &words);
-                if out.is_ok() {
+            Some(Entry::Checked(h)) => match self.replay(&h, &words) {
+                Ok(out) => {
                     self.lock()?.stats.replayed += 1;
+                    (Entry::Checked(h), Ok(out))
                 }
-                (Entry::Checked(h), out)
-            }
+                // a graph that cannot launch: dropped, and the forward runs without it
+                Err(_) => (self.refuse(), pool.upload(words, dev).and_then(|step| body(&step))),
+            },
             // a shape seen once, refused, or beyond the caps: without a graph
             other => {
                 let out = pool.upload(words, dev).and_then(|step| body(&step));
@@ -247,18 +248,19 @@ impl<C: Capture> Graphs<C> {
     }
 
     /// The first replay of a graph, then the same forward without it (on the same words: the window's K/V are
-    /// written again with the same values): the graph is kept when the logits agree bit for bit.
+    /// written again with the same values): the graph is kept when the logits agree bit for bit. The forward's
+    /// logits are the run's.
     fn checked_replay(
         &self,
         h: Held<C::Graph>,
         words: &StepWords,
         body: &mut impl FnMut(&Step<'_>) -> Result<Tensor>,
     ) -> (Entry<C::Graph>, Result<Tensor>) {
-        let replayed = match self.replay(&h, words) {
-            Ok(t) => t,
-            Err(e) => return (self.refuse(), Err(e)),
-        };
+        let replayed = self.replay(&h, words);
         let run = Step::fixed(&h.step, words).and_then(|step| body(&step));
+        let Ok(replayed) = replayed else {
+            return (self.refuse(), run);
+        };
         let run = match run {
             Ok(t) => t,
             // cancelled (or failed) before the check: check on the next forward of this shape
@@ -312,6 +314,8 @@ mod tests {
         launched: AtomicUsize,
         fail_capture: bool,
         stale: bool,
+        /// Launches from this one on (counting from 1) fail.
+        fail_launch: Option<usize>,
     }
 
     struct FakeGraph {
@@ -339,7 +343,10 @@ mod tests {
             Ok(FakeGraph { step: step.clone(), out: out.clone() })
         }
         fn launch(&self, g: &FakeGraph) -> Result<()> {
-            self.launched.fetch_add(1, Ordering::SeqCst);
+            let k = self.launched.fetch_add(1, Ordering::SeqCst) + 1;
+            if self.fail_launch.is_some_and(|from| k >= from) {
+                return Err(Error::Internal("launch failed".into()));
+            }
             if !self.stale {
                 let n = g.step.elem_count();
                 g.out.slice_set(&(g.step.to_dtype(DType::F32)? * 2.0)?.reshape((1, n))?, 0, 0)?;
@@ -432,6 +439,21 @@ mod tests {
         }
         assert_eq!(counts(&g.capture), [1, 1, 0]);
         assert_eq!(g.stats(), GraphStats { captured: 0, replayed: 0, refused: 1 });
+    }
+
+    #[test]
+    fn a_graph_that_fails_to_launch_is_dropped_and_the_forward_runs_without_it() {
+        for from in [1, 2] {
+            // the check's launch fails (1), or a later replay's (2)
+            let fake = Fake { fail_launch: Some(from), ..Fake::default() };
+            let (g, pool) = (Graphs::new(fake), StepBuffers::new());
+            for vals in [[1, 2], [3, 4], [5, 6], [7, 8], [9, 10]] {
+                assert_eq!(run(&g, &pool, &vals).unwrap().0, doubled(&vals), "launches failing from {from}");
+            }
+            assert_eq!(counts(&g.capture), [1, 1, from], "launches failing from {from}");
+            assert_eq!(g.stats(), GraphStats { captured: 1, replayed: from - 1, refused: 1 });
+            assert_eq!(g.lock().unwrap().graphs, 0);
+        }
     }
 
     #[test]
