@@ -66,7 +66,7 @@ pub struct Kernels {
     /// in its own launches. Off by default until a GPU run has proven it (benches/gpu/run.sh); false: a launch per
     /// segment.
     pub cuda_segments: bool,
-    /// On CUDA with `cuda_segments`, a forward of a shape seen before replays a CUDA graph of its launches
+    /// On CUDA with `cuda_segments`, a forward of a shape seen before replays a CUDA graph of its layers' launches
     /// (`net::graph`: captured on a shape's second forward, checked bit for bit against a forward without it on
     /// its first replay). Off by default until a GPU run has proven it (benches/gpu/run.sh graphs); false: every
     /// forward launch by launch.

@@ -1,22 +1,25 @@
 //! CUDA graphs of the decode forward (issue #51, item 4; docs/cuda.md): the one owner of when a forward is captured,
 //! replayed, checked or left to run launch by launch.
 //!
-//! A forward's launches depend only on its shape (`Shape`: each segment's window and logits rows, whether the rows
-//! are gathered, the length of its words) once everything that changes from step to step is data in its one
-//! upload (`net::step`: ids, positions, the rows to gather, the segment table with each committed length and key
-//! range, the caches' addresses). So one graph per shape replays every later forward of that shape:
+//! A forward's layers (the embedding, every layer, up to the last hidden states) launch the same kernels on the
+//! same shapes for every forward of one shape (`Shape`: each segment's window, and the words they read), once
+//! everything that changes from step to step is data in the forward's one upload (`net::step`: ids, positions, the
+//! segment table with each committed length and key ranges, the caches' addresses). So one graph per shape
+//! replays the layers of every later forward of that shape:
 //! 1. the first forward of a shape runs without a graph (a prefill chunk or an odd window is not worth one);
 //! 2. the second runs with candle's small uploads cached (`cuda::with_upload_cache`) on a buffer that stays the
-//!    shape's (`Step::fixed`), and its launches are then captured (nothing runs twice); its logits come from the
-//!    run, and the captured pass copies them into an output buffer that stays the graph's too;
-//! 3. the third is replayed (its words written into the graph's buffer, the graph launched, the logits copied
-//!    out) and then run again without the graph: the graph is kept only if the two agree bit for bit, which
-//!    catches any host value a launch took as an argument (it would be the captured step's);
+//!    shape's (`Step::fixed`), and its launches are then captured (nothing runs twice); the captured pass copies
+//!    the hidden states into an output buffer that stays the graph's too;
+//! 3. the third is replayed (its words written into the graph's buffer, the graph launched) and then run again
+//!    without the graph: the graph is kept only if the two agree bit for bit, which catches any host value a
+//!    launch took as an argument (it would be the captured step's);
 //! 4. later ones are replayed.
 //!
-//! A failed capture or a replay that differs leaves the shape to run launch by launch (`refused`); neither fails
-//! the forward. Graphs belong to the thread that captured them (candle keeps its cached uploads, which a graph
-//! reads, per thread, and launches on the thread's stream), and live as long as the model.
+//! The head (the logits rows gathered, the final norm, the vocabulary product) runs after, launch by launch, on
+//! whichever hidden states the forward has: the rows asked for change every step, and a few launches are not
+//! worth a graph per row count. A failed capture or a replay that differs leaves the shape to run launch by launch
+//! (`refused`); neither fails the forward. Graphs belong to the thread that captured them (candle keeps its cached
+//! uploads, which a graph reads, per thread, and launches on the thread's stream), and live as long as the model.
 
 use crate::error::{Error, Result};
 use crate::kernels::cuda;
@@ -34,14 +37,12 @@ const MAX_GRAPHS: usize = 32;
 /// Shapes remembered at most (forwards of further shapes run without a graph).
 const MAX_SHAPES: usize = 1024;
 
-/// What fixes a forward's launches once its step-to-step values are data in its upload.
+/// What fixes a forward's layers' launches once its step-to-step values are data in its upload.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) struct Shape {
-    /// Each segment's window and logits rows, in the forward's order.
-    pub(crate) windows: Vec<(usize, usize)>,
-    /// The logits rows are gathered (not every row in stack order).
-    pub(crate) gather: bool,
-    /// The forward's words (their sections' places follow from the windows and this).
+    /// Each segment's window rows, in the forward's order.
+    pub(crate) windows: Vec<usize>,
+    /// The words the layers read: the first this many of the forward's (the head's come after).
     pub(crate) words: usize,
 }
 
@@ -50,7 +51,8 @@ pub(crate) trait Capture {
     type Graph: Send;
     /// Runs `body` so that a capture of it right after, on this thread, finds everything it uploads.
     fn warm(&self, dev: &Device, body: &mut dyn FnMut() -> Result<Tensor>) -> Result<Tensor>;
-    /// Records `body`'s launches into a graph; they read the words from `step` and leave the logits in `out`.
+    /// Records `body`'s launches into a graph; they read the words from `step` and leave the hidden states in
+    /// `out`.
     fn capture(
         &self,
         dev: &Device,
@@ -82,7 +84,7 @@ impl Capture for Cuda {
     }
 }
 
-/// A captured forward: the graph, the buffer its words are read from and the one its logits are copied into.
+/// A captured forward: the graph, the buffer its words are read from and the one its hidden states are left in.
 struct Held<G> {
     graph: G,
     step: Tensor,
@@ -106,9 +108,9 @@ enum Entry<G> {
 pub struct GraphStats {
     /// Graphs captured (and kept until checked).
     pub captured: usize,
-    /// Forwards run by replaying a graph.
+    /// Forwards whose layers ran by replaying a graph.
     pub replayed: usize,
-    /// Shapes left to run without a graph (a failed capture, a replay that differed).
+    /// Shapes left to run without a graph (a failed capture, a replay that differed, a launch that failed).
     pub refused: usize,
 }
 
@@ -130,6 +132,20 @@ impl<C: Capture + Default> Default for Graphs<C> {
     }
 }
 
+/// A forward's layers without a graph: its words in one of `pool`'s buffers.
+fn eager<'p>(
+    pool: &'p StepBuffers,
+    words: StepWords,
+    dev: &Device,
+    body: &mut impl FnMut(&Step<'_>) -> Result<Tensor>,
+) -> Result<(Tensor, Step<'p>)> {
+    let step = pool.upload(words, dev)?;
+    Ok((body(&step)?, step))
+}
+
+/// What a forward's layers left: the hidden states and the step whose words they read.
+type Layers<'p> = Result<(Tensor, Step<'p>)>;
+
 impl<C: Capture> Graphs<C> {
     pub(crate) fn new(capture: C) -> Self {
         let state = State { entries: HashMap::new(), graphs: 0, stats: GraphStats::default() };
@@ -144,78 +160,90 @@ impl<C: Capture> Graphs<C> {
         self.state.lock().map_err(|_| Error::Internal("a forward panicked while holding the CUDA graphs".into()))
     }
 
-    /// Runs a forward of `shape` whose device inputs are `words`, by `body` (everything after the upload: the
-    /// layers, the head, the logits rows as one (rows, vocab) f32 tensor), with or without its graph (see the
-    /// module's comment). Without a graph the words go into one of `pool`'s buffers.
-    pub(crate) fn run(
+    /// Runs a forward of `shape` whose device inputs are `words`: its layers by `body` (the embedding and every
+    /// layer: the hidden states), with or without its graph (see the module's comment), then `head` on the hidden
+    /// states and the step holding the words (without a graph, one of `pool`'s buffers). `rows`: the forward's
+    /// stacked rows (the head's words, after the layers', are at most twice as many on a graph's buffer).
+    pub(crate) fn run<T>(
         &self,
         shape: Shape,
         words: StepWords,
         pool: &StepBuffers,
         dev: &Device,
         mut body: impl FnMut(&Step<'_>) -> Result<Tensor>,
-    ) -> Result<Tensor> {
+        head: impl FnOnce(&Tensor, &Step<'_>) -> Result<T>,
+    ) -> Result<T> {
+        let room = shape.words.next_multiple_of(4) + 2 * shape.windows.iter().sum::<usize>();
         let key = (std::thread::current().id(), shape);
         let taken = {
             let mut st = self.lock()?;
-            let room = st.entries.len() < MAX_SHAPES;
+            let new_room = st.entries.len() < MAX_SHAPES;
             match st.entries.get_mut(&key) {
                 Some(e) => Some(std::mem::replace(e, Entry::Busy)),
                 None => {
-                    if room {
+                    if new_room {
                         st.entries.insert(key.clone(), Entry::Seen);
                     }
                     None
                 }
             }
         };
-        let (entry, out) = match taken {
-            Some(Entry::Seen) if self.lock()?.graphs < MAX_GRAPHS => self.first_capture(&words, dev, &mut body),
-            Some(Entry::Captured(h)) => self.checked_replay(h, &words, &mut body),
-            Some(Entry::Checked(h)) => match self.replay(&h, &words) {
-                Ok(out) => {
+        let fits = |h: &Held<C::Graph>| words.len() <= h.step.elem_count();
+        let (entry, layers): (_, Layers<'_>) = match taken {
+            Some(Entry::Seen) if self.lock()?.graphs < MAX_GRAPHS && words.len() <= room => {
+                self.first_capture(&words, room, dev, &mut body)
+            }
+            Some(Entry::Captured(h)) if fits(&h) => self.checked_replay(h, &words, &mut body),
+            Some(Entry::Checked(h)) if fits(&h) => match self.replay(&h, &words) {
+                Ok(done) => {
                     self.lock()?.stats.replayed += 1;
-                    (Entry::Checked(h), Ok(out))
+                    (Entry::Checked(h), Ok(done))
                 }
                 // a graph that cannot launch: dropped, and the forward runs without it
-                Err(_) => (self.refuse(), pool.upload(words, dev).and_then(|step| body(&step))),
+                Err(_) => (self.refuse(), eager(pool, words, dev, &mut body)),
             },
-            // a shape seen once, refused, or beyond the caps: without a graph
+            // a shape seen once, refused, beyond the caps, or with more of the head's words than its buffer holds:
+            // without a graph
             other => {
-                let out = pool.upload(words, dev).and_then(|step| body(&step));
+                let layers = eager(pool, words, dev, &mut body);
                 match other {
-                    Some(e @ (Entry::Seen | Entry::Refused)) => (e, out),
-                    _ => return out,
+                    Some(e) if !matches!(e, Entry::Busy) => (e, layers),
+                    _ => {
+                        let (x, step) = layers?;
+                        return head(&x, &step);
+                    }
                 }
             }
         };
         if let Some(e) = self.lock()?.entries.get_mut(&key) {
             *e = entry;
         }
-        out
+        let (x, step) = layers?;
+        head(&x, &step)
     }
 
-    /// The second forward of a shape: run on the shape's own buffer with candle's small uploads cached, then
-    /// captured. The run's logits are the forward's; a capture that fails leaves the shape refused, a cancelled one
-    /// seen (to try again).
+    /// The second forward of a shape: run on the shape's own buffer (of `room` words) with candle's small uploads
+    /// cached, then captured. The run's hidden states are the forward's; a capture that fails leaves the shape
+    /// refused, a cancelled one seen (to try again).
     fn first_capture(
         &self,
         words: &StepWords,
+        room: usize,
         dev: &Device,
         body: &mut impl FnMut(&Step<'_>) -> Result<Tensor>,
-    ) -> (Entry<C::Graph>, Result<Tensor>) {
-        let made = (|| -> Result<(Tensor, Tensor)> {
-            let buf = Step::buffer(words, dev)?;
+    ) -> (Entry<C::Graph>, Layers<'static>) {
+        let made = (|| -> Result<(Tensor, Step<'static>, Tensor)> {
+            let buf = Step::buffer(room, dev)?;
             let step = Step::fixed(&buf, words)?;
-            Ok((self.capture.warm(dev, &mut || body(&step))?, buf))
+            let x = self.capture.warm(dev, &mut || body(&step))?;
+            Ok((x, step, buf))
         })();
-        let (logits, buf) = match made {
-            Ok(x) => x,
+        let (x, step, buf) = match made {
+            Ok(m) => m,
             Err(e) => return (Entry::Seen, Err(e)),
         };
         let held = (|| -> Result<Held<C::Graph>> {
-            let out = Tensor::zeros(logits.shape(), DType::F32, dev)?;
-            let step = Step::fixed(&buf, words)?;
+            let out = Tensor::zeros(x.shape(), x.dtype(), dev)?;
             let graph = self.capture.capture(dev, (&buf, &out), &mut || {
                 let t = body(&step)?;
                 Ok(out.slice_set(&t, 0, 0)?)
@@ -223,57 +251,57 @@ impl<C: Capture> Graphs<C> {
             Ok(Held { graph, step: buf, out })
         })();
         let Ok(mut st) = self.lock() else {
-            return (Entry::Refused, Ok(logits));
+            return (Entry::Refused, Ok((x, step)));
         };
         match held {
             Ok(h) => {
                 st.graphs += 1;
                 st.stats.captured += 1;
-                (Entry::Captured(h), Ok(logits))
+                (Entry::Captured(h), Ok((x, step)))
             }
-            Err(Error::Cancelled(_)) => (Entry::Seen, Ok(logits)),
+            Err(Error::Cancelled(_)) => (Entry::Seen, Ok((x, step))),
             Err(_) => {
                 st.stats.refused += 1;
-                (Entry::Refused, Ok(logits))
+                (Entry::Refused, Ok((x, step)))
             }
         }
     }
 
-    /// A replay: `words` into the graph's buffer, the graph launched, its logits copied out (the copy is queued
-    /// before any later replay writes them).
-    fn replay(&self, h: &Held<C::Graph>, words: &StepWords) -> Result<Tensor> {
-        let _step = Step::fixed(&h.step, words)?;
+    /// A replay: `words` into the graph's buffer, the graph launched. The hidden states are the graph's output
+    /// buffer: the head's launches that read it are queued before any later replay writes it.
+    fn replay(&self, h: &Held<C::Graph>, words: &StepWords) -> Layers<'static> {
+        let step = Step::fixed(&h.step, words)?;
         self.capture.launch(&h.graph)?;
-        Ok(h.out.copy()?)
+        Ok((h.out.clone(), step))
     }
 
-    /// The first replay of a graph, then the same forward without it (on the same words: the window's K/V are
-    /// written again with the same values): the graph is kept when the logits agree bit for bit. The forward's
-    /// logits are the run's.
+    /// The first replay of a graph, then the same layers without it (on the same words: the window's K/V are
+    /// written again with the same values): the graph is kept when the hidden states agree bit for bit. The
+    /// forward goes on with the run's.
     fn checked_replay(
         &self,
         h: Held<C::Graph>,
         words: &StepWords,
         body: &mut impl FnMut(&Step<'_>) -> Result<Tensor>,
-    ) -> (Entry<C::Graph>, Result<Tensor>) {
+    ) -> (Entry<C::Graph>, Layers<'static>) {
         let replayed = self.replay(&h, words);
-        let run = Step::fixed(&h.step, words).and_then(|step| body(&step));
-        let Ok(replayed) = replayed else {
+        let run = Step::fixed(&h.step, words).and_then(|step| Ok((body(&step)?, step)));
+        let Ok((replayed, _)) = replayed else {
             return (self.refuse(), run);
         };
-        let run = match run {
-            Ok(t) => t,
+        let (x, step) = match run {
+            Ok(r) => r,
             // cancelled (or failed) before the check: check on the next forward of this shape
             Err(e) => return (Entry::Captured(h), Err(e)),
         };
-        match same_bits(&replayed, &run) {
+        match same_bits(&replayed, &x) {
             Ok(true) => {
                 if let Ok(mut st) = self.lock() {
                     st.stats.replayed += 1;
                 }
-                (Entry::Checked(h), Ok(run))
+                (Entry::Checked(h), Ok((x, step)))
             }
-            _ => (self.refuse(), Ok(run)),
+            _ => (self.refuse(), Ok((x, step))),
         }
     }
 
@@ -287,7 +315,7 @@ impl<C: Capture> Graphs<C> {
     }
 }
 
-/// `a` and `b` hold the same values bit for bit (f32; a NaN counts as different).
+/// `a` and `b` hold the same values bit for bit (a NaN counts as different).
 fn same_bits(a: &Tensor, b: &Tensor) -> Result<bool> {
     if a.shape() != b.shape() {
         return Ok(false);
@@ -299,7 +327,6 @@ fn same_bits(a: &Tensor, b: &Tensor) -> Result<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::net::step::Section;
     use std::cell::Cell;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -348,43 +375,54 @@ mod tests {
                 return Err(Error::Internal("launch failed".into()));
             }
             if !self.stale {
-                let n = g.step.elem_count();
-                g.out.slice_set(&(g.step.to_dtype(DType::F32)? * 2.0)?.reshape((1, n))?, 0, 0)?;
+                let n = g.out.elem_count();
+                let x = (g.step.narrow(0, 0, n)?.to_dtype(DType::F32)? * 2.0)?;
+                g.out.slice_set(&x.reshape((1, n))?, 0, 0)?;
             }
             Ok(())
         }
     }
 
-    fn words(vals: &[u32]) -> (Section, StepWords) {
-        let mut w = StepWords::new();
-        (w.push(vals.iter().copied()), w)
-    }
-
-    /// Runs the tests' forward (logits = 2 · the words, one row) of `vals` through `g`; returns the logits and how
-    /// often the forward's body ran.
+    /// The tests' forward of `vals` with no head words (see `run_head`).
     fn run(g: &Graphs<Fake>, pool: &StepBuffers, vals: &[u32]) -> Result<(Vec<f32>, usize)> {
-        run_with(g, pool, vals, |_| None)
+        run_with(g, pool, vals, &[], |_| None)
     }
 
-    /// `run`, with `fail(k)` an error for the body's k-th run (from 0) in this forward.
+    /// Runs the tests' forward through `g`: the layers' words are `vals`, the "layers" give 2 · vals as one row,
+    /// and the head appends its own words (`head`, after the layers'). `fail(k)`: an error for the body's k-th run
+    /// (from 0) in this forward. Returns what the head gave and how often the layers ran.
     fn run_with(
         g: &Graphs<Fake>,
         pool: &StepBuffers,
         vals: &[u32],
+        head: &[u32],
         fail: impl Fn(usize) -> Option<Error>,
     ) -> Result<(Vec<f32>, usize)> {
-        let (sec, w) = words(vals);
-        let shape = Shape { windows: vec![(vals.len(), 1)], gather: false, words: w.len() };
+        let mut w = StepWords::new();
+        let sec = w.push(vals.iter().copied());
+        let shape = Shape { windows: vec![vals.len()], words: w.len() };
+        let head_sec = w.push(head.iter().copied());
         let calls = Cell::new(0);
-        let out = g.run(shape, w, pool, &Device::Cpu, |step| {
-            let k = calls.get();
-            calls.set(k + 1);
-            if let Some(e) = fail(k) {
-                return Err(e);
-            }
-            Ok((step.view(sec)?.to_dtype(DType::F32)? * 2.0)?.unsqueeze(0)?)
-        })?;
-        Ok((out.flatten_all()?.to_vec1::<f32>()?, calls.get()))
+        let out = g.run(
+            shape,
+            w,
+            pool,
+            &Device::Cpu,
+            |step| {
+                let k = calls.get();
+                calls.set(k + 1);
+                if let Some(e) = fail(k) {
+                    return Err(e);
+                }
+                Ok((step.view(sec)?.to_dtype(DType::F32)? * 2.0)?.unsqueeze(0)?)
+            },
+            |x, step| {
+                let mut v = x.flatten_all()?.to_vec1::<f32>()?;
+                v.extend(step.view(head_sec)?.to_vec1::<u32>()?.iter().map(|&h| h as f32));
+                Ok(v)
+            },
+        )?;
+        Ok((out, calls.get()))
     }
 
     fn doubled(vals: &[u32]) -> Vec<f32> {
@@ -411,6 +449,23 @@ mod tests {
         let (out, n) = run(&g, &pool, &[1, 2]).unwrap();
         assert_eq!((out, n, counts(&g.capture)), (doubled(&[1, 2]), 1, [1, 1, 3]));
         assert_eq!(run(&g, &pool, &[20, 21, 22]).unwrap(), (doubled(&[20, 21, 22]), 0));
+    }
+
+    #[test]
+    fn the_head_reads_its_own_words_after_the_layers_whatever_their_count() {
+        let (g, pool) = (Graphs::new(Fake::default()), StepBuffers::new());
+        // one shape (a window of 3): the head's words change in count and value every forward; up to twice the
+        // window's rows fit the graph's buffer, more run that forward without the graph
+        let heads: [&[u32]; 6] = [&[9], &[8, 7], &[6, 5, 4, 3, 2, 1], &[], &[5, 5, 5, 5, 5, 5, 5], &[1, 2]];
+        let runs = [1, 2, 1, 0, 1, 0];
+        for (k, (head, n)) in heads.iter().zip(runs).enumerate() {
+            let vals = [k as u32, 10 + k as u32, 20 + k as u32];
+            let mut want = doubled(&vals);
+            want.extend(head.iter().map(|&h| h as f32));
+            assert_eq!(run_with(&g, &pool, &vals, head, |_| None).unwrap(), (want, n), "forward {k}");
+        }
+        assert_eq!(counts(&g.capture), [1, 1, 3]);
+        assert_eq!(g.stats(), GraphStats { captured: 1, replayed: 3, refused: 0 });
     }
 
     #[test]
@@ -462,12 +517,12 @@ mod tests {
         let cancel = |at: usize| move |k: usize| (k == at).then(|| Error::Cancelled("stop".into()));
         run(&g, &pool, &[1, 2]).unwrap();
         // the second forward's run succeeds and its capture pass is cancelled: the run's logits, no graph yet
-        assert_eq!(run_with(&g, &pool, &[3, 4], cancel(1)).unwrap(), (doubled(&[3, 4]), 2));
+        assert_eq!(run_with(&g, &pool, &[3, 4], &[], cancel(1)).unwrap(), (doubled(&[3, 4]), 2));
         assert_eq!(g.stats().captured, 0);
         assert_eq!(run(&g, &pool, &[5, 6]).unwrap(), (doubled(&[5, 6]), 2));
         assert_eq!(g.stats().captured, 1);
         // the check's run is cancelled: the forward fails as cancelled, and the next one checks
-        assert!(matches!(run_with(&g, &pool, &[7, 8], cancel(0)), Err(Error::Cancelled(_))));
+        assert!(matches!(run_with(&g, &pool, &[7, 8], &[], cancel(0)), Err(Error::Cancelled(_))));
         assert_eq!(run(&g, &pool, &[9, 10]).unwrap(), (doubled(&[9, 10]), 1));
         assert_eq!(run(&g, &pool, &[11, 12]).unwrap(), (doubled(&[11, 12]), 0));
         assert_eq!(g.stats(), GraphStats { captured: 1, replayed: 2, refused: 0 });

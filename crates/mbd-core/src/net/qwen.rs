@@ -631,30 +631,26 @@ impl QwenModel {
         for s in segs.iter_mut() {
             s.cache.begin_window(s.ids.len())?;
         }
-        // what the device reads of this forward, in one upload (net::step)
+        // what the device reads of this forward, in one upload (net::step): the layers' words, then the head's
         let mut words = StepWords::new();
         let ids_at = words.push(ids.iter().copied());
         let pos_at = words.push(pos);
-        let pick_at = words.push(pick.iter().copied().filter(|_| !identity));
         let att_words = ForwardAttention::plan(segs, path, &spans, (heads, kv_heads, head_dim), kn, &mut words)?;
-        // a CUDA graph per forward shape (net::graph) where every launch reads what changes from the upload
+        let layer_words = words.len();
+        let pick_at = words.push(pick.iter().copied().filter(|_| !identity));
+        // a CUDA graph of the layers per forward shape (net::graph) where every launch reads what changes from
+        // the upload
         let graphed = kn.cuda_graphs
             && total <= graph::MAX_ROWS
             && att_words.together()
             && self.graphable
-            && !pick.is_empty()
             && crate::kernels::cuda::runs_on(dev, self.dtype);
-        let shape = graphed.then(|| Shape {
-            windows: segs.iter().map(|s| (s.ids.len(), s.rows.len())).collect(),
-            gather: !identity,
-            words: words.len(),
-        });
+        let shape = graphed.then(|| Shape { windows: segs.iter().map(|s| s.ids.len()).collect(), words: layer_words });
         let heads = (heads, kv_heads, head_dim);
         // each residual add and the norm after it: one launch on CUDA with mbd-rs's kernels
         let fused_norms = kn.cuda_fused && crate::kernels::cuda::runs_on(dev, self.dtype);
-        let vocab = self.cfg.vocab_size;
-        // everything after the upload: a graph captures and replays exactly this
-        let mut body = |step: &Step<'_>| -> Result<Tensor> {
+        // the layers: the last hidden states of every stacked row (what a graph captures and replays)
+        let layers = |step: &Step<'_>| -> Result<Tensor> {
             // RoPE tables in f32 for every row's position; candle's rope takes them cast to the compute dtype.
             let freqs = step.view(pos_at)?.to_dtype(DType::F32)?.reshape((total, 1))?.broadcast_mul(&self.inv_freq)?;
             let (cos, sin) = match path {
@@ -686,20 +682,30 @@ impl QwenModel {
                     None => (x2 + f)?,
                 };
             }
+            Ok(x)
+        };
+        // the head: the rows asked for, the final norm, the vocabulary product; each segment's logits rows
+        let vocab = self.cfg.vocab_size;
+        let no_rows = || Ok(Tensor::zeros((0, vocab), DType::F32, dev)?);
+        let head = |x: &Tensor, step: &Step<'_>| -> Result<Vec<Tensor>> {
             if pick.is_empty() {
-                return Ok(Tensor::zeros((0, vocab), DType::F32, dev)?);
+                return lm_spans.iter().map(|_| no_rows()).collect();
             }
-            let x = if identity { x } else { x.index_select(&step.view(pick_at)?, 0)? };
+            let x = if identity { x.clone() } else { x.index_select(&step.view(pick_at)?, 0)? };
             let x = self.norm.forward(&x)?;
             let logits = lm_groups.apply(&x, |x, few| Ok(self.lm_head.linear(x, kn, few)?))?;
-            Ok(logits.to_dtype(DType::F32)?)
+            let logits = logits.to_dtype(DType::F32)?;
+            lm_spans.iter().map(|&(o, n)| if n == 0 { no_rows() } else { Ok(logits.narrow(0, o, n)?) }).collect()
         };
-        let logits = match shape {
-            Some(shape) => self.graphs.run(shape, words, &self.step_buffers, dev, body)?,
-            None => body(&self.step_buffers.upload(words, dev)?)?,
-        };
-        let no_rows = || Ok(Tensor::zeros((0, vocab), DType::F32, dev)?);
-        lm_spans.iter().map(|&(o, n)| if n == 0 { no_rows() } else { Ok(logits.narrow(0, o, n)?) }).collect()
+        match shape {
+            Some(shape) => self.graphs.run(shape, words, &self.step_buffers, dev, layers, head),
+            None => {
+                let mut layers = layers;
+                let step = self.step_buffers.upload(words, dev)?;
+                let x = layers(&step)?;
+                head(&x, &step)
+            }
+        }
     }
 
     /// Counts of this model's CUDA graphs (`Kernels::cuda_graphs`; zeros elsewhere).

@@ -93,15 +93,16 @@ pub(crate) struct Step<'a> {
 }
 
 impl Step<'static> {
-    /// A buffer of exactly `words`' length on `dev`, for one forward shape's CUDA graph (`net::graph`): the graph
-    /// reads its views at fixed addresses, so every forward it replays writes its words there (`fixed`).
-    pub(crate) fn buffer(words: &StepWords, dev: &Device) -> Result<Tensor> {
-        Ok(Tensor::zeros(words.len().max(1), DType::U32, dev)?)
+    /// A buffer of `room` words on `dev`, for one forward shape's CUDA graph (`net::graph`): the graph reads its
+    /// views at fixed addresses, so every forward it replays writes its words there (`fixed`).
+    pub(crate) fn buffer(room: usize, dev: &Device) -> Result<Tensor> {
+        Ok(Tensor::zeros(room.max(1), DType::U32, dev)?)
     }
 
-    /// Writes `words` into `buf` (made by `buffer` for words of this length) in one copy, and reads them from it.
+    /// Writes `words` at the start of `buf` (made by `buffer`, with room for them) in one copy, and reads them
+    /// from it.
     pub(crate) fn fixed(buf: &Tensor, words: &StepWords) -> Result<Step<'static>> {
-        if buf.elem_count() != words.len().max(1) {
+        if words.len() > buf.elem_count() {
             return Err(Error::Internal(format!("{} words for a fixed buffer of {}", words.len(), buf.elem_count())));
         }
         buf.inplace_op1(&Write(&words.words))?;
