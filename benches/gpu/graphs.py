@@ -13,36 +13,17 @@ Every stream's tokens and forward count must be the same in all three, and graph
 none refused (`Engine.graph_stats`). Then tokens/s with graphs off and on, interleaved: one stream multi-block, one
 stream AR (block size 1), and the K streams batched. Writes one JSON (--out); exits non-zero on a difference.
 """
-import argparse
-import json
 import os
 import sys
 import time
 
-import mbd_rs
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from segments import make_checkpoint, requests, run  # noqa: E402
+from segments import finish, run, setup  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dir", default="/tmp/mbd-gpu-segments")
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--streams", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default="gpu_out/gpu_graphs.json")
-    args = ap.parse_args()
     t0 = time.time()
-    make_checkpoint(args.dir, args.layers, args.vocab)
-    dtype = "bfloat16" if args.device != "cpu" else "float32"
-    off = mbd_rs.Engine.load(args.dir, device=args.device, dtype=dtype, _kernels=dict(cuda_segments=True))
-    on = mbd_rs.Engine.load(args.dir, device=args.device, dtype=dtype,
-                            _kernels=dict(cuda_segments=True, cuda_graphs=True))
-    print("device:", on.info.device, on.info.dtype, flush=True)
-    reqs = requests(args.streams, args.vocab)
+    args, off, on, reqs = setup("graphs", dict(cuda_segments=True), dict(cuda_segments=True, cuda_graphs=True))
     failures = []
 
     def compare(label, got, want):
@@ -76,15 +57,7 @@ def main():
     print("graph_stats (captured, replayed, refused) =", report["graph_stats"], flush=True)
     if args.device != "cpu" and (replayed == 0 or refused > 0):
         failures.append(f"graphs: {captured} captured, {replayed} replayed, {refused} shapes refused")
-    report["failures"] = failures
-    report["seconds"] = round(time.time() - t0, 1)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    for line in failures[:20]:
-        print("FAIL", line)
-    print("graphs:", "ok" if not failures else f"{len(failures)} differences", f"({report['seconds']} s)")
-    sys.exit(1 if failures else 0)
+    finish("graphs", report, failures, t0, args.out)
 
 
 if __name__ == "__main__":

@@ -81,7 +81,9 @@ def run(eng, reqs, together):
     return res
 
 
-def main():
+def setup(name, off_kernels, on_kernels):
+    """The command line, the checkpoint, an engine with `off_kernels` and one with `on_kernels` (`_kernels`), and the
+    streams' requests: (args, off, on, requests); `name` names the default output (gpu_out/gpu_<name>.json)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dir", default="/tmp/mbd-gpu-segments")
@@ -89,15 +91,32 @@ def main():
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default="gpu_out/gpu_segments.json")
+    ap.add_argument("--out", default=f"gpu_out/gpu_{name}.json")
     args = ap.parse_args()
-    t0 = time.time()
     make_checkpoint(args.dir, args.layers, args.vocab)
     dtype = "bfloat16" if args.device != "cpu" else "float32"
-    off = mbd_rs.Engine.load(args.dir, device=args.device, dtype=dtype)
-    on = mbd_rs.Engine.load(args.dir, device=args.device, dtype=dtype, _kernels=dict(cuda_segments=True))
+    off = mbd_rs.Engine.load(args.dir, device=args.device, dtype=dtype, _kernels=off_kernels)
+    on = mbd_rs.Engine.load(args.dir, device=args.device, dtype=dtype, _kernels=on_kernels)
     print("device:", on.info.device, on.info.dtype, flush=True)
-    reqs = requests(args.streams, args.vocab)
+    return args, off, on, requests(args.streams, args.vocab)
+
+
+def finish(name, report, failures, t0, out):
+    """Writes `report` with its `failures` to `out`, prints them, and exits non-zero when there are any."""
+    report["failures"] = failures
+    report["seconds"] = round(time.time() - t0, 1)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=1)
+    for line in failures[:20]:
+        print("FAIL", line)
+    print(f"{name}:", "ok" if not failures else f"{len(failures)} differences", f"({report['seconds']} s)")
+    sys.exit(1 if failures else 0)
+
+
+def main():
+    t0 = time.time()
+    args, off, on, reqs = setup("segments", {}, dict(cuda_segments=True))
     alone = run(off, reqs, together=False)
     failures = []
     for i, (g, a) in enumerate(zip(run(on, reqs, together=False), alone)):
@@ -120,15 +139,7 @@ def main():
             row[name] = dict(identical=f"{same}/{len(reqs)}", tokens_per_s=round(tokens / wall, 1))
         report["rounds"].append(row)
         print(f"round {r}: {row}", flush=True)
-    report["failures"] = failures
-    report["seconds"] = round(time.time() - t0, 1)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    for line in failures[:20]:
-        print("FAIL", line)
-    print("segments:", "ok" if not failures else f"{len(failures)} differences", f"({report['seconds']} s)")
-    sys.exit(1 if failures else 0)
+    finish("segments", report, failures, t0, args.out)
 
 
 if __name__ == "__main__":
