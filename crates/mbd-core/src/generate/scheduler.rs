@@ -291,7 +291,13 @@ struct Batch {
     start: usize,
 }
 
+/// The worker thread: it lives as long as the engine, so its forwards may replay CUDA graphs
+/// (`net::graph::on_lasting_thread`).
 fn worker(weak: Weak<Shared>) {
+    crate::net::graph::on_lasting_thread(|| work(weak))
+}
+
+fn work(weak: Weak<Shared>) {
     let mut batch = Batch::default();
     loop {
         // Hold the shared state only while working or waiting briefly: when the model and every stream are

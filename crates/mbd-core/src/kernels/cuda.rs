@@ -611,10 +611,15 @@ mod imp {
         stream.synchronize().w()?;
         // thread-local: other threads' forwards (on their own streams) go on while this one captures
         stream.begin_capture(Mode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).w()?;
-        let ran = body();
-        // always end the capture, so that the stream is usable again whatever the body did
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body))
+            .unwrap_or_else(|_| Err(Error::Internal("a forward panicked while its CUDA graph was captured".into())));
+        // always end the capture, so that the thread's stream is usable again whatever the body did. cudarc keeps
+        // an error a free met while capturing (its drops cannot return one) and hands it to the next call, which
+        // would then return before ending the capture: take it first
+        let recorded = stream.context().check_err();
         let graph = stream.end_capture(Flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
         ran?;
+        recorded.w()?;
         let graph = graph.w()?.ok_or_else(|| Error::Internal("the CUDA graph capture recorded nothing".into()))?;
         graph.upload().w()?;
         Ok(Graph(graph))

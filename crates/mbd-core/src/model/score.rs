@@ -216,16 +216,20 @@ impl Model {
             let last = [window.saturating_sub(1)];
             let rows = last_row.then_some(&last[..]);
             let mut out = Vec::with_capacity(reps);
-            for _ in 0..reps {
-                let t = std::time::Instant::now();
-                let l = self.net.forward(&mut cache, &win, &one_block, rows, None)?;
-                // wait for the device's work before stopping the clock (not by reading a logit back: candle copies
-                // a narrowed CUDA tensor's whole buffer to the host, 39 MB for 64 rows of a 152k vocabulary)
-                self.net.device().synchronize()?;
-                drop(l);
-                out.push(t.elapsed().as_secs_f64());
-            }
-            Ok(out)
+            // the repetitions replay a CUDA graph where the model keeps them (`Kernels::cuda_graphs`), as the
+            // scheduler's forwards do
+            crate::net::graph::on_lasting_thread(|| {
+                for _ in 0..reps {
+                    let t = std::time::Instant::now();
+                    let l = self.net.forward(&mut cache, &win, &one_block, rows, None)?;
+                    // wait for the device's work before stopping the clock (not by reading a logit back: candle
+                    // copies a narrowed CUDA tensor's whole buffer to the host, 39 MB for 64 rows of a 152k vocabulary)
+                    self.net.device().synchronize()?;
+                    drop(l);
+                    out.push(t.elapsed().as_secs_f64());
+                }
+                Ok(out)
+            })
         })
     }
 }

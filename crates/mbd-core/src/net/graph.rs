@@ -25,6 +25,7 @@ use crate::error::{Error, Result};
 use crate::kernels::cuda;
 use crate::net::step::{Step, StepBuffers, StepWords};
 use candle_core::{DType, Device, Tensor};
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::thread::ThreadId;
@@ -36,6 +37,26 @@ pub(crate) const MAX_ROWS: usize = 256;
 const MAX_GRAPHS: usize = 32;
 /// Shapes remembered at most (forwards of further shapes run without a graph).
 const MAX_SHAPES: usize = 1024;
+
+thread_local! {
+    /// This thread's forwards may be graphed (`on_lasting_thread`).
+    static LASTING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` with this thread's forwards allowed CUDA graphs: on threads that live as long as the models they run
+/// (the batching scheduler's worker, which runs every generation's forwards) or for a benchmark's loop. A graph
+/// belongs to the thread that captured it, so one captured on a short-lived thread (a server's pool thread asking
+/// for logits) would keep its memory and its place under the caps after the thread ends.
+pub fn on_lasting_thread<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            LASTING.with(|l| l.set(self.0));
+        }
+    }
+    let _restore = Restore(LASTING.with(|l| l.replace(true)));
+    f()
+}
 
 /// What fixes a forward's layers' launches once its step-to-step values are data in its upload.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -173,6 +194,10 @@ impl<C: Capture> Graphs<C> {
         mut body: impl FnMut(&Step<'_>) -> Result<Tensor>,
         head: impl FnOnce(&Tensor, &Step<'_>) -> Result<T>,
     ) -> Result<T> {
+        if !LASTING.with(Cell::get) {
+            let (x, step) = eager(pool, words, dev, &mut body)?;
+            return head(&x, &step);
+        }
         let room = shape.words.next_multiple_of(4) + 2 * shape.windows.iter().sum::<usize>();
         let key = (std::thread::current().id(), shape);
         let taken = {
@@ -244,6 +269,8 @@ impl<C: Capture> Graphs<C> {
         };
         let held = (|| -> Result<Held<C::Graph>> {
             let out = Tensor::zeros(x.shape(), x.dtype(), dev)?;
+            // the captured pass's one op the run did not have, run once before (its kernels loaded)
+            out.slice_set(&x, 0, 0)?;
             let graph = self.capture.capture(dev, (&buf, &out), &mut || {
                 let t = body(&step)?;
                 Ok(out.slice_set(&t, 0, 0)?)
@@ -327,7 +354,6 @@ fn same_bits(a: &Tensor, b: &Tensor) -> Result<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::cell::Cell;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     /// Graphs on the CPU for the tests: `capture` runs the body once (on the CPU a launch runs as it is queued) and
@@ -403,25 +429,27 @@ mod tests {
         let shape = Shape { windows: vec![vals.len()], words: w.len() };
         let head_sec = w.push(head.iter().copied());
         let calls = Cell::new(0);
-        let out = g.run(
-            shape,
-            w,
-            pool,
-            &Device::Cpu,
-            |step| {
-                let k = calls.get();
-                calls.set(k + 1);
-                if let Some(e) = fail(k) {
-                    return Err(e);
-                }
-                Ok((step.view(sec)?.to_dtype(DType::F32)? * 2.0)?.unsqueeze(0)?)
-            },
-            |x, step| {
-                let mut v = x.flatten_all()?.to_vec1::<f32>()?;
-                v.extend(step.view(head_sec)?.to_vec1::<u32>()?.iter().map(|&h| h as f32));
-                Ok(v)
-            },
-        )?;
+        let out = on_lasting_thread(|| {
+            g.run(
+                shape,
+                w,
+                pool,
+                &Device::Cpu,
+                |step| {
+                    let k = calls.get();
+                    calls.set(k + 1);
+                    if let Some(e) = fail(k) {
+                        return Err(e);
+                    }
+                    Ok((step.view(sec)?.to_dtype(DType::F32)? * 2.0)?.unsqueeze(0)?)
+                },
+                |x, step| {
+                    let mut v = x.flatten_all()?.to_vec1::<f32>()?;
+                    v.extend(step.view(head_sec)?.to_vec1::<u32>()?.iter().map(|&h| h as f32));
+                    Ok(v)
+                },
+            )
+        })?;
         Ok((out, calls.get()))
     }
 
@@ -542,6 +570,35 @@ mod tests {
         });
         assert_eq!(run(&g, &pool, &[9, 10]).unwrap(), (doubled(&[9, 10]), 0));
         assert_eq!(counts(&g.capture), [1, 1, 2]);
+    }
+
+    #[test]
+    fn only_lasting_threads_graph_their_forwards() {
+        let (g, pool) = (Graphs::new(Fake::default()), StepBuffers::new());
+        let vals = [1u32, 2];
+        let plain = |vals: &[u32]| {
+            let mut w = StepWords::new();
+            let sec = w.push(vals.iter().copied());
+            let shape = Shape { windows: vec![vals.len()], words: w.len() };
+            g.run(
+                shape,
+                w,
+                &pool,
+                &Device::Cpu,
+                |step| Ok(step.view(sec)?.to_dtype(DType::F32)?),
+                |x, _| Ok(x.to_vec1::<f32>()?),
+            )
+            .unwrap()
+        };
+        // outside `on_lasting_thread`: never captured, however often the shape runs, and nothing remembered
+        for _ in 0..4 {
+            assert_eq!(plain(&vals), [1.0, 2.0]);
+        }
+        assert_eq!(counts(&g.capture), [0, 0, 0]);
+        assert_eq!(g.lock().unwrap().entries.len(), 0);
+        // the mark is undone when the call ends
+        on_lasting_thread(|| run(&g, &pool, &vals).unwrap());
+        assert!(!LASTING.with(Cell::get));
     }
 
     #[test]

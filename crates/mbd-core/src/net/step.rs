@@ -8,7 +8,9 @@
 
 use crate::error::{Error, Result};
 use candle_core::{CpuStorage, DType, Device, Layout, Tensor};
+use std::collections::HashMap;
 use std::sync::Mutex;
+use std::thread::ThreadId;
 
 /// Words each part starts at a multiple of: 16 bytes, so that an address table's 8-byte entries are aligned.
 const ALIGN: usize = 4;
@@ -52,13 +54,15 @@ impl StepWords {
     }
 }
 
-/// A model's upload buffers: u32 tensors on its device, reused forward after forward. A forward takes one (or
-/// makes one, when none is free or the free one is too small) and gives it back when it ends (`Step`'s drop), so
-/// forwards running at once on one model each write their own. On CUDA every write and every read of a buffer is
-/// queued on the device's one stream, so a forward's write waits for the reads of the forward that used it before.
+/// A model's upload buffers: u32 tensors on its device, reused forward after forward, each by the thread that made
+/// it. A forward takes one of its thread's (or makes one, when none is free or the free one is too small) and gives
+/// it back when it ends (`Step`'s drop), so forwards running at once on one model each write their own. On CUDA each
+/// thread queues its work on its own stream (candle's per-thread default stream): a buffer goes back to its thread
+/// only, whose next write is queued after the reads of the forward that used it before. (Given to another thread, the
+/// write could overtake those reads.)
 #[derive(Debug, Default)]
 pub(crate) struct StepBuffers {
-    free: Mutex<Vec<Tensor>>,
+    free: Mutex<HashMap<ThreadId, Vec<Tensor>>>,
 }
 
 impl StepBuffers {
@@ -69,7 +73,9 @@ impl StepBuffers {
     /// Writes `words` into a buffer on `dev` in one copy; the forward reads its sections from the returned `Step`.
     pub(crate) fn upload(&self, words: StepWords, dev: &Device) -> Result<Step<'_>> {
         let n = words.len();
-        let taken = self.free.lock().map_err(|_| Error::Internal("a forward panicked".into()))?.pop();
+        let me = std::thread::current().id();
+        let taken =
+            self.free.lock().map_err(|_| Error::Internal("a forward panicked".into()))?.get_mut(&me).and_then(Vec::pop);
         let buf = match taken {
             Some(b) if b.elem_count() >= n && b.device().same_device(dev) => b,
             _ => Tensor::zeros(n.max(MIN_WORDS).next_power_of_two(), DType::U32, dev)?,
@@ -78,10 +84,10 @@ impl StepBuffers {
         Ok(Step { buf: Some(buf), owner: Some(self) })
     }
 
-    /// Buffers free now (for tests).
+    /// Buffers free now, of every thread (for tests).
     #[cfg(test)]
     fn free(&self) -> usize {
-        self.free.lock().unwrap().len()
+        self.free.lock().unwrap().values().map(Vec::len).sum()
     }
 }
 
@@ -120,7 +126,7 @@ impl Step<'_> {
 impl Drop for Step<'_> {
     fn drop(&mut self) {
         if let (Some(b), Some(Ok(mut free))) = (self.buf.take(), self.owner.map(|o| o.free.lock())) {
-            free.push(b);
+            free.entry(std::thread::current().id()).or_default().push(b);
         }
     }
 }
@@ -221,5 +227,14 @@ mod tests {
         drop(big);
         assert_eq!(bufs.free(), 2);
         let _ = s1;
+        // another thread never takes this thread's buffers (on CUDA its stream is not ordered with this one's)
+        let here = [address(&bufs.upload(words(3).1, &Device::Cpu).unwrap())];
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                let there = bufs.upload(words(3).1, &Device::Cpu).unwrap();
+                assert!(!here.contains(&address(&there)));
+            });
+        });
+        assert_eq!(bufs.free(), 3);
     }
 }
