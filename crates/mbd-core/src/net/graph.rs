@@ -32,7 +32,7 @@ use std::thread::ThreadId;
 
 /// Forwards of at most this many rows (all segments') are graphed: decode steps, which the launches' cost bounds.
 /// A prefill chunk's products outlast its launches, and its graph would keep that many rows' activations.
-pub(crate) const MAX_ROWS: usize = 256;
+const MAX_ROWS: usize = 256;
 /// Graphs one model keeps at most (each holds its buffers and the memory its launches allocate).
 const MAX_GRAPHS: usize = 32;
 /// Shapes remembered at most (forwards of further shapes run without a graph).
@@ -183,8 +183,8 @@ impl<C: Capture> Graphs<C> {
 
     /// Runs a forward of `shape` whose device inputs are `words`: its layers by `body` (the embedding and every
     /// layer: the hidden states), with or without its graph (see the module's comment), then `head` on the hidden
-    /// states and the step holding the words (without a graph, one of `pool`'s buffers). `rows`: the forward's
-    /// stacked rows (the head's words, after the layers', are at most twice as many on a graph's buffer).
+    /// states and the step holding the words (without a graph, one of `pool`'s buffers). A graph's buffer has room
+    /// after the layers' words for twice the forward's rows of the head's.
     pub(crate) fn run<T>(
         &self,
         shape: Shape,
@@ -194,11 +194,12 @@ impl<C: Capture> Graphs<C> {
         mut body: impl FnMut(&Step<'_>) -> Result<Tensor>,
         head: impl FnOnce(&Tensor, &Step<'_>) -> Result<T>,
     ) -> Result<T> {
-        if !LASTING.with(Cell::get) {
+        let rows: usize = shape.windows.iter().sum();
+        if !LASTING.with(Cell::get) || rows > MAX_ROWS {
             let (x, step) = eager(pool, words, dev, &mut body)?;
             return head(&x, &step);
         }
-        let room = shape.words.next_multiple_of(4) + 2 * shape.windows.iter().sum::<usize>();
+        let room = StepWords::room_after(shape.words, 2 * rows);
         let key = (std::thread::current().id(), shape);
         let taken = {
             let mut st = self.lock()?;

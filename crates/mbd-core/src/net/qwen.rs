@@ -21,7 +21,7 @@ use crate::load::config::{ModelConfig, MoeConfig};
 use crate::load::weights::Weights;
 use crate::net::attention::{AttnPath, ForwardAttention};
 use crate::net::gdn::{check_in_order, GatedDeltaNet};
-use crate::net::graph::{self, GraphStats, Graphs, Shape};
+use crate::net::graph::{GraphStats, Graphs, Shape};
 use crate::net::kv_cache::KvCache;
 use crate::net::layers::{Linear, RmsNorm, Stacked};
 use crate::net::linear::{Groups, Holder, Matrix};
@@ -640,17 +640,14 @@ impl QwenModel {
         let pick_at = words.push(pick.iter().copied().filter(|_| !identity));
         // a CUDA graph of the layers per forward shape (net::graph) where every launch reads what changes from
         // the upload
-        let graphed = kn.cuda_graphs
-            && total <= graph::MAX_ROWS
-            && att_words.together()
-            && self.graphable
-            && crate::kernels::cuda::runs_on(dev, self.dtype);
+        let graphed =
+            kn.cuda_graphs && att_words.together() && self.graphable && crate::kernels::cuda::runs_on(dev, self.dtype);
         let shape = graphed.then(|| Shape { windows: segs.iter().map(|s| s.ids.len()).collect(), words: layer_words });
         let heads = (heads, kv_heads, head_dim);
         // each residual add and the norm after it: one launch on CUDA with mbd-rs's kernels
         let fused_norms = kn.cuda_fused && crate::kernels::cuda::runs_on(dev, self.dtype);
         // the layers: the last hidden states of every stacked row (what a graph captures and replays)
-        let layers = |step: &Step<'_>| -> Result<Tensor> {
+        let mut layers = |step: &Step<'_>| -> Result<Tensor> {
             // RoPE tables in f32 for every row's position; candle's rope takes them cast to the compute dtype.
             let freqs = step.view(pos_at)?.to_dtype(DType::F32)?.reshape((total, 1))?.broadcast_mul(&self.inv_freq)?;
             let (cos, sin) = match path {
@@ -700,7 +697,6 @@ impl QwenModel {
         match shape {
             Some(shape) => self.graphs.run(shape, words, &self.step_buffers, dev, layers, head),
             None => {
-                let mut layers = layers;
                 let step = self.step_buffers.upload(words, dev)?;
                 let x = layers(&step)?;
                 head(&x, &step)
