@@ -92,7 +92,7 @@ def expand(text: str, start: int) -> list[str]:
 def inline_modules(code: str) -> list[tuple[int, int]]:
     """Byte ranges of the inline modules (`mod name { ... }`) of a file's code."""
     spans = []
-    for m in re.finditer(rf"\bmod\s+{IDENT}\s*\{{", code):
+    for m in re.finditer(rf"\bmod\s+\$?{IDENT}\s*\{{", code):
         depth, j = 0, m.end() - 1
         while j < len(code):
             depth += code[j] == "{"
@@ -113,11 +113,13 @@ def references(text: str, module: str, siblings: set[str]) -> list[str]:
     # super:: from the file itself reaches its parent module (super:: inside an inline module reaches this file)
     inline = inline_modules(code)
     parent = module.rsplit("::", 1)[0] if "::" in module else ""
-    for m in re.finditer(rf"(?<![A-Za-z0-9_:])super::({IDENT})", code):
+    for m in re.finditer(rf"(?<![A-Za-z0-9_:])super::({IDENT}|\*|\{{)", code):
         if any(a <= m.start() <= b for a, b in inline):
             continue
-        name = m.group(1)
-        refs.append((f"{parent}::{name}" if parent else name) if name in siblings else parent)
+        # `super::{a, b::c}`: each item; `super::*`: the parent itself
+        names = [p.split("::")[0] for p in expand(code, m.start(1))] if m.group(1) == "{" else [m.group(1)]
+        for name in names:
+            refs.append((f"{parent}::{name}" if parent else name) if name in siblings else parent)
     return refs
 
 

@@ -28,7 +28,7 @@ def test_the_tree_follows_its_floor_plan():
     assert "circles 0" in r.stdout and "upward or sideways references 0" in r.stdout
 
 
-@pytest.mark.parametrize("case", ["upward", "sideways", "circle", "outside", "super"])
+@pytest.mark.parametrize("case", ["upward", "sideways", "circle", "outside", "super", "glob"])
 def test_the_check_fails_on_a_broken_plan(tmp_path, case):
     src = str(tmp_path / "src")
     shutil.copytree(SRC, src)
@@ -44,8 +44,8 @@ def test_the_check_fails_on_a_broken_plan(tmp_path, case):
         add("kernels/skinny.rs", "use crate::net::linear::Matrix;")
         want = re.compile(r"kernels/skinny \(kernels, floor \d+\) refers upward to net/linear \(net, floor \d+\)")
     elif case == "sideways":  # two files of one floor
-        add("kernels/panels.rs", "use crate::kernels::qdot::DotMatrix;")
-        want = "refers sideways (same floor) to kernels/qdot"
+        add("kernels/panels/mod.rs", "use crate::kernels::qdot::DotMatrix;")
+        want = "refers sideways (same floor) to kernels/qdot/mod"
     elif case == "circle":  # the scheduler's vocabulary pulled down into params, closing a loop
         add("params/request.rs", "use crate::generate::scheduler::Scheduler;")
         want = "circle"
@@ -53,6 +53,9 @@ def test_the_check_fails_on_a_broken_plan(tmp_path, case):
         with open(os.path.join(src, "kernels", "extra.rs"), "w") as f:
             f.write("pub fn f() {}\n")
         want = "kernels/extra is outside every wing"
+    elif case == "glob":  # a folder's module reached through `super::*` (as a macro's inline module does too)
+        add("net/mask.rs", "use super::*;")
+        want = re.compile(r"net/mask \(net, floor \d+\) refers sideways \(same floor\) to net/mod \(net, floor \d+\)")
     else:  # a sibling reached through super::
         add("net/kv_cache.rs", "use super::linear::Matrix;")
         want = re.compile(r"net/kv_cache \(net, floor \d+\) refers upward to net/linear \(net, floor \d+\)")
