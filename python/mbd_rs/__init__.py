@@ -1,4 +1,5 @@
-"""mbd-rs: fast, exact inference for block-diffusion LLMs on the Qwen2/Qwen3 architectures."""
+"""Fast, exact inference for block-diffusion language models (SDAR, TraDo, Fast-dLLM v2, Dream/d3LLM, I-DLM)
+on Qwen2, Qwen3 and Qwen3.5, in Rust on candle, driven from Python."""
 from importlib import metadata as _metadata
 
 from . import _cuda_libs, errors
