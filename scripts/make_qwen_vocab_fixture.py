@@ -1,7 +1,7 @@
 """Build a real Qwen2 tokenizer (151,643 byte-level BPE tokens + special tokens) and a small random-weight
 Qwen2-architecture model that uses it, from the vocabulary GGUF that llama.cpp ships for its tokenizer tests.
 
-Source: llama.cpp's `models/ggml-vocab-qwen2.gguf` (vocabulary only, no weights) with its golden tokenization
+Source: `llama.cpp/models/ggml-vocab-qwen2.gguf` (vocabulary only, no weights) with its golden tokenization
 vectors `ggml-vocab-qwen2.gguf.inp` / `.out`, as vendored in the PyPI source distribution of llama-cpp-python:
     pip download --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36 -d ~/.cache/mbd-rs
 Needs numpy, safetensors and gguf (pip install gguf==0.19.0); nothing is fetched from a model hub.
