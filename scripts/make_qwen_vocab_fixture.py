@@ -387,7 +387,7 @@ def write_model(v: dict, outdir: str, seed: int = 0) -> dict:
     tok = write_tokenizer(v, outdir, extra_special=[MASK_TOKEN])
     vocab = tok["model"]["vocab"]
     ids = {a["content"]: a["id"] for a in tok["added_tokens"]}
-    V, H, I = len(v["tokens"]), HIDDEN, INTERMEDIATE  # the GGUF's embedding size (151936), as Qwen's configs
+    V, H, FF = len(v["tokens"]), HIDDEN, INTERMEDIATE  # the GGUF's embedding size (151936), as Qwen's configs
     D = H // HEADS
     assert max(ids.values()) < V
     after = vocab[token_str(SCRIPT_AFTER.encode())]
@@ -426,9 +426,9 @@ def write_model(v: dict, outdir: str, seed: int = 0) -> dict:
         t[f"{p}.self_attn.v_proj.bias"] = (0.1 * rng.standard_normal(KV_HEADS * D)).astype(np.float32)
         # what the layers add to the residual stream is small next to the embedding (|x| ~ 1 per coordinate)
         t[f"{p}.self_attn.o_proj.weight"] = w(H, HEADS * D, scale=0.01)
-        t[f"{p}.mlp.gate_proj.weight"] = w(I, H)
-        t[f"{p}.mlp.up_proj.weight"] = w(I, H)
-        t[f"{p}.mlp.down_proj.weight"] = w(H, I, scale=0.01)
+        t[f"{p}.mlp.gate_proj.weight"] = w(FF, H)
+        t[f"{p}.mlp.up_proj.weight"] = w(FF, H)
+        t[f"{p}.mlp.down_proj.weight"] = w(H, FF, scale=0.01)
     from safetensors.numpy import save_file
 
     save_file(t, os.path.join(outdir, "model.safetensors"), metadata={"format": "pt"})
@@ -438,7 +438,7 @@ def write_model(v: dict, outdir: str, seed: int = 0) -> dict:
         "model_type": "qwen2",
         "hidden_act": "silu",
         "hidden_size": H,
-        "intermediate_size": I,
+        "intermediate_size": FF,
         "num_hidden_layers": LAYERS,
         "num_attention_heads": HEADS,
         "num_key_value_heads": KV_HEADS,

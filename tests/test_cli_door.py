@@ -7,8 +7,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 import mbd_rs
 
 

@@ -76,7 +76,7 @@ def test_sampling_is_seeded(eng):
 
 def test_cancel_and_close(eng):
     s = eng.stream(PROMPT, max_tokens=64, threshold=0.0)
-    first = next(s)
+    next(s)
     s.cancel()
     rest = list(s)
     assert rest[-1].finish_reason == "cancelled" and len(s.token_ids) < 64
