@@ -9,7 +9,7 @@ from mbd_rs import CancelToken, Engine, RequestCancelledError
 
 eng = Engine.load()
 stream = eng.stream_chat([{"role": "user", "content": "repeat ab 3"}], max_tokens=64)
-for chunk in stream:
+for _ in stream:
     stream.cancel()  # after the first chunk
 print("stream:", stream.finish_reason)
 

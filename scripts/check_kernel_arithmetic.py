@@ -1,4 +1,4 @@
-"""Check that mbd-rs's CUDA kernels that must give the same bits do the same arithmetic (issue #51).
+"""Check that mbd-rs's CUDA kernels that must give the same bits do the same arithmetic (docs/dev/cuda.md).
 
 The `*_segments` kernels (every segment of a forward in one launch) share their device functions with the
 per-segment kernels (`mbd_prep_*`, `mbd_attn_partial_*`, `mbd_attn_combine_*`), and each segment keeps its own

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The floor plan of crates/mbd-core/src, enforced: imports run only downward.
 
-The allowed order is declared once, in docs/architecture.md, in the fenced block marked `layers`: one floor per
+The allowed order is declared once, in docs/dev/architecture.md, in the fenced block marked `layers`: one floor per
 line, bottom first, as `wing: file file ...` (paths under src/ without `.rs`; `a/mod` is the folder's module file).
 A file may refer only to files on the lines above its own (`crate::` and `$crate::` paths, `super::sibling`). The
 check fails on an upward or sideways reference, on a file that is on no line (outside any wing), on a line that
@@ -205,7 +205,7 @@ def depth(nodes: list[Path], edges: dict[Path, set[Path]]) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--src", type=Path, default=ROOT / "crates/mbd-core/src")
-    ap.add_argument("--plan", type=Path, default=ROOT / "docs/architecture.md")
+    ap.add_argument("--plan", type=Path, default=ROOT / "docs/dev/architecture.md")
     ap.add_argument("--report", action="store_true")
     ap.add_argument("--no-plan", action="store_true", help="only the report (a tree with no floor plan yet)")
     a = ap.parse_args()

@@ -26,7 +26,7 @@ for _flag in SHAPE:
 ARGS = [a for a in ARGV if not a.startswith("--")]
 BF16 = "--bf16" in ARGV
 OUT = ARGS[0] if ARGS else "/tmp/mbd-bench/qwen2.5-0.5b-shape" + ("-bf16" if BF16 else "")
-H, L, NH, NKV, I, V = SHAPE["--hidden"], SHAPE["--layers"], SHAPE["--heads"], 2, SHAPE["--inter"], 151936
+H, L, NH, NKV, FF, V = SHAPE["--hidden"], SHAPE["--layers"], SHAPE["--heads"], 2, SHAPE["--inter"], 151936
 D = H // NH
 
 
@@ -52,15 +52,15 @@ def main():
         t[f"{p}.self_attn.v_proj.weight"] = w(NKV * D, H)
         t[f"{p}.self_attn.v_proj.bias"] = np.zeros(NKV * D, np.float32)
         t[f"{p}.self_attn.o_proj.weight"] = w(H, NH * D)
-        t[f"{p}.mlp.gate_proj.weight"] = w(I, H)
-        t[f"{p}.mlp.up_proj.weight"] = w(I, H)
-        t[f"{p}.mlp.down_proj.weight"] = w(H, I)
+        t[f"{p}.mlp.gate_proj.weight"] = w(FF, H)
+        t[f"{p}.mlp.up_proj.weight"] = w(FF, H)
+        t[f"{p}.mlp.down_proj.weight"] = w(H, FF)
     if BF16:
         save_bf16(t, os.path.join(OUT, "model.safetensors"))
     else:
         save_file(t, os.path.join(OUT, "model.safetensors"))
     cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": H, "num_hidden_layers": L,
-           "num_attention_heads": NH, "num_key_value_heads": NKV, "intermediate_size": I, "vocab_size": V,
+           "num_attention_heads": NH, "num_key_value_heads": NKV, "intermediate_size": FF, "vocab_size": V,
            "tie_word_embeddings": True, "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
            "hidden_act": "silu", "torch_dtype": "bfloat16" if BF16 else "float32", "use_sliding_window": False, "sliding_window": None,
            "eos_token_id": 151643, "bos_token_id": 151643, "block_size": 32, "mask_token_id": 151665}

@@ -154,12 +154,12 @@ def main():
                 "eos_every_shifted": dict(threshold=h50, eos=[0, eos], forced="every", logits_shift=True),
                 "full_attention": dict(attention="full", threshold=h50, logits_shift=True, block_size=5),
                 "causal_attention": dict(attention="causal", threshold=h50, logits_shift=True, block_size=4),
-                # Fast-dLLM v2 sub-blocks (issue #19): unshifted, and shifted with the block-start step
+                # Fast-dLLM v2 sub-blocks: unshifted, and shifted with the block-start step
                 "sub_block": dict(acceptance="confidence", threshold=round(float(pq[1]), 3), alpha=1.0,
                                   block_size=8, sub_block=4),
                 "fast_dllm_v2": dict(acceptance="confidence", threshold=round(float(pq[1]), 3), alpha=1.0,
                                      block_size=8, sub_block=4, logits_shift=True),
-                # S2D2 (issue #19)
+                # S2D2 self-speculative verification
                 "s2d2_always": dict(threshold=h50, alpha=1.0, s2d2=S2D2("always")),
                 "s2d2_always_multiblock": dict(threshold=h50, s2d2=S2D2("always")),
                 "s2d2_min_span": dict(threshold=h50, alpha=1.0, s2d2=S2D2("min_span", min_span=2)),
@@ -171,7 +171,7 @@ def main():
                 "s2d2_fast_dllm_v2": dict(acceptance="confidence", threshold=round(float(pq[1]), 3), alpha=1.0,
                                           block_size=8, sub_block=4, logits_shift=True,
                                           s2d2=S2D2("hysteresis", penalty_kind="dynamic")),
-                # d3LLM's approximate prefix cache for full attention (issue #14)
+                # d3LLM's approximate prefix cache for full attention
                 "prefix_d1": dict(attention="full", threshold=h50, logits_shift=True, block_size=5,
                                   cache=PREFIX(1)),
                 "prefix_d0_unshifted": dict(attention="full", threshold=h50, block_size=4, cache=PREFIX(0)),
@@ -183,7 +183,7 @@ def main():
                                           cache=PREFIX(1, window="created")),
                 "prefix_d2_refresh3_created_unshifted": dict(attention="full", threshold=h50, block_size=5,
                                                              cache=PREFIX(2, 3, window="created")),
-                # Fast-dLLM v1's dual cache for full attention (issue #14)
+                # Fast-dLLM v1's dual cache for full attention
                 "dual": dict(attention="full", threshold=h50, logits_shift=True, block_size=4, cache=dict(mode="dual")),
                 "dual_single_block_unshifted": dict(attention="full", threshold=h50, block_size=4, alpha=1.0,
                                                     cache=dict(mode="dual")),
@@ -191,8 +191,8 @@ def main():
                                     cache=dict(mode="dual")),
                 "s2d2_prompt_grid_eos": dict(threshold=h50, alignment="prompt", block_size=5, eos=[0, eos],
                                              s2d2=S2D2("score", score_threshold=0.5)),
-                # issue #53: TDAR's BACD (bounds from this model's confidence quantiles), dInfer's CreditDecoding,
-                # DUS's dilated schedule
+                # the acceptance rules of 2026: TDAR's BACD (bounds from this model's confidence quantiles), dInfer's
+                # CreditDecoding, DUS's dilated schedule
                 "bacd_single_block": dict(acceptance="bacd", threshold=None, alpha=1.0, block_size=8,
                                           bacd=(round(float(pq[0]), 3), round(float(pq[2]), 3))),
                 "bacd_multiblock_every": dict(acceptance="bacd", threshold=None, forced="every",
@@ -209,7 +209,7 @@ def main():
                 "dus_multiblock_b4": dict(acceptance="dus", threshold=None),
                 "dus_prompt_grid_b6_shifted": dict(acceptance="dus", threshold=None, alignment="prompt", block_size=6,
                                                    logits_shift=True, alpha=0.5, beta=0.5),
-                # TDAR's TCCF (issue #53): think in blocks of 4 until a trigger token the model produces, then the
+                # TDAR's TCCF: think in blocks of 4 until a trigger token the model produces, then the
                 # check text and the answer in blocks of 1 or 2
                 "tccf_b1_multiblock": dict(threshold=h50, eos=[0, eos], tccf=dict(answer_block=1)),
                 "tccf_b2_single_block": dict(acceptance="confidence", threshold=round(float(pq[1]), 3), alpha=1.0,

@@ -1,4 +1,4 @@
-"""Record greedy ISD on the trained I-DLM twin (models/mbd-idlm-tiny, issue #53) with the reference decoder
+"""Record greedy ISD on the trained I-DLM twin (models/mbd-idlm-tiny) with the reference decoder
 (tests/reference/decoder.py `reference_isd`, HF transformers in float32), for tests/test_trained_twins.py to hold the
 engine to: the same tokens and the same forward count at every stride. On random weights no draft is ever accepted,
 so only a trained model checks the acceptance walk (runs of accepted drafts, bonus tokens, rejections and cold

@@ -1,4 +1,4 @@
-"""Record greedy multi-block decoding on the trained Qwen3.5 hybrid twin (models/mbd-qwen35-tiny, issue #52) with
+"""Record greedy multi-block decoding on the trained Qwen3.5 hybrid twin (models/mbd-qwen35-tiny) with
 the reference decoder (tests/reference/decoder.py `reference_decode`, HF transformers' Qwen3_5ForCausalLM in float32,
 the block mask on the softmax layers, the Gated DeltaNet layers causal), for tests/test_trained_twins.py to hold the
 engine to: the same tokens and the same forward count, cache on and off. On random weights a window rarely commits

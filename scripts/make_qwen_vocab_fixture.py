@@ -1,7 +1,7 @@
 """Build a real Qwen2 tokenizer (151,643 byte-level BPE tokens + special tokens) and a small random-weight
 Qwen2-architecture model that uses it, from the vocabulary GGUF that llama.cpp ships for its tokenizer tests.
 
-Source: llama.cpp's `models/ggml-vocab-qwen2.gguf` (vocabulary only, no weights) with its golden tokenization
+Source: `llama.cpp/models/ggml-vocab-qwen2.gguf` (vocabulary only, no weights) with its golden tokenization
 vectors `ggml-vocab-qwen2.gguf.inp` / `.out`, as vendored in the PyPI source distribution of llama-cpp-python:
     pip download --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36 -d ~/.cache/mbd-rs
 Needs numpy, safetensors and gguf (pip install gguf==0.19.0); nothing is fetched from a model hub.
@@ -387,7 +387,7 @@ def write_model(v: dict, outdir: str, seed: int = 0) -> dict:
     tok = write_tokenizer(v, outdir, extra_special=[MASK_TOKEN])
     vocab = tok["model"]["vocab"]
     ids = {a["content"]: a["id"] for a in tok["added_tokens"]}
-    V, H, I = len(v["tokens"]), HIDDEN, INTERMEDIATE  # the GGUF's embedding size (151936), as Qwen's configs
+    V, H, FF = len(v["tokens"]), HIDDEN, INTERMEDIATE  # the GGUF's embedding size (151936), as Qwen's configs
     D = H // HEADS
     assert max(ids.values()) < V
     after = vocab[token_str(SCRIPT_AFTER.encode())]
@@ -426,9 +426,9 @@ def write_model(v: dict, outdir: str, seed: int = 0) -> dict:
         t[f"{p}.self_attn.v_proj.bias"] = (0.1 * rng.standard_normal(KV_HEADS * D)).astype(np.float32)
         # what the layers add to the residual stream is small next to the embedding (|x| ~ 1 per coordinate)
         t[f"{p}.self_attn.o_proj.weight"] = w(H, HEADS * D, scale=0.01)
-        t[f"{p}.mlp.gate_proj.weight"] = w(I, H)
-        t[f"{p}.mlp.up_proj.weight"] = w(I, H)
-        t[f"{p}.mlp.down_proj.weight"] = w(H, I, scale=0.01)
+        t[f"{p}.mlp.gate_proj.weight"] = w(FF, H)
+        t[f"{p}.mlp.up_proj.weight"] = w(FF, H)
+        t[f"{p}.mlp.down_proj.weight"] = w(H, FF, scale=0.01)
     from safetensors.numpy import save_file
 
     save_file(t, os.path.join(outdir, "model.safetensors"), metadata={"format": "pt"})
@@ -438,7 +438,7 @@ def write_model(v: dict, outdir: str, seed: int = 0) -> dict:
         "model_type": "qwen2",
         "hidden_act": "silu",
         "hidden_size": H,
-        "intermediate_size": I,
+        "intermediate_size": FF,
         "num_hidden_layers": LAYERS,
         "num_attention_heads": HEADS,
         "num_key_value_heads": KV_HEADS,

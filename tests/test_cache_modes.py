@@ -1,4 +1,4 @@
-"""The `cache` parameter (issue #14): exact / none / prefix / dual. Parity of the prefix cache with d3LLM's schedule over
+"""The `cache` parameter: exact / none / prefix / dual. Parity of the prefix cache with d3LLM's schedule over
 transformers is in test_decode_parity.py (the prefix_* cases); here: what each mode forwards, the limits of the
 approximation, and bad combinations."""
 import functools

@@ -1,4 +1,4 @@
-"""Long calls stop when asked (#54): a CancelToken stops Engine.logits / prompt_logprobs within a chunk of work (a
+"""Long calls stop when asked: a CancelToken stops Engine.logits / prompt_logprobs within a chunk of work (a
 query chunk or kernel task of a long window's attention), a stream's cancel() stops a long prefill or a no-cache
 recompute at once, and Ctrl-C (SIGINT) interrupts a waiting logits call or stream read (KeyboardInterrupt, the
 generation cancelled)."""

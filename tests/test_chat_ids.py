@@ -1,7 +1,6 @@
-"""Chat prompts as the engine runs them (#54): roles are OpenAI's (a role spelling control tokens cannot open a
+"""Chat prompts as the engine runs them: roles are OpenAI's (a role spelling control tokens cannot open a
 spoofed turn), `Engine.chat_ids` gives exactly the ids a chat generation runs on (contents kept as text), and
 `Engine.token_bytes` gives each token's bytes where a token holds part of a character."""
-import os
 
 import pytest
 

@@ -37,8 +37,8 @@ def test_prompt_from_stdin_and_file(tmp_path):
 def test_visual_trace_shows_blocks():
     r = cli("generate", "--chat", "hello Ada", "--visual", "--max-tokens", "16")
     assert r.returncode == 0
-    steps = [l for l in r.stdout.splitlines() if l.startswith("step")]
-    assert steps and all("|" in l for l in steps)
+    steps = [line for line in r.stdout.splitlines() if line.startswith("step")]
+    assert steps and all("|" in line for line in steps)
     assert "tokens/forward" in r.stderr
 
 
@@ -72,7 +72,7 @@ def test_bench_runs():
 def test_info_is_readable_and_missing_is_not_unsupported(tmp_path):
     r = cli("info", parity_dir("qwen3moe_top1"))
     assert r.returncode == 0
-    lines = dict(l.split(None, 1) for l in r.stdout.splitlines())
+    lines = dict(line.split(None, 1) for line in r.stdout.splitlines())
     assert lines["family"].startswith("qwen3_moe") and "experts" in lines["family"] and lines["supported"] == "yes"
     r = cli("info", str(tmp_path / "missing"))
     assert r.returncode == 2 and "cannot load" in r.stderr and "not supported" not in r.stderr

@@ -1,4 +1,4 @@
-"""The CLI as a newcomer meets it (#55): profile overrides as flags derived from the core's registry (an SDAR-style
+"""The CLI as a newcomer meets it: profile overrides as flags derived from the core's registry (an SDAR-style
 GGUF or a plain directory can be configured from the command line), and Ctrl-C that stops the work at once: exit
 130 with a message in `generate`, the answer (not the session) in `chat`."""
 import json
@@ -6,8 +6,6 @@ import signal
 import subprocess
 import sys
 import time
-
-import pytest
 
 import mbd_rs
 

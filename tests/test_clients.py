@@ -1,4 +1,4 @@
-"""Real third-party clients against a live `mbd-rs serve` on 127.0.0.1 (issue #15): LiteLLM and langchain-openai,
+"""Real third-party clients against a live `mbd-rs serve` on 127.0.0.1: LiteLLM and langchain-openai,
 no mocks. The server is a subprocess of this interpreter (`sys.executable -m mbd_rs serve`) on the embedded model;
 every answer is compared with the engine's own answer to the same request, computed in-process at temperature 0,
 streams must reassemble to that text, and usage must match wherever the client exposes it. Every request is

@@ -1,6 +1,6 @@
-"""The 2026 acceptance rules (issue #53) beyond the reference parity (tests/test_decode_parity.py, which checks
-BACD, CreditDecoding and DUS token for token and forward for forward against tests/reference/decoder.py): the
-parity cases are sensitive to what each rule adds, each rule reaches the CLI's derived flags, and the parameters
+"""The acceptance rules of 2026 (BACD, CreditDecoding, DUS) beyond the reference parity (tests/test_decode_parity.py,
+which checks BACD, CreditDecoding and DUS token for token and forward for forward against tests/reference/decoder.py):
+the parity cases are sensitive to what each rule adds, each rule reaches the CLI's derived flags, and the parameters
 that do not apply get clear errors."""
 import json
 

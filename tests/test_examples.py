@@ -1,4 +1,4 @@
-"""Every script in examples/ runs on the embedded model and says what its README line promises (#55)."""
+"""Every script in examples/ runs on the embedded model and says what its README line promises."""
 import os
 import subprocess
 import sys

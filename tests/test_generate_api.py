@@ -76,7 +76,7 @@ def test_sampling_is_seeded(eng):
 
 def test_cancel_and_close(eng):
     s = eng.stream(PROMPT, max_tokens=64, threshold=0.0)
-    first = next(s)
+    next(s)
     s.cancel()
     rest = list(s)
     assert rest[-1].finish_reason == "cancelled" and len(s.token_ids) < 64
@@ -170,7 +170,7 @@ def test_no_chat_template_is_clear(eng):
 
 
 def test_chat_by_default_where_the_model_has_a_template():
-    """A text prompt is the user's message on a model with a chat template (issue #55): the embedded model answers
+    """A text prompt is the user's message on a model with a chat template: the embedded model answers
     a task as its chat does; raw=True, a templated prompt and token ids complete the text as it is."""
     eng = mbd_rs.Engine.load()
     msg = [{"role": "user", "content": "sort 3 1 2"}]

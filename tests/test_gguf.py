@@ -16,7 +16,6 @@ import importlib.util
 import json
 import os
 import random
-import shutil
 
 import numpy as np
 import pytest
@@ -287,9 +286,6 @@ def test_qwen_vocabulary_gguf_golden_vectors(tmp_path, pre):
     vocab = len(tok["tokenizer.ggml.tokens"])
     rng = np.random.default_rng(0)
     h = 32
-    cfg = {"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 1, "max_position_embeddings": 512,
-           "hidden_size": h, "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2,
-           "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
     p = "model.layers.0"
     t = {"model.embed_tokens.weight": rng.normal(0, 1, (vocab, h)).astype(np.float16),
          "model.norm.weight": np.ones(h, np.float32)}

@@ -356,7 +356,8 @@ SERVER_CASES = [
     (dict(body={"prompt": "x" * 60000}, route="/v1/completions"), 400,
      "the prompt has 60000 tokens; this server takes at most 8192"),
     (dict(body={"prompt": [-1]}, route="/v1/completions"), 400, "token id -1 at index 0 is out of range"),
-    # round two (issue #54): the server's cap on positions per request, huge literals, echo's generation fields
+    # round two of the hostile-input review: the server's cap on positions per request, huge literals, echo's
+    # generation fields
     (dict(body={"prompt": [5] * 9000}, route="/v1/completions"), 400, "the prompt has 9000 tokens; this server takes "
      "at most 8192 tokens per request"),
     (dict(body={"prompt": [5] * 8000, "max_tokens": 500}, route="/v1/completions"), 400,

@@ -1,4 +1,4 @@
-"""Hostile or careless model directories (issue #11, loading side): each gives a specific exception whose message
+"""Hostile or careless model directories (the loading side): each gives a specific exception whose message
 names the file and the field / tensor and value. Candidates that used to abort the process (allocation failure is
 an abort, not a panic) also run in a subprocess, which must survive."""
 import json

@@ -1,4 +1,4 @@
-"""I-DLM's introspective strided decoding (speculative="isd", issue #53). Greedy ISD must reproduce greedy AR decoding
+"""I-DLM's introspective strided decoding (speculative="isd"). Greedy ISD must reproduce greedy AR decoding
 of the same weights token for token (the exact oracle: each written token is the argmax of a causal row over final
 tokens), for every stride, with the cache on and off, with stops inside a step, and in batches; sampled ISD must
 write each token distributed as the verifier p (speculative sampling), checked against p computed from the logits

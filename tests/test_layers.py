@@ -1,4 +1,4 @@
-"""The floor plan of crates/mbd-core/src (docs/architecture.md's `layers` block) holds, and its check can fail:
+"""The floor plan of crates/mbd-core/src (docs/dev/architecture.md's `layers` block) holds, and its check can fail:
 an upward import, a circle or a file outside every wing each turn scripts/check_layers.py red."""
 import os
 import re
@@ -11,7 +11,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(ROOT, "crates", "mbd-core", "src")
 CHECK = os.path.join(ROOT, "scripts", "check_layers.py")
-PLAN = os.path.join(ROOT, "docs", "architecture.md")
+PLAN = os.path.join(ROOT, "docs", "dev", "architecture.md")
 
 pytestmark = [pytest.mark.source_tree,
               pytest.mark.skipif(not os.path.isdir(SRC), reason="needs the source tree (not an installed wheel)")]

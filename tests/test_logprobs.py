@@ -1,4 +1,4 @@
-"""Log-probabilities (issue #15): each generated token's under the forward that decided it (`logprobs=k`; the
+"""Log-probabilities: each generated token's under the forward that decided it (`logprobs=k`; the
 reference-decoder parity of the values is in test_decode_parity.py), and a prompt's left-to-right scores
 (`Engine.prompt_logprobs`) against transformers by their definition, one forward per position
 (tests/fixtures/decode/prompt_logprobs.json, recorded by scripts/make_decode_fixtures.py)."""

@@ -1,4 +1,4 @@
-"""scripts/make_checkpoint.py makes what a user would point the engine at for each family (#55 item 7): the
+"""scripts/make_checkpoint.py makes what a user would point the engine at for each family: the
 published architecture and decoding fields, the mask token at its real id in a real Qwen vocabulary (when
 llama-cpp-python's sdist is at hand), sharded weights with an index, and a model that loads and decodes."""
 import json

@@ -1,4 +1,4 @@
-"""Quantized weights (`Engine.load(..., quantize=...)`, issue #18).
+"""Quantized weights (`Engine.load(..., quantize=...)`; docs/quantization.md).
 
 The q8_0 reference below is written from the GGUF block format (blocks of 32 values along a row: d = max|x| / 127
 stored as float16, q = round-half-away(x / d) as int8, value = q * d) in numpy, independently of the engine: a

@@ -1,4 +1,4 @@
-"""Qwen3.5 hybrid models (issue #52): Gated DeltaNet layers beside gated softmax attention. Logits through the
+"""Qwen3.5 hybrid models: Gated DeltaNet layers beside gated softmax attention. Logits through the
 cache equal transformers' full forward (fixtures of scripts/make_parity_fixtures.py; the whole-sequence cases are
 in test_parity.py, decoding in test_decode_parity.py and test_isd.py); batched streams equal lone ones; the VL
 checkpoint layout loads the same language model; what a recurrent state cannot do gets clear errors; hostile

@@ -1,4 +1,4 @@
-"""A real Qwen vocabulary (issue #15): Qwen2's 151,643-token byte-level BPE with its special tokens, built by
+"""A real Qwen vocabulary: Qwen2's 151,643-token byte-level BPE with its special tokens, built by
 scripts/make_qwen_vocab_fixture.py from the vocabulary GGUF that llama.cpp ships for its tokenizer tests
 (vendored in the llama-cpp-python sdist, which scripts/test.sh downloads and names in $MBD_LLAMACPP_SDIST).
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.source_tree
 
 SDIST_ENV = "MBD_LLAMACPP_SDIST"
 SCRIPT = os.path.join(HERE, "..", "scripts", "make_qwen_vocab_fixture.py")
-MARKER = "\n__ggml_vocab_test__\n"  # llama.cpp's tests/test-tokenizer-0.cpp: the separator after every case
+MARKER = "\n__ggml_vocab_test__\n"  # llama.cpp/tests/test-tokenizer-0.cpp: the separator after every case
 
 
 def _script():

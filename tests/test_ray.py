@@ -1,7 +1,7 @@
-"""Scale-out on Ray Serve (issue #15): `mbd-rs serve --ray --replicas 2` starts a local Ray cluster on this machine
-and serves two engine replicas behind Ray Serve's HTTP proxy on 127.0.0.1. Concurrent streaming clients get exactly
-the engine's own answers; killing one replica's process fails the requests in flight on it cleanly (an error or a
-cut stream, within a timeout; never a wrong text) and new requests go to the survivor.
+"""Scale-out on Ray Serve (docs/scale-out.md): `mbd-rs serve --ray --replicas 2` starts a local Ray cluster on this
+machine and serves two engine replicas behind Ray Serve's HTTP proxy on 127.0.0.1. Concurrent streaming clients get
+exactly the engine's own answers; killing one replica's process fails the requests in flight on it cleanly (an error or
+a cut stream, within a timeout; never a wrong text) and new requests go to the survivor.
 
 Skipped, saying so, without Ray (`pip install 'mbd-rs[ray]'`); scripts/test.sh runs it in its own venv
 (.venv-ray, scripts/ray-requirements.txt)."""

@@ -65,7 +65,7 @@ def run_python(code, timeout=180):
 
 def test_quick_start_runs_the_main_job():
     (code,) = blocks("Quick start", "bash")
-    first = next(l for l in code.splitlines() if l.startswith("pip install . && "))
+    first = next(line for line in code.splitlines() if line.startswith("pip install . && "))
     r = shell(first.split("&& ", 1)[1])  # the package is installed already
     assert r.returncode == 0, r.stderr
     assert "1 2 4 7 9" in r.stdout and "step" in r.stdout  # the answer, and the forwards drawn
@@ -106,7 +106,7 @@ def test_every_task_the_readme_names_is_solved():
 
 def test_command_line_examples():
     (code,) = blocks("Command line", "bash")
-    lines = [l for l in code.splitlines() if l.strip()]
+    lines = [line for line in code.splitlines() if line.strip()]
     assert len(lines) == 7
     for line in lines:
         stdin = "sort 3 1 2\n/reset\n\n" if line.startswith("mbd-rs chat") else None
@@ -126,7 +126,7 @@ def _free_port():
 def readme_server():
     pytest.importorskip("uvicorn")
     (code,) = blocks("OpenAI-compatible server", "bash")
-    serve = next(l for l in code.splitlines() if l.startswith("mbd-rs serve"))
+    serve = next(line for line in code.splitlines() if line.startswith("mbd-rs serve"))
     port = _free_port()
     cmd = re.sub(r"--port \d+", f"--port {port}", serve.split("  #", 1)[0].strip())
     proc = subprocess.Popen(["bash", "-c", "exec " + cmd.replace("mbd-rs ", MBD + " ", 1)], cwd=ROOT,
@@ -153,7 +153,7 @@ def test_server_curl_example(readme_server):
     if shutil.which("curl") is None:
         pytest.skip("curl is not installed")
     r = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=60)
-    events = [json.loads(l[6:]) for l in r.stdout.splitlines() if l.startswith("data: {")]
+    events = [json.loads(line[6:]) for line in r.stdout.splitlines() if line.startswith("data: {")]
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
     (want,) = re.findall(r"join to (.*)", code)
     assert text == want.strip() and r.stdout.rstrip().endswith("data: [DONE]")

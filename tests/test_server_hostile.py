@@ -1,9 +1,9 @@
-"""The server under hostile or careless clients, round two (issue #54): bounded work per request (a cap on the
-positions one request spans, refused before any work; a deadline; cancellation when the client leaves, for
-non-streaming requests and prompt scoring too), connections (a header timeout, a connection cap, the open-files
-limit, accept failures logged once), SIGTERM, the Host check and framing headers, the API key's comparison,
-/tokenize against generation, huge integer literals, and log-probabilities of characters split across tokens.
-(The one-line refusals are in test_hostile.py's catalogue.)"""
+"""The server under hostile or careless clients, round two of the hostile-input review: bounded work per request (a cap
+on the positions one request spans, refused before any work; a deadline; cancellation when the client leaves, for
+non-streaming requests and prompt scoring too), connections (a header timeout, a connection cap, the open-files limit,
+accept failures logged once), SIGTERM, the Host check and framing headers, the API key's comparison, /tokenize against
+generation, huge integer literals, and log-probabilities of characters split across tokens. (The one-line refusals are
+in test_hostile.py's catalogue.)"""
 import json
 import signal
 import socket

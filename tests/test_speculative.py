@@ -1,4 +1,4 @@
-"""S2D2 self-speculative verification and Fast-dLLM v2 sub-blocks (issue #19). The reference parity (tokens
+"""S2D2 self-speculative verification and Fast-dLLM v2 sub-blocks. The reference parity (tokens
 and forward counts against tests/reference/decoder.py over transformers, with and without the cache) is in
 test_decode_parity.py; here: the AR equivalence of greedy always-verify decoding, sampling, the usage
 counters, the sub-block walk, and bad parameters."""

@@ -51,7 +51,7 @@ def test_solves_held_out_instances(eng, task, bar):
 
 
 def test_loose_threshold_trades_accuracy_for_speed(eng):
-    """Issue #13's trade-off: on shuffle, confidence 0.1 commits letters together and solves fewer instances than
+    """The threshold's trade-off: on shuffle, confidence 0.1 commits letters together and solves fewer instances than
     one token per forward."""
     data = held_out("shuffle", 10)
     runs = {}

@@ -1,7 +1,5 @@
 """Direct comparison against HF transformers on a freshly built random model. Needs torch and
 transformers (developer tools, not runtime dependencies); skipped where they are not installed."""
-import json
-
 import numpy as np
 import pytest
 

@@ -2,9 +2,10 @@
 protocol (its --remote-debugging-pipe, no extra package), loads the page from a live server on 127.0.0.1, clicks Run,
 and the test reads the resulting DOM (answer, forwards, blocks) and takes a screenshot; the recorded run replays one
 forward at a time and the slider redraws any forward (checked against the engine's own trace), the end-of-text fill
-is collapsed, empty fields show the family's defaults, and a failed run clears the last one's statistics. A page of another origin
-that frames the view with `?prompt=...&run=1` must not make the server generate (issue #54: the view runs only on a
-click, and no page may frame it). Skipped, saying so, where no Chromium is installed (.ci/run installs Debian's)."""
+is collapsed, empty fields show the family's defaults, and a failed run clears the last one's statistics. A page of
+another origin that frames the view with `?prompt=...&run=1` must not make the server generate (docs/security.md: the
+view runs only on a click, and no page may frame it). Skipped, saying so, where no Chromium is installed (.ci/run
+installs Debian's)."""
 import base64
 import http.server
 import json

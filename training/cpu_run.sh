@@ -14,7 +14,7 @@
 # checkpointed every 10 minutes so partial progress is usable, then `train.py --check` (transformers load +
 # reference decode) into OUT/<name>.check.log.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT="${OUT:-/work/trained}"
 PY="${PYTHON:-/tmp/devenv/bin/python}"
 THREADS="${THREADS:-1}"

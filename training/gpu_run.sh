@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# Train the three family checkpoints of training/train.py on a GPU machine (Python 3.12, PyTorch + CUDA and
-# transformers already installed, no network, no Rust needed) and write checkpoints + logs to $OUT.
+# Train the family checkpoints of training/train.py on a GPU machine (Python with PyTorch + CUDA and transformers
+# already installed; no network, no Rust needed) and write checkpoints + logs to $OUT.
 #
-#   carry the repository (only training/ is needed), then:   bash training/gpu_run.sh
+#   copy the repository to the machine (training/ is all it needs, models/ for INIT=1), then:   bash training/gpu_run.sh
 #
 # Each family trains for a wall-time budget (train.py --minutes: the cosine schedule follows the clock, so a run
 # ends on time with a decayed learning rate; STEPS is only an upper bound). The defaults (2 + 2 + 4 minutes, plus
-# about a minute of evaluation) fit all three in ONE command under a 10-minute limit; for longer runs call it once
-# per family, e.g.  FAMILIES=tiny MIN_TINY=8 bash training/gpu_run.sh
+# about a minute of evaluation) train the three default families in under 10 minutes; for longer runs raise the
+# minutes, or call it once per family, e.g.  FAMILIES=tiny MIN_TINY=8 bash training/gpu_run.sh
 #   OUT           output folder (default ./gpu_out); one sub-folder per model, each a complete HF checkpoint
 #                 with README.md (model card), train.log, training_log.json (not train_state.pt: too big to
 #                 bring back; it stays in WORK_DIR, default /tmp/mbd_gpu_train, for RESUME=1 on the same machine)
 #   FAMILIES      which to train, in order (default "dream fast_dllm_v2 tiny"; "qwen35": the Qwen3.5 hybrid twin,
-#                 issue #52, alone in one command: FAMILIES=qwen35 bash training/gpu_run.sh, MIN_QWEN35 default 7;
-#                 "idlm": the I-DLM twin, issue #53, MIN_IDLM default 3, INIT=1 continues models/mbd-idlm-tiny)
+#                 FAMILIES=qwen35 bash training/gpu_run.sh, MIN_QWEN35 default 7; "idlm": the I-DLM twin,
+#                 MIN_IDLM default 3, INIT=1 continues models/mbd-idlm-tiny)
 #   MIN_DREAM / MIN_FDV2 / MIN_TINY (minutes), STEPS, BATCH (256), LR (default: each family's), SEED,
 #   WORKERS (8 batch-building processes), EVAL_PER_TASK
 #   RESUME=1      continue from $OUT/<name>/train_state.pt

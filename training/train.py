@@ -2,17 +2,18 @@
 training/tasks.py (same generator, same held-out split: a prompt is held out iff the sum of its character codes
 is a multiple of 7). One seeded script; the device is picked automatically (CUDA when available).
 
-    --family tiny          mbd-tiny v3, the embedded default (python/mbd_rs/models/mbd-tiny). SDAR layout exactly
-                           as v1: Qwen3 weights, `"mbd_family": "mbd-tiny"`, block-causal attention aligned at
-                           absolute position 0, UNSHIFTED logits (position i predicts token i), `mask_token_id` and
-                           `block_size` in config.json, v1's tokenizer (ids 0..3 = <|endoftext|> <|im_start|>
-                           <|im_end|> <|mask|>) and chat template.
+    --family tiny          mbd-tiny v3, the embedded default (python/mbd_rs/models/mbd-tiny; v1 and v2 are its
+                           earlier versions, training/README.md). SDAR layout exactly as v1: Qwen3 weights,
+                           `"mbd_family": "mbd-tiny"`, block-causal attention aligned at absolute position 0,
+                           UNSHIFTED logits (position i predicts token i), `mask_token_id` and `block_size` in
+                           config.json, v1's tokenizer (ids 0..3 = <|endoftext|> <|im_start|> <|im_end|> <|mask|>)
+                           and chat template.
     --family dream         Dream-style twin: Qwen2 weights (q/k/v bias, untied head), config.json with
                            `architectures ["DreamModel"]`, `model_type "Dream"`, `mask_token_id` (as Dream's config
                            has; our loader reads the Dream mask id from config.json only), FULL bidirectional
                            attention, SHIFTED logits (position i predicts token i+1). Mask token `<|mask|>` is the
                            LAST vocabulary entry (id 99), as Dream's 151666 sits after the Qwen specials.
-    --family qwen35        Qwen3.5 hybrid twin (issue #52): Qwen3_5ForCausalLM weights, every other layer Gated DeltaNet
+    --family qwen35        Qwen3.5 hybrid twin: Qwen3_5ForCausalLM weights, every other layer Gated DeltaNet
                            (causal), every 2nd gated softmax attention (block-causal), config.json with
                            `block_size`, `mask_token_id` and `logits_shift: false` (a block-diffusion conversion as
                            arcLM's), v1's tokenizer. Objective d2f only, one sample per row (a recurrence would carry
@@ -24,7 +25,7 @@ is a multiple of 7). One seeded script; the device is picked automatically (CUDA
                            `conplemenrary_mask: true` (sic, as the real config), NO mask_token_id in config.json:
                            the mask is the tokenizer token `|<MASK>|` (id 99, last), found by name as the real
                            checkpoint's 151665. Block-causal aligned at 0, SHIFTED logits. eos = pad = <|im_end|>.
-    --family idlm          I-DLM-style twin (issue #53): Qwen3 weights (untied head, as I-DLM-8B), config.json as
+    --family idlm          I-DLM-style twin: Qwen3 weights (untied head, as I-DLM-8B), config.json as
                            I-DLM's (`architectures ["SDARForCausalLM"]`, `model_type "sdar"`, `block_size` 3,
                            `mask_token_id`), STRICTLY CAUSAL, SHIFTED logits; mask `<|mask|>` last (id 99). Objective
                            idlm only. Nothing in the config says causal + shifted (as in the real one): the engine loads
@@ -51,7 +52,8 @@ answer ++ <|im_end|> ++ pad tokens up to a per-sample canvas end, so the model l
         gets its own ratio t_k ~ U(0.001, 1], sorted ascending (D2F's progressive noise: clean-ish left, masked
         right, the shape semi-AR and multi-block decoding of a full-attention model meet); plain mean cross-entropy
         over the masked tokens. Our addition for a small CPU budget (with `dream` alone a 1.6M-parameter twin had
-        not learned to copy from the prompt after 95 minutes; with the mix it still had not after 75: RESULTS.md).
+        not learned to copy from the prompt after 95 minutes; with the mix it still had not after 75:
+        benches/results/models-twins.md).
   idlm  I-DLM's training (arXiv 2604.11035; its repository's training/ code, read for the recipe): noisy ++ clean
         (2L positions, position ids 0..L-1 in both) where the noisy copy masks EVERY answer position ("all-masked");
         a noisy query sees the noisy keys of its own block at or before it (strictly causal inside the block) and the
@@ -75,10 +77,11 @@ Mixtures (per batch, seeded; block size B per batch):
 Tasks (weights): tiny sort 1, reverse 1, repeat 1, hello 1, add 2, count 1, shuffle 1.5 (v3; v2 had hello 0.5,
 count 2 and no shuffle: add and count were the hard ones); the twins uniform over v1's six families (a copy-heavy
 mix: copying from the prompt has to be learned first).
-Why the twins differ from the tiny recipe (RESULTS.md, issue #13): Qwen2 has no QK-norm, and at lr 2e-3 the twins'
-attention collapsed early (mean head entropy 0.4-1.6 nats over a 36-token canvas, against 2-3.7 for v1 and for
-the twin at 5e-4) and they never learned to copy from the prompt; blocks of 1 and 2 (semi-autoregressive) make
-copying easy to find; and v1's depth and width (6 layers, MLP 576) instead of 5 and 384.
+Why the twins differ from the tiny recipe (the twins' training diagnosis, benches/results/models-twins.md): Qwen2
+has no QK-norm, and at lr 2e-3 the twins' attention collapsed early (mean head entropy 0.4-1.6 nats over a 36-token
+canvas, against 2-3.7 for v1 and for the twin at 5e-4) and they never learned to copy from the prompt; blocks of 1
+and 2 (semi-autoregressive) make copying easy to find; and v1's depth and width (6 layers, MLP 576) instead of 5
+and 384.
 Canvas: prompt ++ answer ++ <|im_end|> ++ pad, cut at prompt + answer + 1 + U{0..16} tokens (the engine's canvas is
 prompt + max_tokens, so the model sees canvases of varying length); for dream (full attention: every trailing
 mask is seen) a quarter of the samples have an answer region U{answer + 1..48} positions long, as max_tokens up to
@@ -108,11 +111,8 @@ training_log.json and the card).
 --resume continues from OUT/train_state.pt (model, optimiser, data RNG) up to the new --steps (the cosine schedule
 is recomputed for the new total). A checkpoint (HF dir + train_state.pt + README.md card) is written every
 --save-every steps / --save-minutes minutes, so partial progress is usable. OUT/train.log has the loss curve.
-mbd-tiny v3 is the embedded default since session 15: v2's weights (`--family tiny --minutes 100 --threads 2`,
-session 14) continued in two warm restarts with v3's families (the shuffle family, made-up hello names, add operands
-of 1-3 digits): `--init <v2> --minutes 65 --threads 2 --lr 1e-3`, then `--init <that> --minutes 30 --threads 2
---lr 1e-3 --tasks sort:1,reverse:1,repeat:1,hello:0.5,add:1.5,count:1,shuffle:3`; its card lists all three stages. v1 (2.6M parameters) was trained by
-training/train_tiny.py, since removed; it is in git history at commit c52105d.
+How each committed model was trained, stage by stage: training/README.md and the model's card (README.md in its
+directory).
 """
 import argparse
 import json

@@ -1,4 +1,5 @@
-"""mbd-rs: fast, exact inference for block-diffusion LLMs on the Qwen2/Qwen3 architectures."""
+"""Fast, exact inference for block-diffusion language models (SDAR, TraDo, Fast-dLLM v2, Dream/d3LLM, I-DLM)
+on Qwen2, Qwen3 and Qwen3.5, in Rust on candle, driven from Python."""
 from importlib import metadata as _metadata
 
 from . import _cuda_libs, errors
@@ -8,11 +9,12 @@ try:  # the installed distribution's version: Cargo.toml's, plus "+cu130" for th
     __version__: str = _metadata.version("mbd-rs")
 except _metadata.PackageNotFoundError:  # imported from a source tree that was never installed
     __version__ = _core.__version__
-from .engine import (GENERATION_PARAMS, CancelToken, KERNEL_SWITCHES, LOAD_OPTIONS, LOAD_PARAMS, LOGITS_PARAMS, PARAMS,
-                     PROFILE_OVERRIDES, SCORE_PARAMS, Engine, Stream)
-from .errors import *  # noqa: F401,F403  (the exception hierarchy)
-from .hub import DEFAULT_MODEL
-from .types import Completion, ModelInfo, StepEvent, StreamChunk, TokenLogprob, Usage
+# The modules below import `_core`, so they come after it is chosen (CUDA or CPU) above.
+from .engine import (GENERATION_PARAMS, CancelToken, KERNEL_SWITCHES, LOAD_OPTIONS, LOAD_PARAMS,  # noqa: E402
+                     LOGITS_PARAMS, PARAMS, PROFILE_OVERRIDES, SCORE_PARAMS, Engine, Stream)
+from .errors import *  # noqa: E402,F401,F403  (the exception hierarchy)
+from .hub import DEFAULT_MODEL  # noqa: E402  (after _core, as above)
+from .types import Completion, ModelInfo, StepEvent, StreamChunk, TokenLogprob, Usage  # noqa: E402  (as above)
 
 __all__ = ["Engine", "ModelInfo", "Stream", "CancelToken", "StreamChunk", "StepEvent", "Completion", "Usage", "TokenLogprob",
            "GENERATION_PARAMS", "PROFILE_OVERRIDES", "LOGITS_PARAMS", "SCORE_PARAMS", "LOAD_PARAMS", "KERNEL_SWITCHES",

@@ -418,7 +418,9 @@ _host_list.__name__ = "comma-separated host names"
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     from .server.limits import CONNECTIONS, HEADER_TIMEOUT, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, REQUEST_TIMEOUT
-    ap = argparse.ArgumentParser(prog="mbd-rs", description="Block-diffusion LLM inference (SDAR, TraDo, Fast-dLLM v2, Dream) on Qwen2/Qwen3")
+    ap = argparse.ArgumentParser(prog="mbd-rs", description=(
+        "Fast, exact inference for block-diffusion language models (SDAR, TraDo, Fast-dLLM v2, Dream/d3LLM, I-DLM) "
+        "on Qwen2, Qwen3 and Qwen3.5, in Rust on candle, driven from Python."))
     ap.add_argument("--version", action="version", version=f"mbd-rs {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="complete a prompt, streaming to stdout", epilog=VISUAL_LEGEND,

@@ -1,19 +1,19 @@
-"""Reference multi-block decoder, written from the specification in docs/decoding.md (issue #3), not
+"""Reference multi-block decoder, written from the specification in docs/decoding.md, not
 from the Rust code: whole-sequence recompute each step with HF transformers and an explicit 4-D mask,
 entropy in float64. Greedy only (temperature 0). Used to record fixtures and, where torch is installed,
 to compare live.
 
-Also the acceptance rules of issue #53, from their authors' code as docs/decoding.md states them: TDAR's BACD
+Also the acceptance rules of 2026, from their authors' code as docs/decoding.md states them: TDAR's BACD
 (a per-block threshold: the block's first step's max confidence, then the mean of its committed confidences,
 clipped to bounds), dInfer's CreditDecoding (dense per-block credit tensors, decayed every step of the block after
 its first, fused into the logits) and DUS (the dilated schedule, built here by the DUS authors' level loop); and
 TDAR's TCCF as docs/decoding.md states it (think until the trigger, write the check text after the thinking, and
 from the trigger's grid block on decode, and attend, in blocks of the answer's size).
 
-Also I-DLM's introspective strided decoding (`reference_isd`, issue #53), greedy, from the paper's description as
+Also I-DLM's introspective strided decoding (`reference_isd`), greedy, from the paper's description as
 docs/decoding.md states it.
 
-Also Fast-dLLM v2's sub-blocks and block-start step, and S2D2 verification (issue #19), from the papers'
+Also Fast-dLLM v2's sub-blocks and block-start step, and S2D2 verification, from the papers'
 pseudo-code: the verifier is the same model at block size 1 (the 2L trick for unshifted models, a causal
 forward for shifted ones), and positions committed through a verification keep causal K/V ("AR-like caching"),
 so every forward here gives those positions causal visibility.

@@ -1,5 +1,5 @@
 //! mbd-core: block-diffusion LLM inference on candle. The crate is a house of wings along the path the data takes
-//! (docs/architecture.md has the floor plan; `scripts/check_layers.py` enforces it: imports run only downward):
+//! (docs/dev/architecture.md has the floor plan; `scripts/check_layers.py` enforces it: imports run only downward):
 //!
 //! - ground: `error` (the one error type), `util` (string-named enums, shared orderings, allocation checks),
 //!   `cpu_pool` (the engine's CPU threads);

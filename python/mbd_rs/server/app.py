@@ -2,11 +2,11 @@
 their server-sent events, the tokenizer routes, the web view), the access log, and `create_app` that assembles
 them. Protocol shapes are `openai`'s, admission `slots`', the connection level (timeouts, caps, Host) `net`'s.
 
-Bounded work (issue #54): a request spans at most `max_prompt_tokens` positions (prompt + max_tokens; over it: 400
-context_length_exceeded before any work); its work is cancelled when its client leaves (a non-streaming request's
-client is polled while it waits; Starlette watches a streaming one's), when its deadline (`request_timeout`)
-passes, and when the server shuts down. A cancelled request's streams end with finish_reason "cancelled"; a
-non-streaming request past its deadline gets 504 (code "request_timeout"), one cut by shutdown 503."""
+Bounded work (docs/security.md): a request spans at most `max_prompt_tokens` positions (prompt + max_tokens; over it:
+400 context_length_exceeded before any work); its work is cancelled when its client leaves (a non-streaming request's
+client is polled while it waits; Starlette watches a streaming one's), when its deadline (`request_timeout`) passes, and
+when the server shuts down. A cancelled request's streams end with finish_reason "cancelled"; a non-streaming request
+past its deadline gets 504 (code "request_timeout"), one cut by shutdown 503."""
 from __future__ import annotations
 
 import hmac

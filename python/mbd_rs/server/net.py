@@ -1,4 +1,4 @@
-"""The connection level of `mbd-rs serve` (issue #54): who may talk to the server and for how long.
+"""The connection level of `mbd-rs serve` (docs/security.md): who may talk to the server and for how long.
 
 - `raise_open_files_limit`: the open-files soft limit raised to the hard limit at start-up (1024 is common, and every
   connection is a file).

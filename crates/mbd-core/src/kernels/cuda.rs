@@ -477,7 +477,7 @@ mod imp {
     }
 
     /// A forward's launches, captured once (`capture`) and replayed (`launch`): a CUDA graph (`net::graph`,
-    /// docs/cuda.md).
+    /// docs/dev/cuda.md).
     pub struct Graph(cudarc::driver::CudaGraph);
 
     // SAFETY: cudarc's graph is not Send because it holds the driver's raw handles, which must not be used by two

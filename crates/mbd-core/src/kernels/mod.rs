@@ -3,7 +3,7 @@
 //! products on 8-bit activations), the blocked CPU attention (`attention`), the gated delta rule and its
 //! convolution (`delta_rule`), vector math (`vmath`), a decode step's statistics of the logits rows on the
 //! host or the GPU (`stats`) and mbd-rs's CUDA kernels (`cuda`). It knows block formats and instruction sets, never
-//! layers, requests or files: nothing here imports from another wing (docs/architecture.md).
+//! layers, requests or files: nothing here imports from another wing (docs/dev/architecture.md).
 
 pub mod attention;
 pub mod blocks;

@@ -3,7 +3,7 @@
 //! forward gathers them on the host as one list of 32-bit words (`StepWords`), and `StepBuffers::upload` writes the
 //! list into a device buffer that stays put between forwards (grown when a forward needs more), in one host-to-device
 //! copy. The forward reads each part as a view of that buffer (`Step::view`): no allocation and no other upload per
-//! step, which is what a CUDA graph replaying the step needs (docs/cuda.md). The CPU takes the same path (there the
+//! step, which is what a CUDA graph replaying the step needs (docs/dev/cuda.md). The CPU takes the same path (there the
 //! copy is a memcpy), so every CPU test reads its inputs through it.
 
 use crate::error::{Error, Result};
