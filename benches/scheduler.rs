@@ -60,10 +60,10 @@ fn main() {
                                 cancel: None,
                             })
                             .collect();
-                        model.net.forward_segments(&mut segs).unwrap();
+                        model.forward_segments(&mut segs).unwrap();
                     } else {
                         for c in caches.iter_mut() {
-                            model.net.forward(c, &ids, &grid, Some(&[0]), None).unwrap();
+                            model.forward(c, &ids, &grid, Some(&[0]), None).unwrap();
                         }
                     }
                 });

@@ -18,7 +18,7 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Load a model directory or GGUF file (`Model::load`) and start its scheduler with batching caps `limits`.
+    /// Load a model directory or GGUF file ([`Model::load`]) and start its scheduler with batching caps `limits`.
     pub fn load(path: &Path, opts: &LoadOptions, limits: BatchLimits) -> Result<Engine> {
         Engine::new(Model::load(path, opts)?, limits)
     }

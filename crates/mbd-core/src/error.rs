@@ -59,7 +59,7 @@ impl Error {
     }
 }
 
-/// Run `f`, turning a Rust panic into `Error::Internal` so that it never aborts the host process.
+/// Run `f`, turning a Rust panic into [`Error::Internal`] so that it never aborts the host process.
 pub fn catch_panic<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
         Ok(r) => r,

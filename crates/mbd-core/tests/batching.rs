@@ -81,9 +81,9 @@ fn forward_cases(model: &Model, cases: &[Case], together: bool) -> Vec<Vec<f32>>
         .collect();
     let out = if together {
         let mut segs = segs;
-        model.net.forward_segments(&mut segs).unwrap()
+        model.forward_segments(&mut segs).unwrap()
     } else {
-        segs.into_iter().map(|s| model.net.forward_segments(&mut [s]).unwrap().pop().unwrap()).collect()
+        segs.into_iter().map(|s| model.forward_segments(&mut [s]).unwrap().pop().unwrap()).collect()
     };
     out.into_iter().map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect()
 }

@@ -171,7 +171,7 @@ pub(crate) fn request<R: Params>(params: Option<&Bound<'_, PyDict>>) -> PyResult
     Ok(r)
 }
 
-/// name -> {"kind", "help"} for every parameter (`mbd_core::params::request::PARAMS`).
+/// name -> {"kind", "help"} for every parameter ([`mbd_core::params::request::PARAMS`]).
 pub(crate) fn params_dict<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     for s in request::PARAMS {

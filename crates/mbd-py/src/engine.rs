@@ -113,7 +113,7 @@ impl CoreEngine {
     /// (captured, replayed, refused): the model's CUDA graphs (`_kernels=dict(cuda_graphs=True)`): graphs captured,
     /// forwards replayed from one, forward shapes left without one.
     fn graph_stats(&self) -> (usize, usize, usize) {
-        let s = self.inner.model().net.graph_stats();
+        let s = self.inner.model().graph_stats();
         (s.captured, s.replayed, s.refused)
     }
 
@@ -128,7 +128,7 @@ impl CoreEngine {
         self.inner.scheduler().set_limits(limits).map_err(to_py)
     }
 
-    /// Everything known about the loaded model (`mbd_core::model::info::ModelInfo`), as a dict in the struct's
+    /// Everything known about the loaded model ([`mbd_core::model::info::ModelInfo`]), as a dict in the struct's
     /// field order (`MODEL_INFO_FIELDS`).
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let v = serde_json::to_value(self.inner.model().info()).map_err(|e| to_py(Error::Internal(e.to_string())))?;
@@ -230,7 +230,7 @@ impl CoreEngine {
     }
 
     /// Each token of `prompt` (a str, tokenized here, or token ids) scored given the ones before it
-    /// (`Model::prompt_logprobs`): a list of None (the first token) or (token, logprob, [(id, logprob), ...]);
+    /// ([`Model::prompt_logprobs`]): a list of None (the first token) or (token, logprob, [(id, logprob), ...]);
     /// `params`: `SCORE_PARAMS`.
     /// `cancel` (or Ctrl-C) stops it between chunks and layers.
     #[pyo3(signature = (prompt, params=None, add_special_tokens=true, cancel=None))]
@@ -268,7 +268,7 @@ impl CoreEngine {
         })
     }
 
-    /// The token ids of a chat prompt exactly as a chat generation runs on them (`Model::chat_prompt_ids`).
+    /// The token ids of a chat prompt exactly as a chat generation runs on them ([`Model::chat_prompt_ids`]).
     #[pyo3(signature = (messages_json, add_generation_prompt=true, special_tokens_in_content=false))]
     fn chat_ids(
         &self,
@@ -285,7 +285,7 @@ impl CoreEngine {
         })
     }
 
-    /// Each token's bytes before UTF-8 decoding (`Model::token_bytes`): a token holding part of a character gives
+    /// Each token's bytes before UTF-8 decoding ([`Model::token_bytes`]): a token holding part of a character gives
     /// its bytes.
     fn token_bytes<'py>(&self, py: Python<'py>, ids: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
         let ids = crate::convert::ids("ids", ids)?;
@@ -318,7 +318,7 @@ impl Prompt {
     }
 }
 
-/// `base` with the caller's batching caps (None: unchanged); the range rule is `BatchLimits::with`'s.
+/// `base` with the caller's batching caps (None: unchanged); the range rule is [`BatchLimits::with`]'s.
 fn batch_limits(
     base: BatchLimits,
     max_batch: Option<&Bound<'_, PyAny>>,

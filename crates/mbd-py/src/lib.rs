@@ -1,7 +1,7 @@
 //! Thin PyO3 binding over mbd-core, split as the core is: `convert` (Python values to the kinds parameter specs
-//! name, serde values back), `engine` (`CoreEngine` wraps `mbd_core::Engine`), `stream` (`CoreStream`); this file
+//! name, serde values back), `engine` (`CoreEngine` wraps [`mbd_core::Engine`]), `stream` (`CoreStream`); this file
 //! holds the module, the exceptions and the one mapping of core errors onto them (`to_py`). No engine logic lives
-//! here: parameter names, kinds and ranges come from `mbd_core::params`.
+//! here: parameter names, kinds and ranges come from [`mbd_core::params`].
 
 mod convert;
 mod engine;

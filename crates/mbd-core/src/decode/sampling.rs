@@ -29,7 +29,7 @@ pub struct TokenLogprob {
     pub top: Vec<(u32, f32)>,
 }
 
-/// `token`'s log-softmax in `row` and the `k` most likely tokens' (the normaliser as in `stats::row_stats`: exponent
+/// `token`'s log-softmax in `row` and the `k` most likely tokens' (the normaliser as in [`stats::row_stats`]: exponent
 /// terms in f32 around the max, their sum in f64).
 pub fn token_logprob(row: &[f32], token: u32, k: usize) -> TokenLogprob {
     let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -116,7 +116,7 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    /// `params` are in range (`request::PARAMS` owns the rules).
+    /// `params` are in range ([`request::PARAMS`](crate::params::request::PARAMS) owns the rules).
     pub fn params(&self) -> &SamplingParams {
         &self.params
     }
@@ -144,7 +144,7 @@ impl Sampler {
     }
 
     /// On the CPU the rows are read in place (two passes per row for the statistics; a sampled token from the same
-    /// host rows). On a GPU the statistics are one kernel launch over the rows (`stats::rows`), and only a sampled
+    /// host rows). On a GPU the statistics are one kernel launch over the rows ([`stats::rows`]), and only a sampled
     /// token (temperature > 0) copies its rows to the host.
     fn predict_any(&mut self, logits: &Tensor) -> Result<Vec<Prediction>> {
         let greedy = self.params.temperature == 0.0;
@@ -167,7 +167,7 @@ impl Sampler {
         Ok(out)
     }
 
-    /// The distribution tokens are drawn from (`SamplingParams::dist`).
+    /// The distribution tokens are drawn from ([`SamplingParams::dist`]).
     pub fn dist(&self, row: &[f32]) -> Vec<(u32, f64)> {
         self.params.dist(row)
     }

@@ -18,7 +18,7 @@ crate::util::string_enum! {
         /// S2D2: verify the drafts with the same weights at block size 1
         S2d2 = "s2d2",
         /// I-DLM's introspective strided decoding: one causal forward verifies the last step's drafts and drafts
-        /// the next ones from mask positions (`decode::strided`)
+        /// the next ones from mask positions ([`decode::strided`](crate::decode::strided))
         Isd = "isd",
     }
 }
@@ -30,7 +30,7 @@ crate::util::string_enum! {
         Always = "always",
         /// iff the span has at least `verify_min_span` positions
         MinSpan = "min_span",
-        /// iff E[K] - penalty >= `verify_score_threshold`
+        /// iff `E[K]` - penalty >= `verify_score_threshold`
         Score = "score",
         /// score with hysteresis: turn on when score > on, stay on until score < off
         Hysteresis = "hysteresis",
@@ -104,8 +104,8 @@ impl Router {
         Router { params, on: false, stats: SpecStats::default() }
     }
 
-    /// The score E[K] - penalty: with per-token acceptance estimates a_i = exp(-H_i / ln V) (H_i the draft's
-    /// entropy), E[K] = sum_k prod_{i<=k} a_i; the penalty is c, or c x `confident` (dynamic).
+    /// The score `E[K]` - penalty: with per-token acceptance estimates a_i = exp(-H_i / ln V) (H_i the draft's
+    /// entropy), `E[K]` = sum_k prod_{i<=k} a_i; the penalty is c, or c x `confident` (dynamic).
     pub fn score(&self, span: &[Prediction], confident: usize, vocab: usize) -> f64 {
         let ln_v = (vocab.max(2) as f64).ln();
         let (mut prod, mut expected) = (1.0, 0.0);
@@ -238,7 +238,7 @@ mod tests {
         assert!(router(VerifyPolicy::Always, PenaltyKind::Static).decide(&span, 0, 50));
         assert!(!router(VerifyPolicy::MinSpan, PenaltyKind::Static).decide(&span, 0, 50));
         assert!(router(VerifyPolicy::MinSpan, PenaltyKind::Static).decide(&[pred(9.0); 3], 0, 50));
-        // two confident drafts: E[K] ~ 1.95 >= 1
+        // two confident drafts: `E[K]` ~ 1.95 >= 1
         assert!(router(VerifyPolicy::Score, PenaltyKind::Static).decide(&span, 0, 50));
         // dynamic penalty with 2 confident positions: 1.95 - 2 < 0
         assert!(!router(VerifyPolicy::Score, PenaltyKind::Dynamic).decide(&span, 2, 50));

@@ -2,7 +2,7 @@
 //! policy says what to forward and keep) → forward → predict (sampling) → [S2D2: verify the span's drafts with
 //! a second forward] → apply (the decoder accepts and writes tokens) → emit (the stable prefix becomes
 //! completion text). With ISD (speculative="isd") a step is one causal forward over the pending token, the
-//! drafts and masks (`decode::strided`), which writes the accepted drafts and one more token.
+//! drafts and masks ([`decode::strided`](crate::decode::strided)), which writes the accepted drafts and one more token.
 
 use crate::decode::credit::Credit;
 use crate::decode::decoder::{Decoder, Prediction, StopCause};
@@ -52,7 +52,7 @@ struct Drafted {
 }
 
 impl Generation {
-    /// A generation of `prompt` under `req`, as planned (`plan::plan`: every default and rule resolved): the
+    /// A generation of `prompt` under `req`, as planned ([`plan::plan`](crate::generate::plan::plan): every default and rule resolved): the
     /// decoder, the cache/window policy, the sampler and the output set up.
     pub fn new(model: Arc<Model>, prompt: Vec<u32>, req: &GenRequest) -> Result<Generation> {
         let plan = plan(&model, &prompt, req)?;
@@ -99,9 +99,9 @@ impl Generation {
     /// generation has finished.
     pub fn step(&mut self) -> Result<Option<StepOutput>> {
         let model = self.model.clone();
-        crate::cpu_pool::on_device_pool(model.net.device(), || loop {
+        crate::cpu_pool::on_device_pool(model.device(), || loop {
             let logits = match self.prepare()? {
-                Next::Forward(seg) => model.net.forward_segments(&mut [seg])?.pop().expect("one segment"),
+                Next::Forward(seg) => model.forward_segments(&mut [seg])?.pop().expect("one segment"),
                 Next::Output(o) => return Ok(Some(o)),
                 Next::Finished => return Ok(None),
             };
@@ -113,13 +113,13 @@ impl Generation {
 
     /// The generation's next forward as a segment (plan a step first when none is under way), or its output
     /// when it needs no forward (decoding has stopped), or `Finished`. A scheduler runs the segments of many
-    /// generations in one forward (`QwenModel::forward_segments`) and hands each its logits (`consume`).
+    /// generations in one forward ([`QwenModel::forward_segments`](crate::model::Model::forward_segments)) and hands each its logits (`consume`).
     pub fn prepare(&mut self) -> Result<Next<'_>> {
         self.prepare_within(None)
     }
 
     /// `prepare`, with a long prompt or recompute chunk cut to `limit` = (budget rows, key equivalent): see
-    /// `Window::limit_next` (the scheduler's fairness beside other streams).
+    /// [`Window::limit_next`] (the scheduler's fairness beside other streams).
     pub fn prepare_within(&mut self, limit: Option<(usize, usize)>) -> Result<Next<'_>> {
         if self.out.finished() {
             return Ok(Next::Finished);
@@ -198,7 +198,7 @@ impl Generation {
     }
 
     /// ISD: accept the step's drafts by the rows of the pending token and the drafts, write them and the next
-    /// token, keep their K/V and the next drafts (`Strided::step`), then emit.
+    /// token, keep their K/V and the next drafts ([`Strided::step`]), then emit.
     fn strided(&mut self, positions: &[usize], logits: &Tensor) -> Result<StepOutput> {
         let isd = self.isd.as_mut().ok_or_else(|| Error::Internal("an ISD step without ISD".into()))?;
         let f = positions[0];
@@ -268,7 +268,7 @@ impl Generation {
     }
 }
 
-/// What a generation needs next (`Generation::prepare`).
+/// What a generation needs next ([`Generation::prepare`]).
 pub enum Next<'a> {
     /// Run this segment and pass its logits to `consume`.
     Forward(Segment<'a>),

@@ -55,7 +55,7 @@ pub struct StepEvent {
     pub tokens_per_forward: f64,
     /// Generated region, -1 for masks (only with trace "canvas").
     pub canvas: Option<Vec<i64>>,
-    /// Offset of the first decoded end-of-text token (`Decoder::first_eos`), None while there is none.
+    /// Offset of the first decoded end-of-text token ([`Decoder::first_eos`]), None while there is none.
     pub end: Option<usize>,
 }
 

@@ -1,5 +1,5 @@
 //! One place where a request meets a model: `plan` resolves a `GenRequest` over the model's profile and family
-//! defaults (`Profile::decode_defaults`) into everything a generation runs with (`Plan`), checking what the request
+//! defaults ([`Profile::decode_defaults`](crate::params::profile::Profile::decode_defaults)) into everything a generation runs with (`Plan`), checking what the request
 //! may not combine (the cache modes and the attention, S2D2 and its parameters, the context).
 
 use crate::decode::cache_policy::{CacheMode, CachePolicy, PrefixWindow, DEFAULT_CACHE_DELAY};
@@ -39,7 +39,7 @@ pub struct Plan {
     pub max_tokens: usize,
     pub mask_id: u32,
     pub decode: DecodeParams,
-    /// The generated region's blocks (`decoder::block_layout`).
+    /// The generated region's blocks ([`decoder::block_layout`](crate::decode::decoder::block_layout)).
     pub blocks: Vec<(usize, usize, usize)>,
     pub grid: BlockGrid,
     pub cache: CachePolicy,
@@ -58,7 +58,7 @@ pub struct Plan {
 }
 
 /// Resolve `req` for `prompt` over `model`'s profile and family defaults. Parameter ranges are checked by
-/// `req.validate()` (`request::PARAMS`); the rules that join parameters, the model and the prompt are here.
+/// `req.validate()` ([`request::PARAMS`](crate::params::request::PARAMS)); the rules that join parameters, the model and the prompt are here.
 pub fn plan(model: &Model, prompt: &[u32], req: &GenRequest) -> Result<Plan> {
     req.validate()?;
     let p = &model.profile;
@@ -95,7 +95,7 @@ pub fn plan(model: &Model, prompt: &[u32], req: &GenRequest) -> Result<Plan> {
     }
     let d = p.decode_defaults();
     let spec = speculative(req, p.attention)?;
-    if spec.is_some() && model.net.is_hybrid() && !p.logits_shift {
+    if spec.is_some() && model.is_hybrid() && !p.logits_shift {
         return Err(Error::invalid(format!(
             "speculative='s2d2' on this model ({}) verifies with a mask row beside each draft (two rows per \
              position), which its Gated DeltaNet layers (a recurrence over positions in order) cannot run",
@@ -141,7 +141,7 @@ pub fn plan(model: &Model, prompt: &[u32], req: &GenRequest) -> Result<Plan> {
         // ISD writes where its drafts land: one block, all of it active (the decoder keeps the EOS fill and stops)
         blocks: if isd.is_some() { block_layout(lp, n, n, false) } else { block_layout(lp, n, b, absolute) },
         grid,
-        cache: cache_policy(grid.kind, req, model.net.is_hybrid())?,
+        cache: cache_policy(grid.kind, req, model.is_hybrid())?,
         sampling,
         spec,
         isd,
@@ -338,7 +338,7 @@ fn tccf(model: &Model, req: &GenRequest, eos_ids: &[u32]) -> Result<Option<Tccf>
 }
 
 /// The parameters among `names` that the request gives are an error unless `on` (the option they belong to,
-/// `with`, is chosen): "x, y only apply with <with>".
+/// `with`, is chosen): "x, y only apply with `with`".
 fn only_with(req: &GenRequest, names: &[&'static str], on: bool, with: &str) -> Result<()> {
     let set = req.given(names);
     if on || set.is_empty() {

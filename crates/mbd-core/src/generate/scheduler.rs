@@ -1,7 +1,7 @@
 //! Continuous batching: one engine-side worker owns the active generations of a model and runs them together.
-//! Each tick it asks every ready generation for its next forward (`Generation::prepare`: a new request's
+//! Each tick it asks every ready generation for its next forward ([`Generation::prepare`]: a new request's
 //! prefill chunk or a running request's decode window), runs ONE forward over all those segments
-//! (`QwenModel::forward_segments`) and hands each generation its logits (`Generation::consume`); step outputs
+//! ([`QwenModel::forward_segments`](crate::model::Model::forward_segments)) and hands each generation its logits ([`Generation::consume`]); step outputs
 //! go to each stream's channel. Streams join and leave at any tick (finished, cancelled, dropped).
 //!
 //! Limits: at most `max_seqs` generations are batched; later ones wait in arrival order for a free place. A
@@ -11,7 +11,7 @@
 //! reader neither stalls the others nor piles up outputs.
 //!
 //! Batching never changes outputs: a segment's logits do not depend on the other segments of its forward
-//! (`models::qwen`, batch invariance), and each generation's segments are the ones it would run alone, so
+//! ([`models::qwen`](crate::net::qwen), batch invariance), and each generation's segments are the ones it would run alone, so
 //! every stream gets the tokens it gets alone (tested by `tests/batching.rs` and `tests/test_batching.py`).
 
 use crate::error::{catch_panic, Error, Result};
@@ -26,7 +26,7 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Duration;
 
-/// What a tick may cost beside other streams, in rows over no keys (`Window::limit_next`): a small request's
+/// What a tick may cost beside other streams, in rows over no keys ([`Window::limit_next`](crate::generate::window::Window::limit_next)): a small request's
 /// few steps then wait about this much each behind a long prompt's prefill (measured with benches/hostile_serve.py:
 /// a small chat beside an 8000-token prefill, embedded model, release build, 2 cores: 512 gave 0.42 s median and
 /// 0.58 s at most, against 1.0 s and 2.1 s uncut), and the long prompt takes a few more forwards.
@@ -38,7 +38,7 @@ pub const MAX_UNREAD: usize = 16;
 /// What a stream and the worker share besides the channel.
 #[derive(Default)]
 struct Control {
-    /// Set by `Canceller::cancel`; the generation's segments carry it, so a long forward stops between layers.
+    /// Set by [`Canceller::cancel`]; the generation's segments carry it, so a long forward stops between layers.
     cancelled: Cancel,
     /// The stream's handle is gone: drop the generation.
     gone: AtomicBool,
@@ -105,7 +105,7 @@ impl Iterator for StreamHandle {
     }
 }
 
-/// `StreamHandle::next_within` found no output in time; the stream goes on.
+/// [`StreamHandle::next_within`] found no output in time; the stream goes on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Waiting;
 
@@ -200,7 +200,7 @@ impl StreamHandle {
     }
 }
 
-/// Cancels one stream (`StreamHandle::canceller`).
+/// Cancels one stream ([`StreamHandle::canceller`]).
 #[derive(Clone)]
 pub struct Canceller {
     ctl: Arc<Control>,
@@ -292,7 +292,7 @@ struct Batch {
 }
 
 /// The worker thread: it lives as long as the engine, so its forwards may replay CUDA graphs
-/// (`net::graph::on_lasting_thread`).
+/// ([`net::graph::on_lasting_thread`](crate::net::graph::on_lasting_thread)).
 fn worker(weak: Weak<Shared>) {
     crate::net::graph::on_lasting_thread(|| work(weak))
 }
@@ -393,7 +393,7 @@ impl Batch {
         if self.active.is_empty() {
             return moved;
         }
-        let device = model.net.device().clone();
+        let device = model.device().clone();
         let n = self.active.len();
         let start = self.start % n;
         self.start = self.start.wrapping_add(1);
@@ -447,9 +447,9 @@ fn run_tick(
     let mut rows = 0usize;
     // fairness: beside other streams, a long prompt or recompute chunk is cut so that no tick costs much more than
     // `FAIR_TICK_ROWS` rows over no keys (where that changes no output: `QwenModel::rows_independent`)
-    let net = &shared.model.net;
+    let model = &shared.model;
     let ready = active.iter().filter(|e| e.ready()).count();
-    let limit = (ready > 1 && net.rows_independent()).then(|| (FAIR_TICK_ROWS, net.key_equivalent()));
+    let limit = (ready > 1 && model.rows_independent()).then(|| (FAIR_TICK_ROWS, model.key_equivalent()));
     // split the slice so that each generation can lend out its segment at once
     let (head, tail) = active.split_at_mut(start);
     let order = tail.iter_mut().enumerate().map(|(j, e)| (start + j, e)).chain(head.iter_mut().enumerate());
@@ -483,7 +483,7 @@ fn run_tick(
     shared.forwards.fetch_add(1, Ordering::Relaxed);
     shared.segments.fetch_add(segs.len(), Ordering::Relaxed);
     shared.rows.fetch_add(rows, Ordering::Relaxed);
-    let results: Vec<Result<candle_core::Tensor>> = match model.net.forward_segments(&mut segs) {
+    let results: Vec<Result<candle_core::Tensor>> = match model.forward_segments(&mut segs) {
         Ok(ls) => ls.into_iter().map(Ok).collect(),
         // every segment was cancelled: each ends so, with no forward of its own
         Err(Error::Cancelled(m)) => segs.iter().map(|_| Err(Error::Cancelled(m.clone()))).collect(),
@@ -492,7 +492,7 @@ fn run_tick(
             segs.iter_mut()
                 .map(|s| {
                     let mut one = [Segment::reborrow(s)];
-                    model.net.forward_segments(&mut one).map(|mut v| v.pop().expect("one segment"))
+                    model.forward_segments(&mut one).map(|mut v| v.pop().expect("one segment"))
                 })
                 .collect()
         }

@@ -16,7 +16,7 @@
 //! are committed from that forward (`commit_verified`): those positions keep causal K/V. The recompute policy
 //! rebuilds exactly the same K/V by giving those positions causal visibility (`causal`) in every forward.
 //!
-//! ISD (`decode::strided`): a step is one causal forward from the frontier, whose first position holds the last
+//! ISD ([`decode::strided`](crate::decode::strided)): a step is one causal forward from the frontier, whose first position holds the last
 //! written token (the pending one; on the first step the prompt's last token, so the prompt is prefilled but for
 //! it), then the step's drafts and masks (`begin_strided`); the pending token's and the accepted drafts' K/V are
 //! final and committed from that forward (`commit_strided`). Without a cache every step recomputes from 0.
@@ -96,7 +96,7 @@ pub struct Window {
 }
 
 impl Window {
-    /// `policy` as `CachePolicy::resolve` gave it for this grid.
+    /// `policy` as the request's plan resolved it for this grid ([`generate::plan`](crate::generate::plan)).
     pub fn new(model: &Model, grid: BlockGrid, prompt_len: usize, policy: CachePolicy) -> Result<Window> {
         Ok(Window {
             policy,
@@ -130,7 +130,7 @@ impl Window {
     /// `budget_rows` rows over no keys: a row over k keys counts 1 + k / `key_equivalent` (`QwenModel::
     /// key_equivalent`). The cut lands on a grid boundary (a block's positions see each other), one block at the
     /// least; the rest stays queued as the next forward. The same positions are forwarded, in more forwards: the
-    /// caller cuts only where a row's result does not depend on the rows beside it (`QwenModel::rows_independent`).
+    /// caller cuts only where a row's result does not depend on the rows beside it ([`QwenModel::rows_independent`](crate::net::qwen::QwenNet::rows_independent)).
     pub fn limit_next(&mut self, budget_rows: usize, key_equivalent: usize) {
         let Some(front) = self.pieces.front() else { return };
         if !matches!(front.kind, PieceKind::Prefill { .. } | PieceKind::Scratch) {

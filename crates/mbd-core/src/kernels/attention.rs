@@ -1,7 +1,7 @@
 //! The blocked CPU attention: windows of a model computing in f32 on an x86-64 CPU with AVX2 and FMA take
 //! `attend` (`blocked`: blocked over keys, mask-aware from the segment's key ranges, an online softmax: no score
 //! matrix, no mask array). `SegmentKv` is what the kernel reads of a segment. (Which attention a forward takes is
-//! `net::attention`'s choice.)
+//! [`net::attention`](crate::net::attention)'s choice.)
 
 use crate::error::{Error, Result};
 use crate::util::Cancel;
@@ -30,7 +30,7 @@ pub fn available(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
 /// Attention of every segment's rows into `out` ((rows, heads × head_dim), row-major; other rows are left as they
 /// are), in the blocked kernel (`blocked`).
 /// `q`: the stacked queries, (heads, rows, head_dim) row-major, RoPE applied. An error where not `available`.
-/// `cancel`: once set, the tasks not yet started are skipped and the call returns `Error::Cancelled` (a long
+/// `cancel`: once set, the tasks not yet started are skipped and the call returns [`Error::Cancelled`] (a long
 /// window's attention stops within a task's rows).
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
@@ -106,7 +106,7 @@ mod blocked {
             && Cpu::get().avx2_fma
     }
 
-    /// `super::attend` (its arguments, the head shape as one tuple). Needs `available`: `attend` checks it.
+    /// [`super::attend`] (its arguments, the head shape as one tuple). Needs `available`: `attend` checks it.
     pub(super) fn run(
         q: &[f32],
         rows: usize,

@@ -1,5 +1,5 @@
 //! What this CPU can run: the one feature probe. Every kernel asks it and picks its own tiles from the answer
-//! (`skinny`: AVX-512 / AVX2 / portable tiles; `panels`: `Zmm` / `Ymm`; `qdot::Isa`; `vmath` and the blocked
+//! (`skinny`: AVX-512 / AVX2 / portable tiles; `panels`: `Zmm` / `Ymm`; [`qdot::Isa`](crate::kernels::qdot::Isa); `vmath` and the blocked
 //! attention: AVX2 + FMA). `per_isa!` makes a loop's copies per instruction set and owns the pick among them
 //! (the Gated DeltaNet's recurrence and convolution).
 
@@ -61,7 +61,7 @@ impl Cpu {
 /// `per_isa! { mod m = f<'a>(arg: Type, ...) -> Ret; }` defines module `m` with
 /// - `m::avx512` and `m::avx2`: `f` compiled with AVX-512 F, resp. AVX2, enabled (x86-64 only; unsafe: the caller
 ///   has checked the feature);
-/// - `m::best`: the widest copy this CPU runs (`Cpu::avx512`, else `Cpu::avx2`), else `f` as the baseline build
+/// - `m::best`: the widest copy this CPU runs ([`Cpu::avx512`], else [`Cpu::avx2`]), else `f` as the baseline build
 ///   compiles it.
 ///
 /// For loops whose arithmetic is the same at every level (no fused multiply-adds: Rust does not contract

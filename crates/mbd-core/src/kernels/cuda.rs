@@ -1,8 +1,8 @@
 //! mbd-rs's own CUDA kernels (`src/cuda/kernels.cu`, built to PTX by build.rs with the `cuda` feature): a decode
 //! window's attention in three launches per segment and layer (`prep`, then `attend`'s two), each residual add and
 //! the norm after it in one (`add_rms_norm`), `silu_mul` in one, and the logits rows' statistics (`row_stats`, for
-//! `kernels::stats`) in one, where candle's ops took 25-38 launches per layer (issue #17: the forward was bound by
-//! the host launching them). `Kernels::cuda_fused` turns them off for
+//! [`kernels::stats`](crate::kernels::stats)) in one, where candle's ops took 25-38 launches per layer (issue #17: the forward was bound by
+//! the host launching them). [`Kernels::cuda_fused`](crate::kernels::Kernels::cuda_fused) turns them off for
 //! A/B runs. Without the `cuda` feature, `available` is false and nothing else is reachable.
 
 use crate::error::Result;
@@ -476,7 +476,7 @@ mod imp {
         Ok(ptr(t, 1)?.0)
     }
 
-    /// A forward's launches, captured once (`capture`) and replayed (`launch`): a CUDA graph (`net::graph`,
+    /// A forward's launches, captured once (`capture`) and replayed (`launch`): a CUDA graph ([`net::graph`],
     /// docs/dev/cuda.md).
     pub struct Graph(cudarc::driver::CudaGraph);
 
@@ -535,7 +535,7 @@ mod imp {
     }
 
     /// Writes `words` into a u32 CUDA storage from element `at` on: one host-to-device copy on the device's stream
-    /// (queued after the launches before it that read those elements). A forward's one upload (`net::step`).
+    /// (queued after the launches before it that read those elements). A forward's one upload ([`net::step`]).
     pub fn write_words(s: &mut CudaStorage, at: usize, words: &[u32]) -> candle_core::Result<()> {
         let dev = s.device.clone();
         let slice = s.as_cuda_slice_mut::<u32>()?;
@@ -640,7 +640,7 @@ mod imp {
         Ok(out)
     }
 
-    /// Per row of `logits` (rows, V): (argmax, entropy, max probability) of softmax(row) as `stats::row_stats`
+    /// Per row of `logits` (rows, V): (argmax, entropy, max probability) of softmax(row) as [`stats::row_stats`]
     /// defines them, in one launch (a block per row). Returns (rows, 3) f64; the argmax is exact as an f64.
     /// Threads of a `gdn_rows` block (kernels.cu's GDN_THREADS).
     const GDN_THREADS: usize = 256;
@@ -652,7 +652,7 @@ mod imp {
         contiguous(t, what)
     }
 
-    /// `delta_rule::window_rows` on the GPU: `p` (rows, width) f32 projected rows, `tail` (kernel - 1, conv_dim) f32
+    /// [`delta_rule::window_rows`] on the GPU: `p` (rows, width) f32 projected rows, `tail` (kernel - 1, conv_dim) f32
     /// the convolution's history, `conv` = (weight (conv_dim · kernel), -exp(A_log), dt_bias (v_heads)) f32, `heads`
     /// = (k_heads, dk, v_heads, dv) -> (rows, row_width) f32, one launch (a block per row).
     pub fn gdn_rows(
@@ -696,8 +696,8 @@ mod imp {
 
     /// The recurrence on the GPU from `state` ((v_heads, dk, dv) f32) over the first `n` rows of `rows`
     /// (`gdn_rows`' layout), `keys` = (k_heads, tiled value heads): with `out`, the window's gated outputs
-    /// (n, v_heads·dv) f32 and the state left as it was (`delta_rule::window_out`); without, the state after the n
-    /// rows (`delta_rule::advance`). One launch: a block per value head, one or two threads per state column.
+    /// (n, v_heads·dv) f32 and the state left as it was ([`delta_rule::window_out`]); without, the state after the n
+    /// rows ([`delta_rule::advance`]). One launch: a block per value head, one or two threads per state column.
     pub fn gdn_scan(
         state: &Tensor,
         rows: &Tensor,

@@ -5,7 +5,7 @@
 //!
 //! The recurrence runs token by token (not in chunks): every row updates the state the same way whatever rows come
 //! with it, so a sequence's state after n tokens has the same bits however its tokens were cut into windows, and a
-//! window's state after any of its rows can be found again by running the same rows (`net::kv_cache` commits a
+//! window's state after any of its rows can be found again by running the same rows ([`net::kv_cache`](crate::net::kv_cache) commits a
 //! prefix of a window that way). Block-diffusion windows are short (a few blocks), where the recurrence's
 //! (value heads x key dim x value dim) work per token is a few percent of the token's matrix products.
 
@@ -44,7 +44,7 @@ impl DeltaShape {
     }
 }
 
-/// A window's rows for the recurrence, read in place as `GdnParams::host_rows` packs them ((rows, row_width)): per
+/// A window's rows for the recurrence, read in place as [`GdnParams::host_rows`] packs them ((rows, row_width)): per
 /// row q and k (k_heads, dk) already L2-normalised (q also scaled by dk^-1/2), v (v_heads, dv), g (v_heads) the log
 /// decay (<= 0), beta (v_heads).
 #[derive(Clone, Copy)]
@@ -427,7 +427,7 @@ impl GdnParams {
 }
 
 /// Whether a layer's recurrence runs in mbd-rs's kernel on `dev`: a CUDA device, and heads the kernel takes
-/// (`cuda::gdn_scan_fits`: Qwen3.5's do). Other heads (the tests' tiny ones) run the host's functions on every
+/// ([`cuda::gdn_scan_fits`](crate::kernels::cuda::gdn_scan_fits): Qwen3.5's do). Other heads (the tests' tiny ones) run the host's functions on every
 /// device, their rows copied there and back. A forward's scan and a commit's ask the same question, so they
 /// always run the same arithmetic.
 fn on_gpu(dev: &candle_core::Device, sh: DeltaShape) -> bool {
@@ -453,7 +453,7 @@ fn with_host<R>(t: &candle_core::Tensor, f: impl FnOnce(&[f32]) -> R) -> crate::
 }
 
 /// A window's recurrence rows on the model's device: `p` (rows, width) its projected rows in f32, `tail`
-/// (kernel - 1, conv_dim) f32 the convolution's history. Returns (rows, row_width) f32 (`GdnParams::host_rows`;
+/// (kernel - 1, conv_dim) f32 the convolution's history. Returns (rows, row_width) f32 ([`GdnParams::host_rows`];
 /// one kernel launch on CUDA).
 pub fn window_rows(
     prm: &GdnParams,
@@ -474,7 +474,7 @@ pub fn window_rows(
 
 /// A window's outputs on the model's device: the recurrence over `rows` (`window_rows`) from `state`
 /// ((v_heads, dk, dv) f32, left as it was), then the gated RMSNorm with z from `p`. Returns (rows, v_heads·dv) f32
-/// (`GdnParams::host_out`; one kernel launch on CUDA).
+/// ([`GdnParams::host_out`]; one kernel launch on CUDA).
 pub fn window_out(
     prm: &GdnParams,
     state: &candle_core::Tensor,
@@ -523,7 +523,7 @@ mod tests {
             .collect()
     }
 
-    /// Rows packed as `GdnParams::host_rows` packs them, from q, k ((rows, k_heads, dk) each), v ((rows, v_heads,
+    /// Rows packed as [`GdnParams::host_rows`] packs them, from q, k ((rows, k_heads, dk) each), v ((rows, v_heads,
     /// dv)), g and beta ((rows, v_heads) each).
     fn pack(sh: DeltaShape, [q, k, v, g, beta]: [&[f32]; 5]) -> Vec<f32> {
         let (kd, vd, hv) = (sh.k_heads * sh.dk, sh.v_heads * sh.dv, sh.v_heads);

@@ -36,7 +36,7 @@ pub struct Kernels {
     /// recompute without cache, a full-attention canvas, a logits call) is attended in query chunks so that no
     /// forward allocates scores for every row at once (a 100k-token window would need 100k x 100k per head).
     pub attention_score_bytes: usize,
-    /// Attention on the CPU (f32, AVX2 + FMA) in `attention::attend`: blocked over keys, mask-aware,
+    /// Attention on the CPU (f32, AVX2 + FMA) in [`attention::attend`]: blocked over keys, mask-aware,
     /// an online softmax with a vectorised exp, no score matrix. false: candle's ops (scores per query chunk, a
     /// host-built additive mask, softmax, a second matmul).
     pub blocked_attention: bool,
@@ -44,15 +44,15 @@ pub struct Kernels {
     /// it packs; gemm per widened panel on other CPUs). false: candle's matmul (a bf16 W widened whole per call; a
     /// quantized W through this kernel).
     pub panels: bool,
-    /// Dense f32 / bf16 and quantized matrices packed at load (`panels::PackedMatrix`) on CPUs with the packed
+    /// Dense f32 / bf16 and quantized matrices packed at load ([`panels::PackedMatrix`]) on CPUs with the packed
     /// product (x86-64 with AVX2, FMA and F16C), so that every window, from one row to a prefill chunk, runs the
     /// packed product on them with no packing per call (and every row the same arithmetic, alone or stacked).
     /// false: held row-major (quantized ones in their blocks), few-row windows through this kernel (for A/B runs).
     pub packed_weights: bool,
-    /// The packed product's AVX-512 tiles (`panels::matmul_t_with`) where the CPU has AVX-512. false: its AVX2 tiles
+    /// The packed product's AVX-512 tiles ([`panels::matmul_t_with`]) where the CPU has AVX-512. false: its AVX2 tiles
     /// (the same bits; for A/B runs).
     pub packed_avx512: bool,
-    /// Linear layers of one input held as one matrix (q/k/v, gate/up: `models::qwen::Stacked`), one product
+    /// Linear layers of one input held as one matrix (q/k/v, gate/up: [`models::qwen::Stacked`](crate::net::layers::Stacked)), one product
     /// instead of several. false: each its own product (the same bits; for A/B runs).
     pub stack: bool,
     /// On CUDA, mbd-rs's own kernels (`cuda`): a window's q/k norms, RoPE and K/V cache write in one launch,
@@ -60,19 +60,19 @@ pub struct Kernels {
     /// false: candle's ops (for A/B runs).
     pub cuda_fused: bool,
     /// On CUDA with `cuda_fused`, a forward runs every segment's `prep` and attention in one launch per kernel
-    /// (`cuda::prep_segments`, `cuda::attend_segments`: a segment table in the forward's upload, `net::step`), so
+    /// ([`cuda::prep_segments`], [`cuda::attend_segments`]: a segment table in the forward's upload, [`net::step`](crate::net::step)), so
     /// that launches per forward do not grow with the streams batched, and no launch takes a committed length as an
     /// argument or sizes its grid by one (what a captured CUDA graph needs). Each segment's arithmetic is the same as
     /// in its own launches. Off by default until a GPU run has proven it (benches/gpu/run.sh); false: a launch per
     /// segment.
     pub cuda_segments: bool,
     /// On CUDA with `cuda_segments`, a forward of a shape seen before replays a CUDA graph of its layers' launches
-    /// (`net::graph`: captured on a shape's second forward, checked bit for bit against a forward without it on
+    /// ([`net::graph`](crate::net::graph): captured on a shape's second forward, checked bit for bit against a forward without it on
     /// its first replay). Off by default until a GPU run has proven it (benches/gpu/run.sh graphs); false: every
     /// forward launch by launch.
     pub cuda_graphs: bool,
     /// Quantized linear layers on the CPU held as candle's quantized tensors and multiplied by candle's quantized
-    /// matmul (`quant::Matrix::Candle`), as they always are on CUDA: tests and A/B runs of that path on the CPU.
+    /// matmul ([`quant::Matrix::Candle`](crate::net::linear::Matrix::Candle)), as they always are on CUDA: tests and A/B runs of that path on the CPU.
     pub candle_quant: bool,
 }
 

@@ -1,5 +1,5 @@
 //! How a block format is held in groups of `GROUP` columns: the depth layouts of the packed product
-//! (`panels::PackedMatrix`) and the scale records that both it and the integer dot products (`qdot::DotMatrix`)
+//! ([`panels::PackedMatrix`](crate::kernels::panels::PackedMatrix)) and the scale records that both it and the integer dot products ([`qdot::DotMatrix`](crate::kernels::qdot::DotMatrix))
 //! use, one record per block of the format.
 
 use crate::kernels::blocks::QuantFormat;
@@ -7,7 +7,7 @@ use crate::kernels::blocks::QuantFormat;
 /// Output columns per group of a packed matrix (the register tile's width).
 pub(crate) const GROUP: usize = 16;
 
-/// How a block format is held packed (`PackedData::Block`), per group of `GROUP` columns: `step` bytes per depth
+/// How a block format is held packed (in a [`PackedMatrix`](crate::kernels::panels::PackedMatrix)), per group of `GROUP` columns: `step` bytes per depth
 /// (the group's values at that depth), and the scales in records of `sbytes` bytes, one per `sblock` depths (one
 /// per block of the format).
 #[derive(Clone, Copy)]
@@ -68,7 +68,7 @@ pub(crate) fn layout(format: QuantFormat) -> Layout {
     }
 }
 
-/// Column c's scales of one block of a row (`block`: its bytes) into the block's scale record `s` (`Layout::sbytes`
+/// Column c's scales of one block of a row (`block`: its bytes) into the block's scale record `s` ([`Layout::sbytes`]
 /// bytes: the record of every block format's packed layout, and of `qdot`'s integer-product layout).
 pub(crate) fn pack_record(format: QuantFormat, block: &[u8], c: usize, s: &mut [u8]) {
     match format {

@@ -93,7 +93,7 @@ mod x86 {
         r
     }
 
-    /// Rows r0..r7 of an 8 × 8 block → its columns (out[j][r] = v[r][j]).
+    /// Rows r0..r7 of an 8 × 8 block → its columns (`out[j][r] = v[r][j]`).
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     pub(crate) unsafe fn transpose8(v: [__m256; 8]) -> [__m256; 8] {

@@ -11,9 +11,9 @@
 //! Numerics: each output is one f32 dot product summed in `L` lane-wise partial sums then reduced; the
 //! result differs from gemm's only by summation order.
 //!
-//! On CPUs with the packed product (x86-64, AVX2 + FMA) dense matrices are packed at load (`panels::PackedMatrix`)
+//! On CPUs with the packed product (x86-64, AVX2 + FMA) dense matrices are packed at load ([`panels::PackedMatrix`](crate::kernels::panels::PackedMatrix))
 //! and every window goes there (`linear_packed`), as are quantized ones; this kernel then takes row-major and
-//! quantized matrices where packing is off (`Kernels::packed_weights`) or unavailable.
+//! quantized matrices where packing is off ([`Kernels::packed_weights`](crate::kernels::Kernels::packed_weights)) or unavailable.
 
 use crate::kernels::blocks::QMatrix;
 #[cfg(target_arch = "x86_64")]
@@ -64,7 +64,7 @@ fn rows_per_task(n: usize, threads: usize) -> usize {
 }
 
 /// Portable tile (other CPUs): dot products of x rows `xs` (each `k` long) with 4 weight rows, `L` lane sums.
-/// Returns acc[r][c] = <xs[r], w_c>.
+/// Returns `acc[r][c] = <xs[r], w_c>`.
 #[inline(always)]
 fn tile<E: WeightElem, const L: usize, const R: usize>(
     xs: [&[f32]; R],
@@ -176,7 +176,7 @@ fn rows4(base: *const u8, first: usize, end: usize, stride: usize) -> [*const u8
     [0, 1, 2, 3].map(|c| base.wrapping_add((first + c).min(end - 1) * stride))
 }
 
-/// Store a tile's results: acc[r][c] is y[r0 + r][j + c], for the first `valid` weight rows (a tail tile repeats
+/// Store a tile's results: `acc[r][c]` is `y[r0 + r][j + c]`, for the first `valid` weight rows (a tail tile repeats
 /// its last row, whose results are not stored).
 ///
 /// # Safety
@@ -221,7 +221,7 @@ mod x86 {
 
     /// One step of every tile below: the x lanes `$x` of each of the R x rows (`$ri` names the row), the weight
     /// lanes `$w` of each of the `$c` weight rows (`$ci` names it; formed once, shared by the R x rows), and
-    /// acc[r][c] += x_r · w_c.
+    /// `acc[r][c] += x_r · w_c`.
     macro_rules! tile_step {
         ($r:ident, $c:expr, $zero:ident, $loadx:ident, $fma:ident, $acc:ident, |$ri:ident| $x:expr, |$ci:ident| $w:expr) => {{
             let mut xv = [$zero(); $r];

@@ -1,11 +1,11 @@
 //! Block formats decoded to f32 rows (`dequantize_rows`: AVX2 where the CPU has it, else the scalar
-//! `QMatrix::dequantize_rows`; the same values either way), and the per-format x86 decoders (`x86`: a block's
+//! [`QMatrix::dequantize_rows`]; the same values either way), and the per-format x86 decoders (`x86`: a block's
 //! values as bytes, its scales and factors) that the few-row kernels (`skinny`) also use in registers.
 
 use crate::kernels::blocks::QMatrix;
 use crate::kernels::cpu::Cpu;
 
-/// Rows `j0..j0 + count` of a quantized matrix as f32 into `out` (`QMatrix::dequantize_rows`, vectorised where
+/// Rows `j0..j0 + count` of a quantized matrix as f32 into `out` ([`QMatrix::dequantize_rows`], vectorised where
 /// the CPU allows; the same values either way).
 pub(crate) fn dequantize_rows(q: &QMatrix, j0: usize, count: usize, out: &mut [f32]) {
     // SAFETY: `avx2` is what this CPU has.
@@ -86,7 +86,7 @@ pub(crate) mod x86 {
         buf.as_ptr() as *const u8
     }
 
-    /// A q6_k super-block's 256 values q − 32 as i8 (`quant::q6k_value`), decoded into `buf`: per half, the 32
+    /// A q6_k super-block's 256 values q − 32 as i8 ([`quant::q6k_value`](crate::kernels::blocks::q6k_value)), decoded into `buf`: per half, the 32
     /// bytes of `qh` give each quarter's fifth and sixth bits (shifted to bits 4-5 in 16-bit lanes, where no bit
     /// crosses into the masked byte), OR-ed into the low or high nibbles of `ql`'s first or second 32 bytes.
     #[inline]
@@ -112,7 +112,7 @@ pub(crate) mod x86 {
         }
     }
 
-    /// A q3_k super-block's 256 values in [−4, 3] as i8 (`quant::q3k_value`), decoded into `buf`: per half, quarter
+    /// A q3_k super-block's 256 values in [−4, 3] as i8 ([`quant::q3k_value`](crate::kernels::blocks::q3k_value)), decoded into `buf`: per half, quarter
     /// g is bits 2g, 2g + 1 of the half's 32 `qs` bytes (at 32), plus 4 where bit 4·half + g of the 32 `hmask`
     /// bytes (at 0) is set, minus 4.
     #[inline]
@@ -134,7 +134,7 @@ pub(crate) mod x86 {
         }
     }
 
-    /// A q2_k super-block's 256 values 0-3 as bytes (`quant::q2k_value`), decoded into `buf`: per half, quarter g is
+    /// A q2_k super-block's 256 values 0-3 as bytes ([`quant::q2k_value`](crate::kernels::blocks::q2k_value)), decoded into `buf`: per half, quarter g is
     /// bits 2g, 2g + 1 of the half's 32 `qs` bytes (at 16).
     #[inline]
     #[target_feature(enable = "avx2")]
@@ -214,7 +214,7 @@ pub(crate) mod x86 {
         }
     }
 
-    /// A q5_k super-block's 256 values 0-31 as bytes in value order (`quant::q5k_value`): q4_k's nibbles (`qs`
+    /// A q5_k super-block's 256 values 0-31 as bytes in value order ([`quant::q5k_value`](crate::kernels::blocks::q5k_value)): q4_k's nibbles (`qs`
     /// at byte 48) with bit j of each of the 32 `qh` bytes (at 16) as sub-block j's fifth bit (shifted down in
     /// 16-bit lanes, masked to bit 0 of each byte, moved to bit 4).
     #[inline]
@@ -236,7 +236,7 @@ pub(crate) mod x86 {
         }
     }
 
-    /// `QMatrix::dequantize_rows` with AVX2 (same operations, so the same values: q8_0 `q·d`, q4_k
+    /// [`QMatrix::dequantize_rows`] with AVX2 (same operations, so the same values: q8_0 `q·d`, q4_k
     /// `(d·sc)·q − dmin·m` with a separate multiply and subtract).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]

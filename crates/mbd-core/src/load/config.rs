@@ -336,42 +336,7 @@ impl ModelConfig {
                 f.file
             )));
         }
-        let moe = if arch == Arch::Qwen35Moe {
-            // every layer routed, top-k always renormalised (transformers' Qwen3_5MoeTopKRouter), a shared expert
-            Some(MoeConfig {
-                num_experts: f.positive("num_experts")?,
-                num_experts_per_tok: f.usize("num_experts_per_tok")?,
-                moe_intermediate_size: f.positive("moe_intermediate_size")?,
-                norm_topk_prob: true,
-                decoder_sparse_step: 1,
-                mlp_only_layers: vec![],
-                shared_expert_intermediate_size: Some(f.positive("shared_expert_intermediate_size")?),
-            })
-        } else if arch == Arch::Qwen3Moe {
-            Some(MoeConfig {
-                // transformers >= 5 writes `num_local_experts`; earlier versions `num_experts`.
-                num_experts: match f.opt_usize("num_experts")? {
-                    Some(n) => n,
-                    None => f.usize("num_local_experts")?,
-                },
-                num_experts_per_tok: f.usize("num_experts_per_tok")?,
-                moe_intermediate_size: f.positive("moe_intermediate_size")?,
-                norm_topk_prob: f.opt_bool("norm_topk_prob")?.unwrap_or(false),
-                decoder_sparse_step: f.opt_usize("decoder_sparse_step")?.unwrap_or(1).max(1),
-                mlp_only_layers: f.opt_usize_list("mlp_only_layers")?,
-                shared_expert_intermediate_size: None,
-            })
-        } else {
-            None
-        };
-        if let Some(m) = &moe {
-            if m.num_experts_per_tok == 0 || m.num_experts_per_tok > m.num_experts {
-                return Err(Error::config(format!(
-                    "{}: num_experts_per_tok ({}) must be between 1 and num_experts ({})",
-                    f.file, m.num_experts_per_tok, m.num_experts
-                )));
-            }
-        }
+        let moe = moe_config(f, arch)?;
         let qwen35 = arch.qwen35();
         let rotary_dim = if qwen35 { qwen35_rope(f, head_dim)? } else { head_dim };
         if qwen35 && f.opt_bool("attn_output_gate")? == Some(false) {
@@ -395,57 +360,7 @@ impl ModelConfig {
         };
         let num_hidden_layers = f.positive("num_hidden_layers")?;
         let linear = if qwen35 { Some(linear_config(f, num_hidden_layers)?) } else { None };
-        // Every weight's element count must be a number: the shapes below are compared with the checkpoint's,
-        // and a product that wraps around could match a forged header.
-        let mut products: Vec<(&str, Vec<(&str, usize)>)> = vec![
-            ("embed_tokens", vec![("vocab_size", vocab_size), ("hidden_size", hidden_size)]),
-            ("mlp", vec![("intermediate_size", intermediate_size), ("hidden_size", hidden_size)]),
-            (
-                "q_proj",
-                vec![
-                    ("num_attention_heads", num_attention_heads),
-                    ("head_dim", head_dim),
-                    ("hidden_size", hidden_size),
-                ],
-            ),
-        ];
-        if qwen35 {
-            products.push((
-                "gated q_proj",
-                vec![
-                    ("num_attention_heads", num_attention_heads),
-                    ("", 2),
-                    ("head_dim", head_dim),
-                    ("hidden_size", hidden_size),
-                ],
-            ));
-        }
-        if let Some(l) = &linear {
-            products.push(("in_proj_qkv", vec![("conv channels", l.conv_dim()), ("hidden_size", hidden_size)]));
-        }
-        if let Some(m) = &moe {
-            products.push((
-                "experts",
-                vec![
-                    ("num_experts", m.num_experts),
-                    ("", 2),
-                    ("moe_intermediate_size", m.moe_intermediate_size),
-                    ("hidden_size", hidden_size),
-                ],
-            ));
-        }
-        for (what, dims) in products {
-            if dims.iter().try_fold(1usize, |a, (_, d)| a.checked_mul(*d)).is_none() {
-                let expr: Vec<String> =
-                    dims.iter().map(|(n, d)| if n.is_empty() { d.to_string() } else { format!("{n} ({d})") }).collect();
-                return Err(Error::config(format!(
-                    "{}: the {what} weights would have {} elements, which overflows (absurd sizes)",
-                    f.file,
-                    expr.join(" x ")
-                )));
-            }
-        }
-        Ok(ModelConfig {
+        let config = ModelConfig {
             arch,
             vocab_size,
             hidden_size,
@@ -467,6 +382,103 @@ impl ModelConfig {
             // a GGUF file's norm weights already hold the 1 (llama.cpp's converter adds it)
             norm_offset: qwen35 && !f.opt_bool("gguf_norms_include_one")?.unwrap_or(false),
             linear,
-        })
+        };
+        check_weight_sizes(f.file, &config)?;
+        Ok(config)
     }
+}
+
+/// The mixture of experts of a MoE architecture (None for a dense one), its expert counts checked.
+fn moe_config(f: &Fields, arch: Arch) -> Result<Option<MoeConfig>> {
+    let moe = if arch == Arch::Qwen35Moe {
+        // every layer routed, top-k always renormalised (transformers' Qwen3_5MoeTopKRouter), a shared expert
+        Some(MoeConfig {
+            num_experts: f.positive("num_experts")?,
+            num_experts_per_tok: f.usize("num_experts_per_tok")?,
+            moe_intermediate_size: f.positive("moe_intermediate_size")?,
+            norm_topk_prob: true,
+            decoder_sparse_step: 1,
+            mlp_only_layers: vec![],
+            shared_expert_intermediate_size: Some(f.positive("shared_expert_intermediate_size")?),
+        })
+    } else if arch == Arch::Qwen3Moe {
+        Some(MoeConfig {
+            // transformers >= 5 writes `num_local_experts`; earlier versions `num_experts`.
+            num_experts: match f.opt_usize("num_experts")? {
+                Some(n) => n,
+                None => f.usize("num_local_experts")?,
+            },
+            num_experts_per_tok: f.usize("num_experts_per_tok")?,
+            moe_intermediate_size: f.positive("moe_intermediate_size")?,
+            norm_topk_prob: f.opt_bool("norm_topk_prob")?.unwrap_or(false),
+            decoder_sparse_step: f.opt_usize("decoder_sparse_step")?.unwrap_or(1).max(1),
+            mlp_only_layers: f.opt_usize_list("mlp_only_layers")?,
+            shared_expert_intermediate_size: None,
+        })
+    } else {
+        None
+    };
+    if let Some(m) = &moe {
+        if m.num_experts_per_tok == 0 || m.num_experts_per_tok > m.num_experts {
+            return Err(Error::config(format!(
+                "{}: num_experts_per_tok ({}) must be between 1 and num_experts ({})",
+                f.file, m.num_experts_per_tok, m.num_experts
+            )));
+        }
+    }
+    Ok(moe)
+}
+
+/// Every weight's element count must be a number: the shapes are compared with the checkpoint's, and a product that
+/// wraps around could match a forged header.
+fn check_weight_sizes(file: &str, c: &ModelConfig) -> Result<()> {
+    let mut products: Vec<(&str, Vec<(&str, usize)>)> = vec![
+        ("embed_tokens", vec![("vocab_size", c.vocab_size), ("hidden_size", c.hidden_size)]),
+        ("mlp", vec![("intermediate_size", c.intermediate_size), ("hidden_size", c.hidden_size)]),
+        (
+            "q_proj",
+            vec![
+                ("num_attention_heads", c.num_attention_heads),
+                ("head_dim", c.head_dim),
+                ("hidden_size", c.hidden_size),
+            ],
+        ),
+    ];
+    if c.arch.qwen35() {
+        products.push((
+            "gated q_proj",
+            vec![
+                ("num_attention_heads", c.num_attention_heads),
+                ("", 2),
+                ("head_dim", c.head_dim),
+                ("hidden_size", c.hidden_size),
+            ],
+        ));
+    }
+    if let Some(l) = &c.linear {
+        products.push(("in_proj_qkv", vec![("conv channels", l.conv_dim()), ("hidden_size", c.hidden_size)]));
+    }
+    if let Some(m) = &c.moe {
+        products.push((
+            "experts",
+            vec![
+                ("num_experts", m.num_experts),
+                ("", 2),
+                ("moe_intermediate_size", m.moe_intermediate_size),
+                ("hidden_size", c.hidden_size),
+            ],
+        ));
+    }
+    for (what, dims) in products {
+        if dims.iter().try_fold(1usize, |a, (_, d)| a.checked_mul(*d)).is_none() {
+            let expr: Vec<String> =
+                dims.iter().map(|(n, d)| if n.is_empty() { d.to_string() } else { format!("{n} ({d})") }).collect();
+            return Err(Error::config(format!(
+                "{}: the {what} weights would have {} elements, which overflows (absurd sizes)",
+                file,
+                expr.join(" x ")
+            )));
+        }
+    }
+    Ok(())
 }

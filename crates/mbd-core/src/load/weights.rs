@@ -73,7 +73,7 @@ impl std::fmt::Debug for Progress {
     }
 }
 
-/// A matrix as a checkpoint stores it (`Weights::matrix`).
+/// A matrix as a checkpoint stores it ([`Weights::matrix`]).
 pub enum Stored {
     /// Floats, read into a tensor (the compute dtype; a bf16 checkpoint's matrix kept bf16 on the CPU).
     Dense(Tensor),
@@ -349,7 +349,7 @@ impl Weights {
         Ok(Self::from_shards(shards, index, device, dtype, keep_bf16))
     }
 
-    /// The tensors of a GGUF file (`crate::gguf`), under the Hugging Face names the model asks for. Block-format
+    /// The tensors of a GGUF file ([`crate::gguf`](crate::load::gguf)), under the Hugging Face names the model asks for. Block-format
     /// matrices our kernel multiplies (q8_0, q4_0, q5_0, q2_k..q6_k) are kept as stored on the CPU in float32; other block
     /// formats are dequantized at load and held as q8_0 (or in the `quantize` format when one is asked for); on
     /// other devices every matrix is dequantized to the compute dtype.
@@ -465,7 +465,7 @@ impl Weights {
         self.load(name, shape, false)
     }
 
-    /// Load a weight matrix that only the skinny kernel (`crate::kernels::skinny::linear`) and row lookups read: like
+    /// Load a weight matrix that only the products of [`crate::net::linear::Matrix`] and row lookups read: like
     /// `get`, except that on the CPU a bf16 checkpoint's matrix stays bf16 (half the memory and traffic; the
     /// kernel widens it to f32 exactly as a conversion at load would).
     pub fn get_matrix(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
@@ -473,9 +473,9 @@ impl Weights {
     }
 
     /// A matrix (n × k) as stored: with `keep_blocks`, a block-format tensor whose format the kernels multiply stays
-    /// in its blocks (`Stored::Blocks`) and one whose format they lack is dequantized (`Stored::Dequantized`);
-    /// everything else is read as `get_matrix` reads it (`Stored::Dense`). How it is then held is the caller's rule
-    /// (`net::linear::HoldPolicy`).
+    /// in its blocks ([`Stored::Blocks`]) and one whose format they lack is dequantized ([`Stored::Dequantized`]);
+    /// everything else is read as `get_matrix` reads it ([`Stored::Dense`]). How it is then held is the caller's rule
+    /// ([`net::linear::HoldPolicy`](crate::net::linear::HoldPolicy)).
     pub fn matrix(&self, name: &str, shape: &[usize], keep_blocks: bool) -> Result<Stored> {
         let (shard, e) = self.entry(name, shape)?;
         if let (Element::Block(g), true) = (e.element, keep_blocks) {

@@ -34,7 +34,7 @@ pub struct ModelInfo {
     pub num_experts_per_tok: Option<usize>,
     pub mask_token_id: Option<u32>,
     pub block_size: usize,
-    /// The family's decoding defaults (`Profile::decode_defaults`), what a request that leaves them unset decodes
+    /// The family's decoding defaults ([`Profile::decode_defaults`](crate::params::profile::Profile::decode_defaults)), what a request that leaves them unset decodes
     /// with: acceptance policy, tau, alpha, beta, forced progress, sub-block size.
     pub default_acceptance: String,
     pub default_threshold: f64,
@@ -131,9 +131,9 @@ impl Model {
             attention: p.attention.name().into(),
             alignment: p.alignment.name().into(),
             logits_shift: p.logits_shift,
-            dtype: dtype_name(self.net.dtype()).into(),
+            dtype: dtype_name(self.dtype()).into(),
             stored_dtype: p.stored_dtype.clone(),
-            device: device_name(self.net.device()),
+            device: device_name(self.device()),
             warnings: self.load_warnings.clone(),
         }
     }

@@ -1,4 +1,4 @@
-//! `Model::load`: a model directory or GGUF file through the load wing (config, tokenizer, weights, chat
+//! [`Model::load`]: a model directory or GGUF file through the load wing (config, tokenizer, weights, chat
 //! template), the profile it implies, and the network built from its weights.
 
 use crate::error::{Error, Result};
@@ -9,8 +9,9 @@ use crate::load::json::{read_json, Fields};
 use crate::load::tokenizer::{load_tokenizer, tokenizer_from_json, tokenizer_mask_id};
 use crate::load::weights::{checkpoint_files, Weights};
 use crate::model::Model;
+use crate::net::forward::Runner;
 use crate::net::linear::{int8_activations, HeldMatrices, HoldPolicy, Holder};
-use crate::net::qwen::QwenModel;
+use crate::net::qwen::QwenNet;
 use crate::params::load::{dtype_name, LoadOptions};
 use crate::params::profile::{detect_family, Profile};
 use serde_json::{Map, Value};
@@ -181,7 +182,7 @@ fn weight_format(held: &HeldMatrices) -> Result<String> {
     Ok(parts.join("+"))
 }
 
-/// The load's warnings (`ModelInfo::warnings`): a `quantize` option that quantized no matrix.
+/// The load's warnings ([`ModelInfo::warnings`](crate::model::info::ModelInfo::warnings)): a `quantize` option that quantized no matrix.
 fn load_warnings(opts: &LoadOptions, held: &HeldMatrices, format: &str) -> Vec<String> {
     match opts.quantize {
         Some(q) if held.quantized == 0 => vec![format!(
@@ -194,7 +195,7 @@ fn load_warnings(opts: &LoadOptions, held: &HeldMatrices, format: &str) -> Vec<S
 }
 
 impl Model {
-    /// Load a model directory (config.json, tokenizer.json, safetensors) or a GGUF file (`load::gguf`): the
+    /// Load a model directory (config.json, tokenizer.json, safetensors) or a GGUF file ([`load::gguf`](crate::load::gguf)): the
     /// checklist, each step owned by its wing.
     pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Model> {
         let src = Source::open(dir)?;
@@ -214,7 +215,7 @@ impl Model {
             HoldPolicy::resolve(&opts.device, opts.dtype, quantize, int8, &opts.kernels, src.gguf().is_some())?;
         let ws = src.weights(dir, opts)?.language_model();
         let holder = Holder::new(&ws, &policy);
-        let net = QwenModel::load(&config, &holder, &opts.device, opts.dtype, opts.kernels)?;
+        let net = QwenNet::load(&config, &holder, &opts.device, opts.dtype, opts.kernels)?;
         let held = holder.finish()?;
         let format = weight_format(&held)?;
         let max_token_bytes = tokenizer.get_vocab(true).keys().map(|t| t.len()).max().unwrap_or(1);
@@ -232,6 +233,7 @@ impl Model {
             config,
             profile,
             net,
+            runner: Runner::new(),
             tokenizer,
             max_token_bytes,
             special_tokens,

@@ -1,4 +1,4 @@
-//! Logits and scores outside a generation: `Model::logits` (one forward under a grid), `prompt_logprobs` (each
+//! Logits and scores outside a generation: [`Model::logits`] (one forward under a grid), `prompt_logprobs` (each
 //! token scored given the tokens before it), and `bench_forward` (a timed forward for benchmarks).
 
 use crate::cpu_pool::on_device_pool;
@@ -11,7 +11,7 @@ use crate::params::request::{LogitsRequest, Params, ScoreRequest};
 use crate::util::Cancel;
 use candle_core::Tensor;
 
-/// Positions scored per forward by `Model::prompt_logprobs` (bounds the logits it holds: 128 rows of a 152K
+/// Positions scored per forward by [`Model::prompt_logprobs`] (bounds the logits it holds: 128 rows of a 152K
 /// vocabulary are 78 MB of float32).
 pub const SCORE_CHUNK: usize = 128;
 
@@ -36,7 +36,7 @@ impl Model {
     /// Logits for every position of `ids` under the request's attention grid. With `prefix_len > 0` the first
     /// `prefix_len` tokens go through the cache (forward + commit) and the rest are forwarded as a window
     /// over the cached prefix; the result equals the no-cache one. Returns row-major (len, vocab) f32.
-    /// `cancel` stops the call between chunks and between a forward's layers (`Error::Cancelled`).
+    /// `cancel` stops the call between chunks and between a forward's layers ([`Error::Cancelled`]).
     pub fn logits(&self, ids: &[u32], req: &LogitsRequest, cancel: &Cancel) -> Result<Vec<f32>> {
         if ids.is_empty() {
             return Err(Error::invalid("ids is empty: need at least one token"));
@@ -69,12 +69,12 @@ impl Model {
                 n as f64 * 4e-9
             ))
         })?;
-        on_device_pool(self.net.device(), || {
+        on_device_pool(self.device(), || {
             let mut cache = self.new_cache()?;
             let pieces = chunks(&grid, 0, prefix_len).into_iter().chain(chunks(&grid, prefix_len, ids.len()));
             for (start, end) in pieces {
                 cancel.check("logits")?;
-                let l = self.net.forward(&mut cache, &ids[start..end], &grid, None, Some(cancel))?;
+                let l = self.forward(&mut cache, &ids[start..end], &grid, None, Some(cancel))?;
                 out.extend(l.flatten_all()?.to_vec1::<f32>()?);
                 cache.commit(end - start)?;
             }
@@ -115,7 +115,7 @@ impl Model {
                 p.architecture
             )));
         }
-        if !p.logits_shift && self.net.is_hybrid() {
+        if !p.logits_shift && self.is_hybrid() {
             return Err(Error::invalid(format!(
                 "prompt log-probabilities of this model ({}) need a mask row beside each token (two rows per \
                  position), which its Gated DeltaNet layers (a recurrence over positions in order) cannot run",
@@ -134,7 +134,7 @@ impl Model {
         };
         let causal = BlockGrid::causal();
         let mut out: Vec<Option<TokenLogprob>> = vec![None; ids.len()];
-        on_device_pool(self.net.device(), || {
+        on_device_pool(self.device(), || {
             let mut cache = self.new_cache()?;
             cache.reserve(ids.len() + SCORE_CHUNK)?;
             for s in (0..ids.len()).step_by(SCORE_CHUNK) {
@@ -148,7 +148,7 @@ impl Model {
                     if rows.is_empty() {
                         break;
                     }
-                    let l = self.net.forward(&mut cache, &ids[s..e], &causal, Some(&rows), Some(cancel))?;
+                    let l = self.forward(&mut cache, &ids[s..e], &causal, Some(&rows), Some(cancel))?;
                     (l, rows.iter().map(|j| s + j + 1).collect())
                 } else {
                     // rows [0, w): the tokens, causal; rows [w, 2w): a mask at each position, seeing the tokens
@@ -172,11 +172,8 @@ impl Model {
                         rows: rows.clone(),
                         cancel: Some(cancel.clone()),
                     };
-                    let l = self
-                        .net
-                        .forward_segments(&mut [seg])?
-                        .pop()
-                        .ok_or_else(|| Error::Internal("no logits".into()))?;
+                    let l =
+                        self.forward_segments(&mut [seg])?.pop().ok_or_else(|| Error::Internal("no logits".into()))?;
                     (l, rows.iter().map(|r| s + r - w).collect())
                 };
                 cache.commit(w)?;
@@ -207,7 +204,7 @@ impl Model {
         let win: Vec<u32> = (0..window).map(|_| next()).collect();
         // the window is one block over the prefix: every query sees every key
         let one_block = BlockGrid::new(AttentionKind::Full, 1, Alignment::Absolute, 0)?;
-        on_device_pool(self.net.device(), || {
+        on_device_pool(self.device(), || {
             let mut cache = self.new_cache()?;
             cache.reserve(prefix + window)?;
             if prefix > 0 {
@@ -221,10 +218,10 @@ impl Model {
             crate::net::graph::on_lasting_thread(|| {
                 for _ in 0..reps {
                     let t = std::time::Instant::now();
-                    let l = self.net.forward(&mut cache, &win, &one_block, rows, None)?;
+                    let l = self.forward(&mut cache, &win, &one_block, rows, None)?;
                     // wait for the device's work before stopping the clock (not by reading a logit back: candle
                     // copies a narrowed CUDA tensor's whole buffer to the host, 39 MB for 64 rows of a 152k vocabulary)
-                    self.net.device().synchronize()?;
+                    self.device().synchronize()?;
                     drop(l);
                     out.push(t.elapsed().as_secs_f64());
                 }

@@ -5,12 +5,12 @@ use crate::error::{Error, Result};
 use crate::model::Model;
 use crate::params::request::token_ids;
 
-/// Private-use characters around a message's index while a chat template renders (`Model::chat_prompt_ids`).
+/// Private-use characters around a message's index while a chat template renders ([`Model::chat_prompt_ids`]).
 const PLACEHOLDER_OPEN: char = '\u{E000}';
 const PLACEHOLDER_CLOSE: char = '\u{E001}';
 
 impl Model {
-    /// Token ids from a caller, checked against the vocabulary (`request::token_ids` owns the rule).
+    /// Token ids from a caller, checked against the vocabulary ([`request::token_ids`](crate::params::request::token_ids) owns the rule).
     pub fn token_ids(&self, name: &str, ids: &[i64]) -> Result<Vec<u32>> {
         token_ids(name, ids, self.config.vocab_size)
     }
@@ -51,7 +51,7 @@ impl Model {
     /// `add_generation_prompt`): what a chat generation runs on, and what a tokenizer route must report. The
     /// template's own markup is tokenized with its control tokens; message contents stay text: a content that
     /// spells a control token (`<|im_end|><|im_start|>system`) is tokenized as plain text, unless
-    /// `special_in_content`; roles are OpenAI's (`load::chat::ROLES`).
+    /// `special_in_content`; roles are OpenAI's ([`load::chat::ROLES`](crate::load::chat::ROLES)).
     pub fn chat_prompt_ids(
         &self,
         messages: &serde_json::Value,

@@ -90,21 +90,21 @@ pub(crate) fn cpu_f32(s: &candle_core::Storage, offset: usize, n: usize) -> Resu
     }
 }
 
-/// Where a forward's attention runs: one backend for every segment of a forward (`AttnPath::choose`).
+/// Where a forward's attention runs: one backend for every segment of a forward ([`AttnPath::choose`]).
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum AttnPath {
     /// candle's ops: scores per query chunk, an additive mask, softmax, a second matmul.
     Candle,
-    /// `kernels::attention::attend`, the blocked CPU kernel (f32 on x86-64 with AVX2 and FMA).
+    /// [`kernels::attention::attend`](crate::kernels::attention::attend), the blocked CPU kernel (f32 on x86-64 with AVX2 and FMA).
     Blocked,
-    /// `cuda::prep` and `cuda::attend`, mbd-rs's CUDA kernels.
+    /// [`cuda::prep`] and [`cuda::attend`], mbd-rs's CUDA kernels.
     Fused,
 }
 
 impl AttnPath {
     /// The one choice of attention backend: the blocked CPU kernel where the model computes in f32 on a CPU that runs
-    /// it (`Kernels::blocked_attention`), mbd-rs's CUDA kernels where they take the dtype and head shape
-    /// (`Kernels::cuda_fused`), else candle's ops.
+    /// it ([`Kernels::blocked_attention`]), mbd-rs's CUDA kernels where they take the dtype and head shape
+    /// ([`Kernels::cuda_fused`]), else candle's ops.
     pub(crate) fn choose(kn: &Kernels, dev: &Device, dtype: DType, (heads, kv_heads, head_dim): Heads) -> AttnPath {
         if kn.blocked_attention && dev.is_cpu() && dtype == DType::F32 && blocked::available(heads, kv_heads, head_dim)
         {
@@ -132,12 +132,12 @@ pub(crate) struct ForwardAttention {
     /// A one-segment forward's cancel: its attention stops between query chunks and kernel tasks (a long
     /// window's attention is most of its forward). Forwards of several segments stop between layers only.
     cancel: Option<Cancel>,
-    /// Every segment in one launch per kernel (`Kernels::cuda_segments`), when the forward takes it.
+    /// Every segment in one launch per kernel ([`Kernels::cuda_segments`]), when the forward takes it.
     together: Option<Together>,
 }
 
-/// What `cuda::prep_segments` and `cuda::attend_segments` read, on the device, in the forward's one upload
-/// (`net::step`): the segment table (`cuda::segment_table`) and, per cache layer, each segment's K and V addresses
+/// What [`cuda::prep_segments`] and [`cuda::attend_segments`] read, on the device, in the forward's one upload
+/// ([`net::step`](crate::net::step)): the segment table ([`cuda::segment_table`]) and, per cache layer, each segment's K and V addresses
 /// (layers × 2 · segments 8-byte addresses, 4 · segments words per layer).
 struct Together {
     table: Tensor,
@@ -154,8 +154,8 @@ struct TogetherWords {
     most: usize,
 }
 
-/// What a forward's attention hands the device (`ForwardAttention::plan`), as sections of the forward's words: every
-/// segment's tables when they are attended together, else each segment's key ranges where `cuda::attend` takes it.
+/// What a forward's attention hands the device ([`ForwardAttention::plan`]), as sections of the forward's words: every
+/// segment's tables when they are attended together, else each segment's key ranges where [`cuda::attend`] takes it.
 pub(crate) struct AttnWords {
     together: Option<TogetherWords>,
     ranges: Vec<Option<Section>>,
@@ -169,10 +169,10 @@ impl AttnWords {
 }
 
 impl TogetherWords {
-    /// The tables of `segs` stacked at `spans`, when every segment's attention runs in `cuda::attend`'s kernels
-    /// (`cuda::fused_attention`); else None (a launch per segment). One segment takes them too: then its committed
+    /// The tables of `segs` stacked at `spans`, when every segment's attention runs in [`cuda::attend`]'s kernels
+    /// ([`cuda::fused_attention`]); else None (a launch per segment). One segment takes them too: then its committed
     /// length, key ranges and cache addresses are read from device memory, and its launches' sizes depend on its
-    /// window only (`cuda::chunk_bound`), as a captured CUDA graph needs.
+    /// window only ([`cuda::chunk_bound`]), as a captured CUDA graph needs.
     fn plan(
         segs: &[Segment<'_>],
         spans: &[(usize, usize)],
@@ -220,7 +220,7 @@ impl TogetherWords {
     }
 }
 
-/// Whether a segment's attention runs in `cuda::attend`'s kernels (on the fused path).
+/// Whether a segment's attention runs in [`cuda::attend`]'s kernels (on the fused path).
 fn fused_attention(s: &Segment<'_>, heads: usize, head_dim: usize) -> bool {
     let (p, w) = (s.cache.len(), s.positions.len());
     cuda::fused_attention(w, p + w, heads, head_dim)
@@ -300,8 +300,8 @@ impl ForwardAttention {
         Ok(ForwardAttention { path, spans, order, chunks, heads, scale, cancel, together })
     }
 
-    /// mbd-rs's CUDA kernels (`AttnPath::Fused`): per segment, q/k norms + RoPE + the K/V cache write in one launch
-    /// (`cuda::prep`), attention over the segment's key ranges in two (`cuda::attend`), or candle's matmuls for a long
+    /// mbd-rs's CUDA kernels ([`AttnPath::Fused`]): per segment, q/k norms + RoPE + the K/V cache write in one launch
+    /// ([`cuda::prep`]), attention over the segment's key ranges in two ([`cuda::attend`]), or candle's matmuls for a long
     /// window over a long cache; or every segment in those three launches (`Together`). `qkv`: the stacked (rows,
     /// heads + 2 · kv heads, head_dim) projections, contiguous; `norms`: the q and k norms' weights and their eps.
     /// Returns (rows, heads · head_dim).
@@ -342,7 +342,7 @@ impl ForwardAttention {
         Ok(if ys.len() == 1 { ys.pop().expect("one segment") } else { Tensor::cat(&ys, 0)? })
     }
 
-    /// The blocked CPU kernel or candle's ops (`AttnPath::Blocked`, `Candle`): each segment's window K/V written
+    /// The blocked CPU kernel or candle's ops ([`AttnPath::Blocked`], `Candle`): each segment's window K/V written
     /// after its cache's committed prefix, then every segment's rows attended over [0, p + w) of its cache.
     /// `q`: (heads, rows, head_dim) f32 with RoPE; `k` with RoPE and `v`: (kv heads, rows, head_dim).
     /// Returns (rows, heads · head_dim).
@@ -411,13 +411,13 @@ impl ForwardAttention {
 }
 
 /// The query chunks of one segment and their additive masks: one chunk (the mask built once) unless the scores
-/// of the whole window exceed `Kernels::attention_score_bytes`, then chunks whose masks are built when used.
+/// of the whole window exceed [`Kernels::attention_score_bytes`], then chunks whose masks are built when used.
 struct QueryChunks {
-    /// Per row, the key ranges it sees, when this segment's attention runs in `attention::attend` (the blocked
+    /// Per row, the key ranges it sees, when this segment's attention runs in [`attention::attend`](crate::kernels::attention::attend) (the blocked
     /// CPU kernel); then no mask is built.
     visible: Option<Vec<Vec<std::ops::Range<usize>>>>,
-    /// The segment's key ranges on the device in `cuda::ranges_layout`, when its attention runs in `cuda::attend`
-    /// (`cuda::fused_attention`); a segment of a `prep` forward without them takes candle's matmuls and masks.
+    /// The segment's key ranges on the device in [`cuda::ranges_layout`], when its attention runs in [`cuda::attend`]
+    /// ([`cuda::fused_attention`]); a segment of a `prep` forward without them takes candle's matmuls and masks.
     ranges: Option<Tensor>,
     spec: MaskSpec,
     positions: Vec<usize>,
@@ -430,7 +430,7 @@ struct QueryChunks {
 
 impl QueryChunks {
     /// `path`: where the segment's attention runs (decided per forward: every segment the same way); `ranges`: its
-    /// key ranges on the device (`cuda::ranges_layout`, in the forward's upload) where `cuda::attend` takes it.
+    /// key ranges on the device ([`cuda::ranges_layout`], in the forward's upload) where [`cuda::attend`] takes it.
     #[allow(clippy::too_many_arguments)]
     fn new(
         spec: MaskSpec,

@@ -3,12 +3,12 @@
 //!
 //! A forward's layers (the embedding, every layer, up to the last hidden states) launch the same kernels on the
 //! same shapes for every forward of one shape (`Shape`: each segment's window, and the words they read), once
-//! everything that changes from step to step is data in the forward's one upload (`net::step`: ids, positions, the
+//! everything that changes from step to step is data in the forward's one upload ([`net::step`](crate::net::step): ids, positions, the
 //! segment table with each committed length and key ranges, the caches' addresses). So one graph per shape
 //! replays the layers of every later forward of that shape:
 //! 1. the first forward of a shape runs without a graph (a prefill chunk or an odd window is not worth one);
-//! 2. the second runs with candle's small uploads cached (`cuda::with_upload_cache`) on a buffer that stays the
-//!    shape's (`Step::fixed`), and its launches are then captured (nothing runs twice); the captured pass copies
+//! 2. the second runs with candle's small uploads cached ([`cuda::with_upload_cache`]) on a buffer that stays the
+//!    shape's ([`Step::fixed`]), and its launches are then captured (nothing runs twice); the captured pass copies
 //!    the hidden states into an output buffer that stays the graph's too;
 //! 3. the third is replayed (its words written into the graph's buffer, the graph launched) and then run again
 //!    without the graph: the graph is kept only if the two agree bit for bit, which catches any host value a
@@ -83,7 +83,7 @@ pub(crate) trait Capture {
     fn launch(&self, graph: &Self::Graph) -> Result<()>;
 }
 
-/// CUDA's graphs (`kernels::cuda`).
+/// CUDA's graphs ([`kernels::cuda`](crate::kernels::cuda)).
 #[derive(Debug, Default)]
 pub(crate) struct Cuda;
 

@@ -7,7 +7,7 @@
 //! A hybrid model (Qwen3.5) also keeps, per Gated DeltaNet layer, its recurrent state and convolution history at
 //! the committed frontier (`Recurrent`). A forward starts from them and leaves its rows' recurrence inputs; committing
 //! the window's first n rows runs the recurrence over those rows (the same arithmetic as the forward's scan, so the
-//! same bits: `kernels::delta_rule`), never a state that saw the rows after them. A recurrent state cannot be rewound
+//! same bits: [`kernels::delta_rule`](crate::kernels::delta_rule)), never a state that saw the rows after them. A recurrent state cannot be rewound
 //! or spliced: committing other rows than a prefix, or truncating to a non-zero length, is refused.
 
 use crate::error::{Error, Result};
@@ -44,7 +44,7 @@ pub(crate) struct Recurrent {
     pub(crate) window: Option<RecurrentWindow>,
 }
 
-/// A forward's window rows as the recurrence took them (`delta_rule::window_rows`) and their projected rows
+/// A forward's window rows as the recurrence took them ([`delta_rule::window_rows`](crate::kernels::delta_rule::window_rows)) and their projected rows
 /// (rows, width) f32, whose first conv_dim columns are the convolution's inputs.
 pub(crate) struct RecurrentWindow {
     pub(crate) p: Tensor,
@@ -135,7 +135,7 @@ impl KvCache {
         !self.recurrent.is_empty()
     }
 
-    /// GDN layer `l`'s state (`net::gdn` reads it and leaves its window rows there).
+    /// GDN layer `l`'s state ([`net::gdn`](crate::net::gdn) reads it and leaves its window rows there).
     pub(crate) fn recurrent_mut(&mut self, l: usize) -> &mut Recurrent {
         &mut self.recurrent[l]
     }

@@ -1,7 +1,7 @@
 //! A linear layer's weight matrix as the model holds it (`Matrix`) and the products it takes: the candle ops over
 //! the CPU kernels (`DenseMatmulT`: `skinny` for few-row windows, `panels` for long ones; `HeldMatmulT`: matrices
 //! held outside candle, packed, quantized or for integer dot products), candle's own matmul elsewhere, and candle's
-//! quantized matmul for `Matrix::Candle`.
+//! quantized matmul for [`Matrix::Candle`].
 //!
 //! `HoldPolicy` is the one owner of how a loaded matrix is held: from the device, the compute dtype, the `quantize`
 //! and `int8_activations` options and the kernel switches, which `Matrix` variant each matrix becomes (and where
@@ -22,8 +22,8 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 /// A weight matrix (n, k) as the model holds it: as loaded (f32, or bf16 on the CPU), packed at load for the
-/// packed product (`panels::PackedMatrix`: dense f32 or bf16 on a CPU that has it), quantized, quantized and
-/// held for integer dot products on 8-bit activations (`qdot::DotMatrix`, the `int8_activations` option), or
+/// packed product ([`panels::PackedMatrix`](crate::kernels::panels::PackedMatrix): dense f32 or bf16 on a CPU that has it), quantized, quantized and
+/// held for integer dot products on 8-bit activations ([`qdot::DotMatrix`](crate::kernels::qdot::DotMatrix), the `int8_activations` option), or
 /// quantized as candle's tensor on the device (`Candle`: CUDA's quantized weights).
 #[derive(Clone)]
 pub enum Matrix {
@@ -33,12 +33,12 @@ pub enum Matrix {
     Dot(Arc<DotMatrix>),
     /// candle's quantized tensor (the same GGUF blocks) on the model's device, multiplied by candle's quantized
     /// matmul: on CUDA its MMVQ / MMQ kernels (llama.cpp's, which round the activations to 8 bits per block of 32,
-    /// q8_1); on the CPU (`Kernels::candle_quant`, tests) its CPU kernels.
+    /// q8_1); on the CPU ([`Kernels::candle_quant`], tests) its CPU kernels.
     Candle(Arc<QTensor>),
 }
 
 impl Matrix {
-    /// A dense matrix as the model holds it: packed where `pack` (`Kernels::packs`) and the tensor is a CPU f32 or
+    /// A dense matrix as the model holds it: packed where `pack` ([`Kernels::packs`]) and the tensor is a CPU f32 or
     /// bf16 matrix on a CPU with the packed product, else as it is.
     pub fn dense(t: Tensor, pack: bool) -> Result<Matrix> {
         if pack {
@@ -49,8 +49,8 @@ impl Matrix {
         Ok(Matrix::Dense(t))
     }
 
-    /// A quantized matrix as the model holds it: packed where `pack` (`Kernels::packs`) and the CPU has the packed
-    /// product (`panels::PackedMatrix::from_quant`: the same values, regrouped, multiplied like a packed dense
+    /// A quantized matrix as the model holds it: packed where `pack` ([`Kernels::packs`]) and the CPU has the packed
+    /// product ([`panels::PackedMatrix::from_quant`](crate::kernels::panels::PackedMatrix::from_quant): the same values, regrouped, multiplied like a packed dense
     /// matrix), else as it is.
     pub fn quant(q: QMatrix, pack: bool) -> Result<Matrix> {
         if pack {
@@ -61,7 +61,7 @@ impl Matrix {
         Ok(Matrix::Quant(Arc::new(q)))
     }
 
-    /// A quantized matrix as candle's quantized tensor on `dev` (`Matrix::Candle`), its bytes as they are.
+    /// A quantized matrix as candle's quantized tensor on `dev` ([`Matrix::Candle`]), its bytes as they are.
     pub fn quant_candle(q: &QMatrix, dev: &Device) -> Result<Matrix> {
         let t = candle_core::quantized::ggml_file::qtensor_from_ggml(q.format.ggml(), q.bytes(), vec![q.n, q.k], dev)?;
         Ok(Matrix::Candle(Arc::new(t)))
@@ -76,7 +76,7 @@ impl Matrix {
         }
     }
 
-    /// `x · wᵀ` (`few`: the rows are few-row windows, see `skinny::few_rows`; a packed matrix computes every
+    /// `x · wᵀ` (`few`: the rows are few-row windows, see [`skinny::few_rows`](crate::net::linear::few_rows); a packed matrix computes every
     /// window the same way).
     pub fn linear(&self, x: &Tensor, k: &Kernels, few: bool) -> candle_core::Result<Tensor> {
         match self {
@@ -134,7 +134,7 @@ impl Matrix {
 
     /// Whether a product's row is the same bits whatever rows share the call and however the rows are cut (few
     /// or long windows): true for matrices packed at load and those held for integer dot products, whose every
-    /// element is computed alone (see `kernels::panels` and `kernels::qdot`).
+    /// element is computed alone (see [`kernels::panels`](crate::kernels::panels) and [`kernels::qdot`](crate::kernels::qdot)).
     pub fn row_invariant(&self) -> bool {
         matches!(self, Matrix::Packed(_) | Matrix::Dot(_))
     }
@@ -166,21 +166,21 @@ fn held_rows(ids: &[u32], n: usize, k: usize, dev: &Device, row: impl Fn(usize, 
     Ok(Tensor::from_vec(out, (ids.len(), k), dev)?)
 }
 
-/// How the model holds its matrices, resolved once per load (`HoldPolicy::resolve`).
+/// How the model holds its matrices, resolved once per load ([`HoldPolicy::resolve`]).
 #[derive(Debug, Clone)]
 pub struct HoldPolicy {
     device: Device,
     dtype: DType,
     /// The `quantize` load option: the format of the matrices quantized at load.
     quantize: Option<QuantFormat>,
-    /// Dense and quantized matrices packed for the CPU's packed product (`Kernels::packs`, f32 compute).
+    /// Dense and quantized matrices packed for the CPU's packed product ([`Kernels::packs`], f32 compute).
     pack: bool,
     /// Quantized matrices held for integer dot products on 8-bit activations where their format has them.
     int8: bool,
     /// Quantized linear-layer matrices held as candle's quantized tensors on the device: always on CUDA; on the CPU
-    /// only under `Kernels::candle_quant` (tests and A/B runs of that path).
+    /// only under [`Kernels::candle_quant`] (tests and A/B runs of that path).
     candle_quant: bool,
-    /// `int8_activations=False` asked on CUDA: an error if any matrix ends up quantized (`Holder::finish`).
+    /// `int8_activations=False` asked on CUDA: an error if any matrix ends up quantized ([`Holder::finish`]).
     exact_on_cuda: bool,
 }
 
@@ -301,7 +301,7 @@ pub struct Holder<'a> {
     quantized: std::cell::Cell<usize>,
 }
 
-/// What a `Holder` held, once the model is built (`Holder::finish`).
+/// What a `Holder` held, once the model is built ([`Holder::finish`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct HeldMatrices {
     /// The block formats held (sorted): a GGUF file's as stored, the `quantize` option's and their fallbacks.
@@ -322,13 +322,13 @@ impl<'a> Holder<'a> {
         self.ws
     }
 
-    /// A linear layer's weight matrix: quantized under the `quantize` option (in the format `QuantFormat::for_matrix`
-    /// picks), a stored block format kept where quantized products run, else as `Weights::get_matrix` reads it.
+    /// A linear layer's weight matrix: quantized under the `quantize` option (in the format [`QuantFormat::for_matrix`]
+    /// picks), a stored block format kept where quantized products run, else as [`Weights::get_matrix`] reads it.
     pub fn weight(&self, name: &str, shape: &[usize]) -> Result<Matrix> {
         self.matrix(name, shape, false)
     }
 
-    /// The embedding table or the head: as `weight`, in the format a table gets (see `kernels::blocks`).
+    /// The embedding table or the head: as `weight`, in the format a table gets (see [`kernels::blocks`](crate::kernels::blocks)).
     pub fn table(&self, name: &str, shape: &[usize]) -> Result<Matrix> {
         self.matrix(name, shape, true)
     }
@@ -412,17 +412,17 @@ impl<'a> Holder<'a> {
 }
 
 /// Whether the quantized matrices of a model held under `policy` (`held`) multiply 8-bit activations (what
-/// `ModelInfo::int8_activations` reports).
+/// [`ModelInfo::int8_activations`](crate::model::info::ModelInfo::int8_activations) reports).
 pub fn int8_activations(policy: &HoldPolicy, held: &HeldMatrices) -> bool {
     policy.int8 && !held.formats.is_empty()
 }
 
 /// The candle op for a dense W: (x: (m, k) f32, w: (n, k) f32 or bf16) -> (m, n), both contiguous on the CPU;
-/// this kernel (`matmul_t`), or `panels::matmul_t` for a long window (`panels`).
+/// this kernel (`matmul_t`), or [`panels::matmul_t`](crate::kernels::panels::matmul_t) for a long window (`panels`).
 pub struct DenseMatmulT {
     pub par_min_macs: usize,
     pub panels: bool,
-    /// `Kernels::packed_avx512`
+    /// [`Kernels::packed_avx512`]
     pub avx512: bool,
 }
 
@@ -484,7 +484,7 @@ pub fn few_rows(rows: usize, k: &Kernels) -> bool {
 
 /// `x · wᵀ` for x (m, k) and w (n, k): the skinny kernel when `few` (the rows are few-row windows, see `few_rows`)
 /// and it `supports` the operands; otherwise (a long window) `panels` on the CPU, candle's matmul elsewhere (or
-/// with `Kernels::panels` off; a bf16 w is then widened to f32 for the call).
+/// with [`Kernels::panels`] off; a bf16 w is then widened to f32 for the call).
 pub fn linear(x: &Tensor, w: &Tensor, k: &Kernels, few: bool) -> candle_core::Result<Tensor> {
     // bf16 weights exist only on the CPU and only this kernel reads them: give it a contiguous x
     let x = if w.dtype() == DType::BF16 && !x.is_contiguous() { x.contiguous()? } else { x.clone() };
@@ -507,7 +507,7 @@ enum Held<'a> {
 }
 
 /// The candle op for a quantized or packed W held outside candle: x (m, k) contiguous f32 on the CPU -> (m, n).
-/// A quantized W's few-row windows take this kernel (`matmul_q`); everything else `panels::matmul_t`.
+/// A quantized W's few-row windows take this kernel (`matmul_q`); everything else [`panels::matmul_t`](crate::kernels::panels::matmul_t).
 struct HeldMatmulT<'a> {
     w: Held<'a>,
     n: usize,
@@ -515,7 +515,7 @@ struct HeldMatmulT<'a> {
     par_min_macs: usize,
     /// a quantized W's few-row window: this kernel rather than the panels
     few: bool,
-    /// `Kernels::packed_avx512`
+    /// [`Kernels::packed_avx512`]
     avx512: bool,
 }
 
@@ -563,7 +563,7 @@ pub fn linear_packed(x: &Tensor, p: &PackedMatrix, k: &Kernels) -> candle_core::
 }
 
 /// `x · wᵀ` for a quantized w (CPU): few-row windows (`few`) take this kernel (`matmul_q`), long windows
-/// `panels` (each panel dequantized once, then gemm), or this kernel too with `Kernels::panels` off (it streams
+/// `panels` (each panel dequantized once, then gemm), or this kernel too with [`Kernels::panels`] off (it streams
 /// the weights once per ROW_BLOCK rows, each time dequantizing them again).
 pub fn linear_q(x: &Tensor, q: &QMatrix, k: &Kernels, few: bool) -> candle_core::Result<Tensor> {
     let w = Held::Panels(Source::Quant(q));
@@ -571,8 +571,8 @@ pub fn linear_q(x: &Tensor, q: &QMatrix, k: &Kernels, few: bool) -> candle_core:
     HeldMatmulT { w, n: q.n, k: q.k, par_min_macs: k.par_min_macs, few, avx512: k.packed_avx512 }.apply(x)
 }
 
-/// `x · wᵀ` for a matrix held for integer dot products (CPU): every window through `qdot::matmul`, its AVX-512 VNNI
-/// kernels where the CPU has them (and `Kernels::packed_avx512` is on), else its AVX2 ones, else the scalar ones
+/// `x · wᵀ` for a matrix held for integer dot products (CPU): every window through [`qdot::matmul`](crate::kernels::qdot::matmul), its AVX-512 VNNI
+/// kernels where the CPU has them (and [`Kernels::packed_avx512`] is on), else its AVX2 ones, else the scalar ones
 /// (the same bits on each).
 pub fn linear_dot(x: &Tensor, d: &crate::kernels::qdot::DotMatrix, k: &Kernels) -> candle_core::Result<Tensor> {
     HeldMatmulT { w: Held::Dot(d), n: d.n, k: d.k, par_min_macs: k.par_min_macs, few: false, avx512: k.packed_avx512 }

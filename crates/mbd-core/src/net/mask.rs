@@ -28,7 +28,7 @@ pub struct BlockGrid {
     pub kind: AttentionKind,
     pub block_size: usize,
     pub alignment: Alignment,
-    /// End of the prompt block (only used with `Alignment::Prompt`).
+    /// End of the prompt block (only used with [`Alignment::Prompt`]).
     pub prompt_len: usize,
     /// A second grid from a boundary on (TCCF's answer phase): blocks of `block_size` from `at`.
     pub then: Option<Then>,

@@ -5,6 +5,7 @@
 //! (`graph`), and the Qwen architecture built from them (`qwen`).
 
 pub mod attention;
+pub mod forward;
 pub mod gdn;
 pub mod graph;
 pub mod kv_cache;

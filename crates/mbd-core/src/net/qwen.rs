@@ -1,17 +1,17 @@
 //! Qwen2 / Qwen3 / Qwen3-MoE / Qwen3.5 decoder written for block-diffusion decoding of many sequences at once.
-//! Each layer's token mixer is softmax attention or, in Qwen3.5's hybrids, a Gated DeltaNet (`Mixer`, `net::gdn`),
+//! Each layer's token mixer is softmax attention or, in Qwen3.5's hybrids, a Gated DeltaNet (`Mixer`, [`net::gdn`](crate::net::gdn)),
 //! which is causal whatever the mask and keeps a recurrent state in the sequence's cache.
 //! A forward takes segments: each is one sequence's KV cache (P committed positions), a window of W token ids at
 //! explicit absolute positions, a mask spec saying which keys each window row sees, and the rows whose logits
 //! are wanted. Norms, linear layers and the MLP run once over every segment's rows stacked; attention runs per
 //! segment over its own cache. Each window's K/V are written after its cache's committed prefix (scratch);
-//! `KvCache::commit` / `commit_rows` keep them.
+//! [`KvCache::commit`] / `commit_rows` keep them.
 //!
 //! Batch invariance: a segment's logits are bit-identical whatever other segments share the forward. Every op
 //! on stacked rows is row-wise, and matrix products are cut by sequence, never by the total row count: the
-//! few-row windows (`skinny::few_rows`) go through the skinny kernel together (it computes each row the same way
+//! few-row windows ([`skinny::few_rows`](crate::net::linear::few_rows)) go through the skinny kernel together (it computes each row the same way
 //! whatever rows share the call), each long window (a prefill chunk) through gemm on its own (`Groups`). A
-//! matrix packed at load (`panels::PackedMatrix`) computes every row alike in any window, so the cut changes
+//! matrix packed at load ([`panels::PackedMatrix`](crate::kernels::panels::PackedMatrix)) computes every row alike in any window, so the cut changes
 //! nothing there.
 
 use crate::error::{Error, Result};
@@ -20,15 +20,13 @@ use crate::load::config::LayerKind;
 use crate::load::config::{ModelConfig, MoeConfig};
 use crate::load::weights::Weights;
 use crate::net::attention::{AttnPath, ForwardAttention};
+use crate::net::forward::{all_cancelled, Network, Stack, LARGE_WINDOW, RECURRENT_CHECK_ROWS};
 use crate::net::gdn::{check_in_order, GatedDeltaNet};
-use crate::net::graph::{GraphStats, Graphs, Shape};
 use crate::net::kv_cache::KvCache;
-use crate::net::layers::{Linear, RmsNorm, Stacked};
+use crate::net::layers::{silu_mul, Linear, RmsNorm, Stacked};
 use crate::net::linear::{Groups, Holder, Matrix};
-use crate::net::mask::{BlockGrid, MaskSpec};
 use crate::net::segment::Segment;
-use crate::net::step::{Step, StepBuffers, StepWords};
-use crate::util::Cancel;
+use crate::net::step::Step;
 use candle_core::{DType, Device, Tensor};
 
 struct Mlp {
@@ -66,66 +64,7 @@ impl Mlp {
     }
 }
 
-/// silu(g) · u, the MLP's gate, from `gu` = (rows, 2I): g its first I columns, u the last I. On the CPU one pass
-/// over f32 rows, in parallel for long windows (candle's unary and binary maps run on one thread and allocate
-/// twice), e^-g vectorised where the CPU has AVX2 and FMA (`vmath::silu_mul`, within a few ulp of candle's silu,
-/// whose scalar `expf` took ~5% of a forward), else candle's formula. On CUDA one launch (`cuda::silu_mul`, in f32).
-fn silu_mul(gu: &Tensor, k: &Kernels) -> Result<Tensor> {
-    if gu.device().is_cpu() && gu.dtype() == DType::F32 {
-        return Ok(gu.contiguous()?.apply_op1_no_bwd(&SiluMul)?);
-    }
-    if k.cuda_fused && crate::kernels::cuda::runs_on(gu.device(), gu.dtype()) {
-        return crate::kernels::cuda::silu_mul(gu);
-    }
-    let i = gu.dim(1)? / 2;
-    Ok((gu.narrow(1, 0, i)?.silu()? * gu.narrow(1, i, i)?)?)
-}
-
-struct SiluMul;
-
-impl candle_core::CustomOp1 for SiluMul {
-    fn name(&self) -> &'static str {
-        "silu-mul"
-    }
-    fn cpu_fwd(
-        &self,
-        s: &candle_core::CpuStorage,
-        l: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        use rayon::prelude::*;
-        let candle_core::CpuStorage::F32(gu) = s else {
-            candle_core::bail!("silu-mul: an f32 operand expected");
-        };
-        let (Some((a0, a1)), Ok((rows, two_i))) = (l.contiguous_offsets(), l.shape().dims2()) else {
-            candle_core::bail!("silu-mul: a contiguous (rows, 2I) operand expected");
-        };
-        if !two_i.is_multiple_of(2) {
-            candle_core::bail!("silu-mul: an even number of columns expected, got {two_i}");
-        }
-        let i = two_i / 2;
-        let gu = &gu[a0..a1];
-        let mut y = vec![0f32; rows * i];
-        if i == 0 {
-            return Ok((candle_core::CpuStorage::F32(y), (rows, 0).into()));
-        }
-        let f = |(y, gu): (&mut [f32], &[f32])| {
-            for (y, gu) in y.chunks_exact_mut(i).zip(gu.chunks_exact(two_i)) {
-                let (g, u) = gu.split_at(i);
-                crate::kernels::vmath::silu_mul(g, u, y);
-            }
-        };
-        // rows per parallel chunk: about 16k outputs
-        let chunk = ((1 << 14) / i).max(1);
-        if rows * i >= 4 << 14 {
-            y.par_chunks_mut(chunk * i).zip(gu.par_chunks(chunk * two_i)).for_each(f);
-        } else {
-            f((&mut y, gu));
-        }
-        Ok((candle_core::CpuStorage::F32(y), (rows, i).into()))
-    }
-}
-
-/// Rows of an MLP product at once (see `Mlp::forward`).
+/// Rows of an MLP product at once (see [`Mlp::forward`]).
 const MLP_ROWS: usize = 2048;
 
 /// Sparse mixture of experts (Qwen3-MoE, Qwen3.5-MoE): softmax router in f32, top-k, optional renormalisation,
@@ -266,7 +205,7 @@ struct Layer {
     ln2: RmsNorm,
 }
 
-pub struct QwenModel {
+pub struct QwenNet {
     pub cfg: ModelConfig,
     embed: Matrix,
     layers: Vec<Layer>,
@@ -280,12 +219,8 @@ pub struct QwenModel {
     rows_independent: bool,
     /// mbd-rs's fused CUDA attention takes this architecture's heads (full RoPE, no output gate).
     fused_heads: bool,
-    /// The buffers a forward's inputs are uploaded into, kept between forwards (`net::step`).
-    step_buffers: StepBuffers,
-    /// Every layer softmax attention and a dense MLP: what a CUDA graph of a forward may capture (`net::graph`).
+    /// Every layer softmax attention and a dense MLP: what a CUDA graph of a forward may capture ([`net::graph`](crate::net::graph)).
     graphable: bool,
-    /// The CUDA graphs of this model's forward shapes (`Kernels::cuda_graphs`).
-    graphs: Graphs,
 }
 
 /// Check config.json's dimensions against the checkpoint's headers before anything is allocated from them:
@@ -381,7 +316,7 @@ pub fn check_checkpoint(cfg: &ModelConfig, ws: &Weights) -> Result<()> {
     Ok(())
 }
 
-impl QwenModel {
+impl QwenNet {
     pub fn load(cfg: &ModelConfig, ws: &Holder, device: &Device, dtype: DType, kernels: Kernels) -> Result<Self> {
         check_checkpoint(cfg, ws.weights())?;
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
@@ -436,7 +371,7 @@ impl QwenModel {
         let inv: Vec<f32> =
             (0..rot / 2).map(|i| (1.0 / cfg.rope_theta.powf((2 * i) as f64 / rot as f64)) as f32).collect();
         let inv_freq = Tensor::from_vec(inv, (1, rot / 2), device)?;
-        let mut net = QwenModel {
+        let mut net = QwenNet {
             cfg: cfg.clone(),
             embed,
             layers,
@@ -448,9 +383,7 @@ impl QwenModel {
             kernels,
             rows_independent: false,
             fused_heads: !cfg.attn_gate && rot == d,
-            step_buffers: StepBuffers::new(),
             graphable: false,
-            graphs: Graphs::default(),
         };
         net.graphable = net.layers.iter().all(|l| matches!((&l.mixer, &l.ffn), (Mixer::Attention(..), Ffn::Dense(_))));
         net.rows_independent = net.find_rows_independent();
@@ -466,8 +399,8 @@ impl QwenModel {
 
     /// Whether every window row's logits and K/V are the same bits however a window is cut into forwards: the
     /// CPU in f32 with the blocked attention (per row over its keys) and every product's matrix row-invariant
-    /// (`Matrix::row_invariant`; not a MoE router, which stays as loaded). The scheduler may then cut a long
-    /// prefill into smaller forwards beside other streams (`Window::limit_next`) without changing any output.
+    /// ([`Matrix::row_invariant`]; not a MoE router, which stays as loaded). The scheduler may then cut a long
+    /// prefill into smaller forwards beside other streams ([`Window::limit_next`](crate::generate::window::Window::limit_next)) without changing any output.
     pub fn rows_independent(&self) -> bool {
         self.rows_independent
     }
@@ -523,200 +456,115 @@ impl QwenModel {
     pub fn is_hybrid(&self) -> bool {
         self.cfg.linear.is_some()
     }
+}
 
-    /// Forward one window of tokens at positions [cache.len(), cache.len() + ids.len()) under `grid`: a forward
-    /// of one segment (see `forward_segments`). `rows`: window rows whose logits are returned (None = all);
-    /// `cancel`: stops the forward between layers once set.
-    pub fn forward(
-        &self,
-        cache: &mut KvCache,
-        ids: &[u32],
-        grid: &BlockGrid,
-        rows: Option<&[usize]>,
-        cancel: Option<&Cancel>,
-    ) -> Result<Tensor> {
-        let p = cache.len();
-        let seg = Segment {
-            cache,
-            ids,
-            positions: (p..p + ids.len()).collect(),
-            mask: MaskSpec::Grid(*grid),
-            rows: rows.map(|r| r.to_vec()).unwrap_or_else(|| (0..ids.len()).collect()),
-            cancel: cancel.cloned(),
-        };
-        let mut out = self.forward_segments(&mut [seg])?;
-        Ok(out.pop().expect("one segment"))
+/// How much dearer an attention multiply-add is than a packed product's ([`QwenNet::key_equivalent`]).
+const ATTENTION_WEIGHT: usize = 3;
+
+impl Network for QwenNet {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+    fn kernels(&self) -> &Kernels {
+        &self.kernels
+    }
+    fn device(&self) -> &Device {
+        &self.device
+    }
+    fn dtype(&self) -> DType {
+        self.dtype
     }
 
-    /// One forward over several sequences' windows. Returns, per segment (in order), its rows' logits
-    /// ((rows, vocab) f32, in the order of `rows`). Each window's K/V are left in its cache's scratch area.
-    /// Run it on the engine's CPU pool on the CPU (`cpu_pool::on_device_pool`); ids are in the vocabulary
-    /// (the caller checked them: `request::token_ids`).
-    pub fn forward_segments(&self, segs: &mut [Segment<'_>]) -> Result<Vec<Tensor>> {
-        if segs.is_empty() {
-            return Ok(vec![]);
+    fn check_segment(&self, seg: &Segment<'_>) -> Result<()> {
+        if self.is_hybrid() {
+            check_in_order(seg)?;
         }
-        // every segment cancelled (its generation or call given up): stop before the set-up and between layers
-        let all_cancelled = |segs: &[Segment<'_>]| {
-            if segs.iter().all(|s| s.cancel.as_ref().is_some_and(Cancel::is_cancelled)) {
-                return Err(Error::Cancelled("the forward was cancelled".into()));
-            }
-            Ok(())
-        };
-        all_cancelled(segs)?;
-        for s in segs.iter() {
-            let (p, w) = (s.cache.len(), s.ids.len());
-            if w == 0 {
-                return Err(Error::Internal("empty window".into()));
-            }
-            debug_assert!(s.ids.iter().all(|&t| (t as usize) < self.cfg.vocab_size));
-            if s.positions.len() != w {
-                return Err(Error::Internal(format!("{} positions for a window of {w} tokens", s.positions.len())));
-            }
-            if let Some(&bad) = s.rows.iter().find(|&&i| i >= w) {
-                return Err(Error::Internal(format!("logits row {bad} is outside the window of {w} tokens")));
-            }
-            s.mask.check(p, w)?;
-            if self.is_hybrid() {
-                check_in_order(s)?;
-            }
-        }
-        let total: usize = segs.iter().map(|s| s.ids.len()).sum();
+        Ok(())
+    }
+
+    fn activation_bytes(&self, total: usize) -> Option<usize> {
         // a hybrid's GDN layers each keep their rows' recurrence inputs in the cache until the commit (about two
         // f32 rows of the convolution's channels per row and layer), beside one layer's working copies
         let recurrent_per_row = self.cfg.linear.as_ref().map_or(0, |l| {
             let (c, gdn) = (l.conv_dim(), l.layer_types.iter().filter(|&&t| t == LayerKind::Linear).count());
             4 * (gdn * (2 * c + 2 * l.value_heads) + 4 * c)
         });
-        if total > LARGE_WINDOW || (recurrent_per_row > 0 && total > RECURRENT_CHECK_ROWS) {
-            // f32 activations alive at once, about: the residual, a norm and q/k/v/o per position, and three MLP
-            // rows per position of one MLP chunk
-            let c = &self.cfg;
-            let per_row = 4 * (3 * c.hidden_size + 2 * c.num_attention_heads * c.head_dim) + recurrent_per_row;
-            let mlp = 4 * 3 * c.intermediate_size * total.min(MLP_ROWS);
-            crate::util::check_alloc(per_row.saturating_mul(total).saturating_add(mlp), || {
-                format!("activations of a {total}-position forward")
-            })?;
+        if total <= LARGE_WINDOW && (recurrent_per_row == 0 || total <= RECURRENT_CHECK_ROWS) {
+            return None;
         }
-        let kn = &self.kernels;
-        // stack order: few-row windows first (one skinny product for all of them), then each long window
-        let (order, spans, groups) = Groups::stack(&segs.iter().map(|s| s.ids.len()).collect::<Vec<_>>(), kn);
-        let dev = &self.device;
-        let mut ids = Vec::with_capacity(total);
-        let mut pos = Vec::with_capacity(total);
-        for &i in &order {
-            ids.extend_from_slice(segs[i].ids);
-            for &x in &segs[i].positions {
-                pos.push(u32::try_from(x).map_err(|_| Error::Internal(format!("position {x} past 32 bits")))?);
-            }
-        }
-        // the logits rows, stacked the same way (cut by each segment's own count of logits rows)
-        let (lm_order, lm_spans, lm_groups) = Groups::stack(&segs.iter().map(|s| s.rows.len()).collect::<Vec<_>>(), kn);
-        let pick: Vec<u32> = lm_order
-            .iter()
-            .flat_map(|&i| {
-                let base = spans[i].0;
-                segs[i].rows.iter().map(move |&r| (base + r) as u32)
-            })
-            .collect();
-        // every row in stack order (a logits call, a lone window asking for all its rows): no gather needed
-        let identity = pick.len() == total && pick.iter().enumerate().all(|(i, &r)| r as usize == i);
-        let (heads, kv_heads, head_dim) =
-            (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim);
-        // every segment of a forward takes the same attention backend
-        let path = match AttnPath::choose(kn, dev, self.dtype, (heads, kv_heads, head_dim)) {
+        // f32 activations alive at once, about: the residual, a norm and q/k/v/o per position, and three MLP rows
+        // per position of one MLP chunk
+        let c = &self.cfg;
+        let per_row = 4 * (3 * c.hidden_size + 2 * c.num_attention_heads * c.head_dim) + recurrent_per_row;
+        let mlp = 4 * 3 * c.intermediate_size * total.min(MLP_ROWS);
+        Some(per_row.saturating_mul(total).saturating_add(mlp))
+    }
+
+    fn attention_path(&self) -> AttnPath {
+        let c = &self.cfg;
+        match AttnPath::choose(
+            &self.kernels,
+            &self.device,
+            self.dtype,
+            (c.num_attention_heads, c.num_key_value_heads, c.head_dim),
+        ) {
             AttnPath::Fused if !self.fused_heads => AttnPath::Candle,
             p => p,
-        };
-        for s in segs.iter_mut() {
-            s.cache.begin_window(s.ids.len())?;
-        }
-        // what the device reads of this forward, in one upload (net::step): the layers' words, then the head's
-        let mut words = StepWords::new();
-        let ids_at = words.push(ids.iter().copied());
-        let pos_at = words.push(pos);
-        let att_words = ForwardAttention::plan(segs, path, &spans, (heads, kv_heads, head_dim), kn, &mut words)?;
-        let layer_words = words.len();
-        let pick_at = words.push(pick.iter().copied().filter(|_| !identity));
-        // a CUDA graph of the layers per forward shape (net::graph) where every launch reads what changes from
-        // the upload
-        let graphed =
-            kn.cuda_graphs && att_words.together() && self.graphable && crate::kernels::cuda::runs_on(dev, self.dtype);
-        let shape = graphed.then(|| Shape { windows: segs.iter().map(|s| s.ids.len()).collect(), words: layer_words });
-        let heads = (heads, kv_heads, head_dim);
-        // each residual add and the norm after it: one launch on CUDA with mbd-rs's kernels
-        let fused_norms = kn.cuda_fused && crate::kernels::cuda::runs_on(dev, self.dtype);
-        // the layers: the last hidden states of every stacked row (what a graph captures and replays)
-        let mut layers = |step: &Step<'_>| -> Result<Tensor> {
-            // RoPE tables in f32 for every row's position; candle's rope takes them cast to the compute dtype.
-            let freqs = step.view(pos_at)?.to_dtype(DType::F32)?.reshape((total, 1))?.broadcast_mul(&self.inv_freq)?;
-            let (cos, sin) = match path {
-                AttnPath::Fused => (freqs.cos()?, freqs.sin()?),
-                _ => (freqs.cos()?.to_dtype(self.dtype)?, freqs.sin()?.to_dtype(self.dtype)?),
-            };
-            let att =
-                ForwardAttention::new(segs, path, spans.clone(), order.clone(), heads, kn, &att_words, step, dev)?;
-            let mut x = self.embed.rows(&ids, &step.view(ids_at)?)?.to_dtype(self.dtype)?;
-            let mut hn = self.layers.first().map(|l| l.ln1.forward(&x)).transpose()?;
-            for (li, layer) in self.layers.iter().enumerate() {
-                all_cancelled(segs)?;
-                let h = hn.take().expect("the layer's normed input");
-                let a = match &layer.mixer {
-                    Mixer::Attention(a, slot) => a.forward(&h, (&cos, &sin), segs, &att, *slot, &groups, kn)?,
-                    Mixer::Linear(g, slot) => g.forward(&h, segs, &spans, *slot, &groups, kn)?,
-                };
-                let (x2, h) = layer.ln2.add_forward(&x, &a, fused_norms)?;
-                let f = match &layer.ffn {
-                    Ffn::Dense(m) => groups.apply(&h, |x, few| m.forward(x, kn, few))?,
-                    Ffn::Sparse(m) => m.forward(&h, kn, &groups)?,
-                };
-                x = match self.layers.get(li + 1) {
-                    Some(next) => {
-                        let (x3, h) = next.ln1.add_forward(&x2, &f, fused_norms)?;
-                        hn = Some(h);
-                        x3
-                    }
-                    None => (x2 + f)?,
-                };
-            }
-            Ok(x)
-        };
-        // the head: the rows asked for, the final norm, the vocabulary product; each segment's logits rows
-        let vocab = self.cfg.vocab_size;
-        let no_rows = || Ok(Tensor::zeros((0, vocab), DType::F32, dev)?);
-        let head = |x: &Tensor, step: &Step<'_>| -> Result<Vec<Tensor>> {
-            if pick.is_empty() {
-                return lm_spans.iter().map(|_| no_rows()).collect();
-            }
-            let x = if identity { x.clone() } else { x.index_select(&step.view(pick_at)?, 0)? };
-            let x = self.norm.forward(&x)?;
-            let logits = lm_groups.apply(&x, |x, few| Ok(self.lm_head.linear(x, kn, few)?))?;
-            let logits = logits.to_dtype(DType::F32)?;
-            lm_spans.iter().map(|&(o, n)| if n == 0 { no_rows() } else { Ok(logits.narrow(0, o, n)?) }).collect()
-        };
-        match shape {
-            Some(shape) => self.graphs.run(shape, words, &self.step_buffers, dev, layers, head),
-            None => {
-                let step = self.step_buffers.upload(words, dev)?;
-                let x = layers(&step)?;
-                head(&x, &step)
-            }
         }
     }
 
-    /// Counts of this model's CUDA graphs (`Kernels::cuda_graphs`; zeros elsewhere).
-    pub fn graph_stats(&self) -> GraphStats {
-        self.graphs.stats()
+    fn graphable(&self) -> bool {
+        self.graphable
+    }
+
+    fn layers(
+        &self,
+        step: &Step<'_>,
+        stack: &Stack,
+        segs: &mut [Segment<'_>],
+        att: &ForwardAttention,
+    ) -> Result<Tensor> {
+        let (kn, total, groups) = (&self.kernels, stack.rows(), &stack.groups);
+        // RoPE tables in f32 for every row's position; candle's rope takes them cast to the compute dtype.
+        let freqs =
+            step.view(stack.pos_at)?.to_dtype(DType::F32)?.reshape((total, 1))?.broadcast_mul(&self.inv_freq)?;
+        let (cos, sin) = match stack.path {
+            AttnPath::Fused => (freqs.cos()?, freqs.sin()?),
+            _ => (freqs.cos()?.to_dtype(self.dtype)?, freqs.sin()?.to_dtype(self.dtype)?),
+        };
+        // each residual add and the norm after it: one launch on CUDA with mbd-rs's kernels
+        let fused_norms = kn.cuda_fused && crate::kernels::cuda::runs_on(&self.device, self.dtype);
+        let mut x = self.embed.rows(&stack.ids, &step.view(stack.ids_at)?)?.to_dtype(self.dtype)?;
+        let mut hn = self.layers.first().map(|l| l.ln1.forward(&x)).transpose()?;
+        for (li, layer) in self.layers.iter().enumerate() {
+            all_cancelled(segs)?;
+            let h = hn.take().expect("the layer's normed input");
+            let a = match &layer.mixer {
+                Mixer::Attention(a, slot) => a.forward(&h, (&cos, &sin), segs, att, *slot, groups, kn)?,
+                Mixer::Linear(g, slot) => g.forward(&h, segs, &stack.spans, *slot, groups, kn)?,
+            };
+            let (x2, h) = layer.ln2.add_forward(&x, &a, fused_norms)?;
+            let f = match &layer.ffn {
+                Ffn::Dense(m) => groups.apply(&h, |x, few| m.forward(x, kn, few))?,
+                Ffn::Sparse(m) => m.forward(&h, kn, groups)?,
+            };
+            x = match self.layers.get(li + 1) {
+                Some(next) => {
+                    let (x3, h) = next.ln1.add_forward(&x2, &f, fused_norms)?;
+                    hn = Some(h);
+                    x3
+                }
+                None => (x2 + f)?,
+            };
+        }
+        Ok(x)
+    }
+
+    fn head(&self, x: &Tensor, groups: &Groups) -> Result<Tensor> {
+        let x = self.norm.forward(x)?;
+        groups.apply(&x, |x, few| Ok(self.lm_head.linear(x, &self.kernels, few)?))
     }
 }
-
-/// How much dearer an attention multiply-add is than a packed product's (`QwenModel::key_equivalent`).
-const ATTENTION_WEIGHT: usize = 3;
-
-/// Windows longer than this check that their activations can be allocated before computing.
-const LARGE_WINDOW: usize = 4096;
-/// A hybrid's windows longer than this check too (its recurrent layers keep about 1 MiB per row at 0.8B's shape).
-const RECURRENT_CHECK_ROWS: usize = 256;
 
 impl Attention {
     /// Layer `p`'s self_attn (`q_rows`: q_proj's outputs, with the gates where the architecture has them).
@@ -820,29 +668,5 @@ impl Attention {
 /// One model serves every thread: it must stay Send + Sync.
 const _: fn() = || {
     fn f<T: Send + Sync>() {}
-    f::<QwenModel>();
+    f::<QwenNet>();
 };
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn silu_mul_is_candles_silu_then_mul_to_a_few_ulp() {
-        // one-thread and parallel sizes, and a non-contiguous operand; rows alone give the bits they give stacked
-        for rows in [3usize, 64] {
-            let g = Tensor::randn(0f32, 3.0, (rows, 1100), &Device::Cpu).unwrap();
-            let u = Tensor::randn(0f32, 1.0, (1100, rows), &Device::Cpu).unwrap().t().unwrap();
-            let want = (g.silu().unwrap() * &u).unwrap().to_vec2::<f32>().unwrap();
-            let gu = Tensor::cat(&[&g, &u], 1).unwrap();
-            let got = silu_mul(&gu, &Kernels::default()).unwrap().to_vec2::<f32>().unwrap();
-            for (a, b) in got.iter().flatten().zip(want.iter().flatten()) {
-                assert!((a - b).abs() <= 4.0 * f32::EPSILON * b.abs() + 1e-30, "{a} vs {b}");
-            }
-            let gu_t = gu.t().unwrap().contiguous().unwrap().t().unwrap();
-            assert_eq!(silu_mul(&gu_t, &Kernels::default()).unwrap().to_vec2::<f32>().unwrap(), got);
-            let one = silu_mul(&gu.narrow(0, 1, 1).unwrap(), &Kernels::default()).unwrap().to_vec2::<f32>().unwrap();
-            assert_eq!(one[0], got[1]);
-        }
-    }
-}

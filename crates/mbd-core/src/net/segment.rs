@@ -5,7 +5,7 @@ use crate::net::kv_cache::KvCache;
 use crate::net::mask::MaskSpec;
 use crate::util::Cancel;
 
-/// One sequence's part of a forward (`QwenModel::forward_segments`).
+/// One sequence's part of a forward ([`QwenModel::forward_segments`](crate::model::Model::forward_segments)).
 pub struct Segment<'a> {
     /// The sequence's cache: its committed positions are the keys before the window; the window's K/V are
     /// written after them.
@@ -19,7 +19,7 @@ pub struct Segment<'a> {
     /// Window rows whose logits are wanted, in the order they are returned.
     pub rows: Vec<usize>,
     /// The work this segment belongs to may be cancelled: a forward whose segments are all cancelled stops between
-    /// layers (`Error::Cancelled`). None: never.
+    /// layers ([`Error::Cancelled`](crate::error::Error::Cancelled)). None: never.
     pub cancel: Option<Cancel>,
 }
 

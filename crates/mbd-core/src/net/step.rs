@@ -1,8 +1,8 @@
 //! What a forward hands the device, in one copy (issue #51, item 1): its token ids, positions and logits rows, and
-//! on CUDA the attention kernels' tables (`cuda::segment_table`, the K/V addresses, each segment's key ranges). The
-//! forward gathers them on the host as one list of 32-bit words (`StepWords`), and `StepBuffers::upload` writes the
+//! on CUDA the attention kernels' tables ([`cuda::segment_table`](crate::kernels::cuda::segment_table), the K/V addresses, each segment's key ranges). The
+//! forward gathers them on the host as one list of 32-bit words (`StepWords`), and [`StepBuffers::upload`] writes the
 //! list into a device buffer that stays put between forwards (grown when a forward needs more), in one host-to-device
-//! copy. The forward reads each part as a view of that buffer (`Step::view`): no allocation and no other upload per
+//! copy. The forward reads each part as a view of that buffer ([`Step::view`]): no allocation and no other upload per
 //! step, which is what a CUDA graph replaying the step needs (docs/dev/cuda.md). The CPU takes the same path (there the
 //! copy is a memcpy), so every CPU test reads its inputs through it.
 
@@ -98,14 +98,14 @@ impl StepBuffers {
 }
 
 /// One forward's uploaded words: read them as views (`view`); the buffer goes back to its model when this drops
-/// (a pool's), or stays with the CUDA graph that reads it (a fixed one, `Step::fixed`).
+/// (a pool's), or stays with the CUDA graph that reads it (a fixed one, [`Step::fixed`]).
 pub(crate) struct Step<'a> {
     buf: Option<Tensor>,
     owner: Option<&'a StepBuffers>,
 }
 
 impl Step<'static> {
-    /// A buffer of `room` words on `dev`, for one forward shape's CUDA graph (`net::graph`): the graph reads its
+    /// A buffer of `room` words on `dev`, for one forward shape's CUDA graph ([`net::graph`](crate::net::graph)): the graph reads its
     /// views at fixed addresses, so every forward it replays writes its words there (`fixed`).
     pub(crate) fn buffer(room: usize, dev: &Device) -> Result<Tensor> {
         Ok(Tensor::zeros(room.max(1), DType::U32, dev)?)
@@ -138,7 +138,7 @@ impl Drop for Step<'_> {
 }
 
 /// Writes its words at the start of a u32 tensor's view: a memcpy on the CPU, one host-to-device copy on CUDA
-/// (`cuda::write_words`).
+/// (`write_words` of [`kernels::cuda`](crate::kernels::cuda), with the `cuda` feature).
 struct Write<'a>(&'a [u32]);
 
 impl candle_core::InplaceOp1 for Write<'_> {

@@ -450,7 +450,7 @@ impl FromValue for TraceMode {
 pub trait Params: Default {
     /// The names of the parameters this request takes.
     const NAMES: &'static [&'static str];
-    /// The spec of parameter `name`, or `Error::UnknownParameter` for one this request does not take.
+    /// The spec of parameter `name`, or [`Error::UnknownParameter`] for one this request does not take.
     fn param(name: &str) -> Result<&'static ParamSpec>;
     /// Set one parameter from a converted value, applying its range rule.
     fn set(&mut self, name: &str, v: Value) -> Result<()>;
@@ -585,14 +585,14 @@ request! {
 }
 
 request! {
-    /// A prompt-scoring call (`Model::prompt_logprobs`): alternatives per token.
+    /// A prompt-scoring call ([`Model::prompt_logprobs`](crate::model::Model::prompt_logprobs)): alternatives per token.
     ScoreRequest, SCORE_PARAMS, "scoring parameter", "parameters" {
         logprobs: usize,
     }
 }
 
 request! {
-    /// A load's options (see `params::load`; the profile overrides and kernel switches are requests of their own).
+    /// A load's options (see [`params::load`](crate::params::load); the profile overrides and kernel switches are requests of their own).
     LoadRequest, LOAD_PARAMS, "load option", "load options" {
         device: String,
         dtype: String,

@@ -14,7 +14,7 @@
 //! 2 GB of fresh pages per forward, the head alone 545 MB), and a quantized matrix has no many-row path there.
 //! (Panels as single-threaded parallel tasks were tried first: slower than gemm's own split, which packs x once.)
 //!
-//! The engine sends a long window here alone, never stacked with other sequences' rows (`models::qwen::Groups`).
+//! The engine sends a long window here alone, never stacked with other sequences' rows ([`models::qwen::Groups`](crate::net::linear::Groups)).
 
 mod packed;
 #[cfg(target_arch = "x86_64")]

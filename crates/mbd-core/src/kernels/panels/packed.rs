@@ -11,7 +11,7 @@ use rayon::prelude::*;
 /// Where column c's 4-bit value sits among a depth's 16 nibbles (of its 8 bytes read as a little-endian u64):
 /// columns 2i and 2i + 1 are nibble i of the low and of the high 32-bit half, so that one 64-bit broadcast and a
 /// shift per 32-bit lane bring column j's nibble to the bottom of lane j.
-fn nibble(c: usize) -> usize {
+pub(super) fn nibble(c: usize) -> usize {
     (c & 1) * 8 + (c >> 1)
 }
 
@@ -37,7 +37,7 @@ fn put_nibble(bytes: &mut [u8], c: usize, q: u8) {
 /// column i and slot 2i + 1 column 8 + i, so that one 32-byte load widens to columns 0-7 (each 32-bit lane's low
 /// half shifted up) and 8-15 (its high half masked) in two integer instructions. A block format keeps its bits
 /// per value and its scales (`Layout`: the values of a group depth by depth, the scales in records per block); a
-/// tile forms each value in registers exactly as the format's dequantization does (`QMatrix::dequantize_rows`), so
+/// tile forms each value in registers exactly as the format's dequantization does ([`QMatrix::dequantize_rows`]), so
 /// a quantized matrix computes exactly as its dequantized f32 matrix packed.
 pub struct PackedMatrix {
     pub n: usize,
@@ -49,7 +49,7 @@ pub(super) enum PackedData {
     F32(Vec<f32>),
     /// bf16 bit patterns in the slot order above
     Bf16(Vec<u16>),
-    /// A block format: its values (`Layout::step` bytes per depth of a group, group g's from g · k · step) and
+    /// A block format: its values ([`Layout::step`] bytes per depth of a group, group g's from g · k · step) and
     /// its scale records (group g's from g · k / sblock · sbytes).
     Block {
         format: QuantFormat,
@@ -262,7 +262,7 @@ impl PackedData {
 }
 
 /// Column c's values of one block of a row (`block`: its bytes) into the block's depths of a packed group (`w`,
-/// `Layout::step` bytes per depth) and its scale record (`s`, `pack_record`).
+/// [`Layout::step`] bytes per depth) and its scale record (`s`, `pack_record`).
 fn pack_block(format: QuantFormat, block: &[u8], c: usize, w: &mut [u8], s: &mut [u8]) {
     pack_record(format, block, c, s);
     match format {

@@ -316,7 +316,7 @@ impl DotMatrix {
     }
 }
 
-/// Column c's block of a row (`block`: the format's bytes) into a record's scales `s` (`panels::pack_record`) and
+/// Column c's block of a row (`block`: the format's bytes) into a record's scales `s` ([`panels::pack_record`](crate::kernels::records::pack_record)) and
 /// values `v`.
 fn pack_block(format: QuantFormat, block: &[u8], c: usize, s: &mut [u8], v: &mut [u8]) {
     pack_record(format, block, c, s);
@@ -364,7 +364,7 @@ pub struct Acts {
 
 impl Acts {
     /// x (m × k, k a multiple of `ABLOCK`) rounded with `isa`'s instructions (which the CPU must run:
-    /// `Isa::runs`; the same values on each).
+    /// [`Isa::runs`]; the same values on each).
     pub fn new(x: &[f32], m: usize, k: usize, isa: Isa) -> Acts {
         assert!(isa.runs());
         assert!(k.is_multiple_of(ABLOCK) && x.len() == m * k);
@@ -445,7 +445,7 @@ unsafe impl Send for Row {}
 unsafe impl Sync for Row {}
 
 /// y (m × n) = x (m × k) · Wᵀ with x rounded to 8 bits (`Acts`), parallel on the calling pool from
-/// `par_min_macs` multiply-adds, with the kernels of `isa` (which the CPU must run: `Isa::runs`; the same bits on
+/// `par_min_macs` multiply-adds, with the kernels of `isa` (which the CPU must run: [`Isa::runs`]; the same bits on
 /// each).
 pub fn matmul(x: &[f32], m: usize, w: &DotMatrix, par_min_macs: usize, isa: Isa) -> Vec<f32> {
     let (n, k) = (w.n, w.k);

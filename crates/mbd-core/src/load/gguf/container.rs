@@ -40,7 +40,7 @@ const KEYS_READ: &[&str] = &[
     "tokenizer.ggml.mask_token_id",
     "tokenizer.ggml.add_bos_token",
 ];
-/// The architecture's keys (`<arch>.<key>`) and the config.json field each becomes (`GgufFile::hf_config`).
+/// The architecture's keys (`<arch>.<key>`) and the config.json field each becomes ([`GgufFile::hf_config`]).
 pub(super) const ARCH_FIELDS: [(&str, &str); 12] = [
     ("block_count", "num_hidden_layers"),
     ("embedding_length", "hidden_size"),

@@ -3,12 +3,12 @@
 //! What is read from the file, and what it becomes:
 //! - the metadata (`general.architecture` = `qwen2`, `qwen3`, `qwen3moe`, `qwen35`, `qwen35moe` or `dream`; `<arch>.block_count`,
 //!   `.embedding_length`, ...) becomes the config.json fields of the same model (`hf_config`), which then go through
-//!   the one config parser (`config::ModelConfig::from_json`, `config::detect_family`, `Profile::resolve`);
+//!   the one config parser ([`config::ModelConfig::from_json`](crate::load::config::ModelConfig::from_json), [`config::detect_family`](crate::params::profile::detect_family), [`Profile::resolve`](crate::params::profile::Profile::resolve));
 //! - the tokenizer (`tokenizer.ggml.*`: a byte-level BPE vocabulary, its merges, token types, the pre-tokenizer's
 //!   name) becomes a Hugging Face tokenizer.json (`tokenizer_json`), and `tokenizer.chat_template` the chat template;
 //! - the tensors (llama.cpp's names: `blk.N.attn_q.weight`, ...) are renamed to the Hugging Face names the model
 //!   loader asks for (`tensors`), with their shapes in PyTorch order and their element type (`GgmlDType`: floats, or a
-//!   block format), and read by `weights::Weights` like a safetensors shard.
+//!   block format), and read by [`weights::Weights`](crate::load::weights::Weights) like a safetensors shard.
 //!
 //! The file is untrusted input: every length and count is checked against the bytes the file holds before anything
 //! is allocated from it; only the values of the keys the loader reads are built (`read_key`: every other value, a

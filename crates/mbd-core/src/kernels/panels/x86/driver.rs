@@ -30,7 +30,7 @@ thread_local! {
     static ROWS: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
 }
 
-/// `wide`: the AVX-512 tiles (`Zmm`; the caller checked `Cpu::avx512`), else the AVX2 ones.
+/// `wide`: the AVX-512 tiles (`Zmm`; the caller checked [`Cpu::avx512`]), else the AVX2 ones.
 pub(in crate::kernels::panels) fn matmul_t(
     x: &[f32],
     m: usize,
@@ -227,7 +227,7 @@ unsafe fn columns_of<T: Tiles, E: WeightElem>(t: Task<'_>, w: &[E]) {
 /// One depth block [kc0, kc0 + kc) of the task's columns: `b(g)` points at group g's `NR`-wide values at depth
 /// kc0, consecutive depths `NR` apart. Full row panels take the `MR`-row tile (over up to `T::FULL` whole groups
 /// at once, a partial last group alone), `MC` rows of x at a time over each group; the last rows (fewer than `MR`)
-/// a tile as wide as its accumulators allow (`Tiles::last_rows`).
+/// a tile as wide as its accumulators allow ([`Tiles::last_rows`]).
 unsafe fn sweep<T: Tiles, E: Panel>(t: Task<'_>, kc0: usize, kc: usize, b: impl Fn(usize) -> Cursor<E>) {
     let Task { a, m, m_pad, j0, nt, n, y, .. } = t;
     let groups = nt.div_ceil(NR);

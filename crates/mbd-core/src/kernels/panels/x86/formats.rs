@@ -16,14 +16,14 @@ use std::arch::x86_64::*;
 pub(super) trait Panel: Copy {
     /// Lane j of `load16` holds column `SLOTS[j]` (None: column j).
     const SLOTS: Option<[u32; NR]>;
-    /// Elements per depth of a group (`Layout::step`), and for a block format its scale records.
+    /// Elements per depth of a group ([`Layout::step`](crate::kernels::records::Layout::step)), and for a block format its scale records.
     const LAYOUT: records::Layout = records::Layout { step: NR, sblock: 0, sbytes: 0 };
     /// Depths per set of scales (0: none).
     const BLOCK: usize = 0;
     /// Groups the full AVX-512 tile takes at once (its scales take registers too).
     const FULL512: usize = 4;
     /// A block format: windows of this many rows or more take its values decoded into f32 once per depth block
-    /// (`Tiles::decode`), then the f32 tiles; fewer form them in the tile, once per `MR` rows. The same values
+    /// ([`Tiles::decode`](crate::kernels::panels::x86::tiles::Tiles::decode)), then the f32 tiles; fewer form them in the tile, once per `MR` rows. The same values
     /// either way, so the same bits. (`benches/quant_kernel.rs` with `MBD_BENCH_PACKED=1` on Zen 4, time over
     /// bf16's at 8 / 12 / 18 / 32 rows, in the tile | decoded first: q8_0 1.02 / 1.05 / 1.11 / 1.14 | 1.44 /
     /// 1.38 / 1.28 / 1.15; q5_0 1.25 / 1.26 / 1.34 / 1.40 | 1.31 / 1.27 / 1.20 / 1.10; q4_k 1.08 / 1.10 / 1.15 /
@@ -45,7 +45,7 @@ pub(super) trait Panel: Copy {
 }
 
 /// A group's weights from some depth on: `Panel::LAYOUT.step` elements per depth at `w`, and for a block format
-/// its scale records at `s`, starting with the record of `w`'s depth (a multiple of `Layout::sblock`).
+/// its scale records at `s`, starting with the record of `w`'s depth (a multiple of [`Layout::sblock`](crate::kernels::records::Layout::sblock)).
 #[derive(Clone, Copy)]
 pub(super) struct Cursor<E> {
     pub(super) w: *const E,
@@ -140,7 +140,7 @@ unsafe fn u8x16(rec: *const u8, at: usize) -> (__m256, __m256) {
     (_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(v))))
 }
 
-/// A depth's 16 nibbles (`packed::nibble`'s order) in the low 4 bits of each 32-bit lane, columns 0-7 and 8-15
+/// A depth's 16 nibbles ([`packed::nibble`](crate::kernels::panels::packed::nibble)'s order) in the low 4 bits of each 32-bit lane, columns 0-7 and 8-15
 /// (higher bits: other nibbles).
 #[inline(always)]
 unsafe fn nibbles8(p: *const u8) -> (__m256i, __m256i) {
@@ -186,7 +186,7 @@ impl Panel for i8 {
     }
 }
 
-/// A packed q5_0 byte (`records::Q5_0_LAYOUT`): value (q − 16) · d, q's low 4 bits from the depth's nibbles, its
+/// A packed q5_0 byte ([`records::Q5_0_LAYOUT`]): value (q − 16) · d, q's low 4 bits from the depth's nibbles, its
 /// fifth from the 16 bits before them.
 #[derive(Clone, Copy)]
 #[repr(transparent)]
@@ -215,7 +215,7 @@ impl Panel for Q5_0 {
     }
 }
 
-/// A q5_0 or q5_k depth's 16 5-bit values (`records::Q5_NIBBLES`: 2 bytes of fifth bits, bit c column c, then the
+/// A q5_0 or q5_k depth's 16 5-bit values ([`records::Q5_NIBBLES`]: 2 bytes of fifth bits, bit c column c, then the
 /// nibbles), columns 0-7 and 8-15.
 #[inline(always)]
 unsafe fn fives8(p: *const u8) -> (__m256i, __m256i) {
@@ -239,7 +239,7 @@ unsafe fn fives16(p: *const u8, table: __m512) -> __m512 {
     _mm512_mask_add_ps(v, (p as *const u16).read_unaligned(), v, _mm512_set1_ps(16.))
 }
 
-/// A packed q4_0 nibble pair (`records::Q4_0_LAYOUT`): value (q − 8) · d.
+/// A packed q4_0 nibble pair ([`records::Q4_0_LAYOUT`]): value (q − 8) · d.
 #[derive(Clone, Copy)]
 #[repr(transparent)]
 #[allow(non_camel_case_types)]
@@ -268,7 +268,7 @@ impl Panel for Q4_0 {
     }
 }
 
-/// A packed q5_k byte (`records::Q5K_LAYOUT`): value (d · sc) · q − dmin · m as q4_k's, q of 5 bits as q5_0's.
+/// A packed q5_k byte ([`records::Q5K_LAYOUT`]): value (d · sc) · q − dmin · m as q4_k's, q of 5 bits as q5_0's.
 #[derive(Clone, Copy)]
 #[repr(transparent)]
 pub(super) struct Q5K(#[allow(dead_code)] u8);
@@ -292,7 +292,7 @@ impl Panel for Q5K {
     }
 }
 
-/// A packed q4_k nibble pair (`records::Q4K_LAYOUT`): value (d · sc) · q − dmin · m, sc and m those of its
+/// A packed q4_k nibble pair ([`records::Q4K_LAYOUT`]): value (d · sc) · q − dmin · m, sc and m those of its
 /// sub-block of 32 depths.
 #[derive(Clone, Copy)]
 #[repr(transparent)]
@@ -333,7 +333,7 @@ impl Panel for Q4K {
     }
 }
 
-/// A packed q6_k byte (`records::Q6K_LAYOUT`): value (d · sc) · (q − 32), sc that of its sub-block of 16 depths,
+/// A packed q6_k byte ([`records::Q6K_LAYOUT`]): value (d · sc) · (q − 32), sc that of its sub-block of 16 depths,
 /// q's low 4 bits from the depth's nibbles, its high 2 from the bit pairs after them.
 #[derive(Clone, Copy)]
 #[repr(transparent)]
@@ -404,7 +404,7 @@ unsafe fn pairs16(p: *const u8) -> __m512i {
     _mm512_srlv_epi32(h, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30))
 }
 
-/// A packed q3_k byte (`records::Q3K_LAYOUT`): value (d · sc) · (pair − 4 + 4 · high), sc that of its sub-block of
+/// A packed q3_k byte ([`records::Q3K_LAYOUT`]): value (d · sc) · (pair − 4 + 4 · high), sc that of its sub-block of
 /// 16 depths.
 #[derive(Clone, Copy)]
 #[repr(transparent)]
@@ -442,7 +442,7 @@ impl Panel for Q3K {
     }
 }
 
-/// A packed q2_k byte (`records::Q2K_LAYOUT`): value (d · sc) · q − dmin · m, sc and m those of its sub-block of 16
+/// A packed q2_k byte ([`records::Q2K_LAYOUT`]): value (d · sc) · q − dmin · m, sc and m those of its sub-block of 16
 /// depths.
 #[derive(Clone, Copy)]
 #[repr(transparent)]

@@ -19,7 +19,7 @@ unsafe fn prefetch<E, const P: usize>(w: &[*const E; P]) {
     }
 }
 
-/// A group's `kc` depths from `b` on, as f32 (`NR` per depth, column order) into `dst` (`Ymm::decode`).
+/// A group's `kc` depths from `b` on, as f32 (`NR` per depth, column order) into `dst` ([`Ymm::decode`]).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn decode<E: Panel>(kc: usize, b: Cursor<E>, dst: &mut [f32]) {
     assert!(dst.len() >= kc * NR && E::SLOTS.is_none());
@@ -34,7 +34,7 @@ unsafe fn decode<E: Panel>(kc: usize, b: Cursor<E>, dst: &mut [f32]) {
     }
 }
 
-/// `decode` with AVX-512 (`Zmm::decode`): the same values.
+/// `decode` with AVX-512 ([`Zmm::decode`]): the same values.
 #[target_feature(enable = "avx512f")]
 unsafe fn decode512<E: Panel>(kc: usize, b: Cursor<E>, dst: &mut [f32]) {
     assert!(dst.len() >= kc * NR && E::SLOTS.is_none());
@@ -274,7 +274,7 @@ impl Tiles for Zmm {
 }
 
 /// `R` rows over every group: `P` groups per tile (`R · P` accumulator groups), then what is left
-/// (`Tiles::rest`). The last rows (R < `MR`), and the tall tiles (`Tiles::TALL`, P = 2).
+/// ([`Tiles::rest`]). The last rows (R < `MR`), and the tall tiles ([`Tiles::TALL`], P = 2).
 #[allow(clippy::too_many_arguments)]
 unsafe fn last_rows<T: Tiles, E: Panel, const R: usize, const P: usize>(
     kc: usize,
@@ -301,7 +301,7 @@ unsafe fn last_rows<T: Tiles, E: Panel, const R: usize, const P: usize>(
 
 /// `tile` with AVX-512: a group in one register (lanes in `E::SLOTS` order), the x value of a row broadcast once
 /// per depth for all `P` groups. Each lane is the same in-order FMA chain as `tile`'s, so the same bits. `R` up to
-/// 2 · `MR` (`Tiles::TALL`): rows past `MR` are read from the next row panel of `a`.
+/// 2 · `MR` ([`Tiles::TALL`]): rows past `MR` are read from the next row panel of `a`.
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn tile512<E: Panel, const R: usize, const P: usize>(
