@@ -21,6 +21,8 @@ stage() { echo "== $1 ($(( $(date +%s) - start )) s)"; }
 heartbeat() {
   (while sleep 30; do echo "   ... still working ($(( $(date +%s) - start )) s)"; done) &
   local hb=$! rc=0
+  # the heartbeat's pid is expanded now, on purpose: `hb` is local to this function
+  # shellcheck disable=SC2064
   trap "kill $hb 2>/dev/null" EXIT
   "$@" || rc=$?
   kill "$hb" 2>/dev/null; wait "$hb" 2>/dev/null || true
