@@ -8,7 +8,6 @@
 use candle_core::{Device, Tensor, D};
 use mbd_core::decode::sampling::{Sampler, SamplingParams};
 
-#[path = "common.rs"]
 mod common;
 use common::median;
 

@@ -1,4 +1,4 @@
-//! Helpers shared by the Rust benchmarks (included with `#[path = "common.rs"] mod common;`).
+//! Helpers shared by the Rust benchmarks (`mod common;` in each: a folder, so Cargo does not take it for a bench).
 
 /// The median of timings (the upper one of an even count).
 pub fn median(mut v: Vec<f64>) -> f64 {

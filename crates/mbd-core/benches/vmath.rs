@@ -6,7 +6,6 @@
 //!
 //!     cargo bench -p mbd-core --bench vmath
 
-#[path = "common.rs"]
 mod common;
 use common::median;
 use mbd_core::kernels::vmath;

@@ -11,7 +11,6 @@ use mbd_core::kernels::panels::{matmul_t_with, PackedMatrix, Source};
 use mbd_core::kernels::Kernels;
 use mbd_core::net::linear::DenseMatmulT;
 
-#[path = "common.rs"]
 mod common;
 use common::median;
 

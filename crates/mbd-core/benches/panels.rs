@@ -8,7 +8,6 @@ use candle_core::{DType, Device, Tensor};
 use mbd_core::kernels::Kernels;
 use mbd_core::net::linear::linear;
 
-#[path = "common.rs"]
 mod common;
 use common::median;
 

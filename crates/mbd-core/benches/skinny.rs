@@ -7,7 +7,6 @@
 
 use candle_core::{Device, Tensor};
 
-#[path = "common.rs"]
 mod common;
 use common::median;
 

@@ -11,7 +11,6 @@ use mbd_core::kernels::attention::SegmentKv;
 use mbd_core::net::attention::scaled_softmax;
 use mbd_core::net::mask::{BlockGrid, MaskSpec};
 
-#[path = "common.rs"]
 mod common;
 use common::median;
 
