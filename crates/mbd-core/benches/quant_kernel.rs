@@ -1,5 +1,5 @@
 //! x · Wᵀ on the CPU for the row counts of decode windows: bf16-held weights against every block format the kernel
-//! multiplies (q8_0, q6_k, q5_k, q5_0, q4_k, q4_0, q3_k, q2_k: the quantized-weights work), all through the skinny kernel,
+//! multiplies (q8_0, q6_k, q5_k, q5_0, q4_k, q4_0, q3_k, q2_k: the quantized formats), all through the skinny kernel,
 //! interleaved (each repetition runs every format in turn), on the Qwen2.5-0.5B shapes and the Qwen3-1.7B MLP's.
 //! For one row the weight bytes streamed per second are printed too (a one-row product is bandwidth-bound; the last
 //! columns, under each format's name). The k-quants need rows of whole 256-value super-blocks ("-" where they do not
