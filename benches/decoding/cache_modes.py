@@ -1,13 +1,13 @@
-"""Time per decode step of the full-attention cache modes (issue #14), side by side in one process, interleaved.
+"""Time per decode step of the full-attention (approximate) cache modes, side by side in one process, interleaved.
 
 Loads a checkpoint as a Dream-style model (full attention, shifted logits) and decodes a long random prompt with
 each mode in turn, round after round: cache='none' (the whole canvas every step) and cache='prefix' with several
 delays and refresh intervals. Reports ms per step (decode time / forward passes, the first step's prompt pass
 included), positions forwarded per step and the ratio to 'none' from the same round.
 
-    python benches/cache_modes.py [--model /tmp/mbd-bench/qwen2.5-0.5b-shape-bf16] [--prompt-len 1024]
+    python benches/decoding/cache_modes.py [--model /tmp/mbd-bench/qwen2.5-0.5b-shape-bf16] [--prompt-len 1024]
         [--max-tokens 64] [--steps 12] [--rounds 2]
-Writes benches/cache_modes.json.
+Writes cache_modes.json (with --modes: cache_modes_<modes>.json) in benches/results/decoding/.
 """
 import argparse
 import json
@@ -17,7 +17,7 @@ import statistics
 
 import mbd_rs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODES = [
     ("none", dict(cache="none")),
     ("prefix delay 1", dict(cache="prefix", cache_delay=1)),
@@ -63,7 +63,7 @@ def main():
                          positions_per_step=runs[name][0]["positions_per_step"],
                          speedup_vs_none=statistics.median(ratios),
                          same_tokens_as_none=runs[name][0]["token_ids"] == runs["none"][0]["token_ids"]))
-    print(f"\n| mode | ms/step | positions/step | speed-up vs none (same round) | tokens = none |")
+    print("\n| mode | ms/step | positions/step | speed-up vs none (same round) | tokens = none |")
     print("|---|---|---|---|---|")
     for x in rows:
         print(f"| {x['mode']} | {x['ms_per_step']:.0f} | {x['positions_per_step']:.0f} | "
@@ -71,7 +71,7 @@ def main():
     out = dict(model=args.model, prompt_len=args.prompt_len, max_tokens=args.max_tokens, block_size=args.block_size,
                steps=args.steps, rounds=args.rounds, rows=rows)
     stem = "cache_modes" if not args.modes else "cache_modes_" + args.modes.replace(",", "_").replace(" ", "")
-    json.dump(out, open(os.path.join(ROOT, "benches", stem + ".json"), "w"), indent=1)
+    json.dump(out, open(os.path.join(ROOT, "benches", "results", "decoding", stem + ".json"), "w"), indent=1)
 
 
 def eng_mask(model):

@@ -2,14 +2,14 @@
 (block_size 1), the PyTorch reference decoder (tests/reference/decoder.py: whole-sequence recompute, as the
 authors' code does) with the same decoding parameters, and transformers' generate (AR with its KV cache, greedy).
 Prints one table (tokens/s, forward passes, tokens per forward, ms per forward, peak RSS, whether outputs match
-the reference decoder) and writes benches/compare.json.
+the reference decoder) and writes benches/results/cpu-forward/compare.json.
 
 Timing: the mbd-rs rows are the median over --repeats rounds, the two mbd-rs methods alternating within each round
 (the machine is shared and noisy); the PyTorch rows run once (they are 20-40x slower). Peak RSS: each method runs
 once more in a fresh child process that imports only what it needs, so the numbers are per method (in the timing
 process torch is loaded next to mbd-rs).
 
-    python benches/compare.py [--model DIR] [--prompts 12] [--max-tokens 40] [--repeats 5]
+    python benches/decoding/compare.py [--model DIR] [--prompts 12] [--max-tokens 40] [--repeats 5]
 Needs torch + transformers next to mbd_rs (developer tools).
 """
 import argparse
@@ -21,7 +21,7 @@ import statistics
 import subprocess
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, os.path.join(ROOT, "training"))
 import mbd_rs  # noqa: E402
@@ -153,7 +153,7 @@ def main():
                                       mean_window_multi=window[multi["block_size"]], mean_window_ar=window[1],
                                       decode_only_speedup=dec[0] / dec[1]),
                    results=results),
-              open(os.path.join(ROOT, "benches", "compare.json"), "w"), indent=1)
+              open(os.path.join(ROOT, "benches", "results", "cpu-forward", "compare.json"), "w"), indent=1)
 
 
 if __name__ == "__main__":

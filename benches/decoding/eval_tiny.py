@@ -2,21 +2,25 @@
 
 Suite `modes` (default): AR (block_size 1), single-block (alpha 1.0) and multi-block decoding (alpha 0.1,
 beta 0.95) at several thresholds for both acceptance policies and the EB rule (accept in order of entropy while
-the accepted entropies sum to at most the threshold). Writes benches/tiny_eval.json and (with
-matplotlib installed) benches/tiny_accuracy_vs_tpf.png.
-Suite `s2d2` (issue #19): AR, single-block and multi-block, each plain and with S2D2 verification (always,
-score, hysteresis); also how often each output equals the AR output. Writes benches/s2d2_tiny.json and
-benches/s2d2_tiny.png.
-Suite `quant` (issue #18): AR, single-block and multi-block with the weights as loaded and quantized at load
-(q8_0, q4_k, q4_0; q8_0 and q4_k with int8_activations too: "+i8"): accuracy, tokens per forward and how often each output equals the unquantized one. Writes
-benches/quant_tiny.json.
-Suite `methods` (issue #53): AR, single-block, multi-block and S2D2 beside the 2026 acceptance rules: TDAR's BACD,
+the accepted entropies sum to at most the threshold). Writes tiny_eval.json and (with matplotlib installed)
+tiny_accuracy_vs_tpf.png in benches/results/models-twins/.
+Suite `s2d2` (S2D2 self-speculative verification): AR, single-block and multi-block, each plain and with S2D2
+verification (always, score, hysteresis); also how often each output equals the AR output. Writes s2d2_tiny.json
+and s2d2_tiny.png in benches/results/decoding/.
+Suite `cache` (the approximate caches of full-attention models): AR and the cache modes on a Dream-style model
+(`--model DIR`). Writes cache_dream.json and .png in benches/results/decoding/.
+Suite `quant` (quantized weights): AR, single-block and multi-block with the weights as loaded and quantized at load
+(q8_0, q4_k, q4_0; q8_0 and q4_k with int8_activations too: "+i8"): accuracy, tokens per forward and how often each
+output equals the unquantized one. Writes quant_tiny.json in benches/results/quantization/.
+Suite `methods` (ISD and the 2026 acceptance rules): AR, single-block, multi-block and S2D2 beside TDAR's BACD,
 dInfer's CreditDecoding and DUS's dilated schedule, at a few settings each, and I-DLM's ISD at strides 2, 4 and 8
-(causal shifted models only: the I-DLM twin, `--load '{"attention": "causal", "logits_shift": true}'`). Writes benches/methods_tiny.json and
-benches/methods_tiny.png.
+(causal shifted models only: the I-DLM twin, `--load '{"attention": "causal", "logits_shift": true}'`). Writes
+methods_tiny.json and methods_tiny.png in benches/results/decoding/.
+With `--model DIR` every file name gets the model directory's name (`tiny_eval_<model>.json`, ...).
 All configurations run on the same held-out instances, in one process, one after another.
 
-    python benches/eval_tiny.py [--suite modes|s2d2|cache|quant|methods] [--per-task 40] [--model DIR] [--load JSON]
+    python benches/decoding/eval_tiny.py [--suite modes|s2d2|cache|quant|methods] [--per-task 40] [--model DIR] \
+        [--load JSON]
 """
 import argparse
 import json
@@ -24,7 +28,7 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "training"))
 from tasks import TASKS, correct, held_out_set  # noqa: E402
 
@@ -57,7 +61,7 @@ for mode, base in [("single-block", SINGLE), ("multi-block", MULTI)]:
     ]
 S2D2_CONFIGS.append(("single-block B8 + S2D2 always", dict(SINGLE, block_size=8, **S2D2, verify_policy="always")))
 
-# full-attention (Dream-style) models: the cache modes of issue #14, multi-block entropy 0.5 with blocks of 4
+# full-attention (Dream-style) models: the approximate cache modes, multi-block entropy 0.5 with blocks of 4
 CACHE_BASE = dict(block_size=4, acceptance="entropy", threshold=0.5)
 CACHE_CONFIGS = [("AR (block 1, no cache)", dict(block_size=1, block_add_threshold=1.0, acceptance="confidence",
                                                 threshold=1.0))]
@@ -93,6 +97,13 @@ QUANT_CONFIGS = [(name, dict(CONFIGS)[name]) for name in ("AR (block 1)", "singl
                                                           "multi-block entropy 0.5", "multi-block B8 entropy 0.5")]
 SUITES = {"modes": (CONFIGS, "tiny_eval"), "s2d2": (S2D2_CONFIGS, "s2d2_tiny"), "cache": (CACHE_CONFIGS, "cache_dream"),
           "quant": (QUANT_CONFIGS, "quant_tiny"), "methods": (METHOD_CONFIGS, "methods_tiny")}
+# where each suite's JSON and plot go: benches/results/<topic>/, the topic's page beside them
+TOPICS = {"modes": "models-twins", "s2d2": "decoding", "cache": "decoding", "quant": "quantization",
+          "methods": "decoding"}
+
+
+def result_path(suite, name):
+    return os.path.join(ROOT, "benches", "results", TOPICS[suite], name)
 # (quantize, int8_activations); on mbd-tiny (rows of 128-192) q4_k is q5_0 and q3_k, q2_k are q4_0
 QUANT_FORMATS = [(None, False), ("q8_0", False), ("q4_k", False), ("q4_0", False), ("q8_0", True), ("q4_k", True)]
 
@@ -119,7 +130,7 @@ def quant_suite(args, data):
                   f"tpf {row['tokens_per_forward']:.2f}  =unquantized {row['same_as_unquantized'] * 100:5.1f}%", flush=True)
         del eng
     out = dict(model=args.model or "mbd-tiny (embedded)", instances=len(data), max_tokens=args.max_tokens, results=rows)
-    json.dump(out, open(os.path.join(ROOT, "benches", "quant_tiny.json"), "w"), indent=1)
+    json.dump(out, open(result_path("quant", "quant_tiny.json"), "w"), indent=1)
 
 
 def main():
@@ -184,7 +195,7 @@ def main():
               + (f"=none {row['same_as_no_cache'] * 100:5.1f}%  " if base else "")
               + " ".join(f"{k}:{v * 100:.0f}" for k, v in row["per_task"].items()), flush=True)
     out = dict(model=eng.info.path, instances=len(data), max_tokens=args.max_tokens, results=results)
-    json.dump(out, open(os.path.join(ROOT, "benches", stem + ".json"), "w"), indent=1)
+    json.dump(out, open(result_path(args.suite, stem + ".json"), "w"), indent=1)
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -203,7 +214,7 @@ def main():
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(os.path.join(ROOT, "benches", stem + ".png"), dpi=110)
+        fig.savefig(result_path(args.suite, stem + ".png"), dpi=110)
         return
     for label, pick, mk in [("AR", "AR", "s"), ("single-block", "single", "^"), ("multi-block entropy", "multi-block entropy", "o"),
                             ("multi-block confidence", "multi-block confidence", "D"), ("multi-block EB", "multi-block EB", "v"),
@@ -217,7 +228,7 @@ def main():
     ax.legend()
     fig.tight_layout()
     png = stem + ".png" if args.model else "tiny_accuracy_vs_tpf.png"
-    fig.savefig(os.path.join(ROOT, "benches", png), dpi=110)
+    fig.savefig(result_path(args.suite, png), dpi=110)
 
 
 if __name__ == "__main__":

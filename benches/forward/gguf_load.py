@@ -2,7 +2,7 @@
 
     python scripts/make_bench_model.py /tmp/mbd-bench/qwen2.5-0.5b-shape
     python scripts/write_gguf.py /tmp/mbd-bench/qwen2.5-0.5b-shape /tmp/mbd-bench/gguf/q8_0.gguf --type q8_0
-    python benches/gguf_load.py --dir /tmp/mbd-bench/qwen2.5-0.5b-shape --gguf /tmp/mbd-bench/gguf/q8_0.gguf
+    python benches/forward/gguf_load.py --dir /tmp/mbd-bench/qwen2.5-0.5b-shape --gguf /tmp/mbd-bench/gguf/q8_0.gguf
 
 Each load runs in a fresh child process (peak RSS is per process); the two sources alternate over --rounds.
 """

@@ -1,7 +1,7 @@
-"""Long requests and idle connections against a real `mbd-rs serve` (issue #54), with a bounded run time.
+"""Long requests and idle connections against a real `mbd-rs serve` (the hostile-input checks), with a bounded run time.
 
-    . .venv/bin/activate && python benches/hostile_serve.py                 # ~1-2 min on 2 shared cores
-    python benches/hostile_serve.py --long 8000 --idle 1100 --out benches/hostile_serve.json
+    . .venv/bin/activate && python benches/serving/hostile_serve.py         # ~1-2 min on 2 shared cores
+    python benches/serving/hostile_serve.py --long 8000 --idle 1100 --out /tmp/hostile_serve.json
 
 The server: `python -m mbd_rs serve` in its own process on 127.0.0.1, the embedded model copied with
 `max_position_embeddings: 131072` (every real checkpoint has a 32k-128k context), default limits unless a case says.
@@ -18,7 +18,7 @@ Cases, each timed on the client:
      until the stalled sockets are closed (`--header-timeout`).
   6. SIGTERM with two long requests in flight (one streaming): the seconds until the process has exited.
 Every request has a timeout and the whole run `--time-budget`; the server is killed at the end whatever happens.
-Writes a JSON report (default benches/hostile_serve.json); exit status 1 if a check failed.
+Writes a JSON report (default benches/results/reliability/hostile_serve.json); exit status 1 if a check failed.
 """
 from __future__ import annotations
 
@@ -40,6 +40,9 @@ import httpx
 
 import mbd_rs
 from serving import HOST, ServerProc
+
+# this harness's results: benches/results/reliability/
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "reliability")
 SMALL = {"messages": [{"role": "user", "content": "sort 5 3 9 1"}], "max_tokens": 16}
 LONG_NO_CACHE = {"prompt": [87] * 6000, "max_tokens": 8, "use_cache": False}
 
@@ -205,7 +208,7 @@ def main() -> int:
     ap.add_argument("--idle", type=int, default=1100, help="stalled connections")
     ap.add_argument("--header-timeout", type=float, default=2.0)
     ap.add_argument("--time-budget", type=float, default=600.0, help="whole run; later cases are skipped past it")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "hostile_serve.json"))
+    ap.add_argument("--out", default=os.path.join(RESULTS, "hostile_serve.json"))
     a = ap.parse_args()
     t_start = time.time()
     root = tempfile.mkdtemp(prefix="mbd-hostile-")

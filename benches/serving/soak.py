@@ -1,8 +1,8 @@
-"""Soak proof for issue #11: a real `mbd-rs serve` process under concurrent streaming clients with disconnects,
+"""Soak proof of the server and the streaming API: a real `mbd-rs serve` process under concurrent streaming clients with disconnects,
 then streams opened and cancelled through the Python API.
 
-    . .venv/bin/activate && python benches/soak.py            # ~2-5 min on 2 shared cores
-    python benches/soak.py --rounds 5 --per-round 10 --clients 32 --out benches/soak.json
+    . .venv/bin/activate && python benches/serving/soak.py    # ~2-5 min on 2 shared cores
+    python benches/serving/soak.py --rounds 5 --per-round 10 --clients 32 --out /tmp/soak.json
 
 Part 1 (server, separate process, 127.0.0.1 only, embedded model, --max-concurrency 8):
   * reference: each prompt's single-client greedy output (non-streaming request, temperature 0);
@@ -17,7 +17,7 @@ Part 2 (in-process Python API): `api_streams` streams opened and cancelled in ro
   generations checked against the reference; this process's RSS before/after.
 
 Bounded everywhere: per-request timeouts, a retry cap, per-round and whole-run deadlines; the server is stopped at
-the end whatever happens. Writes a JSON report (default benches/soak.json); exit status 1 if any check failed.
+the end whatever happens. Writes a JSON report (default benches/results/reliability/soak.json); exit status 1 if any check failed.
 """
 from __future__ import annotations
 
@@ -36,6 +36,9 @@ import openai
 
 import mbd_rs
 from serving import ServerProc
+
+# this harness's results: benches/results/reliability/
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "reliability")
 
 KEY = "sk-soak-" + os.urandom(6).hex()
 MODEL = "mbd-tiny"
@@ -275,7 +278,7 @@ def main() -> int:
     ap.add_argument("--max-503-retries", type=int, default=2000, help="per request, then it counts as failed")
     ap.add_argument("--round-timeout", type=float, default=240.0)
     ap.add_argument("--time-budget", type=float, default=840.0, help="whole run; later rounds are skipped past it")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "soak.json"))
+    ap.add_argument("--out", default=os.path.join(RESULTS, "soak.json"))
     a = ap.parse_args()
 
     t_start = time.time()

@@ -7,7 +7,7 @@ the order), and the medians and new/old ratios are printed.
 Measures one forward (Model.bench_forward: a W-row window over a P-token cache, logits for every row) and end to
 end single-stream generation (tokens/s of generate, one request at a time).
 
-    python benches/single_stream_ab.py --old /tmp/venv-old/bin/python --new /tmp/venv-new/bin/python \
+    python benches/forward/single_stream_ab.py --old /tmp/venv-old/bin/python --new /tmp/venv-new/bin/python \
         [--model DIR] [--cases 0:1,16:4,64:8] [--rounds 4] [--no-e2e] [--out FILE]
 """
 import argparse

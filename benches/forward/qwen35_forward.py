@@ -9,8 +9,10 @@ The checkpoint is Qwen3.5-0.8B's shape (hidden 1024, 24 layers of which 6 attent
 heads of 128, FFN 3584, vocab 248320, tied) with random weights, stored bf16 (computed in f32 by both), made with
 transformers if absent:
 
-    python benches/qwen35_forward.py [--model DIR] [--layers 24] [--cases 512:32,512:8,2048:32,0:32] [--out FILE]
-Needs torch + transformers >= 5.23 in the same environment as mbd_rs. Writes --out (benches/qwen35_forward.json).
+    python benches/forward/qwen35_forward.py [--model DIR] [--layers 24] [--cases 512:32,512:8,2048:32,0:32] \
+        [--out FILE]
+Needs torch + transformers >= 5.23 in the same environment as mbd_rs. Writes --out
+(benches/results/qwen35/qwen35_forward.json).
 """
 import argparse
 import copy
@@ -24,7 +26,7 @@ import transformers
 
 import mbd_rs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Qwen/Qwen3.5-0.8B's text config
 SHAPE_08B = dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
@@ -66,7 +68,7 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--cases", default="512:32,512:8,2048:32,0:32")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benches", "qwen35_forward.json"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "benches", "results", "qwen35", "qwen35_forward.json"))
     args = ap.parse_args()
     if not os.path.exists(os.path.join(args.model, "config.json")):
         make(args.model, args.layers)

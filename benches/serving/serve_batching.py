@@ -3,8 +3,9 @@ same N requests one after another, on an in-process `mbd-rs serve` app (uvicorn 
 aggregate completion tokens/s, per-stream ms per token and time to first content, and checks that the texts are
 the same both ways.
 
-    python benches/serve_batching.py [--model DIR] [--clients 8,32] [--max-tokens 32] [--rounds 2]
-Needs the [server] extra and openai. Writes benches/serve_batching.json (--out).
+    python benches/serving/serve_batching.py [--model DIR] [--clients 8,32] [--max-tokens 32] [--rounds 2]
+Needs the [server] extra and openai. Writes
+benches/results/batching-serving/serve_batching.json (--out).
 """
 import argparse
 import json
@@ -19,6 +20,9 @@ import uvicorn
 import mbd_rs
 from mbd_rs.server import create_app
 from serving import free_port
+
+# this harness's results: benches/results/batching-serving/
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "batching-serving")
 
 TASKS = ["sort 3 1 2", "reverse x y z", "add 12+30", "repeat ab 3", "count a in abcab", "hello Ada", "sort 9 8 7 1",
          "reverse q w e r", "hello Grace", "repeat xy 2", "sort 5 4", "add 7+8"]
@@ -47,7 +51,7 @@ def main():
     ap.add_argument("--clients", default="8,32")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_batching.json"))
+    ap.add_argument("--out", default=os.path.join(RESULTS, "serve_batching.json"))
     a = ap.parse_args()
     eng = mbd_rs.Engine.load(a.model, eos_token_ids=[])  # fixed-length answers
     ns = [int(x) for x in a.clients.split(",")]

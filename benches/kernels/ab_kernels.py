@@ -8,8 +8,8 @@ stacked matrix each (the default) vs one product per layer (`_kernels=dict(stack
 product's AVX-512 tiles (the default where the CPU has them) vs its AVX2 ones. `--set quant`: bf16 against q8_0 and q4_k (each
 packed at load, and held in its blocks).
 
-    python benches/ab_kernels.py [--model DIR] [--rounds 15]
-    python benches/ab_kernels.py --set stack [--model DIR] [--quantize q8_0] [--forward 0:1,16:4] [--no-e2e]
+    python benches/kernels/ab_kernels.py [--model DIR] [--rounds 15]
+    python benches/kernels/ab_kernels.py --set stack [--model DIR] [--quantize q8_0] [--forward 0:1,16:4] [--no-e2e]
 """
 import argparse
 import statistics

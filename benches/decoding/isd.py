@@ -1,4 +1,4 @@
-"""ISD (speculative="isd") against AR decoding of the same weights, side by side, interleaved (issue #53).
+"""ISD (speculative="isd") against AR decoding of the same weights, side by side, interleaved.
 
 One engine per configuration (the checkpoint loaded as I-DLM checkpoints are: causal attention, shifted logits);
 each round runs every mode once, in turn, on the same prompt: AR (one token per forward) and ISD with a few
@@ -6,8 +6,8 @@ strides. Reports the median time per generation, tokens per forward, millisecond
 break-even tokens per forward of each stride (its forward's cost over AR's): ISD beats AR where the model's drafts
 are accepted often enough to write more tokens per forward than that.
 
-    python benches/isd.py MODEL_DIR [--rounds 5] [--tokens 48] [--configs bf16,q8_0+int8] [--out benches/isd.json]
-                          [--device cuda]
+    python benches/decoding/isd.py MODEL_DIR [--rounds 5] [--tokens 48] [--configs bf16,q8_0+int8] [--device cuda]
+        [--out benches/results/decoding/isd_05b.json]       # no --out: the table only
 
 MODEL_DIR: e.g. the 0.5B shape from scripts/make_bench_model.py (random weights: drafts are almost never accepted,
 so this measures the cost side; a trained I-DLM model brings the acceptance).

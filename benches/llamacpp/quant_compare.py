@@ -22,19 +22,20 @@ Formats (mbd-rs side / llama.cpp side):
     q2_k   bf16 checkpoint, quantize="q2_k"    / model-q2_k.gguf (Q2_K: q2_k with q3_k/q4_k for some matrices)
 mbd-rs runs the quantized formats with int8_activations=False (the exact products of the quantized weights). With
 --int8, it runs each quantized format twice per round: so, and with int8_activations=True (integer dot products on
-activations rounded to 8 bits, llama.cpp's own arithmetic; the default since session 30 on CPUs with AVX2): the
-"i8" columns.
+activations rounded to 8 bits, llama.cpp's own arithmetic; the default for quantized weights on CPUs with AVX2):
+the "i8" columns.
 With --same-file, mbd-rs loads the quantized formats from the very GGUF file llama.cpp runs (model-q8_0.gguf,
 model-q4_k_m.gguf, model-q6_k.gguf in --gguf-dir; such files must carry a vocabulary mbd-rs reads: write the f32
 GGUF with scripts/write_gguf.py and quantize it with llama-quantize, see benches/llamacpp/README.md): the same
 bytes on both sides.
-With --avx2 both engines run on AVX2 only, as on a CPU without AVX-512 (the issue's Zen 3): mbd-rs's products with
+With --avx2 both engines run on AVX2 only, as on a CPU without AVX-512 (a Zen 3, say): mbd-rs's products with
 `_kernels=dict(packed_avx512=False)`, llama.cpp as built by `LLAMACPP_ISA=avx2 benches/llamacpp/build.sh`.
 
     benches/llamacpp/build.sh && benches/llamacpp/convert.sh /tmp/mbd-bench/qwen2.5-0.5b-shape-bf16 /tmp/llamacpp/gguf
     python scripts/make_bench_model.py                      # the f32 checkpoint (the bf16 one: --bf16)
-    python benches/quant_compare.py [--formats f32,bf16,q8_0,q4_k] [--llama-only q8_0] [--rounds 3] [--reps 5]
-Writes benches/quant_compare.json (every repetition, per-round medians, the summary) and prints a markdown table.
+    python benches/llamacpp/quant_compare.py [--formats f32,bf16,q8_0,q4_k] [--llama-only q8_0] [--rounds 3] [--reps 5]
+Writes benches/results/llamacpp/quant_compare.json (every repetition, per-round medians, the summary; --out) and
+prints a markdown table.
 Before each measured block it waits (--wait-idle seconds at most) until the other processes use under
 --idle-cores of CPU, and it records how much CPU others used during the block (other_cores).
 """
@@ -49,7 +50,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FORMATS = ("f32", "bf16", "q8_0", "q4_k", "q5_k", "q6_k", "q4_0", "q3_k", "q2_k")
 QUANTIZE = {f: f for f in FORMATS[2:]}  # mbd-rs load-time quantization per format
 GGUFS = {"f32": ("f32",), "bf16": ("bf16", "f16"), "q8_0": ("q8_0",), "q4_k": ("q4_k_m",), "q5_k": ("q5_k_m",),
@@ -185,7 +186,7 @@ def main():
     ap.add_argument("--idle-cores", type=float, default=0.3, help="busy CPU (cores) that still counts as idle")
     ap.add_argument("--int8", action="store_true",
                     help="also run mbd-rs's quantized formats with int8_activations=True (the i8 columns)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benches", "quant_compare.json"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "benches", "results", "llamacpp", "quant_compare.json"))
     args = ap.parse_args()
 
     if args.driver is None:

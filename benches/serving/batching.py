@@ -13,9 +13,9 @@ every batched run, the time that line gives for the forwards it ran (count F and
 Engine.batch_stats) against the measured wall time: "of limit" = (F*a + b*rows) / wall, the share of the
 achievable throughput the scheduler reaches.
 
-    python benches/batching.py --model tiny --streams 1,2,4,8,16
-    python benches/batching.py --model /tmp/mbd-bench/qwen2.5-0.5b-shape-bf16 --fit --max-tokens 16
-Writes benches/batching.json (--out).
+    python benches/serving/batching.py --model tiny --streams 1,2,4,8,16
+    python benches/serving/batching.py --model /tmp/mbd-bench/qwen2.5-0.5b-shape-bf16 --fit --max-tokens 16
+Writes batching.json in benches/results/batching-serving/ (--out).
 """
 import argparse
 import json
@@ -27,6 +27,9 @@ import threading
 import time
 
 import mbd_rs
+
+# this harness's results: benches/results/batching-serving/
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "batching-serving")
 
 MODES = {
     # autoregressive: one-row windows (block size 1)
@@ -109,7 +112,7 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=4, help="random models: prompt tokens (short: decode dominates)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--fit", action="store_true")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "batching.json"))
+    ap.add_argument("--out", default=os.path.join(RESULTS, "batching.json"))
     a = ap.parse_args()
     # no EOS: every request decodes exactly max_tokens (comparable across N and runs)
     eng = mbd_rs.Engine.load(None if a.model == "tiny" else a.model, eos_token_ids=[])

@@ -1,16 +1,16 @@
-"""Quantized weights (issue #18): what they cost in accuracy and what they save in memory, per format.
+"""Quantized weights: what they cost in accuracy and what they save in memory, per format.
 
 Accuracy: logits of one call over N positions (random ids, causal attention) with the weights as loaded
 against quantize="q8_0" / "q4_k" / "q6_k" (and GGUF files of the same weights, --gguf): max and mean relative error (|q - ref| over max / mean |ref|) and top-1
 agreement. Memory: each format is loaded in a fresh child process, which reports its peak and current RSS after
 loading against the weight bytes held (`info.weight_bytes`).
 
-    python benches/quant_quality.py [--model DIR] [--positions 1024]      # default: the 0.5B-shaped bf16 checkpoint
-    python benches/quant_quality.py --model /tmp/mbd-bench/h2048 --formats none,q6_k,q5_k,q4_0   # other formats
-    python benches/quant_quality.py --formats none,q8_0,q8_0+i8,q4_k,q4_k+i8   # "+i8": int8_activations=True
-    python benches/quant_quality.py --model /tmp/mbd-bench/qwen2.5-0.5b-shape --out /tmp/q.json \
+    python benches/forward/quant_quality.py [--model DIR] [--positions 1024]  # default: the 0.5B-shaped bf16 checkpoint
+    python benches/forward/quant_quality.py --model /tmp/mbd-bench/h2048 --formats none,q6_k,q5_k,q4_0   # other formats
+    python benches/forward/quant_quality.py --formats none,q8_0,q8_0+i8,q4_k,q4_k+i8   # "+i8": int8_activations=True
+    python benches/forward/quant_quality.py --model /tmp/mbd-bench/qwen2.5-0.5b-shape --out /tmp/q.json \
         --gguf /tmp/llamacpp/ours/model-q4_k_m.gguf --gguf /tmp/llamacpp/ours/model-q6_k.gguf   # llama.cpp's files
-Writes benches/quant_quality.json (or --out) and prints a markdown table.
+Writes benches/results/quantization/quant_quality.json (or --out) and prints a markdown table.
 """
 import argparse
 import json
@@ -22,7 +22,7 @@ import numpy as np
 
 import mbd_rs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FORMATS = "none,q8_0,q4_k,q6_k"  # "none": as loaded, the reference
 
 CHILD = r"""
@@ -42,7 +42,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="/tmp/mbd-bench/qwen2.5-0.5b-shape-bf16")
     ap.add_argument("--positions", type=int, default=1024)
-    ap.add_argument("--out", default=os.path.join(ROOT, "benches", "quant_quality.json"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "benches", "results", "quantization", "quant_quality.json"))
     ap.add_argument("--formats", default=FORMATS, help="quantize= formats, the first the reference (none: as loaded; "
                     "a '+i8' suffix: with int8_activations=True)")
     ap.add_argument("--gguf", action="append", default=[],

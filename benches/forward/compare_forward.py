@@ -8,8 +8,9 @@ the median of all repetitions. A case P:W:last asks for the last row's logits on
 decode; PyTorch: logits_to_keep=1), P:W for every row's.
 
     python scripts/make_bench_model.py /tmp/mbd-bench/qwen2.5-0.5b-shape     # once, numpy + safetensors
-    python benches/compare_forward.py [--model DIR] [--reps 7] [--cases 0:512,0:512:last] [--out FILE]
-Needs torch + transformers in the same environment as mbd_rs. Writes --out (benches/compare_forward.json).
+    python benches/forward/compare_forward.py [--model DIR] [--reps 7] [--cases 0:512,0:512:last] [--out FILE]
+Needs torch + transformers in the same environment as mbd_rs. Writes --out
+(benches/results/cpu-forward/compare_forward.json).
 """
 import argparse
 import json
@@ -22,7 +23,7 @@ import transformers
 
 import mbd_rs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main():
@@ -33,7 +34,7 @@ def main():
     ap.add_argument("--cases", default="512:32,512:4,2048:32,0:32")
     ap.add_argument("--engines", default="mbd_rs,panels_off,gemm_only,blocked_off",
                     help="mbd-rs columns to run (mbd_rs, panels_off, gemm_only, blocked_off, avx512_off)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benches", "compare_forward.json"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "benches", "results", "cpu-forward", "compare_forward.json"))
     args = ap.parse_args()
     threads = os.cpu_count()
     torch.set_num_threads(threads)
