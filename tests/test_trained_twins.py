@@ -1,10 +1,10 @@
-"""The trained family twins in models/ (training/train.py, issue #13): a Dream-style full-attention model and a
+"""The trained family twins in models/ (training/train.py): a Dream-style full-attention model and a
 Fast-dLLM-v2-style shifted block-causal model. Each loads as its family with no overrides, greedy decoding solves
 held-out instances of every task family it learned, and multi-block decoding commits more than one token per
-forward (measured with blocks of 8, entropy 0.5: dream 5.6, fdv2 2.7). And an I-DLM-style twin (issue #53), loaded
+forward (measured with blocks of 8, entropy 0.5: dream 5.6, fdv2 2.7). And an I-DLM-style twin, loaded
 as I-DLM models are, whose greedy ISD writes greedy AR's tokens at several tokens per forward; and a Qwen3.5 hybrid
-twin (issue #52), decoded as the reference decoder over transformers decodes it. Bars are set from the measurements
-in benches/RESULTS.md, with margin."""
+twin, decoded as the reference decoder over transformers decodes it. Bars are set from the measurements
+in benches/results/models-twins.md and benches/results/decoding.md, with margin."""
 import json
 import os
 import sys
@@ -22,7 +22,7 @@ MODELS = os.path.join(HERE, "..", "models")
 # family profile the loader must find in each checkpoint, untouched: (family, attention, logits_shift)
 PROFILES = {"mbd-dream-tiny": ("dream", "full", True), "mbd-fdv2-tiny": ("fast_dllm_v2", "block_causal", True)}
 # held-out instances solved out of 10 with greedy one-token-per-forward decoding, for each family the twins learned
-# (V1_TASKS; measured after their GPU stage, session 16: 10/10 for every family and both twins)
+# (V1_TASKS; measured after their GPU stage, 2026-11-24: 10/10 for every family and both twins)
 SOLVED = 9
 # tokens per forward with blocks of 8 at entropy 0.5 must reach (measured: dream 5.6, fdv2 2.7)
 MIN_TOKENS_PER_FORWARD = {"mbd-dream-tiny": 4.0, "mbd-fdv2-tiny": 2.0}
@@ -69,14 +69,14 @@ def test_multi_block_decodes_several_tokens_per_forward(twin):
 
 
 # ------------------------------------------------------------------------------------------- the I-DLM twin
-# models/mbd-idlm-tiny (training/train.py --family idlm, issue #53): config.json as I-DLM-8B's (SDARForCausalLM,
+# models/mbd-idlm-tiny (training/train.py --family idlm): config.json as I-DLM-8B's (SDARForCausalLM,
 # block_size 3, mask_token_id), which says nothing of causal attention or shifted logits: loaded plainly it is an SDAR
 # model (block-causal, unshifted) and ISD refuses it; loaded as I-DLM models are, greedy ISD writes greedy AR's tokens
 # and commits several tokens per forward.
 IDLM = os.path.join(MODELS, "mbd-idlm-tiny")
 AS_IDLM = dict(attention="causal", logits_shift=True)
-IDLM_SOLVED = 8              # of 10 held-out instances per family, greedy AR = greedy ISD (measured: 9-10, session 35)
-IDLM_MIN_TOKENS_PER_FORWARD = 2.0   # greedy ISD at stride 4 over those instances (measured: 2.49, session 35)
+IDLM_SOLVED = 8              # of 10 held-out instances per family, greedy AR = greedy ISD (measured: 9-10, 2026-11-29)
+IDLM_MIN_TOKENS_PER_FORWARD = 2.0   # greedy ISD at stride 4 over those instances (measured: 2.49, 2026-11-29)
 
 
 @pytest.fixture(scope="module")
@@ -152,15 +152,16 @@ def test_idlm_twin_batched_isd_equals_lone_runs(idlm):
 
 
 # ------------------------------------------------------------------------------------- the Qwen3.5 hybrid twin
-# models/mbd-qwen35-tiny (training/train.py --family qwen35, issue #52): Qwen3_5ForCausalLM weights, 4 Gated DeltaNet
+# models/mbd-qwen35-tiny (training/train.py --family qwen35): Qwen3_5ForCausalLM weights, 4 Gated DeltaNet
 # layers (causal) and 4 gated softmax-attention layers (block-causal), alternating, config.json with block_size, mask_token_id
 # and logits_shift false, as a block-diffusion conversion of Qwen3.5 writes them.
 QWEN35 = os.path.join(MODELS, "mbd-qwen35-tiny")
 # held-out instances of 10 solved by greedy AR and at blocks of 8, for every family it learned (measured, AR / blocks
-# of 8: 10/10 for sort, reverse and repeat, 9/10 and 10/10 for add and count, 8/10 for hello; RESULTS, "The Qwen3.5
-# twin").
+# of 8: 10/10 for sort, reverse and repeat, 9/10 and 10/10 for add and count, 8/10 for hello;
+# benches/results/models-twins.md, the Qwen3.5 twin).
 QWEN35_SOLVED = {"sort": 9, "reverse": 9, "repeat": 9, "add": 9, "count": 9, "hello": 8}
-QWEN35_MIN_TOKENS_PER_FORWARD = 1.5   # blocks of 8, entropy 0.5 (issue #52's bar; measured: see RESULTS)
+QWEN35_MIN_TOKENS_PER_FORWARD = 1.5   # blocks of 8, entropy 0.5 (the Qwen3.5 work's bar; measured: see
+# benches/results/models-twins.md)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ is a multiple of 7). One seeded script; the device is picked automatically (CUDA
                            has; our loader reads the Dream mask id from config.json only), FULL bidirectional
                            attention, SHIFTED logits (position i predicts token i+1). Mask token `<|mask|>` is the
                            LAST vocabulary entry (id 99), as Dream's 151666 sits after the Qwen specials.
-    --family qwen35        Qwen3.5 hybrid twin (issue #52): Qwen3_5ForCausalLM weights, every other layer Gated DeltaNet
+    --family qwen35        Qwen3.5 hybrid twin: Qwen3_5ForCausalLM weights, every other layer Gated DeltaNet
                            (causal), every 2nd gated softmax attention (block-causal), config.json with
                            `block_size`, `mask_token_id` and `logits_shift: false` (a block-diffusion conversion as
                            arcLM's), v1's tokenizer. Objective d2f only, one sample per row (a recurrence would carry
@@ -24,7 +24,7 @@ is a multiple of 7). One seeded script; the device is picked automatically (CUDA
                            `conplemenrary_mask: true` (sic, as the real config), NO mask_token_id in config.json:
                            the mask is the tokenizer token `|<MASK>|` (id 99, last), found by name as the real
                            checkpoint's 151665. Block-causal aligned at 0, SHIFTED logits. eos = pad = <|im_end|>.
-    --family idlm          I-DLM-style twin (issue #53): Qwen3 weights (untied head, as I-DLM-8B), config.json as
+    --family idlm          I-DLM-style twin: Qwen3 weights (untied head, as I-DLM-8B), config.json as
                            I-DLM's (`architectures ["SDARForCausalLM"]`, `model_type "sdar"`, `block_size` 3,
                            `mask_token_id`), STRICTLY CAUSAL, SHIFTED logits; mask `<|mask|>` last (id 99). Objective
                            idlm only. Nothing in the config says causal + shifted (as in the real one): the engine loads
@@ -51,7 +51,8 @@ answer ++ <|im_end|> ++ pad tokens up to a per-sample canvas end, so the model l
         gets its own ratio t_k ~ U(0.001, 1], sorted ascending (D2F's progressive noise: clean-ish left, masked
         right, the shape semi-AR and multi-block decoding of a full-attention model meet); plain mean cross-entropy
         over the masked tokens. Our addition for a small CPU budget (with `dream` alone a 1.6M-parameter twin had
-        not learned to copy from the prompt after 95 minutes; with the mix it still had not after 75: RESULTS.md).
+        not learned to copy from the prompt after 95 minutes; with the mix it still had not after 75:
+        benches/results/models-twins.md).
   idlm  I-DLM's training (arXiv 2604.11035; its repository's training/ code, read for the recipe): noisy ++ clean
         (2L positions, position ids 0..L-1 in both) where the noisy copy masks EVERY answer position ("all-masked");
         a noisy query sees the noisy keys of its own block at or before it (strictly causal inside the block) and the
@@ -75,8 +76,8 @@ Mixtures (per batch, seeded; block size B per batch):
 Tasks (weights): tiny sort 1, reverse 1, repeat 1, hello 1, add 2, count 1, shuffle 1.5 (v3; v2 had hello 0.5,
 count 2 and no shuffle: add and count were the hard ones); the twins uniform over v1's six families (a copy-heavy
 mix: copying from the prompt has to be learned first).
-Why the twins differ from the tiny recipe (RESULTS.md, issue #13): Qwen2 has no QK-norm, and at lr 2e-3 the twins'
-attention collapsed early (mean head entropy 0.4-1.6 nats over a 36-token canvas, against 2-3.7 for v1 and for
+Why the twins differ from the tiny recipe (benches/results/models-twins.md, 2026-11-24): Qwen2 has no QK-norm, and
+at lr 2e-3 the twins' attention collapsed early (mean head entropy 0.4-1.6 nats over a 36-token canvas, against 2-3.7 for v1 and for
 the twin at 5e-4) and they never learned to copy from the prompt; blocks of 1 and 2 (semi-autoregressive) make
 copying easy to find; and v1's depth and width (6 layers, MLP 576) instead of 5 and 384.
 Canvas: prompt ++ answer ++ <|im_end|> ++ pad, cut at prompt + answer + 1 + U{0..16} tokens (the engine's canvas is
@@ -108,11 +109,11 @@ training_log.json and the card).
 --resume continues from OUT/train_state.pt (model, optimiser, data RNG) up to the new --steps (the cosine schedule
 is recomputed for the new total). A checkpoint (HF dir + train_state.pt + README.md card) is written every
 --save-every steps / --save-minutes minutes, so partial progress is usable. OUT/train.log has the loss curve.
-mbd-tiny v3 is the embedded default since session 15: v2's weights (`--family tiny --minutes 100 --threads 2`,
-session 14) continued in two warm restarts with v3's families (the shuffle family, made-up hello names, add operands
-of 1-3 digits): `--init <v2> --minutes 65 --threads 2 --lr 1e-3`, then `--init <that> --minutes 30 --threads 2
+mbd-tiny v3 is the embedded default since 2026-11-24 (f99db24): v2's weights (`--family tiny --minutes 100
+--threads 2`, ffbb79a) continued in two warm restarts with v3's families (the shuffle family, made-up hello names,
+add operands of 1-3 digits): `--init <v2> --minutes 65 --threads 2 --lr 1e-3`, then `--init <that> --minutes 30 --threads 2
 --lr 1e-3 --tasks sort:1,reverse:1,repeat:1,hello:0.5,add:1.5,count:1,shuffle:3`; its card lists all three stages. v1 (2.6M parameters) was trained by
-training/train_tiny.py, since removed; it is in git history at commit c52105d.
+train_tiny.py, since removed; it is in git history at commit c52105d.
 """
 import argparse
 import json
@@ -173,7 +174,7 @@ FAMILIES = {
         # Sized for a CPU run (~0.9 s a step of 48 on 2 cores): a GDN layer's cost grows with its value heads, so 2
         # key heads serve 4 value heads (Hv > Hk, as Qwen3.5's 16/32). Softmax attention in every second layer
         # (Qwen3.5 has it in every fourth): with two of eight, 95 minutes of CPU did not teach the twin to count
-        # (RESULTS, "The Qwen3.5 twin").
+        # (benches/results/models-twins.md, the Qwen3.5 twin's entries).
         arch="qwen35", hidden=192, layers=8, heads=6, kv_heads=2, head_dim=32, inter=512, tie=True,
         linear=dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
                     linear_value_head_dim=32, linear_conv_kernel_dim=4, full_attention_interval=2),
@@ -695,7 +696,7 @@ def write_card(out, family, spec, ids, st):
                          + " | ".join(f"{100 * v['per_task'][t]:.0f}" for t in TASKS) + " |")
     else:
         lines.append("(not evaluated yet)")
-    lines += ["", "Engine results (`benches/eval_tiny.py --model DIR`): benches/RESULTS.md.", ""]
+    lines += ["", "Engine results (`benches/decoding/eval_tiny.py --model DIR`): benches/results/models-twins.md.", ""]
     open(os.path.join(out, "README.md"), "w").write("\n".join(lines))
 
 
