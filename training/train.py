@@ -77,8 +77,8 @@ Tasks (weights): tiny sort 1, reverse 1, repeat 1, hello 1, add 2, count 1, shuf
 count 2 and no shuffle: add and count were the hard ones); the twins uniform over v1's six families (a copy-heavy
 mix: copying from the prompt has to be learned first).
 Why the twins differ from the tiny recipe (benches/results/models-twins.md, 2026-11-24): Qwen2 has no QK-norm, and
-at lr 2e-3 the twins' attention collapsed early (mean head entropy 0.4-1.6 nats over a 36-token canvas, against 2-3.7 for v1 and for
-the twin at 5e-4) and they never learned to copy from the prompt; blocks of 1 and 2 (semi-autoregressive) make
+at lr 2e-3 the twins' attention collapsed early (mean head entropy 0.4-1.6 nats over a 36-token canvas, against
+2-3.7 for v1 and for the twin at 5e-4) and they never learned to copy from the prompt; blocks of 1 and 2 (semi-autoregressive) make
 copying easy to find; and v1's depth and width (6 layers, MLP 576) instead of 5 and 384.
 Canvas: prompt ++ answer ++ <|im_end|> ++ pad, cut at prompt + answer + 1 + U{0..16} tokens (the engine's canvas is
 prompt + max_tokens, so the model sees canvases of varying length); for dream (full attention: every trailing
