@@ -78,8 +78,8 @@ count 2 and no shuffle: add and count were the hard ones); the twins uniform ove
 mix: copying from the prompt has to be learned first).
 Why the twins differ from the tiny recipe (benches/results/models-twins.md, 2026-11-24): Qwen2 has no QK-norm, and
 at lr 2e-3 the twins' attention collapsed early (mean head entropy 0.4-1.6 nats over a 36-token canvas, against
-2-3.7 for v1 and for the twin at 5e-4) and they never learned to copy from the prompt; blocks of 1 and 2 (semi-autoregressive) make
-copying easy to find; and v1's depth and width (6 layers, MLP 576) instead of 5 and 384.
+2-3.7 for v1 and for the twin at 5e-4) and they never learned to copy from the prompt; blocks of 1 and 2
+(semi-autoregressive) make copying easy to find; and v1's depth and width (6 layers, MLP 576) instead of 5 and 384.
 Canvas: prompt ++ answer ++ <|im_end|> ++ pad, cut at prompt + answer + 1 + U{0..16} tokens (the engine's canvas is
 prompt + max_tokens, so the model sees canvases of varying length); for dream (full attention: every trailing
 mask is seen) a quarter of the samples have an answer region U{answer + 1..48} positions long, as max_tokens up to
@@ -109,11 +109,12 @@ training_log.json and the card).
 --resume continues from OUT/train_state.pt (model, optimiser, data RNG) up to the new --steps (the cosine schedule
 is recomputed for the new total). A checkpoint (HF dir + train_state.pt + README.md card) is written every
 --save-every steps / --save-minutes minutes, so partial progress is usable. OUT/train.log has the loss curve.
-mbd-tiny v3 is the embedded default since 2026-11-24 (f99db24): v2's weights (`--family tiny --minutes 100
---threads 2`, ffbb79a) continued in two warm restarts with v3's families (the shuffle family, made-up hello names,
-add operands of 1-3 digits): `--init <v2> --minutes 65 --threads 2 --lr 1e-3`, then `--init <that> --minutes 30 --threads 2
---lr 1e-3 --tasks sort:1,reverse:1,repeat:1,hello:0.5,add:1.5,count:1,shuffle:3`; its card lists all three stages. v1 (2.6M parameters) was trained by
-train_tiny.py, since removed; it is in git history at commit c52105d.
+mbd-tiny v3 is the embedded default since 2026-11-24 (f99db24): v2's weights (`--family tiny --minutes 100 --threads
+2`, ffbb79a) continued in two warm restarts with v3's families (the shuffle family, made-up hello names, add
+operands of 1-3 digits): `--init <v2> --minutes 65 --threads 2 --lr 1e-3`, then `--init <that> --minutes 30
+--threads 2 --lr 1e-3 --tasks sort:1,reverse:1,repeat:1,hello:0.5,add:1.5,count:1,shuffle:3`; its card lists all
+three stages. v1 (2.6M parameters) was trained by train_tiny.py, since removed; it is in git history at commit
+c52105d.
 """
 import argparse
 import json
