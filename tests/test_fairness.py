@@ -1,7 +1,8 @@
-"""A long prompt's prefill beside other streams (fairness): where a row's result does not depend on the rows
-beside it (the default CPU path: matrices packed at load, the blocked attention), the scheduler cuts the long
-prompt's chunks so that no tick costs much more than a chunk over no keys; every stream still gets exactly its lone
-tokens. (The latency this buys is measured in benches/RESULTS.md, not here.)"""
+"""A long prompt's prefill beside other streams (fairness, from the hostile-input work): where a row's result does
+not depend on the rows beside it (the default CPU path: matrices packed at load, the blocked attention), the
+scheduler cuts the long prompt's chunks so that no tick costs much more than a chunk over no keys; every stream
+still gets exactly its lone tokens. (The latency this buys is measured in benches/results/batching-serving.md, not
+here.)"""
 import threading
 
 import mbd_rs

@@ -173,7 +173,7 @@ def test_benchmark_commands_name_real_files():
     for path in re.findall(r"(?:python |bash )?((?:benches|scripts)/[\w./-]+\.(?:py|sh))", code):
         assert os.path.exists(os.path.join(ROOT, path)), path
     for bench in re.findall(r"--bench (\w+)", code):
-        assert os.path.exists(os.path.join(ROOT, "benches", bench + ".rs")), bench
+        assert os.path.exists(os.path.join(ROOT, "crates", "mbd-core", "benches", bench + ".rs")), bench
 
 
 def test_install_section_matches_the_package_metadata():

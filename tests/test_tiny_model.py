@@ -1,7 +1,7 @@
 """The embedded mbd-tiny v3 model (trained here by training/train.py --family tiny): it loads, solves held-out
 instances of every task family it learned, decodes several tokens per forward in multi-block mode, and shows the
 speed/quality trade-off on `shuffle` (many right answers: a loose threshold commits letters in parallel from their
-separate marginals and repeats some). Bars are set from benches/RESULTS.md with margin (measured on these
+separate marginals and repeats some). Bars are set from benches/results/models-twins.md with margin (measured on these
 instances: 10/10 for every family but shuffle, 9/10 for shuffle; shuffle at confidence 0.1: 4/10 at 2.71 tokens
 per forward against 9/10 at 0.89 one token per forward)."""
 import os

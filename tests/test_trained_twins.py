@@ -4,7 +4,7 @@ held-out instances of every task family it learned, and multi-block decoding com
 forward (measured with blocks of 8, entropy 0.5: dream 5.6, fdv2 2.7). And an I-DLM-style twin, loaded
 as I-DLM models are, whose greedy ISD writes greedy AR's tokens at several tokens per forward; and a Qwen3.5 hybrid
 twin, decoded as the reference decoder over transformers decodes it. Bars are set from the measurements
-in benches/RESULTS.md, with margin."""
+in benches/results/models-twins.md and benches/results/decoding.md, with margin."""
 import json
 import os
 import sys
@@ -157,10 +157,11 @@ def test_idlm_twin_batched_isd_equals_lone_runs(idlm):
 # and logits_shift false, as a block-diffusion conversion of Qwen3.5 writes them.
 QWEN35 = os.path.join(MODELS, "mbd-qwen35-tiny")
 # held-out instances of 10 solved by greedy AR and at blocks of 8, for every family it learned (measured, AR / blocks
-# of 8: 10/10 for sort, reverse and repeat, 9/10 and 10/10 for add and count, 8/10 for hello; RESULTS, "The Qwen3.5
-# twin").
+# of 8: 10/10 for sort, reverse and repeat, 9/10 and 10/10 for add and count, 8/10 for hello;
+# benches/results/models-twins.md, the Qwen3.5 twin).
 QWEN35_SOLVED = {"sort": 9, "reverse": 9, "repeat": 9, "add": 9, "count": 9, "hello": 8}
-QWEN35_MIN_TOKENS_PER_FORWARD = 1.5   # blocks of 8, entropy 0.5 (the bar the twin was committed with; measured: 4.32)
+QWEN35_MIN_TOKENS_PER_FORWARD = 1.5   # blocks of 8, entropy 0.5 (the Qwen3.5 work's bar; measured: see
+# benches/results/models-twins.md)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Task families for the tiny block-diffusion models. Every family but `shuffle` has exactly one right answer;
 `shuffle` has many (any ordering of the given letters), so decoding several of its positions in one forward from
 their separate marginals can produce a wrong answer (a letter twice): the family that makes the threshold of an
-acceptance rule matter. `correct()` is the one judge of an answer.
+acceptance rule matter (the decoding trade-off the tiny models are for). `correct()` is the one judge of an answer.
 Held-out instances are chosen by a property of the input (the sum of its character codes is a multiple
 of 7), so they never occur in training data."""
 import random
@@ -107,7 +107,7 @@ def held_out(task, n, seed=7):
 
 def held_out_set(per_task, seed=1234):
     """Up to `per_task` distinct held-out (task, prompt, answer) instances per task family, seeded (the same list
-    for training checks and benches/eval_tiny.py)."""
+    for training checks and benches/decoding/eval_tiny.py)."""
     r = random.Random(seed)
     seen, out = set(), []
     for task in TASKS:

@@ -77,11 +77,10 @@ Mixtures (per batch, seeded; block size B per batch):
 Tasks (weights): tiny sort 1, reverse 1, repeat 1, hello 1, add 2, count 1, shuffle 1.5 (v3; v2 had hello 0.5,
 count 2 and no shuffle: add and count were the hard ones); the twins uniform over v1's six families (a copy-heavy
 mix: copying from the prompt has to be learned first).
-Why the twins differ from the tiny recipe (the twins' training diagnosis, benches/results/models-twins.md): Qwen2
-has no QK-norm, and at lr 2e-3 the twins' attention collapsed early (mean head entropy 0.4-1.6 nats over a 36-token
-canvas, against 2-3.7 for v1 and for the twin at 5e-4) and they never learned to copy from the prompt; blocks of 1
-and 2 (semi-autoregressive) make copying easy to find; and v1's depth and width (6 layers, MLP 576) instead of 5
-and 384.
+Why the twins differ from the tiny recipe (benches/results/models-twins.md, 2026-11-24): Qwen2 has no QK-norm, and
+at lr 2e-3 the twins' attention collapsed early (mean head entropy 0.4-1.6 nats over a 36-token canvas, against
+2-3.7 for v1 and for the twin at 5e-4) and they never learned to copy from the prompt; blocks of 1 and 2
+(semi-autoregressive) make copying easy to find; and v1's depth and width (6 layers, MLP 576) instead of 5 and 384.
 Canvas: prompt ++ answer ++ <|im_end|> ++ pad, cut at prompt + answer + 1 + U{0..16} tokens (the engine's canvas is
 prompt + max_tokens, so the model sees canvases of varying length); for dream (full attention: every trailing
 mask is seen) a quarter of the samples have an answer region U{answer + 1..48} positions long, as max_tokens up to
@@ -173,7 +172,7 @@ FAMILIES = {
         # Sized for a CPU run (~0.9 s a step of 48 on 2 cores): a GDN layer's cost grows with its value heads, so 2
         # key heads serve 4 value heads (Hv > Hk, as Qwen3.5's 16/32). Softmax attention in every second layer
         # (Qwen3.5 has it in every fourth): with two of eight, 95 minutes of CPU did not teach the twin to count
-        # (RESULTS, "The Qwen3.5 twin").
+        # (benches/results/models-twins.md, the Qwen3.5 twin's entries).
         arch="qwen35", hidden=192, layers=8, heads=6, kv_heads=2, head_dim=32, inter=512, tie=True,
         linear=dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
                     linear_value_head_dim=32, linear_conv_kernel_dim=4, full_attention_interval=2),
@@ -695,7 +694,7 @@ def write_card(out, family, spec, ids, st):
                          + " | ".join(f"{100 * v['per_task'][t]:.0f}" for t in TASKS) + " |")
     else:
         lines.append("(not evaluated yet)")
-    lines += ["", "Engine results (`benches/eval_tiny.py --model DIR`): benches/RESULTS.md.", ""]
+    lines += ["", "Engine results (`benches/decoding/eval_tiny.py --model DIR`): benches/results/models-twins.md.", ""]
     open(os.path.join(out, "README.md"), "w").write("\n".join(lines))
 
 

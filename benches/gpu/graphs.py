@@ -1,6 +1,7 @@
-"""CUDA graphs of the decode forward (issue #51, `_kernels=dict(cuda_segments=True, cuda_graphs=True)`), proven on
-the GPU: run by `benches/gpu/run.sh graphs` (or with --device cpu as a dry run of the script: there no graph is
-made, and the check that graphs were replayed is skipped).
+"""CUDA graphs of the decode forward (`_kernels=dict(cuda_segments=True, cuda_graphs=True)`, off by default until a
+GPU run proves them): run on a machine with an NVIDIA GPU by `bash benches/gpu/run.sh graphs` (run.sh says what to
+build and copy there first), or anywhere with --device cpu as a dry run of the script (there no graph is made, and
+the check that graphs were replayed is skipped).
 
 The checkpoint and the streams are segments.py's (the SDAR-1.7B attention shape in 2 layers, a 4096-token
 vocabulary so that greedy tokens follow the last bit of the logits; K streams of different prompt lengths, block

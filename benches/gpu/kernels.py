@@ -1,7 +1,7 @@
-"""Where one decode forward's time goes on the GPU (issue #17), run by `benches/gpu/run.sh profile` (not named
-profile.py: that would shadow the standard library module cProfile imports).
+"""Where one decode forward's time goes on the GPU, run by `bash benches/gpu/run.sh profile` on the GPU machine (not
+named profile.py: that would shadow the standard library module cProfile imports).
 
-nsys is not on the GPU machine; PyTorch's profiler is, and its CUPTI activity tracing records every kernel the
+Nsight Systems need not be installed there; PyTorch's profiler is (it comes with PyTorch), and its CUPTI activity tracing records every kernel the
 process launches, including candle's and cuBLAS's launched by mbd-rs through the driver API. For each window size
 (--cases P:W, the SDAR-1.7B shape of speed.py, random bf16 weights): the wall time of one forward (under the
 profiler), the number of kernels it launches, the summed kernel time (GPU busy time; wall minus busy is time the

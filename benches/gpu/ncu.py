@@ -1,4 +1,5 @@
-"""One decode forward's mbd-rs kernels under Nsight Compute (issue #17), run by benches/gpu/run.sh ncu.
+"""One decode forward's mbd-rs kernels under Nsight Compute, run by `bash benches/gpu/run.sh ncu` on the GPU machine
+(which needs `ncu` on its PATH or under /usr/local/cuda*/bin).
 
 A 2-layer Qwen3 with the SDAR-1.7B layer shape (hidden 2048, 16 heads, 8 KV heads, head_dim 128, intermediate
 6144, vocab 151936; random bf16 weights) is written on the spot; `bench_forward(P, W, 2)` then runs a P-token

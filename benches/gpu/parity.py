@@ -1,4 +1,5 @@
-"""GPU parity (issue #17), run by benches/gpu/run.sh on the GPU machine (or anywhere with --device cpu, as a dry run).
+"""GPU parity with transformers, run by `bash benches/gpu/run.sh parity` on the GPU machine (or anywhere with
+--device cpu, as a dry run).
 
 1. The committed parity fixtures (tests/fixtures/parity: random Qwen2, Qwen2-MHA, Qwen3, Qwen3-bias, Qwen3-MoE top-1
    and top-2, Qwen3.5 hybrid and Qwen3.5-MoE checkpoints, logits recorded by transformers in f32 for causal, block-causal at two alignments and full

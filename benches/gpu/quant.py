@@ -1,4 +1,4 @@
-"""Quantized weights on the GPU (issue #18): CUDA holds quantized linear layers as candle's quantized tensors and
+"""Quantized weights on the GPU (`bash benches/gpu/run.sh quant` on the GPU machine): CUDA holds quantized linear layers as candle's quantized tensors and
 multiplies them with candle's MMVQ / MMQ kernels (llama.cpp's, which round the activations to 8 bits per block of
 32). Each format's logits on CUDA (float32 and bfloat16 compute) against the CPU's exact quantized path on the same
 random checkpoint (rows of whole 256-value super-blocks): relative error and top-1 agreement, within bounds set

@@ -1,6 +1,6 @@
-"""Qwen3.5 hybrids on the GPU (issue #52): mbd-rs's Gated DeltaNet kernels (kernels/cuda/kernels.cu's
+"""Qwen3.5 hybrids on the GPU: mbd-rs's Gated DeltaNet kernels (kernels/cuda/kernels.cu's
 `mbd_gdn_rows` and `mbd_gdn_scan_*`: a window's recurrence rows, then the recurrence from the committed state with
-the gated norm, or a commit's state), run by benches/gpu/run.sh's `qwen35` stage (or anywhere with --device cpu, a
+the gated norm, or a commit's state), run by `bash benches/gpu/run.sh qwen35` on the GPU machine (or anywhere with --device cpu, a
 dry run of the same script on the host's functions).
 
 1. Parity at Qwen3.5's head shape (the committed parity fixtures' heads are 8-16 wide, which the kernels do not
@@ -14,7 +14,7 @@ dry run of the same script on the host's functions).
    and off: tokens and forward counts (a kernel's other summation order may flip a near-tie: the count of equal
    cases is reported and must reach 90%); cache on = cache off exactly (a forward's scan and a commit's are the same
    kernel); 8 streams batched = each alone.
-3. Speed: one window forward (prefix:window cases) of the Qwen3.5-0.8B shape (benches/qwen35_forward.py's random
+3. Speed: one window forward (prefix:window cases) of the Qwen3.5-0.8B shape (benches/forward/qwen35_forward.py's random
    checkpoint), bfloat16, against transformers eager on the same device (its torch fallbacks for the convolution and
    the chunked delta rule) and the bandwidth floor (weight bytes over a device-to-device copy's bandwidth).
 
@@ -37,7 +37,7 @@ import transformers
 import mbd_rs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benches"))
+sys.path.insert(0, os.path.join(ROOT, "benches", "forward"))
 sys.path.insert(0, os.path.join(ROOT, "benches", "gpu"))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from fixture_params import generate_kwargs  # noqa: E402

@@ -1,11 +1,20 @@
 #!/usr/bin/env bash
-# The CUDA proof (issue #17) in one go on the GPU machine (Python 3.12, PyTorch + CUDA 13, transformers; no Rust,
-# no network). Build the CUDA wheel here first and carry it:
-#     bash scripts/build-cuda-wheel.sh dist/cuda        # ~17 min cold on 2 cores (nvcc for sm_90), 12 MB
-#     device run, carry ["dist/cuda"]:  bash benches/gpu/run.sh [install|parity|speed|speed8b|all]
-# Stages (each well under the 10-minute limit of one device command; `all` = install parity speed):
-#   install  pip install the carried wheel (no dependencies: torch brings cuBLAS/cuRAND) and check that the CUDA
-#            core loaded (not the CPU fallback) and that a CUDA device answers
+# The CUDA checks in one script, for whoever has a machine with an NVIDIA GPU (compute capability 9.0 for the default
+# wheel: H100, H200; the ptx80 stage covers others). That machine needs Python >= 3.10 with PyTorch for CUDA 13,
+# transformers and pytest; no Rust, no compiler, no network.
+#
+# 1. Build the CUDA wheel on any Linux x86_64 machine (no GPU needed; the pinned nvcc comes from PyPI wheels):
+#        bash scripts/build-cuda-wheel.sh dist/cuda        # ~17 min cold on 2 cores (nvcc for sm_90), 12 MB
+# 2. Copy the repository checkout (its tracked files, ~32 MB) and dist/cuda/ to the GPU machine.
+# 3. There, from the checkout:  bash benches/gpu/run.sh [STAGE...]   (no stage: `all` = install parity speed)
+#    Each stage takes a few minutes; run them one at a time or several in one command.
+# 4. Results land in $OUT (default gpu_out/ in the checkout): a JSON per stage, its log, nvidia-smi.txt. The runs
+#    recorded so far are in benches/results/cuda/, read in benches/results/cuda.md.
+#
+# Stages (what each one checks):
+#   install  pip install the wheel from dist/cuda (no dependencies: torch brings cuBLAS/cuRAND) and check that the
+#            CUDA core loaded (not the CPU fallback) and that a CUDA device answers; every stage but ptx80 runs it
+#            first
 #   parity   benches/gpu/parity.py: fixtures f32/bf16 vs transformers f32, through the cache, vs transformers bf16
 #            live on the GPU, greedy tokens GPU f32 == CPU f32; plus tests/test_packaging.py
 #   speed    benches/gpu/speed.py --shape sdar-1.7b --e2e --ab candle_ops: one forward vs the bandwidth floor,
@@ -15,29 +24,27 @@
 #            mbd-rs's CUDA kernels and with candle's ops
 #   ncu      benches/gpu/ncu.py under Nsight Compute: the attention kernel at W 32, attention and add + norm at W 1
 #            (grids, occupancy, throughput, stall reasons) on a 2-layer model of the SDAR-1.7B layer shape
-#   quant    quantized weights on the GPU (issue #18): benches/gpu/quant.py (logits of q8_0 / q6_k / q4_k / q4_0
-#            models on CUDA against the CPU's exact quantized path; GGUF blocks kept on the device), then speed.py
-#            on the SDAR-1.7B shape with --ab q8_0,q6_k,q4_k (bf16 vs the quantized formats, each vs its floor)
-#   segments benches/gpu/segments.py (issue #51): K streams of the SDAR-1.7B attention shape batched with one launch
-#            per kernel for all segments (_kernels cuda_segments) == a launch per segment == each stream alone, token
-#            for token; then speed.py's 1/8/32 streams with the switch off and on
-#   graphs   benches/gpu/graphs.py (issue #51): the segments streams decoded with CUDA graphs (_kernels cuda_graphs)
-#            == without, alone and batched, token for token, with graphs replayed and none refused; tokens/s off/on;
-#            then speed.py's W x P forwards and 1/8/32 streams: default, cuda_segments, and cuda_segments + graphs
-#   ptx80    the compute-8.0 PTX wheel (MBD_CUDA_ARCH=80 bash scripts/build-cuda-wheel.sh dist/cuda80) under
-#            CUDA_FORCE_PTX_JIT=1, as a GPU other than 9.0 runs it: parity (fixtures, greedy) and one-forward speed,
-#            then the same speed cases with the sm_90 wheel installed by an earlier stage on this machine, for the
-#            ratio. The two wheels (12 + 35 MB) and the tree (~32 MB) exceed one call's 64 MiB: carry the sm_90 wheel
-#            in one call (install ...), then only the compute-8.0 wheel in the next, on the still-warm machine.
-#   isd      benches/isd.py on the GPU (issue #53): AR against ISD at strides 2/4/8 on the SDAR-1.7B shape (random
+#   quant    quantized weights on the GPU: benches/gpu/quant.py (logits of q8_0 / q6_k / q4_k / q4_0 models on CUDA
+#            against the CPU's exact quantized path; GGUF blocks kept on the device), then speed.py on the SDAR-1.7B
+#            shape with --ab q8_0,q6_k,q4_k (bf16 vs the quantized formats, each vs its floor)
+#   segments benches/gpu/segments.py: K streams of the SDAR-1.7B attention shape batched with one launch per kernel
+#            for all segments (_kernels cuda_segments) == a launch per segment == each stream alone, token for
+#            token; then speed.py's 1/8/32 streams with the switch off and on
+#   graphs   benches/gpu/graphs.py: the segments streams decoded with CUDA graphs (_kernels cuda_graphs) == without,
+#            alone and batched, token for token, with graphs replayed and none refused; tokens/s off/on; then
+#            speed.py's W x P forwards and 1/8/32 streams: default, cuda_segments, and cuda_segments + graphs
+#   ptx80    the compute-8.0 PTX wheel (build it with MBD_CUDA_ARCH=80 bash scripts/build-cuda-wheel.sh dist/cuda80
+#            and copy dist/cuda80/ too) under CUDA_FORCE_PTX_JIT=1, as a GPU other than 9.0 runs it: parity
+#            (fixtures, greedy) and one-forward speed, then the same speed cases with the sm_90 wheel for the ratio
+#            (installed by an earlier install stage on this machine; without it the stage says so and gives no ratio)
+#   isd      benches/decoding/isd.py on the GPU: AR against ISD at strides 2/4/8 on the SDAR-1.7B shape (random
 #            weights, made by speed.py's make_checkpoint), bf16, loaded causal + shifted: the cost side (no draft
 #            accepted), then --agree (a zeroed final norm: every draft accepted), the most ISD gains per forward
-#   qwen35   benches/gpu/qwen35.py (issue #52): the Gated DeltaNet kernels at Qwen3.5's head shape (logits through
-#            the cache vs transformers f32 on the GPU), the trained Qwen3.5 twin's reference-decoder cases on the GPU
-#            (cache on = off, batched = alone), one window forward of the Qwen3.5-0.8B shape vs PyTorch and the floor
+#   qwen35   benches/gpu/qwen35.py: the Gated DeltaNet kernels at Qwen3.5's head shape (logits through the cache vs
+#            transformers f32 on the GPU), the trained Qwen3.5 twin's reference-decoder cases on the GPU (cache on =
+#            off, batched = alone), one window forward of the Qwen3.5-0.8B shape vs PyTorch and the floor
 #   batching tests/test_batching.py on the GPU (device "auto" is CUDA there, bf16): do concurrent streams, batched
 #            into shared forwards, still give their lone outputs token for token?
-# Everything goes to $OUT (default ./gpu_out): JSON per stage, logs, nvidia-smi.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -48,7 +55,7 @@ stages=${*:-all}
 
 install() {
   whl=$(ls dist/cuda/mbd_rs-*+cu130-*.whl 2>/dev/null | head -n 1)
-  [ -n "$whl" ] || { echo "no CUDA wheel in dist/cuda (build it with scripts/build-cuda-wheel.sh and carry it)" >&2; exit 1; }
+  [ -n "$whl" ] || { echo "no CUDA wheel in dist/cuda (build it with scripts/build-cuda-wheel.sh and copy it here)" >&2; exit 1; }
   "$PY" -m pip install -q --no-deps --no-index --force-reinstall "$whl"
   nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
   (cd /tmp && "$PY" - <<'PY')
@@ -84,7 +91,7 @@ for stage in $stages; do
       "$PY" -c "import sys, torch; sys.path.insert(0, 'benches/gpu'); from speed import make_checkpoint; \
 make_checkpoint('sdar-1.7b', '$ck', torch.device('cuda'), torch.bfloat16)" 2>&1 | grep -v "Loading weights" || true
       for agree in "" --agree; do
-        "$PY" benches/isd.py "$ck" --device cuda --configs bf16 --strides 2,4,8 --rounds 3 --tokens 64 $agree \
+        "$PY" benches/decoding/isd.py "$ck" --device cuda --configs bf16 --strides 2,4,8 --rounds 3 --tokens 64 $agree \
           --agree-dir /tmp/mbd-gpu/isd-agree --out "$OUT/gpu_isd${agree:+_agree}.json" 2>&1 | tee -a "$OUT/isd.log"
       done ;;
     speed8b)

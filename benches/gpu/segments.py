@@ -1,6 +1,6 @@
-"""One attention launch per layer for all of a forward's segments (issue #51, `_kernels=dict(cuda_segments=True)`),
-proven on the GPU: run by `benches/gpu/run.sh segments` (or anywhere with --device cpu, as a dry run of the script:
-there the switch changes nothing).
+"""One attention launch per layer for all of a forward's segments (`_kernels=dict(cuda_segments=True)`, off by
+default until a GPU run proves it): run on the GPU machine by `bash benches/gpu/run.sh segments`, or anywhere with
+--device cpu as a dry run of the script (there the switch changes nothing).
 
 A random Qwen3 checkpoint with the SDAR-1.7B attention shape (16 query heads of 128, 8 kv heads; 2 layers, a
 small vocabulary so that greedy tokens are sensitive to the last bit of the logits) decodes K concurrent streams of

@@ -1,4 +1,5 @@
-"""GPU speed (issue #17), run by benches/gpu/run.sh on the GPU machine (or with --device cpu --shape tiny as a dry run).
+"""GPU speed, run by `bash benches/gpu/run.sh speed` (and its other speed stages) on the GPU machine, or with
+--device cpu --shape tiny as a dry run.
 
 A random-weight bfloat16 checkpoint of a real model's shape is made on the spot with transformers (--shape sdar-1.7b:
 Qwen3, hidden 2048, 28 layers, 16 heads, 8 KV heads, head_dim 128, intermediate 6144, vocab 151936; qwen3-8b: the
@@ -41,11 +42,11 @@ SHAPES = {
 
 # --ab variants: mbd-rs loaded otherwise (`Engine.load(**kwargs)`): one part switched off, or quantized weights
 VARIANTS = {"candle_ops": dict(_kernels=dict(cuda_fused=False)),  # candle's ops in place of every mbd-rs CUDA kernel
-            # every segment of a forward in one launch per attention kernel (issue #51)
+            # every segment of a forward in one launch per attention kernel
             "segments": dict(_kernels=dict(cuda_segments=True)),
-            # and a CUDA graph replayed per forward shape (issue #51)
+            # and a CUDA graph replayed per forward shape
             "graphs": dict(_kernels=dict(cuda_segments=True, cuda_graphs=True)),
-            # quantized linear layers (issue #18): candle's quantized tensors and kernels (MMVQ / MMQ)
+            # quantized linear layers: candle's quantized tensors and kernels (MMVQ / MMQ)
             "q8_0": dict(quantize="q8_0"), "q6_k": dict(quantize="q6_k"), "q4_k": dict(quantize="q4_k")}
 
 

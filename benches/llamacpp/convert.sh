@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Convert an HF checkpoint to the GGUF files benches/quant_compare.py runs llama.cpp on:
+# Convert an HF checkpoint to the GGUF files benches/llamacpp/quant_compare.py runs llama.cpp on:
 #   OUT_DIR/model-f32.gguf, model-bf16.gguf, model-f16.gguf   (vendored convert_hf_to_gguf.py)
 #   OUT_DIR/model-q8_0.gguf, model-q4_k_m.gguf                (llama-quantize from the f32 GGUF)
 #
@@ -70,7 +70,8 @@ EOF
 convert() {  # outtype
     local f=$OUT/model-$1.gguf
     if [ -f "$f" ] && [ "${FORCE:-0}" != 1 ]; then echo "keep $f"; return; fi
-    local t0=$(date +%s)
+    local t0
+    t0=$(date +%s)
     PYTHONPATH=$LLAMA/gguf-py "$PYTHON" "$LLAMA/convert_hf_to_gguf.py" "$HF" --outtype "$1" --outfile "$f.tmp" \
         >"$OUT/convert-$1.log" 2>&1 || { tail -30 "$OUT/convert-$1.log"; exit 1; }
     mv "$f.tmp" "$f"
@@ -81,7 +82,8 @@ quantize() {  # llama-quantize type name, file suffix
     local f=$OUT/model-$2.gguf
     if [ -f "$f" ] && [ "${FORCE:-0}" != 1 ]; then echo "keep $f"; return; fi
     [ -f "$OUT/model-f32.gguf" ] || convert f32
-    local t0=$(date +%s)
+    local t0
+    t0=$(date +%s)
     "$QUANTIZE" "$OUT/model-f32.gguf" "$f.tmp" "$1" "$QTHREADS" >"$OUT/quantize-$2.log" 2>&1 \
         || { tail -30 "$OUT/quantize-$2.log"; exit 1; }
     mv "$f.tmp" "$f"

@@ -1,6 +1,6 @@
 // One decode forward through llama.cpp, timed the way mbd-rs's Model::bench_forward times its own: a W-token
 // window at positions P..P+W-1 over a P-token KV cache, logits for every window row, the window removed from the
-// cache again after each forward. Written for benches/quant_compare.py against the public llama.h API only.
+// cache again after each forward. Written for benches/llamacpp/quant_compare.py against the public llama.h API only.
 //
 //   mbd-llama-driver MODEL.gguf [--threads 2] [--cases 0:1,512:1,512:32] [--reps 5] [--warmup 1] [--fa 0|1]
 //                               [--ctx 4096] [--batch 512] [--seed 0] [--verbose]

@@ -7,11 +7,11 @@ re-fills the prefix untimed since a recurrent state cannot drop positions). Same
 over --rounds rounds; medians over all repetitions, ratios mbd-rs / llama.cpp.
 
     benches/llamacpp/build.sh
-    python benches/qwen35_forward.py --cases 0:1               # makes /tmp/mbd-bench/qwen3.5-0.8b-shape if absent
+    python benches/forward/qwen35_forward.py --cases 0:1       # makes /tmp/mbd-bench/qwen3.5-0.8b-shape if absent
     python scripts/write_gguf.py /tmp/mbd-bench/qwen3.5-0.8b-shape /tmp/llamacpp/q35/model-f32.gguf
     /tmp/llamacpp/build/bin/llama-quantize /tmp/llamacpp/q35/model-f32.gguf /tmp/llamacpp/q35/model-q8_0.gguf Q8_0
     .venv/bin/python benches/llamacpp/qwen35_compare.py --gguf /tmp/llamacpp/q35/model-q8_0.gguf
-Writes --out (benches/qwen35_llamacpp.json).
+Writes --out (benches/results/qwen35/qwen35_llamacpp.json).
 """
 import argparse
 import json
@@ -35,7 +35,7 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--fa", type=int, default=0, help="llama.cpp's flash attention (0 or 1)")
     ap.add_argument("--int8", type=int, default=1, help="mbd-rs int8_activations (1: llama.cpp's own arithmetic)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benches", "qwen35_llamacpp.json"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "benches", "results", "qwen35", "qwen35_llamacpp.json"))
     args = ap.parse_args()
     threads = os.cpu_count()
     eng = mbd_rs.Engine.load(args.gguf, device="cpu", int8_activations=bool(args.int8))

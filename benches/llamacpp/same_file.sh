@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GGUF files that both engines load: the f32 checkpoint written as GGUF by scripts/write_gguf.py (its byte-level
 # BPE vocabulary is one mbd-rs reads, unlike convert.sh's SentencePiece stand-in), then llama-quantize's Q8_0,
-# Q4_K_M and Q6_K of it. benches/quant_compare.py --same-file --gguf-dir OUT runs mbd-rs on these very files.
+# Q4_K_M and Q6_K of it. benches/llamacpp/quant_compare.py --same-file --gguf-dir OUT runs mbd-rs on these very files.
 #
 #   benches/llamacpp/same_file.sh /tmp/mbd-bench/qwen2.5-0.5b-shape /tmp/llamacpp/ours
 #

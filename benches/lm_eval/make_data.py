@@ -1,5 +1,5 @@
 """Writes benches/lm_eval/mbd_tiny_heldout.jsonl: the held-out items of the embedded mbd-tiny model that
-benches/eval_tiny.py scores (training/tasks.py `held_out_set(40)`, its default --per-task), keeping the first
+benches/decoding/eval_tiny.py scores (training/tasks.py `held_out_set(40)`, its default --per-task), keeping the first
 `--per-task` items of each task family in that list's order (a subset of exactly eval_tiny's items; `shuffle` is
 left out: its instances have many right answers). One JSON object per line:
 
@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(ROOT, "training"))
 from tasks import MANY_ANSWERS, held_out_set, render  # noqa: E402
 
-EVAL_TINY_PER_TASK = 40  # benches/eval_tiny.py's default --per-task
+EVAL_TINY_PER_TASK = 40  # benches/decoding/eval_tiny.py's default --per-task
 DEFAULT_OUT = os.path.join(HERE, "mbd_tiny_heldout.jsonl")
 END = "<|im_end|>"  # the chat template's end of turn (the model's EOS)
 

@@ -1,6 +1,6 @@
-"""lm-evaluation-harness against `mbd-rs serve` on the embedded mbd-tiny model's held-out items (issue #15).
+"""lm-evaluation-harness against `mbd-rs serve` on the embedded mbd-tiny model's held-out items.
 
-1. writes the task data (make_data.py: the first --per-task items of each family of benches/eval_tiny.py's set);
+1. writes the task data (make_data.py: the first --per-task items of each family of benches/decoding/eval_tiny.py's set);
 2. starts `python -m mbd_rs serve` on 127.0.0.1 (a free port, CPU);
 3. runs lm-eval twice, greedy (temperature 0), max_gen_toks 40 (eval_tiny.py's --max-tokens):
    - `local-chat-completions` on /v1/chat/completions, task mbd_tiny_heldout, --apply_chat_template (the server
@@ -13,7 +13,7 @@
      sums the continuation's token_logprobs;
 4. scores the same items in-process with mbd_rs.Engine the way eval_tiny.py does (`eng.chat(...).text == answer`),
    and the choices with `Engine.prompt_logprobs` (the same context/continuation split as lm-eval's);
-5. prints the accuracies, writes benches/lm_eval/result.json and asserts that the accuracies are equal, every
+5. prints the accuracies, writes benches/results/batching-serving/lm_eval.json and asserts that the accuracies are equal, every
    item's output is equal, and every choice's log-likelihood agrees to 1e-3.
 
 No network: HF_HUB_OFFLINE=1 and HF_DATASETS_OFFLINE=1; the data is a local JSONL, the tokenizer is the server's.
@@ -38,7 +38,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "python"))
 import make_data  # noqa: E402
 
-MAX_TOKENS = 40  # benches/eval_tiny.py --max-tokens default; also max_gen_toks in _mbd_tiny_template_yaml
+MAX_TOKENS = 40  # benches/decoding/eval_tiny.py --max-tokens default; also max_gen_toks in _mbd_tiny_template_yaml
 MODEL_NAME = "mbd-tiny"
 
 
@@ -64,7 +64,7 @@ def wait_healthy(base, proc, timeout=120):
 
 
 def portable(cmd, port, out_dir):
-    """A command as one shell line without this machine's paths (python, PORT, OUT) for result.json."""
+    """A command as one shell line without this machine's paths (python, PORT, OUT) for the result JSON."""
     line = " ".join(shlex.quote(c) for c in cmd).replace(str(port), "PORT").replace(out_dir, "OUT")
     return line.replace(sys.executable, "python").replace(HERE, "benches/lm_eval")
 
@@ -225,7 +225,7 @@ def main():
         choice_loglikelihood_max_abs_diff=ll_gap,
         accuracies_equal=equal, outputs_differing={k: len(v) for k, v in differ.items()},
     )
-    with open(os.path.join(HERE, "result.json"), "w") as f:
+    with open(os.path.join(ROOT, "benches", "results", "batching-serving", "lm_eval.json"), "w") as f:
         json.dump(result, f, indent=1)
         f.write("\n")
     print(f"accuracies equal: {equal}; items whose output differs from ours: "

@@ -8,7 +8,7 @@
 //! panic (caught or not), no abort, no input slower than `fuzz::SLOW`.
 //!
 //! `MBD_FUZZ_ITERS` inputs (default 1000, under a minute in a debug build), `MBD_FUZZ_SEED` (default fixed). The
-//! documented long run is in benches/RESULTS.md:
+//! documented long run is in benches/results/reliability.md:
 //! `MBD_FUZZ_ITERS=100000 cargo test --release -p mbd-core --test fuzz_gguf -- --nocapture`
 
 mod common;

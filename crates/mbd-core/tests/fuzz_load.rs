@@ -6,7 +6,7 @@
 //! or a crate error other than `Internal`: no panic (caught or not), no abort.
 //!
 //! `MBD_FUZZ_ITERS` inputs (default 2000, a few seconds to a minute in a debug build), `MBD_FUZZ_SEED` (default
-//! fixed). The documented long run is in benches/RESULTS.md:
+//! fixed). The documented long run is in benches/results/reliability.md:
 //! `MBD_FUZZ_ITERS=100000 cargo test --release -p mbd-core --test fuzz_load -- --nocapture`
 
 mod common;

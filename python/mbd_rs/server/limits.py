@@ -7,7 +7,7 @@ MAX_BODY_BYTES = 4 << 20
 MAX_N = 16
 #: Default cap on the positions one request spans, its prompt plus max_tokens (`--max-prompt-tokens`): 16 prefill
 #: chunks (the core forwards a prompt 512 positions at a time), what a CPU prefills in seconds on small models
-#: (benches/RESULTS.md, "Hostile input, round two"), not a checkpoint's 32k-128k context.
+#: (benches/results/reliability.md, "Hostile input, round two: the server"), not a checkpoint's 32k-128k context.
 MAX_PROMPT_TOKENS = 8192
 #: Default per-request deadline in seconds (`--request-timeout`): the work of a request still running then is
 #: cancelled. Generous: a long completion on a CPU, or lm-eval's scoring of a batch of long prompts, takes minutes.

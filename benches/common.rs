@@ -1,7 +1,0 @@
-//! Helpers shared by the Rust benchmarks (included with `#[path = "common.rs"] mod common;`).
-
-/// The median of timings (the upper one of an even count).
-pub fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
