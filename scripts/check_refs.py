@@ -8,9 +8,12 @@
    crate's own folders count too). Another project's path is written with its name (`llama.cpp/tools/...`). Words with a
    placeholder (`<topic>`, `{a,b}`, `*`, `$VAR`, `...`) are patterns, not paths, and are skipped; so is anything in
    IGNORE_PATHS (files that a command writes and that are not committed).
+3. Markdown links: in a `.md` file, a link's target (`[text](../docs/x.md#anchor)`, relative to the file) must
+   exist, and an anchor must be a heading of the page it names (GitHub's heading ids).
 
     python3 scripts/check_refs.py          # the check (scripts/lint.sh runs it); exit 1 and one line per finding
-    python3 scripts/check_refs.py FILE...  # only these files (tests/test_refs.py plants errors this way)
+    python3 scripts/check_refs.py FILE...  # only these files
+    python3 scripts/check_refs.py --root DIR  # another git tree (tests/test_refs.py plants errors in one)
 """
 
 from __future__ import annotations
@@ -76,6 +79,56 @@ def path_ok(word: str, have: set[str], here: str) -> bool:
     return False
 
 
+MD_LINK = re.compile(r"\]\(([^()\s]+)\)")
+
+
+def slug(heading: str) -> str:
+    """GitHub's id for a heading: lower case, punctuation dropped (letters, digits, `-` and `_` kept), spaces to `-`."""
+    text = re.sub(r"`([^`]*)`", r"\1", heading.strip().lower())
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
+    return "".join(c for c in text if c.isalnum() or c in "-_ ").replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    fenced = False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        m = None if fenced else re.match(r"#{1,6} (.*)", line)
+        if m:
+            base = slug(m.group(1))
+            n = seen.get(base, 0)
+            seen[base] = n + 1
+            out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def md_links(rel: str, line: str, have: set[str]) -> list[str]:
+    found = []
+    for m in MD_LINK.finditer(line):
+        target = m.group(1)
+        if re.match(r"[a-z]+:", target) or target.startswith("<"):
+            continue  # a URL, a mail address
+        path, _, anchor = target.partition("#")
+        dest = (Path(rel).parent / path).as_posix() if path else rel
+        dest = str(Path(dest)).replace("\\", "/")
+        norm = []
+        for part in dest.split("/"):
+            if part == "..":
+                if norm:
+                    norm.pop()
+            elif part not in ("", "."):
+                norm.append(part)
+        dest = "/".join(norm)
+        if path and dest not in have:
+            found.append(f"{rel}: link to {target!r}: {dest!r} is not a file or folder of the repository")
+        elif anchor and dest.endswith(".md") and anchor not in anchors(ROOT / dest):
+            found.append(f"{rel}: link to {target!r}: {dest} has no heading with the id {anchor!r}")
+    return found
+
+
 def check(files: list[str], have: set[str]) -> list[str]:
     findings = []
     for rel in files:
@@ -92,6 +145,8 @@ def check(files: list[str], have: set[str]) -> list[str]:
                     continue  # colours
                 findings.append(f"{rel}:{n}: numbered work item {m.group(0)!r}: say what it is (a name, a date "
                                 "and commit, or a doc link)")
+            if rel.endswith(".md"):
+                findings += [f.replace(f"{rel}:", f"{rel}:{n}:", 1) for f in md_links(rel, line, have)]
             if rel.endswith(".json"):
                 continue
             for m in PATH.finditer(line):
@@ -101,6 +156,9 @@ def check(files: list[str], have: set[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    global ROOT
+    if argv[:1] == ["--root"]:
+        ROOT, argv = Path(argv[1]).resolve(), argv[2:]
     files = tracked()
     have = existing(files)
     chosen = argv or files

@@ -3,8 +3,7 @@
 /// Pin candle's CPU thread count for the process (`RAYON_NUM_THREADS`, when the user has not set it) to the
 /// number it would detect, and return it. candle looks the count up on every CPU matmul; unset, that
 /// re-detects the physical cores each time (on Linux by parsing /proc/cpuinfo), which costs more than a
-/// small model's whole matmul (measured: one forward of the 2.6M-parameter default model went from 3.4 ms to
-/// 0.9 ms). Call it once at start-up, before other threads run.
+/// small model's whole matmul (benches/results/cpu-forward.md). Call it once at start-up, before other threads run.
 pub fn pin_thread_count() -> usize {
     if let Some(n) = std::env::var("RAYON_NUM_THREADS").ok().and_then(|s| s.parse::<usize>().ok()).filter(|&n| n > 0) {
         return n;

@@ -1,4 +1,4 @@
-//! Hostile or careless model directories (issue #11, loading side): each must give a clear error of the right
+//! Hostile or careless model directories (the loading side of the hostile-input work): each must give a clear error of the right
 //! kind that names the file and the field / tensor and value; never a panic, an abort or a silent load.
 
 mod common;
@@ -503,7 +503,7 @@ fn tokenizer_library_panics_become_load_errors() {
     assert!(!msg.contains("root"), "{msg}");
 }
 
-// ---- GGUF files (issue #54): written by `common::gguf` from the fixture, then broken ----
+// ---- GGUF files (the second hostile-input round): written by `common::gguf` from the fixture, then broken ----
 
 fn gguf_of(edit: impl FnOnce(&mut common::gguf::Gguf)) -> (TmpDir, std::path::PathBuf) {
     let mut g = common::gguf::Gguf::from_dir(&parity(BASE), &|_, _, _| 0);

@@ -27,9 +27,9 @@ use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Duration;
 
 /// What a tick may cost beside other streams, in rows over no keys ([`Window::limit_next`](crate::generate::window::Window::limit_next)): a small request's
-/// few steps then wait about this much each behind a long prompt's prefill (measured with benches/hostile_serve.py:
-/// a small chat beside an 8000-token prefill, embedded model, release build, 2 cores: 512 gave 0.42 s median and
-/// 0.58 s at most, against 1.0 s and 2.1 s uncut), and the long prompt takes a few more forwards.
+/// few steps then wait about this much each behind a long prompt's prefill, and the long prompt takes a few more
+/// forwards (`benches/serving/hostile_serve.py`: a small chat beside an 8000-token prefill;
+/// benches/results/batching-serving.md).
 const FAIR_TICK_ROWS: usize = 256;
 
 /// Outputs a stream may have unread before its generation pauses.

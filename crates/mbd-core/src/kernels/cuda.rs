@@ -1,8 +1,8 @@
-//! mbd-rs's own CUDA kernels (`src/cuda/kernels.cu`, built to PTX by build.rs with the `cuda` feature): a decode
-//! window's attention in three launches per segment and layer (`prep`, then `attend`'s two), each residual add and
-//! the norm after it in one (`add_rms_norm`), `silu_mul` in one, and the logits rows' statistics (`row_stats`, for
-//! [`kernels::stats`](crate::kernels::stats)) in one, where candle's ops took 25-38 launches per layer (issue #17: the forward was bound by
-//! the host launching them). [`Kernels::cuda_fused`](crate::kernels::Kernels::cuda_fused) turns them off for
+//! mbd-rs's own CUDA kernels (`src/kernels/cuda/kernels.cu`, built to PTX by build.rs with the `cuda` feature): a
+//! decode window's attention in three launches per segment and layer (`prep`, then `attend`'s two), each residual
+//! add and the norm after it in one (`add_rms_norm`), `silu_mul` in one, and the logits rows' statistics
+//! (`row_stats`, for [`kernels::stats`](crate::kernels::stats)) in one, where candle's ops took tens of launches per
+//! layer and the forward was bound by the host launching them (the first GPU run: benches/results/cuda.md). [`Kernels::cuda_fused`](crate::kernels::Kernels::cuda_fused) turns them off for
 //! A/B runs. Without the `cuda` feature, `available` is false and nothing else is reachable.
 
 use crate::error::Result;
@@ -26,11 +26,9 @@ pub fn available(dev: &Device, dtype: DType, heads: usize, kv_heads: usize, head
 
 /// Whether a segment's attention runs in `attend` (else in candle's matmuls over `prep`'s output): `attend` reads
 /// every visible key once per (row, head), so its work grows as rows × keys × heads × head_dim, while candle's
-/// path pays its launches and the K cache's cast (about 120 µs per layer at W 64 over P 2048) and grows slowly
-/// with the window. Measured on an H100 (benches/RESULTS.md, issue #17, SDAR-1.7B shape: 16 heads of 128):
-/// `attend` costs about 2.3 ns per row-key per layer, so the two meet near 48k row-keys; a W 32 forward over
-/// P 2048 (66.5k) took 7.1 ms with `attend`, more than a W 64 one over the same cache with candle's matmuls
-/// (6.2 ms). Decided per segment, never per forward, so a segment computes the same way whatever shares its
+/// path pays its launches and the K cache's cast, a fixed cost per layer, and grows slowly with the window. On an
+/// H100 at the SDAR-1.7B shape (16 heads of 128) the two meet near 48k row-keys, where `FUSED_ATTENTION_WORK`
+/// sits (benches/results/cuda.md, "Measurements that stood in code comments"). Decided per segment, never per forward, so a segment computes the same way whatever shares its
 /// forward (batch invariance).
 pub fn fused_attention(rows: usize, keys: usize, heads: usize, head_dim: usize) -> bool {
     rows.saturating_mul(keys).saturating_mul(heads).saturating_mul(head_dim) <= FUSED_ATTENTION_WORK

@@ -26,11 +26,13 @@ pub struct Kernels {
     pub skinny: bool,
     /// Products smaller than this many multiply-adds run on the calling thread. Called from the engine's pool
     /// (forwards run there) splitting costs a few µs, so only the smallest products stay serial; called from
-    /// outside a pool waking the workers costs ~30 µs. Chosen with benches/ab_kernels.py.
+    /// outside a pool waking the workers costs tens of µs. Chosen with benches/kernels/ab_kernels.py
+    /// (benches/results/cpu-forward.md).
     pub par_min_macs: usize,
-    /// Windows of at most this many rows take the kernel; longer ones (prefill) go to gemm. (64: on the tiny
-    /// model the kernel is faster up to ~64 rows and about even with gemm at 100; on the 0.5B shapes it is
-    /// 0.8-1.0x gemm's time at 64 rows. benches/forward.rs and benches/ab_kernels.py measure both sides.)
+    /// Windows of at most this many rows take the few-row kernel ([`crate::kernels::skinny`]); longer ones
+    /// (prefill) go to gemm. 64 is about where the two meet on the tiny model and the 0.5B shape
+    /// (crates/mbd-core/benches/forward.rs and benches/kernels/ab_kernels.py measure both sides:
+    /// benches/results/cpu-forward.md).
     pub max_rows: usize,
     /// Bytes of f32 attention scores (heads x query rows x keys) one query chunk may take: a long window (a
     /// recompute without cache, a full-attention canvas, a logits call) is attended in query chunks so that no

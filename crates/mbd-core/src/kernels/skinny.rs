@@ -1,8 +1,8 @@
 //! `x · Wᵀ` on the CPU in f32 for windows of few rows (a decode window: 1 to a few dozen tokens).
 //!
 //! candle's CPU matmul (the `gemm` crate) packs the weight matrix into panels on every call; when x has a
-//! handful of rows that repacking costs more than the arithmetic (measured on the 0.5B shape: a 4-row
-//! product took 4.8x the time of a 1-row one, where streaming the weight once should make them about equal).
+//! handful of rows that repacking costs more than the arithmetic (on the 0.5B shape a 4-row product took several
+//! times a 1-row one, where streaming the weight once should make them about equal: benches/results/cpu-forward.md).
 //! This kernel streams each weight row once from memory and keeps a small tile of x and accumulators in
 //! registers: 4 weight rows × up to 4 x rows per tile, `L` f32 lanes each. It is split over output columns on
 //! the rayon pool it is called from (the engine's, see `on_cpu_pool`; candle's matmul parallelises on it too)
@@ -294,13 +294,13 @@ mod x86 {
     /// rows at a time (`tile::<4, R>`: a one-row window is bound by memory, the 4 rows' streams keep it busy);
     /// longer windows take 2 weight rows at a time with x rows `$rmax` at a time (`tile::<2, R>`, then the rows
     /// left), so each weight value is decoded once per `$rmax` x rows (4; 3 for the k-quants with a min, whose
-    /// 4-row tile runs out of registers: 1.2-1.7x slower). The first x rows fetch the next weight rows ahead.
+    /// 4-row tile runs out of registers and is slower). The first x rows fetch the next weight rows ahead.
     /// Every tile computes each output the same way (lane-wise multiply-adds along k, one reduction), so the tile
     /// shape never changes a result.
     macro_rules! fused_rows {
         ($feature:literal, $tile:ident, $rmax:literal, $x:ident, $m:ident, $q:ident, $n0:ident, $nw:ident, $y:ident) => {
             /// One tile shape, in a function of its own (with several shapes inlined into one function LLVM
-            /// stopped unrolling the k-quant tiles: 1.5x slower).
+            /// stopped unrolling the k-quant tiles, and they ran slower).
             #[inline(never)]
             #[target_feature(enable = $feature)]
             unsafe fn shape<const C: usize, const R: usize>(
@@ -737,9 +737,9 @@ unsafe fn q_columns_on(isa: Tile, x: &[f32], m: usize, q: &QMatrix, n0: usize, n
 }
 
 /// Longest window a format's fused kernel takes (longer ones dequantize 4 weight rows at a time through the
-/// scratch, once for every x row). Measured with `benches/quant_kernel.rs` against bf16 on the 0.5B and 1.7B
-/// shapes (benches/RESULTS.md): q8_0 / q5_0 / q4_0 and q6_k / q3_k decode once per 4 x rows and stay ahead of the
-/// scratch up to 8 rows; q4_k / q5_k / q2_k (a tile of 3 x rows: a 4th spills) up to 6.
+/// scratch, once for every x row): q8_0 / q5_0 / q4_0 and q6_k / q3_k decode once per 4 x rows and stay ahead of
+/// the scratch up to 8 rows; q4_k / q5_k / q2_k (a tile of 3 x rows: a 4th spills) up to 6 (`benches/quant_kernel.rs`
+/// against bf16 on the 0.5B and 1.7B shapes: benches/results/quantization.md).
 #[cfg(target_arch = "x86_64")]
 fn fused_max_rows(f: QuantFormat) -> usize {
     match f {

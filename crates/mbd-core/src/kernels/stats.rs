@@ -1,4 +1,4 @@
-//! What a decode step reads from each logits row (issue #51, item 3): the argmax (ties -> lowest id), the entropy
+//! What a decode step reads from each logits row: the argmax (ties -> lowest id), the entropy
 //! and the max probability of softmax(row). One rule, run where the logits are: on the host, two passes per row
 //! (`row_stats`); on a CUDA device, one kernel launch over every row (`kernels.cu`'s `mbd_row_stats_*`, the same
 //! two passes per row: terms in f32, sums in f64) and one copy of three numbers per row back to the host, so that

@@ -173,8 +173,8 @@ pub(crate) mod x86 {
     }
 
     /// A q4_k (or q5_k) super-block's 8 sub-block factors (d·sc, dmin·m) into `$dm[0..8]`. A macro, not a
-    /// function: expanded in the tile, the 2-row q4_k and q5_k tiles run as fast as before q2_k shared them
-    /// (an inlined helper function made them 1.1-1.3x slower).
+    /// function: expanded in the tile, the 2-row q4_k and q5_k tiles run as fast as before q2_k shared them (an
+    /// inlined helper function made them slower).
     macro_rules! q4k_factors {
         ($b:expr, $dm:expr) => {{
             let b: *const u8 = $b;

@@ -19,8 +19,8 @@ use std::path::Path;
 
 /// Hand the heap memory freed during a load back to the system. Reading, quantizing and rearranging the weights
 /// frees many large temporary buffers among the held ones; glibc keeps such holes in its heap, so the process's RSS
-/// after a load stood 4-11% above the weights it holds (quantized models; measured on a 2048-wide 1.0B model: q4_k
-/// with int8 activations 1.106x the held bytes before, 1.019x after). Elsewhere a no-op.
+/// after a load stood well above the weights it holds (quantized models: benches/results/quantization.md).
+/// Elsewhere a no-op.
 fn release_freed_heap() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim only returns free heap pages to the system; it takes no pointers of ours.

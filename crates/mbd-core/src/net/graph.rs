@@ -1,4 +1,4 @@
-//! CUDA graphs of the decode forward (issue #51, item 4; docs/dev/cuda.md): the one owner of when a forward is captured,
+//! CUDA graphs of the decode forward (docs/dev/cuda.md): the one owner of when a forward is captured,
 //! replayed, checked or left to run launch by launch.
 //!
 //! A forward's layers (the embedding, every layer, up to the last hidden states) launch the same kernels on the

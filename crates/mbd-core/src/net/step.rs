@@ -1,4 +1,4 @@
-//! What a forward hands the device, in one copy (issue #51, item 1): its token ids, positions and logits rows, and
+//! What a forward hands the device, in one copy: its token ids, positions and logits rows, and
 //! on CUDA the attention kernels' tables ([`cuda::segment_table`](crate::kernels::cuda::segment_table), the K/V addresses, each segment's key ranges). The
 //! forward gathers them on the host as one list of 32-bit words (`StepWords`), and [`StepBuffers::upload`] writes the
 //! list into a device buffer that stays put between forwards (grown when a forward needs more), in one host-to-device

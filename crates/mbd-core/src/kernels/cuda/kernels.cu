@@ -1,5 +1,5 @@
-// mbd-rs's own CUDA kernels (issue #17): the attention of a decode window fused into few launches.
-// Built to PTX by build.rs with the pinned nvcc when the `cuda` feature is on; loaded by src/cuda.rs.
+// mbd-rs's own CUDA kernels: the attention of a decode window fused into few launches.
+// Built to PTX by build.rs with the pinned nvcc when the `cuda` feature is on; loaded by src/kernels/cuda.rs.
 //
 // - mbd_prep_*: per (window row, head slot) of the stacked q/k/v product: the Qwen3 q/k RMSNorm (when given),
 //   RoPE from f32 tables, q written as f32 (rows, heads, D), k and v written into the KV cache after its

@@ -3,7 +3,7 @@
 //!
 //! The default quantized path (`panels`) forms every weight in f32 and multiplies it with the f32 activation: exact,
 //! but a one-row product then costs 4-7 vector instructions per 16 weights and runs below the memory's speed
-//! (benches/RESULTS.md, issue #18). Here each row of x is rounded to 8 bits per block of 32 values (`Acts`: a scale
+//! (benches/results/quantization.md). Here each row of x is rounded to 8 bits per block of 32 values (`Acts`: a scale
 //! `amax / 127` and the nearest integers, ties to even), and each block of a weight column is multiplied with it
 //! by AVX-512 VNNI (`vpdpbusd`: 64 products of unsigned and signed bytes summed into 16 32-bit lanes per
 //! instruction; on CPUs with AVX2 only, `vpmaddubsw` + `vpmaddwd` do the same per 8 lanes: `Isa`), the block's

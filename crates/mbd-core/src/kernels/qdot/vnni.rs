@@ -58,11 +58,9 @@ unsafe fn store<const R: usize>(v: &[__m512; R], acc: &mut [[f32; GROUP]; MAX_TI
 /// one-row product streams the weights once, with little else to hide the memory's latency behind).
 const PREFETCH: usize = 1024;
 
-/// A 64-byte load of weights at `p` in a tile of R rows, asking for the line `PREFETCH` bytes on where R > 1.
-/// (Measured on a 64 MB q6_k matrix, alternating in one process: 4 rows 2.73 ms with it, 3.36 without; one row
-/// 1.66 with, 1.55 without. On the 255 MB q6_k head 151936 x 2048, one row: 8.15 ms without, 8.25 / 8.59 / 9.00
-/// with 1 / 4 / 16 KB ahead (31 GB/s without: the memory's speed on this host). Huge pages for the matrix
-/// (madvise) gained 1-2%: not kept.)
+/// A 64-byte load of weights at `p` in a tile of R rows, asking for the line `PREFETCH` bytes on where R > 1: it
+/// helps tiles of several rows and costs a one-row product, which already streams at the memory's speed
+/// (benches/results/quantization.md, "Measurements that stood in code comments").
 #[inline(always)]
 unsafe fn load<const R: usize>(p: *const u8) -> __m512i {
     if R > 1 {

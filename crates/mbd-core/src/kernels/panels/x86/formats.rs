@@ -24,11 +24,9 @@ pub(super) trait Panel: Copy {
     const FULL512: usize = 4;
     /// A block format: windows of this many rows or more take its values decoded into f32 once per depth block
     /// ([`Tiles::decode`](crate::kernels::panels::x86::tiles::Tiles::decode)), then the f32 tiles; fewer form them in the tile, once per `MR` rows. The same values
-    /// either way, so the same bits. (`benches/quant_kernel.rs` with `MBD_BENCH_PACKED=1` on Zen 4, time over
-    /// bf16's at 8 / 12 / 18 / 32 rows, in the tile | decoded first: q8_0 1.02 / 1.05 / 1.11 / 1.14 | 1.44 /
-    /// 1.38 / 1.28 / 1.15; q5_0 1.25 / 1.26 / 1.34 / 1.40 | 1.31 / 1.27 / 1.20 / 1.10; q4_k 1.08 / 1.10 / 1.15 /
-    /// 1.20 | 1.24 / 1.22 / 1.17 / 1.09; q6_k, 1.7B gate/up, at 8 / 12 / 16 rows: 1.39 / 1.29-1.37 / 1.36-1.40 |
-    /// 1.49 / 1.41 / 1.31, and 1.13 decoded at 32.)
+    /// either way, so the same bits. Each format's count is where decoding first overtakes forming in the tile
+    /// (`crates/mbd-core/benches/quant_kernel.rs` with `MBD_BENCH_PACKED=1`: benches/results/quantization.md,
+    /// "Measurements that stood in code comments").
     const DECODE_ROWS: usize = usize::MAX;
     /// The scales of set j of a record (a block format only): AVX2 (columns 0-7, 8-15; a second pair where the
     /// format has one, e.g. q4_k's mins) and AVX-512.
