@@ -48,7 +48,9 @@ export MBD_LLAMACPP_SDIST="${XDG_CACHE_HOME:-$HOME/.cache}/mbd-rs/llama_cpp_pyth
 stage "build (debug extension into ./.venv; the first build compiles ~300 crates)"
 heartbeat maturin develop
 stage "cargo test"
-heartbeat cargo test -p mbd-core -- -q
+# the whole workspace, so that the dependencies resolve with the features the extension's build gave them (numpy and
+# pyo3 turn on features of num-complex and syn): `-p mbd-core` alone would compile every dependency a second time
+heartbeat cargo test --workspace -- -q
 stage "mypy --strict (package + README examples)"
 bash scripts/check_types.sh
 workers=${MBD_TEST_WORKERS:-$(n=$(nproc 2>/dev/null || echo 2); echo $(( n < 4 ? n : 4 )))}
