@@ -5,8 +5,9 @@ use std::cmp::Ordering;
 use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::sync::Arc;
 
-/// A cancellation token: cheap to clone, set from any thread (`cancel`), polled by long work between its pieces
-/// (a prefill chunk, a layer of a forward, a chunk of scored positions), which then stops with [`Error::Cancelled`](crate::error::Error::Cancelled).
+/// A cancellation token: cheap to clone, set from any thread (`cancel`), polled by long work between its pieces (a
+/// prefill chunk, a layer of a forward, a chunk of scored positions), which then stops with
+/// [`Error::Cancelled`](crate::error::Error::Cancelled).
 #[derive(Clone, Debug, Default)]
 pub struct Cancel(Arc<AtomicBool>);
 

@@ -1,5 +1,5 @@
-//! Hostile or careless model directories (the loading side of the hostile-input work): each must give a clear error of the right
-//! kind that names the file and the field / tensor and value; never a panic, an abort or a silent load.
+//! Hostile or careless model directories (the loading side of the hostile-input work): each must give a clear error of
+//! the right kind that names the file and the field / tensor and value; never a panic, an abort or a silent load.
 
 mod common;
 use common::*;

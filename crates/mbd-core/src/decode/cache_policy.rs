@@ -1,6 +1,6 @@
-//! How K/V survive between the steps of a generation: the policies (`CachePolicy`) and the names a request
-//! gives them (`CacheMode`, `PrefixWindow`). Which one a request gets is [`generate::plan`](crate::generate::plan)'s rule; what each one
-//! forwards and commits is [`generate::window`](crate::generate::window)'s.
+//! How K/V survive between the steps of a generation: the policies (`CachePolicy`) and the names a request gives them
+//! (`CacheMode`, `PrefixWindow`). Which one a request gets is [`generate::plan`](crate::generate::plan)'s rule; what
+//! each one forwards and commits is [`generate::window`](crate::generate::window)'s.
 
 /// How K/V survive between steps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,6 +1,7 @@
-//! The decode wing: pure policy over logits rows. The multi-block decoding state machine (`decoder`), logits rows
-//! to predictions (`sampling`), S2D2's verification routing and the speculative acceptance rule (`speculative`), I-DLM's strided decoding (`strided`), CreditDecoding's credit (`credit`) and the cache policies' names
-//! (`cache_policy`). No forward, no files.
+//! The decode wing: pure policy over logits rows. The multi-block decoding state machine (`decoder`), logits rows to
+//! predictions (`sampling`), S2D2's verification routing and the speculative acceptance rule (`speculative`), I-DLM's
+//! strided decoding (`strided`), CreditDecoding's credit (`credit`) and the cache policies' names (`cache_policy`). No
+//! forward, no files.
 
 pub mod cache_policy;
 pub mod credit;

@@ -27,7 +27,8 @@ pub const DEFAULT_STRIDE: usize = 4;
 pub struct Strided {
     stride: usize,
     drafts: Vec<u32>,
-    /// Sampling: each draft's distribution q (as [`SamplingParams::dist`](crate::decode::sampling::SamplingParams::dist) gives it) and its probability there.
+    /// Sampling: each draft's distribution q (as
+    /// [`SamplingParams::dist`](crate::decode::sampling::SamplingParams::dist) gives it) and its probability there.
     draft_dists: Vec<Vec<(u32, f64)>>,
     draft_probs: Vec<f64>,
     /// The undecoded positions after the pending token when the step under way was laid out.

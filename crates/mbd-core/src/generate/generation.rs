@@ -52,8 +52,8 @@ struct Drafted {
 }
 
 impl Generation {
-    /// A generation of `prompt` under `req`, as planned ([`plan::plan`](crate::generate::plan::plan): every default and rule resolved): the
-    /// decoder, the cache/window policy, the sampler and the output set up.
+    /// A generation of `prompt` under `req`, as planned ([`plan::plan`](crate::generate::plan::plan): every default and
+    /// rule resolved): the decoder, the cache/window policy, the sampler and the output set up.
     pub fn new(model: Arc<Model>, prompt: Vec<u32>, req: &GenRequest) -> Result<Generation> {
         let plan = plan(&model, &prompt, req)?;
         let (lp, n) = (plan.prompt_len, plan.max_tokens);
@@ -111,9 +111,10 @@ impl Generation {
         })
     }
 
-    /// The generation's next forward as a segment (plan a step first when none is under way), or its output
-    /// when it needs no forward (decoding has stopped), or `Finished`. A scheduler runs the segments of many
-    /// generations in one forward ([`QwenModel::forward_segments`](crate::model::Model::forward_segments)) and hands each its logits (`consume`).
+    /// The generation's next forward as a segment (plan a step first when none is under way), or its output when it
+    /// needs no forward (decoding has stopped), or `Finished`. A scheduler runs the segments of many generations in one
+    /// forward ([`Model::forward_segments`](crate::model::Model::forward_segments)) and hands each its logits
+    /// (`consume`).
     pub fn prepare(&mut self) -> Result<Next<'_>> {
         self.prepare_within(None)
     }

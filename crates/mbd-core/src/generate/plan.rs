@@ -1,6 +1,7 @@
-//! One place where a request meets a model: `plan` resolves a `GenRequest` over the model's profile and family
-//! defaults ([`Profile::decode_defaults`](crate::params::profile::Profile::decode_defaults)) into everything a generation runs with (`Plan`), checking what the request
-//! may not combine (the cache modes and the attention, S2D2 and its parameters, the context).
+//! One place where a request meets a model: `plan` resolves a `GenRequest` over the model's profile and family defaults
+//! ([`Profile::decode_defaults`](crate::params::profile::Profile::decode_defaults)) into everything a generation runs
+//! with (`Plan`), checking what the request may not combine (the cache modes and the attention, S2D2 and its
+//! parameters, the context).
 
 use crate::decode::cache_policy::{CacheMode, CachePolicy, PrefixWindow, DEFAULT_CACHE_DELAY};
 use crate::decode::credit::CreditParams;
@@ -58,7 +59,8 @@ pub struct Plan {
 }
 
 /// Resolve `req` for `prompt` over `model`'s profile and family defaults. Parameter ranges are checked by
-/// `req.validate()` ([`request::PARAMS`](crate::params::request::PARAMS)); the rules that join parameters, the model and the prompt are here.
+/// `req.validate()` ([`request::PARAMS`](crate::params::request::PARAMS)); the rules that join parameters, the model
+/// and the prompt are here.
 pub fn plan(model: &Model, prompt: &[u32], req: &GenRequest) -> Result<Plan> {
     req.validate()?;
     let p = &model.profile;

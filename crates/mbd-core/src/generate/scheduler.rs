@@ -1,18 +1,19 @@
-//! Continuous batching: one engine-side worker owns the active generations of a model and runs them together.
-//! Each tick it asks every ready generation for its next forward ([`Generation::prepare`]: a new request's
-//! prefill chunk or a running request's decode window), runs ONE forward over all those segments
-//! ([`QwenModel::forward_segments`](crate::model::Model::forward_segments)) and hands each generation its logits ([`Generation::consume`]); step outputs
-//! go to each stream's channel. Streams join and leave at any tick (finished, cancelled, dropped).
+//! Continuous batching: one engine-side worker owns the active generations of a model and runs them together. Each tick
+//! it asks every ready generation for its next forward ([`Generation::prepare`]: a new request's prefill chunk or a
+//! running request's decode window), runs ONE forward over all those segments
+//! ([`Model::forward_segments`](crate::model::Model::forward_segments)) and hands each generation its logits
+//! ([`Generation::consume`]); step outputs go to each stream's channel. Streams join and leave at any tick (finished,
+//! cancelled, dropped).
 //!
-//! Limits: at most `max_seqs` generations are batched; later ones wait in arrival order for a free place. A
-//! tick takes at most `max_rows` window rows (always at least one segment), so one long prefill chunk does
-//! not hold up everyone else for long; the starting point rotates so that nobody is skipped twice in a row.
-//! A stream whose reader falls `MAX_UNREAD` outputs behind is paused (not stepped) until it reads, so a slow
-//! reader neither stalls the others nor piles up outputs.
+//! Limits: at most `max_seqs` generations are batched; later ones wait in arrival order for a free place. A tick takes
+//! at most `max_rows` window rows (always at least one segment), so one long prefill chunk does not hold up everyone
+//! else for long; the starting point rotates so that nobody is skipped twice in a row. A stream whose reader falls
+//! `MAX_UNREAD` outputs behind is paused (not stepped) until it reads, so a slow reader neither stalls the others nor
+//! piles up outputs.
 //!
 //! Batching never changes outputs: a segment's logits do not depend on the other segments of its forward
-//! ([`models::qwen`](crate::net::qwen), batch invariance), and each generation's segments are the ones it would run alone, so
-//! every stream gets the tokens it gets alone (tested by `tests/batching.rs` and `tests/test_batching.py`).
+//! ([`net::qwen`](crate::net::qwen), batch invariance), and each generation's segments are the ones it would run alone,
+//! so every stream gets the tokens it gets alone (tested by `tests/batching.rs` and `tests/test_batching.py`).
 
 use crate::error::{catch_panic, Error, Result};
 use crate::generate::generation::{Generation, Next, StepOutput};
@@ -26,9 +27,10 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Duration;
 
-/// What a tick may cost beside other streams, in rows over no keys ([`Window::limit_next`](crate::generate::window::Window::limit_next)): a small request's
-/// few steps then wait about this much each behind a long prompt's prefill, and the long prompt takes a few more
-/// forwards (`benches/serving/hostile_serve.py`: a small chat beside an 8000-token prefill;
+/// What a tick may cost beside other streams, in rows over no keys
+/// ([`Window::limit_next`](crate::generate::window::Window::limit_next)): a small request's few steps then wait about
+/// this much each behind a long prompt's prefill, and the long prompt takes a few more forwards
+/// (`benches/serving/hostile_serve.py`: a small chat beside an 8000-token prefill;
 /// benches/results/batching-serving.md).
 const FAIR_TICK_ROWS: usize = 256;
 
@@ -446,7 +448,7 @@ fn run_tick(
     let mut who = vec![];
     let mut rows = 0usize;
     // fairness: beside other streams, a long prompt or recompute chunk is cut so that no tick costs much more than
-    // `FAIR_TICK_ROWS` rows over no keys (where that changes no output: `QwenModel::rows_independent`)
+    // `FAIR_TICK_ROWS` rows over no keys (where that changes no output: `Model::rows_independent`)
     let model = &shared.model;
     let ready = active.iter().filter(|e| e.ready()).count();
     let limit = (ready > 1 && model.rows_independent()).then(|| (FAIR_TICK_ROWS, model.key_equivalent()));

@@ -1,25 +1,26 @@
-//! The cache/window policy of one generation: which positions a step forwards, over which K/V, and which K/V
-//! it keeps. With block-causal or causal attention the K/V of completed blocks never change, so they are
-//! cached exactly: after forward s, the leading window blocks that were already complete when forward s
-//! started are committed from forward s itself — no extra forward. Without a cache (or with full attention,
-//! where no K/V is ever final) every step recomputes from position 0.
+//! The cache/window policy of one generation: which positions a step forwards, over which K/V, and which K/V it keeps.
+//! With block-causal or causal attention the K/V of completed blocks never change, so they are cached exactly: after
+//! forward s, the leading window blocks that were already complete when forward s started are committed from forward s
+//! itself — no extra forward. Without a cache (or with full attention, where no K/V is ever final) every step
+//! recomputes from position 0.
 //!
-//! A step is a short queue of forwards (`begin_step`): the prompt's prefill chunks on the first step, a long
-//! canvas's recompute chunks, then the window, and with S2D2 a verification (`begin_verify`). Each is handed
-//! out as a `Segment` (`segment`) and its logits are taken back (`consume`), so that a scheduler can run the
-//! forwards of many generations together.
+//! A step is a short queue of forwards (`begin_step`): the prompt's prefill chunks on the first step, a long canvas's
+//! recompute chunks, then the window, and with S2D2 a verification (`begin_verify`). Each is handed out as a `Segment`
+//! (`segment`) and its logits are taken back (`consume`), so that a scheduler can run the forwards of many generations
+//! together.
 //!
-//! S2D2 verification: a forward over [frontier, span end) with the span's drafts filled in, causal among
-//! itself (the first half), plus — for unshifted models — one mask row per span position at the same position,
-//! which sees the first half strictly before it and itself only (the second half): its logits are that
-//! position's block-size-1 prediction. The first half's K/V up to the first rejected draft are final, so they
-//! are committed from that forward (`commit_verified`): those positions keep causal K/V. The recompute policy
-//! rebuilds exactly the same K/V by giving those positions causal visibility (`causal`) in every forward.
+//! S2D2 verification: a forward over [frontier, span end) with the span's drafts filled in, causal among itself (the
+//! first half), plus — for unshifted models — one mask row per span position at the same position, which sees the first
+//! half strictly before it and itself only (the second half): its logits are that position's block-size-1 prediction.
+//! The first half's K/V up to the first rejected draft are final, so they are committed from that forward
+//! (`commit_verified`): those positions keep causal K/V. The recompute policy rebuilds exactly the same K/V by giving
+//! those positions causal visibility (`causal`) in every forward.
 //!
-//! ISD ([`decode::strided`](crate::decode::strided)): a step is one causal forward from the frontier, whose first position holds the last
-//! written token (the pending one; on the first step the prompt's last token, so the prompt is prefilled but for
-//! it), then the step's drafts and masks (`begin_strided`); the pending token's and the accepted drafts' K/V are
-//! final and committed from that forward (`commit_strided`). Without a cache every step recomputes from 0.
+//! ISD ([`decode::strided`](crate::decode::strided)): a step is one causal forward from the frontier, whose first
+//! position holds the last written token (the pending one; on the first step the prompt's last token, so the prompt is
+//! prefilled but for it), then the step's drafts and masks (`begin_strided`); the pending token's and the accepted
+//! drafts' K/V are final and committed from that forward (`commit_strided`). Without a cache every step recomputes from
+//! 0.
 
 use crate::decode::cache_policy::{CachePolicy, PrefixWindow};
 use crate::decode::decoder::Decoder;
@@ -127,10 +128,11 @@ impl Window {
     }
 
     /// Cut the next forward, when it is a prompt or recompute chunk, so that its rows times their cost stay within
-    /// `budget_rows` rows over no keys: a row over k keys counts 1 + k / `key_equivalent` (`QwenModel::
-    /// key_equivalent`). The cut lands on a grid boundary (a block's positions see each other), one block at the
-    /// least; the rest stays queued as the next forward. The same positions are forwarded, in more forwards: the
-    /// caller cuts only where a row's result does not depend on the rows beside it ([`QwenModel::rows_independent`](crate::net::qwen::QwenNet::rows_independent)).
+    /// `budget_rows` rows over no keys: a row over k keys counts 1 + k / `key_equivalent`
+    /// ([`Model::key_equivalent`](crate::model::Model::key_equivalent)). The cut lands on a grid boundary (a block's
+    /// positions see each other), one block at the least; the rest stays queued as the next forward. The same positions
+    /// are forwarded, in more forwards: the caller cuts only where a row's result does not depend on the rows beside it
+    /// ([`Model::rows_independent`](crate::model::Model::rows_independent)).
     pub fn limit_next(&mut self, budget_rows: usize, key_equivalent: usize) {
         let Some(front) = self.pieces.front() else { return };
         if !matches!(front.kind, PieceKind::Prefill { .. } | PieceKind::Scratch) {

@@ -87,7 +87,8 @@ mod blocked {
 
     /// Query rows of a task at most (each with its kv group's query heads).
     const QB: usize = 24;
-    /// Keys per block: the block's K, transposed (head_dim × `KB`), stays in L1 while the task's heads and tiles use it.
+    /// Keys per block: the block's K, transposed (head_dim × `KB`), stays in L1 while the task's heads and tiles use
+    /// it.
     const KB: usize = 64;
     /// Query rows per register tile: scores 6 × 16 keys, outputs 6 × 16 dims (12 of the 16 ymm registers).
     const R: usize = 6;

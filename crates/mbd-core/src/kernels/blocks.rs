@@ -1,25 +1,26 @@
-//! Quantized weight matrices (the `quantize` load option): a checkpoint's matrices are quantized at load into
-//! GGUF block formats by candle's quantizer ([`candle_core::quantized::QTensor::quantize`]), and multiplied on the
-//! CPU by the skinny kernel ([`skinny::matmul_q`](crate::kernels::skinny::matmul_q)), which dequantizes 4 weight rows at a time into an f32 scratch
-//! and sweeps every x row over them: a quantized matrix computes exactly as its f32 dequantization held row-major
-//! would (a dense matrix packed at load, [`panels::PackedMatrix`](crate::kernels::panels::PackedMatrix), sums in another order), with a quarter (q8_0) or
-//! about a seventh (q4_k) of the bytes streamed from memory. On CPUs with the packed product every format is
-//! packed at load instead ([`Matrix::quant`](crate::net::linear::Matrix::quant): the same values in groups of 16 columns, about the same bytes) and
-//! computes exactly as its f32 dequantization packed.
+//! Quantized weight matrices (the `quantize` load option): a checkpoint's matrices are quantized at load into GGUF
+//! block formats by candle's quantizer ([`candle_core::quantized::QTensor::quantize`]), and multiplied on the CPU by
+//! the skinny kernel ([`skinny::matmul_q`](crate::kernels::skinny::matmul_q)), which dequantizes 4 weight rows at a
+//! time into an f32 scratch and sweeps every x row over them: a quantized matrix computes exactly as its f32
+//! dequantization held row-major would (a dense matrix packed at load,
+//! [`panels::PackedMatrix`](crate::kernels::panels::PackedMatrix), sums in another order), with a quarter (q8_0) or
+//! about a seventh (q4_k) of the bytes streamed from memory. On CPUs with the packed product every format is packed at
+//! load instead ([`Matrix::quant`](crate::net::linear::Matrix::quant): the same values in groups of 16 columns, about
+//! the same bytes) and computes exactly as its f32 dequantization packed.
 //!
-//! Why not candle's quantized matmul (`QMatMul`): it quantizes the activations to 8 bits per call (a second
-//! rounding), it re-reads the weight matrix once per x row (a 32-row window streams the weights 32 times), and
-//! its SIMD dot products are selected at compile time (`cfg(target_feature = "avx2")`), so a wheel built for
-//! every x86_64 CPU runs them scalar. Our kernel selects AVX-512 / AVX2 at run time and streams the weights once
-//! per window; each row's result does not depend on the other rows (batch invariance, [`models::qwen`](crate::net::qwen)).
+//! Why not candle's quantized matmul (`QMatMul`): it quantizes the activations to 8 bits per call (a second rounding),
+//! it re-reads the weight matrix once per x row (a 32-row window streams the weights 32 times), and its SIMD dot
+//! products are selected at compile time (`cfg(target_feature = "avx2")`), so a wheel built for every x86_64 CPU runs
+//! them scalar. Our kernel selects AVX-512 / AVX2 at run time and streams the weights once per window; each row's
+//! result does not depend on the other rows (batch invariance, [`net::qwen`](crate::net::qwen)).
 //!
-//! Which matrices: every linear layer (attention, MLP, MoE experts), the embedding table and the head. The
-//! router of a MoE layer stays as loaded (a few rows; its top-k decides which experts run). The embedding and
-//! the head are q8_0 in every format (the head's precision decides the logits; llama.cpp's q4_K_M keeps a
-//! 6-bit head for the same reason), so a tied checkpoint keeps one quantized table for both. A matrix whose
-//! rows do not split into whole blocks falls back to the next format down the chain that fits, as llama.cpp
-//! does for q4_K: q4_k (256 values) -> q5_0 (32) -> q8_0 (32); q5_0 -> q8_0; else it stays as loaded. (Qwen2.5's
-//! 896-wide 0.5B rows are 3.5 super-blocks: under q4_k its matrices that take 896-value rows are q5_0.)
+//! Which matrices: every linear layer (attention, MLP, MoE experts), the embedding table and the head. The router of a
+//! MoE layer stays as loaded (a few rows; its top-k decides which experts run). The embedding and the head are q8_0 in
+//! every format (the head's precision decides the logits; llama.cpp's q4_K_M keeps a 6-bit head for the same reason),
+//! so a tied checkpoint keeps one quantized table for both. A matrix whose rows do not split into whole blocks falls
+//! back to the next format down the chain that fits, as llama.cpp does for q4_K: q4_k (256 values) -> q5_0 (32) -> q8_0
+//! (32); q5_0 -> q8_0; else it stays as loaded. (Qwen2.5's 896-wide 0.5B rows are 3.5 super-blocks: under q4_k its
+//! matrices that take 896-value rows are q5_0.)
 
 use crate::error::{Error, Result};
 use candle_core::quantized::{GgmlDType, QTensor};

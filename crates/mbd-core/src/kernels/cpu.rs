@@ -1,7 +1,7 @@
 //! What this CPU can run: the one feature probe. Every kernel asks it and picks its own tiles from the answer
-//! (`skinny`: AVX-512 / AVX2 / portable tiles; `panels`: `Zmm` / `Ymm`; [`qdot::Isa`](crate::kernels::qdot::Isa); `vmath` and the blocked
-//! attention: AVX2 + FMA). `per_isa!` makes a loop's copies per instruction set and owns the pick among them
-//! (the Gated DeltaNet's recurrence and convolution).
+//! (`skinny`: AVX-512 / AVX2 / portable tiles; `panels`: `Zmm` / `Ymm`; [`qdot::Isa`](crate::kernels::qdot::Isa);
+//! `vmath` and the blocked attention: AVX2 + FMA). `per_isa!` makes a loop's copies per instruction set and owns the
+//! pick among them (the Gated DeltaNet's recurrence and convolution).
 
 use std::sync::OnceLock;
 

@@ -1,9 +1,10 @@
 //! mbd-rs's own CUDA kernels (`src/kernels/cuda/kernels.cu`, built to PTX by build.rs with the `cuda` feature): a
-//! decode window's attention in three launches per segment and layer (`prep`, then `attend`'s two), each residual
-//! add and the norm after it in one (`add_rms_norm`), `silu_mul` in one, and the logits rows' statistics
-//! (`row_stats`, for [`kernels::stats`](crate::kernels::stats)) in one, where candle's ops took tens of launches per
-//! layer and the forward was bound by the host launching them (the first GPU run: benches/results/cuda.md). [`Kernels::cuda_fused`](crate::kernels::Kernels::cuda_fused) turns them off for
-//! A/B runs. Without the `cuda` feature, `available` is false and nothing else is reachable.
+//! decode window's attention in three launches per segment and layer (`prep`, then `attend`'s two), each residual add
+//! and the norm after it in one (`add_rms_norm`), `silu_mul` in one, and the logits rows' statistics (`row_stats`, for
+//! [`kernels::stats`](crate::kernels::stats)) in one, where candle's ops took tens of launches per layer and the
+//! forward was bound by the host launching them (the first GPU run: benches/results/cuda.md).
+//! [`Kernels::cuda_fused`](crate::kernels::Kernels::cuda_fused) turns them off for A/B runs. Without the `cuda`
+//! feature, `available` is false and nothing else is reachable.
 
 use crate::error::Result;
 use candle_core::{DType, Device, Tensor};
@@ -24,12 +25,12 @@ pub fn available(dev: &Device, dtype: DType, heads: usize, kv_heads: usize, head
         && heads.is_multiple_of(kv_heads)
 }
 
-/// Whether a segment's attention runs in `attend` (else in candle's matmuls over `prep`'s output): `attend` reads
-/// every visible key once per (row, head), so its work grows as rows × keys × heads × head_dim, while candle's
-/// path pays its launches and the K cache's cast, a fixed cost per layer, and grows slowly with the window. On an
-/// H100 at the SDAR-1.7B shape (16 heads of 128) the two meet near 48k row-keys, where `FUSED_ATTENTION_WORK`
-/// sits (benches/results/cuda.md, "Measurements that stood in code comments"). Decided per segment, never per forward, so a segment computes the same way whatever shares its
-/// forward (batch invariance).
+/// Whether a segment's attention runs in `attend` (else in candle's matmuls over `prep`'s output): `attend` reads every
+/// visible key once per (row, head), so its work grows as rows × keys × heads × head_dim, while candle's path pays its
+/// launches and the K cache's cast, a fixed cost per layer, and grows slowly with the window. On an H100 at the
+/// SDAR-1.7B shape (16 heads of 128) the two meet near 48k row-keys, where `FUSED_ATTENTION_WORK` sits
+/// (benches/results/cuda.md, "Measurements that stood in code comments"). Decided per segment, never per forward, so a
+/// segment computes the same way whatever shares its forward (batch invariance).
 pub fn fused_attention(rows: usize, keys: usize, heads: usize, head_dim: usize) -> bool {
     rows.saturating_mul(keys).saturating_mul(heads).saturating_mul(head_dim) <= FUSED_ATTENTION_WORK
 }
@@ -343,10 +344,10 @@ mod imp {
         }
     }
 
-    /// The window's q/k/v from the stacked product: `qkv` (rows, heads + 2 kv_heads, D) contiguous, this
-    /// segment's rows `rows` = (first, count). q/k RMSNorm where `norms` = (q weight, k weight, eps) has a weight, RoPE from
-    /// the f32 tables `cos`/`sin` (rows, D/2) of the same stacked rows, K and V written into `cache` (each layer's
-    /// (kv_heads, capacity, D)) at slots p.. (the window's scratch). Returns q, (count, heads, D) f32.
+    /// The window's q/k/v from the stacked product: `qkv` (rows, heads + 2 kv_heads, D) contiguous, this segment's rows
+    /// `rows` = (first, count). q/k RMSNorm where `norms` = (q weight, k weight, eps) has a weight, RoPE from the f32
+    /// tables `cos`/`sin` (rows, D/2) of the same stacked rows, K and V written into `cache` (each layer's (kv_heads,
+    /// capacity, D)) at slots p.. (the window's scratch). Returns q, (count, heads, D) f32.
     #[allow(clippy::too_many_arguments)]
     pub fn prep(
         qkv: &Tensor,

@@ -1,12 +1,12 @@
-//! The gated delta rule (Qwen3.5's Gated DeltaNet recurrence), the causal depthwise convolution before it and the
-//! gated RMSNorm after it, in f32: on slices for the CPU, and as the three steps a forward and a commit take on
-//! tensors of the model's device (`window_rows`, `window_out`, `advance`: the host's functions on the CPU, mbd-rs's
-//! kernels on CUDA, so that a GPU's recurrent state never leaves it).
+//! The gated delta rule (Qwen3.5's Gated DeltaNet recurrence), the causal depthwise convolution before it and the gated
+//! RMSNorm after it, in f32: on slices for the CPU, and as the three steps a forward and a commit take on tensors of
+//! the model's device (`window_rows`, `window_out`, `advance`: the host's functions on the CPU, mbd-rs's kernels on
+//! CUDA, so that a GPU's recurrent state never leaves it).
 //!
-//! The recurrence runs token by token (not in chunks): every row updates the state the same way whatever rows come
-//! with it, so a sequence's state after n tokens has the same bits however its tokens were cut into windows, and a
-//! window's state after any of its rows can be found again by running the same rows ([`net::kv_cache`](crate::net::kv_cache) commits a
-//! prefix of a window that way). Block-diffusion windows are short (a few blocks), where the recurrence's
+//! The recurrence runs token by token (not in chunks): every row updates the state the same way whatever rows come with
+//! it, so a sequence's state after n tokens has the same bits however its tokens were cut into windows, and a window's
+//! state after any of its rows can be found again by running the same rows ([`net::kv_cache`](crate::net::kv_cache)
+//! commits a prefix of a window that way). Block-diffusion windows are short (a few blocks), where the recurrence's
 //! (value heads x key dim x value dim) work per token is a few percent of the token's matrix products.
 
 use rayon::prelude::*;
@@ -427,9 +427,9 @@ impl GdnParams {
 }
 
 /// Whether a layer's recurrence runs in mbd-rs's kernel on `dev`: a CUDA device, and heads the kernel takes
-/// ([`cuda::gdn_scan_fits`](crate::kernels::cuda::gdn_scan_fits): Qwen3.5's do). Other heads (the tests' tiny ones) run the host's functions on every
-/// device, their rows copied there and back. A forward's scan and a commit's ask the same question, so they
-/// always run the same arithmetic.
+/// ([`cuda::gdn_scan_fits`](crate::kernels::cuda::gdn_scan_fits): Qwen3.5's do). Other heads (the tests' tiny ones) run
+/// the host's functions on every device, their rows copied there and back. A forward's scan and a commit's ask the same
+/// question, so they always run the same arithmetic.
 fn on_gpu(dev: &candle_core::Device, sh: DeltaShape) -> bool {
     crate::kernels::cuda::runs_on(dev, candle_core::DType::F32)
         && crate::kernels::cuda::gdn_scan_fits(sh.dk, sh.dv, sh.k_heads, sh.v_heads)

@@ -1,15 +1,15 @@
 //! How a block format is held in groups of `GROUP` columns: the depth layouts of the packed product
-//! ([`panels::PackedMatrix`](crate::kernels::panels::PackedMatrix)) and the scale records that both it and the integer dot products ([`qdot::DotMatrix`](crate::kernels::qdot::DotMatrix))
-//! use, one record per block of the format.
+//! ([`panels::PackedMatrix`](crate::kernels::panels::PackedMatrix)) and the scale records that both it and the integer
+//! dot products ([`qdot::DotMatrix`](crate::kernels::qdot::DotMatrix)) use, one record per block of the format.
 
 use crate::kernels::blocks::QuantFormat;
 
 /// Output columns per group of a packed matrix (the register tile's width).
 pub(crate) const GROUP: usize = 16;
 
-/// How a block format is held packed (in a [`PackedMatrix`](crate::kernels::panels::PackedMatrix)), per group of `GROUP` columns: `step` bytes per depth
-/// (the group's values at that depth), and the scales in records of `sbytes` bytes, one per `sblock` depths (one
-/// per block of the format).
+/// How a block format is held packed (in a [`PackedMatrix`](crate::kernels::panels::PackedMatrix)), per group of
+/// `GROUP` columns: `step` bytes per depth (the group's values at that depth), and the scales in records of `sbytes`
+/// bytes, one per `sblock` depths (one per block of the format).
 #[derive(Clone, Copy)]
 pub(crate) struct Layout {
     pub(crate) step: usize,

@@ -1,19 +1,20 @@
 //! `x · Wᵀ` on the CPU in f32 for windows of few rows (a decode window: 1 to a few dozen tokens).
 //!
-//! candle's CPU matmul (the `gemm` crate) packs the weight matrix into panels on every call; when x has a
-//! handful of rows that repacking costs more than the arithmetic (on the 0.5B shape a 4-row product took several
-//! times a 1-row one, where streaming the weight once should make them about equal: benches/results/cpu-forward.md).
-//! This kernel streams each weight row once from memory and keeps a small tile of x and accumulators in
-//! registers: 4 weight rows × up to 4 x rows per tile, `L` f32 lanes each. It is split over output columns on
-//! the rayon pool it is called from (the engine's, see `on_cpu_pool`; candle's matmul parallelises on it too)
-//! and picks AVX-512 / AVX2+FMA at run time. Weights may be f32 or bf16 (widened in registers).
+//! candle's CPU matmul (the `gemm` crate) packs the weight matrix into panels on every call; when x has a handful of
+//! rows that repacking costs more than the arithmetic (on the 0.5B shape a 4-row product took several times a 1-row
+//! one, where streaming the weight once should make them about equal: benches/results/cpu-forward.md). This kernel
+//! streams each weight row once from memory and keeps a small tile of x and accumulators in registers: 4 weight rows ×
+//! up to 4 x rows per tile, `L` f32 lanes each. It is split over output columns on the rayon pool it is called from
+//! (the engine's, see `on_cpu_pool`; candle's matmul parallelises on it too) and picks AVX-512 / AVX2+FMA at run time.
+//! Weights may be f32 or bf16 (widened in registers).
 //!
-//! Numerics: each output is one f32 dot product summed in `L` lane-wise partial sums then reduced; the
-//! result differs from gemm's only by summation order.
+//! Numerics: each output is one f32 dot product summed in `L` lane-wise partial sums then reduced; the result differs
+//! from gemm's only by summation order.
 //!
-//! On CPUs with the packed product (x86-64, AVX2 + FMA) dense matrices are packed at load ([`panels::PackedMatrix`](crate::kernels::panels::PackedMatrix))
-//! and every window goes there (`linear_packed`), as are quantized ones; this kernel then takes row-major and
-//! quantized matrices where packing is off ([`Kernels::packed_weights`](crate::kernels::Kernels::packed_weights)) or unavailable.
+//! On CPUs with the packed product (x86-64, AVX2 + FMA) dense matrices are packed at load
+//! ([`panels::PackedMatrix`](crate::kernels::panels::PackedMatrix)) and every window goes there (`linear_packed`), as
+//! are quantized ones; this kernel then takes row-major and quantized matrices where packing is off
+//! ([`Kernels::packed_weights`](crate::kernels::Kernels::packed_weights)) or unavailable.
 
 use crate::kernels::blocks::QMatrix;
 #[cfg(target_arch = "x86_64")]
@@ -447,11 +448,11 @@ mod x86 {
         };
     }
 
-    /// Columns [n0, n0 + nw) of y = x · Wᵀ for a q4_k (or q5_k, q2_k) W and a few x rows (`fused_rows`), dequantizing in
-    /// registers: a super-block of each of the C weight rows decoded to bytes (`$ints`), then per sub-block of
-    /// `$sl` values (32; q2_k 16) the value (d·sc)·q − dmin·m (`$factors`: each sub-block's d·sc and dmin·m) and
-    /// the multiply-adds in the order of the f32 tile over the dequantized scratch, so the same bits. `$bb`: bytes
-    /// per super-block.
+    /// Columns [n0, n0 + nw) of y = x · Wᵀ for a q4_k (or q5_k, q2_k) W and a few x rows (`fused_rows`), dequantizing
+    /// in registers: a super-block of each of the C weight rows decoded to bytes (`$ints`), then per sub-block of `$sl`
+    /// values (32; q2_k 16) the value (d·sc)·q − dmin·m (`$factors`: each sub-block's d·sc and dmin·m) and the
+    /// multiply-adds in the order of the f32 tile over the dequantized scratch, so the same bits. `$bb`: bytes per
+    /// super-block.
     macro_rules! q4k_fused_fn {
         ($name:ident, $feature:literal, $lanes:literal, $zero:ident, $loadx:ident, $loadq:ident, $set1:ident, $mul:ident, $sub:ident, $fma:ident, $sum:ident, $bb:literal, $ints:ident, $sl:literal, $factors:ident) => {
             #[target_feature(enable = $feature)]

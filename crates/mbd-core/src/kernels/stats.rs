@@ -12,10 +12,10 @@ use rayon::prelude::*;
 /// (argmax, entropy, max probability) of one row.
 pub type RowStats = (u32, f64, f64);
 
-/// One row's argmax (ties -> lowest id), entropy and max probability of softmax(row), in two passes: the max,
-/// then Z = Σ e^(x - m) and S = Σ e^(x - m)(x - m) ([`vmath::softmax_sums`](crate::kernels::vmath::softmax_sums): terms in f32, sums in f64), so that
-/// H = -Σ p log p = ln Z - S / Z and max p = 1 / Z. A NaN anywhere (or an infinite logit) makes the entropy NaN,
-/// which the sampler reports as broken logits.
+/// One row's argmax (ties -> lowest id), entropy and max probability of softmax(row), in two passes: the max, then Z =
+/// Σ e^(x - m) and S = Σ e^(x - m)(x - m) ([`vmath::softmax_sums`](crate::kernels::vmath::softmax_sums): terms in f32,
+/// sums in f64), so that H = -Σ p log p = ln Z - S / Z and max p = 1 / Z. A NaN anywhere (or an infinite logit) makes
+/// the entropy NaN, which the sampler reports as broken logits.
 pub fn row_stats(row: &[f32]) -> RowStats {
     let mut best = 0usize;
     for (i, &x) in row.iter().enumerate() {

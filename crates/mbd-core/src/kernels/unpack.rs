@@ -86,9 +86,10 @@ pub(crate) mod x86 {
         buf.as_ptr() as *const u8
     }
 
-    /// A q6_k super-block's 256 values q − 32 as i8 ([`quant::q6k_value`](crate::kernels::blocks::q6k_value)), decoded into `buf`: per half, the 32
-    /// bytes of `qh` give each quarter's fifth and sixth bits (shifted to bits 4-5 in 16-bit lanes, where no bit
-    /// crosses into the masked byte), OR-ed into the low or high nibbles of `ql`'s first or second 32 bytes.
+    /// A q6_k super-block's 256 values q − 32 as i8 ([`blocks::q6k_value`](crate::kernels::blocks::q6k_value)), decoded
+    /// into `buf`: per half, the 32 bytes of `qh` give each quarter's fifth and sixth bits (shifted to bits 4-5 in
+    /// 16-bit lanes, where no bit crosses into the masked byte), OR-ed into the low or high nibbles of `ql`'s first or
+    /// second 32 bytes.
     #[inline]
     #[target_feature(enable = "avx2")]
     pub(crate) unsafe fn q6_ints(block: *const u8, buf: &mut [i8; 256]) {
@@ -112,9 +113,9 @@ pub(crate) mod x86 {
         }
     }
 
-    /// A q3_k super-block's 256 values in [−4, 3] as i8 ([`quant::q3k_value`](crate::kernels::blocks::q3k_value)), decoded into `buf`: per half, quarter
-    /// g is bits 2g, 2g + 1 of the half's 32 `qs` bytes (at 32), plus 4 where bit 4·half + g of the 32 `hmask`
-    /// bytes (at 0) is set, minus 4.
+    /// A q3_k super-block's 256 values in [−4, 3] as i8 ([`blocks::q3k_value`](crate::kernels::blocks::q3k_value)),
+    /// decoded into `buf`: per half, quarter g is bits 2g, 2g + 1 of the half's 32 `qs` bytes (at 32), plus 4 where bit
+    /// 4·half + g of the 32 `hmask` bytes (at 0) is set, minus 4.
     #[inline]
     #[target_feature(enable = "avx2")]
     pub(crate) unsafe fn q3k_ints(block: *const u8, buf: &mut [i8; 256]) {
@@ -134,8 +135,8 @@ pub(crate) mod x86 {
         }
     }
 
-    /// A q2_k super-block's 256 values 0-3 as bytes ([`quant::q2k_value`](crate::kernels::blocks::q2k_value)), decoded into `buf`: per half, quarter g is
-    /// bits 2g, 2g + 1 of the half's 32 `qs` bytes (at 16).
+    /// A q2_k super-block's 256 values 0-3 as bytes ([`blocks::q2k_value`](crate::kernels::blocks::q2k_value)), decoded
+    /// into `buf`: per half, quarter g is bits 2g, 2g + 1 of the half's 32 `qs` bytes (at 16).
     #[inline]
     #[target_feature(enable = "avx2")]
     pub(crate) unsafe fn q2k_ints(block: *const u8, buf: &mut [i8; 256]) {
@@ -214,9 +215,10 @@ pub(crate) mod x86 {
         }
     }
 
-    /// A q5_k super-block's 256 values 0-31 as bytes in value order ([`quant::q5k_value`](crate::kernels::blocks::q5k_value)): q4_k's nibbles (`qs`
-    /// at byte 48) with bit j of each of the 32 `qh` bytes (at 16) as sub-block j's fifth bit (shifted down in
-    /// 16-bit lanes, masked to bit 0 of each byte, moved to bit 4).
+    /// A q5_k super-block's 256 values 0-31 as bytes in value order
+    /// ([`blocks::q5k_value`](crate::kernels::blocks::q5k_value)): q4_k's nibbles (`qs` at byte 48) with bit j of each
+    /// of the 32 `qh` bytes (at 16) as sub-block j's fifth bit (shifted down in 16-bit lanes, masked to bit 0 of each
+    /// byte, moved to bit 4).
     #[inline]
     #[target_feature(enable = "avx2")]
     pub(crate) unsafe fn q5k_ints(block: *const u8, buf: &mut [i8; 256]) {

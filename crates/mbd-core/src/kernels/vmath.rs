@@ -6,7 +6,7 @@
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86::{exp8, exp_scalar};
 
-/// Whether this CPU runs the vectorised code (x86-64 with AVX2 and FMA: [`Cpu::avx2_fma`](crate::kernels::cpu::Cpu::avx2)).
+/// Whether this CPU runs the vectorised code (x86-64 with AVX2 and FMA: [`Cpu::avx2`](crate::kernels::cpu::Cpu::avx2)).
 pub fn has_avx2_fma() -> bool {
     crate::kernels::cpu::Cpu::get().avx2_fma
 }
@@ -30,10 +30,10 @@ pub fn silu_mul_scalar(g: &[f32], u: &[f32], y: &mut [f32]) {
     }
 }
 
-/// (Z, S) = (Σ e^(x − m), Σ e^(x − m)·(x − m)) over `row`, for m its maximum: each term in f32 (e·d rounded in
-/// f32), the sums in f64. The softmax statistics of [`sampling::row_stats`](crate::kernels::stats::row_stats) (entropy ln Z − S/Z, max probability
-/// 1/Z). Vectorised where the CPU has AVX2 and FMA (e^d within 2 ulp; sums within 1e-6 of f64), else
-/// `softmax_sums_scalar`.
+/// (Z, S) = (Σ e^(x − m), Σ e^(x − m)·(x − m)) over `row`, for m its maximum: each term in f32 (e·d rounded in f32),
+/// the sums in f64. The softmax statistics of [`stats::row_stats`](crate::kernels::stats::row_stats) (entropy ln Z −
+/// S/Z, max probability 1/Z). Vectorised where the CPU has AVX2 and FMA (e^d within 2 ulp; sums within 1e-6 of f64),
+/// else `softmax_sums_scalar`.
 pub fn softmax_sums(row: &[f32], m: f32) -> (f64, f64) {
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {

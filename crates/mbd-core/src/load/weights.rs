@@ -349,10 +349,10 @@ impl Weights {
         Ok(Self::from_shards(shards, index, device, dtype, keep_bf16))
     }
 
-    /// The tensors of a GGUF file ([`crate::gguf`](crate::load::gguf)), under the Hugging Face names the model asks for. Block-format
-    /// matrices our kernel multiplies (q8_0, q4_0, q5_0, q2_k..q6_k) are kept as stored on the CPU in float32; other block
-    /// formats are dequantized at load and held as q8_0 (or in the `quantize` format when one is asked for); on
-    /// other devices every matrix is dequantized to the compute dtype.
+    /// The tensors of a GGUF file ([`load::gguf`](crate::load::gguf)), under the Hugging Face names the model asks for.
+    /// Block-format matrices our kernel multiplies (q8_0, q4_0, q5_0, q2_k..q6_k) are kept as stored on the CPU in
+    /// float32; other block formats are dequantized at load and held as q8_0 (or in the `quantize` format when one is
+    /// asked for); on other devices every matrix is dequantized to the compute dtype.
     pub fn open_gguf(g: &crate::load::gguf::GgufFile, device: &Device, dtype: DType, keep_bf16: bool) -> Result<Self> {
         if cfg!(target_endian = "big") {
             return Err(Error::load("GGUF files are little-endian; big-endian hosts are not supported"));

@@ -34,8 +34,9 @@ pub struct ModelInfo {
     pub num_experts_per_tok: Option<usize>,
     pub mask_token_id: Option<u32>,
     pub block_size: usize,
-    /// The family's decoding defaults ([`Profile::decode_defaults`](crate::params::profile::Profile::decode_defaults)), what a request that leaves them unset decodes
-    /// with: acceptance policy, tau, alpha, beta, forced progress, sub-block size.
+    /// The family's decoding defaults ([`Profile::decode_defaults`](crate::params::profile::Profile::decode_defaults)),
+    /// what a request that leaves them unset decodes with: acceptance policy, tau, alpha, beta, forced progress,
+    /// sub-block size.
     pub default_acceptance: String,
     pub default_threshold: f64,
     pub default_block_add_threshold: f64,

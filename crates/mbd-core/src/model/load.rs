@@ -182,7 +182,8 @@ fn weight_format(held: &HeldMatrices) -> Result<String> {
     Ok(parts.join("+"))
 }
 
-/// The load's warnings ([`ModelInfo::warnings`](crate::model::info::ModelInfo::warnings)): a `quantize` option that quantized no matrix.
+/// The load's warnings ([`ModelInfo::warnings`](crate::model::info::ModelInfo::warnings)): a `quantize` option that
+/// quantized no matrix.
 fn load_warnings(opts: &LoadOptions, held: &HeldMatrices, format: &str) -> Vec<String> {
     match opts.quantize {
         Some(q) if held.quantized == 0 => vec![format!(
@@ -195,8 +196,8 @@ fn load_warnings(opts: &LoadOptions, held: &HeldMatrices, format: &str) -> Vec<S
 }
 
 impl Model {
-    /// Load a model directory (config.json, tokenizer.json, safetensors) or a GGUF file ([`load::gguf`](crate::load::gguf)): the
-    /// checklist, each step owned by its wing.
+    /// Load a model directory (config.json, tokenizer.json, safetensors) or a GGUF file
+    /// ([`load::gguf`](crate::load::gguf)): the checklist, each step owned by its wing.
     pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Model> {
         let src = Source::open(dir)?;
         let (cfg_map, cfg_file) = src.config(dir)?;

@@ -28,7 +28,8 @@ pub struct Model {
     pub profile: Profile,
     /// The network built from the weights: reached through `Model`'s calls (`forward_segments`, `new_cache`, ...).
     pub(crate) net: QwenNet,
-    /// What the forwards keep between calls: the step buffers and the CUDA graphs ([`net::forward`](crate::net::forward)).
+    /// What the forwards keep between calls: the step buffers and the CUDA graphs
+    /// ([`net::forward`](crate::net::forward)).
     runner: Runner,
     pub tokenizer: tokenizers::Tokenizer,
     pub num_parameters: usize,
@@ -40,7 +41,8 @@ pub struct Model {
     pub weight_format: String,
     /// What the load warns about (a `quantize` option that quantized nothing); Python's Engine.load warns each.
     pub load_warnings: Vec<String>,
-    /// The quantized matrices multiply activations rounded to 8 bits ([`LoadOptions::int8_activations`](crate::params::load::LoadOptions::int8_activations)).
+    /// The quantized matrices multiply activations rounded to 8 bits
+    /// ([`LoadOptions::int8_activations`](crate::params::load::LoadOptions::int8_activations)).
     pub int8_activations: bool,
     pub chat_template: Option<ChatTemplate>,
     /// UTF-8 bytes of the longest token string (bounds the text a prompt can have and still fit the context).
@@ -55,7 +57,8 @@ impl Model {
         self.net.new_cache()
     }
 
-    /// One forward over several sequences' windows ([`net::forward::Runner::forward_segments`](crate::net::forward::Runner::forward_segments)): per segment, in
+    /// One forward over several sequences' windows
+    /// ([`net::forward::Runner::forward_segments`](crate::net::forward::Runner::forward_segments)): per segment, in
     /// order, its rows' logits ((rows, vocab) f32). Each window's K/V are left in its cache's scratch area.
     pub fn forward_segments(&self, segs: &mut [Segment<'_>]) -> Result<Vec<Tensor>> {
         self.runner.forward_segments(&self.net, segs)
@@ -110,15 +113,16 @@ impl Model {
         self.net.key_equivalent()
     }
 
-    /// Counts of the CUDA graphs of this model's forwards ([`Kernels::cuda_graphs`](crate::kernels::Kernels::cuda_graphs); zeros elsewhere).
+    /// Counts of the CUDA graphs of this model's forwards
+    /// ([`Kernels::cuda_graphs`](crate::kernels::Kernels::cuda_graphs); zeros elsewhere).
     pub fn graph_stats(&self) -> GraphStats {
         self.runner.graph_stats()
     }
 
     /// Forward `ids` (at positions `cache.len()..`) under `grid` into the cache and commit them (on the caller's
-    /// thread: run it on the engine's pool, as [`Generation::step`](crate::generate::generation::Generation::step) does), in chunks of
-    /// about `PREFILL_CHUNK` positions that end on block boundaries (a block's positions see each other, so a
-    /// block is never split). Returns the logits of the last position, (1, V) f32.
+    /// thread: run it on the engine's pool, as [`Generation::step`](crate::generate::generation::Generation::step)
+    /// does), in chunks of about `PREFILL_CHUNK` positions that end on block boundaries (a block's positions see each
+    /// other, so a block is never split). Returns the logits of the last position, (1, V) f32.
     pub fn fill_cache(&self, cache: &mut KvCache, ids: &[u32], grid: &BlockGrid) -> Result<Tensor> {
         if ids.is_empty() {
             return Err(Error::Internal("fill_cache: no tokens".into()));

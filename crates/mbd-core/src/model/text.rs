@@ -10,7 +10,8 @@ const PLACEHOLDER_OPEN: char = '\u{E000}';
 const PLACEHOLDER_CLOSE: char = '\u{E001}';
 
 impl Model {
-    /// Token ids from a caller, checked against the vocabulary ([`request::token_ids`](crate::params::request::token_ids) owns the rule).
+    /// Token ids from a caller, checked against the vocabulary
+    /// ([`request::token_ids`](crate::params::request::token_ids) owns the rule).
     pub fn token_ids(&self, name: &str, ids: &[i64]) -> Result<Vec<u32>> {
         token_ids(name, ids, self.config.vocab_size)
     }

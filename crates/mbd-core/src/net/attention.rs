@@ -95,7 +95,8 @@ pub(crate) fn cpu_f32(s: &candle_core::Storage, offset: usize, n: usize) -> Resu
 pub(crate) enum AttnPath {
     /// candle's ops: scores per query chunk, an additive mask, softmax, a second matmul.
     Candle,
-    /// [`kernels::attention::attend`](crate::kernels::attention::attend), the blocked CPU kernel (f32 on x86-64 with AVX2 and FMA).
+    /// [`kernels::attention::attend`](crate::kernels::attention::attend), the blocked CPU kernel (f32 on x86-64 with
+    /// AVX2 and FMA).
     Blocked,
     /// [`cuda::prep`] and [`cuda::attend`], mbd-rs's CUDA kernels.
     Fused,
@@ -137,8 +138,8 @@ pub(crate) struct ForwardAttention {
 }
 
 /// What [`cuda::prep_segments`] and [`cuda::attend_segments`] read, on the device, in the forward's one upload
-/// ([`net::step`](crate::net::step)): the segment table ([`cuda::segment_table`]) and, per cache layer, each segment's K and V addresses
-/// (layers × 2 · segments 8-byte addresses, 4 · segments words per layer).
+/// ([`net::step`](crate::net::step)): the segment table ([`cuda::segment_table`]) and, per cache layer, each segment's
+/// K and V addresses (layers × 2 · segments 8-byte addresses, 4 · segments words per layer).
 struct Together {
     table: Tensor,
     kv: Tensor,
@@ -301,8 +302,8 @@ impl ForwardAttention {
     }
 
     /// mbd-rs's CUDA kernels ([`AttnPath::Fused`]): per segment, q/k norms + RoPE + the K/V cache write in one launch
-    /// ([`cuda::prep`]), attention over the segment's key ranges in two ([`cuda::attend`]), or candle's matmuls for a long
-    /// window over a long cache; or every segment in those three launches (`Together`). `qkv`: the stacked (rows,
+    /// ([`cuda::prep`]), attention over the segment's key ranges in two ([`cuda::attend`]), or candle's matmuls for a
+    /// long window over a long cache; or every segment in those three launches (`Together`). `qkv`: the stacked (rows,
     /// heads + 2 · kv heads, head_dim) projections, contiguous; `norms`: the q and k norms' weights and their eps.
     /// Returns (rows, heads · head_dim).
     pub(crate) fn fused(
@@ -413,8 +414,8 @@ impl ForwardAttention {
 /// The query chunks of one segment and their additive masks: one chunk (the mask built once) unless the scores
 /// of the whole window exceed [`Kernels::attention_score_bytes`], then chunks whose masks are built when used.
 struct QueryChunks {
-    /// Per row, the key ranges it sees, when this segment's attention runs in [`attention::attend`](crate::kernels::attention::attend) (the blocked
-    /// CPU kernel); then no mask is built.
+    /// Per row, the key ranges it sees, when this segment's attention runs in
+    /// [`attention::attend`](crate::kernels::attention::attend) (the blocked CPU kernel); then no mask is built.
     visible: Option<Vec<Vec<std::ops::Range<usize>>>>,
     /// The segment's key ranges on the device in [`cuda::ranges_layout`], when its attention runs in [`cuda::attend`]
     /// ([`cuda::fused_attention`]); a segment of a `prep` forward without them takes candle's matmuls and masks.

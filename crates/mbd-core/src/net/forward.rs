@@ -1,16 +1,16 @@
 //! The forward runner: one forward over segments for any architecture (`Network`), the one place that checks a
-//! forward's segments, stacks their rows, uploads what the device reads, decides whether a CUDA graph runs the
-//! layers ([`crate::net::graph`]), and runs the head over the rows whose logits are wanted.
+//! forward's segments, stacks their rows, uploads what the device reads, decides whether a CUDA graph runs the layers
+//! ([`crate::net::graph`]), and runs the head over the rows whose logits are wanted.
 //!
-//! An architecture ([`net::qwen::QwenNet`](crate::net::qwen::QwenNet), and any file beside it) gives the runner its layers and its head through
-//! [`Network`]; what is the same for every architecture lives here:
-//! - the checks of each segment (a non-empty window, its positions, its logits rows, its mask), before anything
-//!   is allocated, and the activations' memory for long forwards ([`crate::util::check_alloc`]);
-//! - the stacking: few-row windows first (one product for all of them), then each long window alone
+//! An architecture ([`net::qwen::QwenNet`](crate::net::qwen::QwenNet), and any file beside it) gives the runner its
+//! layers and its head through [`Network`]; what is the same for every architecture lives here:
+//! -  the checks of each segment (a non-empty window, its positions, its logits rows, its mask), before anything is
+//!   allocated, and the activations' memory for long forwards ([`crate::util::check_alloc`]);
+//! -  the stacking: few-row windows first (one product for all of them), then each long window alone
 //!   ([`Groups::stack`]), and the logits rows cut the same way;
-//! - the step: the ids, positions, attention tables and logits rows in one upload ([`crate::net::step`]);
-//! - the head: the rows asked for gathered, then the architecture's final norm and vocabulary product, split back
-//!   into each segment's logits.
+//! -  the step: the ids, positions, attention tables and logits rows in one upload ([`crate::net::step`]);
+//! -  the head: the rows asked for gathered, then the architecture's final norm and vocabulary product, split back into
+//!   each segment's logits.
 
 use crate::error::{Error, Result};
 use crate::kernels::Kernels;
@@ -113,10 +113,10 @@ impl Runner {
         self.graphs.stats()
     }
 
-    /// One forward of `net` over several sequences' windows. Returns, per segment (in order), its rows' logits
-    /// ((rows, vocab) f32, in the order of `rows`). Each window's K/V are left in its cache's scratch area. Run it
-    /// on the engine's CPU pool on the CPU ([`cpu_pool::on_device_pool`](crate::cpu_pool::on_device_pool)); ids are in the vocabulary (the caller
-    /// checked them: [`request::token_ids`](crate::params::request::token_ids)).
+    /// One forward of `net` over several sequences' windows. Returns, per segment (in order), its rows' logits ((rows,
+    /// vocab) f32, in the order of `rows`). Each window's K/V are left in its cache's scratch area. Run it on the
+    /// engine's CPU pool on the CPU ([`cpu_pool::on_device_pool`](crate::cpu_pool::on_device_pool)); ids are in the
+    /// vocabulary (the caller checked them: [`request::token_ids`](crate::params::request::token_ids)).
     pub(crate) fn forward_segments(&self, net: &impl Network, segs: &mut [Segment<'_>]) -> Result<Vec<Tensor>> {
         if segs.is_empty() {
             return Ok(vec![]);

@@ -1,11 +1,12 @@
 //! Qwen3.5's Gated DeltaNet token mixer (transformers' `Qwen3_5GatedDeltaNet`): in_proj_qkv / z / b / a, a causal
-//! depthwise convolution with SiLU over q, k and v, L2-normalised q and k, the gated delta rule with decay
-//! g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b), a gated RMSNorm with z, out_proj.
+//! depthwise convolution with SiLU over q, k and v, L2-normalised q and k, the gated delta rule with decay g =
+//! -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b), a gated RMSNorm with z, out_proj.
 //!
 //! The layer is causal whatever the block-diffusion mask: each segment's window rows run in order from its cache's
-//! committed state ([`kv_cache::Recurrent`](crate::net::kv_cache::Recurrent)), which the forward leaves as it was; the rows' recurrence inputs stay in
-//! the cache so that a commit advances the state over exactly the committed rows. Everything after the projections
-//! runs in f32 on the model's device ([`kernels::delta_rule`](crate::kernels::delta_rule)).
+//! committed state ([`kv_cache::Recurrent`](crate::net::kv_cache::Recurrent)), which the forward leaves as it was; the
+//! rows' recurrence inputs stay in the cache so that a commit advances the state over exactly the committed rows.
+//! Everything after the projections runs in f32 on the model's device
+//! ([`kernels::delta_rule`](crate::kernels::delta_rule)).
 
 use crate::error::{Error, Result};
 use crate::kernels::delta_rule::{window_out, window_rows, DeltaShape, GdnParams};
@@ -91,10 +92,11 @@ impl GatedDeltaNet {
         self.proj.row_invariant() && self.out.w.row_invariant()
     }
 
-    /// The mixer's output for every segment's window rows (stacked: segment i at rows `spans[i]`), each segment's
-    /// rows continuing its cache's GDN layer `slot` from the committed state; the rows' recurrence inputs are left
-    /// in the cache for its commit. Everything after the projections stays on the model's device
-    /// ([`kernels::delta_rule`](crate::kernels::delta_rule): the host's functions on the CPU, two kernel launches per segment on CUDA).
+    /// The mixer's output for every segment's window rows (stacked: segment i at rows `spans[i]`), each segment's rows
+    /// continuing its cache's GDN layer `slot` from the committed state; the rows' recurrence inputs are left in the
+    /// cache for its commit. Everything after the projections stays on the model's device
+    /// ([`kernels::delta_rule`](crate::kernels::delta_rule): the host's functions on the CPU, two kernel launches per
+    /// segment on CUDA).
     pub(crate) fn forward(
         &self,
         x: &Tensor,

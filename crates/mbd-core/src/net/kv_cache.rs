@@ -1,14 +1,14 @@
-//! A preallocated per-layer KV cache for one sequence: `len` committed positions, followed by a scratch
-//! window that each forward overwrites. Committing the window's first n rows only advances `len` (no copy);
-//! any other slice of the window can be committed at any offset up to `len` (copied), and `truncate` rewinds:
-//! the primitives of S2D2 verification (keep the verified K/V of a window's second half) and of approximate
-//! caches (refresh from an offset).
+//! A preallocated per-layer KV cache for one sequence: `len` committed positions, followed by a scratch window that
+//! each forward overwrites. Committing the window's first n rows only advances `len` (no copy); any other slice of the
+//! window can be committed at any offset up to `len` (copied), and `truncate` rewinds: the primitives of S2D2
+//! verification (keep the verified K/V of a window's second half) and of approximate caches (refresh from an offset).
 //!
-//! A hybrid model (Qwen3.5) also keeps, per Gated DeltaNet layer, its recurrent state and convolution history at
-//! the committed frontier (`Recurrent`). A forward starts from them and leaves its rows' recurrence inputs; committing
-//! the window's first n rows runs the recurrence over those rows (the same arithmetic as the forward's scan, so the
-//! same bits: [`kernels::delta_rule`](crate::kernels::delta_rule)), never a state that saw the rows after them. A recurrent state cannot be rewound
-//! or spliced: committing other rows than a prefix, or truncating to a non-zero length, is refused.
+//! A hybrid model (Qwen3.5) also keeps, per Gated DeltaNet layer, its recurrent state and convolution history at the
+//! committed frontier (`Recurrent`). A forward starts from them and leaves its rows' recurrence inputs; committing the
+//! window's first n rows runs the recurrence over those rows (the same arithmetic as the forward's scan, so the same
+//! bits: [`kernels::delta_rule`](crate::kernels::delta_rule)), never a state that saw the rows after them. A recurrent
+//! state cannot be rewound or spliced: committing other rows than a prefix, or truncating to a non-zero length, is
+//! refused.
 
 use crate::error::{Error, Result};
 use crate::kernels::delta_rule::{advance, DeltaShape};
@@ -44,8 +44,9 @@ pub(crate) struct Recurrent {
     pub(crate) window: Option<RecurrentWindow>,
 }
 
-/// A forward's window rows as the recurrence took them ([`delta_rule::window_rows`](crate::kernels::delta_rule::window_rows)) and their projected rows
-/// (rows, width) f32, whose first conv_dim columns are the convolution's inputs.
+/// A forward's window rows as the recurrence took them
+/// ([`delta_rule::window_rows`](crate::kernels::delta_rule::window_rows)) and their projected rows (rows, width) f32,
+/// whose first conv_dim columns are the convolution's inputs.
 pub(crate) struct RecurrentWindow {
     pub(crate) p: Tensor,
     pub(crate) rows: Tensor,

@@ -99,10 +99,11 @@ impl RmsNorm {
     }
 }
 
-/// silu(g) · u, the MLP's gate, from `gu` = (rows, 2I): g its first I columns, u the last I. On the CPU one pass
-/// over f32 rows, in parallel for long windows (candle's unary and binary maps run on one thread and allocate
-/// twice), e^-g vectorised where the CPU has AVX2 and FMA ([`vmath::silu_mul`](crate::kernels::vmath::silu_mul), within a few ulp of candle's silu,
-/// whose scalar `expf` took a visible share of a forward), else candle's formula. On CUDA one launch ([`cuda::silu_mul`](crate::kernels::cuda::silu_mul), in f32).
+/// silu(g) · u, the MLP's gate, from `gu` = (rows, 2I): g its first I columns, u the last I. On the CPU one pass over
+/// f32 rows, in parallel for long windows (candle's unary and binary maps run on one thread and allocate twice), e^-g
+/// vectorised where the CPU has AVX2 and FMA ([`vmath::silu_mul`](crate::kernels::vmath::silu_mul), within a few ulp of
+/// candle's silu, whose scalar `expf` took a visible share of a forward), else candle's formula. On CUDA one launch
+/// ([`cuda::silu_mul`](crate::kernels::cuda::silu_mul), in f32).
 pub(crate) fn silu_mul(gu: &Tensor, k: &Kernels) -> Result<Tensor> {
     if gu.device().is_cpu() && gu.dtype() == DType::F32 {
         return Ok(gu.contiguous()?.apply_op1_no_bwd(&SiluMul)?);

@@ -21,10 +21,11 @@ use std::cell::RefCell;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-/// A weight matrix (n, k) as the model holds it: as loaded (f32, or bf16 on the CPU), packed at load for the
-/// packed product ([`panels::PackedMatrix`](crate::kernels::panels::PackedMatrix): dense f32 or bf16 on a CPU that has it), quantized, quantized and
-/// held for integer dot products on 8-bit activations ([`qdot::DotMatrix`](crate::kernels::qdot::DotMatrix), the `int8_activations` option), or
-/// quantized as candle's tensor on the device (`Candle`: CUDA's quantized weights).
+/// A weight matrix (n, k) as the model holds it: as loaded (f32, or bf16 on the CPU), packed at load for the packed
+/// product ([`panels::PackedMatrix`](crate::kernels::panels::PackedMatrix): dense f32 or bf16 on a CPU that has it),
+/// quantized, quantized and held for integer dot products on 8-bit activations
+/// ([`qdot::DotMatrix`](crate::kernels::qdot::DotMatrix), the `int8_activations` option), or quantized as candle's
+/// tensor on the device (`Candle`: CUDA's quantized weights).
 #[derive(Clone)]
 pub enum Matrix {
     Dense(Tensor),
@@ -50,8 +51,8 @@ impl Matrix {
     }
 
     /// A quantized matrix as the model holds it: packed where `pack` ([`Kernels::packs`]) and the CPU has the packed
-    /// product ([`panels::PackedMatrix::from_quant`](crate::kernels::panels::PackedMatrix::from_quant): the same values, regrouped, multiplied like a packed dense
-    /// matrix), else as it is.
+    /// product ([`panels::PackedMatrix::from_quant`](crate::kernels::panels::PackedMatrix::from_quant): the same
+    /// values, regrouped, multiplied like a packed dense matrix), else as it is.
     pub fn quant(q: QMatrix, pack: bool) -> Result<Matrix> {
         if pack {
             if let Some(p) = PackedMatrix::from_quant(&q)? {
@@ -76,8 +77,8 @@ impl Matrix {
         }
     }
 
-    /// `x · wᵀ` (`few`: the rows are few-row windows, see [`skinny::few_rows`](crate::net::linear::few_rows); a packed matrix computes every
-    /// window the same way).
+    /// `x · wᵀ` (`few`: the rows are few-row windows, see [`linear::few_rows`](crate::net::linear::few_rows); a packed
+    /// matrix computes every window the same way).
     pub fn linear(&self, x: &Tensor, k: &Kernels, few: bool) -> candle_core::Result<Tensor> {
         match self {
             Matrix::Dense(w) => linear(x, w, k, few),
@@ -132,9 +133,9 @@ impl Matrix {
         }
     }
 
-    /// Whether a product's row is the same bits whatever rows share the call and however the rows are cut (few
-    /// or long windows): true for matrices packed at load and those held for integer dot products, whose every
-    /// element is computed alone (see [`kernels::panels`](crate::kernels::panels) and [`kernels::qdot`](crate::kernels::qdot)).
+    /// Whether a product's row is the same bits whatever rows share the call and however the rows are cut (few or long
+    /// windows): true for matrices packed at load and those held for integer dot products, whose every element is
+    /// computed alone (see [`kernels::panels`](crate::kernels::panels) and [`kernels::qdot`](crate::kernels::qdot)).
     pub fn row_invariant(&self) -> bool {
         matches!(self, Matrix::Packed(_) | Matrix::Dot(_))
     }
@@ -328,7 +329,8 @@ impl<'a> Holder<'a> {
         self.matrix(name, shape, false)
     }
 
-    /// The embedding table or the head: as `weight`, in the format a table gets (see [`kernels::blocks`](crate::kernels::blocks)).
+    /// The embedding table or the head: as `weight`, in the format a table gets (see
+    /// [`kernels::blocks`](crate::kernels::blocks)).
     pub fn table(&self, name: &str, shape: &[usize]) -> Result<Matrix> {
         self.matrix(name, shape, true)
     }
@@ -417,8 +419,9 @@ pub fn int8_activations(policy: &HoldPolicy, held: &HeldMatrices) -> bool {
     policy.int8 && !held.formats.is_empty()
 }
 
-/// The candle op for a dense W: (x: (m, k) f32, w: (n, k) f32 or bf16) -> (m, n), both contiguous on the CPU;
-/// this kernel (`matmul_t`), or [`panels::matmul_t`](crate::kernels::panels::matmul_t) for a long window (`panels`).
+/// The candle op for a dense W: (x: (m, k) f32, w: (n, k) f32 or bf16) -> (m, n), both contiguous on the CPU; the
+/// few-row kernel ([`skinny`](crate::kernels::skinny)`::matmul_t`), or
+/// [`panels::matmul_t`](crate::kernels::panels::matmul_t) for a long window (`panels`).
 pub struct DenseMatmulT {
     pub par_min_macs: usize,
     pub panels: bool,
@@ -458,7 +461,7 @@ impl CustomOp2 for DenseMatmulT {
     }
 }
 
-/// Whether this kernel can compute `x · wᵀ`: the operands fit `DenseMatmulT` and the kernel is switched on.
+/// Whether the few-row kernel can compute `x · wᵀ`: the operands fit `DenseMatmulT` and the kernel is switched on.
 pub fn supports(x: &Tensor, w: &Tensor, k: &Kernels) -> bool {
     k.skinny && dense_operands(x, w)
 }
@@ -486,7 +489,7 @@ pub fn few_rows(rows: usize, k: &Kernels) -> bool {
 /// and it `supports` the operands; otherwise (a long window) `panels` on the CPU, candle's matmul elsewhere (or
 /// with [`Kernels::panels`] off; a bf16 w is then widened to f32 for the call).
 pub fn linear(x: &Tensor, w: &Tensor, k: &Kernels, few: bool) -> candle_core::Result<Tensor> {
-    // bf16 weights exist only on the CPU and only this kernel reads them: give it a contiguous x
+    // bf16 weights exist only on the CPU and only the few-row kernel reads them: give it a contiguous x
     let x = if w.dtype() == DType::BF16 && !x.is_contiguous() { x.contiguous()? } else { x.clone() };
     if few && supports(&x, w, k) {
         x.apply_op2_no_bwd(w, &DenseMatmulT { par_min_macs: k.par_min_macs, panels: false, avx512: k.packed_avx512 })
@@ -499,21 +502,22 @@ pub fn linear(x: &Tensor, w: &Tensor, k: &Kernels, few: bool) -> candle_core::Re
     }
 }
 
-/// A matrix `HeldMatmulT` multiplies: through the panels (or this kernel), or by integer dot products (`qdot`).
+/// A matrix `HeldMatmulT` multiplies: through the panels (or the few-row kernel), or by integer dot products (`qdot`).
 #[derive(Clone, Copy)]
 enum Held<'a> {
     Panels(Source<'a>),
     Dot(&'a crate::kernels::qdot::DotMatrix),
 }
 
-/// The candle op for a quantized or packed W held outside candle: x (m, k) contiguous f32 on the CPU -> (m, n).
-/// A quantized W's few-row windows take this kernel (`matmul_q`); everything else [`panels::matmul_t`](crate::kernels::panels::matmul_t).
+/// The candle op for a quantized or packed W held outside candle: x (m, k) contiguous f32 on the CPU -> (m, n). A
+/// quantized W's few-row windows take the few-row kernel (`skinny::matmul_q`); everything else
+/// [`panels::matmul_t`](crate::kernels::panels::matmul_t).
 struct HeldMatmulT<'a> {
     w: Held<'a>,
     n: usize,
     k: usize,
     par_min_macs: usize,
-    /// a quantized W's few-row window: this kernel rather than the panels
+    /// a quantized W's few-row window: the few-row kernel rather than the panels
     few: bool,
     /// [`Kernels::packed_avx512`]
     avx512: bool,
@@ -562,18 +566,18 @@ pub fn linear_packed(x: &Tensor, p: &PackedMatrix, k: &Kernels) -> candle_core::
     HeldMatmulT { w, n: p.n, k: p.k, par_min_macs: k.par_min_macs, few: false, avx512: k.packed_avx512 }.apply(x)
 }
 
-/// `x · wᵀ` for a quantized w (CPU): few-row windows (`few`) take this kernel (`matmul_q`), long windows
-/// `panels` (each panel dequantized once, then gemm), or this kernel too with [`Kernels::panels`] off (it streams
-/// the weights once per ROW_BLOCK rows, each time dequantizing them again).
+/// `x · wᵀ` for a quantized w (CPU): few-row windows (`few`) take the few-row kernel (`skinny::matmul_q`), long windows
+/// `panels` (each panel dequantized once, then gemm), or the few-row kernel too with [`Kernels::panels`] off (it
+/// streams the weights once per ROW_BLOCK rows, each time dequantizing them again).
 pub fn linear_q(x: &Tensor, q: &QMatrix, k: &Kernels, few: bool) -> candle_core::Result<Tensor> {
     let w = Held::Panels(Source::Quant(q));
     let few = few || !k.panels;
     HeldMatmulT { w, n: q.n, k: q.k, par_min_macs: k.par_min_macs, few, avx512: k.packed_avx512 }.apply(x)
 }
 
-/// `x · wᵀ` for a matrix held for integer dot products (CPU): every window through [`qdot::matmul`](crate::kernels::qdot::matmul), its AVX-512 VNNI
-/// kernels where the CPU has them (and [`Kernels::packed_avx512`] is on), else its AVX2 ones, else the scalar ones
-/// (the same bits on each).
+/// `x · wᵀ` for a matrix held for integer dot products (CPU): every window through
+/// [`qdot::matmul`](crate::kernels::qdot::matmul), its AVX-512 VNNI kernels where the CPU has them (and
+/// [`Kernels::packed_avx512`] is on), else its AVX2 ones, else the scalar ones (the same bits on each).
 pub fn linear_dot(x: &Tensor, d: &crate::kernels::qdot::DotMatrix, k: &Kernels) -> candle_core::Result<Tensor> {
     HeldMatmulT { w: Held::Dot(d), n: d.n, k: d.k, par_min_macs: k.par_min_macs, few: false, avx512: k.packed_avx512 }
         .apply(x)

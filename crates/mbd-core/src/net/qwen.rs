@@ -1,18 +1,18 @@
-//! Qwen2 / Qwen3 / Qwen3-MoE / Qwen3.5 decoder written for block-diffusion decoding of many sequences at once.
-//! Each layer's token mixer is softmax attention or, in Qwen3.5's hybrids, a Gated DeltaNet (`Mixer`, [`net::gdn`](crate::net::gdn)),
-//! which is causal whatever the mask and keeps a recurrent state in the sequence's cache.
-//! A forward takes segments: each is one sequence's KV cache (P committed positions), a window of W token ids at
-//! explicit absolute positions, a mask spec saying which keys each window row sees, and the rows whose logits
-//! are wanted. Norms, linear layers and the MLP run once over every segment's rows stacked; attention runs per
-//! segment over its own cache. Each window's K/V are written after its cache's committed prefix (scratch);
-//! [`KvCache::commit`] / `commit_rows` keep them.
+//! Qwen2 / Qwen3 / Qwen3-MoE / Qwen3.5 decoder written for block-diffusion decoding of many sequences at once. Each
+//! layer's token mixer is softmax attention or, in Qwen3.5's hybrids, a Gated DeltaNet (`Mixer`,
+//! [`net::gdn`](crate::net::gdn)), which is causal whatever the mask and keeps a recurrent state in the sequence's
+//! cache. A forward takes segments: each is one sequence's KV cache (P committed positions), a window of W token ids at
+//! explicit absolute positions, a mask spec saying which keys each window row sees, and the rows whose logits are
+//! wanted. Norms, linear layers and the MLP run once over every segment's rows stacked; attention runs per segment over
+//! its own cache. Each window's K/V are written after its cache's committed prefix (scratch); [`KvCache::commit`] /
+//! `commit_rows` keep them.
 //!
-//! Batch invariance: a segment's logits are bit-identical whatever other segments share the forward. Every op
-//! on stacked rows is row-wise, and matrix products are cut by sequence, never by the total row count: the
-//! few-row windows ([`skinny::few_rows`](crate::net::linear::few_rows)) go through the skinny kernel together (it computes each row the same way
-//! whatever rows share the call), each long window (a prefill chunk) through gemm on its own (`Groups`). A
-//! matrix packed at load ([`panels::PackedMatrix`](crate::kernels::panels::PackedMatrix)) computes every row alike in any window, so the cut changes
-//! nothing there.
+//! Batch invariance: a segment's logits are bit-identical whatever other segments share the forward. Every op on
+//! stacked rows is row-wise, and matrix products are cut by sequence, never by the total row count: the few-row windows
+//! ([`linear::few_rows`](crate::net::linear::few_rows)) go through the skinny kernel together (it computes each row the
+//! same way whatever rows share the call), each long window (a prefill chunk) through gemm on its own (`Groups`). A
+//! matrix packed at load ([`panels::PackedMatrix`](crate::kernels::panels::PackedMatrix)) computes every row alike in
+//! any window, so the cut changes nothing there.
 
 use crate::error::{Error, Result};
 use crate::kernels::Kernels;
@@ -219,7 +219,8 @@ pub struct QwenNet {
     rows_independent: bool,
     /// mbd-rs's fused CUDA attention takes this architecture's heads (full RoPE, no output gate).
     fused_heads: bool,
-    /// Every layer softmax attention and a dense MLP: what a CUDA graph of a forward may capture ([`net::graph`](crate::net::graph)).
+    /// Every layer softmax attention and a dense MLP: what a CUDA graph of a forward may capture
+    /// ([`net::graph`](crate::net::graph)).
     graphable: bool,
 }
 
@@ -397,10 +398,11 @@ impl QwenNet {
         self.dtype
     }
 
-    /// Whether every window row's logits and K/V are the same bits however a window is cut into forwards: the
-    /// CPU in f32 with the blocked attention (per row over its keys) and every product's matrix row-invariant
-    /// ([`Matrix::row_invariant`]; not a MoE router, which stays as loaded). The scheduler may then cut a long
-    /// prefill into smaller forwards beside other streams ([`Window::limit_next`](crate::generate::window::Window::limit_next)) without changing any output.
+    /// Whether every window row's logits and K/V are the same bits however a window is cut into forwards: the CPU in
+    /// f32 with the blocked attention (per row over its keys) and every product's matrix row-invariant
+    /// ([`Matrix::row_invariant`]; not a MoE router, which stays as loaded). The scheduler may then cut a long prefill
+    /// into smaller forwards beside other streams ([`Window::limit_next`](crate::generate::window::Window::limit_next))
+    /// without changing any output.
     pub fn rows_independent(&self) -> bool {
         self.rows_independent
     }

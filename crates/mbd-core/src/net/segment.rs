@@ -5,7 +5,7 @@ use crate::net::kv_cache::KvCache;
 use crate::net::mask::MaskSpec;
 use crate::util::Cancel;
 
-/// One sequence's part of a forward ([`QwenModel::forward_segments`](crate::model::Model::forward_segments)).
+/// One sequence's part of a forward ([`Model::forward_segments`](crate::model::Model::forward_segments)).
 pub struct Segment<'a> {
     /// The sequence's cache: its committed positions are the keys before the window; the window's K/V are
     /// written after them.

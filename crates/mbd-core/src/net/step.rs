@@ -1,10 +1,10 @@
-//! What a forward hands the device, in one copy: its token ids, positions and logits rows, and
-//! on CUDA the attention kernels' tables ([`cuda::segment_table`](crate::kernels::cuda::segment_table), the K/V addresses, each segment's key ranges). The
-//! forward gathers them on the host as one list of 32-bit words (`StepWords`), and [`StepBuffers::upload`] writes the
-//! list into a device buffer that stays put between forwards (grown when a forward needs more), in one host-to-device
-//! copy. The forward reads each part as a view of that buffer ([`Step::view`]): no allocation and no other upload per
-//! step, which is what a CUDA graph replaying the step needs (docs/dev/cuda.md). The CPU takes the same path (there the
-//! copy is a memcpy), so every CPU test reads its inputs through it.
+//! What a forward hands the device, in one copy: its token ids, positions and logits rows, and on CUDA the attention
+//! kernels' tables ([`cuda::segment_table`](crate::kernels::cuda::segment_table), the K/V addresses, each segment's key
+//! ranges). The forward gathers them on the host as one list of 32-bit words (`StepWords`), and [`StepBuffers::upload`]
+//! writes the list into a device buffer that stays put between forwards (grown when a forward needs more), in one
+//! host-to-device copy. The forward reads each part as a view of that buffer ([`Step::view`]): no allocation and no
+//! other upload per step, which is what a CUDA graph replaying the step needs (docs/dev/cuda.md). The CPU takes the
+//! same path (there the copy is a memcpy), so every CPU test reads its inputs through it.
 
 use crate::error::{Error, Result};
 use candle_core::{CpuStorage, DType, Device, Layout, Tensor};
@@ -105,8 +105,8 @@ pub(crate) struct Step<'a> {
 }
 
 impl Step<'static> {
-    /// A buffer of `room` words on `dev`, for one forward shape's CUDA graph ([`net::graph`](crate::net::graph)): the graph reads its
-    /// views at fixed addresses, so every forward it replays writes its words there (`fixed`).
+    /// A buffer of `room` words on `dev`, for one forward shape's CUDA graph ([`net::graph`](crate::net::graph)): the
+    /// graph reads its views at fixed addresses, so every forward it replays writes its words there (`fixed`).
     pub(crate) fn buffer(room: usize, dev: &Device) -> Result<Tensor> {
         Ok(Tensor::zeros(room.max(1), DType::U32, dev)?)
     }

@@ -1,8 +1,9 @@
-//! Load options: every name a load takes, as one registry (`LoadParams`: the load options `LOAD_PARAMS`, the
-//! profile overrides `PROFILE_OVERRIDES` and the kernel switches `KERNEL_SWITCHES`, each described once in
-//! [`request::PARAMS`](crate::params::request::PARAMS)), resolved into what [`Model::load`](crate::model::Model::load) and the scheduler take (`LoadOptions`, `BatchLimits`); the
-//! device and dtype names callers pass. The binding, the CLI, the server and Ray all pass load options by these
-//! names, so a new option is one `PARAMS` line, one field in its request and its use in [`LoadParams::resolve`].
+//! Load options: every name a load takes, as one registry (`LoadParams`: the load options `LOAD_PARAMS`, the profile
+//! overrides `PROFILE_OVERRIDES` and the kernel switches `KERNEL_SWITCHES`, each described once in
+//! [`request::PARAMS`](crate::params::request::PARAMS)), resolved into what [`Model::load`](crate::model::Model::load)
+//! and the scheduler take (`LoadOptions`, `BatchLimits`); the device and dtype names callers pass. The binding, the
+//! CLI, the server and Ray all pass load options by these names, so a new option is one `PARAMS` line, one field in its
+//! request and its use in [`LoadParams::resolve`].
 
 use crate::error::{Error, Result};
 use crate::kernels::blocks::QuantFormat;
@@ -177,12 +178,13 @@ pub struct LoadOptions {
     /// CPU, f32 compute: a bf16 checkpoint's matrices stay bf16 in memory and are widened exactly inside the
     /// skinny kernel (half the memory and weight traffic). On by default; benchmarks turn it off for A/B runs.
     pub keep_bf16_weights: bool,
-    /// Quantize the matrices at load ([`crate::quant`](crate::kernels::blocks); CPU, float32 compute).
+    /// Quantize the matrices at load ([`kernels::blocks`](crate::kernels::blocks); CPU, float32 compute).
     pub quantize: Option<QuantFormat>,
     /// Multiply the quantized matrices (of the `quantize` option or a GGUF file) with integer dot products on
-    /// activations rounded to 8 bits ([`crate::qdot`](crate::kernels::qdot); x86-64 CPUs with AVX2, AVX-512 VNNI where present): faster, not
-    /// the exact product. `None` (the default): wherever the device can (see [`Model::load`](crate::model::Model::load)); `Some(false)`: the
-    /// exact products (CPU only); `Some(true)`: required, an error where it cannot be had.
+    /// activations rounded to 8 bits ([`kernels::qdot`](crate::kernels::qdot); x86-64 CPUs with AVX2, AVX-512 VNNI
+    /// where present): faster, not the exact product. `None` (the default): wherever the device can (see
+    /// [`Model::load`](crate::model::Model::load)); `Some(false)`: the exact products (CPU only); `Some(true)`:
+    /// required, an error where it cannot be had.
     pub int8_activations: Option<bool>,
     pub kernels: Kernels,
     /// Told (bytes read, bytes in all) after each tensor of the checkpoint is read.

@@ -1,9 +1,9 @@
-//! Every parameter a caller can pass — to a generation (`GenRequest`), to a load (`LoadRequest`,
-//! `ProfileOverrides`, `KernelSwitches`), to a logits call (`LogitsRequest`) — described once in `PARAMS`: its name, the kind of value it arrives as,
-//! the range it must lie in and a line of help. A binding converts a foreign value to a `Value` of the
-//! spec's `ParamKind` (type conversion only) and calls `set`, which applies the range rule and stores the
-//! typed value; requests built in Rust are checked by `validate`. The Python API, the CLI and the server
-//! read the names, kinds and help from here, so a new knob is one `PARAMS` line and one struct field.
+//! Every parameter a caller can pass — to a generation (`GenRequest`), to a load (`LoadRequest`, `ProfileOverrides`,
+//! `KernelSwitches`), to a logits call (`LogitsRequest`) — described once in `PARAMS`: its name, the kind of value it
+//! arrives as, the range it must lie in and a line of help. A binding converts a foreign value to a `Value` of the
+//! spec's `ParamKind` (type conversion only) and calls `set`, which applies the range rule and stores the typed value;
+//! requests built in Rust are checked by `validate`. The Python API, the CLI and the server read the names, kinds and
+//! help from here, so a new knob is one `PARAMS` line and one struct field.
 
 use crate::decode::cache_policy::{CacheMode, PrefixWindow};
 use crate::decode::decoder::{Acceptance, ForcedProgress};
@@ -585,14 +585,16 @@ request! {
 }
 
 request! {
-    /// A prompt-scoring call ([`Model::prompt_logprobs`](crate::model::Model::prompt_logprobs)): alternatives per token.
+    /// A prompt-scoring call ([`Model::prompt_logprobs`](crate::model::Model::prompt_logprobs)): alternatives per
+    /// token.
     ScoreRequest, SCORE_PARAMS, "scoring parameter", "parameters" {
         logprobs: usize,
     }
 }
 
 request! {
-    /// A load's options (see [`params::load`](crate::params::load); the profile overrides and kernel switches are requests of their own).
+    /// A load's options (see [`params::load`](crate::params::load); the profile overrides and kernel switches are
+    /// requests of their own).
     LoadRequest, LOAD_PARAMS, "load option", "load options" {
         device: String,
         dtype: String,

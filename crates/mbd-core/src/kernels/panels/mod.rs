@@ -1,20 +1,21 @@
 //! Many-row products y = x · Wᵀ on the CPU (a prefill chunk, a long window).
 //!
-//! On x86-64 with AVX2 and FMA: `packed`, a BLIS-style product with a 6 × 16 register tile (6 × 64 with AVX-512)
-//! that packs x once and each task's weight rows a block at a time, widening bf16 or dequantizing as it packs (or
-//! reads a matrix packed at load, `PackedMatrix`, as it is). Every y element is the in-order f32 fused-multiply-add
-//! chain over k, so a row's bits do not depend on m, the tiling, the threads or the instruction set.
+//! On x86-64 with AVX2 and FMA: `packed`, a BLIS-style product with a 6 × 16 register tile (6 × 64 with AVX-512) that
+//! packs x once and each task's weight rows a block at a time, widening bf16 or dequantizing as it packs (or reads a
+//! matrix packed at load, `PackedMatrix`, as it is). Every y element is the in-order f32 fused-multiply-add chain over
+//! k, so a row's bits do not depend on m, the tiling, the threads or the instruction set.
 //!
 //! Elsewhere: W is taken in panels of weight rows (about `PANEL_VALUES` values); each panel is widened (bf16) or
 //! dequantized (quantized) into a reused f32 scratch, in parallel, then the gemm crate (the one candle's CPU matmul
-//! calls, with its own parallel split) multiplies every x row by it, writing the panel's columns of y. An f32 matrix
-//! is one panel, as in candle. There a row's result depends on x's row, W and m (through gemm's blocking).
+//! calls, with its own parallel split) multiplies every x row by it, writing the panel's columns of y. An f32 matrix is
+//! one panel, as in candle. There a row's result depends on x's row, W and m (through gemm's blocking).
 //!
-//! Why not candle's matmul: on a bf16 matrix it needs an f32 copy of the whole matrix per call (on the 0.5B shape
-//! 2 GB of fresh pages per forward, the head alone 545 MB), and a quantized matrix has no many-row path there.
-//! (Panels as single-threaded parallel tasks were tried first: slower than gemm's own split, which packs x once.)
+//! Why not candle's matmul: on a bf16 matrix it needs an f32 copy of the whole matrix per call (on the 0.5B shape 2 GB
+//! of fresh pages per forward, the head alone 545 MB), and a quantized matrix has no many-row path there. (Panels as
+//! single-threaded parallel tasks were tried first: slower than gemm's own split, which packs x once.)
 //!
-//! The engine sends a long window here alone, never stacked with other sequences' rows ([`models::qwen::Groups`](crate::net::linear::Groups)).
+//! The engine sends a long window here alone, never stacked with other sequences' rows
+//! ([`linear::Groups`](crate::net::linear::Groups)).
 
 mod packed;
 #[cfg(target_arch = "x86_64")]

@@ -316,8 +316,8 @@ impl DotMatrix {
     }
 }
 
-/// Column c's block of a row (`block`: the format's bytes) into a record's scales `s` ([`panels::pack_record`](crate::kernels::records::pack_record)) and
-/// values `v`.
+/// Column c's block of a row (`block`: the format's bytes) into a record's scales `s`
+/// ([`records::pack_record`](crate::kernels::records::pack_record)) and values `v`.
 fn pack_block(format: QuantFormat, block: &[u8], c: usize, s: &mut [u8], v: &mut [u8]) {
     pack_record(format, block, c, s);
     for p in 0..format.block_values() {

@@ -134,9 +134,10 @@ impl GgufFile {
 
     /// Qwen3.5's fields from llama.cpp's keys: the Gated DeltaNet sizes (`ssm.*`), which layers are recurrent
     /// (`attention.recurrent_layers`, else `full_attention_interval`), the rotary dims (`rope.dimension_count`), the
-    /// trunk's layers (`block_count` counts the multi-token-prediction layers too: `nextn_predict_layers`), the
-    /// shared expert's size; and the two conventions of llama.cpp's converter that the model then follows: norm
-    /// weights stored with their 1 added, value heads in tiled order ([`config::LinearAttnConfig`](crate::load::config::LinearAttnConfig)).
+    /// trunk's layers (`block_count` counts the multi-token-prediction layers too: `nextn_predict_layers`), the shared
+    /// expert's size; and the two conventions of llama.cpp's converter that the model then follows: norm weights stored
+    /// with their 1 added, value heads in tiled order
+    /// ([`config::LinearAttnConfig`](crate::load::config::LinearAttnConfig)).
     fn qwen35_fields(&self, arch: &str, c: &mut Map<String, Value>) -> Result<()> {
         let key = |k: &str| format!("{arch}.{k}");
         let need = |k: &str| self.qwen35_count(arch, k);

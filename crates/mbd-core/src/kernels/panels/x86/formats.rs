@@ -16,17 +16,18 @@ use std::arch::x86_64::*;
 pub(super) trait Panel: Copy {
     /// Lane j of `load16` holds column `SLOTS[j]` (None: column j).
     const SLOTS: Option<[u32; NR]>;
-    /// Elements per depth of a group ([`Layout::step`](crate::kernels::records::Layout::step)), and for a block format its scale records.
+    /// Elements per depth of a group ([`Layout::step`](crate::kernels::records::Layout::step)), and for a block format
+    /// its scale records.
     const LAYOUT: records::Layout = records::Layout { step: NR, sblock: 0, sbytes: 0 };
     /// Depths per set of scales (0: none).
     const BLOCK: usize = 0;
     /// Groups the full AVX-512 tile takes at once (its scales take registers too).
     const FULL512: usize = 4;
     /// A block format: windows of this many rows or more take its values decoded into f32 once per depth block
-    /// ([`Tiles::decode`](crate::kernels::panels::x86::tiles::Tiles::decode)), then the f32 tiles; fewer form them in the tile, once per `MR` rows. The same values
-    /// either way, so the same bits. Each format's count is where decoding first overtakes forming in the tile
-    /// (`crates/mbd-core/benches/quant_kernel.rs` with `MBD_BENCH_PACKED=1`: benches/results/quantization.md,
-    /// "Measurements that stood in code comments").
+    /// ([`Tiles::decode`](crate::kernels::panels::x86::tiles::Tiles::decode)), then the f32 tiles; fewer form them in
+    /// the tile, once per `MR` rows. The same values either way, so the same bits. Each format's count is where
+    /// decoding first overtakes forming in the tile (`crates/mbd-core/benches/quant_kernel.rs` with
+    /// `MBD_BENCH_PACKED=1`: benches/results/quantization.md, "Measurements that stood in code comments").
     const DECODE_ROWS: usize = usize::MAX;
     /// The scales of set j of a record (a block format only): AVX2 (columns 0-7, 8-15; a second pair where the
     /// format has one, e.g. q4_k's mins) and AVX-512.
@@ -42,8 +43,9 @@ pub(super) trait Panel: Copy {
     unsafe fn load16(p: *const Self, d: &[__m512; 2]) -> __m512;
 }
 
-/// A group's weights from some depth on: `Panel::LAYOUT.step` elements per depth at `w`, and for a block format
-/// its scale records at `s`, starting with the record of `w`'s depth (a multiple of [`Layout::sblock`](crate::kernels::records::Layout::sblock)).
+/// A group's weights from some depth on: `Panel::LAYOUT.step` elements per depth at `w`, and for a block format its
+/// scale records at `s`, starting with the record of `w`'s depth (a multiple of
+/// [`Layout::sblock`](crate::kernels::records::Layout::sblock)).
 #[derive(Clone, Copy)]
 pub(super) struct Cursor<E> {
     pub(super) w: *const E,
@@ -138,8 +140,8 @@ unsafe fn u8x16(rec: *const u8, at: usize) -> (__m256, __m256) {
     (_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(v))))
 }
 
-/// A depth's 16 nibbles ([`packed::nibble`](crate::kernels::panels::packed::nibble)'s order) in the low 4 bits of each 32-bit lane, columns 0-7 and 8-15
-/// (higher bits: other nibbles).
+/// A depth's 16 nibbles ([`packed::nibble`](crate::kernels::panels::packed::nibble)'s order) in the low 4 bits of each
+/// 32-bit lane, columns 0-7 and 8-15 (higher bits: other nibbles).
 #[inline(always)]
 unsafe fn nibbles8(p: *const u8) -> (__m256i, __m256i) {
     let v = _mm256_set1_epi64x((p as *const i64).read_unaligned());
