@@ -4,12 +4,12 @@
 //!
 //! An architecture ([`net::qwen::QwenNet`](crate::net::qwen::QwenNet), and any file beside it) gives the runner its
 //! layers and its head through [`Network`]; what is the same for every architecture lives here:
-//! -  the checks of each segment (a non-empty window, its positions, its logits rows, its mask), before anything is
+//! - the checks of each segment (a non-empty window, its positions, its logits rows, its mask), before anything is
 //!   allocated, and the activations' memory for long forwards ([`crate::util::check_alloc`]);
-//! -  the stacking: few-row windows first (one product for all of them), then each long window alone
+//! - the stacking: few-row windows first (one product for all of them), then each long window alone
 //!   ([`Groups::stack`]), and the logits rows cut the same way;
-//! -  the step: the ids, positions, attention tables and logits rows in one upload ([`crate::net::step`]);
-//! -  the head: the rows asked for gathered, then the architecture's final norm and vocabulary product, split back into
+//! - the step: the ids, positions, attention tables and logits rows in one upload ([`crate::net::step`]);
+//! - the head: the rows asked for gathered, then the architecture's final norm and vocabulary product, split back into
 //!   each segment's logits.
 
 use crate::error::{Error, Result};

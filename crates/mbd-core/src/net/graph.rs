@@ -6,14 +6,14 @@
 //! that changes from step to step is data in the forward's one upload ([`net::step`](crate::net::step): ids, positions,
 //! the segment table with each committed length and key ranges, the caches' addresses). So one graph per shape replays
 //! the layers of every later forward of that shape:
-//! 1.  the first forward of a shape runs without a graph (a prefill chunk or an odd window is not worth one);
-//! 2.  the second runs with candle's small uploads cached ([`cuda::with_upload_cache`]) on a buffer that stays the
+//! 1. the first forward of a shape runs without a graph (a prefill chunk or an odd window is not worth one);
+//! 2. the second runs with candle's small uploads cached ([`cuda::with_upload_cache`]) on a buffer that stays the
 //!    shape's ([`Step::fixed`]), and its launches are then captured (nothing runs twice); the captured pass copies the
 //!    hidden states into an output buffer that stays the graph's too;
-//! 3.  the third is replayed (its words written into the graph's buffer, the graph launched) and then run again without
+//! 3. the third is replayed (its words written into the graph's buffer, the graph launched) and then run again without
 //!    the graph: the graph is kept only if the two agree bit for bit, which catches any host value a launch took as an
 //!    argument (it would be the captured step's);
-//! 4.  later ones are replayed.
+//! 4. later ones are replayed.
 //!
 //! The head (the logits rows gathered, the final norm, the vocabulary product) runs after, launch by launch, on
 //! whichever hidden states the forward has: the rows asked for change every step, and a few launches are not worth a

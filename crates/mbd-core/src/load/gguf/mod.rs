@@ -1,15 +1,15 @@
 //! GGUF files (llama.cpp's single-file format): a model given as one `.gguf` file instead of a directory.
 //!
 //! What is read from the file, and what it becomes:
-//! -  the metadata (`general.architecture` = `qwen2`, `qwen3`, `qwen3moe`, `qwen35`, `qwen35moe` or `dream`;
+//! - the metadata (`general.architecture` = `qwen2`, `qwen3`, `qwen3moe`, `qwen35`, `qwen35moe` or `dream`;
 //!   `<arch>.block_count`, `.embedding_length`, ...) becomes the config.json fields of the same model (`hf_config`),
 //!   which then go through the one config parser
 //!   ([`config::ModelConfig::from_json`](crate::load::config::ModelConfig::from_json),
 //!   [`profile::detect_family`](crate::params::profile::detect_family),
 //!   [`Profile::resolve`](crate::params::profile::Profile::resolve));
-//! -  the tokenizer (`tokenizer.ggml.*`: a byte-level BPE vocabulary, its merges, token types, the pre-tokenizer's
+//! - the tokenizer (`tokenizer.ggml.*`: a byte-level BPE vocabulary, its merges, token types, the pre-tokenizer's
 //!   name) becomes a Hugging Face tokenizer.json (`tokenizer_json`), and `tokenizer.chat_template` the chat template;
-//! -  the tensors (llama.cpp's names: `blk.N.attn_q.weight`, ...) are renamed to the Hugging Face names the model
+//! - the tensors (llama.cpp's names: `blk.N.attn_q.weight`, ...) are renamed to the Hugging Face names the model
 //!   loader asks for (`tensors`), with their shapes in PyTorch order and their element type (`GgmlDType`: floats, or a
 //!   block format), and read by [`weights::Weights`](crate::load::weights::Weights) like a safetensors shard.
 //!
