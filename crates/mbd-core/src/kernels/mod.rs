@@ -34,10 +34,6 @@ pub struct Kernels {
     /// (crates/mbd-core/benches/forward.rs and benches/kernels/ab_kernels.py measure both sides:
     /// benches/results/cpu-forward.md).
     pub max_rows: usize,
-    /// Bytes of f32 attention scores (heads x query rows x keys) one query chunk may take: a long window (a
-    /// recompute without cache, a full-attention canvas, a logits call) is attended in query chunks so that no
-    /// forward allocates scores for every row at once (a 100k-token window would need 100k x 100k per head).
-    pub attention_score_bytes: usize,
     /// Attention on the CPU (f32, AVX2 + FMA) in [`attention::attend`]: blocked over keys, mask-aware,
     /// an online softmax with a vectorised exp, no score matrix. false: candle's ops (scores per query chunk, a
     /// host-built additive mask, softmax, a second matmul).
@@ -86,7 +82,6 @@ impl Default for Kernels {
             skinny: true,
             par_min_macs: 1 << 14,
             max_rows: 64,
-            attention_score_bytes: 256 << 20,
             blocked_attention: true,
             panels: true,
             packed_weights: true,

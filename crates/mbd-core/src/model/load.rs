@@ -234,7 +234,7 @@ impl Model {
             config,
             profile,
             net,
-            runner: Runner::new(),
+            runner: Runner::new(opts.attention_score_bytes),
             tokenizer,
             max_token_bytes,
             special_tokens,

@@ -227,6 +227,9 @@ fn fused_attention(s: &Segment<'_>, heads: usize, head_dim: usize) -> bool {
     cuda::fused_attention(w, p + w, heads, head_dim)
 }
 
+/// The default cap on a query chunk's f32 attention scores (`LoadOptions::attention_score_bytes`): 256 MiB.
+pub const ATTENTION_SCORE_BYTES: usize = 256 << 20;
+
 impl ForwardAttention {
     /// What the attention of a forward over `segs` (their windows begun in their caches, stacked at `spans`)
     /// reads from the device, pushed onto the forward's `words` before its one upload.
@@ -267,7 +270,7 @@ impl ForwardAttention {
         spans: Vec<(usize, usize)>,
         order: Vec<usize>,
         heads: Heads,
-        kn: &Kernels,
+        score_bytes: usize,
         planned: &AttnWords,
         step: &Step<'_>,
         dev: &Device,
@@ -288,8 +291,7 @@ impl ForwardAttention {
                 .map(|(s, r)| {
                     let (spec, p) = (s.mask.clone(), s.cache.len());
                     let ranges = r.map(|r| step.view(r)).transpose()?;
-                    let bytes = kn.attention_score_bytes;
-                    QueryChunks::new(spec, p, s.positions.clone(), heads.0, bytes, path, ranges, dev)
+                    QueryChunks::new(spec, p, s.positions.clone(), heads.0, score_bytes, path, ranges, dev)
                 })
                 .collect::<Result<Vec<_>>>()?,
         };
@@ -412,7 +414,7 @@ impl ForwardAttention {
 }
 
 /// The query chunks of one segment and their additive masks: one chunk (the mask built once) unless the scores
-/// of the whole window exceed [`Kernels::attention_score_bytes`], then chunks whose masks are built when used.
+/// of the whole window exceed `score_bytes` (the load's `attention_score_bytes`), then chunks whose masks are built when used.
 struct QueryChunks {
     /// Per row, the key ranges it sees, when this segment's attention runs in
     /// [`attention::attend`](crate::kernels::attention::attend) (the blocked CPU kernel); then no mask is built.

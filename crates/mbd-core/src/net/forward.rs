@@ -95,17 +95,15 @@ pub(crate) fn all_cancelled(segs: &[Segment<'_>]) -> Result<()> {
 pub struct Runner {
     step_buffers: StepBuffers,
     graphs: Graphs,
-}
-
-impl Default for Runner {
-    fn default() -> Self {
-        Self::new()
-    }
+    /// The cap on a query chunk's attention scores (`LoadOptions::attention_score_bytes`).
+    score_bytes: usize,
 }
 
 impl Runner {
-    pub fn new() -> Self {
-        Runner { step_buffers: StepBuffers::new(), graphs: Graphs::default() }
+    /// `score_bytes`: the cap on a query chunk's f32 attention scores (a long window is attended in chunks of
+    /// query rows under it).
+    pub fn new(score_bytes: usize) -> Self {
+        Runner { step_buffers: StepBuffers::new(), graphs: Graphs::default(), score_bytes }
     }
 
     /// Counts of the CUDA graphs ([`Kernels::cuda_graphs`]; zeros elsewhere).
@@ -187,7 +185,7 @@ impl Runner {
         let stack = Stack { order, spans, groups, ids, ids_at, pos_at, path };
         let mut layers = |step: &Step<'_>| -> Result<Tensor> {
             let (spans, order) = (stack.spans.clone(), stack.order.clone());
-            let att = ForwardAttention::new(segs, path, spans, order, heads, kn, &att_words, step, dev)?;
+            let att = ForwardAttention::new(segs, path, spans, order, heads, self.score_bytes, &att_words, step, dev)?;
             net.layers(step, &stack, segs, &att)
         };
         // the head: the rows asked for, then the network's final norm and vocabulary product; each segment's rows

@@ -8,6 +8,7 @@
 use crate::error::{Error, Result};
 use crate::kernels::blocks::QuantFormat;
 use crate::kernels::Kernels;
+use crate::net::attention::ATTENTION_SCORE_BYTES;
 use crate::load::weights::Progress;
 use crate::params::request::{
     KernelSwitches, LoadRequest, ParamSpec, Params, ProfileOverrides, Value, KERNEL_SWITCHES, LOAD_PARAMS,
@@ -102,7 +103,6 @@ impl LoadParams {
             skinny: k.skinny.unwrap_or(d.skinny),
             par_min_macs: k.par_min_macs.unwrap_or(d.par_min_macs),
             max_rows: k.max_rows.unwrap_or(d.max_rows),
-            attention_score_bytes: d.attention_score_bytes,
             blocked_attention: k.blocked_attention.unwrap_or(d.blocked_attention),
             panels: k.panels.unwrap_or(d.panels),
             packed_weights: k.packed_weights.unwrap_or(d.packed_weights),
@@ -121,6 +121,7 @@ impl LoadParams {
             quantize: l.quantize,
             int8_activations: l.int8_activations,
             kernels,
+            attention_score_bytes: ATTENTION_SCORE_BYTES,
             progress,
         };
         Ok((opts, limits))
@@ -187,6 +188,11 @@ pub struct LoadOptions {
     /// required, an error where it cannot be had.
     pub int8_activations: Option<bool>,
     pub kernels: Kernels,
+    /// Bytes of f32 attention scores (heads x query rows x keys) one query chunk may take: a long window (a
+    /// recompute without cache, a full-attention canvas, a logits call) is attended in query chunks so that no
+    /// forward allocates scores for every row at once (a 100k-token window would need 100k x 100k per head). A
+    /// memory cap, not a kernel choice (tests lower it to check that chunked attention is the same).
+    pub attention_score_bytes: usize,
     /// Told (bytes read, bytes in all) after each tensor of the checkpoint is read.
     pub progress: Option<Progress>,
 }
@@ -202,6 +208,7 @@ impl Default for LoadOptions {
             quantize: None,
             int8_activations: None,
             kernels: Kernels::default(),
+            attention_score_bytes: ATTENTION_SCORE_BYTES,
             progress: None,
         }
     }
