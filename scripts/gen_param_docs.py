@@ -20,7 +20,7 @@ OUT = os.path.join(ROOT, "docs", "parameters.md")
 PY_OUT = os.path.join(ROOT, "python", "mbd_rs", "params.py")
 
 # a parameter's kind (ParamKind) as the Python type its value arrives as
-PY_TYPES = {"int": "int", "float": "float", "bool": "bool", "str": "str", "strings": "Union[str, Sequence[str]]",
+PY_TYPES = {"int": "int", "float": "float", "bool": "bool", "str": "str", "text": "str", "strings": "Union[str, Sequence[str]]",
             "ids": "Sequence[int]", "bool_or_str": "Union[bool, str]", "floats": "Sequence[float]"}
 # TypedDict name -> (registry groups, what takes it)
 TYPED = [
@@ -57,7 +57,10 @@ def render() -> str:
         lines += [f"## {title}", "", where, "", "| name | kind | what it does |", "|---|---|---|"]
         for n in names:
             p = mbd_rs.PARAMS[n]
-            lines.append(f"| `{n}` | {p['kind']} | {p['help'].replace('|', '&#124;')} |")
+            kind = p["kind"]
+            if kind == "text":  # text the model reads: literal, bounded
+                kind = f"text (at most {p['max_chars']} characters, {p['max_tokens']} tokens)"
+            lines.append(f"| `{n}` | {kind} | {p['help'].replace('|', '&#124;')} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -9,7 +9,7 @@ __version__: str
 cuda_available: bool
 cpu_threads: int
 #: name -> {"kind": "int"|"float"|"bool"|"str"|"strings"|"ids"|"bool_or_str", "help": str}
-PARAMS: Dict[str, Dict[str, str]]
+PARAMS: Dict[str, Dict[str, Any]]
 GENERATION_PARAMS: Tuple[str, ...]
 PROFILE_OVERRIDES: Tuple[str, ...]
 LOGITS_PARAMS: Tuple[str, ...]

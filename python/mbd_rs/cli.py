@@ -59,7 +59,7 @@ def load_options(a: argparse.Namespace) -> dict[str, Any]:
 # Booleans default to true in the core and get a --no-... flag; a few parameters are not CLI flags.
 _NOT_FLAGS = {"trace", "stop_token_ids"}  # --visual traces; token ids are an API matter
 _NEGATED = {"use_cache": "--no-cache", "early_stop": "--no-early-stop"}
-_TYPES = {"int": int, "float": float, "str": str}
+_TYPES = {"int": int, "float": float, "str": str, "text": str}
 
 
 def _add_gen_flags(p: argparse.ArgumentParser) -> None:

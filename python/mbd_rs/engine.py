@@ -32,8 +32,8 @@ LOAD_OPTIONS: "tuple[str, ...]" = _core.LOAD_OPTIONS
 BATCH_CAPS: "tuple[str, ...]" = ("max_batch", "max_batch_rows")
 #: Stops a long call (Engine.logits, Engine.prompt_logprobs) from another thread: `token.cancel()`.
 CancelToken = _core.CancelToken
-#: name -> {"kind": ..., "help": ...} for every parameter above.
-PARAMS: "dict[str, dict[str, str]]" = _core.PARAMS
+#: name -> {"kind": ..., "help": ...} for every parameter above; a "text" one also has "max_chars" and "max_tokens".
+PARAMS: "dict[str, dict[str, Any]]" = _core.PARAMS
 
 Prompt = Union[str, Sequence[int]]
 Message = Mapping[str, Any]

@@ -148,6 +148,17 @@ pub fn by_score_then_index<S: PartialOrd>(sa: S, sb: S, a: usize, b: usize) -> O
 }
 
 /// Seeded uniform values in [-0.5, 0.5) (a 64-bit LCG's high bits), the test data of the kernels' unit tests.
+/// A float as an error message shows it: plain where that is short, else in exponent form (`1e-300`, not 300
+/// digits).
+pub fn show_f64(x: f64) -> String {
+    let plain = format!("{x}");
+    if plain.len() <= 16 {
+        plain
+    } else {
+        format!("{x:e}")
+    }
+}
+
 #[cfg(test)]
 pub(crate) fn uniform(seed: u64) -> impl FnMut() -> f32 {
     let mut s = seed;

@@ -101,7 +101,7 @@ pub(crate) fn to_value(name: &str, kind: ParamKind, v: &Bound<'_, PyAny>) -> PyR
             Some(b) => Value::Bool(b),
             None => return Err(invalid(format!("{name} must be True or False, got {}", show(v)))),
         },
-        ParamKind::Str => Value::Str(string(name, v)?),
+        ParamKind::Str | ParamKind::Text => Value::Str(string(name, v)?),
         ParamKind::Strings => {
             if v.is_instance_of::<PyString>() {
                 Value::Str(string(name, v)?)
@@ -171,13 +171,18 @@ pub(crate) fn request<R: Params>(params: Option<&Bound<'_, PyDict>>) -> PyResult
     Ok(r)
 }
 
-/// name -> {"kind", "help"} for every parameter ([`mbd_core::params::request::PARAMS`]).
+/// name -> {"kind", "help"} for every parameter ([`mbd_core::params::request::PARAMS`]), and a text field's bounds
+/// ("max_chars", "max_tokens").
 pub(crate) fn params_dict<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     for s in request::PARAMS {
         let e = PyDict::new(py);
         e.set_item("kind", s.kind.name())?;
         e.set_item("help", s.help)?;
+        if let request::Rule::Text { chars, tokens } = s.rule {
+            e.set_item("max_chars", chars)?;
+            e.set_item("max_tokens", tokens)?;
+        }
         d.set_item(s.name, e)?;
     }
     Ok(d)

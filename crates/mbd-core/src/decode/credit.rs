@@ -6,7 +6,7 @@
 //! block's range: a new block (or a position laid out in another block, after TCCF's switch) starts from none.
 
 use crate::decode::decoder::Decoder;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::kernels::stats::row_stats;
 use candle_core::{DType, Tensor};
 use std::collections::HashMap;
@@ -72,7 +72,16 @@ impl Credit {
             let start = out.len();
             out.extend_from_slice(row);
             for (&id, &c) in credit.iter() {
-                out[start + id as usize] += (alpha * c.ln_1p()) as f32;
+                let raw = out[start + id as usize];
+                let fused = raw + (alpha * c.ln_1p()) as f32;
+                if raw.is_finite() && !fused.is_finite() {
+                    // the request's numbers, not the model's (whose non-finite logits sampling reports): say which
+                    return Err(Error::invalid(format!(
+                        "credit_alpha ({alpha}) and credit_gamma ({gamma}) make the fused logits non-finite; use \
+                         smaller values"
+                    )));
+                }
+                out[start + id as usize] = fused;
             }
         }
         for k in seen {

@@ -325,17 +325,19 @@ fn tccf(model: &Model, req: &GenRequest, eos_ids: &[u32]) -> Result<Option<Tccf>
         return Err(Error::invalid("tccf does not combine with logprobs (its check text is not the model's)"));
     }
     let text = req.tccf_trigger.as_deref().unwrap_or(TCCF_TRIGGER);
-    let ids = model.tokenize(text, false)?;
+    let ids = model.text_ids("tccf_trigger", text)?;
     let [trigger] = ids[..] else {
-        return Err(Error::invalid(format!(
-            "tccf_trigger {text:?} must be one token of this model's vocabulary; it is {} tokens",
-            ids.len()
-        )));
+        return Err(Error::invalid(format!("tccf_trigger {text:?} must be one token of this model's vocabulary")));
     };
     if eos_ids.contains(&trigger) {
         return Err(Error::invalid(format!("tccf_trigger {text:?} is an end-of-text token of this request")));
     }
-    let check = model.tokenize(req.tccf_check.as_deref().unwrap_or(TCCF_CHECK), false)?;
+    if model.profile.mask_token_id == Some(trigger) {
+        return Err(Error::invalid(format!(
+            "tccf_trigger {text:?} is the mask token, which the model never writes: the switch would never happen"
+        )));
+    }
+    let check = model.text_ids("tccf_check", req.tccf_check.as_deref().unwrap_or(TCCF_CHECK))?;
     Ok(Some(Tccf { trigger, check, answer_block: req.tccf_answer_block_size.unwrap_or(TCCF_ANSWER_BLOCK) }))
 }
 

@@ -96,6 +96,23 @@ pub struct ModelConfig {
     pub linear: Option<LinearAttnConfig>,
 }
 
+/// The fields mbd-rs adds itself, for the GGUF converter's conventions (`load::gguf`'s `hf_config` sets them):
+/// the model reads them, so a checkpoint's own config.json may not name them.
+pub const INTERNAL_FIELDS: &[&str] = &["gguf_norms_include_one", "gguf_tiled_value_heads"];
+
+/// A checkpoint's config.json (not a GGUF file's metadata) that names one of [`INTERNAL_FIELDS`] is refused: those
+/// switch conventions the checkpoint does not follow, and the model would then compute garbage.
+pub fn refuse_internal_fields(f: &Fields) -> Result<()> {
+    match INTERNAL_FIELDS.iter().find(|k| f.get(k).is_some()) {
+        Some(k) => Err(Error::config(format!(
+            "{}: field '{k}' is mbd-rs's own (its GGUF loader sets it for llama.cpp's conventions); a config.json may \
+             not name it",
+            f.file
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// Largest `max_position_embeddings` accepted: RoPE positions are computed in f32, which represents every
 /// integer exactly only up to 2^24.
 pub const MAX_POSITIONS: usize = 1 << 24;
@@ -104,30 +121,34 @@ pub const MAX_POSITIONS: usize = 1 << 24;
 /// (transformers would apply it, so ignoring it would change every logit); a value whose type cannot be told
 /// is a config error.
 fn check_rope(file: &str, key: &str, value: &Value, arch: Arch) -> Result<()> {
-    // Quote at most 120 characters of the value.
-    let v = {
-        let s = value.to_string();
-        match s.char_indices().nth(120) {
-            Some((i, _)) => format!("{}...", &s[..i]),
-            None => s,
-        }
-    };
+    let v = crate::load::json::shown(value);
     let Value::Object(m) = value else {
         return Err(Error::config(format!(
             "{file}: field '{key}' must be an object with a 'rope_type' (or 'type') entry, found {} ({v})",
             type_name(value)
         )));
     };
-    let kind = match m.get("rope_type").filter(|t| !t.is_null()).or_else(|| m.get("type").filter(|t| !t.is_null())) {
-        None => None,
-        Some(Value::String(t)) => Some(t.as_str()),
-        Some(t) => {
-            return Err(Error::config(format!(
-                "{file}: field '{key}': 'rope_type' must be a string, found {} ({t})",
-                type_name(t)
-            )))
+    // `rope_type` (transformers' name) or `type` (its older one): each one given must be a string, and they agree
+    let mut kind = None;
+    for name in ["rope_type", "type"] {
+        match m.get(name).filter(|t| !t.is_null()) {
+            None => {}
+            Some(Value::String(t)) => match kind {
+                Some(k) if k != t.as_str() => {
+                    return Err(Error::config(format!(
+                        "{file}: field '{key}': 'rope_type' ('{k}') and 'type' ('{t}') disagree"
+                    )))
+                }
+                _ => kind = Some(t.as_str()),
+            },
+            Some(t) => {
+                return Err(Error::config(format!(
+                    "{file}: field '{key}': '{name}' must be a string, found {} ({t})",
+                    type_name(t)
+                )))
+            }
         }
-    };
+    }
     match kind {
         Some("default") => Ok(()),
         // No type: only an object that says nothing but rope_theta (transformers >= 5 fills in "default") is
@@ -181,9 +202,12 @@ fn qwen35_rope(f: &Fields, head_dim: usize) -> Result<usize> {
         )));
     }
     if let Some(i) = &inner {
-        // read for its type only: text positions make every section assignment the same 1-D RoPE
+        // read for their types only: text positions make every section assignment, interleaved or not, the same
+        // 1-D RoPE
         i.opt_usize_list("mrope_section")?;
+        i.opt_bool("mrope_interleaved")?;
     }
+    f.opt_bool("mrope_interleaved")?;
     Ok(rot)
 }
 
@@ -404,9 +428,15 @@ fn moe_config(f: &Fields, arch: Arch) -> Result<Option<MoeConfig>> {
     } else if arch == Arch::Qwen3Moe {
         Some(MoeConfig {
             // transformers >= 5 writes `num_local_experts`; earlier versions `num_experts`.
-            num_experts: match f.opt_usize("num_experts")? {
-                Some(n) => n,
-                None => f.usize("num_local_experts")?,
+            num_experts: match (f.opt_usize("num_experts")?, f.opt_usize("num_local_experts")?) {
+                (Some(n), _) | (None, Some(n)) => n,
+                (None, None) => {
+                    return Err(Error::config(format!(
+                        "{}: the experts' count is missing: field 'num_experts' (or 'num_local_experts', as \
+                         transformers >= 5 writes it)",
+                        f.file
+                    )))
+                }
             },
             num_experts_per_tok: f.usize("num_experts_per_tok")?,
             moe_intermediate_size: f.positive("moe_intermediate_size")?,

@@ -30,6 +30,15 @@ pub fn read_json(path: &Path) -> Result<Map<String, Value>> {
     }
 }
 
+/// A JSON value as an error message quotes it: at most 120 characters (a file may hold megabytes).
+pub fn shown(v: &Value) -> String {
+    let s = v.to_string();
+    match s.char_indices().nth(120) {
+        Some((i, _)) => format!("{}...", &s[..i]),
+        None => s,
+    }
+}
+
 pub fn type_name(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
@@ -104,7 +113,11 @@ impl<'a> Fields<'a> {
             } else {
                 "a positive finite number"
             };
-            return Err(Error::config(format!("{}: field '{key}' must be {kind}, found {x}", self.file)));
+            return Err(Error::config(format!(
+                "{}: field '{key}' must be {kind}, found {}",
+                self.file,
+                crate::util::show_f64(x)
+            )));
         }
         Ok(x)
     }

@@ -3,7 +3,7 @@
 
 use crate::error::{Error, Result};
 use crate::load::chat::ChatTemplate;
-use crate::load::config::ModelConfig;
+use crate::load::config::{refuse_internal_fields, ModelConfig};
 use crate::load::gguf::GgufFile;
 use crate::load::json::{read_json, Fields};
 use crate::load::tokenizer::{load_tokenizer, tokenizer_from_json, tokenizer_mask_id};
@@ -11,6 +11,7 @@ use crate::load::weights::{checkpoint_files, Weights};
 use crate::model::Model;
 use crate::net::forward::Runner;
 use crate::net::linear::{int8_activations, HeldMatrices, HoldPolicy, Holder};
+use crate::net::mask::AttentionKind;
 use crate::net::qwen::QwenNet;
 use crate::params::load::{dtype_name, LoadOptions};
 use crate::params::profile::{detect_family, Profile};
@@ -41,6 +42,13 @@ impl Source {
             Ok(Source::Gguf(GgufFile::read(dir)?))
         } else if dir.is_dir() {
             Ok(Source::Dir)
+        } else if dir.exists() {
+            // a FIFO, a socket, a device: something is there, but not a file this loader can read
+            Err(Error::load(format!(
+                "{}: not a regular file or a directory (a pipe, socket or device); a model is a directory or a GGUF \
+                 file",
+                dir.display()
+            )))
         } else {
             Err(Error::FileNotFound {
                 path: dir.to_path_buf(),
@@ -161,6 +169,16 @@ fn check_profile(
             ))
         });
     }
+    // a hybrid's Gated DeltaNet layers are causal whatever the mask: full attention around them is no model
+    if config.linear.is_some() && profile.attention == AttentionKind::Full {
+        let msg = "Qwen3.5 hybrids take attention='causal' or 'block_causal': their Gated DeltaNet layers are causal, \
+                   so full attention in the softmax layers would be a model that was never trained";
+        return Err(if opts.overrides.attention.is_some() {
+            Error::invalid(format!("attention='full': {msg}"))
+        } else {
+            Error::config(format!("{cfg_file}: {msg}"))
+        });
+    }
     if profile.block_size > config.max_position_embeddings {
         let msg = format!(
             "block_size {} is larger than the context (max_position_embeddings {} in {cfg_file})",
@@ -203,6 +221,9 @@ impl Model {
         let (cfg_map, cfg_file) = src.config(dir)?;
         let cfg_map = text_config(cfg_map, &cfg_file)?;
         let cfg_fields = Fields { file: &cfg_file, map: &cfg_map };
+        if src.gguf().is_none() {
+            refuse_internal_fields(&cfg_fields)?;
+        }
         let (family, architecture) = detect_family(&cfg_fields)?;
         let config = ModelConfig::from_json(&cfg_fields, family.arch())?;
         let gen = src.generation_config(dir)?;
@@ -238,6 +259,7 @@ impl Model {
             tokenizer,
             max_token_bytes,
             special_tokens,
+            literal_tokenizer: std::sync::OnceLock::new(),
         };
         release_freed_heap();
         Ok(model)

@@ -49,6 +49,9 @@ pub struct Model {
     pub max_token_bytes: usize,
     /// The special added tokens' strings (control tokens such as `<|im_end|>`).
     pub special_tokens: Vec<String>,
+    /// `tokenizer` reading control tokens as text, made the first time a text spells one
+    /// ([`Model::literal_ids`]).
+    pub(crate) literal_tokenizer: std::sync::OnceLock<tokenizers::Tokenizer>,
 }
 
 impl Model {

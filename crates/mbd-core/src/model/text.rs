@@ -1,9 +1,16 @@
 //! Text in and out of a model: token ids checked against its vocabulary, tokenization, chat prompts rendered with
 //! its template (contents kept as text), detokenization.
+//!
+//! One rule for text that enters the model's context: it is text. A chat message's content and every request field
+//! of kind [`ParamKind::Text`](crate::params::request::ParamKind::Text) (`tccf_check`, `tccf_trigger`, and any
+//! field added later) is tokenized by [`Model::literal_ids`], with control-token spellings (`<|im_end|>`) as plain
+//! text, after its length was checked against its bound. Control tokens act only where the caller asks: a chat's
+//! `special_tokens_in_content`, a raw prompt (the caller's own canvas, as llama.cpp's and vLLM's completions take
+//! it), or token ids.
 
 use crate::error::{Error, Result};
 use crate::model::Model;
-use crate::params::request::token_ids;
+use crate::params::request::{spec, token_ids, ParamKind, Rule};
 
 /// Private-use characters around a message's index while a chat template renders ([`Model::chat_prompt_ids`]).
 const PLACEHOLDER_OPEN: char = '\u{E000}';
@@ -20,6 +27,43 @@ impl Model {
     pub fn check_ids(&self, name: &str, ids: &[u32]) -> Result<()> {
         let wide: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
         self.token_ids(name, &wide).map(|_| ())
+    }
+
+    /// The ids of request field `name`'s text ([`ParamKind::Text`]): its length checked against its bounds
+    /// (characters before tokenizing, then tokens), tokenized as plain text ([`Model::literal_ids`]).
+    pub fn text_ids(&self, name: &str, text: &str) -> Result<Vec<u32>> {
+        let s = spec(name).filter(|s| s.kind == ParamKind::Text).ok_or_else(|| {
+            Error::Internal(format!("'{name}' is not a text field of the registry: it cannot enter the context"))
+        })?;
+        s.rule.check_text(name, text)?;
+        let ids = self.literal_ids(text)?;
+        if let Rule::Text { tokens, .. } = s.rule {
+            if ids.len() > tokens {
+                return Err(Error::invalid(format!(
+                    "{name} is {} tokens of this model's vocabulary; at most {tokens} {} allowed",
+                    ids.len(),
+                    if tokens == 1 { "is" } else { "are" }
+                )));
+            }
+        }
+        Ok(ids)
+    }
+
+    /// `text` tokenized with control-token spellings as plain text (`<|im_end|>` becomes the tokens of its
+    /// characters), the other added tokens as themselves.
+    pub fn literal_ids(&self, text: &str) -> Result<Vec<u32>> {
+        let tokenizer = if self.special_tokens.iter().any(|s| text.contains(s.as_str())) {
+            // a second tokenizer that reads special tokens as text, made once, when a text first spells one
+            self.literal_tokenizer.get_or_init(|| {
+                let mut t = self.tokenizer.clone();
+                t.set_encode_special_tokens(true);
+                t
+            })
+        } else {
+            &self.tokenizer
+        };
+        let enc = tokenizer.encode(text, false).map_err(|e| Error::invalid(format!("cannot tokenize: {e}")))?;
+        Ok(enc.get_ids().to_vec())
     }
 
     pub fn tokenize(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
@@ -76,8 +120,6 @@ impl Model {
         }
         let text = self.render_chat(&masked, add_generation_prompt, extra)?;
         self.check_prompt_bytes(text.len() + contents.iter().map(|c| c.len()).sum::<usize>())?;
-        let mut plain = self.tokenizer.clone();
-        plain.set_encode_special_tokens(true);
         let mut ids = vec![];
         let mut next = 0;
         let mut rest = text.as_str();
@@ -89,8 +131,7 @@ impl Model {
                 return Err(self.content_kept_error());
             }
             ids.extend(self.tokenize(&rest[..a], false)?);
-            let enc = plain.encode(contents[i], false).map_err(|e| Error::invalid(format!("cannot tokenize: {e}")))?;
-            ids.extend_from_slice(enc.get_ids());
+            ids.extend(self.literal_ids(contents[i])?);
             next += 1;
             rest = &after[b + PLACEHOLDER_CLOSE.len_utf8()..];
         }

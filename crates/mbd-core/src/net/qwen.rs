@@ -258,16 +258,17 @@ pub fn check_checkpoint(cfg: &ModelConfig, ws: &Weights) -> Result<()> {
                 (("linear_attention", "linear_attn.in_proj_qkv"), ("full_attention", "self_attn.q_proj"))
             }
         };
-        let has = |t: &str| ws.contains(&format!("model.layers.{i}.{t}.weight"));
-        if !has(want.1) && has(other.1) {
+        // any tensor of the other mixer in this layer: a checkpoint of another layout (the model would leave it
+        // unread and run something else)
+        let other_prefix = format!("model.layers.{i}.{}.", other.1.split('.').next().unwrap_or(""));
+        if let Some(stray) = ws.names().find(|n| n.starts_with(&other_prefix)) {
             return Err(Error::config(format!(
-                "config.json: layer {i} is '{}' ({}) but the checkpoint {} stores a '{}' layer there \
-                 (model.layers.{i}.{}.weight)",
+                "config.json: layer {i} is '{}' ({}) but the checkpoint {} stores a '{}' layer's tensor there \
+                 ({stray})",
                 want.0,
                 if cfg.linear.is_some() { "layer_types" } else { "every layer of this architecture" },
                 ws.where_(),
                 other.0,
-                other.1
             )));
         }
     }

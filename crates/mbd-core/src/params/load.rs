@@ -8,8 +8,8 @@
 use crate::error::{Error, Result};
 use crate::kernels::blocks::QuantFormat;
 use crate::kernels::Kernels;
-use crate::net::attention::ATTENTION_SCORE_BYTES;
 use crate::load::weights::Progress;
+use crate::net::attention::ATTENTION_SCORE_BYTES;
 use crate::params::request::{
     KernelSwitches, LoadRequest, ParamSpec, Params, ProfileOverrides, Value, KERNEL_SWITCHES, LOAD_PARAMS,
     PROFILE_OVERRIDES,
@@ -113,6 +113,12 @@ impl LoadParams {
             cuda_graphs: k.cuda_graphs.unwrap_or(d.cuda_graphs),
             candle_quant: k.candle_quant.unwrap_or(d.candle_quant),
         };
+        if kernels.cuda_graphs && !kernels.cuda_segments {
+            return Err(Error::invalid(
+                "cuda_graphs needs cuda_segments (a graph replays the one launch per kernel that cuda_segments makes, \
+                 whose inputs all come from the step's upload): pass _kernels=dict(cuda_segments=True, cuda_graphs=True)",
+            ));
+        }
         let opts = LoadOptions {
             device,
             dtype,

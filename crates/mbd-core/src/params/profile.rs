@@ -131,8 +131,15 @@ pub fn detect_family(f: &Fields) -> Result<(Family, String)> {
 
 fn detect_architecture(f: &Fields) -> Result<(Family, String)> {
     let arch0 = match f.map.get("architectures") {
-        Some(Value::Array(a)) => a.first().and_then(|v| v.as_str()).map(|s| s.to_string()),
-        _ => None,
+        None | Some(Value::Null) => None,
+        Some(Value::Array(a)) if a.iter().all(Value::is_string) => a.first().and_then(|v| v.as_str()).map(String::from),
+        Some(v) => {
+            return Err(Error::config(format!(
+                "{}: field 'architectures' must be a list of class names (strings), found {}",
+                f.file,
+                crate::load::json::shown(v)
+            )))
+        }
     };
     let model_type = f.opt_str("model_type")?.map(|s| s.to_string());
     if let Some(a) = &arch0 {

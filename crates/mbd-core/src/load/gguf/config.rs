@@ -141,7 +141,7 @@ impl GgufFile {
     fn qwen35_fields(&self, arch: &str, c: &mut Map<String, Value>) -> Result<()> {
         let key = |k: &str| format!("{arch}.{k}");
         let need = |k: &str| self.qwen35_count(arch, k);
-        let layers = self.qwen35_trunk(arch)?;
+        let (layers, blocks) = self.qwen35_trunk(arch)?;
         c.insert("num_hidden_layers".into(), json!(layers));
         let (hk, hv, inner) = (need("ssm.group_count")?, need("ssm.time_step_rank")?, need("ssm.inner_size")?);
         if hv == 0 || inner % hv != 0 {
@@ -164,11 +164,13 @@ impl GgufFile {
         }
         match self.metadata.get(&key("attention.recurrent_layers")) {
             Some(Value::Array(flags)) => {
-                if (flags.len() as u64) < layers || flags.iter().any(|f| !f.is_boolean()) {
+                if flags.len() as u64 != blocks || flags.iter().any(|f| !f.is_boolean()) {
                     return Err(Error::config(format!(
-                        "{}: metadata '{}' must hold a boolean for each of the {layers} layers",
+                        "{}: metadata '{}' must hold a boolean for each of the {blocks} blocks (block_count), found \
+                         {} entries",
                         self.where_(),
-                        key("attention.recurrent_layers")
+                        key("attention.recurrent_layers"),
+                        flags.len()
                     )));
                 }
                 let types: Vec<&str> = flags[..layers as usize]
@@ -193,9 +195,16 @@ impl GgufFile {
         let head_dim = c.get("head_dim").and_then(|v| v.as_u64()).unwrap_or(0);
         let mut rope = Map::new();
         rope.insert("rope_type".into(), json!("default"));
-        if let (Some(Value::Number(d)), true) = (self.get(&key("rope.dimension_count"))?, head_dim > 0) {
-            let d = d.as_f64().unwrap_or(0.0);
-            rope.insert("partial_rotary_factor".into(), json!(d / head_dim as f64));
+        if self.get(&key("rope.dimension_count"))?.is_some() {
+            let d = self.qwen35_count(arch, "rope.dimension_count")?;
+            if d == 0 || head_dim == 0 || d > head_dim || d % 2 != 0 {
+                return Err(Error::config(format!(
+                    "{}: metadata '{}' ({d}) must be an even count of at most the head's {head_dim} dims",
+                    self.where_(),
+                    key("rope.dimension_count")
+                )));
+            }
+            rope.insert("partial_rotary_factor".into(), json!(d as f64 / head_dim as f64));
         }
         c.insert("rope_parameters".into(), Value::Object(rope));
         if arch == "qwen35moe" {
@@ -232,9 +241,11 @@ impl GgufFile {
         }
     }
 
-    /// The trunk's layers of a Qwen3.5 file: `block_count` less the multi-token-prediction layers stored after them
-    /// (`nextn_predict_layers`), which must leave at least one.
-    pub(super) fn qwen35_trunk(&self, arch: &str) -> Result<u64> {
+    /// The trunk's layers of a Qwen3.5 file and its blocks in all: `block_count` less the multi-token-prediction
+    /// layers stored after them (`nextn_predict_layers`), which must leave at least one. An MTP layer is known by
+    /// its `blk.N.nextn.*` tensors (llama.cpp's names), so each block after the trunk must hold them and none before
+    /// it may: a count that would drop a real layer is refused, never taken on trust.
+    pub(super) fn qwen35_trunk(&self, arch: &str) -> Result<(u64, u64)> {
         let blocks = self.qwen35_count(arch, "block_count")?;
         let nextn = match self.get(&format!("{arch}.nextn_predict_layers"))? {
             Some(_) => self.qwen35_count(arch, "nextn_predict_layers")?,
@@ -246,6 +257,22 @@ impl GgufFile {
                 self.where_()
             )));
         }
-        Ok(blocks - nextn)
+        let trunk = blocks - nextn;
+        let mtp = |i: u64| self.tensors.iter().any(|t| t.name.starts_with(&format!("blk.{i}.nextn.")));
+        if let Some(i) = (trunk..blocks).find(|&i| !mtp(i)) {
+            return Err(Error::config(format!(
+                "{}: metadata '{arch}.nextn_predict_layers' ({nextn}) makes block {i} a multi-token-prediction layer, \
+                 but it holds no blk.{i}.nextn.* tensors: it would drop a layer of the model",
+                self.where_()
+            )));
+        }
+        if let Some(i) = (0..trunk).find(|&i| mtp(i)) {
+            return Err(Error::config(format!(
+                "{}: block {i} holds multi-token-prediction tensors (blk.{i}.nextn.*) but metadata \
+                 '{arch}.nextn_predict_layers' ({nextn}) counts only the last {nextn} of {blocks} blocks as such",
+                self.where_()
+            )));
+        }
+        Ok((trunk, blocks))
     }
 }

@@ -372,6 +372,7 @@ impl GgufFile {
         match version {
             2 | 3 => {}
             1 => return Err(h.bad("GGUF version 1 (32-bit counts) is not supported; convert it again with llama.cpp")),
+            0 => return Err(h.bad("GGUF version 0 is not a version llama.cpp ever wrote (2 and 3 are read)")),
             v if v.swap_bytes() <= 3 => return Err(h.bad("a big-endian GGUF file; only little-endian files are read")),
             v => return Err(h.bad(format!("unknown GGUF version {v}"))),
         }
@@ -445,7 +446,10 @@ impl GgufFile {
                 ))
             })?;
             let (bs, ts) = (dtype.block_size() as u64, dtype.type_size() as u64);
-            if dims.contains(&0) || dims[0] % bs != 0 {
+            if let Some(i) = dims.iter().position(|&d| d == 0) {
+                return Err(h.bad(format!("tensor '{name}' has dimensions {dims:?}: dimension {i} is 0")));
+            }
+            if dims[0] % bs != 0 {
                 return Err(h.bad(format!(
                     "tensor '{name}' has dimensions {dims:?}; its rows ({}) must be a positive multiple of {bs} \
                      values for {}",

@@ -5,14 +5,15 @@ use super::container::{GgufFile, GgufTensor};
 use crate::error::{Error, Result};
 
 impl GgufFile {
-    /// The layers `hf_tensors` maps: a Qwen3.5 file's trunk (None for other architectures, whose every block is a
-    /// layer).
-    fn trunk_layers(&self) -> Result<Option<usize>> {
+    /// The layers `hf_tensors` maps and the blocks in all: a Qwen3.5 file's trunk, before its multi-token-prediction
+    /// blocks (None for other architectures, whose every block is a layer).
+    fn trunk_layers(&self) -> Result<Option<(usize, usize)>> {
         let arch = self.architecture()?;
         if arch != "qwen35" && arch != "qwen35moe" {
             return Ok(None);
         }
-        Ok(Some(self.qwen35_trunk(&arch)? as usize))
+        let (trunk, blocks) = self.qwen35_trunk(&arch)?;
+        Ok(Some((trunk as usize, blocks as usize)))
     }
 
     /// The tensors under the names the model loader asks for (`model.layers.N.self_attn.q_proj.weight`, ...), with
@@ -43,7 +44,7 @@ impl GgufFile {
             let Some(rest) = t.name.strip_prefix("blk.") else { return Err(unknown()) };
             let Some((layer, part)) = rest.split_once('.') else { return Err(unknown()) };
             let Ok(layer) = layer.parse::<usize>() else { return Err(unknown()) };
-            if trunk.is_some_and(|n| layer >= n) {
+            if trunk.is_some_and(|(n, blocks)| layer >= n && layer < blocks) {
                 continue; // Qwen3.5's multi-token-prediction layers: not part of the model transformers runs
             }
             let p = format!("model.layers.{layer}");
