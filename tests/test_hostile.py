@@ -278,6 +278,8 @@ CLI_CASES = [
     (("serve", "--request-timeout", "0"), "--request-timeout"),
     (("serve", "--request-timeout", "nan"), "--request-timeout"),
     (("serve", "--header-timeout", "-1"), "--header-timeout"),
+    (("serve", "--body-timeout", "0"), "--body-timeout"),
+    (("serve", "--body-timeout", "inf"), "--body-timeout"),
     (("serve", "--limit-concurrency", "0"), "--limit-concurrency"),
     (("serve", "--allowed-hosts", " , "), "--allowed-hosts"),
 ]

@@ -417,7 +417,8 @@ _host_list.__name__ = "comma-separated host names"
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
-    from .server.limits import CONNECTIONS, HEADER_TIMEOUT, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, REQUEST_TIMEOUT
+    from .server.limits import (BODY_TIMEOUT, CONNECTIONS, HEADER_TIMEOUT, MAX_BODY_BYTES, MAX_PROMPT_TOKENS,
+                                REQUEST_TIMEOUT)
     ap = argparse.ArgumentParser(prog="mbd-rs", description=(
         "Fast, exact inference for block-diffusion language models (SDAR, TraDo, Fast-dLLM v2, Dream/d3LLM, I-DLM) "
         "on Qwen2, Qwen3 and Qwen3.5, in Rust on candle, driven from Python."))
@@ -478,9 +479,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--header-timeout", type=_seconds, default=HEADER_TIMEOUT,
                    help="seconds a connection has to send its request headers, then it is closed (default: "
                         "%(default)g)")
+    s.add_argument("--body-timeout", type=_seconds, default=BODY_TIMEOUT,
+                   help="seconds a request has to send its whole body once its headers are in, then it gets 408 "
+                        "and the connection is closed (default: %(default)g)")
     s.add_argument("--limit-concurrency", type=_int_in(1, 1 << 20), default=None,
-                   help=f"open connections at most; more are closed at once (default: {CONNECTIONS}, or what the "
-                        "open-files limit leaves; the soft limit is raised to the hard one at start-up)")
+                   help="open connections at most; a new one over it replaces the one that has waited longest "
+                        "for its headers, else for its body, and is closed at once when every connection is serving "
+                        f"a request (default: {CONNECTIONS}, or what the open-files limit leaves; the soft limit is "
+                        "raised to the hard one at start-up)")
     s.add_argument("--allowed-hosts", default=None, type=_host_list, metavar="NAMES",
                    help="comma-separated Host names served besides the bound address and localhost ('*': any; "
                         "'.example.com': a domain and its subdomains); other Hosts get 421 (DNS rebinding). "
