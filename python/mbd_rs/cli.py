@@ -153,13 +153,15 @@ def utf8_text(raw: "bytes | str", source: str) -> str:
     "lone surrogates")."""
     if isinstance(raw, str):
         try:
-            raw = raw.encode("utf-8", "surrogateescape")
+            data = raw.encode("utf-8", "surrogateescape")
         except UnicodeEncodeError:  # a surrogate that is not an escaped byte: the core's check names it
             return raw
+    else:
+        data = raw
     try:
-        return raw.decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{source} is not UTF-8 text: byte {e.start} (0x{raw[e.start]:02x}) is not valid UTF-8 "
+        raise ValueError(f"{source} is not UTF-8 text: byte {e.start} (0x{data[e.start]:02x}) is not valid UTF-8 "
                          f"({e.reason}); convert it first, e.g. with iconv -t UTF-8") from None
 
 

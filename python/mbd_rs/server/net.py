@@ -124,6 +124,7 @@ def guarded_protocol(base: type[asyncio.Protocol], header_timeout: float, limit:
                 self.in_body.pop(self, None)
 
         def _oldest_in_body(self) -> "Guarded | None":
+            conn: Guarded
             for conn in list(self.in_body):
                 if conn._receiving_body():  # a response may have started since its last bytes came
                     return conn
