@@ -33,7 +33,8 @@ TYPED = [
 GROUPS = [
     ("Generation", "GENERATION_PARAMS",
      "`Engine.generate` / `stream` / `chat` / `stream_chat` keyword arguments; the server's body fields (OpenAI's "
-     "names where it has them, the rest as extensions); `mbd-rs generate` / `chat` / `bench` flags."),
+     "names where it has them, the rest as extensions); `mbd-rs generate` / `chat` / `bench` flags (`max_tokens`: "
+     "`--max-tokens`; a bool `x`: `--x` / `--no-x`, and `use_cache` also `--no-cache`)."),
     ("Load options", "LOAD_PARAMS",
      "`Engine.load` keyword arguments; `mbd-rs` flags on every command (the batching caps: `set_batching`, and the "
      "server's `--max-concurrency`); Ray Serve deployment keys."),

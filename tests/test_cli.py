@@ -147,3 +147,63 @@ def test_generate_chats_by_default_and_raw_opts_out():
     r = cli("generate", "sort 3 1 2", "--max-tokens", "12", "--raw")
     assert r.returncode == 0 and r.stdout == eng.generate("sort 3 1 2", max_tokens=12, raw=True).text + "\n"
     assert cli("generate", "x", "--raw", "--chat").returncode == 2  # one or the other
+
+
+def _bool_flags(cmd):
+    """The boolean parameters that are flags of `cmd`: every boolean generation parameter (but those that are not
+    flags) and the boolean load options and profile overrides, from the registry."""
+    from mbd_rs.cli import _NOT_FLAGS, build_parser
+    a = build_parser().parse_args([cmd])
+    gen = [n for n in mbd_rs.GENERATION_PARAMS if mbd_rs.PARAMS[n]["kind"] == "bool" and n not in _NOT_FLAGS]
+    return gen + [n for n in a.load_flags if mbd_rs.PARAMS[n]["kind"] == "bool" and n not in gen]
+
+
+def test_every_boolean_parameter_has_a_flag_and_its_negation():
+    """Before: generation booleans had only --no-x, so TCCF (off by default) could not be turned on: `--tccf` was
+    "ambiguous" (--tccf-trigger, --tccf-check, ...). Now every boolean of the registry is --x / --no-x (unset: the
+    core's default), and the older spellings still work."""
+    from mbd_rs.cli import build_parser
+    ap = build_parser()
+    for cmd in ("generate", "chat", "bench"):
+        names = _bool_flags(cmd)
+        assert {"tccf", "use_cache", "early_stop"} <= set(names), names
+        for name in names:
+            flag = "--" + name.replace("_", "-")
+            assert getattr(ap.parse_args([cmd, flag]), name) is True, (cmd, flag)
+            assert getattr(ap.parse_args([cmd, "--no-" + flag[2:]]), name) is False, (cmd, flag)
+            assert getattr(ap.parse_args([cmd]), name) is None, (cmd, flag)
+        assert ap.parse_args([cmd, "--no-cache"]).use_cache is False
+        assert ap.parse_args([cmd, "--no-early-stop"]).early_stop is False
+
+
+def test_tccf_from_the_command_line():
+    """`--tccf` runs TCCF on the embedded model (a one-token trigger: its vocabulary has no "</think>"), as the API
+    does: the check text follows the trigger."""
+    args = ("sort 3 1 2", "--max-tokens", "16", "--tccf-trigger", " ")
+    want = mbd_rs.Engine.load().chat([{"role": "user", "content": "sort 3 1 2"}], max_tokens=16, tccf=True,
+                                     tccf_trigger=" ")
+    r = cli("generate", "--chat", "--tccf", *args, "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["token_ids"] == want.token_ids and "Let's check" in out["text"], out["text"]
+
+
+def test_input_that_is_not_utf8_is_named_so():
+    """Before: bytes that are not UTF-8 on stdin (or in the prompt argument) were reported as "lone surrogates"
+    (Python's escapes of them, refused by the core). Now: not UTF-8, and at which byte; a prompt file alike."""
+    for args, stdin in [(("generate", "--max-tokens", "4"), b"sort \xff 1 2"),
+                        (("generate", "-", "--max-tokens", "4"), b"ab\xe2\x82 1")]:
+        r = subprocess.run([sys.executable, "-m", "mbd_rs", *args], input=stdin, capture_output=True, timeout=120)
+        err = r.stderr.decode()
+        assert r.returncode == 2 and "not UTF-8" in err and "surrogate" not in err, err
+        assert ("byte 5 (0xff)" if b"\xff" in stdin else "byte 2 (0xe2)") in err, err
+    r = subprocess.run([sys.executable, "-m", "mbd_rs", "generate", b"sort \xff 1", "--max-tokens", "4"],
+                       capture_output=True, timeout=120)
+    assert r.returncode == 2 and b"the prompt is not UTF-8 text: byte 5 (0xff)" in r.stderr, r.stderr
+
+
+def test_a_prompt_file_that_is_not_utf8_is_named_so(tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_bytes(b"sort 3\r\n\xc3(")
+    r = cli("generate", "--file", str(f), "--max-tokens", "4")
+    assert r.returncode == 2 and f"the prompt file {f} is not UTF-8 text: byte 8 (0xc3)" in r.stderr, r.stderr

@@ -173,6 +173,10 @@ LOAD_CASES = [
     (dict(device="tpu"), InvalidRequestError, r"device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'metal', got 'tpu'"),
     (dict(device="cuda:x"), InvalidRequestError, r"device 'cuda:x': 'x' is not a device number"),
     (dict(dtype="int8"), InvalidRequestError, r"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got 'int8'"),
+    # before: "'list' object is not a mapping", and an unknown switch called a profile override
+    (dict(_kernels=["stack"]), TypeError, r"_kernels must be a dict of kernel switches, .*got list \['stack'\]; the "
+     r"switches are keep_bf16_weights, "),
+    (dict(_kernels={"mask_id": 3}), TypeError, r"_kernels: 'mask_id' is not a kernel switch; the switches are "),
 ]
 
 
@@ -278,6 +282,8 @@ CLI_CASES = [
     (("serve", "--request-timeout", "0"), "--request-timeout"),
     (("serve", "--request-timeout", "nan"), "--request-timeout"),
     (("serve", "--header-timeout", "-1"), "--header-timeout"),
+    (("serve", "--body-timeout", "0"), "--body-timeout"),
+    (("serve", "--body-timeout", "inf"), "--body-timeout"),
     (("serve", "--limit-concurrency", "0"), "--limit-concurrency"),
     (("serve", "--allowed-hosts", " , "), "--allowed-hosts"),
 ]

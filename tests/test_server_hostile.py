@@ -2,9 +2,12 @@
 on the positions one request spans, refused before any work; a deadline; cancellation when the client leaves, for
 non-streaming requests and prompt scoring too), connections (a header timeout, a connection cap, the open-files limit,
 accept failures logged once), SIGTERM, the Host check and framing headers, the API key's comparison, /tokenize against
-generation, huge integer literals, and log-probabilities of characters split across tokens. (The one-line refusals are
-in test_hostile.py's catalogue.)"""
+generation, huge integer literals, and log-probabilities of characters split across tokens; round three: request
+bodies (413 on a Content-Length over the cap, a body deadline of its own, connections stalled in their bodies shed
+at the connection cap, one log line per dropped connection). (The one-line refusals are in test_hostile.py's
+catalogue.)"""
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -326,6 +329,173 @@ def test_an_idle_connection_flood_under_a_small_file_limit():
     assert "over what the open-files limit (96) leaves" in err, err[-2000:]
     assert err.count("cannot accept connections") == 1, err[-3000:]
     assert "Traceback" not in err and len(err) < 20_000, err[-3000:]
+
+
+# ---- request bodies ---------------------------------------------------------------------------------------------
+
+HEAD = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n")
+
+
+def _in_body(port, length=100, sent=b'{"prompt": '):
+    """A connection that sends a request's headers and `sent` of its `length`-byte body, then stalls."""
+    c = socket.create_connection(("127.0.0.1", port))
+    c.sendall(HEAD % length + sent)
+    return c
+
+
+def _response(c, within):
+    """Everything the server sends on `c` until it closes the connection (socket.timeout after `within` s)."""
+    c.settimeout(within)
+    got = b""
+    try:
+        while piece := c.recv(65536):
+            got += piece
+    except ConnectionResetError:
+        pass
+    finally:
+        c.close()
+    return got
+
+
+def _error_of(response):
+    head, _, body = response.partition(b"\r\n\r\n")
+    return head.decode("latin-1").lower(), json.loads(body)["error"]
+
+
+def test_a_body_over_the_cap_is_refused_before_it_is_sent(tiny):
+    """Before: a Content-Length over --max-body-bytes was read (or waited for) until the request's deadline, and
+    nothing came back for 40 s. Now: 413 as soon as the headers are in, none of the body sent, and the connection is
+    closed (what is left of the body would be read as the next request)."""
+    c = socket.create_connection(("127.0.0.1", tiny.port))
+    c.sendall(HEAD % (100 << 20))
+    t0 = time.perf_counter()
+    got = _response(c, within=5)  # closed by the server: the response is all there is
+    assert time.perf_counter() - t0 < 3
+    assert got.startswith(b"HTTP/1.1 413"), got[:200]
+    head, err = _error_of(got)
+    assert "connection: close" in head and err["type"] == "invalid_request_error"
+    assert "--max-body-bytes" in err["message"] and f"Content-Length is {100 << 20}" in err["message"], err
+    assert tiny.app.state.slots.active == 0
+
+
+def test_a_stalled_body_gets_408_at_the_body_timeout():
+    """Before: a body that stalled held its connection until --request-timeout (600 s). Now it has --body-timeout
+    (0.5 s here) to arrive once its headers are in: then 408 naming the flag, and the connection closed. A body that
+    comes in pieces within the time is served."""
+    s = Server(mbd_rs.Engine.load(), body_timeout=0.5)
+    try:
+        c = _in_body(s.port)
+        t0 = time.perf_counter()
+        got = _response(c, within=5)
+        took = time.perf_counter() - t0
+        assert got.startswith(b"HTTP/1.1 408"), got[:200]
+        head, err = _error_of(got)
+        assert "connection: close" in head and err["code"] == "request_timeout"
+        assert "--body-timeout" in err["message"] and "11 bytes came" in err["message"], err
+        assert 0.4 < took < 3, took
+        body = json.dumps({"prompt": "sort 3 1 2", "max_tokens": 2}).encode()
+        c = socket.create_connection(("127.0.0.1", s.port))
+        c.sendall(HEAD % len(body))
+        for i in range(0, len(body), 8):  # in pieces, 0.3 s in all
+            time.sleep(0.3 * 8 / len(body))
+            c.sendall(body[i:i + 8])
+        c.settimeout(5)
+        assert c.recv(64).startswith(b"HTTP/1.1 200"), "a body that came within the time was not served"
+        c.close()
+    finally:
+        s.stop()
+
+
+def test_slow_bodies_cannot_lock_out_new_clients():
+    """Before: connections stuck in their request's body were never replaced at the connection cap, so 50 of them
+    at --limit-concurrency 50 shut every new client out (each refused at once) until --request-timeout. Now a new
+    client replaces the one that has waited longest for its body, and the others end at their body timeout (408)."""
+    s = Server(mbd_rs.Engine.load(), net={"limit_concurrency": 50, "header_timeout": 10}, body_timeout=3)
+    held = []
+    try:
+        held = [_in_body(s.port) for _ in range(50)]
+        time.sleep(0.3)  # every one's headers are in: they are waiting for their bodies
+        t0 = time.perf_counter()
+        r = httpx.get(s.base + "/health", timeout=10)
+        answered = time.perf_counter() - t0
+        assert r.status_code == 200 and answered < 3, answered
+        assert _closed_within(held[0], 0.5)  # the oldest gave its place
+        rest = [_response(c, within=6) for c in held[1:]]
+        assert all(g.startswith(b"HTTP/1.1 408") for g in rest), [g[:40] for g in rest if not g.startswith(
+            b"HTTP/1.1 408")][:3]
+    finally:
+        for c in held:
+            c.close()
+        s.stop()
+
+
+def test_at_the_cap_stalled_connections_go_before_those_being_served(long_eng):
+    """The order in which a new connection over the cap (3 here) makes room: first a connection waiting for its
+    headers, then the one waiting longest for its body; one being served keeps its place."""
+    s = Server(long_eng, net={"limit_concurrency": 3, "header_timeout": 10}, body_timeout=10, request_timeout=3)
+    served = []
+    t = threading.Thread(target=lambda: served.append(httpx.post(s.base + "/v1/completions", json=LONG, timeout=30)))
+    try:
+        t.start()
+        deadline = time.time() + 10
+        while active(s) == 0:
+            assert time.time() < deadline
+            time.sleep(0.02)
+        body1, headers = _in_body(s.port), _stalled(s.port)
+        time.sleep(0.3)
+        assert httpx.get(s.base + "/health", timeout=5).status_code == 200  # over the cap: the header-stalled goes
+        assert _closed_within(headers, 0.5) and not _closed_within(_peek(body1), 0.3)
+        time.sleep(0.2)  # that client's connection closed
+        body2 = _in_body(s.port)
+        time.sleep(0.3)
+        assert httpx.get(s.base + "/health", timeout=5).status_code == 200  # then the oldest in its body
+        assert _closed_within(body1, 0.5) and not _closed_within(_peek(body2), 0.3)
+        assert active(s) == 1  # the request being served kept its place
+        body2.close()
+        t.join(timeout=20)
+        assert served and served[0].status_code == 504  # its own deadline ended it
+    finally:
+        s.stop()
+
+
+def _peek(c):
+    """`c` wrapped so that `_closed_within` checks it without closing it."""
+    return socket.socket(fileno=os.dup(c.fileno()))
+
+
+def test_dropped_connections_log_one_line_and_no_traceback():
+    """Before: every connection closed while its request's body was being read logged a 50-line traceback
+    (starlette's ClientDisconnect: up to 999 of them, 3.7 MB of log in seconds). Now at most one line each
+    (the access log's, status 499 or 408), whether the client closed it, the cap replaced it or its body timed
+    out."""
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-m", "mbd_rs", "serve", "--port", str(port), "--body-timeout", "1",
+                          "--limit-concurrency", "20"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_up(f"http://127.0.0.1:{port}", p)
+        conns = [_in_body(port) for _ in range(20)]  # at the cap, each waiting for its body
+        time.sleep(0.3)
+        for _ in range(10):  # each replaces the one waiting longest for its body
+            conns.append(_in_body(port))
+            time.sleep(0.05)
+        time.sleep(0.3)
+        for c in conns[-10:]:  # 10 closed by their client; the others time out (408)
+            c.close()
+        time.sleep(2.0)
+        for c in conns:
+            c.close()
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            out, err = p.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+    assert "Traceback" not in err and "Exception in ASGI" not in err, err[-3000:]
+    lines = err.splitlines()
+    assert len(lines) <= 30 + 5, err[-3000:]  # one per connection, and uvicorn's start/stop lines
+    assert sum(" 499 " in x for x in lines) >= 5 and sum(" 408 " in x for x in lines) >= 5, err[-3000:]
 
 
 # ---- Host, framing, the API key ----------------------------------------------------------------------------------

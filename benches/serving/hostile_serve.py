@@ -2,6 +2,7 @@
 
     . .venv/bin/activate && python benches/serving/hostile_serve.py         # ~1-2 min on 2 shared cores
     python benches/serving/hostile_serve.py --long 8000 --idle 1100 --out /tmp/hostile_serve.json
+    python benches/serving/hostile_serve.py --cases slow_bodies,text_fields --slow-bodies 50   # the body checks alone
 
 The server: `python -m mbd_rs serve` in its own process on 127.0.0.1, the embedded model copied with
 `max_position_embeddings: 131072` (every real checkpoint has a 32k-128k context), default limits unless a case says.
@@ -17,7 +18,16 @@ Cases, each timed on the client:
      then small requests while they are open: latency, how many were answered, the server's open fds, and how long
      until the stalled sockets are closed (`--header-timeout`).
   6. SIGTERM with two long requests in flight (one streaming): the seconds until the process has exited.
-Every request has a timeout and the whole run `--time-budget`; the server is killed at the end whatever happens.
+  7. slow bodies: `--slow-bodies` N connections that send a request's headers and the start of its body, then stall,
+     against `--limit-concurrency N --body-timeout T` (`--body-timeout`; 0: the server's default, for a build
+     without the flag): the seconds for each of 5 new small requests to be answered (before the fix: refused, every
+     connection place held until --request-timeout), how many stalled ones were replaced at the cap or got 408 (and
+     when), and the server's log (tracebacks, lines).
+  8. text fields: four /v1/chat/completions requests at once, each with `"tccf": true` and a 3 MB `tccf_check`
+     (`tccf_trigger: " "`, one token of the embedded model's vocabulary, so that the check text is used): statuses,
+     seconds, and the server's RSS before, sampled peak during (and VmHWM) and after.
+`--cases` runs a subset (comma-separated names: refused, beside, client_gone, deadline, idle, sigterm, slow_bodies,
+text_fields). Every request has a timeout and the whole run `--time-budget`; the server is killed at the end whatever happens.
 Writes a JSON report (default benches/results/reliability/hostile_serve.json); exit status 1 if a check failed.
 """
 from __future__ import annotations
@@ -44,6 +54,7 @@ from serving import HOST, ServerProc
 # this harness's results: benches/results/reliability/
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "reliability")
 SMALL = {"messages": [{"role": "user", "content": "sort 5 3 9 1"}], "max_tokens": 16}
+CASES = ("refused", "beside", "client_gone", "deadline", "idle", "sigterm", "slow_bodies", "text_fields")
 LONG_NO_CACHE = {"prompt": [87] * 6000, "max_tokens": 8, "use_cache": False}
 
 
@@ -180,6 +191,109 @@ def case_idle(model: str, n: int, header_timeout: float) -> dict[str, Any]:
         s.stop()
 
 
+HEAD = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 1000\r\n\r\n{\"messages\": ")
+
+
+def case_slow_bodies(model: str, n: int, body_timeout: float) -> dict[str, Any]:
+    flags = ["--limit-concurrency", str(n)] + (["--body-timeout", str(body_timeout)] if body_timeout else [])
+    s = server(model, *flags)
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            c = socket.create_connection((HOST, s.port), timeout=5)
+            c.sendall(HEAD)
+            socks.append(c)
+        time.sleep(0.5)  # every one's headers are in: they wait for their bodies
+        t0 = time.perf_counter()
+        answered, lat, failures = 0, [], []
+        for _ in range(5):
+            r, dt = timed_post(s.base, "/v1/chat/completions", SMALL, 30)
+            if not isinstance(r, str) and r.status_code == 200:
+                answered += 1
+                lat.append(dt)
+            else:
+                failures.append(getattr(r, "status_code", r))
+        # what became of the stalled connections: replaced (closed without a response) or 408, and when
+        replaced, got_408, other, last = 0, 0, 0, 0.0
+        wait = (body_timeout or 30.0) + 5
+        for c in socks:
+            c.settimeout(max(0.1, wait - (time.perf_counter() - t0)))
+            try:
+                got = c.recv(64)
+            except ConnectionResetError:
+                got = b""
+            except socket.timeout:
+                other += 1
+                continue
+            last = time.perf_counter() - t0
+            if got.startswith(b"HTTP/1.1 408"):
+                got_408 += 1
+            elif not got:
+                replaced += 1
+            else:
+                other += 1
+        for c in socks:
+            c.close()
+        time.sleep(0.5)
+        log = s.log_text()
+        bound = body_timeout or 30.0
+        return {"slow_bodies": n, "limit_concurrency": n, "body_timeout": body_timeout or "default",
+                "small_answered": answered, "small_latency_s": [round(x, 3) for x in lat], "small_failures": failures,
+                "stalled_replaced": replaced, "stalled_408": got_408, "stalled_open_or_other": other,
+                "last_stalled_ended_after_s": round(last, 2), "tracebacks_in_log": log.count("Traceback"),
+                "log_lines": len(log.splitlines()), "log_bytes": len(log),
+                "ok": answered == 5 and max(lat) < bound and "Traceback" not in log}
+    finally:
+        for c in socks:
+            c.close()
+        s.stop()
+
+
+def _rss_mb(pid: int) -> tuple[float, float]:
+    """(VmRSS, VmHWM) of a process, in MB."""
+    with open(f"/proc/{pid}/status") as f:
+        d = dict(line.split(":", 1) for line in f if ":" in line)
+    return int(d["VmRSS"].split()[0]) / 1024, int(d["VmHWM"].split()[0]) / 1024
+
+
+def case_text_fields(model: str, mb: float = 3.0) -> dict[str, Any]:
+    s = server(model)
+    try:
+        small_latency(s.base)  # warm: the first request's allocations are not the fields'
+        time.sleep(0.5)
+        before, _ = _rss_mb(s.proc.pid)
+        body = dict(SMALL, tccf=True, tccf_trigger=" ", tccf_check="x" * int(mb * (1 << 20)))
+        results: list[Any] = [None] * 4
+
+        def post(i: int) -> None:
+            results[i] = timed_post(s.base, "/v1/chat/completions", body, 120)
+
+        threads = [threading.Thread(target=post, args=(i,)) for i in range(4)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        peak = before
+        while any(t.is_alive() for t in threads):
+            peak = max(peak, _rss_mb(s.proc.pid)[0])
+            time.sleep(0.05)
+        took = time.perf_counter() - t0
+        time.sleep(1.0)
+        after, hwm = _rss_mb(s.proc.pid)
+        statuses = [getattr(r, "status_code", r) for r, _ in results]
+        first = next((r for r, _ in results if not isinstance(r, str)), None)
+        said = None
+        if first is not None and first.status_code != 200:
+            said = first.json().get("error", {}).get("message", "")[:160]
+        return {"field_mb": mb, "requests": 4, "statuses": statuses, "error": said,
+                "seconds": [round(dt, 2) for _, dt in results], "all_done_s": round(took, 2),
+                "rss_before_mb": round(before), "rss_peak_sampled_mb": round(peak), "rss_hwm_mb": round(hwm),
+                "rss_after_mb": round(after), "small_after_s": round(small_latency(s.base), 3),
+                "ok": all(isinstance(x, int) for x in statuses) and after - before < 64 and peak - before < 256}
+    finally:
+        s.stop()
+
+
 def case_sigterm(model: str) -> dict[str, Any]:
     s = server(model)
     results: list[Any] = []
@@ -202,30 +316,56 @@ def case_sigterm(model: str) -> dict[str, Any]:
             "requests": [getattr(r, "status_code", r) for r in results], "ok": took < 5}
 
 
+def _simd() -> str:
+    """The widest x86 vector extension /proc/cpuinfo names (AVX-512, AVX2), or what the platform is."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else platform.machine()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--long", type=int, default=8000, help="tokens of the long prompt beside small requests")
     ap.add_argument("--idle", type=int, default=1100, help="stalled connections")
     ap.add_argument("--header-timeout", type=float, default=2.0)
+    ap.add_argument("--slow-bodies", type=int, default=50, help="stalled bodies, and the connection cap")
+    ap.add_argument("--body-timeout", type=float, default=5.0,
+                    help="the server's --body-timeout in the slow-bodies case (0: not passed, the server's default)")
+    ap.add_argument("--text-field-mb", type=float, default=3.0, help="size of each tccf_check in the text-fields case")
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated cases to run (default: all)")
     ap.add_argument("--time-budget", type=float, default=600.0, help="whole run; later cases are skipped past it")
     ap.add_argument("--out", default=os.path.join(RESULTS, "hostile_serve.json"))
     a = ap.parse_args()
+    wanted = [c.strip() for c in a.cases.split(",") if c.strip()]
+    if unknown := sorted(set(wanted) - set(CASES)):
+        ap.error(f"unknown case(s) {unknown}; the cases are {', '.join(CASES)}")
     t_start = time.time()
     root = tempfile.mkdtemp(prefix="mbd-hostile-")
     model = long_context_model(root)
-    report: dict[str, Any] = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+    report: dict[str, Any] = {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d"),
+                              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "simd": _simd(),
                                           "load_avg": os.getloadavg()}, "cases": {}}
     try:
-        s = server(model)
-        try:
-            report["cases"]["refused"] = case_refused(s)
-            report["cases"]["beside"] = case_beside(s, a.long)
-            report["cases"]["client_gone"] = case_client_gone(s)
-        finally:
-            s.stop()
+        shared = [c for c in ("refused", "beside", "client_gone") if c in wanted]
+        if shared:
+            s = server(model)
+            try:
+                for name in shared:
+                    report["cases"][name] = {"refused": lambda: case_refused(s),
+                                             "beside": lambda: case_beside(s, a.long),
+                                             "client_gone": lambda: case_client_gone(s)}[name]()
+            finally:
+                s.stop()
         for name, run in [("deadline", lambda: case_deadline(model)),
                           ("idle", lambda: case_idle(model, a.idle, a.header_timeout)),
-                          ("sigterm", lambda: case_sigterm(model))]:
+                          ("sigterm", lambda: case_sigterm(model)),
+                          ("slow_bodies", lambda: case_slow_bodies(model, a.slow_bodies, a.body_timeout)),
+                          ("text_fields", lambda: case_text_fields(model, a.text_field_mb))]:
+            if name not in wanted:
+                continue
             if time.time() - t_start > a.time_budget:
                 report["cases"][name] = {"skipped": "time budget"}
                 continue

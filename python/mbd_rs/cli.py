@@ -56,9 +56,10 @@ def load_options(a: argparse.Namespace) -> dict[str, Any]:
 
 
 # Generation flags come from the core's parameter table (mbd_rs.PARAMS): --max-tokens for max_tokens, and so on.
-# Booleans default to true in the core and get a --no-... flag; a few parameters are not CLI flags.
+# Booleans get --name / --no-name (unset: the core's default), and some an older spelling too (_NEGATED, the same as
+# --no-name); a few parameters are not CLI flags.
 _NOT_FLAGS = {"trace", "stop_token_ids"}  # --visual traces; token ids are an API matter
-_NEGATED = {"use_cache": "--no-cache", "early_stop": "--no-early-stop"}
+_NEGATED = {"use_cache": "--no-cache"}
 _TYPES = {"int": int, "float": float, "str": str, "text": str}
 
 
@@ -70,8 +71,11 @@ def _add_gen_flags(p: argparse.ArgumentParser) -> None:
             continue
         kind, help_ = PARAMS[name]["kind"], PARAMS[name]["help"]
         if kind == "bool":
-            g.add_argument(_NEGATED.get(name, "--no-" + name.replace("_", "-")), dest=name, action="store_false",
-                           default=None, help=f"turn off: {help_}")
+            flag = "--" + name.replace("_", "-")
+            g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+            if name in _NEGATED:
+                g.add_argument(_NEGATED[name], dest=name, action="store_false", default=None,
+                               help=f"the same as --no-{flag[2:]}")
         elif kind == "floats":
             g.add_argument("--" + name.replace("_", "-"), dest=name, type=float, nargs="+", default=None, help=help_)
         elif kind == "strings":
@@ -143,14 +147,39 @@ class Visual:
         self.out.flush()
 
 
+def utf8_text(raw: "bytes | str", source: str) -> str:
+    """`raw` as text, or ValueError saying that `source` is not UTF-8 and at which byte. A str is what Python read
+    from argv, stdin or input(): bytes that are not UTF-8 come as surrogate escapes (which the core would refuse as
+    "lone surrogates")."""
+    if isinstance(raw, str):
+        try:
+            data = raw.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:  # a surrogate that is not an escaped byte: the core's check names it
+            return raw
+    else:
+        data = raw
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{source} is not UTF-8 text: byte {e.start} (0x{data[e.start]:02x}) is not valid UTF-8 "
+                         f"({e.reason}); convert it first, e.g. with iconv -t UTF-8") from None
+
+
+def _newlines(text: str) -> str:
+    """Line ends as a text-mode open() gives them (universal newlines: "\r\n" and "\r" become "\n")."""
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
     eng = _load(a)
     if a.file:
-        prompt = open(a.file, encoding="utf-8").read()
+        with open(a.file, "rb") as f:
+            prompt = _newlines(utf8_text(f.read(), f"the prompt file {a.file}"))
     elif a.prompt is not None and a.prompt != "-":
-        prompt = a.prompt
+        prompt = utf8_text(a.prompt, "the prompt")
     else:
-        prompt = sys.stdin.read()
+        stdin = getattr(sys.stdin, "buffer", None)
+        prompt = utf8_text(stdin.read() if stdin is not None else sys.stdin.read(), "the prompt on stdin")
         if prompt.endswith("\n"):  # `echo "..." | mbd-rs generate`: the shell's newline is not part of the prompt
             prompt = prompt[:-2] if prompt.endswith("\r\n") else prompt[:-1]
     params = _gen_params(a)
@@ -203,6 +232,11 @@ def cmd_chat(a: argparse.Namespace) -> int:
             break
         if not line.strip():
             break
+        try:
+            line = utf8_text(line, "that line")
+        except ValueError as e:
+            print(f"mbd-rs: {e}", file=sys.stderr)
+            continue
         if line.strip() == "/reset":
             history.clear()
             print("(history cleared)", file=sys.stderr)
@@ -417,7 +451,8 @@ _host_list.__name__ = "comma-separated host names"
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
-    from .server.limits import CONNECTIONS, HEADER_TIMEOUT, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, REQUEST_TIMEOUT
+    from .server.limits import (BODY_TIMEOUT, CONNECTIONS, HEADER_TIMEOUT, MAX_BODY_BYTES, MAX_PROMPT_TOKENS,
+                                REQUEST_TIMEOUT)
     ap = argparse.ArgumentParser(prog="mbd-rs", description=(
         "Fast, exact inference for block-diffusion language models (SDAR, TraDo, Fast-dLLM v2, Dream/d3LLM, I-DLM) "
         "on Qwen2, Qwen3 and Qwen3.5, in Rust on candle, driven from Python."))
@@ -478,9 +513,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--header-timeout", type=_seconds, default=HEADER_TIMEOUT,
                    help="seconds a connection has to send its request headers, then it is closed (default: "
                         "%(default)g)")
+    s.add_argument("--body-timeout", type=_seconds, default=BODY_TIMEOUT,
+                   help="seconds a request has to send its whole body once its headers are in, then it gets 408 "
+                        "and the connection is closed (default: %(default)g)")
     s.add_argument("--limit-concurrency", type=_int_in(1, 1 << 20), default=None,
-                   help=f"open connections at most; more are closed at once (default: {CONNECTIONS}, or what the "
-                        "open-files limit leaves; the soft limit is raised to the hard one at start-up)")
+                   help="open connections at most; a new one over it replaces the one that has waited longest "
+                        "for its headers, else for its body, and is closed at once when every connection is serving "
+                        f"a request (default: {CONNECTIONS}, or what the open-files limit leaves; the soft limit is "
+                        "raised to the hard one at start-up)")
     s.add_argument("--allowed-hosts", default=None, type=_host_list, metavar="NAMES",
                    help="comma-separated Host names served besides the bound address and localhost ('*': any; "
                         "'.example.com': a domain and its subdomains); other Hosts get 421 (DNS rebinding). "

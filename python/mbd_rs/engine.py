@@ -39,6 +39,21 @@ Prompt = Union[str, Sequence[int]]
 Message = Mapping[str, Any]
 
 
+def _kernel_switches(kernels: Any) -> Dict[str, Any]:
+    """Engine.load's `_kernels`: a dict of kernel switches (KERNEL_SWITCHES), checked here so that a refusal names
+    `_kernels` (merged with the other options, a list was "'list' object is not a mapping")."""
+    if kernels is None:
+        return {}
+    if not isinstance(kernels, Mapping):
+        raise TypeError(f"_kernels must be a dict of kernel switches, such as dict(stack=False), got "
+                        f"{type(kernels).__name__} {kernels!r:.80}; the switches are {', '.join(KERNEL_SWITCHES)}")
+    for k in kernels:
+        if k not in KERNEL_SWITCHES:
+            raise TypeError(f"_kernels: {k!r:.80} is not a kernel switch; the switches are "
+                            f"{', '.join(KERNEL_SWITCHES)} (other load options are Engine.load's own arguments)")
+    return dict(kernels)
+
+
 class Engine:
     """A loaded block-diffusion (or plain causal) Qwen2/Qwen3/Qwen3-MoE model."""
 
@@ -72,7 +87,7 @@ class Engine:
         _kernels: the kernel switches as a dict ({switches}): benchmarks' A/B runs, not a stable API.
         """
         path = resolve_model_path(path, revision)
-        given: Dict[str, Any] = {**(_kernels or {}), **options}
+        given: Dict[str, Any] = {**_kernel_switches(_kernels), **options}
         bar = _LoadBar(progress)
         try:
             core = _core.CoreEngine.load(path, given, bar.callback)

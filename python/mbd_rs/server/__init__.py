@@ -27,8 +27,9 @@ The engine batches concurrent generations (continuous batching: one forward carr
 `max_concurrency` of them); up to `max_queue` more wait for a place, and beyond that new requests get 503. A
 client that disconnects mid-stream cancels its generation and frees its slot.
 
-Limits: bodies must be `application/json` (so a web page cannot post to a local server without CORS) and at most
-`max_body_bytes`; the whole body is validated before a generation slot is taken, and the slot is released on
+Limits: bodies must be `application/json` (so a web page cannot post to a local server without CORS), at most
+`max_body_bytes` (413, on a Content-Length before the body is read) and arrive within `body_timeout` of their
+headers (408); the whole body is validated before a generation slot is taken, and the slot is released on
 every path (finish, error, cancel, disconnect). Fields we do not support are refused with 400, never ignored.
 A request spans at most `max_prompt_tokens` positions (prompt + max_tokens: 400 context_length_exceeded before
 any work), runs at most `request_timeout` seconds, and is cancelled when its client leaves or the server stops
@@ -39,12 +40,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .limits import MAX_BODY_BYTES, MAX_N, MAX_PROMPT_TOKENS, REQUEST_TIMEOUT
+from .limits import BODY_TIMEOUT, MAX_BODY_BYTES, MAX_N, MAX_PROMPT_TOKENS, REQUEST_TIMEOUT
 
 if TYPE_CHECKING:
     from .app import create_app, serve
 
-__all__ = ["create_app", "serve", "MAX_BODY_BYTES", "MAX_N", "MAX_PROMPT_TOKENS", "REQUEST_TIMEOUT"]
+__all__ = ["create_app", "serve", "BODY_TIMEOUT", "MAX_BODY_BYTES", "MAX_N", "MAX_PROMPT_TOKENS", "REQUEST_TIMEOUT"]
 
 
 def __getattr__(name: str) -> Any:

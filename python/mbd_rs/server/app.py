@@ -2,11 +2,13 @@
 their server-sent events, the tokenizer routes, the web view), the access log, and `create_app` that assembles
 them. Protocol shapes are `openai`'s, admission `slots`', the connection level (timeouts, caps, Host) `net`'s.
 
-Bounded work (docs/security.md): a request spans at most `max_prompt_tokens` positions (prompt + max_tokens; over it:
-400 context_length_exceeded before any work); its work is cancelled when its client leaves (a non-streaming request's
-client is polled while it waits; Starlette watches a streaming one's), when its deadline (`request_timeout`) passes, and
-when the server shuts down. A cancelled request's streams end with finish_reason "cancelled"; a non-streaming request
-past its deadline gets 504 (code "request_timeout"), one cut by shutdown 503."""
+Bounded work (docs/security.md): a request's body must arrive within `body_timeout` of its headers (else 408, the
+connection closed; a Content-Length over `max_body_bytes` gets 413 before any of the body is read); a request spans
+at most `max_prompt_tokens` positions (prompt + max_tokens; over it: 400 context_length_exceeded before any work); its
+work is cancelled when its client leaves (a non-streaming request's client is polled while it waits; Starlette
+watches a streaming one's), when its deadline (`request_timeout`) passes, and when the server shuts down. A
+cancelled request's streams end with finish_reason "cancelled"; a non-streaming request past its deadline gets 504
+(code "request_timeout"), one cut by shutdown 503."""
 from __future__ import annotations
 
 import hmac
@@ -24,7 +26,7 @@ from typing import Any
 import anyio
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -32,9 +34,9 @@ from ..engine import Engine
 from ..errors import ContextLengthError, InvalidRequestError, RequestCancelledError
 from ..types import StreamChunk, Usage
 from . import net, openai
-from .limits import MAX_BODY_BYTES, MAX_PROMPT_TOKENS, REQUEST_TIMEOUT
-from .openai import (REFUSALS, Body, BodyTimeout, BodyTooLarge, Echo, Shapes, TextOffsets, UnknownModel, body_params,
-                     entries_of, error, is_id, refusal, scored_only, usage_json)
+from .limits import BODY_TIMEOUT, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, REQUEST_TIMEOUT
+from .openai import (REFUSALS, Body, BodyTimeout, BodyTooLarge, ClientGone, Echo, Shapes, TextOffsets, UnknownModel,
+                     body_params, entries_of, error, is_id, refusal, scored_only, usage_json)
 from .slots import Item, Lease, Slots
 
 _log = logging.getLogger("mbd_rs.server")
@@ -83,14 +85,15 @@ class _Watch:
 
 
 class _Routes:
-    """The routes of one app: `engine` served as `name`, `slots` admitting its generations; `limits`:
-    max_prompt_tokens and request_timeout."""
+    """The routes of one app: `engine` served as `name`, `slots` admitting its generations; the limits:
+    max_body_bytes, body_timeout, max_prompt_tokens and request_timeout."""
 
     def __init__(self, engine: Engine, name: str, api_key: str | None, batch: int, queue: int, max_body_bytes: int,
-                 max_prompt_tokens: int, request_timeout: float):
+                 max_prompt_tokens: int, request_timeout: float, body_timeout: float = BODY_TIMEOUT):
         self.engine, self.name, self.api_key = engine, name, api_key
         self.batch, self.queue, self.max_body_bytes = batch, queue, max_body_bytes
         self.max_prompt_tokens, self.request_timeout = max_prompt_tokens, request_timeout
+        self.body_timeout = body_timeout
         self.slots = Slots(batch + queue)
         self.created = int(time.time())
         self.shapes = Shapes(engine)
@@ -119,18 +122,31 @@ class _Routes:
 
     async def read_body(self, request: Request, deadline: float) -> dict[str, Any]:
         """The request's JSON object, for the model this server serves (else BodyTooLarge, UnknownModel,
-        BodyTimeout or InvalidRequestError), arrived before `deadline` (time.monotonic())."""
+        BodyTimeout, ClientGone or InvalidRequestError), arrived within `body_timeout` and before `deadline`
+        (time.monotonic(): the request's). A Content-Length over `max_body_bytes` is refused before any byte of
+        the body is read (a body without one, chunked, once it passes the cap)."""
         if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
             raise InvalidRequestError("the request body must be JSON with Content-Type: application/json")
+        too_large = f"request body is over this server's limit of {self.max_body_bytes} bytes (--max-body-bytes)"
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:  # the protocol has checked its syntax
+            raise BodyTooLarge(f"{too_large}: Content-Length is {declared}")
+        now = time.monotonic()
+        own = now + self.body_timeout < deadline
         raw = bytearray()
-        with anyio.move_on_after(deadline - time.monotonic()) as scope:
-            async for piece in request.stream():
-                raw += piece
-                if len(raw) > self.max_body_bytes:
-                    raise BodyTooLarge(f"request body is over this server's limit of {self.max_body_bytes} bytes")
+        try:
+            with anyio.move_on_after(min(deadline, now + self.body_timeout) - now) as scope:
+                async for piece in request.stream():
+                    raw += piece
+                    if len(raw) > self.max_body_bytes:
+                        raise BodyTooLarge(too_large)
+        except ClientDisconnect:
+            raise ClientGone("the client closed the connection before its request body arrived") from None
         if scope.cancelled_caught:
-            raise BodyTimeout(f"the request body did not arrive within this server's limit of "
-                              f"{self.request_timeout:g} s (--request-timeout)")
+            limit = f"{self.body_timeout:g} s (--body-timeout)" if own else f"{self.request_timeout:g} s " \
+                "(--request-timeout)"
+            raise BodyTimeout(f"the request body did not arrive within this server's limit of {limit}; "
+                              f"{len(raw)} bytes came")
         try:
             body = await anyio.to_thread.run_sync(json.loads, bytes(raw))  # large bodies parse off the event loop
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
@@ -148,7 +164,8 @@ class _Routes:
         return JSONResponse({"status": "stopping" if self.stopping else "ok", "model": self.name,
                              "active": self.slots.active, "capacity": self.slots.capacity, "batch": self.batch,
                              "queue": self.queue, "max_prompt_tokens": self.max_prompt_tokens,
-                             "request_timeout": self.request_timeout, "pid": os.getpid()})
+                             "request_timeout": self.request_timeout, "body_timeout": self.body_timeout,
+                             "pid": os.getpid()})
 
     async def models(self, request: Request) -> JSONResponse:
         if (r := self.check_auth(request)) is not None:
@@ -433,11 +450,12 @@ class _Routes:
 def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | None = None,
                max_concurrency: int = 4, max_queue: int | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                max_prompt_tokens: int = MAX_PROMPT_TOKENS, request_timeout: float = REQUEST_TIMEOUT,
-               allowed_hosts: Sequence[str] | None = None) -> Starlette:
+               body_timeout: float = BODY_TIMEOUT, allowed_hosts: Sequence[str] | None = None) -> Starlette:
     """The app serving `engine`. `max_concurrency` becomes the engine's batch (`Engine.set_batching(max_batch=)`):
     generations stepped together; `max_queue` (default: `max_concurrency`) more wait in the engine's queue.
     `max_prompt_tokens`: the most positions one request spans (prompt + max_tokens); `request_timeout`: seconds
-    before a request's work is cancelled; `allowed_hosts`: the Host names served (`net.allowed_hosts`; None: any).
+    before a request's work is cancelled; `body_timeout`: seconds a request's body has to arrive once its headers
+    are in (then 408, the connection closed); `allowed_hosts`: the Host names served (`net.allowed_hosts`; None: any).
     `app.state.routes.shutdown()` cancels the work in flight (`mbd-rs serve` calls it on SIGTERM)."""
     name = model_name or os.path.basename(os.path.normpath(engine.info.path))
     engine.set_batching(max_batch=max_concurrency)
@@ -446,10 +464,11 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
         raise InvalidRequestError(f"max_queue must be an integer >= 0, got {queue!r}")
     if isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1:
         raise InvalidRequestError(f"max_prompt_tokens must be an integer >= 1, got {max_prompt_tokens!r}")
-    if isinstance(request_timeout, bool) or not isinstance(request_timeout, (int, float)) or not request_timeout > 0:
-        raise InvalidRequestError(f"request_timeout must be a number of seconds > 0, got {request_timeout!r}")
+    for key, t in (("request_timeout", request_timeout), ("body_timeout", body_timeout)):
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise InvalidRequestError(f"{key} must be a number of seconds > 0, got {t!r}")
     r = _Routes(engine, name, api_key, max_concurrency, queue, max_body_bytes, max_prompt_tokens,
-                float(request_timeout))
+                float(request_timeout), float(body_timeout))
     app = Starlette(routes=[
         Route("/", r.index, methods=["GET"]),
         Route("/health", r.health, methods=["GET"]),
@@ -503,7 +522,7 @@ def serve(args: Any, load: dict[str, Any]) -> int:
     app = create_app(eng, model_name=args.model_name, api_key=args.api_key, max_concurrency=args.max_concurrency,
                      max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                      max_prompt_tokens=args.max_prompt_tokens, request_timeout=args.request_timeout,
-                     allowed_hosts=hosts)
+                     body_timeout=args.body_timeout, allowed_hosts=hosts)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # the access log, on stderr
     server = net.make_server(app, args.host, args.port, header_timeout=args.header_timeout,
                              limit_concurrency=args.limit_concurrency, on_shutdown=app.state.routes.shutdown)

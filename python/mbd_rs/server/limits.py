@@ -14,5 +14,9 @@ MAX_PROMPT_TOKENS = 8192
 REQUEST_TIMEOUT = 600.0
 #: Seconds a connection has to send its request line and headers (`--header-timeout`).
 HEADER_TIMEOUT = 10.0
+#: Seconds a request has to send its whole body once its headers are in (`--body-timeout`), then 408 and the
+#: connection closed: a 4 MiB body (MAX_BODY_BYTES) needs about 140 KB/s, while a client that stalls mid-body holds
+#: its connection (and, at the connection cap, a place) for at most this long, not for the request's deadline.
+BODY_TIMEOUT = 30.0
 #: The connection cap's default, where the open-files limit allows it (`--limit-concurrency`).
 CONNECTIONS = 1000

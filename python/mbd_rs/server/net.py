@@ -6,7 +6,9 @@
   line and headers within `header_timeout` seconds of connecting, or of its previous response, is closed: uvicorn
   times out only idle keep-alive connections, so a client that sends one byte and stalls held a file forever) and a
   connection cap (at most `limit` open: a new connection over it replaces the one that has waited longest for its
-  headers, so stalled connections can neither take every file nor shut real clients out).
+  headers, else the one that has waited longest for its request's body (the app's `body_timeout` ends those), and
+  is refused only when every connection is serving a request: stalled connections can neither take every file nor
+  shut real clients out).
 - `AcceptFailures`: the event loop's handler for `accept()` failing (EMFILE and the like) logs it once a minute with a
   count, not asyncio's traceback per attempt (79 MB of log in 42 s).
 - `make_server`: uvicorn's server with these guards, whose shutdown (SIGTERM, Ctrl-C) first cancels the app's work in
@@ -67,38 +69,67 @@ def connection_limit(requested: int | None, open_files: int | None) -> int:
 
 
 def guarded_protocol(base: type[asyncio.Protocol], header_timeout: float, limit: int) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol class `base` (h11 or httptools: both keep `cycle`, the request being served, and call
-    `on_response_complete`) with a header timeout and a connection cap (see the module's doc). At the cap, a new
-    connection takes the place of the connection that has waited longest for its request's headers (a stalled
-    one: real clients send their headers at once), and is refused only when every connection is serving a
-    request."""
+    """uvicorn's HTTP protocol class `base` (h11 or httptools: both keep `cycle`, the request being served, with
+    `more_body` and `response_started`, and call `on_response_complete`) with a header timeout and a connection cap
+    (see the module's doc). At the cap, a new connection takes the place of the connection that has waited longest
+    for its request's headers (a stalled one: real clients send their headers at once), else of the one that has
+    waited longest for its request's body (stalled mid-body: the app would answer it 408 at its body timeout), and
+    is refused only when every connection is serving a request."""
     class Guarded(base):  # type: ignore[valid-type,misc]
-        waiting: "dict[Any, None]" = {}  # connections waiting for their headers, oldest first (this server's)
+        # this server's connections waiting for their headers, and those whose request's body is still arriving
+        # (headers in, no response started), oldest first
+        waiting: "dict[Any, None]" = {}
+        in_body: "dict[Any, None]" = {}
         _timer: asyncio.TimerHandle | None = None
         _waiting_on: Any = None
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             if len(self.connections) > limit:
-                oldest = next(iter(self.waiting), None)
-                if oldest is None:
+                victim = next(iter(self.waiting), None) or self._oldest_in_body()
+                if victim is None:
                     transport.abort()  # every connection is serving a request: this one's file is freed at once
                     return
-                oldest._drop()
+                victim._drop()
             self._arm()
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
             self._disarm_if_started()
+            self._track_body()
 
         def on_response_complete(self) -> None:
+            self.in_body.pop(self, None)
             self._arm()  # the next request's headers are timed from here (pipelined ones may be parsed below)
             super().on_response_complete()
             self._disarm_if_started()
+            self._track_body()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            self.in_body.pop(self, None)
             super().connection_lost(exc)
+
+        def _receiving_body(self) -> bool:
+            """This connection's request has its headers in, and its body is still arriving with no response
+            started."""
+            c = self.cycle
+            return (c is not None and self._timer is None and bool(getattr(c, "more_body", False))
+                    and not getattr(c, "response_started", True))
+
+        def _track_body(self) -> None:
+            if self._receiving_body():
+                self.in_body.setdefault(self, None)
+            else:
+                self.in_body.pop(self, None)
+
+        def _oldest_in_body(self) -> "Guarded | None":
+            conn: Guarded
+            for conn in list(self.in_body):
+                if conn._receiving_body():  # a response may have started since its last bytes came
+                    return conn
+                self.in_body.pop(conn, None)
+            return None
 
         def _arm(self) -> None:
             self._disarm()
@@ -118,6 +149,7 @@ def guarded_protocol(base: type[asyncio.Protocol], header_timeout: float, limit:
 
         def _drop(self) -> None:
             self._disarm()
+            self.in_body.pop(self, None)
             if not self.transport.is_closing():
                 self.transport.abort()
 

@@ -53,20 +53,29 @@ class BodyTimeout(Exception):
     pass
 
 
+class ClientGone(Exception):
+    """The client closed its connection before its request body arrived."""
+
+
 def error(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
            param: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
 
 
 #: What a POST route answers for a refused request (each route catches these and passes them to `refusal`).
-REFUSALS = (BodyTooLarge, BodyTimeout, UnknownModel, InvalidRequestError, TypeError, MbdError)
+REFUSALS = (BodyTooLarge, BodyTimeout, ClientGone, UnknownModel, InvalidRequestError, TypeError, MbdError)
 
 
 def refusal(e: Exception) -> JSONResponse:
-    if isinstance(e, BodyTooLarge):
-        return error(413, str(e))
-    if isinstance(e, BodyTimeout):
-        return error(408, str(e), code="request_timeout")
+    """The error response for a refused request. A body left unread (too large, too slow) closes the connection
+    after the response (`Connection: close`): what is left of it would otherwise be read as the next request. A
+    client gone gets 499, which nobody reads (it is the access log's line)."""
+    if isinstance(e, (BodyTooLarge, BodyTimeout)):
+        r = error(413, str(e)) if isinstance(e, BodyTooLarge) else error(408, str(e), code="request_timeout")
+        r.headers["connection"] = "close"
+        return r
+    if isinstance(e, ClientGone):
+        return error(499, str(e), code="client_closed")
     if isinstance(e, UnknownModel):
         return error(404, str(e), code="model_not_found")
     if isinstance(e, ContextLengthError):
