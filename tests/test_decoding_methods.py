@@ -58,7 +58,8 @@ def eng():
     (dict(acceptance="bacd", bacd_lower=0.8, bacd_upper=0.7), r"bacd_lower \(0.8\) must not exceed bacd_upper"),
     (dict(acceptance="bacd", bacd_upper=1.5), "bacd_upper must be in"),
     (dict(acceptance="credit", credit_beta=2.0), "credit_beta must be in"),
-    (dict(acceptance="credit", credit_alpha=-1.0), "credit_alpha must be >= 0"),
+    (dict(acceptance="credit", credit_alpha=-1.0), "credit_alpha must be between 0 and 1000, got -1"),
+    (dict(acceptance="credit", credit_alpha=1e308), "credit_alpha must be between 0 and 1000, got 1e308"),
     (dict(acceptance="greedy"), "acceptance must be"),
 ])
 def test_bad_method_parameters(eng, kw, msg):

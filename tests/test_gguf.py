@@ -467,36 +467,64 @@ def test_qwen35_gguf_conventions_are_read(tmp_path):
 
 
 def test_qwen35_metadata_and_mtp_layers(tmp_path):
-    """Multi-token-prediction layers stored after the trunk (block_count counts them) are left unread; a
-    recurrent_layers list that does not cover the layers, or value sizes that do not divide, are named."""
+    """Multi-token-prediction layers stored after the trunk (block_count counts them, each known by its
+    blk.N.nextn.* tensors as llama.cpp writes them) are left unread; a count of them that would drop a real layer,
+    a recurrent_layers list that does not cover the blocks, a rotary count that is not a count, or value sizes that
+    do not divide, are named."""
+    import struct
     src = parity_dir("qwen35_hybrid")
     cfg, tensors = read_hf(src)
     exp = np.load(os.path.join(src, "expected.npz"))
-    # an MTP layer as llama.cpp writes it: one more block (a full-attention layer's tensors), counted
-    n = cfg["num_hidden_layers"]
+    n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    nextn = {"qwen35.nextn_predict_layers": (1, gguf.GGUFValueType.UINT32)}
+
+    def with_block_count(raw, count):
+        key = b"qwen35.block_count"
+        i = raw.index(key) + len(key) + 4
+        return raw[:i] + struct.pack("<I", count) + raw[i + 4:]
+
+    # an MTP layer as llama.cpp writes it: one more block (a full-attention layer's tensors and its nextn.* ones)
+    mtp = {f"blk.{n}.attn_norm.weight": np.ones(h, np.float32),
+           f"blk.{n}.nextn.eh_proj.weight": np.zeros((h, 2 * h), np.float32),
+           f"blk.{n}.nextn.enorm.weight": np.ones(h, np.float32)}
     p = str(tmp_path / "mtp.gguf")
-    write_gguf(p, cfg, tensors, src, raw_tensors={f"blk.{n}.attn_norm.weight": np.ones(cfg["hidden_size"], np.float32)},
-               extra_kv={"qwen35.nextn_predict_layers": (1, gguf.GGUFValueType.UINT32)})
-    raw = open(p, "rb").read()
-    # block_count counts the MTP layer (written by the converter as n + 1)
-    import struct
-    key = b"qwen35.block_count"
-    i = raw.index(key) + len(key) + 4
-    raw = raw[:i] + struct.pack("<I", n + 1) + raw[i + 4:]
+    write_gguf(p, cfg, tensors, src, raw_tensors=mtp, extra_kv=nextn)
+    raw = with_block_count(open(p, "rb").read(), n + 1)  # block_count counts the MTP layer
     eng = load_bytes(tmp_path, raw)
     assert eng.info.num_layers == n
+    got = eng.logits(exp["ids"], attention="causal")
+    assert float(np.abs(got - exp["causal"]).max() / np.abs(exp["causal"]).max()) <= 1e-4
     # MTP layers that would leave no trunk: named, before any tensor is mapped
     key = b"qwen35.nextn_predict_layers"
     j = raw.index(key) + len(key) + 4
     with pytest.raises(mbd_rs.ConfigError, match=rf"nextn_predict_layers \({n + 1}\) leaves no layer of the {n + 1}"):
         load_bytes(tmp_path, raw[:j] + struct.pack("<I", n + 1) + raw[j + 4:])
-    got = eng.logits(exp["ids"], attention="causal")
-    assert float(np.abs(got - exp["causal"]).max() / np.abs(exp["causal"]).max()) <= 1e-4
-    bad = str(tmp_path / "bad.gguf")
-    write_gguf(bad, dict(cfg, layer_types=cfg["layer_types"][:2]), tensors, src)
-    with pytest.raises(mbd_rs.ConfigError, match="recurrent_layers' must hold a boolean for each of the 4 layers"):
-        mbd_rs.Engine.load(bad, device="cpu")
+    # a count that names the last real layer an MTP layer (it has no nextn tensors): refused, not dropped
+    plain = str(tmp_path / "plain.gguf")
+    write_gguf(plain, cfg, tensors, src, extra_kv=nextn)
+    with pytest.raises(mbd_rs.ConfigError, match=rf"makes block {n - 1} a multi-token-prediction layer, but it holds "
+                                                  rf"no blk.{n - 1}.nextn.\* tensors"):
+        mbd_rs.Engine.load(plain, device="cpu")
+    # nextn tensors in a trunk block: the count and the tensors disagree
+    stray = str(tmp_path / "stray.gguf")
+    write_gguf(stray, cfg, tensors, src, raw_tensors={"blk.0.nextn.enorm.weight": np.ones(h, np.float32)})
+    with pytest.raises(mbd_rs.ConfigError, match=r"block 0 holds multi-token-prediction tensors"):
+        mbd_rs.Engine.load(stray, device="cpu")
+    # recurrent_layers must hold one flag per block: fewer or more are refused
+    for types in (cfg["layer_types"][:2], cfg["layer_types"] + ["linear_attention"]):
+        bad = str(tmp_path / "bad.gguf")
+        write_gguf(bad, dict(cfg, layer_types=types), tensors, src)
+        with pytest.raises(mbd_rs.ConfigError, match=rf"recurrent_layers' must hold a boolean for each of the {n} "
+                                                      rf"layers, found {len(types)} entries"):
+            mbd_rs.Engine.load(bad, device="cpu")
     raw = open(gguf_of(src, tmp_path / "inner.gguf"), "rb").read()
+    # rope.dimension_count of the wrong type (its u32 retyped as an f32): named, not replaced by the default
+    key = b"qwen35.rope.dimension_count"
+    i = raw.index(key) + len(key)
+    assert struct.unpack("<I", raw[i:i + 4])[0] == int(gguf.GGUFValueType.UINT32)
+    retyped = raw[:i] + struct.pack("<I", int(gguf.GGUFValueType.FLOAT32)) + raw[i + 4:]
+    with pytest.raises(mbd_rs.ConfigError, match=r"metadata 'qwen35.rope.dimension_count' must be a count"):
+        load_bytes(tmp_path, retyped)
     key = b"qwen35.ssm.inner_size"
     i = raw.index(key) + len(key) + 4
     raw = raw[:i] + struct.pack("<I", 63) + raw[i + 4:]

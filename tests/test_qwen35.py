@@ -120,7 +120,10 @@ def test_vl_checkpoint_layout_loads_its_language_model(name, tmp_path):
 
 
 def test_what_a_recurrent_state_cannot_do_is_refused():
-    full = mbd_rs.Engine.load(parity_dir("qwen35_hybrid"), mask_token_id=3, attention="full", logits_shift=True)
+    # full attention reaches only the softmax layers: the load says so
+    with pytest.warns(UserWarning, match="attention='full' on a Qwen3.5 hybrid: only its softmax layers"):
+        full = mbd_rs.Engine.load(parity_dir("qwen35_hybrid"), mask_token_id=3, attention="full", logits_shift=True)
+    assert any("Gated DeltaNet layers stay causal" in w for w in full.info.warnings)
     for cache in ["prefix", "dual"]:
         with pytest.raises(mbd_rs.InvalidRequestError, match="Gated DeltaNet"):
             full.generate([5, 6, 7], max_tokens=4, cache=cache)

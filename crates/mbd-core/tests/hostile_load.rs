@@ -610,3 +610,133 @@ fn long_added_tokens_are_refused_quickly() {
     });
     expect(&p, "ModelLoad", &["GGUF tokenizer", "added token 3 (id 3) is 47000 bytes long"]);
 }
+
+// ---- the third hostile-input round: the loader's own fields, strict shapes, clear messages ----
+
+fn config_err_in(fixture: &str, edit: impl FnOnce(&mut Map<String, Value>), needles: &[&str]) -> String {
+    let (_t, d) = model_copy(&parity(fixture));
+    edit_json(&d.join("config.json"), edit);
+    expect(&d, "Config", needles)
+}
+
+#[test]
+fn a_config_may_not_switch_on_the_gguf_loaders_own_fields() {
+    for key in ["gguf_norms_include_one", "gguf_tiled_value_heads"] {
+        for fixture in [BASE, "qwen35_hybrid"] {
+            config_err_in(
+                fixture,
+                |c| {
+                    c.insert(key.into(), json!(true));
+                },
+                &["config.json", &format!("field '{key}' is mbd-rs's own"), "may not name it"],
+            );
+        }
+    }
+    // a GGUF file's metadata sets them for itself: such files load (gguf_control_tokens_and_mask_have_their_own_ids)
+}
+
+#[test]
+fn architectures_must_be_a_list_of_names() {
+    for bad in [json!(5), json!("Qwen3ForCausalLM"), json!([5])] {
+        config_err(
+            |c| {
+                c.insert("architectures".into(), bad);
+            },
+            &["field 'architectures' must be a list of class names (strings)"],
+        );
+    }
+}
+
+#[test]
+fn rope_types_must_be_strings_that_agree() {
+    config_err(
+        |c| {
+            c.insert("rope_scaling".into(), json!({"rope_type": "default", "type": 5}));
+        },
+        &["field 'rope_scaling': 'type' must be a string, found a number (5)"],
+    );
+    config_err(
+        |c| {
+            c.insert("rope_scaling".into(), json!({"rope_type": "default", "type": "linear", "factor": 2.0}));
+        },
+        &["'rope_type' ('default') and 'type' ('linear') disagree"],
+    );
+}
+
+#[test]
+fn qwen35_mrope_interleaved_must_be_a_boolean() {
+    config_err_in(
+        "qwen35_hybrid",
+        |c| {
+            c["rope_parameters"].as_object_mut().unwrap().insert("mrope_interleaved".into(), json!("yes"));
+        },
+        &["mrope_interleaved", "true or false"],
+    );
+    config_err_in(
+        "qwen35_hybrid",
+        |c| {
+            c.insert("mrope_interleaved".into(), json!(1));
+        },
+        &["mrope_interleaved", "true or false"],
+    );
+}
+
+#[test]
+fn a_layer_holding_the_other_mixers_tensor_is_refused() {
+    // qwen35_hybrid: layers 0-2 are Gated DeltaNet, layer 3 attention; a softmax layer's q_proj copied into layer 0
+    let (_t, d) = model_copy(&parity("qwen35_hybrid"));
+    let p = d.join("model.safetensors");
+    let (mut h, mut data) = read_st(&p);
+    let mut q = h["model.layers.3.self_attn.q_proj.weight"].clone();
+    let off = q["data_offsets"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as usize).collect::<Vec<_>>();
+    let start = data.len();
+    data.extend_from_within(off[0]..off[1]);
+    q["data_offsets"] = json!([start, data.len()]);
+    h.insert("model.layers.0.self_attn.q_proj.weight".into(), q);
+    write_st(&p, &h, &data);
+    expect(&d, "Config", &["layer 0 is 'linear_attention'", "stores a 'full_attention' layer's tensor there"]);
+}
+
+#[test]
+fn moe_without_an_expert_count_names_both_spellings() {
+    config_err_in(
+        "qwen3moe_top1",
+        |c| {
+            c.remove("num_experts");
+            c.remove("num_local_experts");
+        },
+        &["field 'num_experts' (or 'num_local_experts'"],
+    );
+}
+
+#[test]
+fn gguf_version_zero_is_called_what_it_is() {
+    let (_t, p) = gguf_of(|_| {});
+    let mut b = std::fs::read(&p).unwrap();
+    b[4..8].copy_from_slice(&0u32.to_le_bytes());
+    std::fs::write(&p, b).unwrap();
+    let msg = expect(&p, "ModelLoad", &["GGUF version 0 is not a version llama.cpp ever wrote"]);
+    assert!(!msg.contains("big-endian"), "{msg}");
+}
+
+#[test]
+fn gguf_zero_dimension_names_the_dimension() {
+    let (_t, p) = gguf_of(|g| {
+        let t = g.tensors.iter_mut().find(|t| t.name == "blk.0.attn_q.weight").unwrap();
+        t.dims = vec![t.dims[0], 0];
+    });
+    let msg = expect(&p, "ModelLoad", &["tensor 'blk.0.attn_q.weight'", "dimension 1 is 0"]);
+    assert!(!msg.contains("its rows"), "{msg}");
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[test]
+fn a_fifo_is_not_a_model_and_not_missing() {
+    let t = TmpDir::new("fifo");
+    let p = t.path().join("m.gguf");
+    let c = std::ffi::CString::new(p.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let msg = expect(&p, "ModelLoad", &["not a regular file or a directory"]);
+    assert!(!msg.contains("no such"), "{msg}");
+}

@@ -169,16 +169,6 @@ fn check_profile(
             ))
         });
     }
-    // a hybrid's Gated DeltaNet layers are causal whatever the mask: full attention around them is no model
-    if config.linear.is_some() && profile.attention == AttentionKind::Full {
-        let msg = "Qwen3.5 hybrids take attention='causal' or 'block_causal': their Gated DeltaNet layers are causal, \
-                   so full attention in the softmax layers would be a model that was never trained";
-        return Err(if opts.overrides.attention.is_some() {
-            Error::invalid(format!("attention='full': {msg}"))
-        } else {
-            Error::config(format!("{cfg_file}: {msg}"))
-        });
-    }
     if profile.block_size > config.max_position_embeddings {
         let msg = format!(
             "block_size {} is larger than the context (max_position_embeddings {} in {cfg_file})",
@@ -201,16 +191,31 @@ fn weight_format(held: &HeldMatrices) -> Result<String> {
 }
 
 /// The load's warnings ([`ModelInfo::warnings`](crate::model::info::ModelInfo::warnings)): a `quantize` option that
-/// quantized no matrix.
-fn load_warnings(opts: &LoadOptions, held: &HeldMatrices, format: &str) -> Vec<String> {
-    match opts.quantize {
-        Some(q) if held.quantized == 0 => vec![format!(
+/// quantized no matrix; a hybrid under full attention.
+fn load_warnings(
+    opts: &LoadOptions,
+    held: &HeldMatrices,
+    format: &str,
+    config: &ModelConfig,
+    p: &Profile,
+) -> Vec<String> {
+    let mut out = vec![];
+    if let Some(q) = opts.quantize.filter(|_| held.quantized == 0) {
+        out.push(format!(
             "quantize='{}' quantized no matrix: the weights are held as {format} (a matrix is quantized when its rows \
              split into whole blocks of the format or of a fallback's, and a GGUF file's blocks stay as stored)",
             q.name()
-        )],
-        _ => vec![],
+        ));
     }
+    // a hybrid's Gated DeltaNet layers are causal whatever the mask: only its softmax layers see the whole canvas
+    if config.linear.is_some() && p.attention == AttentionKind::Full {
+        out.push(
+            "attention='full' on a Qwen3.5 hybrid: only its softmax layers attend to the whole canvas; its Gated \
+             DeltaNet layers stay causal (they read positions in order), so this is not full attention throughout"
+                .into(),
+        );
+    }
+    out
 }
 
 impl Model {
@@ -248,7 +253,7 @@ impl Model {
             dir: dir.to_path_buf(),
             num_parameters: ws.num_parameters(),
             weight_bytes: ws.loaded_bytes(),
-            load_warnings: load_warnings(opts, &held, &format),
+            load_warnings: load_warnings(opts, &held, &format, &config, &profile),
             weight_format: format,
             int8_activations: int8_activations(&policy, &held),
             chat_template: src.chat_template(dir)?,

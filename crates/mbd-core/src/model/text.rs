@@ -39,11 +39,11 @@ impl Model {
         let ids = self.literal_ids(text)?;
         if let Rule::Text { tokens, .. } = s.rule {
             if ids.len() > tokens {
-                return Err(Error::invalid(format!(
-                    "{name} is {} tokens of this model's vocabulary; at most {tokens} {} allowed",
-                    ids.len(),
-                    if tokens == 1 { "is" } else { "are" }
-                )));
+                return Err(Error::invalid(if tokens == 1 {
+                    format!("{name} must be one token of this model's vocabulary; {text:?} is {} tokens", ids.len())
+                } else {
+                    format!("{name} is {} tokens of this model's vocabulary; at most {tokens} are allowed", ids.len())
+                }));
             }
         }
         Ok(ids)

@@ -164,13 +164,18 @@ impl GgufFile {
         }
         match self.metadata.get(&key("attention.recurrent_layers")) {
             Some(Value::Array(flags)) => {
-                if flags.len() as u64 != blocks || flags.iter().any(|f| !f.is_boolean()) {
+                // one flag per layer of the trunk, or per block with the multi-token-prediction ones after it
+                let n = flags.len() as u64;
+                if (n != layers && n != blocks) || flags.iter().any(|f| !f.is_boolean()) {
+                    let mtp = if blocks > layers {
+                        format!(" (or the {blocks} blocks with the MTP layers)")
+                    } else {
+                        String::new()
+                    };
                     return Err(Error::config(format!(
-                        "{}: metadata '{}' must hold a boolean for each of the {blocks} blocks (block_count), found \
-                         {} entries",
+                        "{}: metadata '{}' must hold a boolean for each of the {layers} layers{mtp}, found {n} entries",
                         self.where_(),
                         key("attention.recurrent_layers"),
-                        flags.len()
                     )));
                 }
                 let types: Vec<&str> = flags[..layers as usize]
