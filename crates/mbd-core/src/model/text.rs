@@ -2,7 +2,7 @@
 //! its template (contents kept as text), detokenization.
 //!
 //! One rule for text that enters the model's context: it is text. A chat message's content and every request field
-//! of kind [`ParamKind::Text`](crate::params::request::ParamKind::Text) (`tccf_check`, `tccf_trigger`, and any
+//! of kind [`ParamKind::Text`] (`tccf_check`, `tccf_trigger`, and any
 //! field added later) is tokenized by [`Model::literal_ids`], with control-token spellings (`<|im_end|>`) as plain
 //! text, after its length was checked against its bound. Control tokens act only where the caller asks: a chat's
 //! `special_tokens_in_content`, a raw prompt (the caller's own canvas, as llama.cpp's and vLLM's completions take
