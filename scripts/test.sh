@@ -6,8 +6,8 @@
 # arguments go to pytest.
 # (The Rust lints, rustfmt and clippy, are scripts/lint.sh; CI runs both.)
 # Always in its own ./.venv (a user's install, e.g. a release `pip install .`, is never replaced by this debug
-# build). Set CARGO_TARGET_DIR to share a Rust build dir. On a 2-core machine the first run takes ~10 minutes and
-# ~2.5 GB of disk (the Rust build ~1.5 GB, the venv ~1 GB; --all adds ~1 GB), later runs ~2 minutes.
+# build). Set CARGO_TARGET_DIR to share a Rust build dir. On a 2-core machine the first run takes 10-15 minutes and
+# ~2 GB of disk (the Rust build ~1.2 GB, the venv ~0.5 GB; --all adds ~1 GB), later runs ~2 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 all=0
