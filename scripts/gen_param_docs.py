@@ -20,7 +20,8 @@ OUT = os.path.join(ROOT, "docs", "parameters.md")
 PY_OUT = os.path.join(ROOT, "python", "mbd_rs", "params.py")
 
 # a parameter's kind (ParamKind) as the Python type its value arrives as
-PY_TYPES = {"int": "int", "float": "float", "bool": "bool", "str": "str", "text": "str", "strings": "Union[str, Sequence[str]]",
+PY_TYPES = {"int": "int", "float": "float", "bool": "bool", "str": "str", "text": "str", "source": "str",
+            "json": "Union[str, Mapping[str, Any], type]", "strings": "Union[str, Sequence[str]]",
             "ids": "Sequence[int]", "bool_or_str": "Union[bool, str]", "floats": "Sequence[float]"}
 # TypedDict name -> (registry groups, what takes it)
 TYPED = [
@@ -70,7 +71,8 @@ def render_py() -> str:
     lines = ['"""The keyword arguments of the engine\'s calls, typed: generated from the core\'s registry (`mbd_rs.PARAMS`)',
              "by scripts/gen_param_docs.py; do not edit. Every field is optional (None or absent: the default); ranges",
              'are checked by the core."""',
-             "from __future__ import annotations", "", "from typing import Optional, Sequence, TypedDict, Union", ""]
+             "from __future__ import annotations", "", "from typing import Any, Mapping, Optional, Sequence, TypedDict, Union",
+             ""]
     for name, groups, what in TYPED:
         lines += ["", f"class {name}(TypedDict, total=False):", f'    """The keyword arguments of {what}."""', ""]
         for g in groups:

@@ -207,3 +207,22 @@ def test_a_prompt_file_that_is_not_utf8_is_named_so(tmp_path):
     f.write_bytes(b"sort 3\r\n\xc3(")
     r = cli("generate", "--file", str(f), "--max-tokens", "4")
     assert r.returncode == 2 and f"the prompt file {f} is not UTF-8 text: byte 8 (0xc3)" in r.stderr, r.stderr
+
+
+def test_structured_outputs_from_the_command_line(tmp_path):
+    """`--json-schema FILE` and `--regex` constrain the output as the API's response_format and regex do."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    f = tmp_path / "answer.json"
+    f.write_text(json.dumps(schema))
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    want = mbd_rs.Engine.load().chat([{"role": "user", "content": "add 1+2"}], max_tokens=32, response_format=fmt)
+    r = cli("generate", "add 1+2", "--max-tokens", "32", "--json-schema", str(f), "--stats")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want.text + "\n" and 0 <= json.loads(want.text)["n"] <= 9
+    assert "forced by the grammar" in r.stderr
+    r = cli("generate", "add 1+2", "--max-tokens", "16", "--regex", "[0-9]{2}")
+    assert r.returncode == 0 and len(r.stdout.strip()) == 2 and r.stdout.strip().isdigit(), r.stdout
+    f.write_text("{not json")
+    r = cli("generate", "hi", "--json-schema", str(f))
+    assert r.returncode == 2 and f"--json-schema {f}" in r.stderr and "Traceback" not in r.stderr

@@ -492,3 +492,31 @@ def test_qwen3_style_chat_generates_and_scores(qwen3_chat):
     assert len(out.logprobs) >= len(out.token_ids)
     scores = eng.prompt_logprobs(eng.apply_chat_template(msgs))
     assert scores[0] is None and all(s is not None and s.logprob <= 0 for s in scores[1:])
+
+
+def test_structured_outputs_over_the_real_vocabulary(qwen, eng):
+    """Grammars over Qwen2's byte-level vocabulary (151,643 tokens, multi-byte characters split across tokens,
+    control tokens): greedy AR under a schema whose values are CJK, accented and emoji text equals the reference
+    decoder over llguidance's own masks (its vocabulary built by llguidance from tokenizer.json, not by the engine);
+    the multi-block decoder's outputs validate; a regex that spells a control token gets its characters."""
+    jsonschema = pytest.importorskip("jsonschema")
+    llguidance = pytest.importorskip("llguidance")
+    from test_structured import LAYOUT, reference_greedy
+    schema = {"type": "object", "properties": {"city": {"enum": ["東京", "Zürich", "🙂 ok"]},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["city", "n"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}
+    prompt = eng.chat_ids([{"role": "user", "content": "where?"}])
+    eos = [qwen.special["<|im_end|>"], qwen.special["<|endoftext|>"]]
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=LAYOUT)
+    want = reference_greedy(eng, os.path.join(qwen.model, "tokenizer.json"), prompt, grammar, 40, eos)
+    got = eng.generate(prompt, max_tokens=40, block_size=1, response_format=fmt, stop_token_ids=eos)
+    assert list(got.token_ids) == [t for t in want if t not in eos], (got.token_ids, want)
+    jsonschema.validate(json.loads(got.text), schema)
+    for seed in range(4):
+        c = eng.chat([{"role": "user", "content": f"where {seed}?"}], max_tokens=40, response_format=fmt,
+                     temperature=1.0, seed=seed, block_size=4)
+        assert c.finish_reason == "stop", c
+        jsonschema.validate(json.loads(c.text), schema)
+    c = eng.chat([{"role": "user", "content": "x"}], max_tokens=24, regex=r"<\|im_end\|> ok")
+    assert c.text == "<|im_end|> ok" and qwen.special["<|im_end|>"] not in c.token_ids, c

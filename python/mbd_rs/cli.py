@@ -60,7 +60,7 @@ def load_options(a: argparse.Namespace) -> dict[str, Any]:
 # --no-name); a few parameters are not CLI flags.
 _NOT_FLAGS = {"trace", "stop_token_ids"}  # --visual traces; token ids are an API matter
 _NEGATED = {"use_cache": "--no-cache"}
-_TYPES = {"int": int, "float": float, "str": str, "text": str}
+_TYPES = {"int": int, "float": float, "str": str, "text": str, "source": str, "json": str}
 
 
 def _add_gen_flags(p: argparse.ArgumentParser) -> None:
@@ -69,7 +69,7 @@ def _add_gen_flags(p: argparse.ArgumentParser) -> None:
     for name in GENERATION_PARAMS:
         if name in _NOT_FLAGS:
             continue
-        kind, help_ = PARAMS[name]["kind"], PARAMS[name]["help"]
+        kind, help_ = PARAMS[name]["kind"], PARAMS[name]["help"].replace("%", "%%")  # argparse formats help
         if kind == "bool":
             flag = "--" + name.replace("_", "-")
             g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
@@ -83,13 +83,28 @@ def _add_gen_flags(p: argparse.ArgumentParser) -> None:
                            help=f"{help_} (repeatable)")
         else:
             g.add_argument("--" + name.replace("_", "-"), dest=name, type=_TYPES[kind], default=None, help=help_)
+    g.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="the output is JSON matching the JSON Schema in FILE (response_format json_schema)")
     p.add_argument("--stats", action="store_true", help="print usage (tokens per forward, tokens/s) to stderr")
     p.add_argument("--json", action="store_true", help="print the completion as JSON")
 
 
 def _gen_params(a: argparse.Namespace) -> dict[str, Any]:
     from .engine import GENERATION_PARAMS
-    return {k: getattr(a, k) for k in GENERATION_PARAMS if getattr(a, k, None) is not None}
+    from .errors import InvalidRequestError
+    params = {k: getattr(a, k) for k in GENERATION_PARAMS if getattr(a, k, None) is not None}
+    path = getattr(a, "json_schema", None)
+    if path is not None:
+        if "response_format" in params:
+            raise InvalidRequestError("give --json-schema or --response-format, not both")
+        try:
+            with open(path, encoding="utf-8") as f:
+                schema = json.load(f)
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise InvalidRequestError(f"--json-schema {path}: {e}") from None
+        name = os.path.splitext(os.path.basename(path))[0]
+        params["response_format"] = {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
+    return params
 
 
 def _load(a: argparse.Namespace) -> Engine:
@@ -101,7 +116,8 @@ def _print_stats(u: Usage) -> None:
     print(f"[{u.completion_tokens} tokens, {u.forward_passes} forwards, {u.tokens_per_forward:.2f} tokens/forward, "
           f"{u.tokens_per_second:.1f} tokens/s, ttft {u.ttft_ms:.1f} ms"
           + (f", {u.verifications} verifications, {u.drafts_accepted}/{u.drafts_proposed} drafts accepted"
-             if u.verifications else "") + "]", file=sys.stderr)
+             if u.verifications else "")
+          + (f", {u.forced_tokens} forced by the grammar" if u.forced_tokens else "") + "]", file=sys.stderr)
 
 
 VISUAL_LEGEND = """--visual draws one line per forward pass:

@@ -181,7 +181,7 @@ class Engine:
         e.g. "<|im_start|>"). Token ids are always completed as they are. Parameters: GENERATION_PARAMS."""
         if self.chats(prompt, raw=raw):
             return self.stream_chat([{"role": "user", "content": prompt}], **params)
-        return Stream(self._core.start(prompt, params), trace=bool(params.get("trace")))
+        return Stream(self._core.start(prompt, _core_params(params)), trace=bool(params.get("trace")))
 
     def generate(self, prompt: Prompt, *, raw: bool = False, **params: Unpack[GenerationParams]) -> Completion:
         """Generate a completion of `prompt` (a str or a list of token ids; a str is a chat message unless raw=True
@@ -227,12 +227,48 @@ class Engine:
         """Stream the assistant's reply to `messages` (rendered with the chat template). Message contents stay
         text: a content that spells a control token (e.g. "<|im_end|>") is tokenized as plain text unless
         special_tokens_in_content=True."""
-        return Stream(self._core.start_chat(_messages_json(messages), params, special_tokens_in_content),
+        return Stream(self._core.start_chat(_messages_json(messages), _core_params(params), special_tokens_in_content),
                       trace=bool(params.get("trace")))
 
     def chat(self, messages: Sequence[Message], *, special_tokens_in_content: bool = False,
              **params: Unpack[GenerationParams]) -> Completion:
         return self.stream_chat(messages, special_tokens_in_content=special_tokens_in_content, **params).result()
+
+
+def _core_params(params: Mapping[str, Any]) -> Dict[str, Any]:
+    """Generation parameters as the core takes them: a pydantic model class as `response_format` becomes OpenAI's
+    strict json_schema format of its JSON Schema (as the openai SDK's `parse` sends it: no object takes properties
+    its model does not declare)."""
+    rf = params.get("response_format")
+    if isinstance(rf, type) and hasattr(rf, "model_json_schema"):
+        schema = _strict(rf.model_json_schema())
+        return {**params, "response_format": {"type": "json_schema",
+                                              "json_schema": {"name": rf.__name__, "schema": schema, "strict": True}}}
+    return dict(params)
+
+
+def _strict(schema: Any) -> Any:
+    """A JSON Schema whose objects take no properties beyond those they declare (OpenAI's strict mode), unless they
+    say otherwise."""
+    if isinstance(schema, list):
+        return [_strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: Dict[str, Any] = {}
+    for k, v in schema.items():
+        if k in _SCHEMA_MAPS and isinstance(v, dict):  # name -> schema
+            out[k] = {name: _strict(s) for name, s in v.items()}
+        elif k in _VALUES:  # data, not schemas
+            out[k] = v
+        else:
+            out[k] = _strict(v)
+    if out.get("type") == "object" and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_VALUES = ("enum", "const", "default", "examples")
 
 
 def _messages_json(messages: Sequence[Message]) -> str:

@@ -3,7 +3,7 @@ by scripts/gen_param_docs.py; do not edit. Every field is optional (None or abse
 are checked by the core."""
 from __future__ import annotations
 
-from typing import Optional, Sequence, TypedDict, Union
+from typing import Any, Mapping, Optional, Sequence, TypedDict, Union
 
 
 class GenerationParams(TypedDict, total=False):
@@ -73,6 +73,12 @@ class GenerationParams(TypedDict, total=False):
     """tccf: the text put after the thinking (default "Let's check if there are any mistakes and give the final answer.")"""
     tccf_answer_block_size: Optional[int]
     """tccf: the answer's block size (default 1)"""
+    response_format: Optional[Union[str, Mapping[str, Any], type]]
+    """OpenAI's {"type": "text"} (the default), {"type": "json_object"}, or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}}: the output is JSON, matching the schema"""
+    grammar: Optional[str]
+    """the output is a word of this grammar: Lark syntax (llguidance's, with %json{...} and regex terminals), or llguidance's grammar JSON"""
+    regex: Optional[str]
+    """the output matches this regular expression (Rust regex syntax), whole"""
     verify_policy: Optional[str]
     """when S2D2 verifies: always | min_span | score (default: E[K] - penalty >= threshold) | hysteresis"""
     verify_min_span: Optional[int]

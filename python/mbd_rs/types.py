@@ -19,6 +19,7 @@ class Usage:
     verifications: int = 0  # S2D2 verification forwards, ISD steps that verified drafts (speculative=...)
     drafts_proposed: int = 0  # draft tokens put to the verifier
     drafts_accepted: int = 0  # draft tokens the verifier accepted
+    forced_tokens: int = 0  # completion tokens a grammar forced (its only choice), written without a forward
 
     @property
     def total_tokens(self) -> int:

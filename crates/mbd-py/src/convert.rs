@@ -101,7 +101,22 @@ pub(crate) fn to_value(name: &str, kind: ParamKind, v: &Bound<'_, PyAny>) -> PyR
             Some(b) => Value::Bool(b),
             None => return Err(invalid(format!("{name} must be True or False, got {}", show(v)))),
         },
-        ParamKind::Str | ParamKind::Text => Value::Str(string(name, v)?),
+        ParamKind::Str | ParamKind::Text | ParamKind::Source => Value::Str(string(name, v)?),
+        // a JSON value: its text as given, or a Python value (dict, list, ...) written as JSON
+        ParamKind::Json => {
+            if v.is_instance_of::<PyString>() {
+                Value::Str(string(name, v)?)
+            } else {
+                let dumps = v.py().import("json")?.getattr("dumps")?;
+                let text = dumps.call1((v,)).map_err(|_| {
+                    invalid(format!(
+                        "{name} must be a JSON value (a dict, a list, ...) or its JSON text, got {}",
+                        show(v)
+                    ))
+                })?;
+                Value::Str(string(name, &text)?)
+            }
+        }
         ParamKind::Strings => {
             if v.is_instance_of::<PyString>() {
                 Value::Str(string(name, v)?)

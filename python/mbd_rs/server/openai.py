@@ -17,12 +17,12 @@ from ..types import StepEvent, TokenLogprob, Usage
 from .limits import MAX_N
 
 # OpenAI body fields passed to the engine as generation parameters, and the server's own fields.
-_OPENAI_PARAMS = {"max_tokens", "temperature", "top_p", "stop", "seed"}
+_OPENAI_PARAMS = {"max_tokens", "temperature", "top_p", "stop", "seed", "response_format"}
 _OWN = {"model", "prompt", "messages", "stream", "stream_options", "max_completion_tokens", "n", "user", "logprobs",
         "top_logprobs", "echo"}
 # OpenAI fields we do not support yet, with the values that mean "off" (sent by many clients by default).
 _UNSUPPORTED_UNLESS = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
-                       "suffix": (None, ""), "best_of": (None, 1), "response_format": (None, {"type": "text"})}
+                       "suffix": (None, ""), "best_of": (None, 1)}
 # Diffusion knobs and the rest of the engine's parameters, accepted as extra body fields ("logprobs" is OpenAI's
 # field, shaped per route by _body_params).
 _EXTENSIONS = set(GENERATION_PARAMS) - _OPENAI_PARAMS - {"logprobs"}
@@ -426,4 +426,5 @@ def usage_json(usages: list[Usage], n: int) -> dict[str, int | float]:
             "forward_passes": fwd, "tokens_per_forward": comp / fwd if fwd else 0.0,
             "verifications": sum(u.verifications for u in usages),
             "drafts_proposed": sum(u.drafts_proposed for u in usages),
-            "drafts_accepted": sum(u.drafts_accepted for u in usages)}
+            "drafts_accepted": sum(u.drafts_accepted for u in usages),
+            "forced_tokens": sum(u.forced_tokens for u in usages)}

@@ -168,6 +168,8 @@ pub struct Decoder {
     pub last_decoded: Vec<usize>,
     /// Positions decoded by acceptance or forced progress so far (EOS fill not counted).
     pub accepted: usize,
+    /// Positions a grammar forced, written without a forward ([`Decoder::force`]).
+    pub forced: usize,
     planned: bool,
     /// The planned step is Fast-dLLM v2's block-start step (its one position is accepted as predicted).
     ar_step: bool,
@@ -199,6 +201,7 @@ impl Decoder {
             stopped: None,
             last_decoded: vec![],
             accepted: 0,
+            forced: 0,
             planned: false,
             ar_step: false,
             bacd: vec![(0.0, 0); nb],
@@ -301,14 +304,22 @@ impl Decoder {
                 self.blocks[k].fully_active = true;
             }
         }
-        // 4. add at most one block
+        // 4. add at most one block (with masks: blocks a grammar forced whole before they were created are added
+        // on the way to it, as they hold nothing to predict)
         let created = self.num_created();
         if created < self.blocks.len() && !self.eos_filled {
             let last = created - 1;
             if self.progress(last) >= self.params.block_add_threshold || self.is_complete(last) {
-                let fa = self.progress(last) >= self.params.decoded_token_threshold;
-                self.blocks[created].created = true;
-                self.blocks[created].fully_active = fa;
+                let mut k = created;
+                loop {
+                    let fa = self.progress(k - 1) >= self.params.decoded_token_threshold;
+                    self.blocks[k].created = true;
+                    self.blocks[k].fully_active = fa;
+                    if !self.is_complete(k) || k + 1 == self.blocks.len() {
+                        break;
+                    }
+                    k += 1;
+                }
             }
         }
         self.planned = true;
@@ -497,21 +508,54 @@ impl Decoder {
 
     /// Steps 6-9, given one prediction per position returned by `plan` (same order).
     pub fn apply(&mut self, positions: &[usize], preds: &[Prediction]) -> Result<()> {
+        self.apply_with(positions, preds, |decided| Ok(decided.to_vec()))
+    }
+
+    /// [`Decoder::apply`] with a phase between acceptance and writing (a grammar's,
+    /// [`crate::decode::grammar::constraint::Constraint::keep`]): `keep` gets the accepted positions (absolute, ascending) with
+    /// their tokens and returns those to write, each one a position the step predicted.
+    pub fn apply_with(
+        &mut self,
+        positions: &[usize],
+        preds: &[Prediction],
+        keep: impl FnOnce(&[(usize, u32)]) -> Result<Vec<(usize, u32)>>,
+    ) -> Result<()> {
         if positions.len() != preds.len() {
             return Err(Error::Internal(format!("{} predictions for {} positions", preds.len(), positions.len())));
         }
         let accept = self.decide(positions, preds);
+        let decided: Vec<(usize, u32)> =
+            positions.iter().zip(preds).zip(accept).filter(|x| x.1).map(|((&p, pr), _)| (p, pr.token)).collect();
+        let kept = keep(&decided)?;
         if self.params.acceptance == Acceptance::Bacd {
             // the block's history: the confidences of every token it accepted (forced ones too)
-            for ((&p, pr), _) in positions.iter().zip(preds).zip(&accept).filter(|x| *x.1) {
+            for &(p, _) in &kept {
+                let i = positions
+                    .iter()
+                    .position(|&q| q == p)
+                    .ok_or_else(|| Error::Internal(format!("position {p} was not predicted")))?;
                 let k = self.block_of(p);
-                self.bacd[k].0 += pr.prob;
+                self.bacd[k].0 += preds[i].prob;
                 self.bacd[k].1 += 1;
             }
         }
-        let decided: Vec<(usize, u32)> =
-            positions.iter().zip(preds).zip(accept).filter(|x| x.1).map(|((&p, pr), _)| (p, pr.token)).collect();
-        self.write(&decided, 1)
+        self.write(&kept, 1)
+    }
+
+    /// Tokens that need no forward (a grammar forces them), written after a step at absolute positions as decoded:
+    /// they are part of the step's output, counted in `forced` (not in `accepted`).
+    pub fn force(&mut self, given: &[(usize, u32)]) -> Result<()> {
+        for &(p, t) in given {
+            let j = p
+                .checked_sub(self.prompt_len)
+                .filter(|&j| j < self.n && !self.decoded[j])
+                .ok_or_else(|| Error::Internal(format!("cannot force position {p}")))?;
+            self.tokens[j] = t;
+            self.decoded[j] = true;
+            self.last_decoded.push(p);
+        }
+        self.forced += given.len();
+        Ok(())
     }
 
     /// Write the step's decided tokens (absolute position, token), taking `forwards` forward passes (a verified

@@ -6,6 +6,7 @@
 pub mod cache_policy;
 pub mod credit;
 pub mod decoder;
+pub mod grammar;
 pub mod sampling;
 pub mod speculative;
 pub mod strided;

@@ -6,6 +6,7 @@
 
 use crate::decode::credit::Credit;
 use crate::decode::decoder::{Decoder, Prediction, StopCause};
+use crate::decode::grammar::constraint::{masked_row, Constraint};
 use crate::decode::sampling::Sampler;
 use crate::decode::speculative::{accept_greedy, accept_sampled, Router};
 use crate::decode::strided::Strided;
@@ -39,6 +40,8 @@ pub struct Generation {
     credit: Option<Credit>,
     /// TCCF's switch, until it has happened (tccf=True).
     tccf: Option<Tccf>,
+    /// The grammar the output keeps to (`response_format`, `grammar`, `regex`).
+    constraint: Option<Constraint>,
 }
 
 /// A step's span, held while it is verified.
@@ -65,7 +68,7 @@ impl Generation {
         let (sampler, spec, isd) =
             (Sampler::new(plan.sampling), plan.spec.map(Router::new), plan.isd.map(Strided::new));
         let (credit, tccf) = (plan.credit.map(Credit::new), plan.tccf);
-        Ok(Generation {
+        let mut g = Generation {
             model,
             dec,
             canvas,
@@ -78,7 +81,11 @@ impl Generation {
             isd,
             credit,
             tccf,
-        })
+            constraint: plan.constraint,
+        };
+        // what the grammar forces before anything is predicted (a JSON object's `{`)
+        g.write_forced()?;
+        Ok(g)
     }
 
     /// Cancel: the next output is the final one, with finish_reason "cancelled".
@@ -167,12 +174,15 @@ impl Generation {
                 None => None,
             };
             let rows = fused.as_ref().unwrap_or(&logits);
-            let preds = self.sampler.predict(rows)?;
+            let mut preds = self.sampler.predict(rows)?;
             if self.verify_span(&positions, &preds, rows)? {
                 return Ok(None);
             }
             // apply
-            self.dec.apply(&positions, &preds)?;
+            match self.constraint.is_some() {
+                false => self.dec.apply(&positions, &preds)?,
+                true => self.apply_constrained(&positions, &mut preds, rows)?,
+            }
             self.switch_phase()?;
         }
         // the written tokens' log-probabilities under this step's logits (the verifier's, for a verified step)
@@ -181,6 +191,56 @@ impl Generation {
         let is_final = self.dec.stopped == Some(StopCause::ForwardCap) || self.dec.masks_left() == 0;
         let usage = self.counters();
         self.out.emit(&self.model, &self.dec, is_final, true, usage).map(Some)
+    }
+
+    /// A step under the grammar ([`decode::grammar::constraint`](crate::decode::grammar::constraint)): the frontier's prediction from the
+    /// masked distribution, the accepted run from the frontier as far as the grammar takes it (the frontier forced when
+    /// the rule took nothing there), committed, then the tokens the grammar forces next.
+    fn apply_constrained(&mut self, positions: &[usize], preds: &mut [Prediction], rows: &Tensor) -> Result<()> {
+        let c =
+            self.constraint.as_mut().ok_or_else(|| Error::Internal("a constrained step without a grammar".into()))?;
+        let front = self.dec.prompt_len + c.frontier();
+        let at = positions.iter().position(|&p| p == front);
+        if let Some(i) = at {
+            let sp = self.sampler.params();
+            // greedy, or a draw from softmax(logits / T): an allowed pick is the masked distribution's own (see
+            // decode::grammar::constraint); with top-k or top-p the truncation follows the mask, so the row is masked first
+            let plain = sp.temperature == 0.0 || (sp.top_k == 0 && sp.top_p >= 1.0);
+            if !(plain && c.allows(preds[i].token)?) {
+                let mask = c.mask()?;
+                let row = rows.get(i)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                let v = row.len();
+                let masked = Tensor::from_vec(masked_row(&row, &mask), (1, v), &candle_core::Device::Cpu)?;
+                preds[i] = self.sampler.predict(&masked)?[0];
+            }
+        }
+        let at_frontier = at.map(|i| preds[i].token);
+        self.dec.apply_with(positions, preds, |decided| c.keep(front, decided, at_frontier))?;
+        let written: Vec<u32> =
+            self.dec.last_decoded.iter().map(|&p| self.dec.tokens[p - self.dec.prompt_len]).collect();
+        c.commit(&written)?;
+        self.write_forced()
+    }
+
+    /// Write the tokens the grammar forces at the frontier (as far as the output has room), without a forward.
+    fn write_forced(&mut self) -> Result<()> {
+        let Some(c) = self.constraint.as_mut() else { return Ok(()) };
+        loop {
+            let forced = c.forced();
+            c.check()?;
+            let room = self.dec.n - c.frontier();
+            if forced.is_empty() || room == 0 {
+                return Ok(());
+            }
+            let take = &forced[..forced.len().min(room)];
+            let front = self.dec.prompt_len + c.frontier();
+            let given: Vec<(usize, u32)> = take.iter().enumerate().map(|(i, &t)| (front + i, t)).collect();
+            self.dec.force(&given)?;
+            c.commit(take)?;
+            if take.len() < forced.len() {
+                return Ok(());
+            }
+        }
     }
 
     /// TCCF: once every position up to the first decoded trigger is decoded, thinking ends there: the check text

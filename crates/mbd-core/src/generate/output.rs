@@ -42,6 +42,8 @@ pub struct Usage {
     pub verifications: usize,
     pub drafts_proposed: usize,
     pub drafts_accepted: usize,
+    /// Completion tokens a grammar forced (the only token it allowed), written without a forward.
+    pub forced_tokens: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -195,6 +197,7 @@ impl Output {
             verifications: spec.verifications,
             drafts_proposed: spec.drafts_proposed,
             drafts_accepted: spec.drafts_accepted,
+            forced_tokens: dec.forced,
         }
     }
 

@@ -6,6 +6,8 @@
 use crate::decode::cache_policy::{CacheMode, CachePolicy, PrefixWindow, DEFAULT_CACHE_DELAY};
 use crate::decode::credit::CreditParams;
 use crate::decode::decoder::{block_layout, Acceptance, DecodeParams, DEFAULT_BACD_BOUNDS};
+use crate::decode::grammar::compile::GrammarSpec;
+use crate::decode::grammar::constraint::Constraint;
 use crate::decode::sampling::SamplingParams;
 use crate::decode::speculative::{PenaltyKind, SpecParams, Speculative};
 use crate::decode::strided::DEFAULT_STRIDE;
@@ -53,6 +55,8 @@ pub struct Plan {
     pub credit: Option<CreditParams>,
     /// TCCF's switch (tccf=True).
     pub tccf: Option<Tccf>,
+    /// The grammar the output keeps to (`response_format`, `grammar`, `regex`), compiled.
+    pub constraint: Option<Constraint>,
     pub stop: Vec<String>,
     pub trace: TraceMode,
     pub logprobs: Option<usize>,
@@ -105,6 +109,30 @@ pub fn plan(model: &Model, prompt: &[u32], req: &GenRequest) -> Result<Plan> {
         )));
     }
     let isd = strided(req, p.attention, p.logits_shift)?;
+    let constraint = match grammar_spec(req)? {
+        None => None,
+        Some((field, g)) => {
+            if let Some(s) = req.speculative.filter(|s| *s != Speculative::Off) {
+                return Err(Error::invalid(format!(
+                    "{field} does not combine with speculative='{}' in this version (constrained decoding runs \
+                     the block decoders: multi-block, semi-AR, AR)",
+                    s.name()
+                )));
+            }
+            if tccf.is_some() {
+                return Err(Error::invalid(format!(
+                    "{field} does not combine with tccf (its check text is written into the output)"
+                )));
+            }
+            if req.logprobs.is_some() {
+                return Err(Error::invalid(format!(
+                    "{field} does not combine with logprobs in this version (the tokens the grammar forces have no \
+                     forward of their own)"
+                )));
+            }
+            Some(model.constraint(field, &g, &eos_ids)?)
+        }
+    };
     let sub_block_size = if isd.is_some() { None } else { req.sub_block_size.or(d.sub_block_size) };
     let acceptance = req.acceptance.unwrap_or(d.acceptance);
     let (bacd_bounds, credit) = acceptance_params(req, acceptance)?;
@@ -149,10 +177,78 @@ pub fn plan(model: &Model, prompt: &[u32], req: &GenRequest) -> Result<Plan> {
         isd,
         credit,
         tccf,
+        constraint,
         stop: req.stop.clone().unwrap_or_default(),
         trace: req.trace.unwrap_or(TraceMode::Off),
         logprobs: req.logprobs,
     })
+}
+
+/// The request's grammar (`response_format` other than text, `grammar` or `regex`: at most one of them), with the field
+/// it came from; None for free text.
+fn grammar_spec(req: &GenRequest) -> Result<Option<(&'static str, GrammarSpec)>> {
+    let format = match req.response_format.as_deref() {
+        Some(text) => response_format(text)?,
+        None => None,
+    };
+    let mut specs: Vec<(&'static str, GrammarSpec)> = vec![];
+    if let Some(f) = format {
+        specs.push(("response_format", f));
+    }
+    if let Some(g) = &req.grammar {
+        specs.push(("grammar", GrammarSpec::Grammar(g.clone())));
+    }
+    if let Some(r) = &req.regex {
+        specs.push(("regex", GrammarSpec::Regex(r.clone())));
+    }
+    if specs.len() > 1 {
+        return Err(Error::invalid(format!(
+            "{} each constrain the output: give one of them",
+            specs.iter().map(|(f, _)| *f).collect::<Vec<_>>().join(" and ")
+        )));
+    }
+    Ok(specs.pop())
+}
+
+/// OpenAI's `response_format`: {"type": "text"} (None: free text), {"type": "json_object"}, or {"type": "json_schema",
+/// "json_schema": {"name": ..., "schema": {...}, "strict": ...}} (a bare schema under "schema" is taken too, as
+/// llama.cpp's and vLLM's servers take it).
+fn response_format(text: &str) -> Result<Option<GrammarSpec>> {
+    use serde_json::Value;
+    let bad = |why: String| Error::invalid(format!("response_format: {why}"));
+    let v: Value = serde_json::from_str(text).map_err(|e| bad(format!("not JSON ({e})")))?;
+    let Value::Object(m) = &v else {
+        return Err(bad(format!("must be an object with a 'type', got {}", crate::load::json::shown(&v))));
+    };
+    let kind = m
+        .get("type")
+        .and_then(Value::as_str)
+        .ok_or_else(|| bad("must have a 'type': 'text', 'json_object' or 'json_schema'".to_string()))?;
+    match kind {
+        "text" => Ok(None),
+        "json_object" => Ok(Some(GrammarSpec::JsonObject)),
+        "json_schema" => {
+            let schema = match m.get("json_schema") {
+                Some(Value::Object(js)) => js.get("schema").cloned().ok_or_else(|| {
+                    bad("json_schema must have a 'schema' (the JSON Schema the output matches)".to_string())
+                })?,
+                Some(other) => {
+                    return Err(bad(format!("json_schema must be an object, got {}", crate::load::json::shown(other))))
+                }
+                None => m.get("schema").cloned().ok_or_else(|| {
+                    bad("type 'json_schema' needs 'json_schema': {\"name\": ..., \"schema\": {...}}".to_string())
+                })?,
+            };
+            if !schema.is_object() && !schema.is_boolean() {
+                return Err(bad(format!(
+                    "the schema must be a JSON Schema object, got {}",
+                    crate::load::json::shown(&schema)
+                )));
+            }
+            Ok(Some(GrammarSpec::JsonSchema(schema)))
+        }
+        other => Err(bad(format!("type must be 'text', 'json_object' or 'json_schema', got '{other}'"))),
+    }
 }
 
 /// The cache policy of a request: `cache` (with `cache_delay`, `refresh_interval`) and `use_cache`, over the

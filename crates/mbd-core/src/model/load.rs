@@ -265,6 +265,7 @@ impl Model {
             max_token_bytes,
             special_tokens,
             literal_tokenizer: std::sync::OnceLock::new(),
+            grammars: std::sync::OnceLock::new(),
         };
         release_freed_heap();
         Ok(model)

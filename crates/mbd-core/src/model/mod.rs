@@ -2,6 +2,7 @@
 //! between calls: each sequence owns its own `KvCache`, so one `Model` serves any number of sequences.
 //! `load`: the load checklist; `text`: tokens and chat prompts; `score`: logits and scores outside a generation.
 
+pub mod grammar;
 pub mod info;
 pub mod load;
 pub mod score;
@@ -52,6 +53,8 @@ pub struct Model {
     /// `tokenizer` reading control tokens as text, made the first time a text spells one
     /// ([`Model::literal_ids`]).
     pub(crate) literal_tokenizer: std::sync::OnceLock<tokenizers::Tokenizer>,
+    /// The grammar compiler over this vocabulary, made on the first constrained request ([`Model::constraint`]).
+    pub(crate) grammars: std::sync::OnceLock<crate::decode::grammar::compile::Grammars>,
 }
 
 impl Model {

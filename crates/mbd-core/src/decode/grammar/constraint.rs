@@ -1,0 +1,194 @@
+//! A generation under a grammar (a JSON schema, a Lark grammar, a regex): every output it finishes is a word of the
+//! grammar, and an output cut short is a prefix the grammar can still complete. The one policy, over llguidance's
+//! matcher (its parser kept at the committed frontier), that the decoding loop consults each step.
+//!
+//! Block diffusion accepts tokens anywhere in the blocks in flight; a grammar reads left to right. The rule that
+//! joins them (a decoder phase between acceptance and writing, [`Constraint::keep`]):
+//! - the frontier is the first position the output has not committed; everything before it is a valid prefix;
+//! - a step commits only the accepted positions that run contiguously from the frontier, and only as far as the
+//!   grammar takes them (`validate_tokens` on the run): an accepted token past a gap, or past the first token the
+//!   grammar refuses, is not written (its position stays masked and is predicted again with more context). So no
+//!   committed token can ever make the output impossible to finish: there is no out-of-order commit to regret;
+//! - the frontier's own prediction comes from the distribution masked by the grammar ([`Constraint::frontier`]): an
+//!   unmasked pick the grammar allows is kept (for greedy decoding it is the masked argmax; for sampling from
+//!   softmax(logits / T), keeping an allowed draw and redrawing from the masked distribution otherwise draws from the
+//!   masked distribution exactly), else the token is drawn again from the masked row. If the acceptance rule took
+//!   nothing at the frontier, the frontier is forced, so every step commits at least one token;
+//! - after a commit, the tokens the grammar forces next (`{"name": "` and the like) are written at once, without a
+//!   forward ([`Constraint::forced`]): the model then reads them on both sides of the positions it predicts.
+//!
+//! End of text: any of the request's end-of-text ids stands for the grammar's end; it is allowed exactly where the
+//! grammar accepts the output as it is.
+
+use crate::error::{Error, Result};
+use llguidance::toktrie::SimpleVob;
+use llguidance::Matcher;
+
+/// One generation's grammar, at its committed frontier.
+pub struct Constraint {
+    matcher: Matcher,
+    /// The request field the grammar came from (`response_format`, `grammar`, `regex`), named in errors.
+    field: &'static str,
+    /// The token the grammar's token environment calls end of text.
+    env_eos: u32,
+    /// The request's end-of-text ids (the profile's and the stop token ids), each the grammar's end.
+    eos_ids: Vec<u32>,
+    /// The vocabulary's size (the masks' length).
+    vocab: usize,
+    /// Generated tokens committed so far (the frontier, counted from the prompt's end).
+    consumed: usize,
+}
+
+impl Constraint {
+    /// `matcher`: the request's grammar (from request field `field`) compiled over the model's vocabulary of
+    /// `vocab` tokens, whose token environment ends text with `env_eos`. The grammar's first step is taken here (its
+    /// first mask and forced tokens), so that a grammar that admits no text, or that is too complex for the step's
+    /// budgets, is refused before the generation starts.
+    pub fn new(
+        matcher: Matcher,
+        field: &'static str,
+        env_eos: u32,
+        eos_ids: Vec<u32>,
+        vocab: usize,
+    ) -> Result<Constraint> {
+        let mut c = Constraint { matcher, field, env_eos, eos_ids, vocab, consumed: 0 };
+        if c.matcher.is_error() {
+            return Err(c.failed("compiling it"));
+        }
+        c.mask()?;
+        let _ = c.forced();
+        if c.matcher.is_error() {
+            return Err(c.failed("at its first token"));
+        }
+        Ok(c)
+    }
+
+    /// The frontier: generated positions committed so far (an offset from the prompt's end).
+    pub fn frontier(&self) -> usize {
+        self.consumed
+    }
+
+    /// Whether the grammar has ended (its end of text committed, or no more text possible and committed so).
+    pub fn ended(&self) -> bool {
+        self.matcher.is_stopped()
+    }
+
+    fn grammar_token(&self, t: u32) -> u32 {
+        if self.eos_ids.contains(&t) {
+            self.env_eos
+        } else {
+            t
+        }
+    }
+
+    /// The grammar's parser stopped (an error, a budget spent, a language with no word): the request's grammar is at
+    /// fault, so the error is the request's, naming its field, with llguidance's reason (its first line).
+    fn failed(&self, what: &str) -> Error {
+        let why = match self.matcher.get_error() {
+            Some(e) => e,
+            None => format!("{:?}", self.matcher.stop_reason()),
+        };
+        let why = why.lines().next().unwrap_or("").trim_start_matches("parser error: ").to_string();
+        Error::invalid(format!("{}: the grammar's parser gave up {what}: {why}", self.field))
+    }
+
+    /// How many of `tokens`, placed at the frontier, the grammar takes (without committing them).
+    pub fn valid_prefix(&mut self, tokens: &[u32]) -> Result<usize> {
+        if self.ended() {
+            // after the grammar's end only the end of text is text: the output ends there
+            return Ok(tokens.iter().take_while(|t| self.eos_ids.contains(t)).count());
+        }
+        let mapped: Vec<u32> = tokens.iter().map(|&t| self.grammar_token(t)).collect();
+        self.matcher.validate_tokens(&mapped).map_err(|_| self.failed("checking tokens"))
+    }
+
+    /// Whether the grammar takes token `t` at the frontier.
+    pub fn allows(&mut self, t: u32) -> Result<bool> {
+        Ok(self.valid_prefix(&[t])? == 1)
+    }
+
+    /// The tokens the grammar takes at the frontier (the end-of-text ids where it accepts the output as it is).
+    pub fn mask(&mut self) -> Result<SimpleVob> {
+        let accepting = self.matcher.is_accepting().map_err(|_| self.failed("at an end of text"))?;
+        let mut m = if self.ended() {
+            SimpleVob::alloc(self.vocab)
+        } else {
+            self.matcher.compute_mask().map_err(|_| self.failed("computing a mask"))?
+        };
+        for &e in &self.eos_ids {
+            if (e as usize) < m.len() {
+                m.set(e as usize, accepting || self.ended());
+            }
+        }
+        if m.is_zero() {
+            return Err(Error::invalid(format!(
+                "{}: the grammar admits no token here (its language may have no word)",
+                self.field
+            )));
+        }
+        Ok(m)
+    }
+
+    /// Commit `tokens` at the frontier (a run [`Constraint::valid_prefix`] took).
+    pub fn commit(&mut self, tokens: &[u32]) -> Result<()> {
+        if !self.ended() {
+            let mapped: Vec<u32> = tokens.iter().map(|&t| self.grammar_token(t)).collect();
+            self.matcher.consume_tokens(&mapped).map_err(|_| self.failed("committing tokens"))?;
+        }
+        self.consumed += tokens.len();
+        Ok(())
+    }
+
+    /// The decoder phase: of the step's `decided` positions (absolute, ascending, with their tokens), those it may
+    /// write: the run contiguous from the frontier at absolute position `front`, as far as the grammar takes it. An
+    /// empty run forces the frontier (`at_frontier`: its masked prediction, when the step predicted it), so a step
+    /// always writes a token.
+    pub fn keep(
+        &mut self,
+        front: usize,
+        decided: &[(usize, u32)],
+        at_frontier: Option<u32>,
+    ) -> Result<Vec<(usize, u32)>> {
+        let mut run: Vec<(usize, u32)> =
+            decided.iter().enumerate().take_while(|&(i, &(p, _))| p == front + i).map(|(_, &d)| d).collect();
+        if run.is_empty() {
+            match at_frontier {
+                Some(t) => run.push((front, t)),
+                None => return Ok(vec![]),
+            }
+        }
+        let tokens: Vec<u32> = run.iter().map(|&(_, t)| t).collect();
+        let n = self.valid_prefix(&tokens)?;
+        run.truncate(n);
+        if run.is_empty() {
+            // the frontier's prediction came from the masked distribution: the grammar takes it
+            return Err(Error::Internal("the grammar refused the frontier's masked prediction".into()));
+        }
+        Ok(run)
+    }
+
+    /// The tokens the grammar forces after the frontier (none once it has ended).
+    pub fn forced(&mut self) -> Vec<u32> {
+        if self.ended() {
+            return vec![];
+        }
+        self.matcher.compute_ff_tokens()
+    }
+
+    /// An error the grammar's parser met since the last check (a budget spent while computing forced tokens).
+    pub fn check(&self) -> Result<()> {
+        match self.matcher.is_error() {
+            true => Err(self.failed("on the way")),
+            false => Ok(()),
+        }
+    }
+}
+
+/// The logit a masked-out token gets: its probability underflows to exactly 0, while the row's statistics stay finite
+/// (an infinite logit would make the entropy's terms 0 · ∞).
+pub const MASKED_LOGIT: f32 = -1e30;
+
+/// A logits row restricted to `mask`: every token it does not allow at [`MASKED_LOGIT`].
+pub fn masked_row(row: &[f32], mask: &SimpleVob) -> Vec<f32> {
+    row.iter().enumerate().map(|(i, &x)| if i < mask.len() && mask.get(i) { x } else { MASKED_LOGIT }).collect()
+}
