@@ -210,6 +210,26 @@ def test_litellm_logprobs(litellm, ll_args, engine):
     assert len(got) == len(want.token_ids)
 
 
+def _answer_model():
+    pydantic = pytest.importorskip("pydantic")
+
+    class Answer(pydantic.BaseModel):
+        digits: list[int] = pydantic.Field(min_length=1, max_length=4)
+        done: bool
+
+    return Answer
+
+
+def test_litellm_response_format_is_a_pydantic_model(litellm, ll_args, engine):
+    """LiteLLM sends a pydantic model as OpenAI's json_schema response_format: the answer is the engine's own under
+    the same model, and validates into it."""
+    answer = _answer_model()
+    want = engine.chat(MSG, response_format=answer, **dict(GREEDY, max_tokens=64))
+    r = litellm.completion(messages=MSG, response_format=answer, **ll_args, **dict(GREEDY, max_tokens=64))
+    assert r.choices[0].message.content == want.text and want.finish_reason == "stop"
+    answer.model_validate_json(want.text)
+
+
 # ---------------------------------------------------------------------------------------------- langchain-openai
 
 
@@ -291,6 +311,15 @@ def test_langchain_logprobs(lc, lc_args, engine):
     want_lp = [x.logprob for x in want.logprobs[:len(want.token_ids)]]  # content entries: no trailing EOS
     assert [c["logprob"] for c in content] == pytest.approx(want_lp, abs=1e-5)
     assert all(len(c["top_logprobs"]) == 3 for c in content)
+
+
+def test_langchain_with_structured_output(lc, lc_args, engine):
+    """ChatOpenAI.with_structured_output(Model) (OpenAI's json_schema response_format) returns the model's instance,
+    the engine's own answer under the same model."""
+    answer = _answer_model()
+    want = answer.model_validate_json(engine.chat(MSG, response_format=answer, **dict(GREEDY, max_tokens=64)).text)
+    chat = lc.ChatOpenAI(**dict(lc_args, max_tokens=64))
+    assert chat.with_structured_output(answer, method="json_schema").invoke(MSG) == want
 
 
 # ------------------------------------------------------------------------------------------------- README
