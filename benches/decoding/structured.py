@@ -1,7 +1,8 @@
 """Structured outputs: what a grammar costs and what it saves, side by side in one process, interleaved.
 
 (a) mbd-tiny (embedded), per decoding mode: the same chats free and under a JSON schema, round after round:
-    tokens per forward, the share of tokens the grammar forced (written without a forward), ms per token.
+    tokens per forward, the share of tokens the grammar forced (written without a forward), ms per token; and a
+    grammar the model's answers fit (a regex of digits on sort prompts): forwards free and under it.
 (b) Qwen2's real 151,643-token vocabulary (scripts/make_qwen_vocab_fixture.py, from llama-cpp-python's sdist) on
     two random-weight models: the fixture's own (hidden 64: a forward costs little, so the grammar's work per step
     shows in milliseconds) and a Qwen2.5-0.5B-shaped one (bf16, scripts/make_checkpoint.py: the grammar's share of
@@ -77,6 +78,23 @@ def tiny(rounds):
     return rows
 
 
+FIT_PROMPTS = ["sort 5 3 8 1 9 2", "sort 9 7 1 4 2 6 3", "sort 4 4 1 0 2", "sort 8 1 6 2 7 3 5", "sort 6 2 9"]
+FIT_REGEX = r"[0-9]( [0-9])*"
+
+
+def tiny_fit():
+    """A grammar the model's answers fit (digits separated by spaces, on sort prompts): forwards free and under it."""
+    eng = mbd_rs.Engine.load()
+    row = {}
+    for how, kw in (("free", {}), ("regex", dict(regex=FIT_REGEX))):
+        cs = [eng.chat([{"role": "user", "content": p}], max_tokens=32, **kw) for p in FIT_PROMPTS]
+        row[how] = dict(tokens=sum(len(c.token_ids) for c in cs), forwards=sum(c.usage.forward_passes for c in cs),
+                        texts=[c.text for c in cs])
+    print(f"tiny, a grammar the answers fit: free {row['free']['tokens']} tokens in {row['free']['forwards']} "
+          f"forwards, regex {row['regex']['tokens']} in {row['regex']['forwards']}", flush=True)
+    return row
+
+
 def big_model(src, sdist, work):
     """`src` (weights linked) with the fixture's Qwen2 tokenizer (its <|MASK|> the mask token)."""
     spec = importlib.util.spec_from_file_location("vocab", os.path.join(ROOT, "scripts", "make_qwen_vocab_fixture.py"))
@@ -142,6 +160,7 @@ def main():
            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                     cwd=ROOT).stdout.strip(), "schema": SCHEMA}
     out["tiny"] = tiny(args.rounds)
+    out["tiny_fit"] = tiny_fit()
     if not args.skip_big:
         with tempfile.TemporaryDirectory() as work:
             small, half_b = big_model(args.model, args.sdist, work)

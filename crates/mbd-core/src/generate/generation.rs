@@ -6,7 +6,7 @@
 
 use crate::decode::credit::Credit;
 use crate::decode::decoder::{Decoder, Prediction, StopCause};
-use crate::decode::grammar::constraint::{masked_row, Constraint};
+use crate::decode::grammar::constraint::{masked_row, Constraint, CHAIN};
 use crate::decode::sampling::Sampler;
 use crate::decode::speculative::{accept_greedy, accept_sampled, Router};
 use crate::decode::strided::Strided;
@@ -193,26 +193,33 @@ impl Generation {
         self.out.emit(&self.model, &self.dec, is_final, true, usage).map(Some)
     }
 
-    /// A step under the grammar ([`decode::grammar::constraint`](crate::decode::grammar::constraint)): the frontier's prediction from the
-    /// masked distribution, the accepted run from the frontier as far as the grammar takes it (the frontier forced when
-    /// the rule took nothing there), committed, then the tokens the grammar forces next.
+    /// A step under the grammar ([`decode::grammar::constraint`](crate::decode::grammar::constraint)): the chain
+    /// (the predicted positions contiguous from the frontier, at most [`CHAIN`]) predicted again, each from the
+    /// grammar's distribution given the predictions before it; the accepted run from the frontier as far as the
+    /// grammar takes it (the frontier forced when the rule took nothing there), committed; then the tokens the
+    /// grammar forces next.
     fn apply_constrained(&mut self, positions: &[usize], preds: &mut [Prediction], rows: &Tensor) -> Result<()> {
         let c =
             self.constraint.as_mut().ok_or_else(|| Error::Internal("a constrained step without a grammar".into()))?;
         let front = self.dec.prompt_len + c.frontier();
         let at = positions.iter().position(|&p| p == front);
-        if let Some(i) = at {
-            let sp = self.sampler.params();
-            // greedy, or a draw from softmax(logits / T): an allowed pick is the masked distribution's own (see
-            // decode::grammar::constraint); with top-k or top-p the truncation follows the mask, so the row is masked first
-            let plain = sp.temperature == 0.0 || (sp.top_k == 0 && sp.top_p >= 1.0);
-            if !(plain && c.allows(preds[i].token)?) {
+        if let Some(i0) = at {
+            let mut walked = 0;
+            for (k, i) in (i0..positions.len()).enumerate() {
+                if k == CHAIN || positions[i] != front + k {
+                    break;
+                }
                 let mask = c.mask()?;
                 let row = rows.get(i)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
                 let v = row.len();
                 let masked = Tensor::from_vec(masked_row(&row, &mask), (1, v), &candle_core::Device::Cpu)?;
                 preds[i] = self.sampler.predict(&masked)?[0];
+                if !c.advance(preds[i].token)? {
+                    break;
+                }
+                walked += 1;
             }
+            c.retreat(walked)?;
         }
         let at_frontier = at.map(|i| preds[i].token);
         self.dec.apply_with(positions, preds, |decided| c.keep(front, decided, at_frontier))?;

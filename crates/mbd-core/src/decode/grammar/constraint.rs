@@ -9,11 +9,13 @@
 //!   grammar takes them (`validate_tokens` on the run): an accepted token past a gap, or past the first token the
 //!   grammar refuses, is not written (its position stays masked and is predicted again with more context). So no
 //!   committed token can ever make the output impossible to finish: there is no out-of-order commit to regret;
-//! - the frontier's own prediction comes from the distribution masked by the grammar ([`Constraint::frontier`]): an
-//!   unmasked pick the grammar allows is kept (for greedy decoding it is the masked argmax; for sampling from
-//!   softmax(logits / T), keeping an allowed draw and redrawing from the masked distribution otherwise draws from the
-//!   masked distribution exactly), else the token is drawn again from the masked row. If the acceptance rule took
-//!   nothing at the frontier, the frontier is forced, so every step commits at least one token;
+//! - the predictions of the chain (the predicted positions contiguous from the frontier, at most [`CHAIN`]) come from
+//!   the grammar's distribution: position k's row masked to the tokens the grammar takes after the chain's
+//!   predictions before it ([`Constraint::advance`], undone by [`Constraint::retreat`]), then predicted as any row
+//!   is (greedy: the masked argmax; sampling: a draw from the masked softmax(logits / T), top-k / top-p truncating
+//!   the allowed tokens). Their entropy and confidence are the masked distribution's, so the acceptance rule sees
+//!   how sure the model is among the texts the grammar allows, and a run it accepts is one the grammar takes. If
+//!   the rule took nothing at the frontier, the frontier is forced, so every step commits at least one token;
 //! - after a commit, the tokens the grammar forces next (`{"name": "` and the like) are written at once, without a
 //!   forward ([`Constraint::forced`]): the model then reads them on both sides of the positions it predicts.
 //!
@@ -102,11 +104,6 @@ impl Constraint {
         self.matcher.validate_tokens(&mapped).map_err(|_| self.failed("checking tokens"))
     }
 
-    /// Whether the grammar takes token `t` at the frontier.
-    pub fn allows(&mut self, t: u32) -> Result<bool> {
-        Ok(self.valid_prefix(&[t])? == 1)
-    }
-
     /// The tokens the grammar takes at the frontier (the end-of-text ids where it accepts the output as it is).
     pub fn mask(&mut self) -> Result<SimpleVob> {
         let accepting = self.matcher.is_accepting().map_err(|_| self.failed("at an end of text"))?;
@@ -167,6 +164,21 @@ impl Constraint {
         Ok(run)
     }
 
+    /// Take `t` after the frontier (and the tokens advanced before it), for the next position's mask: false (nothing
+    /// taken) for an end of text, or once the grammar has ended. [`Constraint::retreat`] undoes it.
+    pub fn advance(&mut self, t: u32) -> Result<bool> {
+        if self.ended() || self.eos_ids.contains(&t) {
+            return Ok(false);
+        }
+        self.matcher.consume_token(t).map_err(|_| self.failed("taking a predicted token"))?;
+        Ok(true)
+    }
+
+    /// Undo the last `n` [`Constraint::advance`]s: the grammar back at the frontier.
+    pub fn retreat(&mut self, n: usize) -> Result<()> {
+        self.matcher.rollback(n).map_err(|_| self.failed("stepping back"))
+    }
+
     /// The tokens the grammar forces after the frontier (none once it has ended).
     pub fn forced(&mut self) -> Vec<u32> {
         if self.ended() {
@@ -183,6 +195,10 @@ impl Constraint {
         }
     }
 }
+
+/// The most positions after the frontier a step predicts under the grammar (each takes a mask: about a millisecond
+/// at a 150k vocabulary); the positions past them keep the model's own predictions, which the grammar rarely takes.
+pub const CHAIN: usize = 16;
 
 /// The logit a masked-out token gets: its probability underflows to exactly 0, while the row's statistics stay finite
 /// (an infinite logit would make the entropy's terms 0 · ∞).
