@@ -109,6 +109,18 @@ def long_context_model(tmp_path_factory):
                           lambda c: c.update(max_position_embeddings=131072)))
 
 
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory):
+    """The embedded model given a Hermes-style chat template that renders tools (tests/fixtures/tools/) and a
+    2048-token context (the tools' definitions take some 500 of its tokens). It was never taught tools: a test can
+    check that its calls are valid, not that they are right."""
+    import mbd_rs
+    dst = copy_model(mbd_rs.DEFAULT_MODEL, tmp_path_factory.mktemp("tool_model"),
+                     lambda c: c.update(max_position_embeddings=2048))
+    shutil.copy(os.path.join(HERE, "fixtures", "tools", "chat_template.jinja"), os.path.join(dst, "chat_template.jinja"))
+    return str(dst)
+
+
 def run_concurrently(fn, args_list, timeout=120):
     """fn(*args) for every args of args_list, each in its own thread, started together; their results in order."""
     import threading

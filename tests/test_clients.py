@@ -8,6 +8,7 @@ Each client's tests skip, saying so, when it is not installed. They need a venv 
 openai < 3 and huggingface_hub < 2, which the main test environment pins higher. Last run with litellm==1.106.0,
 langchain-openai==1.7.3 (langchain-core==1.7.2), openai==2.54.0."""
 import asyncio
+import json
 import os
 import re
 import socket
@@ -43,12 +44,12 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
-    """`mbd-rs serve` in a subprocess; yields (base URL, served model name)."""
+def _serve(model=None):
+    """`mbd-rs serve` in a subprocess (on `model`, or the embedded one); yields (base URL, served model name)."""
     port = _free_port()
     env = dict(os.environ, RAYON_NUM_THREADS=os.environ.get("RAYON_NUM_THREADS", "2"))
-    proc = subprocess.Popen([sys.executable, "-m", "mbd_rs", "serve", "--port", str(port), "--api-key", KEY],
+    args = ["--model", model] if model else []
+    proc = subprocess.Popen([sys.executable, "-m", "mbd_rs", "serve", "--port", str(port), "--api-key", KEY, *args],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -73,6 +74,30 @@ def server():
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from _serve()
+
+
+@pytest.fixture(scope="module")
+def tool_server(tool_model):
+    """The server on the tool_model fixture (conftest): the embedded model with a chat template that renders tools."""
+    yield from _serve(tool_model)
+
+
+@pytest.fixture(scope="module")
+def tool_engine(tool_model):
+    return mbd_rs.Engine.load(tool_model)
+
+
+# a tool the clients define (as a pydantic model, as LangChain's and LiteLLM's users do) and its JSON Schema
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Za-z]{1,10}$"}},
+                   "required": ["city"], "additionalProperties": False}}}
+WEATHER_MSG = [{"role": "user", "content": "weather in Paris"}]
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +255,18 @@ def test_litellm_response_format_is_a_pydantic_model(litellm, ll_args, engine):
     answer.model_validate_json(want.text)
 
 
+def test_litellm_tools(litellm, tool_server, tool_engine):
+    """LiteLLM's `tools` / `tool_choice`: the call the engine makes for the same request."""
+    base, name = tool_server
+    want = tool_engine.chat(WEATHER_MSG, tools=[WEATHER], tool_choice="required", max_tokens=96)
+    r = litellm.completion(model="openai/" + name, api_base=base, api_key=KEY, messages=WEATHER_MSG, tools=[WEATHER],
+                           tool_choice="required", max_tokens=96, temperature=0, timeout=TIMEOUT)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls"
+    assert [(t.function.name, t.function.arguments) for t in c.message.tool_calls] == \
+        [(t.name, t.arguments) for t in want.tool_calls]
+
+
 # ---------------------------------------------------------------------------------------------- langchain-openai
 
 
@@ -320,6 +357,40 @@ def test_langchain_with_structured_output(lc, lc_args, engine):
     want = answer.model_validate_json(engine.chat(MSG, response_format=answer, **dict(GREEDY, max_tokens=64)).text)
     chat = lc.ChatOpenAI(**dict(lc_args, max_tokens=64))
     assert chat.with_structured_output(answer, method="json_schema").invoke(MSG) == want
+
+
+def test_langchain_bind_tools_and_a_tool_result_round_trip(lc, tool_server, tool_engine):
+    """bind_tools(..., tool_choice="get_weather"): the AIMessage's tool_calls are the engine's; the tool's answer
+    sent back as a ToolMessage renders and generates (the model was never taught tools: only the round trip is
+    checked)."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    base, name = tool_server
+    chat = lc.ChatOpenAI(model=name, base_url=base, api_key=KEY, temperature=0, max_tokens=96, timeout=TIMEOUT,
+                         max_retries=0)
+    want = tool_engine.chat(WEATHER_MSG, tools=[WEATHER], tool_choice={"type": "function",
+                                                                     "function": {"name": "get_weather"}},
+                            max_tokens=96)
+    m = chat.bind_tools([WEATHER], tool_choice="get_weather").invoke([HumanMessage("weather in Paris")])
+    assert [(t["name"], t["args"]) for t in m.tool_calls] == [(t.name, json.loads(t.arguments))
+                                                              for t in want.tool_calls]
+    answer = chat.bind_tools([WEATHER]).invoke([HumanMessage("weather in Paris"), m,
+                                                ToolMessage("sunny, 21 C", tool_call_id=m.tool_calls[0]["id"])])
+    assert answer.response_metadata["finish_reason"] in ("stop", "length", "tool_calls")
+
+
+def test_langchain_structured_output_by_function_calling(lc, tool_server):
+    """with_structured_output(Model, method="function_calling", strict=True): a tool named after the model (in
+    OpenAI's strict mode: no properties beyond the model's), its call parsed into the model."""
+    pydantic = pytest.importorskip("pydantic")
+
+    class City(pydantic.BaseModel):
+        name: str = pydantic.Field(pattern="^[A-Za-z]{1,10}$")
+
+    base, served = tool_server
+    chat = lc.ChatOpenAI(model=served, base_url=base, api_key=KEY, temperature=0, max_tokens=96, timeout=TIMEOUT,
+                         max_retries=0)
+    out = chat.with_structured_output(City, method="function_calling", strict=True).invoke("weather in Paris")
+    assert isinstance(out, City) and 1 <= len(out.name) <= 10
 
 
 # ------------------------------------------------------------------------------------------------- README

@@ -18,6 +18,7 @@ EXPECT = {
     "quantize.py": ["q8_0", "q4_k", "-> d c b a"],
     "cancel.py": ["stream: cancelled", "logits:"],
     "serve_and_query.py": ["1 3 5 9", "prompt_tokens"],
+    "structured_outputs.py": ["Answer(numbers=[", "forced", "regex: '1 3 5 8'"],
 }
 
 

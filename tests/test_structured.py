@@ -419,8 +419,8 @@ def test_the_server_streams_json_mode_and_refuses_bad_formats(served):
 def test_a_pydantic_schema_is_made_strict_in_its_schemas_only():
     """Every object schema gets additionalProperties false (OpenAI's strict mode); data under enum/const does not,
     and a property named like a keyword is a schema."""
-    from mbd_rs.engine import _strict
-    s = _strict({"type": "object", "properties": {"enum": {"type": "object"}, "c": {"const": {"type": "object"}}},
+    from mbd_rs.tools import strict_schema
+    s = strict_schema({"type": "object", "properties": {"enum": {"type": "object"}, "c": {"const": {"type": "object"}}},
                  "$defs": {"d": {"type": "object", "additionalProperties": True}}})
     assert s["additionalProperties"] is False and s["properties"]["enum"]["additionalProperties"] is False
     assert s["properties"]["c"] == {"const": {"type": "object"}}

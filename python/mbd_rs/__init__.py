@@ -14,9 +14,10 @@ from .engine import (GENERATION_PARAMS, CancelToken, KERNEL_SWITCHES, LOAD_OPTIO
                      LOGITS_PARAMS, PARAMS, PROFILE_OVERRIDES, SCORE_PARAMS, Engine, Stream)
 from .errors import *  # noqa: E402,F401,F403  (the exception hierarchy)
 from .hub import DEFAULT_MODEL  # noqa: E402  (after _core, as above)
-from .types import Completion, ModelInfo, StepEvent, StreamChunk, TokenLogprob, Usage  # noqa: E402  (as above)
+from .types import Completion, ModelInfo, StepEvent, StreamChunk, TokenLogprob, ToolCall, Usage  # noqa: E402  (as above)
 
 __all__ = ["Engine", "ModelInfo", "Stream", "CancelToken", "StreamChunk", "StepEvent", "Completion", "Usage", "TokenLogprob",
+           "ToolCall",
            "GENERATION_PARAMS", "PROFILE_OVERRIDES", "LOGITS_PARAMS", "SCORE_PARAMS", "LOAD_PARAMS", "KERNEL_SWITCHES",
            "LOAD_OPTIONS", "PARAMS",
            "DEFAULT_MODEL", "__version__"]

@@ -13,7 +13,9 @@ from . import _core, _cuda_libs
 from .errors import InvalidRequestError, UnsupportedArchitectureError
 from .hub import LoadProgress, PathArg, _LoadBar, resolve_model_path
 from .params import GenerationParams, LoadParams, LogitsParams, ScoreParams
-from .types import Completion, ModelInfo, StepEvent, StreamChunk, TokenLogprob, Usage
+from . import tools as tools_mod
+from .tools import ToolChoice
+from .types import Completion, ModelInfo, StepEvent, StreamChunk, TokenLogprob, ToolCall, Usage
 
 if TYPE_CHECKING:  # typed **params (PEP 692); typing.Unpack is in the standard library from 3.11
     from typing_extensions import Unpack
@@ -164,10 +166,13 @@ class Engine:
         return [None if t is None else _token_logprob(t) for t in scores]
 
     def chat_ids(self, messages: Sequence[Message], *, add_generation_prompt: bool = True,
-                 special_tokens_in_content: bool = False) -> List[int]:
-        """The token ids of `messages` rendered with the chat template, exactly as `stream_chat` runs on them
-        (contents kept as text, roles checked)."""
-        return self._core.chat_ids(_messages_json(messages), add_generation_prompt, special_tokens_in_content)
+                 special_tokens_in_content: bool = False, tools: Optional[Sequence[Mapping[str, Any]]] = None) -> List[int]:
+        """The token ids of `messages` rendered with the chat template (with `tools`, their definitions too), exactly
+        as `stream_chat` runs on them (contents kept as text, roles checked)."""
+        plan = self.tool_plan(tools, "none") if tools is not None else None
+        msgs = plan.messages(messages) if plan is not None else tools_mod.messages_for_template(messages)
+        return self._core.chat_ids(_messages_json(msgs), add_generation_prompt, special_tokens_in_content,
+                                   plan.tools_json if plan is not None else None)
 
     def token_bytes(self, ids: Sequence[int]) -> List[bytes]:
         """Each token's bytes before UTF-8 decoding: a token that holds part of a character (whose text alone
@@ -223,16 +228,39 @@ class Engine:
         return self._core.apply_chat_template(_messages_json(messages), add_generation_prompt, extra)
 
     def stream_chat(self, messages: Sequence[Message], *, special_tokens_in_content: bool = False,
-                    **params: Unpack[GenerationParams]) -> "Stream":
+                    tools: Optional[Sequence[Mapping[str, Any]]] = None, tool_choice: ToolChoice = None,
+                    parallel_tool_calls: Optional[bool] = None, **params: Unpack[GenerationParams]) -> "Stream":
         """Stream the assistant's reply to `messages` (rendered with the chat template). Message contents stay
         text: a content that spells a control token (e.g. "<|im_end|>") is tokenized as plain text unless
-        special_tokens_in_content=True."""
-        return Stream(self._core.start_chat(_messages_json(messages), _core_params(params), special_tokens_in_content),
-                      trace=bool(params.get("trace")))
+        special_tokens_in_content=True.
+
+        `tools` (OpenAI's function definitions), `tool_choice` ("auto", the default with tools; "none", "required",
+        or {"type": "function", "function": {"name": ...}}) and `parallel_tool_calls` (default True): the template
+        renders the tools, the output keeps to the model's call format (see mbd_rs.tools), and the Completion's
+        `tool_calls` holds the calls it made."""
+        plan = self.tool_plan(tools, tool_choice, parallel_tool_calls, params)
+        msgs = _messages_json(plan.messages(messages))
+        return Stream(self._core.start_chat(msgs, _core_params(plan.params), special_tokens_in_content,
+                                            plan.tools_json), trace=bool(params.get("trace")), tools=plan.format)
 
     def chat(self, messages: Sequence[Message], *, special_tokens_in_content: bool = False,
-             **params: Unpack[GenerationParams]) -> Completion:
-        return self.stream_chat(messages, special_tokens_in_content=special_tokens_in_content, **params).result()
+             tools: Optional[Sequence[Mapping[str, Any]]] = None, tool_choice: ToolChoice = None,
+             parallel_tool_calls: Optional[bool] = None, **params: Unpack[GenerationParams]) -> Completion:
+        return self.stream_chat(messages, special_tokens_in_content=special_tokens_in_content, tools=tools,
+                                tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls, **params).result()
+
+    def tool_plan(self, tools: Any, tool_choice: ToolChoice = None, parallel_tool_calls: Optional[bool] = None,
+                  params: Optional[Mapping[str, Any]] = None) -> "tools_mod.ToolPlan":
+        """What `tools` / `tool_choice` / `parallel_tool_calls` make of a chat request on this model: the tools as
+        its template takes them, the call format its output is read in, and `params` with the grammar the choice
+        implies (mbd_rs.tools.plan)."""
+        return tools_mod.plan(self.info.chat_template, self._is_control, tools, tool_choice, parallel_tool_calls,
+                              dict(params or {}))
+
+    def _is_control(self, text: str) -> bool:
+        """Whether `text` is one of the vocabulary's control tokens."""
+        ids = self.tokenize(text, add_special_tokens=False)
+        return len(ids) == 1 and self.detokenize(ids, skip_special_tokens=True) == ""
 
 
 def _core_params(params: Mapping[str, Any]) -> Dict[str, Any]:
@@ -241,34 +269,12 @@ def _core_params(params: Mapping[str, Any]) -> Dict[str, Any]:
     its model does not declare)."""
     rf = params.get("response_format")
     if isinstance(rf, type) and hasattr(rf, "model_json_schema"):
-        schema = _strict(rf.model_json_schema())
+        schema = tools_mod.strict_schema(rf.model_json_schema())
         return {**params, "response_format": {"type": "json_schema",
                                               "json_schema": {"name": rf.__name__, "schema": schema, "strict": True}}}
     return dict(params)
 
 
-def _strict(schema: Any) -> Any:
-    """A JSON Schema whose objects take no properties beyond those they declare (OpenAI's strict mode), unless they
-    say otherwise."""
-    if isinstance(schema, list):
-        return [_strict(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out: Dict[str, Any] = {}
-    for k, v in schema.items():
-        if k in _SCHEMA_MAPS and isinstance(v, dict):  # name -> schema
-            out[k] = {name: _strict(s) for name, s in v.items()}
-        elif k in _VALUES:  # data, not schemas
-            out[k] = v
-        else:
-            out[k] = _strict(v)
-    if out.get("type") == "object" and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
-
-
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_VALUES = ("enum", "const", "default", "examples")
 
 
 def _messages_json(messages: Sequence[Message]) -> str:
@@ -296,9 +302,11 @@ class Stream:
     """Iterator of StreamChunk: text streams token by token as the left-to-right prefix becomes stable.
     The last chunk has finish_reason and usage. Thread-safe cancel(); close() frees the KV cache now."""
 
-    def __init__(self, core_stream: "_core.CoreStream", trace: bool):
+    def __init__(self, core_stream: "_core.CoreStream", trace: bool, tools: "Optional[tools_mod.Format]" = None):
         self._s = core_stream
         self._trace = trace
+        #: the tool-call format the output's calls are read in (None: no tools, or tool_choice "none")
+        self.tool_format = tools
         self._done = False
         self.text = ""
         self.token_ids: List[int] = []
@@ -342,7 +350,14 @@ class Stream:
             pass
         if self.finish_reason is None or self.usage is None:
             raise InvalidRequestError("stream was closed before it finished")
-        return Completion(self.text, list(self.token_ids), self.finish_reason, self.usage, list(self.logprobs))
+        calls: List[ToolCall] = []
+        content: Optional[str] = self.text
+        finish = self.finish_reason
+        if self.tool_format is not None:
+            content, calls = tools_mod.parse(self.tool_format, self.text)
+            if calls and finish == "stop":
+                finish = "tool_calls"
+        return Completion(self.text, list(self.token_ids), finish, self.usage, list(self.logprobs), calls, content)
 
     def __enter__(self) -> "Stream":
         return self

@@ -66,6 +66,17 @@ class StreamChunk:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """One call the model made (with tools): `arguments` is the JSON text of the arguments object, as OpenAI's API
+    gives it."""
+
+    id: str
+    name: str
+    arguments: str
+    type: str = "function"
+
+
+@dataclass(frozen=True)
 class Completion:
     text: str
     token_ids: List[int]
@@ -75,6 +86,10 @@ class Completion:
     # never in token_ids or text; OpenAI-style APIs list it, and loglikelihood clients count on the generated token);
     # empty without logprobs
     logprobs: List[TokenLogprob] = field(default_factory=list)
+    # with tools: the calls the output made (finish_reason "tool_calls" when it ended after them)
+    tool_calls: List[ToolCall] = field(default_factory=list)
+    # the text outside the calls (None when the output is calls alone); `text` without tools
+    content: Optional[str] = None
 
 
 @dataclass(frozen=True)

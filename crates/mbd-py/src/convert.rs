@@ -173,6 +173,18 @@ pub(crate) fn messages_value(json: &str) -> mbd_core::Result<serde_json::Value> 
     serde_json::from_str(json).map_err(|e| Error::invalid(format!("messages: not valid JSON: {e}")))
 }
 
+/// What a chat template renders besides the messages: {"tools": [...]} (`tools_json`: JSON text of a list), or
+/// nothing.
+pub(crate) fn template_extra(tools_json: Option<&str>) -> mbd_core::Result<serde_json::Value> {
+    let Some(t) = tools_json else { return Ok(serde_json::Value::Null) };
+    let tools: serde_json::Value =
+        serde_json::from_str(t).map_err(|e| Error::invalid(format!("tools: not valid JSON: {e}")))?;
+    if !tools.is_array() {
+        return Err(Error::invalid("tools must be a list of {\"type\": \"function\", \"function\": {...}}"));
+    }
+    Ok(serde_json::json!({ "tools": tools }))
+}
+
 /// Build a request from a dict of Python values (None = the default).
 pub(crate) fn request<R: Params>(params: Option<&Bound<'_, PyDict>>) -> PyResult<R> {
     let mut r = R::default();

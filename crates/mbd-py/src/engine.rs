@@ -1,7 +1,7 @@
 //! `CoreEngine`: the core's `Engine` (a model and its scheduler) as a Python class. Each method converts its
 //! arguments (`convert`), calls the core with the GIL released (`run`) and converts the result.
 
-use crate::convert::{ids, int, json_to_py, messages_value, request, string};
+use crate::convert::{ids, int, json_to_py, messages_value, request, string, template_extra};
 use crate::stream::{logprob_tuple, CoreStream, LogprobTuple};
 use crate::{run, run_cancellable, to_py};
 use mbd_core::load::weights::Progress;
@@ -252,36 +252,42 @@ impl CoreEngine {
     }
 
     /// Start a generation answering chat `messages` (JSON text of a list of {role, content}), rendered with the
-    /// model's template; contents stay text unless `special_tokens_in_content`.
-    #[pyo3(signature = (messages_json, params=None, special_tokens_in_content=false))]
+    /// model's template (`tools_json`: the tool definitions it renders, JSON text of a list); contents stay text
+    /// unless `special_tokens_in_content`.
+    #[pyo3(signature = (messages_json, params=None, special_tokens_in_content=false, tools_json=None))]
     fn start_chat(
         &self,
         py: Python<'_>,
         messages_json: &Bound<'_, PyAny>,
         params: Option<&Bound<'_, PyDict>>,
         special_tokens_in_content: bool,
+        tools_json: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<CoreStream> {
         let messages_json = string("messages", messages_json)?;
+        let tools_json = tools_json.map(|t| string("tools", t)).transpose()?;
         self.begin(py, params, move |m| {
             let msgs = messages_value(&messages_json)?;
-            m.chat_prompt_ids(&msgs, true, &serde_json::Value::Null, special_tokens_in_content)
+            m.chat_prompt_ids(&msgs, true, &template_extra(tools_json.as_deref())?, special_tokens_in_content)
         })
     }
 
     /// The token ids of a chat prompt exactly as a chat generation runs on them ([`Model::chat_prompt_ids`]).
-    #[pyo3(signature = (messages_json, add_generation_prompt=true, special_tokens_in_content=false))]
+    #[pyo3(signature = (messages_json, add_generation_prompt=true, special_tokens_in_content=false, tools_json=None))]
     fn chat_ids(
         &self,
         py: Python<'_>,
         messages_json: &Bound<'_, PyAny>,
         add_generation_prompt: bool,
         special_tokens_in_content: bool,
+        tools_json: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<u32>> {
         let messages_json = string("messages", messages_json)?;
+        let tools_json = tools_json.map(|t| string("tools", t)).transpose()?;
         let m = self.model();
         run(py, move || {
             let msgs = messages_value(&messages_json)?;
-            m.chat_prompt_ids(&msgs, add_generation_prompt, &serde_json::Value::Null, special_tokens_in_content)
+            let extra = template_extra(tools_json.as_deref())?;
+            m.chat_prompt_ids(&msgs, add_generation_prompt, &extra, special_tokens_in_content)
         })
     }
 

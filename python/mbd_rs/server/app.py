@@ -30,13 +30,14 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .. import tools
 from ..engine import Engine
 from ..errors import ContextLengthError, InvalidRequestError, RequestCancelledError
 from ..types import StreamChunk, Usage
 from . import net, openai
 from .limits import BODY_TIMEOUT, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, REQUEST_TIMEOUT
 from .openai import (REFUSALS, Body, BodyTimeout, BodyTooLarge, ClientGone, Echo, Shapes, TextOffsets, UnknownModel,
-                     body_params, entries_of, error, is_id, refusal, scored_only, usage_json)
+                     body_params, entries_of, error, is_id, refusal, scored_only, tool_calls_json, usage_json)
 from .slots import Item, Lease, Slots
 
 _log = logging.getLogger("mbd_rs.server")
@@ -195,7 +196,7 @@ class _Routes:
         for prompt in req.prompts:
             if chat or isinstance(prompt, str):
                 self.too_long_to_tokenize(prompt)
-            ids = self.shapes.prompt_ids(prompt, chat)
+            ids = self.shapes.prompt_ids(prompt, chat, req.tools.tools if req.tools is not None else None)
             plans.append((ids, openai.fit_positions(len(ids), req.params, self.max_prompt_tokens,
                                                     self.engine.info.max_context)))
         if not req.generates:  # only scored: the generation fields are still checked (a 1-token stream, dropped)
@@ -237,7 +238,7 @@ class _Routes:
         lease = None
         try:
             body = await self.read_body(request, deadline)
-            req = body_params(body, chat)
+            req = body_params(body, chat, self.engine)
             k = len(req.prompts) * req.n
             if k > self.slots.capacity:
                 raise InvalidRequestError(f"this request asks for {k} choices ({len(req.prompts)} prompt(s) x "
@@ -298,8 +299,13 @@ class _Routes:
             lp = None if req.logprobs is None else self.shapes.logprobs_json(
                 entries_of(st.logprobs if st else None, len(st.token_ids) if st else 0, chat), echo, chat)
             if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "finish_reason": fin, "logprobs": lp})
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if req.tools is not None and req.tools.format is not None:
+                    content, calls = tools.parse(req.tools.format, text)
+                    if calls:
+                        message = {"role": "assistant", "content": content, "tool_calls": tool_calls_json(calls)}
+                        fin = "tool_calls" if fin == "stop" else fin
+                choices.append({"index": i, "message": message, "finish_reason": fin, "logprobs": lp})
             else:
                 choices.append({"index": i, "text": text, "finish_reason": fin, "logprobs": lp})
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
@@ -378,7 +384,15 @@ class _Routes:
                 q: Queue[Item] = Queue()
                 lease.pump(q)
                 # Starlette watches the client of a streaming response (and cancels this generator when it leaves)
+                fmt = req.tools.format if req.tools is not None else None
+                parsers = [tools.StreamParser(fmt) if fmt is not None else None for _ in range(k)]
                 async for i, ch in self.chunks(q, k, watch, client=False):
+                    if (parser := parsers[i]) is not None:  # a reply that may call tools: its deltas as OpenAI's
+                        for d in self.tool_deltas(parser, ch, i):
+                            yield event([d], step=shapes.step_json(ch.step) if ch.step is not None else None)
+                        if ch.finish_reason:
+                            usages[i] = ch.usage
+                        continue
                     lps = ch.logprobs if req.logprobs is not None else None
                     c = choice(i, ch.text, ch.finish_reason, lps=lps, n_tokens=len(ch.token_ids))
                     if ch.step is not None:
@@ -395,6 +409,33 @@ class _Routes:
             yield "data: [DONE]\n\n"
         finally:
             lease.release()  # cancels the generations first if the client went away mid-stream
+
+    @staticmethod
+    def tool_deltas(parser: "tools.StreamParser", ch: StreamChunk, i: int) -> list[dict[str, Any]]:
+        """A chunk of a reply that may call tools, as OpenAI streams it: content deltas, a call's index, id and name
+        once its name is out, then its arguments in fragments; the last chunk's finish_reason ("tool_calls" after
+        calls) on a delta of its own. A trace step without text is one empty delta (its event carries the step)."""
+        events = parser.feed(ch.text)
+        fin = ch.finish_reason
+        if fin:
+            if tail := parser.finish():
+                events.append(("content", tail))
+            fin = "tool_calls" if parser.calls and fin == "stop" else fin
+        deltas: list[dict[str, Any]] = []
+        for kind, v in events:
+            if kind == "content":
+                delta: dict[str, Any] = {"content": v}
+            elif kind == "call":
+                j, cid, name = v
+                delta = {"tool_calls": [{"index": j, "id": cid, "type": "function",
+                                         "function": {"name": name, "arguments": ""}}]}
+            else:
+                j, frag = v
+                delta = {"tool_calls": [{"index": j, "function": {"arguments": frag}}]}
+            deltas.append({"index": i, "delta": delta, "finish_reason": None, "logprobs": None})
+        if fin or (ch.step is not None and not deltas):
+            deltas.append({"index": i, "delta": {}, "finish_reason": fin, "logprobs": None})
+        return deltas
 
     def page(self) -> str:
         """The web view for this server, rendered on the first visit and kept."""

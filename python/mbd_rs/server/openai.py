@@ -13,13 +13,14 @@ from starlette.responses import JSONResponse
 from .. import _core
 from ..engine import GENERATION_PARAMS, CancelToken, Engine
 from ..errors import ContextLengthError, InvalidRequestError, MbdError
-from ..types import StepEvent, TokenLogprob, Usage
+from ..tools import ToolPlan
+from ..types import StepEvent, TokenLogprob, ToolCall, Usage
 from .limits import MAX_N
 
 # OpenAI body fields passed to the engine as generation parameters, and the server's own fields.
 _OPENAI_PARAMS = {"max_tokens", "temperature", "top_p", "stop", "seed", "response_format"}
 _OWN = {"model", "prompt", "messages", "stream", "stream_options", "max_completion_tokens", "n", "user", "logprobs",
-        "top_logprobs", "echo"}
+        "top_logprobs", "echo", "tools", "tool_choice", "parallel_tool_calls"}
 # OpenAI fields we do not support yet, with the values that mean "off" (sent by many clients by default).
 _UNSUPPORTED_UNLESS = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
                        "suffix": (None, ""), "best_of": (None, 1)}
@@ -87,10 +88,13 @@ def refusal(e: Exception) -> JSONResponse:
 
 class Body:
     """A validated request: the engine's parameters, the prompts (chat: the one message list), n, echo, and
-    `logprobs` (alternatives per token, None = off)."""
+    `logprobs` (alternatives per token, None = off); for a chat, `tools` (mbd_rs.tools.ToolPlan: the tools for the
+    template, the call format the output is read in; the grammar is in `params`)."""
 
-    def __init__(self, params: dict[str, Any], prompts: list[Any], n: int, echo: bool, logprobs: int | None):
+    def __init__(self, params: dict[str, Any], prompts: list[Any], n: int, echo: bool, logprobs: int | None,
+                 tools: "ToolPlan | None" = None):
         self.params, self.prompts, self.n, self.echo, self.logprobs = params, prompts, n, echo, logprobs
+        self.tools = tools
 
     @property
     def generates(self) -> bool:
@@ -98,10 +102,10 @@ class Body:
         return not (self.echo and self.params.get("max_tokens") == 0)
 
 
-def body_params(body: dict[str, Any], chat: bool) -> Body:
+def body_params(body: dict[str, Any], chat: bool, engine: Engine) -> Body:
     """Validate the whole body (before any slot is taken): the engine's parameters, the prompts (chat: the one
-    message list), n, echo and logprobs. Parameter values are checked by the engine; this checks the shape of the
-    OpenAI fields."""
+    message list), n, echo, logprobs and (chat) the tools, as `engine` takes them. Parameter values are checked by the
+    engine; this checks the shape of the OpenAI fields."""
     unknown = sorted(set(body) - _OWN - _OPENAI_PARAMS - _EXTENSIONS - set(_UNSUPPORTED_UNLESS))
     if unknown:
         raise InvalidRequestError(f"unknown request field(s) {unknown}")
@@ -139,7 +143,18 @@ def body_params(body: dict[str, Any], chat: bool) -> Body:
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages must be a non-empty list")
         prompts, echo = [messages], False
+        if body.get("tools") is not None:
+            if logprobs is not None and body.get("tool_choice") != "none":
+                raise InvalidRequestError("tools (with tool_choice other than 'none') do not combine with logprobs in "
+                                          "this version")
+            plan = engine.tool_plan(body["tools"], body.get("tool_choice"), body.get("parallel_tool_calls"),
+                                    p if logprobs is None else {**p, "logprobs": logprobs})
+            return Body(plan.params, prompts, n, False, logprobs, plan)
+        if body.get("tool_choice") not in (None, "none", "auto") or body.get("parallel_tool_calls") is not None:
+            raise InvalidRequestError("tool_choice and parallel_tool_calls need tools")
     else:
+        if any(body.get(k) is not None for k in ("tools", "tool_choice", "parallel_tool_calls")):
+            raise InvalidRequestError("tools, tool_choice and parallel_tool_calls apply to /v1/chat/completions")
         if "top_logprobs" in body:
             raise InvalidRequestError("top_logprobs applies to /v1/chat/completions; on /v1/completions logprobs "
                                       "is the number of alternatives")
@@ -322,11 +337,12 @@ class Shapes:
             escaped = b.decode("utf-8", "backslashreplace")
             return "bytes:" + escaped if legacy else escaped
 
-    def prompt_ids(self, prompt: Any, chat: bool) -> list[int]:
+    def prompt_ids(self, prompt: Any, chat: bool, tools: "list[Any] | None" = None) -> list[int]:
         """The ids a prompt generates from: a chat's message list rendered (`Engine.chat_ids`, exactly what
-        `stream_chat` runs on), a text tokenized as `stream` does, token ids as given."""
+        `stream_chat` runs on; with the tool definitions `tools`), a text tokenized as `stream` does, token ids as
+        given."""
         if chat:
-            return self.engine.chat_ids(prompt)
+            return self.engine.chat_ids(prompt, tools=tools)
         if isinstance(prompt, str):
             return self.engine.tokenize(prompt)
         return list(prompt)
@@ -414,6 +430,11 @@ def scored_only(e: Echo) -> Usage:
     """The usage of an echo with max_tokens 0: the prompt, nothing generated."""
     return Usage(prompt_tokens=len(e.ids), completion_tokens=0, forward_passes=0, tokens_per_forward=0.0,
                  ttft_ms=0.0, prefill_ms=0.0, decode_ms=0.0, tokens_per_second=0.0, positions_forwarded=0)
+
+
+def tool_calls_json(calls: "list[ToolCall]") -> list[dict[str, Any]]:
+    """A message's `tool_calls`, OpenAI's shape."""
+    return [{"id": c.id, "type": c.type, "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
 
 
 def usage_json(usages: list[Usage], n: int) -> dict[str, int | float]:

@@ -30,6 +30,144 @@ fn token_string(v: Option<&Value>) -> String {
     }
 }
 
+/// transformers' `tojson` filter, which chat templates use to write tools and tool calls: Python's `json.dumps` (keys
+/// in their order, `ensure_ascii` off, separators `", "` and `": "`, or `","` and `": "` with an `indent`), not
+/// minijinja's compact, HTML-escaped JSON.
+fn tojson(
+    v: minijinja::Value,
+    kwargs: minijinja::value::Kwargs,
+) -> std::result::Result<minijinja::Value, minijinja::Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    kwargs.assert_all_used()?;
+    let value = serde_json::to_value(&v)
+        .map_err(|e| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let (item, key) = match separators.as_deref() {
+        Some([i, k]) => (i.clone(), k.clone()),
+        Some(_) => {
+            return Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, "tojson: separators is a pair"))
+        }
+        None if indent.is_some() => (",".to_string(), ": ".to_string()),
+        None => (", ".to_string(), ": ".to_string()),
+    };
+    let style = JsonStyle { indent, ascii: ensure_ascii.unwrap_or(false), sort: sort_keys.unwrap_or(false), item, key };
+    let mut out = String::new();
+    style.write(&value, 0, &mut out);
+    Ok(minijinja::Value::from_safe_string(out))
+}
+
+/// How Python's `json.dumps` lays a value out.
+struct JsonStyle {
+    indent: Option<usize>,
+    ascii: bool,
+    sort: bool,
+    item: String,
+    key: String,
+}
+
+impl JsonStyle {
+    fn write(&self, v: &Value, depth: usize, out: &mut String) {
+        match v {
+            Value::Null => out.push_str("null"),
+            Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+            Value::Number(n) => out.push_str(&n.to_string()),
+            Value::String(s) => self.string(s, out),
+            Value::Array(a) if a.is_empty() => out.push_str("[]"),
+            Value::Object(o) if o.is_empty() => out.push_str("{}"),
+            Value::Array(a) => {
+                out.push('[');
+                for (i, x) in a.iter().enumerate() {
+                    self.gap(i > 0, depth + 1, out);
+                    self.write(x, depth + 1, out);
+                }
+                self.gap(false, depth, out);
+                out.push(']');
+            }
+            Value::Object(o) => {
+                let mut items: Vec<(&String, &Value)> = o.iter().collect();
+                if self.sort {
+                    items.sort_by(|a, b| a.0.cmp(b.0));
+                }
+                out.push('{');
+                for (i, (k, x)) in items.into_iter().enumerate() {
+                    self.gap(i > 0, depth + 1, out);
+                    self.string(k, out);
+                    out.push_str(&self.key);
+                    self.write(x, depth + 1, out);
+                }
+                self.gap(false, depth, out);
+                out.push('}');
+            }
+        }
+    }
+
+    /// Before an item (`sep`: not the first) or before a closing bracket: the item separator, then a new line at
+    /// `depth` with an indent.
+    fn gap(&self, sep: bool, depth: usize, out: &mut String) {
+        if sep {
+            out.push_str(&self.item);
+        }
+        if let Some(n) = self.indent {
+            out.push('\n');
+            out.extend(std::iter::repeat_n(' ', n * depth));
+        }
+    }
+
+    fn string(&self, s: &str, out: &mut String) {
+        out.push('"');
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                '\u{8}' => out.push_str("\\b"),
+                '\u{c}' => out.push_str("\\f"),
+                c if (c as u32) < 0x20 || (self.ascii && (c as u32) > 0x7e) => {
+                    let mut units = [0u16; 2];
+                    for u in c.encode_utf16(&mut units) {
+                        out.push_str(&format!("\\u{u:04x}"));
+                    }
+                }
+                c => out.push(c),
+            }
+        }
+        out.push('"');
+    }
+}
+
+/// An assistant message's `tool_calls`: a list of {"id"?, "type"?: "function", "function": {"name", "arguments"}},
+/// `arguments` a JSON object or its text (as OpenAI sends it).
+fn check_tool_calls(i: usize, calls: &Value) -> Result<()> {
+    let bad = |what: String| Error::invalid(format!("messages[{i}].tool_calls{what}"));
+    let list =
+        calls.as_array().ok_or_else(|| bad(format!(" must be a list, got {}", crate::load::json::shown(calls))))?;
+    for (j, c) in list.iter().enumerate() {
+        let f = c
+            .get("function")
+            .ok_or_else(|| bad(format!("[{j}] must have a 'function': {{\"name\", \"arguments\"}}")))?;
+        if !f.get("name").is_some_and(Value::is_string) {
+            return Err(bad(format!("[{j}].function.name must be a string")));
+        }
+        match f.get("arguments") {
+            None | Some(Value::Object(_)) | Some(Value::String(_)) => {}
+            Some(other) => {
+                return Err(bad(format!(
+                    "[{j}].function.arguments must be a JSON object or its text, got {}",
+                    crate::load::json::shown(other)
+                )))
+            }
+        }
+        if c.get("type").is_some_and(|t| t.as_str() != Some("function")) {
+            return Err(bad(format!("[{j}].type must be 'function'")));
+        }
+    }
+    Ok(())
+}
+
 impl ChatTemplate {
     /// None when the model ships no chat template.
     pub fn from_dir(dir: &Path) -> Result<Option<ChatTemplate>> {
@@ -84,6 +222,7 @@ impl ChatTemplate {
         env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });
+        env.add_filter("tojson", tojson);
         env.add_template_owned("chat", source.clone())
             .map_err(|e| Error::config(format!("{label}: chat template does not parse: {e}")))?;
         Ok(ChatTemplate { env, source, bos_token, eos_token })
@@ -103,13 +242,31 @@ impl ChatTemplate {
             return Err(Error::invalid("messages is empty"));
         }
         for (i, m) in list.iter().enumerate() {
-            let ok = m.get("role").is_some_and(|r| r.is_string()) && m.get("content").is_some_and(|c| c.is_string());
-            if !ok {
+            let role = m.get("role").and_then(Value::as_str);
+            let calls = m.get("tool_calls").filter(|c| !c.is_null());
+            // an assistant message that calls tools may have no content (OpenAI sends null)
+            let content_ok = match m.get("content") {
+                Some(Value::String(_)) => true,
+                None | Some(Value::Null) => role == Some("assistant") && calls.is_some(),
+                Some(_) => false,
+            };
+            if role.is_none() || !content_ok {
                 return Err(Error::invalid(format!(
-                    "messages[{i}] must have string 'role' and 'content' fields, got {m}"
+                    "messages[{i}] must have string 'role' and 'content' fields (content may be null in an \
+                     assistant message with tool_calls), got {}",
+                    crate::load::json::shown(m)
                 )));
             }
-            let role = m["role"].as_str().unwrap_or_default();
+            if let Some(c) = calls {
+                check_tool_calls(i, c)?;
+            }
+            if let Some(id) = m.get("tool_call_id").filter(|v| !v.is_null() && !v.is_string()) {
+                return Err(Error::invalid(format!(
+                    "messages[{i}].tool_call_id must be a string, got {}",
+                    crate::load::json::shown(id)
+                )));
+            }
+            let role = role.unwrap_or_default();
             if !ROLES.contains(&role) {
                 let shown: String = role.chars().take(40).collect();
                 return Err(Error::invalid(format!(

@@ -104,22 +104,31 @@ impl Model {
         extra: &serde_json::Value,
         special_in_content: bool,
     ) -> Result<Vec<u32>> {
-        let contents: Vec<&str> = match messages.as_array() {
-            Some(list) => list.iter().map(|m| m.get("content").and_then(|c| c.as_str()).unwrap_or("")).collect(),
+        if !special_in_content {
+            self.check_unspelled(messages, extra)?;
+        }
+        // the messages' contents (None: an assistant message with tool calls and no content)
+        let contents: Vec<Option<&str>> = match messages.as_array() {
+            Some(list) => list.iter().map(|m| m.get("content").and_then(|c| c.as_str())).collect(),
             None => vec![],
         };
-        let spelled = contents.iter().any(|c| self.special_tokens.iter().any(|s| c.contains(s.as_str())));
+        let spelled = contents.iter().flatten().any(|c| self.special_tokens.iter().any(|s| c.contains(s.as_str())));
         if special_in_content || !spelled {
             return self.prompt_ids(&self.render_chat(messages, add_generation_prompt, extra)?, false);
         }
         // Render with a placeholder per content, then tokenize the markup between them with control tokens and
         // each content with control-token parsing off.
         let mut masked = messages.clone();
-        for (i, m) in masked.as_array_mut().into_iter().flatten().enumerate() {
-            m["content"] = serde_json::Value::String(format!("{PLACEHOLDER_OPEN}{i}{PLACEHOLDER_CLOSE}"));
+        let mut kept: Vec<&str> = vec![];
+        for (m, c) in masked.as_array_mut().into_iter().flatten().zip(&contents) {
+            if let Some(c) = c {
+                m["content"] =
+                    serde_json::Value::String(format!("{PLACEHOLDER_OPEN}{}{PLACEHOLDER_CLOSE}", kept.len()));
+                kept.push(c);
+            }
         }
         let text = self.render_chat(&masked, add_generation_prompt, extra)?;
-        self.check_prompt_bytes(text.len() + contents.iter().map(|c| c.len()).sum::<usize>())?;
+        self.check_prompt_bytes(text.len() + kept.iter().map(|c| c.len()).sum::<usize>())?;
         let mut ids = vec![];
         let mut next = 0;
         let mut rest = text.as_str();
@@ -131,15 +140,50 @@ impl Model {
                 return Err(self.content_kept_error());
             }
             ids.extend(self.tokenize(&rest[..a], false)?);
-            ids.extend(self.literal_ids(contents[i])?);
+            ids.extend(self.literal_ids(kept[i])?);
             next += 1;
             rest = &after[b + PLACEHOLDER_CLOSE.len_utf8()..];
         }
-        if next != contents.len() {
+        if next != kept.len() {
             return Err(self.content_kept_error());
         }
         ids.extend(self.tokenize(rest, false)?);
         Ok(ids)
+    }
+
+    /// The text a chat renders besides its contents (tool calls, tool call ids, names, the tool definitions in
+    /// `extra`) is text too; the template writes it into its markup, where no placeholder can keep it apart, so a
+    /// control token's spelling there is refused, naming the field.
+    fn check_unspelled(&self, messages: &serde_json::Value, extra: &serde_json::Value) -> Result<()> {
+        fn walk<'a>(v: &'a serde_json::Value, path: String, out: &mut Vec<(String, &'a str)>) {
+            match v {
+                serde_json::Value::String(s) => out.push((path, s)),
+                serde_json::Value::Array(a) => {
+                    a.iter().enumerate().for_each(|(i, x)| walk(x, format!("{path}[{i}]"), out))
+                }
+                serde_json::Value::Object(o) => o.iter().for_each(|(k, x)| walk(x, format!("{path}.{k}"), out)),
+                _ => {}
+            }
+        }
+        let mut strings = vec![];
+        for (i, m) in messages.as_array().into_iter().flatten().enumerate() {
+            for (k, v) in m.as_object().into_iter().flatten().filter(|(k, _)| *k != "content" && *k != "role") {
+                walk(v, format!("messages[{i}].{k}"), &mut strings);
+            }
+        }
+        for (k, v) in extra.as_object().into_iter().flatten() {
+            walk(v, k.clone(), &mut strings);
+        }
+        for (path, s) in strings {
+            if let Some(t) = self.special_tokens.iter().find(|t| s.contains(t.as_str())) {
+                return Err(Error::invalid(format!(
+                    "{path} spells the control token {t:?}: tool calls and tool definitions are text, and the chat \
+                     template writes them into its markup; remove it, or pass special_tokens_in_content=True to let \
+                     it act as one"
+                )));
+            }
+        }
+        Ok(())
     }
 
     fn content_kept_error(&self) -> Error {
