@@ -72,9 +72,11 @@ EOF
       # No kernel may assume the build machine's CPU: under emulated CPUs without AVX (x86-64-v2, numpy's own floor)
       # and with AVX2 but no AVX-512, dense and quantized generation must give the same answer (qemu raises
       # SIGILL on an instruction the emulated CPU lacks).
+      # numpy's bundled OpenBLAS picks its kernels for the host's CPU, not the emulated one (under qemu 7.2 on an
+      # AVX-512 host it runs AVX at import, on either emulated CPU): OPENBLAS_CORETYPE names the emulated CPU.
       for cpu in Nehalem Haswell; do
         for q in none q8_0 q4_k; do
-          got=$(qemu-x86_64 -cpu "$cpu" "$venv/bin/python" -c "import mbd_rs
+          got=$(OPENBLAS_CORETYPE=${cpu^^} qemu-x86_64 -cpu "$cpu" "$venv/bin/python" -c "import mbd_rs
 q = None if '$q' == 'none' else '$q'
 print(mbd_rs.Engine.load(quantize=q).chat([{'role': 'user', 'content': 'sort 7 2 9 4 1'}]).text)" 2>/dev/null) \
             || { echo "the wheel fails on an emulated $cpu CPU (quantize=$q)" >&2; exit 1; }
