@@ -25,7 +25,7 @@ pytest.importorskip("uvicorn")
 
 MSG = [{"role": "user", "content": "sort 3 1 2"}]
 # A request that runs for tens of seconds on the long-context model: 6000 positions recomputed every step.
-LONG = {"prompt": [87] * 6000, "max_tokens": 8, "use_cache": False}
+LONG = {"prompt": [87] * 6000, "max_tokens": 256, "use_cache": False}
 
 
 @pytest.fixture(scope="module")
