@@ -24,6 +24,17 @@ def engine():
 
 
 @pytest.fixture(scope="module")
+def long_engine(long_context_model):
+    return mbd_rs.Engine.load(long_context_model)
+
+
+# A stream that outlasts any test in any build (on the long-context model): a 2,000-token prompt recomputed at
+# every one of 256 steps (no cache), one token a step; a debug build takes about a second a step.
+SLOW_CHAT = {"messages": [{"role": "user", "content": "sort 3 1 2 " * 180}], "stream": True, "max_tokens": 256,
+             "use_cache": False, "threshold": 0.0, "block_add_threshold": 1.0, "block_size": 1, "early_stop": False}
+
+
+@pytest.fixture(scope="module")
 def server(engine):
     s = Server(engine, api_key=KEY, max_concurrency=2, max_queue=1)
     yield s
@@ -173,11 +184,26 @@ def _active(server):
     return httpx.get(server.base + "/health", headers={"Authorization": f"Bearer {KEY}"}).json()["active"]
 
 
-def test_busy_then_disconnect_frees_slot(server):
+@pytest.fixture
+def long_server(long_engine):
+    """The module's `server` (capacity 3) over the long-context model."""
+    s = Server(long_engine, api_key=KEY, max_concurrency=2, max_queue=1)
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def long_bserver(long_engine):
+    """The module's `bserver` (capacity 6) over the long-context model."""
+    s = Server(long_engine, api_key=KEY, max_concurrency=4, max_queue=2)
+    yield s
+    s.stop()
+
+
+def test_busy_then_disconnect_frees_slot(long_server):
     hdr = {"Authorization": f"Bearer {KEY}"}
-    # One token per forward over the whole budget (no EOS early stop): each generation lasts ~200 forwards.
-    long_body = {"messages": MSG, "stream": True, "max_tokens": 200, "threshold": 0.0, "block_add_threshold": 1.0,
-                 "block_size": 1, "early_stop": False}
+    server = long_server
+    long_body = SLOW_CHAT
     clients = [httpx.Client(timeout=30) for _ in range(3)]  # 2 batched, 1 queued
     streams = []
     try:
@@ -355,9 +381,9 @@ def test_streaming_several_choices(bclient, bserver, engine):
     _wait_idle(bserver)
 
 
-def test_choices_take_slots_and_disconnect_frees_them(bserver):
-    long_body = {"messages": MSG, "stream": True, "max_tokens": 200, "threshold": 0.0, "block_add_threshold": 1.0,
-                 "block_size": 1, "early_stop": False, "n": 2}
+def test_choices_take_slots_and_disconnect_frees_them(long_bserver):
+    bserver = long_bserver
+    long_body = dict(SLOW_CHAT, n=2)
     url = bserver.base + "/v1/chat/completions"
     r = httpx.post(url, json={"messages": MSG, "n": 7}, headers=HDR)  # 7 choices > capacity 6: never runnable
     assert r.status_code == 400 and "at most 6" in r.json()["error"]["message"]

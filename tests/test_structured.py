@@ -4,7 +4,10 @@ JSON schemas, Python's `re` for regexes, llguidance's own Python package for pre
 greedy AR equals a reference decoder written here (greedy over the engine's logits with llguidance's Python masks and
 forced tokens, its vocabulary built by llguidance from tokenizer.json, not by the engine); a grammar that admits
 every text changes nothing; batched constrained streams equal their lone runs; hostile grammars get specific errors
-in bounded time."""
+in bounded time. The speculative decoders keep to the grammar too: S2D2's drafts are the grammar's chain and its
+verifier reads the same masks; constrained greedy ISD equals the reference decoder (so constrained greedy AR), and
+sampled ISD writes tokens distributed as the masked verifier."""
+import functools
 import json
 import os
 import re
@@ -61,7 +64,17 @@ MODES = {
     "dus": dict(acceptance="dus"),
     "sampled": dict(temperature=1.0),
     "sampled-top-p": dict(temperature=0.8, top_p=0.9, block_size=4),
+    # S2D2: every span verified (the drafts are the grammar's chain), greedy and sampled; the default routing
+    "s2d2": dict(speculative="s2d2", verify_policy="always"),
+    "s2d2-sampled": dict(speculative="s2d2", verify_policy="always", temperature=1.0),
+    "s2d2-score": dict(speculative="s2d2"),
+    # ISD, on the I-DLM twin (causal, shifted logits): greedy, sampled, a long stride with top-k
+    "isd": dict(speculative="isd"),
+    "isd-sampled": dict(speculative="isd", temperature=1.0),
+    "isd-stride7-top-k": dict(speculative="isd", isd_stride=7, temperature=0.7, top_k=5),
 }
+IDLM = os.path.join(MODELS, "mbd-idlm-tiny")
+AS_IDLM = dict(attention="causal", logits_shift=True)
 
 
 def json_schema_format(schema):
@@ -79,6 +92,19 @@ def check_json(text, schema, finish):
 @pytest.fixture(scope="module")
 def tiny():
     return mbd_rs.Engine.load()
+
+
+@pytest.fixture(scope="module")
+def idlm():
+    if not os.path.isdir(IDLM):
+        pytest.skip(f"{IDLM} is not in this tree")
+    return mbd_rs.Engine.load(IDLM, **AS_IDLM)
+
+
+@pytest.fixture
+def engine_for(request):
+    """The model a mode runs on: the I-DLM twin for ISD, the embedded model otherwise."""
+    return lambda mode: request.getfixturevalue("idlm" if mode.startswith("isd") else "tiny")
 
 
 def run_schemas(eng, mode, per_mode, seed0=0):
@@ -102,22 +128,22 @@ def run_schemas(eng, mode, per_mode, seed0=0):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_outputs_match_their_schemas_in_every_mode(tiny, mode):
-    finished = run_schemas(tiny, mode, 35)
+def test_outputs_match_their_schemas_in_every_mode(engine_for, mode):
+    finished = run_schemas(engine_for(mode), mode, 35)
     assert finished >= 30, f"{finished} of 35 finished"  # bounded schemas: cut outputs are rare
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
-def test_two_hundred_outputs_per_mode_match_their_schemas(tiny, mode):
-    assert run_schemas(tiny, mode, 200, seed0=1000) >= 180
+def test_two_hundred_outputs_per_mode_match_their_schemas(engine_for, mode):
+    assert run_schemas(engine_for(mode), mode, 200, seed0=1000) >= 180
 
 
 TWINS = {
     "mbd-dream-tiny": dict(),  # full attention, no cache (its default)
     "mbd-fdv2-tiny": dict(),  # Fast-dLLM v2's sub-blocks
     "mbd-qwen35-tiny": dict(block_size=8, threshold=0.5),  # Gated DeltaNet layers beside attention
-    "mbd-idlm-tiny": dict(),  # causal, shifted: AR
+    "mbd-idlm-tiny": dict(),  # loaded as its config says (SDAR: block-causal); as I-DLM in the ISD modes above
 }
 
 
@@ -249,34 +275,111 @@ ENGINE_ARGS = {"schema": lambda: dict(response_format=json_schema_format(SCHEMAS
                "regex": lambda: dict(regex=r"[a-f]{2,6}( [0-9]{1,3}){1,3}"), "lark": lambda: dict(grammar=ARITHMETIC)}
 
 
+@functools.lru_cache(maxsize=None)
+def causal_engine(family):
+    return mbd_rs.Engine.load(parity_dir(family), device="cpu", mask_token_id=3, attention="causal", logits_shift=True,
+                              eos_token_ids=[0])
+
+
+@functools.lru_cache(maxsize=None)
+def reference_for(family, kind):
+    path = parity_dir(family)
+    prompt = [(37 * i + 11) % 300 + 5 for i in range(9)]
+    want = reference_greedy(causal_engine(family), os.path.join(path, "tokenizer.json"), prompt, GRAMMARS[kind](), 40,
+                            [0])
+    return prompt, [t for t in want if t != 0]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("kind", list(GRAMMARS))
 def test_constrained_greedy_ar_equals_the_masked_reference(family, kind):
-    path = parity_dir(family)
-    eng = mbd_rs.Engine.load(path, device="cpu", mask_token_id=3, attention="causal", logits_shift=True,
-                             eos_token_ids=[0])
-    prompt = [(37 * i + 11) % 300 + 5 for i in range(9)]
-    want = reference_greedy(eng, os.path.join(path, "tokenizer.json"), prompt, GRAMMARS[kind](), 40, [0])
-    got = eng.generate(prompt, max_tokens=40, block_size=1, **ENGINE_ARGS[kind]())
-    assert list(got.token_ids) == [t for t in want if t != 0], (got.token_ids, want)
+    prompt, want = reference_for(family, kind)
+    got = causal_engine(family).generate(prompt, max_tokens=40, block_size=1, **ENGINE_ARGS[kind]())
+    assert list(got.token_ids) == want, (got.token_ids, want)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kind", list(GRAMMARS))
+@pytest.mark.parametrize("stride", [2, 4])
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "nocache"])
+def test_constrained_greedy_isd_equals_the_masked_reference(family, kind, stride, use_cache):
+    """ISD's verifier reads each row under the grammar's mask after the tokens before it, and the grammar's forced
+    tokens ride ahead of the drafts: so it writes what constrained greedy AR writes, in fewer forwards when drafts
+    are accepted."""
+    prompt, want = reference_for(family, kind)
+    got = causal_engine(family).generate(prompt, max_tokens=40, speculative="isd", isd_stride=stride,
+                                         use_cache=use_cache, **ENGINE_ARGS[kind]())
+    assert list(got.token_ids) == want, (got.token_ids, want)
+    u = got.usage
+    assert u.forward_passes + u.drafts_accepted + u.forced_tokens >= len(want)
+    assert u.drafts_accepted <= u.drafts_proposed <= (stride - 1) * u.verifications
+
+
+def test_sampled_constrained_isd_writes_tokens_distributed_as_the_masked_verifier():
+    """max_tokens=2 under a regex: the first step writes t0 from the verifier's distribution under the grammar's first
+    mask and drafts t1 from the mask row under the mask after t0; the second verifies that draft. By the speculative
+    sampling theorem t1 | t0 is distributed as the verifier under the mask after t0, computed here from the logits
+    API and llguidance's Python masks."""
+    family, regex, top_k, runs = "qwen2_gqa_tied", r"[a-f]{1,2}[0-9]{1,2}", 4, 3000
+    eng = causal_engine(family)
+    tok = ll_tokenizer(os.path.join(parity_dir(family), "tokenizer.json"), eng.info.vocab_size)
+    prompt = [99, 4, 250]
+
+    def masked_dist(ids, after):
+        m = llguidance.LLMatcher(tok, llguidance.LLMatcher.grammar_from_regex(regex), log_level=0)
+        assert m.consume_tokens(after)
+        row = eng.logits(ids, attention="causal")[-1].astype(np.float64)
+        allowed = np.frombuffer(m.compute_logit_bias(), dtype=np.uint8)[:len(row)] > 0
+        allowed[0] = m.is_accepting()
+        row[~allowed] = -np.inf
+        idx = np.argsort(-row, kind="stable")[:top_k]
+        idx = idx[np.isfinite(row[idx])]
+        p = np.exp(row[idx] - row[idx].max())
+        return dict(zip(idx.tolist(), (p / p.sum()).tolist()))
+
+    t0s, pairs, proposed, accepted = {}, {}, 0, 0
+    for seed in range(runs):
+        c = eng.generate(prompt, max_tokens=2, early_stop=False, temperature=1.0, top_k=top_k, seed=seed,
+                         speculative="isd", isd_stride=4, regex=regex)
+        t0, t1 = (list(c.token_ids) + [0, 0])[:2]
+        assert c.usage.forced_tokens == 0
+        t0s[t0] = t0s.get(t0, 0) + 1
+        pairs.setdefault(t0, []).append(t1)
+        proposed, accepted = proposed + c.usage.drafts_proposed, accepted + c.usage.drafts_accepted
+    assert 0.1 * proposed < accepted < 0.9 * proposed  # both accepted drafts and corrections
+
+    def check(counts, p, n):
+        for t, pt in p.items():
+            f = counts.get(t, 0) / n
+            assert abs(f - pt) < 4.5 * np.sqrt(pt * (1 - pt) / n) + 1e-3, (t, f, pt)
+        assert set(counts) <= set(p), (counts, p)
+
+    check(t0s, masked_dist(prompt, []), runs)
+    t0 = max(pairs, key=lambda t: len(pairs[t]))
+    ones = pairs[t0]
+    check({t: ones.count(t) for t in set(ones)}, masked_dist(prompt + [t0], [t0]), len(ones))
 
 
 ADMIT_ALL = r"[\s\S]*"
 
 
-@pytest.mark.parametrize("mode", ["ar", "multi-block", "confidence", "sampled"])
-def test_a_grammar_that_admits_every_text_changes_nothing(tiny, mode):
-    kw = dict(MODES[mode])
+@pytest.mark.parametrize("mode", ["ar", "multi-block", "confidence", "sampled", "s2d2", "s2d2-sampled", "isd",
+                                  "isd-sampled"])
+def test_a_grammar_that_admits_every_text_changes_nothing(engine_for, mode):
+    eng, kw = engine_for(mode), dict(MODES[mode])
     for i, p in enumerate(PROMPTS):
         if "temperature" in kw:
             kw["seed"] = i
-        free = tiny.chat([{"role": "user", "content": p}], max_tokens=32, **kw)
-        constrained = tiny.chat([{"role": "user", "content": p}], max_tokens=32, regex=ADMIT_ALL, **kw)
+        free = eng.chat([{"role": "user", "content": p}], max_tokens=32, **kw)
+        constrained = eng.chat([{"role": "user", "content": p}], max_tokens=32, regex=ADMIT_ALL, **kw)
         assert constrained.token_ids == free.token_ids and constrained.usage.forward_passes == free.usage.forward_passes
 
 
-def test_batched_constrained_streams_equal_their_lone_runs(tiny):
-    reqs = [(p, s, m) for p, s, m in zip(PROMPTS * 2, SCHEMAS * 2, ["multi-block", "ar", "sampled", "eb"] * 3)]
+@pytest.mark.parametrize("engine,modes", [("tiny", ["multi-block", "ar", "sampled", "eb", "s2d2", "s2d2-sampled"]),
+                                          ("idlm", ["isd", "isd-sampled", "isd-stride7-top-k"])])
+def test_batched_constrained_streams_equal_their_lone_runs(request, engine, modes):
+    tiny = request.getfixturevalue(engine)
+    reqs = [(p, s, m) for p, s, m in zip(PROMPTS * 2, SCHEMAS * 2, modes * 4)]
     kwargs = [dict(MODES[m], seed=7) if "temperature" in MODES[m] else dict(MODES[m]) for _, _, m in reqs]
     alone = [tiny.chat([{"role": "user", "content": p}], max_tokens=48, response_format=json_schema_format(s), **kw)
              for (p, s, _), kw in zip(reqs, kwargs)]
@@ -330,7 +433,7 @@ HOSTILE = [
     (dict(regex="(unclosed"), r"regex:"),
     (dict(regex=r"(a)\1"), r"regex:"),
     (dict(regex="[0-9]+", grammar="start: \"x\""), r"grammar and regex each constrain the output: give one"),
-    (dict(regex="[0-9]+", speculative="s2d2"), r"regex does not combine with speculative='s2d2'"),
+    (dict(regex="[0-9]+", tccf=True, tccf_trigger="a"), r"regex does not combine with tccf"),
     (dict(regex="[0-9]+", logprobs=1), r"regex does not combine with logprobs"),
     (dict(response_format={"type": "json_schema", "json_schema": {"schema": {"$ref": "#/definitions/missing"}}}),
      r"response_format:"),

@@ -44,12 +44,22 @@ MODES = {
     "eb": dict(acceptance="eb", threshold=0.3),
     "credit": dict(acceptance="credit"),
     "sampled": dict(temperature=1.0),
+    "s2d2": dict(speculative="s2d2", verify_policy="always"),
+    "s2d2-sampled": dict(speculative="s2d2", verify_policy="always", temperature=1.0),
+    # ISD needs a causal model with shifted logits: the same weights loaded so (for validity only)
+    "isd": dict(speculative="isd"),
+    "isd-sampled": dict(speculative="isd", temperature=1.0),
 }
 
 
 @pytest.fixture(scope="module")
 def eng(tool_model):
     return mbd_rs.Engine.load(tool_model)
+
+
+@pytest.fixture(scope="module")
+def causal_eng(tool_model):
+    return mbd_rs.Engine.load(tool_model, attention="causal", logits_shift=True)
 
 
 def check_calls(c, allowed, parallel=True):
@@ -65,7 +75,8 @@ def check_calls(c, allowed, parallel=True):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_required_calls_validate_in_every_mode(eng, mode):
+def test_required_calls_validate_in_every_mode(request, mode):
+    eng = request.getfixturevalue("causal_eng" if mode.startswith("isd") else "eng")
     streams = []
     for i in range(12):
         kw = dict(MODES[mode])

@@ -208,7 +208,7 @@ impl Decoder {
         })
     }
 
-    fn is_decoded(&self, p: usize) -> bool {
+    pub fn is_decoded(&self, p: usize) -> bool {
         self.decoded[p - self.prompt_len]
     }
 

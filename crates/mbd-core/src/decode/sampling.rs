@@ -3,10 +3,12 @@
 //! seeded sample from softmax(logits / T) restricted by top-k / top-p.
 
 use crate::decode::decoder::Prediction;
+use crate::decode::grammar::constraint::masked_row;
 use crate::error::{Error, Result};
 use crate::kernels::stats;
 use crate::util::by_score_then_index;
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
+use llguidance::toktrie::SimpleVob;
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 
@@ -141,6 +143,13 @@ impl Sampler {
             ));
         }
         Ok(preds)
+    }
+
+    /// The prediction of a logits row (host f32) among the tokens `mask` allows (a grammar's): greedy, the masked
+    /// argmax; sampling, a draw from the masked distribution; with the masked distribution's statistics.
+    pub fn predict_among(&mut self, row: &[f32], mask: &SimpleVob) -> Result<Prediction> {
+        let masked = Tensor::from_vec(masked_row(row, mask), (1, row.len()), &Device::Cpu)?;
+        Ok(self.predict(&masked)?[0])
     }
 
     /// On the CPU the rows are read in place (two passes per row for the statistics; a sampled token from the same

@@ -14,6 +14,7 @@
 //! start `[pending, M x m]` (s = 0), which writes one token and drafts N - 1. A step writes 1..N tokens; the K/V
 //! of `pending` and of the accepted drafts are final (causal, over final tokens) and are kept.
 
+use crate::decode::grammar::constraint::{masked_row, Constraint};
 use crate::decode::sampling::Sampler;
 use crate::decode::speculative::{accept_greedy, accept_sampled, SpecStats};
 use crate::error::{Error, Result};
@@ -31,8 +32,11 @@ pub struct Strided {
     /// [`SamplingParams::dist`](crate::decode::sampling::SamplingParams::dist) gives it) and its probability there.
     draft_dists: Vec<Vec<(u32, f64)>>,
     draft_probs: Vec<f64>,
-    /// The undecoded positions after the pending token when the step under way was laid out.
+    /// The undecoded positions after the pending token and the given ones when the step under way was laid out.
     room: usize,
+    /// Tokens written after the pending token before the step (a grammar forced them): forwarded ahead of the
+    /// drafts, their K/V kept, never verified.
+    given: usize,
     pub stats: SpecStats,
 }
 
@@ -45,68 +49,173 @@ impl Strided {
             draft_dists: vec![],
             draft_probs: vec![],
             room: 0,
+            given: 0,
             stats: SpecStats::default(),
         }
     }
 
-    /// The ids of the step's forward after the pending token, for `room` undecoded positions after it: the drafts,
-    /// then as many masks as give drafts inside the room (a mask row predicts the position after it).
-    pub fn layout(&mut self, room: usize, mask: u32) -> Vec<u32> {
-        self.room = room;
-        self.drafts.truncate(room);
-        self.draft_dists.truncate(room);
-        self.draft_probs.truncate(room);
+    /// The ids of the step's forward after the pending token, for `room` undecoded positions after it of which the
+    /// first hold `given` (tokens written already, a grammar's forced ones): those, the drafts for the positions
+    /// after them, then as many masks as give drafts inside the room (a mask row predicts the position after it).
+    pub fn layout(&mut self, room: usize, mask: u32, given: &[u32]) -> Vec<u32> {
+        let k = given.len().min(room);
+        (self.given, self.room) = (k, room - k);
+        // the drafts for the given positions give way to them
+        self.drafts.drain(..k.min(self.drafts.len()));
+        self.draft_dists.drain(..k.min(self.draft_dists.len()));
+        self.draft_probs.drain(..k.min(self.draft_probs.len()));
+        self.drafts.truncate(self.room);
+        self.draft_dists.truncate(self.room);
+        self.draft_probs.truncate(self.room);
         let s = self.drafts.len();
-        let m = (self.stride - 1).min(room.saturating_sub(s + 1));
-        let mut ids = self.drafts.clone();
+        let m = (self.stride - 1).min(self.room.saturating_sub(s + 1));
+        let mut ids = given[..k].to_vec();
+        ids.extend_from_slice(&self.drafts);
         ids.extend(std::iter::repeat_n(mask, m));
         ids
     }
 
+    /// How many given tokens the step under way forwards after the pending token ([`Strided::layout`]).
+    pub fn given(&self) -> usize {
+        self.given
+    }
+
     /// Take the step's logits (one row per forwarded id: the pending token's, then the `layout` ids'). Returns the
-    /// tokens to write after the pending token and how many of them are accepted drafts (the K/V to keep: the
-    /// pending token's and theirs), and keeps the next step's drafts.
-    pub fn step(&mut self, sampler: &mut Sampler, logits: &Tensor) -> Result<(Vec<u32>, usize)> {
-        let (s, room) = (self.drafts.len(), self.room);
+    /// tokens to write after the pending token and the given ones, and how many of them are accepted drafts (the
+    /// K/V to keep: the pending token's, the given ones' and theirs), and keeps the next step's drafts.
+    ///
+    /// Under a grammar (`constraint`, at the frontier after the given tokens) every row is read among the tokens the
+    /// grammar allows after the tokens before it: a draft is accepted while it equals the verifier's masked argmax
+    /// (greedy) or by speculative sampling against the verifier's masked distribution (a draft the grammar refuses
+    /// has probability 0 there, so it is rejected and the residual drawn), the correction and the bonus come from
+    /// the masked rows, and the next drafts from the mask rows masked along the tokens before them. So constrained
+    /// greedy ISD writes what constrained greedy AR writes. The written tokens are committed to the grammar.
+    pub fn step(
+        &mut self,
+        sampler: &mut Sampler,
+        logits: &Tensor,
+        constraint: Option<&mut Constraint>,
+    ) -> Result<(Vec<u32>, usize)> {
+        let (s, room, k) = (self.drafts.len(), self.room, self.given);
         let rows = logits.dim(0)?;
-        let m = rows.checked_sub(s + 1).ok_or_else(|| Error::Internal(format!("{rows} ISD rows for {s} drafts")))?;
-        // verifier rows: one per position F+1..F+s+1 inside the room
+        let m = rows
+            .checked_sub(k + s + 1)
+            .ok_or_else(|| Error::Internal(format!("{rows} ISD rows for {k} given tokens and {s} drafts")))?;
+        // the rows from the last given token's (or the pending one's) on: the verifier of F+k+1.., then the masks
+        let logits = logits.narrow(0, k, rows - k)?;
+        // verifier rows: one per position F+k+1..F+k+s+1 inside the room
         let v = (s + 1).min(room);
-        let drafts = std::mem::take(&mut self.drafts);
-        let (dists, probs) = (std::mem::take(&mut self.draft_dists), std::mem::take(&mut self.draft_probs));
-        let (mut tokens, accepted) = if sampler.params().temperature == 0.0 {
-            let best: Vec<u32> = sampler.predict(logits)?.iter().map(|p| p.token).collect();
-            let (mut tokens, k) = accept_greedy(&drafts, &best[..s]);
-            if k == s && v > s {
-                tokens.push(best[s]);
-                self.drafts = best[s + 1..s + 1 + m].to_vec();
+        let mut drafts = std::mem::take(&mut self.drafts);
+        let (mut dists, mut probs) = (std::mem::take(&mut self.draft_dists), std::mem::take(&mut self.draft_probs));
+        if let Some(c) = constraint.as_deref() {
+            // nothing after an end of text is verified: the drafts stop at the first one
+            if let Some(e) = drafts.iter().position(|&t| c.is_end(t)) {
+                drafts.truncate(e + 1);
+                dists.truncate(e + 1);
+                probs.truncate(e + 1);
             }
-            (tokens, k)
-        } else {
-            let host: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_vec2()?;
-            if host.iter().flatten().any(|x| x.is_nan()) {
+        }
+        let s_v = drafts.len();
+        let v = v.min(s_v + 1);
+        let greedy = sampler.params().temperature == 0.0;
+        let host: Option<Vec<Vec<f32>>> =
+            (!greedy || constraint.is_some()).then(|| logits.to_dtype(DType::F32)?.to_vec2()).transpose()?;
+        if let Some(h) = host.as_ref().filter(|_| !greedy) {
+            if h.iter().flatten().any(|x| x.is_nan()) {
                 return Err(Error::load("the model computed non-finite logits (NaN) in an ISD step"));
             }
-            let sp = sampler.params().clone();
-            let p: Vec<Vec<(u32, f64)>> = host[..v].iter().map(|r| sp.dist(r)).collect();
-            let (mut tokens, k) = accept_sampled(sampler, &drafts, &probs, |i| dists[i].clone(), |i| p[i].clone());
-            if k == s && v > s {
-                tokens.push(sampler.draw(&p[s]));
-                for row in &host[s + 1..s + 1 + m] {
-                    let q = sp.dist(row);
-                    let t = sampler.draw(&q);
-                    self.draft_probs.push(q.iter().find(|x| x.0 == t).map_or(0.0, |x| x.1));
-                    self.draft_dists.push(q);
-                    self.drafts.push(t);
+        }
+        let sp = sampler.params().clone();
+        let (mut tokens, accepted) = match (constraint, &host) {
+            (None, _) if greedy => {
+                let best: Vec<u32> = sampler.predict(&logits)?.iter().map(|p| p.token).collect();
+                let (mut tokens, a) = accept_greedy(&drafts, &best[..s_v]);
+                if a == s_v && v > s_v {
+                    tokens.push(best[s_v]);
+                    self.drafts = best[s_v + 1..s_v + 1 + m].to_vec();
                 }
+                (tokens, a)
             }
-            (tokens, k)
+            (None, Some(host)) => {
+                let p: Vec<Vec<(u32, f64)>> = host[..v].iter().map(|r| sp.dist(r)).collect();
+                let (mut tokens, a) = accept_sampled(sampler, &drafts, &probs, |i| dists[i].clone(), |i| p[i].clone());
+                if a == s_v && v > s_v {
+                    tokens.push(sampler.draw(&p[s_v]));
+                    self.draw_drafts(sampler, &host[s_v + 1..s_v + 1 + m], None)?;
+                }
+                (tokens, a)
+            }
+            (Some(c), Some(host)) => {
+                let masks = c.masks_along(&drafts)?;
+                let (mut tokens, mut a) = (Vec::with_capacity(v), 0);
+                if greedy {
+                    for i in 0..v {
+                        let best = sampler.predict_among(&host[i], &masks[i])?.token;
+                        tokens.push(best);
+                        let hit = i < s_v && drafts[i] == best;
+                        a += hit as usize;
+                        if !hit || c.is_end(best) {
+                            break;
+                        }
+                    }
+                } else {
+                    let p = |i: usize| sp.dist(&masked_row(&host[i], &masks[i]));
+                    (tokens, a) = accept_sampled(sampler, &drafts, &probs, |i| dists[i].clone(), p);
+                    if a == s_v && v > s_v && !drafts.last().is_some_and(|&t| c.is_end(t)) {
+                        tokens.push(sampler.draw(&p(s_v)));
+                    }
+                }
+                tokens.truncate(room);
+                c.commit(&tokens)?;
+                if tokens.len() == s_v + 1 && !c.ended() && !tokens.last().is_some_and(|&t| c.is_end(t)) {
+                    self.draw_drafts(sampler, &host[s_v + 1..s_v + 1 + m], Some(c))?;
+                }
+                (tokens, a)
+            }
+            _ => return Err(Error::Internal("sampled ISD without host rows".into())),
         };
         tokens.truncate(room);
         if s > 0 {
             self.stats.count(s, accepted);
         }
         Ok((tokens, accepted))
+    }
+
+    /// The next step's drafts from the mask `rows`: the sampler's prediction of each (greedy: the argmax; sampling:
+    /// a draw, its distribution kept for the acceptance), under a grammar among the tokens it allows after the
+    /// drafts before it (stopping at an end of text).
+    fn draw_drafts(&mut self, sampler: &mut Sampler, rows: &[Vec<f32>], c: Option<&mut Constraint>) -> Result<()> {
+        let sp = sampler.params().clone();
+        let greedy = sp.temperature == 0.0;
+        let Some(c) = c else {
+            for row in rows {
+                let q = sp.dist(row);
+                let t = sampler.draw(&q);
+                self.draft_probs.push(q.iter().find(|x| x.0 == t).map_or(0.0, |x| x.1));
+                self.draft_dists.push(q);
+                self.drafts.push(t);
+            }
+            return Ok(());
+        };
+        let mut walked = 0;
+        for row in rows {
+            let mask = c.mask()?;
+            let t = if greedy {
+                sampler.predict_among(row, &mask)?.token
+            } else {
+                let q = sp.dist(&masked_row(row, &mask));
+                let t = sampler.draw(&q);
+                self.draft_probs.push(q.iter().find(|x| x.0 == t).map_or(0.0, |x| x.1));
+                self.draft_dists.push(q);
+                t
+            };
+            self.drafts.push(t);
+            if !c.advance(t)? {
+                break;
+            }
+            walked += 1;
+        }
+        c.retreat(walked)
     }
 }
 
@@ -130,15 +239,15 @@ mod tests {
     fn greedy_steps_walk_cold_start_accept_and_reject() {
         let (mut isd, mut s) = (Strided::new(3), greedy());
         // cold start: [pending, M, M]: one token from the pending row, drafts from the two mask rows
-        assert_eq!(isd.layout(10, 7), vec![7, 7]);
-        assert_eq!(isd.step(&mut s, &rows(&[1, 2, 3])).unwrap(), (vec![1], 0));
+        assert_eq!(isd.layout(10, 7, &[]), vec![7, 7]);
+        assert_eq!(isd.step(&mut s, &rows(&[1, 2, 3]), None).unwrap(), (vec![1], 0));
         // [pending=1, 2, 3, M, M]: both drafts agree with p, the bonus 4, then drafts 5, 6
-        assert_eq!(isd.layout(9, 7), vec![2, 3, 7, 7]);
-        assert_eq!(isd.step(&mut s, &rows(&[2, 3, 4, 5, 6])).unwrap(), (vec![2, 3, 4], 2));
+        assert_eq!(isd.layout(9, 7, &[]), vec![2, 3, 7, 7]);
+        assert_eq!(isd.step(&mut s, &rows(&[2, 3, 4, 5, 6]), None).unwrap(), (vec![2, 3, 4], 2));
         // [pending=4, 5, 6, M, M]: the second draft is rejected: 5 then p's 0; the drafts are dropped
-        assert_eq!(isd.layout(6, 7), vec![5, 6, 7, 7]);
-        assert_eq!(isd.step(&mut s, &rows(&[5, 0, 1, 1, 1])).unwrap(), (vec![5, 0], 1));
-        assert_eq!(isd.layout(4, 7), vec![7, 7]);
+        assert_eq!(isd.layout(6, 7, &[]), vec![5, 6, 7, 7]);
+        assert_eq!(isd.step(&mut s, &rows(&[5, 0, 1, 1, 1]), None).unwrap(), (vec![5, 0], 1));
+        assert_eq!(isd.layout(4, 7, &[]), vec![7, 7]);
         assert_eq!(isd.stats, SpecStats { verifications: 2, drafts_proposed: 4, drafts_accepted: 3 });
     }
 
@@ -146,15 +255,15 @@ mod tests {
     fn the_room_bounds_drafts_masks_and_tokens() {
         let (mut isd, mut s) = (Strided::new(4), greedy());
         // two positions left: one mask (its row drafts the last one)
-        assert_eq!(isd.layout(2, 7), vec![7]);
-        assert_eq!(isd.step(&mut s, &rows(&[1, 2])).unwrap(), (vec![1], 0));
+        assert_eq!(isd.layout(2, 7, &[]), vec![7]);
+        assert_eq!(isd.step(&mut s, &rows(&[1, 2]), None).unwrap(), (vec![1], 0));
         // one position left: the draft, no bonus, no masks
-        assert_eq!(isd.layout(1, 7), vec![2]);
-        assert_eq!(isd.step(&mut s, &rows(&[2, 3])).unwrap(), (vec![2], 1));
+        assert_eq!(isd.layout(1, 7, &[]), vec![2]);
+        assert_eq!(isd.step(&mut s, &rows(&[2, 3]), None).unwrap(), (vec![2], 1));
         // stride 1 is AR decoding: no drafts, no masks
         let mut ar = Strided::new(1);
-        assert_eq!(ar.layout(5, 7), Vec::<u32>::new());
-        assert_eq!(ar.step(&mut s, &rows(&[6])).unwrap(), (vec![6], 0));
+        assert_eq!(ar.layout(5, 7, &[]), Vec::<u32>::new());
+        assert_eq!(ar.step(&mut s, &rows(&[6]), None).unwrap(), (vec![6], 0));
         assert_eq!(ar.stats.verifications, 0);
     }
 }

@@ -146,7 +146,11 @@ impl Generation {
             match &mut self.isd {
                 Some(isd) => {
                     let f = self.window.pending();
-                    let ids = isd.layout(self.dec.canvas_end() - f - 1, self.mask_id);
+                    // the tokens a grammar forced after the pending one, forwarded ahead of the drafts
+                    let end = self.dec.canvas_end();
+                    let given: Vec<u32> =
+                        (f + 1..end).take_while(|&p| self.dec.is_decoded(p)).map(|p| self.canvas[p]).collect();
+                    let ids = isd.layout(end - f - 1, self.mask_id, &given);
                     self.window.begin_strided(&self.canvas, &ids)?;
                 }
                 None => self.window.begin_step(&self.dec, positions)?,
@@ -175,13 +179,15 @@ impl Generation {
             };
             let rows = fused.as_ref().unwrap_or(&logits);
             let mut preds = self.sampler.predict(rows)?;
-            if self.verify_span(&positions, &preds, rows)? {
+            // under a grammar the chain from the frontier is predicted again, from the grammar's distribution
+            let chain = self.predict_chain(&positions, &mut preds, rows)?;
+            if self.verify_span(&positions, &preds, rows, chain)? {
                 return Ok(None);
             }
             // apply
             match self.constraint.is_some() {
                 false => self.dec.apply(&positions, &preds)?,
-                true => self.apply_constrained(&positions, &mut preds, rows)?,
+                true => self.apply_constrained(&positions, &preds)?,
             }
             self.switch_phase()?;
         }
@@ -193,36 +199,48 @@ impl Generation {
         self.out.emit(&self.model, &self.dec, is_final, true, usage).map(Some)
     }
 
-    /// A step under the grammar ([`decode::grammar::constraint`](crate::decode::grammar::constraint)): the chain
-    /// (the predicted positions contiguous from the frontier, at most [`CHAIN`]) predicted again, each from the
-    /// grammar's distribution given the predictions before it; the accepted run from the frontier as far as the
-    /// grammar takes it (the frontier forced when the rule took nothing there), committed; then the tokens the
-    /// grammar forces next.
-    fn apply_constrained(&mut self, positions: &[usize], preds: &mut [Prediction], rows: &Tensor) -> Result<()> {
+    /// Under the grammar ([`decode::grammar::constraint`](crate::decode::grammar::constraint)): the chain (the
+    /// predicted positions contiguous from the frontier, at most [`CHAIN`]) predicted again, each from the grammar's
+    /// distribution given the predictions before it (stopping after an end of text). Returns the chain's length when
+    /// it starts at the step's first position (S2D2 verifies no further), `Some(0)` when it does not, None without a
+    /// grammar.
+    fn predict_chain(&mut self, positions: &[usize], preds: &mut [Prediction], rows: &Tensor) -> Result<Option<usize>> {
+        let Some(c) = self.constraint.as_mut() else { return Ok(None) };
+        let front = self.dec.prompt_len + c.frontier();
+        let Some(i0) = positions.iter().position(|&p| p == front) else { return Ok(Some(0)) };
+        let (mut walked, mut len) = (0, 0);
+        for (k, i) in (i0..positions.len()).enumerate() {
+            if k == CHAIN || positions[i] != front + k {
+                break;
+            }
+            let mask = c.mask()?;
+            let row = rows.get(i)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            preds[i] = self.sampler.predict_among(&row, &mask)?;
+            len += 1;
+            if !c.advance(preds[i].token)? {
+                break;
+            }
+            walked += 1;
+        }
+        c.retreat(walked)?;
+        Ok(Some(if i0 == 0 { len } else { 0 }))
+    }
+
+    /// A step under the grammar, its chain predicted ([`Generation::predict_chain`]): the accepted run from the
+    /// frontier as far as the grammar takes it (the frontier forced when the rule took nothing there), committed;
+    /// then the tokens the grammar forces next.
+    fn apply_constrained(&mut self, positions: &[usize], preds: &[Prediction]) -> Result<()> {
         let c =
             self.constraint.as_mut().ok_or_else(|| Error::Internal("a constrained step without a grammar".into()))?;
         let front = self.dec.prompt_len + c.frontier();
-        let at = positions.iter().position(|&p| p == front);
-        if let Some(i0) = at {
-            let mut walked = 0;
-            for (k, i) in (i0..positions.len()).enumerate() {
-                if k == CHAIN || positions[i] != front + k {
-                    break;
-                }
-                let mask = c.mask()?;
-                let row = rows.get(i)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-                let v = row.len();
-                let masked = Tensor::from_vec(masked_row(&row, &mask), (1, v), &candle_core::Device::Cpu)?;
-                preds[i] = self.sampler.predict(&masked)?[0];
-                if !c.advance(preds[i].token)? {
-                    break;
-                }
-                walked += 1;
-            }
-            c.retreat(walked)?;
-        }
-        let at_frontier = at.map(|i| preds[i].token);
+        let at_frontier = positions.iter().position(|&p| p == front).map(|i| preds[i].token);
         self.dec.apply_with(positions, preds, |decided| c.keep(front, decided, at_frontier))?;
+        self.commit_written()
+    }
+
+    /// Commit the tokens the decoder wrote this step to the grammar, then write the tokens it forces next.
+    fn commit_written(&mut self) -> Result<()> {
+        let Some(c) = self.constraint.as_mut() else { return Ok(()) };
         let written: Vec<u32> =
             self.dec.last_decoded.iter().map(|&p| self.dec.tokens[p - self.dec.prompt_len]).collect();
         c.commit(&written)?;
@@ -269,15 +287,18 @@ impl Generation {
     /// token, keep their K/V and the next drafts ([`Strided::step`]), then emit.
     fn strided(&mut self, positions: &[usize], logits: &Tensor) -> Result<StepOutput> {
         let isd = self.isd.as_mut().ok_or_else(|| Error::Internal("an ISD step without ISD".into()))?;
-        let f = positions[0];
-        let (tokens, accepted) = isd.step(&mut self.sampler, logits)?;
-        self.window.commit_strided(1 + accepted)?;
-        let decided: Vec<(usize, u32)> = tokens.iter().enumerate().map(|(i, &t)| (f + 1 + i, t)).collect();
+        // after the pending token at f: the given tokens (a grammar's, written already), then the step's
+        let (f, k) = (positions[0], isd.given());
+        let (tokens, accepted) = isd.step(&mut self.sampler, logits, self.constraint.as_mut())?;
+        self.window.commit_strided(1 + k + accepted)?;
+        let decided: Vec<(usize, u32)> = tokens.iter().enumerate().map(|(i, &t)| (f + 1 + k + i, t)).collect();
         self.dec.write(&decided, 1)?;
         // the row of position f + i predicts f + i + 1: the verifier's log-probabilities
         let n = decided.len();
-        let written: Vec<usize> = (f + 1..=f + n).collect();
-        self.out.record_logprobs(&self.dec, &written, &logits.narrow(0, 0, n)?)?;
+        let written: Vec<usize> = (f + 1 + k..=f + k + n).collect();
+        self.out.record_logprobs(&self.dec, &written, &logits.narrow(0, k, n)?)?;
+        // the grammar took the step's tokens (ISD's verification commits them): what it forces next is written
+        self.write_forced()?;
         let is_final = self.dec.stopped == Some(StopCause::ForwardCap) || self.dec.masks_left() == 0;
         let usage = self.counters();
         self.out.emit(&self.model, &self.dec, is_final, true, usage)
@@ -285,12 +306,22 @@ impl Generation {
 
     /// S2D2: whether to verify this draft's span (the routing policy, within the forward cap); if so, queue
     /// the verification and hold the draft.
-    fn verify_span(&mut self, positions: &[usize], preds: &[Prediction], logits: &Tensor) -> Result<bool> {
+    /// Under a grammar (`chain`: the length of the chain its distribution predicted) the span is at most the chain.
+    fn verify_span(
+        &mut self,
+        positions: &[usize],
+        preds: &[Prediction],
+        logits: &Tensor,
+        chain: Option<usize>,
+    ) -> Result<bool> {
         let Some(router) = self.spec.as_mut() else { return Ok(false) };
         if self.dec.ar_step() || self.dec.forward_passes + 2 > self.dec.params.max_forward_passes {
             return Ok(false);
         }
-        let span = self.dec.span_len(positions);
+        let span = self.dec.span_len(positions).min(chain.unwrap_or(usize::MAX));
+        if span == 0 {
+            return Ok(false);
+        }
         let confident = self.dec.confident_in_first_block(positions, preds);
         if !router.decide(&preds[..span], confident, logits.dim(1)?) {
             return Ok(false);
@@ -307,9 +338,26 @@ impl Generation {
     fn verified(&mut self, d: Drafted, q: &Tensor) -> Result<()> {
         let router = self.spec.as_mut().ok_or_else(|| Error::Internal("verification without S2D2".into()))?;
         let drafts: Vec<u32> = d.preds.iter().map(|p| p.token).collect();
+        // under a grammar the drafts are its chain (each drawn among the tokens it allows after those before it):
+        // both distributions are read under the same masks
+        let masks = self.constraint.as_mut().map(|c| c.masks_along(&drafts)).transpose()?;
+        let restrict = |row: Vec<f32>, i: usize| match &masks {
+            Some(m) => masked_row(&row, &m[i]),
+            None => row,
+        };
         let (tokens, accepted) = match &d.rows {
             None => {
-                let q_argmax: Vec<u32> = self.sampler.predict(q)?.iter().map(|p| p.token).collect();
+                let q_argmax: Vec<u32> = match &masks {
+                    None => self.sampler.predict(q)?.iter().map(|p| p.token).collect(),
+                    Some(m) => {
+                        let q_rows: Vec<Vec<f32>> = q.to_dtype(DType::F32)?.to_vec2()?;
+                        let mut best = Vec::with_capacity(m.len());
+                        for (row, mask) in q_rows.iter().zip(m) {
+                            best.push(self.sampler.predict_among(row, mask)?.token);
+                        }
+                        best
+                    }
+                };
                 accept_greedy(&drafts, &q_argmax)
             }
             Some(p_rows) => {
@@ -320,14 +368,17 @@ impl Generation {
                 }
                 let sp = self.sampler.params().clone();
                 let probs: Vec<f64> = d.preds.iter().map(|p| p.prob).collect();
-                accept_sampled(&mut self.sampler, &drafts, &probs, |i| sp.dist(&p_rows[i]), |i| sp.dist(&q_rows[i]))
+                let p_dist = |i: usize| sp.dist(&restrict(p_rows[i].clone(), i));
+                let q_dist = |i: usize| sp.dist(&restrict(q_rows[i].clone(), i));
+                accept_sampled(&mut self.sampler, &drafts, &probs, p_dist, q_dist)
             }
         };
         router.stats.count(drafts.len(), accepted);
         let s = d.start;
         self.window.commit_verified(s + accepted)?;
         let decided: Vec<(usize, u32)> = tokens.into_iter().enumerate().map(|(i, t)| (s + i, t)).collect();
-        self.dec.write(&decided, 2)
+        self.dec.write(&decided, 2)?;
+        self.commit_written()
     }
 
     /// Whether the generation has emitted its final output.

@@ -112,13 +112,6 @@ pub fn plan(model: &Model, prompt: &[u32], req: &GenRequest) -> Result<Plan> {
     let constraint = match grammar_spec(req)? {
         None => None,
         Some((field, g)) => {
-            if let Some(s) = req.speculative.filter(|s| *s != Speculative::Off) {
-                return Err(Error::invalid(format!(
-                    "{field} does not combine with speculative='{}' in this version (constrained decoding runs \
-                     the block decoders: multi-block, semi-AR, AR)",
-                    s.name()
-                )));
-            }
             if tccf.is_some() {
                 return Err(Error::invalid(format!(
                     "{field} does not combine with tccf (its check text is written into the output)"

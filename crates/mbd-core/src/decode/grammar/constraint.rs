@@ -174,6 +174,30 @@ impl Constraint {
         Ok(true)
     }
 
+    /// Whether `t` is one of the request's end-of-text ids (the grammar's end).
+    pub fn is_end(&self, t: u32) -> bool {
+        self.eos_ids.contains(&t)
+    }
+
+    /// The grammar's mask at each position of `tokens` placed at the frontier, as far as it takes them: mask i is
+    /// the tokens allowed after `tokens[..i]`, for i up to the first token it refuses or the first end of text (both
+    /// included), else up to `tokens.len()` (the position after them). The grammar stays at the frontier.
+    pub fn masks_along(&mut self, tokens: &[u32]) -> Result<Vec<SimpleVob>> {
+        let mut masks = Vec::with_capacity(tokens.len() + 1);
+        let mut walked = 0;
+        for i in 0..=tokens.len() {
+            let m = self.mask()?;
+            let taken = i < tokens.len() && m.get(tokens[i] as usize);
+            masks.push(m);
+            if !taken || !self.advance(tokens[i])? {
+                break;
+            }
+            walked += 1;
+        }
+        self.retreat(walked)?;
+        Ok(masks)
+    }
+
     /// Undo the last `n` [`Constraint::advance`]s: the grammar back at the frontier.
     pub fn retreat(&mut self, n: usize) -> Result<()> {
         self.matcher.rollback(n).map_err(|_| self.failed("stepping back"))
