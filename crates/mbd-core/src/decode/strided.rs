@@ -85,7 +85,7 @@ impl Strided {
     /// K/V to keep: the pending token's, the given ones' and theirs), and keeps the next step's drafts.
     ///
     /// Under a grammar (`constraint`, at the frontier after the given tokens) every row is read among the tokens the
-    /// grammar allows after the tokens before it: a draft is accepted while it equals the verifier's masked argmax
+    /// grammar allows after the tokens before it (where it forces a token, as a point mass on that token): a draft is accepted while it equals the verifier's masked argmax
     /// (greedy) or by speculative sampling against the verifier's masked distribution (a draft the grammar refuses
     /// has probability 0 there, so it is rejected and the residual drawn), the correction and the bonus come from
     /// the masked rows, and the next drafts from the mask rows masked along the tokens before them. So constrained
@@ -146,11 +146,15 @@ impl Strided {
                 (tokens, a)
             }
             (Some(c), Some(host)) => {
-                let masks = c.masks_along(&drafts)?;
+                // at a position the grammar forces, its token (constrained AR writes it without a forward)
+                let along = c.along(&drafts)?;
                 let (mut tokens, mut a) = (Vec::with_capacity(v), 0);
                 if greedy {
                     for i in 0..v {
-                        let best = sampler.predict_among(&host[i], &masks[i])?.token;
+                        let best = match along[i] {
+                            (_, Some(f)) => f,
+                            (ref mask, None) => sampler.predict_among(&host[i], mask)?.token,
+                        };
                         tokens.push(best);
                         let hit = i < s_v && drafts[i] == best;
                         a += hit as usize;
@@ -159,7 +163,10 @@ impl Strided {
                         }
                     }
                 } else {
-                    let p = |i: usize| sp.dist(&masked_row(&host[i], &masks[i]));
+                    let p = |i: usize| match &along[i] {
+                        (_, Some(f)) => vec![(*f, 1.0)],
+                        (mask, None) => sp.dist(&masked_row(&host[i], mask)),
+                    };
                     (tokens, a) = accept_sampled(sampler, &drafts, &probs, |i| dists[i].clone(), p);
                     if a == s_v && v > s_v && !drafts.last().is_some_and(|&t| c.is_end(t)) {
                         tokens.push(sampler.draw(&p(s_v)));
@@ -199,11 +206,18 @@ impl Strided {
         };
         let mut walked = 0;
         for row in rows {
-            let mask = c.mask()?;
+            let (mask, forced) = (c.mask()?, c.forced().first().copied());
+            c.check()?;
             let t = if greedy {
-                sampler.predict_among(row, &mask)?.token
+                match forced {
+                    Some(f) => f,
+                    None => sampler.predict_among(row, &mask)?.token,
+                }
             } else {
-                let q = sp.dist(&masked_row(row, &mask));
+                let q = match forced {
+                    Some(f) => vec![(f, 1.0)],
+                    None => sp.dist(&masked_row(row, &mask)),
+                };
                 let t = sampler.draw(&q);
                 self.draft_probs.push(q.iter().find(|x| x.0 == t).map_or(0.0, |x| x.1));
                 self.draft_dists.push(q);

@@ -213,9 +213,16 @@ impl Generation {
             if k == CHAIN || positions[i] != front + k {
                 break;
             }
-            let mask = c.mask()?;
-            let row = rows.get(i)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-            preds[i] = self.sampler.predict_among(&row, &mask)?;
+            // a position the grammar forces is certain: its token (constrained AR writes it without a forward)
+            let (mask, forced) = (c.mask()?, c.forced().first().copied());
+            c.check()?;
+            preds[i] = match forced {
+                Some(token) => Prediction { token, entropy: 0.0, max_prob: 1.0, prob: 1.0 },
+                None => {
+                    let row = rows.get(i)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                    self.sampler.predict_among(&row, &mask)?
+                }
+            };
             len += 1;
             if !c.advance(preds[i].token)? {
                 break;
@@ -340,20 +347,23 @@ impl Generation {
         let drafts: Vec<u32> = d.preds.iter().map(|p| p.token).collect();
         // under a grammar the drafts are its chain (each drawn among the tokens it allows after those before it):
         // both distributions are read under the same masks
-        let masks = self.constraint.as_mut().map(|c| c.masks_along(&drafts)).transpose()?;
-        let restrict = |row: Vec<f32>, i: usize| match &masks {
-            Some(m) => masked_row(&row, &m[i]),
-            None => row,
-        };
+        // (a position it forces is a point mass on its token in both)
+        let along = self.constraint.as_mut().map(|c| c.along(&drafts)).transpose()?;
+        if along.as_ref().is_some_and(|a| a.len() < drafts.len()) {
+            return Err(Error::Internal("S2D2 drafts outside the grammar's chain".into()));
+        }
         let (tokens, accepted) = match &d.rows {
             None => {
-                let q_argmax: Vec<u32> = match &masks {
+                let q_argmax: Vec<u32> = match &along {
                     None => self.sampler.predict(q)?.iter().map(|p| p.token).collect(),
-                    Some(m) => {
+                    Some(a) => {
                         let q_rows: Vec<Vec<f32>> = q.to_dtype(DType::F32)?.to_vec2()?;
-                        let mut best = Vec::with_capacity(m.len());
-                        for (row, mask) in q_rows.iter().zip(m) {
-                            best.push(self.sampler.predict_among(row, mask)?.token);
+                        let mut best = Vec::with_capacity(q_rows.len());
+                        for (row, (mask, forced)) in q_rows.iter().zip(a) {
+                            best.push(match forced {
+                                Some(f) => *f,
+                                None => self.sampler.predict_among(row, mask)?.token,
+                            });
                         }
                         best
                     }
@@ -368,8 +378,12 @@ impl Generation {
                 }
                 let sp = self.sampler.params().clone();
                 let probs: Vec<f64> = d.preds.iter().map(|p| p.prob).collect();
-                let p_dist = |i: usize| sp.dist(&restrict(p_rows[i].clone(), i));
-                let q_dist = |i: usize| sp.dist(&restrict(q_rows[i].clone(), i));
+                let dist = |row: &[f32], i: usize| match along.as_ref().map(|a| &a[i]) {
+                    Some((_, Some(f))) => vec![(*f, 1.0)],
+                    Some((mask, None)) => sp.dist(&masked_row(row, mask)),
+                    None => sp.dist(row),
+                };
+                let (p_dist, q_dist) = (|i: usize| dist(&p_rows[i], i), |i: usize| dist(&q_rows[i], i));
                 accept_sampled(&mut self.sampler, &drafts, &probs, p_dist, q_dist)
             }
         };

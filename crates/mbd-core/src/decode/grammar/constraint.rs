@@ -179,23 +179,25 @@ impl Constraint {
         self.eos_ids.contains(&t)
     }
 
-    /// The grammar's mask at each position of `tokens` placed at the frontier, as far as it takes them: mask i is
-    /// the tokens allowed after `tokens[..i]`, for i up to the first token it refuses or the first end of text (both
-    /// included), else up to `tokens.len()` (the position after them). The grammar stays at the frontier.
-    pub fn masks_along(&mut self, tokens: &[u32]) -> Result<Vec<SimpleVob>> {
-        let mut masks = Vec::with_capacity(tokens.len() + 1);
+    /// The grammar at each position of `tokens` placed at the frontier, as far as it takes them: at position i, the
+    /// tokens it allows after `tokens[..i]` and the token it forces there (the first of its forced tokens, which
+    /// constrained AR writes without a forward), for i up to the first token it refuses or the first end of text
+    /// (both included), else up to `tokens.len()` (the position after them). The grammar stays at the frontier.
+    pub fn along(&mut self, tokens: &[u32]) -> Result<Vec<(SimpleVob, Option<u32>)>> {
+        let mut out = Vec::with_capacity(tokens.len() + 1);
         let mut walked = 0;
         for i in 0..=tokens.len() {
-            let m = self.mask()?;
-            let taken = i < tokens.len() && m.get(tokens[i] as usize);
-            masks.push(m);
+            let (m, f) = (self.mask()?, self.forced().first().copied());
+            self.check()?;
+            let taken = i < tokens.len() && m.get(tokens[i] as usize) && f.is_none_or(|f| f == tokens[i]);
+            out.push((m, f));
             if !taken || !self.advance(tokens[i])? {
                 break;
             }
             walked += 1;
         }
         self.retreat(walked)?;
-        Ok(masks)
+        Ok(out)
     }
 
     /// Undo the last `n` [`Constraint::advance`]s: the grammar back at the frontier.
