@@ -8,10 +8,13 @@
     shows in milliseconds) and a Qwen2.5-0.5B-shaped one (bf16, scripts/make_checkpoint.py: the grammar's share of
     a real forward). The grammar's setup (the token environment, once per model: the first constrained request's
     time less the second's), and ms per forward free and constrained, interleaved at the same number of forwards.
+(c) The speculative decoders under the schema: S2D2 on mbd-tiny, ISD (greedy, sampled) and AR on the I-DLM twin
+    loaded as I-DLM (causal, shifted logits): tokens per forward and drafts accepted, free and constrained.
 
     python benches/decoding/structured.py [--model /tmp/mbd-bench/qwen2.5-0.5b-shape-bf16]
         [--sdist ~/.cache/mbd-rs/llama_cpp_python-0.3.36.tar.gz] [--rounds 3] [--skip-big]
-Writes structured.json in benches/results/decoding/.
+Writes structured.json in benches/results/decoding/ (with --skip-big, the big-model results of the file's last
+full run are kept, under their own commit).
 """
 import argparse
 import importlib.util
@@ -75,6 +78,47 @@ def tiny(rounds):
               f"{row['free']['ms_per_token']:.2f} ms/tok | schema {row['schema']['tokens_per_forward']:.2f} tok/fwd "
               f"({row['schema']['forced']}/{row['schema']['tokens']} forced) {row['schema']['ms_per_token']:.2f} ms/tok",
               flush=True)
+    return rows
+
+
+SPECULATIVE = [
+    ("mbd-tiny", {}, "s2d2 (default routing)", dict(speculative="s2d2")),
+    ("mbd-tiny", {}, "s2d2 (every span verified)", dict(speculative="s2d2", verify_policy="always")),
+    ("mbd-idlm-tiny", dict(attention="causal", logits_shift=True), "ar", dict(block_size=1)),
+    ("mbd-idlm-tiny", dict(attention="causal", logits_shift=True), "isd", dict(speculative="isd")),
+    ("mbd-idlm-tiny", dict(attention="causal", logits_shift=True), "isd sampled",
+     dict(speculative="isd", temperature=1.0, seed=0)),
+]
+
+
+def speculative():
+    """S2D2 and ISD, free and under the schema: tokens, forwards, forced tokens, drafts proposed and accepted."""
+    rows, engines = [], {}
+    for model, load, name, kw in SPECULATIVE:
+        key = (model, tuple(sorted(load.items())))
+        if key not in engines:
+            engines[key] = mbd_rs.Engine.load(None if model == "mbd-tiny" else os.path.join(ROOT, "models", model),
+                                              **load)
+        eng = engines[key]
+        row = {"model": model, "mode": name}
+        for how in ("free", "schema"):
+            extra = dict(response_format=FORMAT) if how == "schema" else {}
+            t = dict(tokens=0, forwards=0, forced=0, drafts_proposed=0, drafts_accepted=0)
+            for p in PROMPTS:
+                c = eng.chat([{"role": "user", "content": p}], max_tokens=48, **kw, **extra)
+                u = c.usage
+                t["tokens"] += len(c.token_ids)
+                t["forwards"] += u.forward_passes
+                t["forced"] += u.forced_tokens
+                t["drafts_proposed"] += u.drafts_proposed
+                t["drafts_accepted"] += u.drafts_accepted
+            t["tokens_per_forward"] = t["tokens"] / t["forwards"]
+            row[how] = t
+        rows.append(row)
+        f, g = row["free"], row["schema"]
+        print(f"{model} {name:28s} free {f['tokens_per_forward']:.2f} tok/fwd ({f['drafts_accepted']}/"
+              f"{f['drafts_proposed']} drafts) | schema {g['tokens_per_forward']:.2f} tok/fwd ({g['forced']}/"
+              f"{g['tokens']} forced, {g['drafts_accepted']}/{g['drafts_proposed']} drafts)", flush=True)
     return rows
 
 
@@ -161,12 +205,19 @@ def main():
                                     cwd=ROOT).stdout.strip(), "schema": SCHEMA}
     out["tiny"] = tiny(args.rounds)
     out["tiny_fit"] = tiny_fit()
+    out["speculative"] = speculative()
+    dst = os.path.join(ROOT, "benches", "results", "decoding", "structured.json")
+    if args.skip_big and os.path.exists(dst):
+        with open(dst) as f:
+            last = json.load(f)
+        for k in ("qwen2_vocab_hidden64", "qwen2_vocab_0.5b"):
+            if k in last:
+                out[k] = dict(last[k], measured_at=last[k].get("measured_at", last.get("commit")))
     if not args.skip_big:
         with tempfile.TemporaryDirectory() as work:
             small, half_b = big_model(args.model, args.sdist, work)
             out["qwen2_vocab_hidden64"] = big("hidden64", small, args.rounds * 3, args.steps)
             out["qwen2_vocab_0.5b"] = big("0.5B", half_b, args.rounds, args.steps)
-    dst = os.path.join(ROOT, "benches", "results", "decoding", "structured.json")
     with open(dst, "w") as f:
         json.dump(out, f, indent=1)
     print("wrote", dst)
