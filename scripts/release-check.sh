@@ -171,7 +171,8 @@ if [ "${MBD_CHECK_SDIST:-1}" != 0 ]; then
   venv=$WORK/venv-sdist
   fresh_venv "$venv"
   start=$(date +%s)
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check "$sdist"
+  # --no-cache-dir: pip would reuse the wheel it built from an earlier sdist of the same name and path
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir "$sdist"
   echo "  pip install $(basename "$sdist"): $(( $(date +%s) - start )) s"
   check_installed "$venv" sdist "$cargo_version" || status=1
 fi
