@@ -131,6 +131,13 @@ pub struct Prediction {
     pub prob: f64,
 }
 
+impl Prediction {
+    /// A token that is certain (a grammar forces it): probability 1, entropy 0.
+    pub fn certain(token: u32) -> Prediction {
+        Prediction { token, entropy: 0.0, max_prob: 1.0, prob: 1.0 }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StopCause {
     /// no masks left

@@ -3,12 +3,11 @@
 //! seeded sample from softmax(logits / T) restricted by top-k / top-p.
 
 use crate::decode::decoder::Prediction;
-use crate::decode::grammar::constraint::masked_row;
+use crate::decode::grammar::constraint::{masked_row, Here};
 use crate::error::{Error, Result};
 use crate::kernels::stats;
 use crate::util::by_score_then_index;
 use candle_core::{DType, Device, Tensor};
-use llguidance::toktrie::SimpleVob;
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 
@@ -110,6 +109,15 @@ impl SamplingParams {
         }
         idx.into_iter().map(|i| i as u32).zip(probs).collect()
     }
+
+    /// [`SamplingParams::dist`] where a grammar stands (`here`): a point mass on the token it forces, else the
+    /// distribution of the row restricted to the tokens it allows.
+    pub fn dist_among(&self, row: &[f32], here: &Here) -> Vec<(u32, f64)> {
+        match here {
+            (_, Some(f)) => vec![(*f, 1.0)],
+            (mask, None) => self.dist(&masked_row(row, mask)),
+        }
+    }
 }
 
 pub struct Sampler {
@@ -145,11 +153,17 @@ impl Sampler {
         Ok(preds)
     }
 
-    /// The prediction of a logits row (host f32) among the tokens `mask` allows (a grammar's): greedy, the masked
-    /// argmax; sampling, a draw from the masked distribution; with the masked distribution's statistics.
-    pub fn predict_among(&mut self, row: &[f32], mask: &SimpleVob) -> Result<Prediction> {
-        let masked = Tensor::from_vec(masked_row(row, mask), (1, row.len()), &Device::Cpu)?;
-        Ok(self.predict(&masked)?[0])
+    /// The prediction of a logits row (host f32) where a grammar stands (`here`): the token it forces, certain; else
+    /// among the tokens it allows, greedy the masked argmax, sampling a draw from the masked distribution, with the
+    /// masked distribution's statistics.
+    pub fn predict_among(&mut self, row: &[f32], here: &Here) -> Result<Prediction> {
+        match here {
+            (_, Some(f)) => Ok(Prediction::certain(*f)),
+            (mask, None) => {
+                let masked = Tensor::from_vec(masked_row(row, mask), (1, row.len()), &Device::Cpu)?;
+                Ok(self.predict(&masked)?[0])
+            }
+        }
     }
 
     /// On the CPU the rows are read in place (two passes per row for the statistics; a sampled token from the same

@@ -14,7 +14,7 @@
 //! start `[pending, M x m]` (s = 0), which writes one token and drafts N - 1. A step writes 1..N tokens; the K/V
 //! of `pending` and of the accepted drafts are final (causal, over final tokens) and are kept.
 
-use crate::decode::grammar::constraint::{masked_row, Constraint};
+use crate::decode::grammar::constraint::Constraint;
 use crate::decode::sampling::Sampler;
 use crate::decode::speculative::{accept_greedy, accept_sampled, SpecStats};
 use crate::error::{Error, Result};
@@ -85,8 +85,8 @@ impl Strided {
     /// K/V to keep: the pending token's, the given ones' and theirs), and keeps the next step's drafts.
     ///
     /// Under a grammar (`constraint`, at the frontier after the given tokens) every row is read among the tokens the
-    /// grammar allows after the tokens before it (where it forces a token, as a point mass on that token): a draft is accepted while it equals the verifier's masked argmax
-    /// (greedy) or by speculative sampling against the verifier's masked distribution (a draft the grammar refuses
+    /// grammar allows after the tokens before it (where it forces a token, as a point mass on that token): a draft is
+    /// accepted while it equals the verifier's masked argmax (greedy) or by speculative sampling against the verifier's masked distribution (a draft the grammar refuses
     /// has probability 0 there, so it is rejected and the residual drawn), the correction and the bonus come from
     /// the masked rows, and the next drafts from the mask rows masked along the tokens before them. So constrained
     /// greedy ISD writes what constrained greedy AR writes. The written tokens are committed to the grammar.
@@ -103,8 +103,6 @@ impl Strided {
             .ok_or_else(|| Error::Internal(format!("{rows} ISD rows for {k} given tokens and {s} drafts")))?;
         // the rows from the last given token's (or the pending one's) on: the verifier of F+k+1.., then the masks
         let logits = logits.narrow(0, k, rows - k)?;
-        // verifier rows: one per position F+k+1..F+k+s+1 inside the room
-        let v = (s + 1).min(room);
         let mut drafts = std::mem::take(&mut self.drafts);
         let (mut dists, mut probs) = (std::mem::take(&mut self.draft_dists), std::mem::take(&mut self.draft_probs));
         if let Some(c) = constraint.as_deref() {
@@ -115,8 +113,9 @@ impl Strided {
                 probs.truncate(e + 1);
             }
         }
+        // verifier rows: one per position F+k+1..F+k+s_v+1 inside the room
         let s_v = drafts.len();
-        let v = v.min(s_v + 1);
+        let v = (s_v + 1).min(room);
         let greedy = sampler.params().temperature == 0.0;
         let host: Option<Vec<Vec<f32>>> =
             (!greedy || constraint.is_some()).then(|| logits.to_dtype(DType::F32)?.to_vec2()).transpose()?;
@@ -151,10 +150,7 @@ impl Strided {
                 let (mut tokens, mut a) = (Vec::with_capacity(v), 0);
                 if greedy {
                     for i in 0..v {
-                        let best = match along[i] {
-                            (_, Some(f)) => f,
-                            (ref mask, None) => sampler.predict_among(&host[i], mask)?.token,
-                        };
+                        let best = sampler.predict_among(&host[i], &along[i])?.token;
                         tokens.push(best);
                         let hit = i < s_v && drafts[i] == best;
                         a += hit as usize;
@@ -163,10 +159,7 @@ impl Strided {
                         }
                     }
                 } else {
-                    let p = |i: usize| match &along[i] {
-                        (_, Some(f)) => vec![(*f, 1.0)],
-                        (mask, None) => sp.dist(&masked_row(&host[i], mask)),
-                    };
+                    let p = |i: usize| sp.dist_among(&host[i], &along[i]);
                     (tokens, a) = accept_sampled(sampler, &drafts, &probs, |i| dists[i].clone(), p);
                     if a == s_v && v > s_v && !drafts.last().is_some_and(|&t| c.is_end(t)) {
                         tokens.push(sampler.draw(&p(s_v)));
@@ -196,40 +189,36 @@ impl Strided {
         let greedy = sp.temperature == 0.0;
         let Some(c) = c else {
             for row in rows {
-                let q = sp.dist(row);
-                let t = sampler.draw(&q);
-                self.draft_probs.push(q.iter().find(|x| x.0 == t).map_or(0.0, |x| x.1));
-                self.draft_dists.push(q);
-                self.drafts.push(t);
+                self.draw_draft(sampler, sp.dist(row));
             }
             return Ok(());
         };
         let mut walked = 0;
         for row in rows {
-            let (mask, forced) = (c.mask()?, c.forced().first().copied());
-            c.check()?;
-            let t = if greedy {
-                match forced {
-                    Some(f) => f,
-                    None => sampler.predict_among(row, &mask)?.token,
+            let here = c.here()?;
+            let t = match greedy {
+                true => {
+                    let t = sampler.predict_among(row, &here)?.token;
+                    self.drafts.push(t);
+                    t
                 }
-            } else {
-                let q = match forced {
-                    Some(f) => vec![(f, 1.0)],
-                    None => sp.dist(&masked_row(row, &mask)),
-                };
-                let t = sampler.draw(&q);
-                self.draft_probs.push(q.iter().find(|x| x.0 == t).map_or(0.0, |x| x.1));
-                self.draft_dists.push(q);
-                t
+                false => self.draw_draft(sampler, sp.dist_among(row, &here)),
             };
-            self.drafts.push(t);
             if !c.advance(t)? {
                 break;
             }
             walked += 1;
         }
         c.retreat(walked)
+    }
+
+    /// Draw a draft from `q` and keep it with its distribution and probability (for the next acceptance).
+    fn draw_draft(&mut self, sampler: &mut Sampler, q: Vec<(u32, f64)>) -> u32 {
+        let t = sampler.draw(&q);
+        self.draft_probs.push(q.iter().find(|x| x.0 == t).map_or(0.0, |x| x.1));
+        self.draft_dists.push(q);
+        self.drafts.push(t);
+        t
     }
 }
 

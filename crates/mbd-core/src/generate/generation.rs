@@ -6,7 +6,7 @@
 
 use crate::decode::credit::Credit;
 use crate::decode::decoder::{Decoder, Prediction, StopCause};
-use crate::decode::grammar::constraint::{masked_row, Constraint, CHAIN};
+use crate::decode::grammar::constraint::{Constraint, CHAIN};
 use crate::decode::sampling::Sampler;
 use crate::decode::speculative::{accept_greedy, accept_sampled, Router};
 use crate::decode::strided::Strided;
@@ -214,13 +214,12 @@ impl Generation {
                 break;
             }
             // a position the grammar forces is certain: its token (constrained AR writes it without a forward)
-            let (mask, forced) = (c.mask()?, c.forced().first().copied());
-            c.check()?;
-            preds[i] = match forced {
-                Some(token) => Prediction { token, entropy: 0.0, max_prob: 1.0, prob: 1.0 },
+            let here = c.here()?;
+            preds[i] = match here.1 {
+                Some(token) => Prediction::certain(token),
                 None => {
                     let row = rows.get(i)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-                    self.sampler.predict_among(&row, &mask)?
+                    self.sampler.predict_among(&row, &here)?
                 }
             };
             len += 1;
@@ -359,11 +358,8 @@ impl Generation {
                     Some(a) => {
                         let q_rows: Vec<Vec<f32>> = q.to_dtype(DType::F32)?.to_vec2()?;
                         let mut best = Vec::with_capacity(q_rows.len());
-                        for (row, (mask, forced)) in q_rows.iter().zip(a) {
-                            best.push(match forced {
-                                Some(f) => *f,
-                                None => self.sampler.predict_among(row, mask)?.token,
-                            });
+                        for (row, here) in q_rows.iter().zip(a) {
+                            best.push(self.sampler.predict_among(row, here)?.token);
                         }
                         best
                     }
@@ -378,9 +374,8 @@ impl Generation {
                 }
                 let sp = self.sampler.params().clone();
                 let probs: Vec<f64> = d.preds.iter().map(|p| p.prob).collect();
-                let dist = |row: &[f32], i: usize| match along.as_ref().map(|a| &a[i]) {
-                    Some((_, Some(f))) => vec![(*f, 1.0)],
-                    Some((mask, None)) => sp.dist(&masked_row(row, mask)),
+                let dist = |row: &[f32], i: usize| match &along {
+                    Some(a) => sp.dist_among(row, &a[i]),
                     None => sp.dist(row),
                 };
                 let (p_dist, q_dist) = (|i: usize| dist(&p_rows[i], i), |i: usize| dist(&q_rows[i], i));

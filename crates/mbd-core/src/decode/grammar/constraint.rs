@@ -26,6 +26,9 @@ use crate::error::{Error, Result};
 use llguidance::toktrie::SimpleVob;
 use llguidance::Matcher;
 
+/// The grammar at one position ([`Constraint::here`]): the tokens it allows, and the token it forces, if any.
+pub type Here = (SimpleVob, Option<u32>);
+
 /// One generation's grammar, at its committed frontier.
 pub struct Constraint {
     matcher: Matcher,
@@ -179,16 +182,23 @@ impl Constraint {
         self.eos_ids.contains(&t)
     }
 
+    /// The grammar where it stands (the frontier and the tokens advanced after it): the tokens it allows and the token
+    /// it forces there (the first of its forced tokens, which constrained AR writes without a forward).
+    pub fn here(&mut self) -> Result<Here> {
+        let here = (self.mask()?, self.forced().first().copied());
+        self.check()?;
+        Ok(here)
+    }
+
     /// The grammar at each position of `tokens` placed at the frontier, as far as it takes them: at position i, the
-    /// tokens it allows after `tokens[..i]` and the token it forces there (the first of its forced tokens, which
-    /// constrained AR writes without a forward), for i up to the first token it refuses or the first end of text
-    /// (both included), else up to `tokens.len()` (the position after them). The grammar stays at the frontier.
-    pub fn along(&mut self, tokens: &[u32]) -> Result<Vec<(SimpleVob, Option<u32>)>> {
+    /// grammar [`Constraint::here`] after `tokens[..i]`, for i up to the first token it refuses (or that is not the
+    /// one it forces) or the first end of text (both included), else up to `tokens.len()` (the position after them).
+    /// The grammar stays at the frontier.
+    pub fn along(&mut self, tokens: &[u32]) -> Result<Vec<Here>> {
         let mut out = Vec::with_capacity(tokens.len() + 1);
         let mut walked = 0;
         for i in 0..=tokens.len() {
-            let (m, f) = (self.mask()?, self.forced().first().copied());
-            self.check()?;
+            let (m, f) = self.here()?;
             let taken = i < tokens.len() && m.get(tokens[i] as usize) && f.is_none_or(|f| f == tokens[i]);
             out.push((m, f));
             if !taken || !self.advance(tokens[i])? {
