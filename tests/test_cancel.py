@@ -46,7 +46,7 @@ def test_a_cancel_token_stops_prompt_logprobs(long_context_model):
 @pytest.mark.parametrize("kw", [dict(use_cache=False), dict()])
 def test_stream_cancel_stops_a_long_prefill_or_recompute(long_context_model, kw):
     eng = mbd_rs.Engine.load(long_context_model)
-    s = eng.stream([87] * 6000, max_tokens=4, **kw)
+    s = eng.stream([87] * 6000, max_tokens=64, early_stop=False, **kw)  # not ended by its first EOS
     threading.Timer(0.3, s.cancel).start()
     t0 = time.perf_counter()
     chunks = list(s)
@@ -66,7 +66,7 @@ try:
     if sys.argv[2] == "logits":
         eng.logits([87] * 8000, attention="full")
     else:
-        for _ in eng.stream([87] * 8000, max_tokens=4, use_cache=False):
+        for _ in eng.stream([87] * 8000, max_tokens=64, use_cache=False, early_stop=False):
             pass
     print("finished", flush=True)
 except KeyboardInterrupt:

@@ -24,8 +24,10 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
 MSG = [{"role": "user", "content": "sort 3 1 2"}]
-# A request that runs for tens of seconds on the long-context model: 6000 positions recomputed every step.
-LONG = {"prompt": [87] * 6000, "max_tokens": 256, "use_cache": False}
+# A request that runs for a minute or more on the long-context model: 6000 positions recomputed at every step.
+# The model ends this prompt at once (its first token is end-of-text: two forwards, under 3 s in a release build),
+# so early_stop=False has it decode the whole 256-token canvas (some 90 forwards) before it stops.
+LONG = {"prompt": [87] * 6000, "max_tokens": 256, "use_cache": False, "early_stop": False}
 
 
 @pytest.fixture(scope="module")
