@@ -15,7 +15,7 @@ from .hub import LoadProgress, PathArg, _LoadBar, resolve_model_path
 from .params import GenerationParams, LoadParams, LogitsParams, ScoreParams
 from . import tools as tools_mod
 from .tools import ToolChoice
-from .types import Completion, ModelInfo, StepEvent, StreamChunk, TokenLogprob, ToolCall, Usage
+from .types import Completion, ModelInfo, PrefixCacheStats, StepEvent, StreamChunk, TokenLogprob, ToolCall, Usage
 
 if TYPE_CHECKING:  # typed **params (PEP 692); typing.Unpack is in the standard library from 3.11
     from typing_extensions import Unpack
@@ -128,6 +128,15 @@ class Engine:
         off by default): graphs captured, forwards replayed from one, forward shapes left to run launch by launch
         (a failed capture, or a replay that differed from the forward without it). Zeros on the CPU."""
         return self._core.graph_stats()
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """The prefix cache's counters: its cap and the bytes and pages it holds, the requests that looked a prefix up
+        and those that found one, the tokens found, the pages added and evicted (docs/prefix-cache.md)."""
+        return PrefixCacheStats(**self._core.prefix_cache_stats())
+
+    def clear_prefix_cache(self) -> None:
+        """Drop every cached prefix (requests running keep what they took)."""
+        self._core.clear_prefix_cache()
 
     def set_batching(self, *, max_batch: Optional[int] = None, max_batch_rows: Optional[int] = None) -> None:
         """Concurrent streams of this engine (from any threads) are batched: each forward runs the next step of

@@ -95,6 +95,8 @@ class GenerationParams(TypedDict, total=False):
     """report each token's log-probability (log-softmax of the raw logits) with this many most likely alternatives (0 = the token's own only; default: off)"""
     trace: Optional[Union[bool, str]]
     """True or 'steps': a StepEvent per forward; 'canvas': with the whole canvas"""
+    cache_salt: Optional[str]
+    """prefix cache: requests share cached prompts only with requests of the same salt (default: none, shared by all)"""
 
 class LoadParams(TypedDict, total=False):
     """The keyword arguments of Engine.load."""
@@ -111,6 +113,8 @@ class LoadParams(TypedDict, total=False):
     """continuous batching: most streams one forward batches (default 16)"""
     max_batch_rows: Optional[int]
     """continuous batching: most window rows one forward batches (default 1024)"""
+    prefix_cache: Optional[int]
+    """bytes of K/V the prefix cache keeps across requests (0 = off; default: a quarter of the memory, at most 4 GiB, where decoding makes it exact)"""
     mask_token_id: Optional[int]
     """the mask token's id"""
     block_size: Optional[int]

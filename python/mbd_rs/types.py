@@ -20,6 +20,7 @@ class Usage:
     drafts_proposed: int = 0  # draft tokens put to the verifier
     drafts_accepted: int = 0  # draft tokens the verifier accepted
     forced_tokens: int = 0  # completion tokens a grammar forced (its only choice), written without a forward
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (not prefilled)
 
     @property
     def total_tokens(self) -> int:
@@ -29,6 +30,24 @@ class Usage:
     def acceptance_rate(self) -> float:
         """S2D2 and ISD: accepted / proposed drafts (0.0 when nothing was verified)."""
         return self.drafts_accepted / self.drafts_proposed if self.drafts_proposed else 0.0
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """The prefix cache's counters (`Engine.prefix_cache_stats()`)."""
+
+    capacity_bytes: int  # the cap (the `prefix_cache` load option; 0 = off)
+    bytes: int  # K/V bytes held
+    pages: int  # pages held (whole blocks of the grid, at least 32 tokens)
+    lookups: int  # requests that looked a prefix up (where the cache is exact for them)
+    hits: int  # requests that found one
+    hit_tokens: int  # prompt tokens found, summed
+    inserted_pages: int
+    evicted_pages: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
 
 
 @dataclass(frozen=True)

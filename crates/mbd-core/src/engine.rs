@@ -3,9 +3,10 @@
 
 use crate::error::Result;
 use crate::generate::generation::Generation;
+use crate::generate::prefix::PrefixCache;
 use crate::generate::scheduler::{Scheduler, StreamHandle};
 use crate::model::Model;
-use crate::params::load::{BatchLimits, LoadOptions};
+use crate::params::load::{default_prefix_cache, BatchLimits, LoadOptions};
 use crate::params::request::GenRequest;
 use std::path::Path;
 use std::sync::Arc;
@@ -15,19 +16,28 @@ use std::sync::Arc;
 pub struct Engine {
     model: Arc<Model>,
     scheduler: Scheduler,
+    /// The K/V of earlier requests' prompts and answers ([`generate::prefix`](crate::generate::prefix)).
+    prefix: Arc<PrefixCache>,
 }
 
 impl Engine {
     /// Load a model directory or GGUF file ([`Model::load`]) and start its scheduler with batching caps `limits`.
+    /// The prefix cache holds `opts.prefix_cache` bytes at most.
     pub fn load(path: &Path, opts: &LoadOptions, limits: BatchLimits) -> Result<Engine> {
-        Engine::new(Model::load(path, opts)?, limits)
+        Engine::new(Model::load(path, opts)?, limits, opts.prefix_cache)
     }
 
-    /// An engine over a loaded model.
-    pub fn new(model: Model, limits: BatchLimits) -> Result<Engine> {
+    /// An engine over a loaded model, its prefix cache holding at most `prefix_cache` bytes (None: the default).
+    pub fn new(model: Model, limits: BatchLimits, prefix_cache: Option<usize>) -> Result<Engine> {
         let model = Arc::new(model);
         let scheduler = Scheduler::new(model.clone(), limits)?;
-        Ok(Engine { model, scheduler })
+        let prefix = Arc::new(PrefixCache::new(prefix_cache.unwrap_or_else(default_prefix_cache)));
+        Ok(Engine { model, scheduler, prefix })
+    }
+
+    /// The prefix cache: its counters, and `clear`.
+    pub fn prefix_cache(&self) -> &PrefixCache {
+        &self.prefix
     }
 
     /// The model (shared: calls on it may run beside the scheduler's forwards).
@@ -43,6 +53,6 @@ impl Engine {
     /// Start a generation of `prompt` (token ids) under `req`; the scheduler runs it from then on. Its outputs
     /// arrive on the handle; dropping the handle cancels it.
     pub fn submit(&self, prompt: Vec<u32>, req: &GenRequest) -> Result<StreamHandle> {
-        self.scheduler.submit(Generation::new(self.model.clone(), prompt, req)?)
+        self.scheduler.submit(Generation::with_prefix(self.model.clone(), prompt, req, Some(self.prefix.clone()))?)
     }
 }

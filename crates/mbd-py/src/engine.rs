@@ -117,6 +117,26 @@ impl CoreEngine {
         (s.captured, s.replayed, s.refused)
     }
 
+    /// The prefix cache's counters, as a dict of `PrefixStats`' fields.
+    fn prefix_cache_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.prefix_cache().stats();
+        let d = PyDict::new(py);
+        d.set_item("capacity_bytes", s.capacity_bytes)?;
+        d.set_item("bytes", s.bytes)?;
+        d.set_item("pages", s.pages)?;
+        d.set_item("lookups", s.lookups)?;
+        d.set_item("hits", s.hits)?;
+        d.set_item("hit_tokens", s.hit_tokens)?;
+        d.set_item("inserted_pages", s.inserted_pages)?;
+        d.set_item("evicted_pages", s.evicted_pages)?;
+        Ok(d)
+    }
+
+    /// Drop every cached prefix.
+    fn clear_prefix_cache(&self) {
+        self.inner.prefix_cache().clear()
+    }
+
     /// Change the batching caps (None: unchanged).
     #[pyo3(signature = (max_batch=None, max_batch_rows=None))]
     fn set_batch_limits(

@@ -437,7 +437,7 @@ def tool_calls_json(calls: "list[ToolCall]") -> list[dict[str, Any]]:
     return [{"id": c.id, "type": c.type, "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
 
 
-def usage_json(usages: list[Usage], n: int) -> dict[str, int | float]:
+def usage_json(usages: list[Usage], n: int) -> dict[str, Any]:
     """Usage of all choices: completion tokens and counters summed, each prompt counted once (its n choices
     share it)."""
     prompt = sum(u.prompt_tokens for u in usages[::n])
@@ -448,4 +448,6 @@ def usage_json(usages: list[Usage], n: int) -> dict[str, int | float]:
             "verifications": sum(u.verifications for u in usages),
             "drafts_proposed": sum(u.drafts_proposed for u in usages),
             "drafts_accepted": sum(u.drafts_accepted for u in usages),
-            "forced_tokens": sum(u.forced_tokens for u in usages)}
+            "forced_tokens": sum(u.forced_tokens for u in usages),
+            # OpenAI's field: prompt tokens read from the prefix cache (each prompt once, as prompt_tokens)
+            "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in usages[::n])}}

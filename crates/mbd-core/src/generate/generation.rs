@@ -14,6 +14,7 @@ use crate::error::{Error, Result};
 use crate::generate::output::{Counters, Output};
 pub use crate::generate::output::{FinishReason, StepEvent, StepOutput, Usage};
 use crate::generate::plan::{plan, Tccf};
+use crate::generate::prefix::PrefixCache;
 use crate::generate::window::Window;
 use crate::model::Model;
 use crate::net::segment::Segment;
@@ -58,12 +59,24 @@ impl Generation {
     /// A generation of `prompt` under `req`, as planned ([`plan::plan`](crate::generate::plan::plan): every default and
     /// rule resolved): the decoder, the cache/window policy, the sampler and the output set up.
     pub fn new(model: Arc<Model>, prompt: Vec<u32>, req: &GenRequest) -> Result<Generation> {
+        Generation::with_prefix(model, prompt, req, None)
+    }
+
+    /// `new`, starting from (and offering its K/V to, when it ends) `prefix`, the engine's prefix cache, where that
+    /// is exact ([`Window::new`]); the request's `cache_salt` picks the cache's tree.
+    pub fn with_prefix(
+        model: Arc<Model>,
+        prompt: Vec<u32>,
+        req: &GenRequest,
+        prefix: Option<Arc<PrefixCache>>,
+    ) -> Result<Generation> {
         let plan = plan(&model, &prompt, req)?;
         let (lp, n) = (plan.prompt_len, plan.max_tokens);
         let dec = Decoder::new(lp, n, plan.blocks, plan.decode)?;
         let mut canvas = prompt;
         canvas.resize(lp + n, plan.mask_id);
-        let window = Window::new(&model, plan.grid, lp, plan.cache)?;
+        let salt = req.cache_salt.as_deref().unwrap_or("");
+        let window = Window::new(&model, plan.grid, lp, plan.cache, prefix.map(|c| (c, salt)))?;
         let out = Output::new(lp, n, plan.stop, plan.trace, plan.logprobs);
         let (sampler, spec, isd) =
             (Sampler::new(plan.sampling), plan.spec.map(Router::new), plan.isd.map(Strided::new));
@@ -97,6 +110,7 @@ impl Generation {
         Counters {
             positions_forwarded: self.window.positions_forwarded,
             prefill_ms: self.window.prefill_ms,
+            cached_tokens: self.window.cached_tokens,
             speculative: self.spec.as_ref().map(|r| r.stats).or(self.isd.as_ref().map(|s| s.stats)),
         }
     }
@@ -153,7 +167,7 @@ impl Generation {
                     let ids = isd.layout(end - f - 1, self.mask_id, &given);
                     self.window.begin_strided(&self.canvas, &ids)?;
                 }
-                None => self.window.begin_step(&self.dec, positions)?,
+                None => self.window.begin_step(&self.dec, &self.canvas, positions)?,
             }
         }
         if let Some((budget, key_equivalent)) = limit {
@@ -393,6 +407,18 @@ impl Generation {
     /// Whether the generation has emitted its final output.
     pub fn finished(&self) -> bool {
         self.out.finished()
+    }
+}
+
+impl Drop for Generation {
+    /// A generation that ends (finished, cancelled or dropped) offers its committed K/V to the prefix cache: the
+    /// prompt, then the answer's tokens as decoded (a later turn that repeats them starts from them).
+    fn drop(&mut self) {
+        let lp = self.dec.prompt_len;
+        let answer = (0..self.dec.n).take_while(|&i| self.dec.decoded[i]).map(|i| self.dec.tokens[i]);
+        let tokens: Vec<u32> = self.canvas[..lp].iter().copied().chain(answer).collect();
+        // the cache is an optimisation: a failed copy leaves it as it was
+        let _ = self.window.offer_prefix(&tokens);
     }
 }
 

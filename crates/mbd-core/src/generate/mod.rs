@@ -1,11 +1,12 @@
 //! The generate wing: one generation and the batch loop over many. `plan` resolves a request over the model,
-//! `window` says what each step forwards and keeps, `output` turns decoded tokens into text and usage (`text`:
-//! incremental detokenization and stop strings), `generation` runs the steps, `scheduler` batches the forwards of
-//! every active generation.
+//! `window` says what each step forwards and keeps, `prefix` keeps the K/V of prompts and answers across requests,
+//! `output` turns decoded tokens into text and usage (`text`: incremental detokenization and stop strings),
+//! `generation` runs the steps, `scheduler` batches the forwards of every active generation.
 
 pub mod generation;
 pub mod output;
 pub mod plan;
+pub mod prefix;
 pub mod scheduler;
 pub mod text;
 pub mod window;

@@ -21,6 +21,8 @@ crate::util::string_enum! {
 pub struct Counters {
     pub positions_forwarded: usize,
     pub prefill_ms: f64,
+    /// Prompt positions whose K/V came from the prefix cache.
+    pub cached_tokens: usize,
     /// The speculative counters (speculative="s2d2" or "isd")
     pub speculative: Option<SpecStats>,
 }
@@ -44,6 +46,8 @@ pub struct Usage {
     pub drafts_accepted: usize,
     /// Completion tokens a grammar forced (the only token it allowed), written without a forward.
     pub forced_tokens: usize,
+    /// Prompt tokens whose K/V came from the prefix cache (not prefilled).
+    pub cached_tokens: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -198,6 +202,7 @@ impl Output {
             drafts_proposed: spec.drafts_proposed,
             drafts_accepted: spec.drafts_accepted,
             forced_tokens: dec.forced,
+            cached_tokens: c.cached_tokens,
         }
     }
 

@@ -21,10 +21,17 @@
 //! prefilled but for it), then the step's drafts and masks (`begin_strided`); the pending token's and the accepted
 //! drafts' K/V are final and committed from that forward (`commit_strided`). Without a cache every step recomputes from
 //! 0.
+//!
+//! The prefix cache ([`generate::prefix`](crate::generate::prefix)): with the exact policy on a grid where committed
+//! K/V are final for any later sequence with the same tokens (causal, or block-causal aligned at 0), the first step
+//! starts the cache from the longest cached prefix of the prompt (`seed`: a whole number of grid blocks, short of
+//! the carry row's block on shifted models) and prefills the rest; when the generation ends it offers its committed
+//! K/V back (`offer_prefix`), up to the first K/V that another grid made (S2D2's causal commits, TCCF's answer).
 
 use crate::decode::cache_policy::{CachePolicy, PrefixWindow};
 use crate::decode::decoder::Decoder;
 use crate::error::{Error, Result};
+use crate::generate::prefix::{page_size, root_key, PrefixCache};
 use crate::model::Model;
 use crate::net::kv_cache::KvCache;
 use crate::net::mask::{chunks, PREFILL_CHUNK};
@@ -33,6 +40,7 @@ use crate::net::segment::Segment;
 use candle_core::Tensor;
 use std::collections::VecDeque;
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// One forward of a step: canvas[start..end) into the generation's cache (or the step's scratch cache).
@@ -91,19 +99,51 @@ pub struct Window {
     /// Dual policy: the region (start, end) the cached prefix and suffix were computed for.
     dual: Option<(usize, usize)>,
     prefill_started: Option<Instant>,
+    /// The prefix cache this generation starts from and offers its K/V to (None where it would not be exact).
+    prefix: Option<PrefixUse>,
     /// Token positions run through the model by decode steps (prefill excluded).
     pub positions_forwarded: usize,
     pub prefill_ms: f64,
+    /// Prompt positions whose K/V came from the prefix cache.
+    pub cached_tokens: usize,
+}
+
+/// A generation's place in the prefix cache: the cache, its tree (grid and salt) and page size.
+struct PrefixUse {
+    cache: Arc<PrefixCache>,
+    root: String,
+    page: usize,
 }
 
 impl Window {
-    /// `policy` as the request's plan resolved it for this grid ([`generate::plan`](crate::generate::plan)).
-    pub fn new(model: &Model, grid: BlockGrid, prompt_len: usize, policy: CachePolicy) -> Result<Window> {
+    /// `policy` as the request's plan resolved it for this grid ([`generate::plan`](crate::generate::plan)); with
+    /// `prefix` (the engine's prefix cache and the request's salt), the window uses it where that is exact.
+    pub fn new(
+        model: &Model,
+        grid: BlockGrid,
+        prompt_len: usize,
+        policy: CachePolicy,
+        prefix: Option<(Arc<PrefixCache>, &str)>,
+    ) -> Result<Window> {
+        let cache = model.new_cache()?;
+        let exact = policy == CachePolicy::Exact
+            && !cache.has_recurrent()
+            && grid.then.is_none()
+            && match grid.kind {
+                AttentionKind::Causal => true,
+                AttentionKind::BlockCausal => grid.alignment == Alignment::Absolute,
+                AttentionKind::Full => false,
+            };
+        let prefix = prefix.filter(|(c, _)| exact && c.capacity() > 0).map(|(cache, salt)| PrefixUse {
+            cache,
+            root: root_key(&grid, salt),
+            page: page_size(&grid),
+        });
         Ok(Window {
             policy,
             grid,
             shift: model.profile.logits_shift,
-            cache: model.new_cache()?,
+            cache,
             carry: None,
             prompt_len,
             prefilled: false,
@@ -118,9 +158,59 @@ impl Window {
             cached: vec![false],
             dual: None,
             prefill_started: None,
+            prefix,
             positions_forwarded: 0,
             prefill_ms: 0.0,
+            cached_tokens: 0,
         })
+    }
+
+    /// Start the cache from the longest cached prefix of `canvas[..limit]` that ends on a grid boundary; returns
+    /// its length (0 without a prefix cache or a hit).
+    fn seed(&mut self, canvas: &[u32], limit: usize) -> Result<usize> {
+        let Some(u) = &self.prefix else { return Ok(0) };
+        let pages = u.cache.lookup(&u.root, canvas, u.page, limit);
+        let mut h = (pages.len() * u.page).min(limit);
+        while h > 0 && !self.grid.is_boundary(h) {
+            h -= 1;
+        }
+        let mut left = h;
+        for rows in pages {
+            if left == 0 {
+                break;
+            }
+            let n = left.min(u.page);
+            if n == u.page {
+                self.cache.append_rows(&rows)?;
+            } else {
+                let cut = rows
+                    .iter()
+                    .map(|(k, v)| Ok((k.narrow(1, 0, n)?, v.narrow(1, 0, n)?)))
+                    .collect::<Result<Vec<_>>>()?;
+                self.cache.append_rows(&cut)?;
+            }
+            left -= n;
+        }
+        u.cache.record_hit(h);
+        self.cached_tokens = h;
+        Ok(h)
+    }
+
+    /// Offer the committed K/V of `tokens` (the canvas's final tokens, in order from position 0) to the prefix
+    /// cache: the positions whose K/V the grid made (before any causal commit of a verification, and before a
+    /// TCCF switch), in whole pages.
+    pub fn offer_prefix(&self, tokens: &[u32]) -> Result<()> {
+        let Some(u) = &self.prefix else { return Ok(()) };
+        let mut n = self.cache.len().min(tokens.len());
+        if self.grid.kind != AttentionKind::Causal {
+            if let Some(r) = self.causal.first() {
+                n = n.min(r.start);
+            }
+        }
+        if let Some(t) = self.grid.then {
+            n = n.min(t.at);
+        }
+        u.cache.insert(&u.root, tokens, u.page, &self.cache, n)
     }
 
     pub fn policy(&self) -> CachePolicy {
@@ -169,10 +259,10 @@ impl Window {
         self.pieces.push_front(Piece { start: s, end: b, keys: piece.keys, rows: head_rows, kind: head_kind });
     }
 
-    /// Queue the prompt's prefill [0, end) into the cache, in chunks; with `carry`, the last chunk's last row gives
-    /// the logits of the position after it (shifted profiles).
-    fn queue_prefill(&mut self, end: usize, carry: bool) {
-        let cs = chunks(&self.grid, 0, end);
+    /// Queue the prompt's prefill [start, end) into the cache (holding [0, start)), in chunks; with `carry`, the
+    /// last chunk's last row gives the logits of the position after it (shifted profiles).
+    fn queue_prefill(&mut self, start: usize, end: usize, carry: bool) {
+        let cs = chunks(&self.grid, start, end);
         let n = cs.len();
         for (i, (s, e)) in cs.into_iter().enumerate() {
             let last = i + 1 == n;
@@ -209,7 +299,7 @@ impl Window {
 
     /// Plan the forwards of a step predicting `positions` (ascending) of `dec`'s canvas: the prompt's prefill
     /// chunks first (exact policy, first step), or a long canvas's recompute chunks, then the window.
-    pub fn begin_step(&mut self, dec: &Decoder, positions: Vec<usize>) -> Result<()> {
+    pub fn begin_step(&mut self, dec: &Decoder, canvas: &[u32], positions: Vec<usize>) -> Result<()> {
         if self.in_step() {
             return Err(Error::Internal("a step is already under way".into()));
         }
@@ -225,7 +315,9 @@ impl Window {
             };
             self.frontier = pe;
             if exact {
-                self.queue_prefill(pe, self.shift);
+                // a shifted model's carry row (pe - 1) comes from the prefill: a cached prefix stops a block short
+                let h = self.seed(canvas, if self.shift { pe.saturating_sub(1) } else { pe })?;
+                self.queue_prefill(h, pe, self.shift);
             }
         }
         let mut commit_end = None;
@@ -454,7 +546,8 @@ impl Window {
             self.prefilled = true;
             self.frontier = self.prompt_len - 1;
             if exact {
-                self.queue_prefill(self.frontier, false);
+                let h = self.seed(canvas, self.frontier)?;
+                self.queue_prefill(h, self.frontier, false);
             }
         }
         let f = self.frontier;

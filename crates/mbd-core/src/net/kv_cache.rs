@@ -304,6 +304,53 @@ impl KvCache {
         Ok(())
     }
 
+    /// Copies of the committed K/V of positions [start, start + n), per layer (K, V), each (n_kv, n, head_dim):
+    /// what the prefix cache keeps of a page ([`generate::prefix`](crate::generate::prefix)).
+    pub fn copy_rows(&self, start: usize, n: usize) -> Result<Vec<(Tensor, Tensor)>> {
+        if start.checked_add(n).is_none_or(|e| e > self.len) {
+            return Err(Error::Internal(format!(
+                "cannot copy positions {start}..{}: {} are committed",
+                start.saturating_add(n),
+                self.len
+            )));
+        }
+        self.layers
+            .iter()
+            .map(|(k, v)| {
+                Ok((k.narrow(1, start, n)?.contiguous()?.copy()?, v.narrow(1, start, n)?.contiguous()?.copy()?))
+            })
+            .collect()
+    }
+
+    /// Append K/V rows as committed positions (per layer (K, V), each (n_kv, n, head_dim), as `copy_rows` gave
+    /// them): a sequence starting from a cached prefix. Refused with recurrent states (their snapshot would have
+    /// to come with the rows).
+    pub fn append_rows(&mut self, rows: &[(Tensor, Tensor)]) -> Result<()> {
+        self.refuse_recurrent("appending cached K/V rows")?;
+        let Some((k0, _)) = rows.first() else { return Ok(()) };
+        let n = k0.dim(1)?;
+        if rows.len() != self.n_layers || self.window != 0 {
+            return Err(Error::Internal(format!(
+                "cannot append rows of {} layers to a cache of {} (window {})",
+                rows.len(),
+                self.n_layers,
+                self.window
+            )));
+        }
+        self.reserve(n)?;
+        for ((ck, cv), (k, v)) in self.layers.iter().zip(rows) {
+            ck.slice_set(k, 1, self.len)?;
+            cv.slice_set(v, 1, self.len)?;
+        }
+        self.len += n;
+        Ok(())
+    }
+
+    /// Bytes of K/V one position takes in this cache (every layer's K and V).
+    pub fn bytes_per_position(&self) -> usize {
+        2 * self.n_layers * self.n_kv * self.head_dim * self.dtype.size_in_bytes()
+    }
+
     /// Drop committed positions past `n` (the refresh primitive of approximate caches: the next forward
     /// writes its window from position n on). Recurrent states go back to the start at 0 and cannot go back
     /// anywhere else.

@@ -129,6 +129,7 @@ impl LoadParams {
             kernels,
             attention_score_bytes: ATTENTION_SCORE_BYTES,
             progress,
+            prefix_cache: l.prefix_cache.map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
         };
         Ok((opts, limits))
     }
@@ -201,6 +202,20 @@ pub struct LoadOptions {
     pub attention_score_bytes: usize,
     /// Told (bytes read, bytes in all) after each tensor of the checkpoint is read.
     pub progress: Option<Progress>,
+    /// Bytes of K/V the engine's prefix cache keeps across requests (0: off; None: [`default_prefix_cache`]).
+    pub prefix_cache: Option<usize>,
+}
+
+/// The prefix cache's default cap: a quarter of the machine's memory, at most 4 GiB (1 GiB where the memory is not
+/// known).
+pub fn default_prefix_cache() -> usize {
+    const GIB: usize = 1 << 30;
+    let total = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        let line = m.lines().find(|l| l.starts_with("MemTotal:"))?;
+        let kb: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+        kb.checked_mul(1024)
+    });
+    total.map_or(GIB, |t| (t / 4).min(4 * GIB))
 }
 
 impl Default for LoadOptions {
@@ -216,6 +231,7 @@ impl Default for LoadOptions {
             kernels: Kernels::default(),
             attention_score_bytes: ATTENTION_SCORE_BYTES,
             progress: None,
+            prefix_cache: None,
         }
     }
 }

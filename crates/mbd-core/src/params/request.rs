@@ -28,8 +28,8 @@ crate::util::string_enum! {
         /// A JSON value (an object, e.g. `response_format`), carried as its JSON text, its length bounded by its
         /// [`Rule::Chars`]; never read by the model.
         Json = "json",
-        /// The source of a grammar or a regular expression: compiled, never read by the model, its length bounded by
-        /// its [`Rule::Chars`].
+        /// The source of a grammar or a regular expression, or an opaque key (`cache_salt`): compiled or compared,
+        /// never read by the model, its length bounded by its [`Rule::Chars`].
         Source = "source",
         /// One string or a list of strings.
         Strings = "strings",
@@ -302,6 +302,13 @@ pub const PARAMS: &[ParamSpec] = &[
          alternatives (0 = the token's own only; default: off)",
     ),
     p("trace", K::BoolOrStr, R::Any, "True or 'steps': a StepEvent per forward; 'canvas': with the whole canvas"),
+    p(
+        "cache_salt",
+        K::Source,
+        R::Chars(256),
+        "prefix cache: requests share cached prompts only with requests of the same salt (default: none, shared by \
+         all)",
+    ),
     // profile overrides at load
     p("mask_token_id", K::Int, R::AtLeast(0.0), "the mask token's id"),
     p("attention", K::Str, R::Any, "causal | block_causal | full"),
@@ -337,6 +344,13 @@ pub const PARAMS: &[ParamSpec] = &[
     ),
     p("max_batch", K::Int, R::Any, "continuous batching: most streams one forward batches (default 16)"),
     p("max_batch_rows", K::Int, R::Any, "continuous batching: most window rows one forward batches (default 1024)"),
+    p(
+        "prefix_cache",
+        K::Int,
+        R::AtLeast(0.0),
+        "bytes of K/V the prefix cache keeps across requests (0 = off; default: a quarter of the memory, at most 4 \
+         GiB, where decoding makes it exact)",
+    ),
     // kernel switches at load (`Kernels`: benchmarks' A/B runs, not a stable API)
     p("keep_bf16_weights", K::Bool, R::Any, "CPU: a bf16 checkpoint's matrices stay bf16 in memory (default true)"),
     p("skinny", K::Bool, R::Any, "the few-row CPU kernel (default true; false: candle's matmul)"),
@@ -648,6 +662,7 @@ request! {
         verify_hysteresis: Vec<f64>,
         logprobs: usize,
         trace: TraceMode,
+        cache_salt: String,
     }
 }
 
@@ -692,6 +707,7 @@ request! {
         int8_activations: bool,
         max_batch: i64,
         max_batch_rows: i64,
+        prefix_cache: u64,
     }
 }
 

@@ -1,0 +1,214 @@
+"""The prefix cache: a request whose tokens begin as an earlier request's prompt (or prompt and answer) starts
+from their K/V and prefills only the rest. Checked against the same engine with the cache off (prefix_cache=0):
+the same tokens, the same forward passes and log-probabilities within 1e-5, in every decoding mode and family
+where the cache is on; off (no lookup at all) where it would not be exact."""
+import functools
+import random
+
+import pytest
+
+import mbd_rs
+from conftest import parity_dir
+
+PAGE = 32  # tokens a page holds at least (a page is whole blocks of the grid)
+
+
+@functools.lru_cache(maxsize=None)
+def engines(model, **load):
+    """(with the cache, without) for a fixture model."""
+    path = parity_dir(model) if model != "tiny" else mbd_rs.DEFAULT_MODEL
+    kw = dict(load, mask_token_id=3) if model != "tiny" else load
+    return mbd_rs.Engine.load(path, **kw), mbd_rs.Engine.load(path, prefix_cache=0, **kw)
+
+
+def _engines(model, load):
+    return engines(model, **dict(load))
+
+
+def prompts(seed, vocab=300):
+    """A base prompt (70 tokens: two whole pages and a partial block), the base and five more (hits two pages), its
+    first 33 tokens (a hit that ends inside the prompt's last page and block), and an unrelated prompt (no hit)."""
+    r = random.Random(seed)
+    base = [r.randrange(4, vocab) for _ in range(70)]
+    return base, [base + [r.randrange(4, vocab) for _ in range(5)], base[:33], [r.randrange(4, vocab) for _ in range(40)]]
+
+
+def same(a, b, what):
+    assert a.token_ids == b.token_ids, what
+    assert a.finish_reason == b.finish_reason, what
+    assert a.usage.forward_passes == b.usage.forward_passes, what
+    if a.logprobs:
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-5, what
+
+
+def check_mode(on, off, kw, seed, expect_hits=True):
+    """The base prompt cold, then the others (and the base followed by its own answer): equal with the cache off."""
+    on.clear_prefix_cache()
+    base, rest = prompts(seed, on.info.vocab_size)
+    a = on.generate(base, max_tokens=24, **kw)
+    same(a, off.generate(base, max_tokens=24, **kw), ("cold", kw))
+    assert a.usage.cached_tokens == 0
+    follow = base + a.token_ids[:20] + [5, 6, 7]  # the next turn: the answer, then new tokens
+    for i, p in enumerate(rest + [follow]):
+        x, y = on.generate(p, max_tokens=16, **kw), off.generate(p, max_tokens=16, **kw)
+        same(x, y, (i, kw))
+        assert y.usage.cached_tokens == 0
+        if expect_hits and i == 0:
+            assert x.usage.cached_tokens >= 2 * PAGE - 4, (kw, x.usage)
+    return a
+
+
+# SDAR's layout on the random-weight checkpoints (block-causal over blocks of 4 aligned at 0, unshifted), and
+# Fast-dLLM v2's (shifted: the carry row)
+SDAR = (("attention", "block_causal"), ("block_size", 4), ("logits_shift", False))
+FDV2 = (("attention", "block_causal"), ("block_size", 4), ("logits_shift", True))
+
+
+BLOCK_CAUSAL = [
+    {},
+    {"block_size": 1},  # autoregressive
+    {"block_add_threshold": 1.0},  # one block at a time (semi-AR)
+    {"sub_block_size": 2},
+    {"speculative": "s2d2"},
+    {"acceptance": "bacd"},
+    {"acceptance": "credit"},
+    {"acceptance": "dus"},
+    {"temperature": 0.8, "seed": 11},
+    {"temperature": 0.8, "top_k": 20, "seed": 5, "block_size": 8},
+]
+
+
+@pytest.mark.parametrize("kw", BLOCK_CAUSAL, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()) or "default")
+@pytest.mark.parametrize("model,load", [
+    ("qwen3_headdim_gqa", SDAR),
+    ("qwen2_gqa_tied", SDAR),
+    ("qwen3moe_top2_norm", SDAR),
+    ("qwen2_gqa_tied", FDV2),
+    ("qwen3moe_top2_norm", FDV2),
+    ("tiny", ()),
+])
+def test_a_hit_decodes_as_a_cold_request_in_every_block_causal_mode(model, load, kw):
+    on, off = _engines(model, load)
+    check_mode(on, off, dict(kw, logprobs=2) if "speculative" not in kw else kw, seed=len(str(kw)) + len(model))
+
+
+@pytest.mark.parametrize("model", ["qwen3_headdim_gqa", "qwen3moe_top2_norm"])
+@pytest.mark.parametrize("kw", [{}, {"temperature": 0.7, "seed": 2}], ids=["greedy", "sampled"])
+def test_a_hit_decodes_as_a_cold_request_with_isd(model, kw):
+    """I-DLM's layout (causal, shifted) decoded with ISD: pages of 32 positions, a hit up to the prompt's last
+    token (the pending one is forwarded by the first step)."""
+    on, off = _engines(model, (("attention", "causal"), ("logits_shift", True)))
+    check_mode(on, off, dict(kw, speculative="isd", isd_stride=3), seed=9)
+
+
+def test_tccf_and_the_trained_model_hit_too():
+    on, off = _engines("tiny", ())
+    check_mode(on, off, {"tccf": True, "tccf_trigger": "!", "tccf_answer_block_size": 1}, seed=3)
+    msgs = [{"role": "system", "content": "You sort numbers. " * 6}, {"role": "user", "content": "sort 7 2 9 4 1"}]
+    cold = off.chat(msgs, max_tokens=24)
+    on.clear_prefix_cache()
+    first, again = on.chat(msgs, max_tokens=24), on.chat(msgs, max_tokens=24)
+    assert first.token_ids == again.token_ids == cold.token_ids
+    assert first.usage.cached_tokens == 0 and again.usage.cached_tokens == (first.usage.prompt_tokens // PAGE) * PAGE
+
+
+@pytest.mark.parametrize("model,load,why", [
+    ("qwen2_gqa_tied", (("attention", "full"), ("logits_shift", True)), "full attention"),
+    ("qwen35_hybrid", SDAR, "a hybrid's recurrent state"),
+    ("qwen35_hybrid", (), "a hybrid's recurrent state (causal)"),
+    ("qwen2_gqa_tied", SDAR + (("alignment", "prompt"),), "blocks aligned at the prompt's end"),
+])
+def test_where_it_would_not_be_exact_the_cache_is_not_used(model, load, why):
+    on, off = _engines(model, load)
+    on.clear_prefix_cache()
+    base, rest = prompts(4, on.info.vocab_size)
+    for p in [base, base, rest[0]]:
+        a, b = on.generate(p, max_tokens=12), off.generate(p, max_tokens=12)
+        assert a.token_ids == b.token_ids and a.usage.cached_tokens == 0, why
+    s = on.prefix_cache_stats()
+    assert s.lookups == 0 and s.pages == 0, (why, s)
+
+
+def test_use_cache_false_and_the_approximate_caches_neither_look_up_nor_insert():
+    on, _ = _engines("tiny", ())
+    on.clear_prefix_cache()
+    before = on.prefix_cache_stats()
+    base, _ = prompts(1, on.info.vocab_size)
+    for kw in [{"use_cache": False}, {"use_cache": False}]:
+        assert on.generate(base, max_tokens=8, **kw).usage.cached_tokens == 0
+    after = on.prefix_cache_stats()
+    assert (after.lookups, after.pages) == (before.lookups, 0)
+
+
+def test_a_salt_keeps_requests_apart():
+    """Only requests with the same cache_salt share pages: a salted request never hits what an unsalted (or
+    differently salted) one cached, and the other way round."""
+    on, off = _engines("tiny", ())
+    on.clear_prefix_cache()
+    base, _ = prompts(2, on.info.vocab_size)
+    on.generate(base, max_tokens=4)
+    assert on.generate(base, max_tokens=4, cache_salt="alice").usage.cached_tokens == 0
+    assert on.generate(base, max_tokens=4, cache_salt="bob").usage.cached_tokens == 0
+    a = on.generate(base, max_tokens=4, cache_salt="alice")
+    assert a.usage.cached_tokens == 2 * PAGE and a.token_ids == off.generate(base, max_tokens=4).token_ids
+    assert on.generate(base, max_tokens=4).usage.cached_tokens == 2 * PAGE
+    with pytest.raises(mbd_rs.InvalidRequestError, match="cache_salt is text of more than 256 characters"):
+        on.generate(base, max_tokens=4, cache_salt="x" * 257)
+
+
+def test_clear_and_the_counters():
+    on, _ = _engines("tiny", ())
+    on.clear_prefix_cache()
+    s0 = on.prefix_cache_stats()
+    assert s0.pages == 0 and s0.bytes == 0 and s0.capacity_bytes > 0
+    base, _ = prompts(3, on.info.vocab_size)
+    on.generate(base, max_tokens=4)
+    s1 = on.prefix_cache_stats()
+    assert s1.pages >= 2 and s1.bytes > 0 and s1.lookups == s0.lookups + 1 and s1.hits == s0.hits
+    assert on.generate(base, max_tokens=4).usage.cached_tokens == 2 * PAGE
+    s2 = on.prefix_cache_stats()
+    assert s2.hits == s1.hits + 1 and s2.hit_tokens == s1.hit_tokens + 2 * PAGE and 0 < s2.hit_rate <= 1
+    on.clear_prefix_cache()
+    assert on.prefix_cache_stats().pages == 0
+    assert on.generate(base, max_tokens=4).usage.cached_tokens == 0
+
+
+def test_a_tiny_cap_evicts_and_every_output_stays_exact():
+    """A cap of three pages of the tiny model: requests over many distinct prefixes evict least recently used
+    pages, the bytes held never pass the cap, and every output equals the cold one."""
+    _, off = _engines("tiny", ())
+    page_bytes = 2 * off.info.num_layers * off.info.num_key_value_heads * off.info.head_dim * 4 * PAGE
+    cap = 3 * page_bytes
+    on = mbd_rs.Engine.load(mbd_rs.DEFAULT_MODEL, prefix_cache=cap)
+    r = random.Random(0)
+    shared = [r.randrange(4, 100) for _ in range(PAGE)]
+    hits = 0
+    for i in range(12):
+        p = (shared if i % 2 else []) + [r.randrange(4, 100) for _ in range(40)]
+        a = on.generate(p, max_tokens=6)
+        assert a.token_ids == off.generate(p, max_tokens=6).token_ids
+        s = on.prefix_cache_stats()
+        assert s.bytes <= cap and s.capacity_bytes == cap, s
+        hits += a.usage.cached_tokens > 0
+    s = on.prefix_cache_stats()
+    assert s.evicted_pages > 0 and hits >= 4, (s, hits)
+
+
+def test_concurrent_streams_share_a_prefix_and_equal_their_lone_cold_runs():
+    on, off = _engines("qwen3_headdim_gqa", SDAR)
+    on.clear_prefix_cache()
+    base, _ = prompts(8, on.info.vocab_size)
+    on.generate(base, max_tokens=4)
+    ps = [base + [10 + i, 20 + i] for i in range(4)]
+    streams = [on.stream(p, max_tokens=12) for p in ps]
+    outs = [s.result() for s in streams]
+    for p, o in zip(ps, outs):
+        assert o.usage.cached_tokens == 2 * PAGE
+        cold = off.generate(p, max_tokens=12)
+        assert o.token_ids == cold.token_ids and o.usage.forward_passes == cold.usage.forward_passes
+
+
+def test_load_option_is_checked():
+    with pytest.raises(mbd_rs.InvalidRequestError, match="prefix_cache"):
+        mbd_rs.Engine.load(mbd_rs.DEFAULT_MODEL, prefix_cache=-1)
