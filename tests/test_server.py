@@ -63,6 +63,18 @@ def test_chat_non_streaming_matches_engine(client, engine):
     assert r.usage.total_tokens == want.usage.prompt_tokens + want.usage.completion_tokens
 
 
+def test_usage_says_how_much_of_the_prompt_the_prefix_cache_gave(client, engine):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: 0 for a prompt never seen, then the whole 32-token pages
+    the first request left in the engine's prefix cache; the answer is the same."""
+    msgs = [{"role": "system", "content": "You sort numbers. " * 5}, {"role": "user", "content": "sort 4 2 9"}]
+    engine.clear_prefix_cache()
+    first, again = (client.chat.completions.create(model="mbd-tiny", messages=msgs, max_tokens=8, temperature=0)
+                    for _ in range(2))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens // 32 * 32 > 0
+    assert again.choices[0].message.content == first.choices[0].message.content
+
+
 def test_chat_streaming(client, engine):
     want = engine.chat(MSG, **GREEDY)
     chunks = list(client.chat.completions.create(model="mbd-tiny", messages=MSG, max_tokens=24, stream=True,
