@@ -171,8 +171,11 @@ if [ "${MBD_CHECK_SDIST:-1}" != 0 ]; then
   venv=$WORK/venv-sdist
   fresh_venv "$venv"
   start=$(date +%s)
-  # --no-cache-dir: pip would reuse the wheel it built from an earlier sdist of the same name and path
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir "$sdist"
+  # --no-cache-dir: pip would reuse the wheel it built from an earlier sdist of the same name and path; and a
+  # target dir of its own: the sdist's files carry fixed timestamps, so a shared CARGO_TARGET_DIR holding an older
+  # build of the same crates looks up to date to cargo and would be linked instead of the sdist's code
+  CARGO_TARGET_DIR="$WORK/target-sdist" "$venv/bin/python" -m pip install -q --disable-pip-version-check \
+    --no-cache-dir "$sdist"
   echo "  pip install $(basename "$sdist"): $(( $(date +%s) - start )) s"
   check_installed "$venv" sdist "$cargo_version" || status=1
 fi

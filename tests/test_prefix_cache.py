@@ -8,7 +8,7 @@ import random
 import pytest
 
 import mbd_rs
-from conftest import parity_dir
+from conftest import copy_model, parity_dir
 
 PAGE = 32  # tokens a page holds at least (a page is whole blocks of the grid)
 
@@ -102,6 +102,35 @@ def test_a_hit_decodes_as_a_cold_request_with_isd(model, kw):
     check_mode(on, off, dict(kw, speculative="isd", isd_stride=3), seed=9)
 
 
+HYBRID_MODES = [{}, {"block_size": 1}, {"block_add_threshold": 1.0}, {"acceptance": "credit"},
+                {"temperature": 0.8, "seed": 11}]
+
+
+@pytest.mark.parametrize("kw", HYBRID_MODES, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()) or "default")
+@pytest.mark.parametrize("load", [SDAR, ()], ids=["block_causal", "causal"])
+def test_a_hybrid_hit_restores_the_recurrent_state(load, kw):
+    """Qwen3.5 (Gated DeltaNet and softmax layers): a hit ends where a page kept the recurrent states (the
+    prompt's last page boundary, every 512th position), restores them and decodes as a cold request."""
+    on, off = _engines("qwen35_hybrid", load)
+    check_mode(on, off, dict(kw, logprobs=2), seed=21)
+    s = on.prefix_cache_stats()
+    assert s.hits > 0 and s.pages > 0
+
+
+def test_a_long_hybrid_prompt_keeps_states_every_512_positions(tmp_path):
+    d = copy_model(parity_dir("qwen35_hybrid"), tmp_path / "long", lambda c: c.update(max_position_embeddings=2048))
+    load = dict(SDAR, mask_token_id=3)
+    on, off = mbd_rs.Engine.load(str(d), **load), mbd_rs.Engine.load(str(d), prefix_cache=0, **load)
+    r = random.Random(5)
+    long = [r.randrange(4, on.info.vocab_size) for _ in range(1100)]
+    on.generate(long, max_tokens=4)
+    # a prompt sharing the first 700 tokens: the states kept at 512 (not at its own last page) are the hit
+    p = long[:700] + [7, 8, 9]
+    a, b = on.generate(p, max_tokens=8, logprobs=1), off.generate(p, max_tokens=8, logprobs=1)
+    same(a, b, "hybrid 700")
+    assert a.usage.cached_tokens == 512
+
+
 def test_tccf_and_the_trained_model_hit_too():
     on, off = _engines("tiny", ())
     check_mode(on, off, {"tccf": True, "tccf_trigger": "!", "tccf_answer_block_size": 1}, seed=3)
@@ -115,8 +144,6 @@ def test_tccf_and_the_trained_model_hit_too():
 
 @pytest.mark.parametrize("model,load,why", [
     ("qwen2_gqa_tied", (("attention", "full"), ("logits_shift", True)), "full attention"),
-    ("qwen35_hybrid", SDAR, "a hybrid's recurrent state"),
-    ("qwen35_hybrid", (), "a hybrid's recurrent state (causal)"),
     ("qwen2_gqa_tied", SDAR + (("alignment", "prompt"),), "blocks aligned at the prompt's end"),
 ])
 def test_where_it_would_not_be_exact_the_cache_is_not_used(model, load, why):

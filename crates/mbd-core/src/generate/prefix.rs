@@ -6,7 +6,12 @@
 //! a generation committed for [0, n) are the K/V any later sequence beginning with the same n tokens would compute
 //! under the same grid, and a request may start from them. Where that does not hold the cache is not used: full
 //! attention (a prompt's K/V depend on the masks after it), blocks aligned at the prompt's end, the approximate and
-//! recompute policies, and hybrid models (a Gated DeltaNet state would have to come with the rows; not kept yet).
+//! recompute policies.
+//!
+//! Hybrids (Qwen3.5). A Gated DeltaNet layer's state at position n depends on every token before n, so a hit must
+//! also restore it: some pages carry a snapshot of the recurrent states at their end (every
+//! [`SNAPSHOT_STRIDE`]-th position, and the last page boundary a sequence committed), and a hybrid's hit ends at
+//! the end of the last page with one.
 //!
 //! Layout. Entries are pages of `page_size(grid)` tokens (whole blocks of the grid: the smallest multiple of the
 //! block size of at least [`PAGE_TOKENS`]), in a tree per root: a root is the grid (kind and block size: the same
@@ -23,7 +28,7 @@
 //! nothing.
 
 use crate::error::Result;
-use crate::net::kv_cache::KvCache;
+use crate::net::kv_cache::{KvCache, Snapshot};
 use crate::net::mask::{AttentionKind, BlockGrid};
 use candle_core::Tensor;
 use std::collections::HashMap;
@@ -32,8 +37,18 @@ use std::sync::Mutex;
 /// Tokens a page holds at least (a page is whole blocks of the grid).
 pub const PAGE_TOKENS: usize = 32;
 
+/// A hybrid keeps the recurrent states at every multiple of this many positions (and at the last page boundary a
+/// sequence committed): the prefill is cut there ([`Window`](crate::generate::window::Window)).
+pub const SNAPSHOT_STRIDE: usize = 512;
+
 /// Per layer (K, V), each (n_kv, page tokens, head_dim).
 type Rows = Vec<(Tensor, Tensor)>;
+
+/// A cached page as a lookup finds it: its K/V, and (hybrids) the recurrent states at its end when kept.
+pub struct Found {
+    pub rows: Rows,
+    pub snapshot: Option<Snapshot>,
+}
 
 /// The page size for `grid`: whole blocks (block-causal), or `PAGE_TOKENS` positions (causal).
 pub fn page_size(grid: &BlockGrid) -> usize {
@@ -73,6 +88,7 @@ struct Node {
     root: Option<String>,
     children: HashMap<Vec<u32>, usize>,
     rows: Rows,
+    snapshot: Option<Snapshot>,
     bytes: usize,
     last_used: u64,
 }
@@ -119,7 +135,7 @@ impl PrefixCache {
 
     /// The cached pages that begin `tokens[..limit]` under `root`, longest first match: their rows, at most
     /// `limit / page` pages (the caller cuts the last one to where its hit ends). Counts a lookup.
-    pub fn lookup(&self, root: &str, tokens: &[u32], page: usize, limit: usize) -> Vec<Rows> {
+    pub fn lookup(&self, root: &str, tokens: &[u32], page: usize, limit: usize) -> Vec<Found> {
         let mut g = self.lock();
         g.stats.lookups += 1;
         g.tick += 1;
@@ -131,7 +147,7 @@ impl PrefixCache {
             let Some(&next) = g.node(at).children.get(chunk) else { break };
             let n = g.node_mut(next);
             n.last_used = tick;
-            found.push(n.rows.clone());
+            found.push(Found { rows: n.rows.clone(), snapshot: n.snapshot.clone() });
             at = next;
         }
         found
@@ -148,8 +164,19 @@ impl PrefixCache {
 
     /// Keep the pages of `tokens[..n]` (n <= cache.len(), the rows' K/V final under the root's grid) that the tree
     /// does not hold, copied from `cache`, evicting least recently used leaves to stay within the cap. Stops at the
-    /// first page that does not fit.
-    pub fn insert(&self, root: &str, tokens: &[u32], page: usize, cache: &KvCache, n: usize) -> Result<()> {
+    /// first page that does not fit. A hybrid's cache gives `snapshots`, its recurrent states at some page ends
+    /// (position, states): only the pages up to the last of them are kept, each with its snapshot.
+    pub fn insert(
+        &self,
+        root: &str,
+        tokens: &[u32],
+        page: usize,
+        cache: &KvCache,
+        n: usize,
+        snapshots: &[(usize, Snapshot)],
+    ) -> Result<()> {
+        let hybrid = cache.has_recurrent();
+        let n = if hybrid { snapshots.iter().map(|s| s.0).filter(|&p| p <= n).max().unwrap_or(0) } else { n };
         let mut g = self.lock();
         let cap = g.stats.capacity_bytes;
         let page_bytes = cache.bytes_per_position() * page;
@@ -167,6 +194,7 @@ impl PrefixCache {
                     root: Some(root.to_string()),
                     children: HashMap::new(),
                     rows: vec![],
+                    snapshot: None,
                     bytes: 0,
                     last_used: tick,
                 });
@@ -177,15 +205,23 @@ impl PrefixCache {
         g.node_mut(at).last_used = tick;
         let n = n.min(tokens.len()).min(cache.len());
         for (i, chunk) in tokens[..n].chunks_exact(page).enumerate() {
+            let end = (i + 1) * page;
+            let snapshot = snapshots.iter().find(|s| s.0 == end).map(|s| s.1.clone());
+            let snap_bytes = if snapshot.is_some() { cache.snapshot_bytes() } else { 0 };
             if let Some(&next) = g.node(at).children.get(chunk) {
                 g.node_mut(next).last_used = tick;
                 at = next;
+                // a page cached without the states at its end gets them when they fit
+                if snapshot.is_some() && g.node(next).snapshot.is_none() && g.make_room(snap_bytes, cap, tick) {
+                    let nd = g.node_mut(next);
+                    nd.snapshot = snapshot;
+                    nd.bytes += snap_bytes;
+                    g.stats.bytes += snap_bytes;
+                }
                 continue;
             }
-            while g.stats.bytes + page_bytes > cap {
-                if !g.evict_one(tick) {
-                    return Ok(());
-                }
+            if !g.make_room(page_bytes + snap_bytes, cap, tick) {
+                return Ok(());
             }
             let rows = cache.copy_rows(i * page, page)?;
             let id = g.add(Node {
@@ -194,11 +230,12 @@ impl PrefixCache {
                 root: None,
                 children: HashMap::new(),
                 rows,
-                bytes: page_bytes,
+                snapshot,
+                bytes: page_bytes + snap_bytes,
                 last_used: tick,
             });
             g.node_mut(at).children.insert(chunk.to_vec(), id);
-            g.stats.bytes += page_bytes;
+            g.stats.bytes += page_bytes + snap_bytes;
             g.stats.pages += 1;
             g.stats.inserted_pages += 1;
             at = id;
@@ -227,6 +264,19 @@ impl Inner {
                 self.nodes.len() - 1
             }
         }
+    }
+
+    /// Evict least recently used leaves until `bytes` more fit under `cap`; false when they cannot.
+    fn make_room(&mut self, bytes: usize, cap: usize, tick: u64) -> bool {
+        if bytes > cap {
+            return false;
+        }
+        while self.stats.bytes + bytes > cap {
+            if !self.evict_one(tick) {
+                return false;
+            }
+        }
+        true
     }
 
     /// Evict the least recently used leaf page used before `tick`; false when there is none.
@@ -277,15 +327,15 @@ mod tests {
         c
     }
 
-    fn values(pages: &[Rows]) -> Vec<f32> {
-        pages.iter().flat_map(|p| p[0].0.flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect()
+    fn values(pages: &[Found]) -> Vec<f32> {
+        pages.iter().flat_map(|p| p.rows[0].0.flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect()
     }
 
     #[test]
     fn a_lookup_finds_the_longest_run_of_whole_pages_of_equal_tokens() {
         let pc = PrefixCache::new(1 << 20);
         let a: Vec<u32> = (0..10).collect();
-        pc.insert("r", &a, 4, &cache_of(&a), 10).unwrap();
+        pc.insert("r", &a, 4, &cache_of(&a), 10, &[]).unwrap();
         assert_eq!(pc.stats().pages, 2); // 10 tokens: two whole pages of 4
         assert_eq!(values(&pc.lookup("r", &a, 4, 10)), (0..8).map(|x| x as f32).collect::<Vec<_>>());
         // a different third token: nothing; a different sixth: the first page only
@@ -309,20 +359,20 @@ mod tests {
         let pc = PrefixCache::new(96);
         let a: Vec<u32> = (0..8).collect();
         let b: Vec<u32> = (100..108).collect();
-        pc.insert("r", &a, 4, &cache_of(&a), 8).unwrap();
-        pc.insert("r", &b, 4, &cache_of(&b), 8).unwrap(); // needs a[4..8]'s room: the older leaf goes
+        pc.insert("r", &a, 4, &cache_of(&a), 8, &[]).unwrap();
+        pc.insert("r", &b, 4, &cache_of(&b), 8, &[]).unwrap(); // needs a[4..8]'s room: the older leaf goes
         let s = pc.stats();
         assert_eq!((s.pages, s.bytes, s.evicted_pages), (3, 96, 1));
         assert_eq!(pc.lookup("r", &a, 4, 8).len(), 1);
         assert_eq!(pc.lookup("r", &b, 4, 8).len(), 2);
         // a sequence longer than the cap keeps what fits of itself, never evicting its own pages
         let c: Vec<u32> = (200..220).collect();
-        pc.insert("r", &c, 4, &cache_of(&c), 20).unwrap();
+        pc.insert("r", &c, 4, &cache_of(&c), 20, &[]).unwrap();
         assert!(pc.stats().bytes <= 96);
         assert_eq!(pc.lookup("r", &c, 4, 20).len(), 3);
         // a cap below one page keeps nothing
         let none = PrefixCache::new(16);
-        none.insert("r", &a, 4, &cache_of(&a), 8).unwrap();
+        none.insert("r", &a, 4, &cache_of(&a), 8, &[]).unwrap();
         assert_eq!(none.stats().pages, 0);
     }
 }

@@ -27,13 +27,16 @@
 //! starts the cache from the longest cached prefix of the prompt (`seed`: a whole number of grid blocks, short of
 //! the carry row's block on shifted models) and prefills the rest; when the generation ends it offers its committed
 //! K/V back (`offer_prefix`), up to the first K/V that another grid made (S2D2's causal commits, TCCF's answer).
+//! A hybrid's hit also restores its recurrent states, from a snapshot kept at a page's end: its prefill is cut at
+//! every [`SNAPSHOT_STRIDE`]-th position and at the prompt's last page boundary, and each commit that ends on a page
+//! boundary notes the states there (`note_snapshot`).
 
 use crate::decode::cache_policy::{CachePolicy, PrefixWindow};
 use crate::decode::decoder::Decoder;
 use crate::error::{Error, Result};
-use crate::generate::prefix::{page_size, root_key, PrefixCache};
+use crate::generate::prefix::{page_size, root_key, PrefixCache, SNAPSHOT_STRIDE};
 use crate::model::Model;
-use crate::net::kv_cache::KvCache;
+use crate::net::kv_cache::{KvCache, Snapshot};
 use crate::net::mask::{chunks, PREFILL_CHUNK};
 use crate::net::mask::{Alignment, AttentionKind, BlockGrid, MaskSpec};
 use crate::net::segment::Segment;
@@ -106,6 +109,9 @@ pub struct Window {
     pub prefill_ms: f64,
     /// Prompt positions whose K/V came from the prefix cache.
     pub cached_tokens: usize,
+    /// A hybrid's recurrent states at page boundaries it committed (position, states): every `SNAPSHOT_STRIDE`-th,
+    /// then the latest other one.
+    snapshots: Vec<(usize, Snapshot)>,
 }
 
 /// A generation's place in the prefix cache: the cache, its tree (grid and salt) and page size.
@@ -127,7 +133,6 @@ impl Window {
     ) -> Result<Window> {
         let cache = model.new_cache()?;
         let exact = policy == CachePolicy::Exact
-            && !cache.has_recurrent()
             && grid.then.is_none()
             && match grid.kind {
                 AttentionKind::Causal => true,
@@ -162,35 +167,51 @@ impl Window {
             positions_forwarded: 0,
             prefill_ms: 0.0,
             cached_tokens: 0,
+            snapshots: vec![],
         })
+    }
+
+    /// A hybrid using the prefix cache: note its recurrent states when the committed positions end on a page
+    /// boundary (kept at every `SNAPSHOT_STRIDE`-th position; otherwise only the latest).
+    fn note_snapshot(&mut self) {
+        let Some(u) = &self.prefix else { return };
+        let n = self.cache.len();
+        if !self.cache.has_recurrent()
+            || n == 0
+            || !n.is_multiple_of(u.page)
+            || self.snapshots.last().is_some_and(|s| s.0 == n)
+        {
+            return;
+        }
+        if self.snapshots.last().is_some_and(|s| !s.0.is_multiple_of(SNAPSHOT_STRIDE)) {
+            self.snapshots.pop();
+        }
+        self.snapshots.push((n, self.cache.recurrent_snapshot()));
     }
 
     /// Start the cache from the longest cached prefix of `canvas[..limit]` that ends on a grid boundary; returns
     /// its length (0 without a prefix cache or a hit).
     fn seed(&mut self, canvas: &[u32], limit: usize) -> Result<usize> {
         let Some(u) = &self.prefix else { return Ok(0) };
-        let pages = u.cache.lookup(&u.root, canvas, u.page, limit);
-        let mut h = (pages.len() * u.page).min(limit);
-        while h > 0 && !self.grid.is_boundary(h) {
-            h -= 1;
-        }
-        let mut left = h;
-        for rows in pages {
-            if left == 0 {
-                break;
+        let mut pages = u.cache.lookup(&u.root, canvas, u.page, limit);
+        let h = if self.cache.has_recurrent() {
+            // whole pages, up to the last one that kept the recurrent states at its end
+            let k = pages.iter().rposition(|p| p.snapshot.is_some()).map_or(0, |i| i + 1);
+            pages.truncate(k);
+            let rows: Vec<_> = pages.iter().map(|p| p.rows.clone()).collect();
+            if let Some(last) = pages.last() {
+                self.cache.start_from(&rows, k * u.page, last.snapshot.as_ref())?;
             }
-            let n = left.min(u.page);
-            if n == u.page {
-                self.cache.append_rows(&rows)?;
-            } else {
-                let cut = rows
-                    .iter()
-                    .map(|(k, v)| Ok((k.narrow(1, 0, n)?, v.narrow(1, 0, n)?)))
-                    .collect::<Result<Vec<_>>>()?;
-                self.cache.append_rows(&cut)?;
+            k * u.page
+        } else {
+            let mut h = (pages.len() * u.page).min(limit);
+            while h > 0 && !self.grid.is_boundary(h) {
+                h -= 1;
             }
-            left -= n;
-        }
+            let rows: Vec<_> = pages.into_iter().map(|p| p.rows).collect();
+            self.cache.start_from(&rows, h, None)?;
+            h
+        };
         u.cache.record_hit(h);
         self.cached_tokens = h;
         Ok(h)
@@ -210,7 +231,7 @@ impl Window {
         if let Some(t) = self.grid.then {
             n = n.min(t.at);
         }
-        u.cache.insert(&u.root, tokens, u.page, &self.cache, n)
+        u.cache.insert(&u.root, tokens, u.page, &self.cache, n, &self.snapshots)
     }
 
     pub fn policy(&self) -> CachePolicy {
@@ -262,7 +283,22 @@ impl Window {
     /// Queue the prompt's prefill [start, end) into the cache (holding [0, start)), in chunks; with `carry`, the
     /// last chunk's last row gives the logits of the position after it (shifted profiles).
     fn queue_prefill(&mut self, start: usize, end: usize, carry: bool) {
-        let cs = chunks(&self.grid, start, end);
+        let mut cs = chunks(&self.grid, start, end);
+        if let Some(u) = self.prefix.as_ref().filter(|_| self.cache.has_recurrent()) {
+            // a hybrid's chunks also end where its recurrent states are kept: every SNAPSHOT_STRIDE-th position
+            // and the prompt's last page boundary
+            let last = end / u.page * u.page;
+            let cuts: Vec<usize> =
+                (start + 1..end).filter(|&p| p.is_multiple_of(SNAPSHOT_STRIDE) || p == last).collect();
+            cs = cs
+                .into_iter()
+                .flat_map(|(s, e)| {
+                    let inner: Vec<usize> = cuts.iter().copied().filter(|&c| c > s && c < e).collect();
+                    let bounds: Vec<usize> = std::iter::once(s).chain(inner).chain(std::iter::once(e)).collect();
+                    bounds.windows(2).map(|w| (w[0], w[1])).collect::<Vec<_>>()
+                })
+                .collect();
+        }
         let n = cs.len();
         for (i, (s, e)) in cs.into_iter().enumerate() {
             let last = i + 1 == n;
@@ -602,6 +638,7 @@ impl Window {
         match piece.kind {
             PieceKind::Prefill { last } => {
                 self.cache.commit(len)?;
+                self.note_snapshot();
                 if last {
                     if self.shift && !piece.rows.is_empty() {
                         self.carry = Some(logits);
@@ -620,6 +657,7 @@ impl Window {
                 self.scratch = None;
                 let out = self.finish_window(piece, commit_end, suffix, logits)?;
                 self.frontier = commit_end;
+                self.note_snapshot();
                 Ok(Some((std::mem::take(&mut self.positions), out)))
             }
             PieceKind::Strided => {

@@ -14,6 +14,9 @@ use crate::error::{Error, Result};
 use crate::kernels::delta_rule::{advance, DeltaShape};
 use candle_core::{DType, Device, Tensor};
 
+/// The recurrent states of a sequence at one position, per Gated DeltaNet layer (state, convolution history).
+pub type Snapshot = Vec<(Tensor, Tensor)>;
+
 /// A Gated DeltaNet layer's dimensions as its cache needs them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RecurrentShape {
@@ -322,11 +325,60 @@ impl KvCache {
             .collect()
     }
 
-    /// Append K/V rows as committed positions (per layer (K, V), each (n_kv, n, head_dim), as `copy_rows` gave
-    /// them): a sequence starting from a cached prefix. Refused with recurrent states (their snapshot would have
-    /// to come with the rows).
-    pub fn append_rows(&mut self, rows: &[(Tensor, Tensor)]) -> Result<()> {
-        self.refuse_recurrent("appending cached K/V rows")?;
+    /// The recurrent states at the committed frontier, per Gated DeltaNet layer (state, convolution history): the
+    /// tensors themselves, shared (a commit replaces them, never writes into them). Empty without recurrent layers.
+    pub fn recurrent_snapshot(&self) -> Snapshot {
+        self.recurrent.iter().map(|r| (r.state.clone(), r.conv.clone())).collect()
+    }
+
+    /// Bytes a `recurrent_snapshot` holds.
+    pub fn snapshot_bytes(&self) -> usize {
+        self.recurrent_bytes()
+    }
+
+    /// Start an empty cache from a cached prefix: K/V rows appended in order (`copy_rows`' shape), the first `n`
+    /// positions of them; with recurrent layers, `recurrent` is their state at position `n` (a snapshot taken
+    /// there) and every row is taken.
+    pub fn start_from(
+        &mut self,
+        pages: &[Vec<(Tensor, Tensor)>],
+        n: usize,
+        recurrent: Option<&Snapshot>,
+    ) -> Result<()> {
+        if self.len != 0 || self.window != 0 {
+            return Err(Error::Internal("a cache starts from a prefix only when empty".into()));
+        }
+        let total =
+            pages.iter().map(|p| p.first().map_or(Ok(0), |(k, _)| k.dim(1))).sum::<candle_core::Result<usize>>()?;
+        if self.has_recurrent() {
+            let snap = recurrent.filter(|s| s.len() == self.recurrent.len() && n == total).ok_or_else(|| {
+                Error::Internal("a recurrent cache starts only from whole pages with the states at their end".into())
+            })?;
+            for (r, (state, conv)) in self.recurrent.iter_mut().zip(snap) {
+                r.state = state.clone();
+                r.conv = conv.clone();
+                r.window = None;
+            }
+        }
+        let mut left = n.min(total);
+        for page in pages {
+            let Some((k0, _)) = page.first() else { continue };
+            let take = left.min(k0.dim(1)?);
+            if take == 0 {
+                break;
+            }
+            let cut = page
+                .iter()
+                .map(|(k, v)| Ok((k.narrow(1, 0, take)?, v.narrow(1, 0, take)?)))
+                .collect::<Result<Vec<_>>>()?;
+            self.append_rows(&cut)?;
+            left -= take;
+        }
+        Ok(())
+    }
+
+    /// Append K/V rows as committed positions (per layer (K, V), each (n_kv, n, head_dim)).
+    fn append_rows(&mut self, rows: &[(Tensor, Tensor)]) -> Result<()> {
         let Some((k0, _)) = rows.first() else { return Ok(()) };
         let n = k0.dim(1)?;
         if rows.len() != self.n_layers || self.window != 0 {
