@@ -129,6 +129,7 @@ from transformers import (Qwen2Config, Qwen2ForCausalLM, Qwen3_5ForCausalLM, Qwe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tasks import CHAT_TEMPLATE, TASKS, V1_TASKS, correct, held_out_set, render, sample  # noqa: E402
+import tool_tasks  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from reference.decoder import completion_tokens, reference_isd  # noqa: E402
@@ -189,6 +190,15 @@ FAMILIES = {
         pad="<|endoftext|>", shift=True, objectives={"idlm": 1}, blocks={1: 1, 2: 1, 3: 2, 5: 1, 7: 1},
         tasks=UNIFORM_TASKS, eval_block=3, ce_alpha=1.0,
         name="mbd-idlm-tiny (I-DLM-style twin)"),
+    # the tools twin: mbd-tiny's layout, tokenizer and specials, warm-started from its weights (--init), a 512-token
+    # context and TOOLS_TEMPLATE (training/tool_tasks.py); samples drawn by kind (tool_mix), old tasks at tiny's mix
+    "tools": dict(
+        arch="qwen3", hidden=256, layers=7, heads=8, kv_heads=2, head_dim=32, inter=640, tie=True,
+        specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"], mask_str="<|mask|>", mask_last=False,
+        pad="<|endoftext|>", shift=False, objectives={"d2f": 3, "bd3": 1}, blocks={1: 1, 2: 1, 4: 3, 8: 2, 16: 1},
+        tasks=TASK_WEIGHTS, lr=1e-3, eval_block=4, max_pos=512, row=256,
+        tool_mix={"call": 0.35, "result": 0.3, "plain": 0.15, "bare": 0.2},
+        chat_template=tool_tasks.TOOLS_TEMPLATE, name="mbd-tools-tiny (tool calls)"),
 }
 
 
@@ -234,15 +244,21 @@ def pick(r, weights):
     return r.choices(keys, weights=[weights[k] for k in keys])[0]
 
 
-def draw_samples(r, ids, n, tasks, full=False):
+def draw_samples(r, ids, n, tasks, full=False, tool_mix=None):
     """n training instances: (prompt ids, target ids = answer ++ <|im_end|> ++ pads up to the canvas end).
     full (full attention): every position of the canvas is seen, so in DREAM_LONG of the samples the canvas spans
     what max_tokens does at inference (up to DREAM_CANVAS), not just a few pads past the answer (the rest keep the
-    short canvases: mostly-pad canvases spend the compute on trivially predicted pads)."""
+    short canvases: mostly-pad canvases spend the compute on trivially predicted pads).
+    tool_mix (the tools family): the kind of each sample drawn by these weights (training/tool_tasks.py), the
+    prompt rendered with its template."""
     out = []
     for _ in range(n):
-        _, p, a = sample(r, held_out=False, task=pick(r, tasks))
-        pr = ids.encode(render(p))
+        if tool_mix:
+            p, a = tool_tasks.draw(r, pick(r, tool_mix), held_out=False, task_weights=tasks)
+            pr = ids.encode(p)
+        else:
+            _, p, a = sample(r, held_out=False, task=pick(r, tasks))
+            pr = ids.encode(render(p))
         an = ids.encode(a) + [ids.im_end]
         if full and r.random() < DREAM_LONG:
             extra = r.randint(0, max(0, DREAM_CANVAS - len(an)))
@@ -393,7 +409,8 @@ def make_batch(r, g, ids, spec, bsz):
     obj = pick(r, spec["objectives"])
     B = pick(r, spec["blocks"])
     n = bsz // 2 if obj == "bd3c" else bsz
-    items = noise(r, g, draw_samples(r, ids, n, spec["tasks"], full=obj in FULL_OBJECTIVES), obj, B)
+    items = noise(r, g, draw_samples(r, ids, n, spec["tasks"], full=obj in FULL_OBJECTIVES,
+                                     tool_mix=spec.get("tool_mix")), obj, B)
     inp, mask, posid, sel = build(items, obj, B, spec["shift"], ids, spec.get("row", ROW_LEN), spec.get("unpacked", False),
                                   spec.get("ce_alpha", 1.0))
     return obj, B, inp, mask, posid, sel
@@ -411,7 +428,7 @@ def loss_of(logits, sel):
 def build_model(spec, ids):
     kw = dict(vocab_size=ids.vocab, hidden_size=spec["hidden"], intermediate_size=spec["inter"],
               num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"], num_key_value_heads=spec["kv_heads"],
-              max_position_embeddings=MAX_POS, rope_theta=10000.0, rms_norm_eps=1e-6,
+              max_position_embeddings=spec.get("max_pos", MAX_POS), rope_theta=10000.0, rms_norm_eps=1e-6,
               tie_word_embeddings=spec["tie"], pad_token_id=ids.pad, bos_token_id=ids.endoftext)
     if spec["arch"] == "qwen35":
         kw.pop("rope_theta")
@@ -454,7 +471,7 @@ def family_config(family, spec, ids, cfg):
     """config.json as the family's real checkpoints write it (plus the Qwen fields our loader and transformers read)."""
     cfg = dict(cfg)
     cfg["dtype"] = "bfloat16"
-    if family == "tiny":
+    if family in ("tiny", "tools"):
         cfg.update(block_size=4, mask_token_id=ids.mask, mbd_family="mbd-tiny", mbd_tiny_version=2,
                    eos_token_id=[ids.im_end, ids.endoftext], pad_token_id=ids.pad, bos_token_id=ids.endoftext)
         return cfg
@@ -509,7 +526,8 @@ def save_checkpoint(model, out, family, spec, ids):
     json.dump(cfg, open(cpath, "w"), indent=2, sort_keys=True)
     ids.tok.save(os.path.join(out, "tokenizer.json"))
     json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": spec["pad"],
-               "mask_token": spec["mask_str"], "chat_template": CHAT_TEMPLATE, "model_max_length": MAX_POS},
+               "mask_token": spec["mask_str"], "chat_template": spec.get("chat_template", CHAT_TEMPLATE),
+               "model_max_length": spec.get("max_pos", MAX_POS)},
               open(os.path.join(out, "tokenizer_config.json"), "w"), indent=1)
     gen = {"bos_token_id": ids.endoftext, "eos_token_id": [ids.im_end, ids.endoftext], "pad_token_id": ids.pad}
     if family == "fast_dllm_v2":
@@ -654,9 +672,22 @@ def write_card(out, family, spec, ids, st):
                 f"{spec['eval_block']} = ISD stride {spec['eval_block'] + 1}), config.json does not say that the "
                 "model is causal and shifted: load it with `mbd_rs.Engine.load(path, attention=\"causal\", "
                 "logits_shift=True)` and decode with `speculative=\"isd\"`."] if family == "idlm" else []),
-             "- Chat template: `<|im_start|>{role}\\n{content}<|im_end|>\\n`, generation prompt `<|im_start|>assistant\\n` "
-             "(v1's).", "",
+             *(["- Chat template: `<|im_start|>{role}\\n{content}<|im_end|>\\n`, generation prompt "
+                "`<|im_start|>assistant\\n` (v1's)."] if family != "tools" else [
+                 "- Chat template: `TOOLS_TEMPLATE` of training/tool_tasks.py: v1's `<|im_start|>{role}\\n{content}"
+                 "<|im_end|>\\n` turns; with `tools`, first a system turn listing them compactly (`tools: "
+                 "get_weather(city) get_time(city)`: each function's name and parameter names, not its schema); an "
+                 "assistant's `tool_calls` as Hermes' `<tool_call>\\n{\"name\": ..., \"arguments\": {...}}\\n"
+                 "</tool_call>` (the layout of the engine's tool grammar), a tool's answer as a `tool` turn. "
+                 f"Context {spec.get('max_pos', MAX_POS)} positions (mbd-tiny has {MAX_POS})."]), "",
              "## Data",
+             *([f"Sample kinds (training/tool_tasks.py), weights {spec['tool_mix']}: `call` a weather or time "
+                "request for a city (real and made-up names, varied phrasings) with the tools listed, answered by "
+                "the call; `result` the same conversation with the call and the tool's JSON answer, answered in "
+                "words (\"It is 18 degrees and sunny in Paris.\"); `plain` an old task with the tools listed and "
+                "`bare` one without, answered as before (no call). Held out as the old tasks: a user message whose "
+                "character codes sum to a multiple of 7 never occurs in training. Old tasks:"]
+               if family == "tools" else []),
              f"`training/tasks.py` task families ({', '.join(spec['tasks'])}), training split only: a prompt "
              "is held out iff the sum of its character codes is a multiple of 7. Task weights "
              + ", ".join(f"{k} {v}" for k, v in spec["tasks"].items()) + ". Fresh samples every step "
@@ -694,6 +725,22 @@ def write_card(out, family, spec, ids, st):
                          + " | ".join(f"{100 * v['per_task'][t]:.0f}" for t in TASKS) + " |")
     else:
         lines.append("(not evaluated yet)")
+    te = os.path.join(out, "tool_eval.json")
+    if family == "tools" and os.path.exists(te):
+        tv = json.load(open(te))
+        lines += ["", "## Tool calls (the engine, `training/eval_tools.py`)",
+                  f"Held-out prompts: {tv['held_out_calls']} weather/time requests with the tools listed and "
+                  f"`tool_choice=\"auto\"` (right: one call, the right function, `{{\"city\": <the city>}}`), "
+                  f"{tv['held_out_round_trips']} conversations ending in the tool's answer (right: words, no call, "
+                  f"with the answer's values and the city), {tv['old_per_task']} held-out instances per old task "
+                  "family (tasks.correct; with the tools listed too, where no call is right).", "",
+                  "| decoding | calls | calls naming the right function | round trip | round trip, values stated "
+                  "| old tasks | old tasks, tools listed | tokens/forward |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for k, v in tv["results"].items():
+            lines.append(f"| {k} | {100 * v['calls']:.0f}% | {100 * v['calls_right_function']:.0f}% | "
+                         f"{100 * v['round_trip']:.0f}% | {100 * v['round_trip_values']:.0f}% | {100 * v['old_tasks']:.0f}% | "
+                         f"{100 * v['old_tasks_tools_listed']:.0f}% | {v['tokens_per_forward']:.2f} |")
     lines += ["", "Engine results (`benches/decoding/eval_tiny.py --model DIR`): benches/results/models-twins.md.", ""]
     open(os.path.join(out, "README.md"), "w").write("\n".join(lines))
 
