@@ -30,6 +30,14 @@ is a multiple of 7). One seeded script; the device is picked automatically (CUDA
                            `mask_token_id`), STRICTLY CAUSAL, SHIFTED logits; mask `<|mask|>` last (id 99). Objective
                            idlm only. Nothing in the config says causal + shifted (as in the real one): the engine loads
                            it with `attention="causal", logits_shift=True` and decodes it with `speculative="isd"`.
+    --family tools         mbd-tools-tiny: the tiny family's layout, tokenizer and specials with a 512-token context
+                           and training/tool_tasks.py's TOOLS_TEMPLATE (a compact tool list, Hermes' <tool_call>);
+                           warm-started from mbd-tiny (--init). Its samples are drawn by kind (tool_mix: call,
+                           result, plain = an old task with the tools listed, bare = without); lr 1e-3. Its tool
+                           results come from the engine: training/eval_tools.py DIR writes DIR/tool_eval.json, then
+                           --recard DIR --eval-per-task 0 puts them in the card. As trained (training/README.md):
+        /tmp/devenv/bin/python training/train.py --family tools --init python/mbd_rs/models/mbd-tiny \
+            --out /work/trained/mbd-tools-tiny --minutes 65 --steps 100000 --batch 32 --threads 1 --objectives d2f:1
 
 Every output directory is a genuine HF checkpoint: Qwen3ForCausalLM / Qwen2ForCausalLM load its
 model.safetensors with no missing or unexpected keys (`--check DIR` verifies it). Weights are stored in bf16.
