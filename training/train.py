@@ -792,6 +792,10 @@ def family_spec(args):
     if args.tasks:
         spec["tasks"] = mixture(args.tasks, str)
         assert set(spec["tasks"]) <= set(TASKS), f"unknown task in --tasks (known: {', '.join(TASKS)})"
+    if args.tool_mix:
+        assert spec.get("tool_mix"), "--tool-mix is for the tools family"
+        spec["tool_mix"] = mixture(args.tool_mix, str)
+        assert set(spec["tool_mix"]) <= {"call", "result", "plain", "bare"}, "kinds: call, result, plain, bare"
     if args.layers:
         spec["layers"] = args.layers
     if args.inter:
@@ -986,6 +990,7 @@ def main():
     ap.add_argument("--objectives", help="override the family's objective mixture, e.g. dream:1,dream_prog:1")
     ap.add_argument("--blocks", help="override the family's block-size mixture, e.g. 1:1,2:1,4:2,8:1")
     ap.add_argument("--tasks", help="override the task mixture, e.g. sort:1,reverse:1,repeat:1,hello:1,add:1,count:1")
+    ap.add_argument("--tool-mix", help="tools family: override the sample kinds' weights, e.g. call:2,result:2,bare:1")
     ap.add_argument("--layers", type=int, help="override the family's layer count")
     ap.add_argument("--inter", type=int, help="override the family's MLP width")
     ap.add_argument("--ce-alpha", type=float, default=None, help="idlm: weight of the clean (AR) cross-entropy beside "
