@@ -90,6 +90,7 @@ BLOCK_CAUSAL = [
 ])
 def test_a_hit_decodes_as_a_cold_request_in_every_block_causal_mode(model, load, kw):
     on, off = _engines(model, load)
+    assert on.info.prefix_cache == "exact"
     check_mode(on, off, dict(kw, logprobs=2) if "speculative" not in kw else kw, seed=len(str(kw)) + len(model))
 
 
@@ -112,6 +113,7 @@ def test_a_hybrid_hit_restores_the_recurrent_state(load, kw):
     """Qwen3.5 (Gated DeltaNet and softmax layers): a hit ends where a page kept the recurrent states (the
     prompt's last page boundary, every 512th position), restores them and decodes as a cold request."""
     on, off = _engines("qwen35_hybrid", load)
+    assert on.info.prefix_cache == "exact, with recurrent-state snapshots"
     check_mode(on, off, dict(kw, logprobs=2), seed=21)
     s = on.prefix_cache_stats()
     assert s.hits > 0 and s.pages > 0
@@ -148,6 +150,7 @@ def test_tccf_and_the_trained_model_hit_too():
 ])
 def test_where_it_would_not_be_exact_the_cache_is_not_used(model, load, why):
     on, off = _engines(model, load)
+    assert on.info.prefix_cache.startswith("off: "), on.info.prefix_cache
     on.clear_prefix_cache()
     base, rest = prompts(4, on.info.vocab_size)
     for p in [base, base, rest[0]]:

@@ -48,7 +48,7 @@ def test_loads_as_mbd_tiny_with_a_tool_template(twin):
 
 def test_engine_renders_conversations_as_training_did(twin):
     """The engine's template rendering (minijinja) of requests, round trips and system turns is the text the twin
-    was trained on (training/tool_tasks.render_chat)."""
+    was trained on (`render_chat` in training/tool_tasks.py)."""
     cases = [(m, t) for m, t, _, _ in held_out_calls(4)] + [(m, t) for m, t, _, _ in held_out_results(4)]
     cases.append(([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "sort 3 1 2"}],
                   [TIME, WEATHER]))

@@ -150,6 +150,7 @@ class ModelInfo:
     attention: str
     alignment: str
     logits_shift: bool
+    prefix_cache: str  # "exact" where the prefix cache serves requests under the model's grid, else "off: " and why
     dtype: str
     stored_dtype: Optional[str]
     device: str

@@ -132,13 +132,7 @@ impl Window {
         prefix: Option<(Arc<PrefixCache>, &str)>,
     ) -> Result<Window> {
         let cache = model.new_cache()?;
-        let exact = policy == CachePolicy::Exact
-            && grid.then.is_none()
-            && match grid.kind {
-                AttentionKind::Causal => true,
-                AttentionKind::BlockCausal => grid.alignment == Alignment::Absolute,
-                AttentionKind::Full => false,
-            };
+        let exact = policy == CachePolicy::Exact && grid.prefix_stable().is_ok();
         let prefix = prefix.filter(|(c, _)| exact && c.capacity() > 0).map(|(cache, salt)| PrefixUse {
             cache,
             root: root_key(&grid, salt),

@@ -2,6 +2,7 @@
 //! (serde), and Python's `mbd_rs.ModelInfo` has exactly these fields (`MODEL_INFO_FIELDS`, checked by a test).
 
 use crate::model::Model;
+use crate::net::mask::BlockGrid;
 use crate::params::load::{device_name, dtype_name};
 use serde::Serialize;
 
@@ -47,6 +48,9 @@ pub struct ModelInfo {
     pub attention: String,
     pub alignment: String,
     pub logits_shift: bool,
+    /// Whether the prefix cache serves this model's requests under its own grid: "exact" (hybrids: "exact, with
+    /// recurrent-state snapshots"), or "off: " and why ([`BlockGrid::prefix_stable`](crate::net::mask::BlockGrid::prefix_stable)).
+    pub prefix_cache: String,
     pub dtype: String,
     pub stored_dtype: Option<String>,
     pub device: String,
@@ -89,6 +93,7 @@ pub const MODEL_INFO_FIELDS: &[(&str, &str)] = &[
     ("attention", "str"),
     ("alignment", "str"),
     ("logits_shift", "bool"),
+    ("prefix_cache", "str"),
     ("dtype", "str"),
     ("stored_dtype", "Optional[str]"),
     ("device", "str"),
@@ -132,6 +137,14 @@ impl Model {
             attention: p.attention.name().into(),
             alignment: p.alignment.name().into(),
             logits_shift: p.logits_shift,
+            prefix_cache: match BlockGrid::new(p.attention, p.block_size.max(1), p.alignment, 0)
+                .map(|g| g.prefix_stable())
+            {
+                Ok(Ok(())) if self.is_hybrid() => "exact, with recurrent-state snapshots".into(),
+                Ok(Ok(())) => "exact".into(),
+                Ok(Err(why)) => format!("off: {why}"),
+                Err(e) => format!("off: {e}"),
+            },
             dtype: dtype_name(self.dtype()).into(),
             stored_dtype: p.stored_dtype.clone(),
             device: device_name(self.device()),

@@ -116,6 +116,20 @@ impl BlockGrid {
         }
     }
 
+    /// Whether the K/V this grid gives positions [0, n), for every boundary n, depend only on the tokens [0, n): then
+    /// a later sequence that begins with the same n tokens has the same K/V there (the prefix cache's condition,
+    /// [`generate::prefix`](crate::generate::prefix)). Err says why not.
+    pub fn prefix_stable(&self) -> std::result::Result<(), &'static str> {
+        match (self.kind, self.alignment) {
+            _ if self.then.is_some() => Err("the grid switches block sizes (TCCF's answer)"),
+            (AttentionKind::Causal, _) | (AttentionKind::BlockCausal, Alignment::Absolute) => Ok(()),
+            (AttentionKind::BlockCausal, Alignment::Prompt) => {
+                Err("blocks aligned at the prompt's end: the prompt is one block")
+            }
+            (AttentionKind::Full, _) => Err("full attention: a prompt's K/V depend on the masks after it"),
+        }
+    }
+
     /// Whether keys before `p` never attend to keys at or after `p`, i.e. whether K/V of [0, p) can be
     /// computed (and cached) without knowing anything at positions >= p.
     pub fn is_boundary(&self, p: usize) -> bool {
