@@ -9,7 +9,8 @@ import mbd_rs
 
 
 def test_a_long_prefill_cut_beside_small_streams_changes_no_output(long_context_model):
-    eng = mbd_rs.Engine.load(long_context_model)
+    # no prefix cache: the same long prompt runs three times, and each must be a whole prefill
+    eng = mbd_rs.Engine.load(long_context_model, prefix_cache=0)
     msgs = [{"role": "user", "content": "sort 3 1 2"}]
     small_alone = eng.chat(msgs, max_tokens=8)
     prompt = [87] * 3000

@@ -51,7 +51,7 @@ def main():
         import torch
         import transformers
         torch.set_num_threads(os.cpu_count())
-    eng = mbd_rs.Engine.load(args.model, device="cpu")
+    eng = mbd_rs.Engine.load(args.model, device="cpu", prefix_cache=0)  # every method pays its own prefill
     info = eng.info
     r = random.Random(99)
     prompts = [eng.tokenize(eng.apply_chat_template([{"role": "user", "content": sample(r, True, t)[1]}]), add_special_tokens=False)

@@ -115,7 +115,8 @@ def main():
     ap.add_argument("--out", default=os.path.join(RESULTS, "batching.json"))
     a = ap.parse_args()
     # no EOS: every request decodes exactly max_tokens (comparable across N and runs)
-    eng = mbd_rs.Engine.load(None if a.model == "tiny" else a.model, eos_token_ids=[])
+    # prefix_cache=0: the sequential and concurrent runs repeat the prompts, and this measures batching alone
+    eng = mbd_rs.Engine.load(None if a.model == "tiny" else a.model, eos_token_ids=[], prefix_cache=0)
     eng.set_batching(max_batch=64, max_batch_rows=4096)
     print(f"model {eng.info.path}: {eng.info.num_parameters / 1e6:.1f}M params, {eng.info.weight_bytes / 2**20:.0f} MiB "
           f"held, {mbd_rs._core.cpu_threads} threads", flush=True)

@@ -53,7 +53,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=os.path.join(RESULTS, "serve_batching.json"))
     a = ap.parse_args()
-    eng = mbd_rs.Engine.load(a.model, eos_token_ids=[])  # fixed-length answers
+    eng = mbd_rs.Engine.load(a.model, eos_token_ids=[], prefix_cache=0)  # fixed-length answers; batching alone
     ns = [int(x) for x in a.clients.split(",")]
     port = free_port()
     app = create_app(eng, model_name="m", max_concurrency=max(ns), max_queue=0)
