@@ -6,7 +6,8 @@ the cache off. Interleaved per round, ratios paired per round, medians reported.
     python scripts/make_bench_model.py                      # /tmp/mbd-bench/qwen2.5-0.5b-shape (f32)
     python benches/serving/prefix_cache.py [--model DIR] [--quantize q8_0] [--lengths 512,2048] [--rounds 3]
 
-Writes benches/results/batching-serving/prefix_cache-FORMAT.json (--out). One thread count for everything (the machine's).
+Writes prefix_cache-f32.json (or the --quantize format's name) in benches/results/batching-serving/ (--out).
+One thread count for everything (the machine's).
 """
 import argparse
 import json
@@ -25,7 +26,7 @@ ap.add_argument("--quantize", default=None)
 ap.add_argument("--lengths", default="512,2048")
 ap.add_argument("--new", type=int, default=32, help="new tokens after the shared prefix")
 ap.add_argument("--rounds", type=int, default=3)
-ap.add_argument("--out", default=None, help="default: benches/results/batching-serving/prefix_cache-FORMAT.json")
+ap.add_argument("--out", default=None, help="default: prefix_cache-{format}.json in the results folder")
 args = ap.parse_args()
 args.out = args.out or os.path.join(os.path.dirname(__file__), "..", "results", "batching-serving",
                                     f"prefix_cache-{args.quantize or 'f32'}.json")
