@@ -207,7 +207,7 @@ impl PrefixCache {
         for (i, chunk) in tokens[..n].chunks_exact(page).enumerate() {
             let end = (i + 1) * page;
             let snapshot = snapshots.iter().find(|s| s.0 == end).map(|s| s.1.clone());
-            let snap_bytes = if snapshot.is_some() { cache.snapshot_bytes() } else { 0 };
+            let snap_bytes = if snapshot.is_some() { cache.recurrent_bytes() } else { 0 };
             if let Some(&next) = g.node(at).children.get(chunk) {
                 g.node_mut(next).last_used = tick;
                 at = next;

@@ -331,11 +331,6 @@ impl KvCache {
         self.recurrent.iter().map(|r| (r.state.clone(), r.conv.clone())).collect()
     }
 
-    /// Bytes a `recurrent_snapshot` holds.
-    pub fn snapshot_bytes(&self) -> usize {
-        self.recurrent_bytes()
-    }
-
     /// Start an empty cache from a cached prefix: K/V rows appended in order (`copy_rows`' shape), the first `n`
     /// positions of them; with recurrent layers, `recurrent` is their state at position `n` (a snapshot taken
     /// there) and every row is taken.
