@@ -94,6 +94,14 @@ def test_python_api_doc_example():
     assert len(expectations(code)) == 5
 
 
+def test_python_api_asyncio_example():
+    (code,) = blocks("asyncio", "python", doc="docs/python-api.md")
+    out = run_python(code)
+    for want in expectations(code):
+        assert shows(want, out), (want, out)
+    assert len(expectations(code)) == 2
+
+
 def test_structured_outputs_doc_example():
     pytest.importorskip("pydantic")
     (code, *_) = blocks("", "python", doc="docs/structured-outputs.md")

@@ -2,10 +2,12 @@
 every parameter's name, kind and range and does the work; this module only shapes calls and results."""
 from __future__ import annotations
 
+import asyncio
 import json
 import textwrap
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+import weakref
+from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -258,6 +260,33 @@ class Engine:
         return self.stream_chat(messages, special_tokens_in_content=special_tokens_in_content, tools=tools,
                                 tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls, **params).result()
 
+    async def astream(self, prompt: Prompt, *, raw: bool = False, **params: Unpack[GenerationParams]) -> "Stream":
+        """`stream`, started off the event loop (tokenizing and rendering a long prompt take a while); iterate the
+        Stream with `async for`."""
+        return await _started_off_loop(lambda: self.stream(prompt, raw=raw, **params))
+
+    async def agenerate(self, prompt: Prompt, *, raw: bool = False, **params: Unpack[GenerationParams]) -> Completion:
+        """`generate` for asyncio: the event loop runs on while the generation does (many at once are batched);
+        cancelling the awaiting task cancels the generation and frees its place at once."""
+        s = await self.astream(prompt, raw=raw, **params)
+        return await s.aresult()
+
+    async def astream_chat(self, messages: Sequence[Message], *, special_tokens_in_content: bool = False,
+                           tools: Optional[Sequence[Mapping[str, Any]]] = None, tool_choice: ToolChoice = None,
+                           parallel_tool_calls: Optional[bool] = None, **params: Unpack[GenerationParams]) -> "Stream":
+        """`stream_chat`, started off the event loop; iterate the Stream with `async for`."""
+        return await _started_off_loop(lambda: self.stream_chat(
+            messages, special_tokens_in_content=special_tokens_in_content, tools=tools, tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls, **params))
+
+    async def achat(self, messages: Sequence[Message], *, special_tokens_in_content: bool = False,
+                    tools: Optional[Sequence[Mapping[str, Any]]] = None, tool_choice: ToolChoice = None,
+                    parallel_tool_calls: Optional[bool] = None, **params: Unpack[GenerationParams]) -> Completion:
+        """`chat` for asyncio (see `agenerate`)."""
+        s = await self.astream_chat(messages, special_tokens_in_content=special_tokens_in_content, tools=tools,
+                                    tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls, **params)
+        return await s.aresult()
+
     def tool_plan(self, tools: Any, tool_choice: ToolChoice = None, parallel_tool_calls: Optional[bool] = None,
                   params: Optional[Mapping[str, Any]] = None) -> "tools_mod.ToolPlan":
         """What `tools` / `tool_choice` / `parallel_tool_calls` make of a chat request on this model: the tools as
@@ -295,6 +324,59 @@ def _messages_json(messages: Sequence[Message]) -> str:
         raise InvalidRequestError(f"messages must be JSON-serialisable dicts: {e}") from None
 
 
+async def _started_off_loop(start: "Any") -> "Stream":
+    """start() on a worker thread; a stream started after its caller was cancelled is closed at once."""
+    task = asyncio.ensure_future(asyncio.to_thread(start))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(lambda t: t.cancelled() or t.exception() is not None or t.result().close())
+        raise
+
+
+class _LoopWaker:
+    """One event loop's wake line: a descriptor the loop watches, readable when a stream set on it has an output
+    (the scheduler writes it); every stream waiting on this loop then polls its own."""
+
+    _of_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopWaker]" = weakref.WeakKeyDictionary()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.core = _core.CoreWaker()
+        self._loop = loop
+        self._ready: "Optional[asyncio.Future[None]]" = None
+        loop.add_reader(self.core.fileno(), self._readable)
+        weakref.finalize(self, _remove_reader, weakref.ref(loop), self.core.fileno())
+
+    @classmethod
+    def of_running_loop(cls) -> "_LoopWaker":
+        loop = asyncio.get_running_loop()
+        w = cls._of_loop.get(loop)
+        if w is None:
+            w = cls._of_loop[loop] = cls(loop)
+        return w
+
+    def _readable(self) -> None:
+        self.core.drain()
+        ready, self._ready = self._ready, None
+        if ready is not None and not ready.done():
+            ready.set_result(None)
+
+    async def wait(self) -> None:
+        """Until some stream of this loop has news (shielded: one waiter's cancel leaves the others waiting)."""
+        if self._ready is None:
+            self._ready = self._loop.create_future()
+        await asyncio.shield(self._ready)
+
+
+def _remove_reader(loop_ref: "weakref.ref[asyncio.AbstractEventLoop]", fd: int) -> None:
+    loop = loop_ref()
+    if loop is not None and not loop.is_closed():
+        try:
+            loop.remove_reader(fd)
+        except Exception:
+            pass
+
+
 def _usage(d: Optional[Dict[str, Any]]) -> Optional[Usage]:
     return None if d is None else Usage(**d)
 
@@ -309,7 +391,9 @@ def _token_logprob(t: "tuple[int, float, list[tuple[int, float]]]") -> TokenLogp
 
 class Stream:
     """Iterator of StreamChunk: text streams token by token as the left-to-right prefix becomes stable.
-    The last chunk has finish_reason and usage. Thread-safe cancel(); close() frees the KV cache now."""
+    The last chunk has finish_reason and usage. Thread-safe cancel(); close() frees the KV cache now.
+    `async for` iterates it on an asyncio event loop without a thread: the loop waits on a descriptor the scheduler
+    makes readable; a task cancelled while it waits closes the stream (the generation leaves at once)."""
 
     def __init__(self, core_stream: "_core.CoreStream", trace: bool, tools: "Optional[tools_mod.Format]" = None):
         self._s = core_stream
@@ -323,28 +407,57 @@ class Stream:
         self.logprobs: List[TokenLogprob] = []
         self.finish_reason: Optional[str] = None
         self.usage: Optional[Usage] = None
+        self._waker: Optional[_LoopWaker] = None
 
     def __iter__(self) -> Iterator[StreamChunk]:
         return self
 
     def __next__(self) -> StreamChunk:
         while not self._done:
-            d = self._s.step()
-            if d is None:
-                self._done = True
-                break
-            fin = d["finish_reason"]
-            if fin is not None:
-                self._done = True
-                self.finish_reason = fin
-                self.usage = _usage(d["usage"])
-            if d["text"] or d["token_ids"] or fin is not None or (self._trace and d["step"] is not None):
-                self.text += d["text"]
-                self.token_ids.extend(d["token_ids"])
-                lps = [_token_logprob(t) for t in d["logprobs"]]
-                self.logprobs.extend(lps)
-                return StreamChunk(d["text"], d["token_ids"], fin, _usage(d["usage"]), _step(d["step"]), lps)
+            chunk = self._take(self._s.step())
+            if chunk is not None:
+                return chunk
         raise StopIteration
+
+    def __aiter__(self) -> AsyncIterator[StreamChunk]:
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        waker = _LoopWaker.of_running_loop()
+        if self._waker is not waker:
+            self._waker = waker
+            self._s.set_waker(waker.core)  # before polling: an output that comes in between wakes too
+        try:
+            while not self._done:
+                ready, d = self._s.poll()
+                if not ready:
+                    await waker.wait()
+                    continue
+                chunk = self._take(d)
+                if chunk is not None:
+                    return chunk
+        except asyncio.CancelledError:
+            self.close()
+            raise
+        raise StopAsyncIteration
+
+    def _take(self, d: Optional[Dict[str, Any]]) -> Optional[StreamChunk]:
+        """One output of the core as a chunk (None: nothing to show, or the end)."""
+        if d is None:
+            self._done = True
+            return None
+        fin = d["finish_reason"]
+        if fin is not None:
+            self._done = True
+            self.finish_reason = fin
+            self.usage = _usage(d["usage"])
+        if d["text"] or d["token_ids"] or fin is not None or (self._trace and d["step"] is not None):
+            self.text += d["text"]
+            self.token_ids.extend(d["token_ids"])
+            lps = [_token_logprob(t) for t in d["logprobs"]]
+            self.logprobs.extend(lps)
+            return StreamChunk(d["text"], d["token_ids"], fin, _usage(d["usage"]), _step(d["step"]), lps)
+        return None
 
     def cancel(self) -> None:
         self._s.cancel()
@@ -357,6 +470,15 @@ class Stream:
         """Drain the stream and return the Completion."""
         for _ in self:
             pass
+        return self._completion()
+
+    async def aresult(self) -> Completion:
+        """`result` with `async for`."""
+        async for _ in self:
+            pass
+        return self._completion()
+
+    def _completion(self) -> Completion:
         if self.finish_reason is None or self.usage is None:
             raise InvalidRequestError("stream was closed before it finished")
         calls: List[ToolCall] = []

@@ -106,6 +106,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<engine::CoreEngine>()?;
     m.add_class::<stream::CoreStream>()?;
+    m.add_class::<stream::CoreWaker>()?;
     m.add_class::<engine::CancelToken>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("cuda_available", cfg!(feature = "cuda"))?;

@@ -45,7 +45,22 @@ struct Control {
     /// The stream's handle is gone: drop the generation.
     gone: AtomicBool,
     unread: AtomicUsize,
+    /// Called after each output is sent and when the generation leaves ([`StreamHandle::set_waker`]).
+    waker: Mutex<Option<Waker>>,
 }
+
+impl Control {
+    fn wake(&self) {
+        let w = self.waker.lock().ok().and_then(|w| w.clone());
+        if let Some(w) = w {
+            w();
+        }
+    }
+}
+
+/// Tells a reader that does not block on its stream (an event loop) that [`StreamHandle::try_next`] has something
+/// to give: called on the scheduler's thread, so it must be quick and must not wait for locks the reader holds.
+pub type Waker = Arc<dyn Fn() + Send + Sync>;
 
 struct Entry {
     gen: Generation,
@@ -120,6 +135,34 @@ enum Wait {
 }
 
 impl StreamHandle {
+    /// `next` without waiting: `Err(Waiting)` while no output is there.
+    pub fn try_next(&mut self) -> std::result::Result<Option<Result<StepOutput>>, Waiting> {
+        if self.done {
+            return Ok(None);
+        }
+        let r = match self.held.take() {
+            Some(h) => h,
+            None => match self.rx.try_recv() {
+                Ok(r) => {
+                    self.read_one();
+                    r
+                }
+                Err(std::sync::mpsc::TryRecvError::Empty) => return Err(Waiting),
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => return Ok(None),
+            },
+        };
+        Ok(Some(self.deliver(r)))
+    }
+
+    /// Call `waker` after every output sent to this stream from now on, and when its generation leaves (so that a
+    /// reader polling with [`try_next`](Self::try_next) needs no thread of its own). Set it before polling: an
+    /// output sent in between then wakes too.
+    pub fn set_waker(&self, waker: Waker) {
+        if let Ok(mut w) = self.c.ctl.waker.lock() {
+            *w = Some(waker);
+        }
+    }
+
     /// `next`, waiting at most `timeout` for the next output (a caller that must stay responsive, e.g. to an
     /// interrupt, polls with this).
     pub fn next_within(&mut self, timeout: Duration) -> std::result::Result<Option<Result<StepOutput>>, Waiting> {
@@ -367,9 +410,18 @@ impl Entry {
     }
 }
 
+impl Drop for Entry {
+    /// The generation leaves (finished, cancelled, failed or dropped): a reader waiting to be woken sees its end.
+    fn drop(&mut self) {
+        self.ctl.wake();
+    }
+}
+
 fn send(e: &Entry, r: Result<StepOutput>) -> bool {
     e.ctl.unread.fetch_add(1, Ordering::SeqCst);
-    e.tx.send(r).is_ok()
+    let sent = e.tx.send(r).is_ok();
+    e.ctl.wake();
+    sent
 }
 
 impl Batch {
