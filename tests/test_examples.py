@@ -18,6 +18,7 @@ EXPECT = {
     "quantize.py": ["q8_0", "q4_k", "-> d c b a"],
     "cancel.py": ["stream: cancelled", "logits:"],
     "serve_and_query.py": ["1 3 5 9", "prompt_tokens"],
+    "fastapi_app.py": ["-> d c b a", "streamed: sort 5 3 8 1 -> 1 3 5 8", "the same answers as alone: True"],
     "structured_outputs.py": ["Answer(numbers=[", "forced", "regex: '1 3 5 8'"],
 }
 
@@ -34,6 +35,8 @@ def test_every_example_is_listed():
 def test_example_runs(script):
     if script == "serve_and_query.py":
         pytest.importorskip("uvicorn")
+    if script == "fastapi_app.py":
+        pytest.importorskip("fastapi")
     r = subprocess.run([sys.executable, os.path.join(EXAMPLES, script)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     for want in EXPECT[script]:

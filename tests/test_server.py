@@ -1,6 +1,7 @@
 """The OpenAI-compatible server, run for real on 127.0.0.1 with uvicorn and driven by the official openai
 client, on the embedded mbd-tiny model."""
 import json
+import re
 import threading
 import time
 
@@ -280,7 +281,7 @@ def test_health_is_open_and_requests_are_logged(server, caplog):
                 break
             time.sleep(0.02)
     line = next(m for m in caplog.messages if "/v1/chat/completions" in m)
-    assert f"POST /v1/chat/completions 200 tokens={n} " in line and line.endswith("ms")
+    assert f"POST /v1/chat/completions 200 tokens={n} " in line and re.search(r"ms id=[0-9a-f]{32}$", line)
 
 
 # --- several choices per request (n, prompt lists) and the tokenizer routes -------------------------------------

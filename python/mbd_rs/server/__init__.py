@@ -1,11 +1,13 @@
-"""OpenAI-compatible HTTP server (`mbd-rs serve`; needs the [server] extra: starlette + uvicorn). A package:
-`app` (the routes, auth, body limits, server-sent events, the access log), `openai` (request bodies to engine
-parameters, results to OpenAI's shapes), `slots` (admission), `net` (connections: header timeout, connection cap,
-open-files limit, shutdown, the Host check and framing headers), `limits` (the defaults, importable without the
-extra).
+"""OpenAI-compatible HTTP server (`mbd-rs serve`; needs the [server] extra: starlette, uvicorn, prometheus_client).
+A package: `app` (the routes, auth, body limits, server-sent events, the access log), `openai` (request bodies to
+engine parameters, results to OpenAI's shapes), `slots` (admission), `net` (connections: header timeout, connection
+cap, open-files limit, shutdown, the Host check and framing headers), `metrics` (/metrics, system_fingerprint),
+`limits` (the defaults, importable without the extra).
 
-Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, with `stream: true`
-as server-sent events in OpenAI's chunk format. Diffusion knobs are accepted as extra body fields. Tokenizer
+Endpoints: GET /health, GET /metrics, GET /v1/models, GET /v1/models/{id}, POST /v1/completions,
+POST /v1/chat/completions, with `stream: true` as server-sent events in OpenAI's chunk format (a ": keep-alive"
+comment when no event has gone out for `keepalive` seconds). Every response carries `X-Request-Id` (the client's,
+when it sent one); unknown routes and methods get OpenAI error JSON (404, 405). Diffusion knobs are accepted as extra body fields. Tokenizer
 routes (vLLM's shapes, which lm-evaluation-harness's remote tokenizer uses): GET /tokenizer_info, POST /tokenize,
 POST /detokenize.
 

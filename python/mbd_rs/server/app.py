@@ -11,6 +11,8 @@ cancelled request's streams end with finish_reason "cancelled"; a non-streaming 
 (code "request_timeout"), one cut by shutdown 503."""
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import hmac
 import html
 import importlib.resources
@@ -20,12 +22,12 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from queue import Empty, Queue
 from typing import Any
 
 import anyio
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -35,7 +37,8 @@ from ..engine import Engine
 from ..errors import ContextLengthError, InvalidRequestError, RequestCancelledError
 from ..types import StreamChunk, Usage
 from . import net, openai
-from .limits import BODY_TIMEOUT, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, REQUEST_TIMEOUT
+from .limits import BODY_TIMEOUT, KEEPALIVE, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, REQUEST_TIMEOUT
+from .metrics import Metrics, fingerprint
 from .openai import (REFUSALS, Body, BodyTimeout, BodyTooLarge, ClientGone, Echo, Shapes, TextOffsets, UnknownModel,
                      body_params, entries_of, error, is_id, refusal, scored_only, tool_calls_json, usage_json)
 from .slots import Item, Lease, Slots
@@ -47,8 +50,8 @@ class _Watch:
     """What ends a request's work early: its client leaving (`client`: polled here, where Starlette does not watch
     it) and its deadline. `check` (at most every 0.1 s) cancels the lease's work on either and remembers which."""
 
-    def __init__(self, request: Request, lease: Lease, deadline: float):
-        self.request, self.lease, self.deadline = request, lease, deadline
+    def __init__(self, request: Request, lease: Lease, t0: float, deadline: float):
+        self.request, self.lease, self.t0, self.deadline = request, lease, t0, deadline
         self.gone = self.expired = False
         self._next = 0.0
 
@@ -90,12 +93,19 @@ class _Routes:
     max_body_bytes, body_timeout, max_prompt_tokens and request_timeout."""
 
     def __init__(self, engine: Engine, name: str, api_key: str | None, batch: int, queue: int, max_body_bytes: int,
-                 max_prompt_tokens: int, request_timeout: float, body_timeout: float = BODY_TIMEOUT):
+                 max_prompt_tokens: int, request_timeout: float, body_timeout: float = BODY_TIMEOUT,
+                 keepalive: float = KEEPALIVE):
         self.engine, self.name, self.api_key = engine, name, api_key
+        self.keepalive = keepalive
         self.batch, self.queue, self.max_body_bytes = batch, queue, max_body_bytes
         self.max_prompt_tokens, self.request_timeout = max_prompt_tokens, request_timeout
         self.body_timeout = body_timeout
         self.slots = Slots(batch + queue)
+        self.metrics = Metrics(engine, self.slots, batch)
+        # the system_fingerprint hashes the model's files: on a worker thread from the start, awaited once
+        self._fingerprint = concurrent.futures.ThreadPoolExecutor(1, "mbd-fingerprint").submit(
+            fingerprint, engine.info.path)
+        self.fingerprint = ""
         self.created = int(time.time())
         self.shapes = Shapes(engine)
         self.tok_info: dict[str, Any] = {}
@@ -160,19 +170,43 @@ class _Routes:
             raise UnknownModel(f"model '{body.get('model')}' does not exist; this server serves '{self.name}'")
         return body
 
+    async def system_fingerprint(self) -> str:
+        if not self.fingerprint:
+            self.fingerprint = await asyncio.wrap_future(self._fingerprint)
+        return self.fingerprint
+
     async def health(self, request: Request) -> JSONResponse:
         # open without the API key: load balancers and probes must reach it (it says nothing secret)
+        positions = min(self.max_prompt_tokens, self.engine.info.max_context)
         return JSONResponse({"status": "stopping" if self.stopping else "ok", "model": self.name,
                              "active": self.slots.active, "capacity": self.slots.capacity, "batch": self.batch,
-                             "queue": self.queue, "max_prompt_tokens": self.max_prompt_tokens,
+                             "queue": self.queue, "max_prompt_tokens": positions - 1, "max_positions": positions,
                              "request_timeout": self.request_timeout, "body_timeout": self.body_timeout,
                              "pid": os.getpid()})
 
     async def models(self, request: Request) -> JSONResponse:
         if (r := self.check_auth(request)) is not None:
             return r
-        return JSONResponse({"object": "list", "data": [{"id": self.name, "object": "model", "created": self.created,
-                                                         "owned_by": "mbd-rs"}]})
+        return JSONResponse({"object": "list", "data": [self.model_json()]})
+
+    def model_json(self) -> dict[str, Any]:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "mbd-rs",
+                "max_model_len": self.engine.info.max_context}
+
+    async def model(self, request: Request) -> JSONResponse:
+        """GET /v1/models/{id}: this server's one model, or 404 naming the one it serves."""
+        if (r := self.check_auth(request)) is not None:
+            return r
+        asked = request.path_params["model"]
+        if asked != self.name:
+            return error(404, f"model '{asked}' does not exist; this server serves '{self.name}'",
+                         code="model_not_found", param="model")
+        return JSONResponse(self.model_json())
+
+    async def metrics_page(self, request: Request) -> Response:
+        """GET /metrics: Prometheus' text format (open without the API key, as /health: scrapers reach it)."""
+        body, media = self.metrics.page()
+        return Response(body, media_type=media.split(";")[0], headers={"Content-Type": media})
 
     def too_long_to_tokenize(self, prompt: Any) -> None:
         """ContextLengthError for a text (or chat contents) too long to fit the cap whatever its tokens: over
@@ -234,7 +268,8 @@ class _Routes:
         started; then server-sent events (`sse`) or, once every stream has finished, one JSON response."""
         if (r := self.check_auth(request)) is not None:
             return r
-        deadline = time.monotonic() + self.request_timeout
+        t0 = time.monotonic()
+        deadline = t0 + self.request_timeout
         lease = None
         try:
             body = await self.read_body(request, deadline)
@@ -250,17 +285,18 @@ class _Routes:
                     return error(503, "the server is shutting down", "server_error", code="shutting_down")
                 return error(503, f"server is at its limit of {self.batch} batched and {self.queue} queued "
                              "generations; retry later", "server_error", code="server_busy")
-            held, watch = lease, _Watch(request, lease, deadline)
+            held, watch = lease, _Watch(request, lease, t0, deadline)
             try:
                 echoes = await watch.in_thread(lambda: self.start(held, req, chat))
             except RequestCancelledError:
                 return self.cut_short(watch) or error(500, "the request was cancelled", "server_error")
             rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+            fp = await self.system_fingerprint()
             choice_echo = [echoes[i // req.n] for i in range(k)]
             if body.get("stream"):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
                 # the lease is released by the stream's end, or after the response if the client left first
-                events = self.sse(lease, req, choice_echo, rid, chat, include_usage, request, watch)
+                events = self.sse(lease, req, choice_echo, rid, chat, include_usage, request, watch, fp)
                 response: Response = StreamingResponse(events, media_type="text/event-stream",
                                                        headers={"Cache-Control": "no-cache"},
                                                        background=BackgroundTask(lease.release))
@@ -268,10 +304,10 @@ class _Routes:
                 return response
             finals: list[StreamChunk | None] = [None] * k
             if req.generates:
-                q: Queue[Item] = Queue()
+                q: asyncio.Queue[Item] = asyncio.Queue()
                 lease.pump(q)
                 async for i, ch in self.chunks(q, k, watch, client=True):
-                    if ch.finish_reason:
+                    if ch is not None and ch.finish_reason:
                         finals[i] = ch
             else:
                 finals = [StreamChunk("", [], "length", scored_only(e), None) for e in choice_echo if e is not None]
@@ -283,10 +319,10 @@ class _Routes:
         finally:
             if lease is not None:
                 lease.release()
-        return self.completion(request, req, finals, streams, choice_echo, rid, chat)
+        return self.completion(request, req, finals, streams, choice_echo, rid, chat, fp)
 
     def completion(self, request: Request, req: Body, finals: "list[StreamChunk | None]", streams: list[Any],
-                   choice_echo: "list[Echo | None]", rid: str, chat: bool) -> JSONResponse:
+                   choice_echo: "list[Echo | None]", rid: str, chat: bool, fp: str) -> JSONResponse:
         """The non-streaming response: every choice's text, finish reason and log-probabilities, and the usage."""
         usages = [f.usage for f in finals if f is not None and f.usage is not None]
         request.state.tokens = sum(u.completion_tokens for u in usages)
@@ -309,44 +345,55 @@ class _Routes:
             else:
                 choices.append({"index": i, "text": text, "finish_reason": fin, "logprobs": lp})
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                             "created": int(time.time()), "model": self.name, "choices": choices,
-                             "usage": usage_json(usages, req.n)})
+                             "created": int(time.time()), "model": self.name, "system_fingerprint": fp,
+                             "choices": choices, "usage": usage_json(usages, req.n)})
 
-    @staticmethod
-    async def chunks(q: "Queue[Item]", k: int, watch: _Watch, client: bool) -> AsyncIterator[tuple[int, StreamChunk]]:
-        """(choice index, chunk) from k reader threads, as they come, until every stream has ended; `watch` checked
-        in between (its cancel ends the streams "cancelled")."""
-        def get() -> Item | None:
-            try:  # a bounded wait, so that the client and the deadline are checked while nothing comes
-                return q.get(timeout=0.1)
-            except Empty:
-                return None
-
-        live = k
-        while live:
-            got = await anyio.to_thread.run_sync(get)
-            await watch.check(client)
-            if got is None:
-                continue
-            i, item = got
-            if item is None:
-                live -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
+    async def chunks(self, q: "asyncio.Queue[Item]", k: int, watch: _Watch, client: bool,
+                     idle: float | None = None) -> AsyncIterator[tuple[int, StreamChunk | None]]:
+        """(choice index, chunk) from k reader tasks, as they come, until every stream has ended; `watch` checked
+        at least every 0.1 s in between (its cancel ends the streams "cancelled"). With `idle`, (-1, None) when
+        that many seconds pass with nothing to yield (a keep-alive's turn). Each chunk is metered."""
+        live, getter = k, None
+        meter = self.metrics.request(watch.t0)
+        quiet_since = time.monotonic()
+        try:
+            while live:
+                if getter is None:
+                    getter = asyncio.ensure_future(q.get())
+                done, _ = await asyncio.wait({getter}, timeout=0.1)
+                await watch.check(client)
+                if not done:
+                    if idle is not None and time.monotonic() - quiet_since >= idle:
+                        quiet_since = time.monotonic()
+                        yield -1, None
+                    continue
+                i, item = getter.result()
+                getter = None
+                if item is None:
+                    live -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    meter.chunk(i, item)
+                    quiet_since = time.monotonic()
+                    yield i, item
+        finally:
+            if getter is not None:
+                getter.cancel()
 
     async def sse(self, lease: Lease, req: Body, choice_echo: "list[Echo | None]", rid: str, chat: bool,
-                  include_usage: bool, request: Request, watch: _Watch) -> AsyncIterator[str]:
+                  include_usage: bool, request: Request, watch: _Watch, fp: str) -> AsyncIterator[str]:
         """A streaming response's server-sent events: the echoed prompts, every stream's chunks as they come (with
-        "trace", one event per forward), the usage with include_usage, then [DONE]. Past the deadline the streams
-        end with finish_reason "cancelled"."""
+        "trace", one event per forward), the usage with include_usage, then [DONE]; a comment line (": keep-alive")
+        whenever `keepalive` seconds pass without an event (a long prefill, a wait in the queue), so proxies with an
+        idle timeout keep the connection. Past the deadline the streams end with finish_reason "cancelled"."""
         obj = "chat.completion.chunk" if chat else "text_completion"
         now, k, shapes = int(time.time()), len(choice_echo), self.shapes
 
         def event(choices: list[dict[str, Any]], usage: dict[str, int | float] | None = None,
                   step: dict[str, Any] | None = None) -> str:
-            d: dict[str, Any] = {"id": rid, "object": obj, "created": now, "model": self.name, "choices": choices}
+            d: dict[str, Any] = {"id": rid, "object": obj, "created": now, "model": self.name,
+                                 "system_fingerprint": fp, "choices": choices}
             if usage is not None:
                 d["usage"] = usage
             if step is not None:
@@ -381,12 +428,15 @@ class _Routes:
                     if not req.generates:
                         usages[i] = scored_only(e)
             if req.generates:
-                q: Queue[Item] = Queue()
+                q: asyncio.Queue[Item] = asyncio.Queue()
                 lease.pump(q)
                 # Starlette watches the client of a streaming response (and cancels this generator when it leaves)
                 fmt = req.tools.format if req.tools is not None else None
                 parsers = [tools.StreamParser(fmt) if fmt is not None else None for _ in range(k)]
-                async for i, ch in self.chunks(q, k, watch, client=False):
+                async for i, ch in self.chunks(q, k, watch, client=False, idle=self.keepalive):
+                    if ch is None:
+                        yield ": keep-alive\n\n"
+                        continue
                     if (parser := parsers[i]) is not None:  # a reply that may call tools: its deltas as OpenAI's
                         for d in self.tool_deltas(parser, ch, i):
                             yield event([d], step=shapes.step_json(ch.step) if ch.step is not None else None)
@@ -471,6 +521,22 @@ class _Routes:
             return r
         return JSONResponse(await anyio.to_thread.run_sync(self.tokenizer_info_json))
 
+    @staticmethod
+    async def not_routed(request: Request, exc: Exception) -> Response:
+        """404 and 405 as OpenAI error JSON (the openai client shows the message), naming what the server has."""
+        status = getattr(exc, "status_code", 500)
+        path = request.url.path
+        if status == 405:
+            allow = ((getattr(exc, "headers", None) or {}).get("Allow") or "").replace(" ", "").split(",")
+            takes = " or ".join(sorted(m for m in allow if m and not (m == "HEAD" and "GET" in allow))) or "another"
+            return error(405, f"{request.method} is not allowed on {path}; it takes {takes}", code="method_not_allowed")
+        if status == 404:
+            return error(404, f"this server has no route {path} (it serves /v1/models, /v1/completions, "
+                         "/v1/chat/completions, /tokenize, /detokenize, /tokenizer_info, /health, /metrics)",
+                         code="not_found")
+        return error(status, str(getattr(exc, "detail", "")) or "error", "server_error" if status >= 500 else
+                     "invalid_request_error")
+
     async def tokenizer_route(self, request: Request, encode: bool) -> Response:
         if (r := self.check_auth(request)) is not None:
             return r
@@ -491,12 +557,14 @@ class _Routes:
 def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | None = None,
                max_concurrency: int = 4, max_queue: int | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                max_prompt_tokens: int = MAX_PROMPT_TOKENS, request_timeout: float = REQUEST_TIMEOUT,
-               body_timeout: float = BODY_TIMEOUT, allowed_hosts: Sequence[str] | None = None) -> Starlette:
+               body_timeout: float = BODY_TIMEOUT, allowed_hosts: Sequence[str] | None = None,
+               keepalive: float = KEEPALIVE) -> Starlette:
     """The app serving `engine`. `max_concurrency` becomes the engine's batch (`Engine.set_batching(max_batch=)`):
     generations stepped together; `max_queue` (default: `max_concurrency`) more wait in the engine's queue.
     `max_prompt_tokens`: the most positions one request spans (prompt + max_tokens); `request_timeout`: seconds
     before a request's work is cancelled; `body_timeout`: seconds a request's body has to arrive once its headers
-    are in (then 408, the connection closed); `allowed_hosts`: the Host names served (`net.allowed_hosts`; None: any).
+    are in (then 408, the connection closed); `allowed_hosts`: the Host names served (`net.allowed_hosts`; None: any);
+    `keepalive`: seconds without an event before a stream sends a keep-alive comment.
     `app.state.routes.shutdown()` cancels the work in flight (`mbd-rs serve` calls it on SIGTERM)."""
     name = model_name or os.path.basename(os.path.normpath(engine.info.path))
     engine.set_batching(max_batch=max_concurrency)
@@ -505,15 +573,17 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
         raise InvalidRequestError(f"max_queue must be an integer >= 0, got {queue!r}")
     if isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1:
         raise InvalidRequestError(f"max_prompt_tokens must be an integer >= 1, got {max_prompt_tokens!r}")
-    for key, t in (("request_timeout", request_timeout), ("body_timeout", body_timeout)):
+    for key, t in (("request_timeout", request_timeout), ("body_timeout", body_timeout), ("keepalive", keepalive)):
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
             raise InvalidRequestError(f"{key} must be a number of seconds > 0, got {t!r}")
     r = _Routes(engine, name, api_key, max_concurrency, queue, max_body_bytes, max_prompt_tokens,
-                float(request_timeout), float(body_timeout))
-    app = Starlette(routes=[
+                float(request_timeout), float(body_timeout), float(keepalive))
+    app = Starlette(exception_handlers={HTTPException: r.not_routed}, routes=[
         Route("/", r.index, methods=["GET"]),
         Route("/health", r.health, methods=["GET"]),
+        Route("/metrics", r.metrics_page, methods=["GET"]),
         Route("/v1/models", r.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", r.model, methods=["GET"]),
         Route("/v1/completions", r.completions, methods=["POST"]),
         Route("/v1/chat/completions", r.chat_completions, methods=["POST"]),
         Route("/tokenizer_info", r.tokenizer_info, methods=["GET"]),
@@ -523,16 +593,18 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
     app.state.slots = r.slots
     app.state.routes = r
     app.add_middleware(net.HostGuard, allowed=None if allowed_hosts is None else list(allowed_hosts))
-    app.add_middleware(_AccessLog)
+    app.add_middleware(_AccessLog, metrics=r.metrics)
     return app
 
 
 class _AccessLog:
-    """One log line per request (logger "mbd_rs.server", INFO): client, method, route, status, completion tokens, ms.
-    Streaming requests are logged when their stream ends."""
+    """One log line per request (logger "mbd_rs.server", INFO): client, method, route, status, completion tokens, ms
+    and its request id; streaming requests are logged when their stream ends. The request id is the client's
+    `X-Request-Id` when it sent a usable one (1-128 visible ASCII characters), else a new one; every response
+    carries it back in `X-Request-Id`. Each answer is counted in the metrics by route and status."""
 
-    def __init__(self, app: Any):
-        self.app = app
+    def __init__(self, app: Any, metrics: Metrics):
+        self.app, self.metrics = app, metrics
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -540,10 +612,13 @@ class _AccessLog:
             return
         t0 = time.perf_counter()
         status = [0]
+        given = dict(scope.get("headers") or []).get(b"x-request-id", b"")
+        rid = given if 0 < len(given) <= 128 and all(0x21 <= b <= 0x7E for b in given) else uuid.uuid4().hex.encode()
 
         async def send_status(message: Any) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                message = dict(message, headers=[*message.get("headers", []), (b"x-request-id", rid)])
             await send(message)
 
         try:
@@ -551,19 +626,21 @@ class _AccessLog:
         finally:
             state = scope.get("state") or {}
             client = scope.get("client") or ("-", 0)
-            _log.info("%s %s %s %d tokens=%s %.1fms", client[0], scope["method"], scope["path"], status[0],
-                      state.get("tokens", "-"), 1e3 * (time.perf_counter() - t0))
+            self.metrics.answered(scope["path"], status[0])
+            _log.info("%s %s %s %d tokens=%s %.1fms id=%s", client[0], scope["method"], scope["path"], status[0],
+                      state.get("tokens", "-"), 1e3 * (time.perf_counter() - t0), rid.decode())
 
 
-def serve(args: Any, load: dict[str, Any]) -> int:
-    """`mbd-rs serve`: load the model (`load`: Engine.load's options) and serve it with uvicorn until interrupted
-    (SIGTERM or Ctrl-C: the work in flight is cancelled, and the process exits within seconds)."""
-    eng = Engine.load(args.model, **load)
+def serve(args: Any, load: dict[str, Any], engine: Engine | None = None) -> int:
+    """`mbd-rs serve`: load the model (`load`: Engine.load's options), unless `engine` is the model loaded already,
+    and serve it with uvicorn until interrupted (SIGTERM or Ctrl-C: the work in flight is cancelled, and the process
+    exits within seconds)."""
+    eng = engine if engine is not None else Engine.load(args.model, **load)
     hosts = net.allowed_hosts(args.host, args.allowed_hosts or [])
     app = create_app(eng, model_name=args.model_name, api_key=args.api_key, max_concurrency=args.max_concurrency,
                      max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                      max_prompt_tokens=args.max_prompt_tokens, request_timeout=args.request_timeout,
-                     body_timeout=args.body_timeout, allowed_hosts=hosts)
+                     body_timeout=args.body_timeout, allowed_hosts=hosts, keepalive=args.sse_keepalive)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # the access log, on stderr
     server = net.make_server(app, args.host, args.port, header_timeout=args.header_timeout,
                              limit_concurrency=args.limit_concurrency, on_shutdown=app.state.routes.shutdown)

@@ -20,3 +20,6 @@ HEADER_TIMEOUT = 10.0
 BODY_TIMEOUT = 30.0
 #: The connection cap's default, where the open-files limit allows it (`--limit-concurrency`).
 CONNECTIONS = 1000
+#: Seconds a streaming response may go without an event before it sends an SSE comment (": keep-alive",
+#: `--sse-keepalive`): a long prefill or a wait in the queue stays under the 15-60 s idle timeouts of proxies.
+KEEPALIVE = 3.0

@@ -3,8 +3,8 @@
 work of every lease (shutdown)."""
 from __future__ import annotations
 
+import asyncio
 import threading
-from queue import Queue
 
 from ..engine import CancelToken, Stream
 from ..errors import RequestCancelledError
@@ -52,7 +52,7 @@ Item = tuple[int, "StreamChunk | BaseException | None"]
 
 class Lease:
     """One request's k slots, one per generation. Every slot is freed exactly once: a stream handed to a reader
-    thread (`pump`) is stepped and closed by that thread alone, which frees its slot when the stream ends;
+    task (`pump`) is stepped and closed by that task alone, which frees its slot when the stream ends;
     `release` (idempotent) cancels every stream, closes the ones no thread owns and frees their slots (and those
     of streams never started). `cancel` stops the work without freeing anything: the streams end "cancelled" and
     `token` (which the request's prompt scoring polls) is cancelled."""
@@ -60,7 +60,8 @@ class Lease:
     def __init__(self, slots: Slots, k: int):
         self._slots = slots
         self._lock = threading.Lock()
-        self._unowned = k  # slots not handed to a reader thread
+        self._unowned = k  # slots not handed to a reader task
+        self._readers: list[asyncio.Task[None]] = []
         self._released = False
         self.streams: list[Stream] = []
         self.token = CancelToken()
@@ -86,24 +87,26 @@ class Lease:
         if self.token.cancelled:
             raise RequestCancelledError("the request was cancelled")
 
-    def pump(self, q: "Queue[Item]") -> None:
-        """Start one reader thread per stream, putting (stream index, chunk) on q, then (index, None) at the end
-        or (index, exception)."""
+    def pump(self, q: "asyncio.Queue[Item]") -> None:
+        """Start one reader task per stream on the running event loop (`async for`: no thread), putting (stream
+        index, chunk) on q, then (index, None) at the end or (index, exception)."""
         with self._lock:
             if self._released:  # already cancelled and closed: the streams just end
                 for i in range(len(self.streams)):
-                    q.put((i, None))
+                    q.put_nowait((i, None))
                 return
             self._unowned -= len(self.streams)
-        for i, s in enumerate(self.streams):
-            threading.Thread(target=self._read, args=(i, s, q), daemon=True, name=f"mbd-stream-{i}").start()
+        self._readers = [asyncio.create_task(self._read(i, s, q), name=f"mbd-stream-{i}")
+                         for i, s in enumerate(self.streams)]
 
-    def _read(self, i: int, s: Stream, q: "Queue[Item]") -> None:
+    async def _read(self, i: int, s: Stream, q: "asyncio.Queue[Item]") -> None:
         end: BaseException | None = None
         try:
-            for ch in s:
-                q.put((i, ch))
-        except BaseException as e:  # handed to the request's task, which raises it
+            async for ch in s:
+                q.put_nowait((i, ch))
+        except asyncio.CancelledError:  # the event loop is closing: the stream is closed below
+            end = RequestCancelledError("the request was cancelled")
+        except Exception as e:  # handed to the request's task, which raises it
             end = e
         finally:
             # the stream's KV cache and slot are freed before its end is signalled: a client that has its
@@ -112,7 +115,7 @@ class Lease:
                 s.close()
             finally:
                 self._slots._release(1)
-                q.put((i, end))
+                q.put_nowait((i, end))
 
     def release(self) -> None:
         with self._lock:
@@ -122,8 +125,8 @@ class Lease:
             unowned, self._unowned = self._unowned, 0
         self._slots._forget(self)
         try:
-            self.cancel()  # thread-safe; a reader thread then sees its stream end and frees its slot
-            if unowned:  # no reader threads were started: this closes the streams
+            self.cancel()  # thread-safe; a reader task then sees its stream end and frees its slot
+            if unowned:  # no reader tasks were started: this closes the streams
                 for s in self.streams:
                     try:
                         s.close()

@@ -1,0 +1,182 @@
+"""What a server gives the people who run it, on a live server: /metrics in Prometheus' format (parsed by
+prometheus_client's own parser) whose counters move as requests run, X-Request-Id, OpenAI error JSON for unknown
+routes and methods (read by the openai client), /v1/models/{id}, system_fingerprint, /health's real prompt limit,
+and SSE keep-alive comments while a stream waits."""
+import threading
+import time
+
+import pytest
+
+import mbd_rs
+
+openai = pytest.importorskip("openai", reason="openai client not installed (pip install openai)")
+pytest.importorskip("uvicorn", reason="server extra not installed (pip install 'mbd-rs[server]')")
+httpx = pytest.importorskip("httpx")
+parser = pytest.importorskip("prometheus_client.parser")
+from conftest import Server  # noqa: E402
+
+KEY = "sk-ops"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return mbd_rs.Engine.load()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    s = Server(engine, api_key=KEY, max_concurrency=2, max_queue=1)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def scrape(server):
+    r = httpx.get(server.base + "/metrics")  # open, as /health is: scrapers carry no key
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out = {}
+    for fam in parser.text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(m, name, **labels):
+    return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_metrics_move_as_requests_run(server, client, engine):
+    msgs = [{"role": "user", "content": "sort 7 2 9"}]
+    before = scrape(server)
+    r = client.chat.completions.create(model="mbd-tiny", messages=msgs, max_tokens=16, temperature=0)
+    chunks = list(client.chat.completions.create(model="mbd-tiny", messages=msgs, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    httpx.post(server.base + "/v1/chat/completions", headers=AUTH, json={"messages": msgs, "max_tokens": -1})
+    after = scrape(server)
+    route = "/v1/chat/completions"
+    assert value(after, "mbd_requests_total", route=route, status="200") - \
+        value(before, "mbd_requests_total", route=route, status="200") == 2
+    assert value(after, "mbd_requests_total", route=route, status="400") - \
+        value(before, "mbd_requests_total", route=route, status="400") == 1
+    done = r.usage.completion_tokens + chunks[-1].usage.completion_tokens
+    assert value(after, "mbd_completion_tokens_total") - value(before, "mbd_completion_tokens_total") == done
+    assert value(after, "mbd_prompt_tokens_total") - value(before, "mbd_prompt_tokens_total") == \
+        2 * r.usage.prompt_tokens
+    assert value(after, "mbd_generations_total", finish_reason="stop") - \
+        value(before, "mbd_generations_total", finish_reason="stop") == 2
+    # one first token per generation; the other tokens each an inter-token latency
+    assert value(after, "mbd_time_to_first_token_seconds_count") - \
+        value(before, "mbd_time_to_first_token_seconds_count") == 2
+    assert value(after, "mbd_inter_token_latency_seconds_count") - \
+        value(before, "mbd_inter_token_latency_seconds_count") == done - 2
+    assert value(after, "mbd_tokens_per_forward_count") - value(before, "mbd_tokens_per_forward_count") == 2
+    assert value(after, "mbd_engine_forwards_total") > value(before, "mbd_engine_forwards_total")
+    assert value(after, "mbd_generation_slots") == 3 and value(after, "mbd_active_generations") == 0
+    # the engine's prefix cache is on by default: its bytes are there
+    assert ("mbd_prefix_cache_bytes", ()) in after
+    # a scanner's paths are one label, not one each
+    for p in ("/a", "/b", "/c"):
+        httpx.get(server.base + p)
+    assert value(scrape(server), "mbd_requests_total", route="other", status="404") >= 3
+
+
+def test_request_id_is_echoed_or_made(server):
+    r = httpx.get(server.base + "/v1/models", headers={**AUTH, "X-Request-Id": "trace-42/abc"})
+    assert r.headers["x-request-id"] == "trace-42/abc"
+    made = httpx.get(server.base + "/v1/models", headers=AUTH).headers["x-request-id"]
+    assert len(made) == 32 and int(made, 16) >= 0
+    for bad in ("x" * 129, "two words"):
+        got = httpx.get(server.base + "/health", headers={"X-Request-Id": bad}).headers["x-request-id"]
+        assert got != bad and len(got) == 32
+    # errors carry one too
+    assert len(httpx.get(server.base + "/nope").headers["x-request-id"]) == 32
+
+
+def test_unknown_routes_and_methods_are_openai_errors(server, client):
+    with pytest.raises(openai.NotFoundError, match="no route /v1/embeddings"):
+        client.embeddings.create(model="mbd-tiny", input="hi")
+    with pytest.raises(openai.NotFoundError, match="model 'gpt-4' does not exist; this server serves 'mbd-tiny'"):
+        client.models.retrieve("gpt-4")
+    r = httpx.get(server.base + "/v1/chat/completions", headers=AUTH)
+    assert r.status_code == 405 and r.headers["content-type"] == "application/json"
+    assert r.json()["error"]["message"] == "GET is not allowed on /v1/chat/completions; it takes POST"
+    r = httpx.delete(server.base + "/v1/models", headers=AUTH)
+    assert r.status_code == 405 and "it takes GET" in r.json()["error"]["message"]
+
+
+def test_models_retrieve_and_health_limit(server, client, engine):
+    m = client.models.retrieve("mbd-tiny")
+    assert m.id == "mbd-tiny" and m.owned_by == "mbd-rs"
+    assert httpx.get(server.base + "/v1/models/mbd-tiny").status_code == 401  # the key, as /v1/models
+    h = httpx.get(server.base + "/health").json()
+    # the real limit: the model's context (256 positions) minus one completion token, not the server's 8192 cap
+    assert engine.info.max_context == 256
+    assert (h["max_prompt_tokens"], h["max_positions"]) == (255, 256)
+
+
+def test_system_fingerprint_names_build_and_weights(server, client, engine, tmp_path):
+    msgs = [{"role": "user", "content": "sort 3 1 2"}]
+    a = client.chat.completions.create(model="mbd-tiny", messages=msgs, max_tokens=8, temperature=0)
+    chunks = list(client.chat.completions.create(model="mbd-tiny", messages=msgs, max_tokens=8, stream=True))
+    c = client.completions.create(model="mbd-tiny", prompt="sort 3 1 2", max_tokens=8)
+    fp = a.system_fingerprint
+    assert fp.startswith("fp_") and len(fp) == 19
+    assert {ch.system_fingerprint for ch in chunks} == {fp} and c.system_fingerprint == fp
+    from conftest import copy_model
+    from mbd_rs.server.metrics import fingerprint
+    assert fingerprint(engine.info.path) == fp
+    # one byte of the weights changed: another fingerprint
+    d = copy_model(mbd_rs.DEFAULT_MODEL, tmp_path / "m")
+    w = next(p for p in d.iterdir() if p.suffix == ".safetensors")
+    raw = bytearray(w.read_bytes())
+    raw[-1] ^= 1
+    w.write_bytes(bytes(raw))
+    assert fingerprint(str(d)) != fp
+
+
+def test_a_waiting_stream_gets_keep_alives(long_context_model):
+    """One place in the batch, held by a long generation: a streaming request waits in the queue and receives a
+    ': keep-alive' comment every `keepalive` seconds (no event would come otherwise); once the long one goes, it
+    runs, and its answer is the engine's."""
+    eng = mbd_rs.Engine.load(long_context_model)
+    s = Server(eng, max_concurrency=1, max_queue=1, keepalive=0.2)
+    try:
+        slow = {"messages": [{"role": "user", "content": "sort 3 1 2 " * 180}], "stream": True, "max_tokens": 256,
+                "use_cache": False, "threshold": 0.0, "block_add_threshold": 1.0, "block_size": 1,
+                "early_stop": False}
+        started, stop = threading.Event(), threading.Event()
+
+        def hold():
+            with httpx.stream("POST", s.base + "/v1/chat/completions", json=slow, timeout=120) as r:
+                for line in r.iter_lines():
+                    if '"content"' in line:
+                        started.set()
+                    if stop.is_set():
+                        return
+
+        t = threading.Thread(target=hold, daemon=True)
+        t.start()
+        assert started.wait(60)
+        alive, text, t0 = [], "", time.monotonic()
+        body = {"prompt": "sort 3 1 2", "stream": True, "max_tokens": 8}
+        with httpx.stream("POST", s.base + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line == ": keep-alive":
+                    alive.append(time.monotonic())
+                    if time.monotonic() - t0 > 1.5:
+                        stop.set()  # the long one's client leaves: its generation is cancelled
+                elif line.startswith("data: {"):
+                    import json
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        t.join(60)
+        assert len(alive) >= 5
+        gaps = [b - a for a, b in zip(alive, alive[1:])]
+        assert max(gaps) < 1.0, gaps  # every 0.2 s, with slack for a loaded machine
+        assert text == eng.generate("sort 3 1 2", max_tokens=8, raw=True).text
+    finally:
+        s.stop()
