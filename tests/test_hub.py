@@ -146,7 +146,8 @@ def test_cli_network_refused_uses_cache(refused_env):
 
 def test_cli_network_refused_unknown_id(refused_env):
     r = _cli(["info", "nobody/no-such-model"], refused_env)
-    assert r.returncode == 2 and r.stderr.startswith("mbd-rs: cannot load:")
+    errors = [line for line in r.stderr.splitlines() if not line.startswith("mbd-rs: loading ")]  # the load's lines
+    assert r.returncode == 2 and errors[0].startswith("mbd-rs: cannot load:"), r.stderr
     assert "'nobody/no-such-model' is neither a local directory nor in the Hugging Face cache" in r.stderr
     r = _cli(["info", REPO, "--revision", "no-such-branch"], refused_env)
     assert r.returncode == 2 and "(revision 'no-such-branch')" in r.stderr, r.stderr

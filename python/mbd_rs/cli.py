@@ -10,8 +10,9 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
@@ -108,8 +109,32 @@ def _gen_params(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def _load(a: argparse.Namespace) -> Engine:
+    return load_engine(a.model, a.revision, load_options(a))
+
+
+def _is_tty(f: Any) -> bool:
+    try:
+        return bool(f.isatty())
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def load_engine(model: str | None, revision: str | None, options: dict[str, Any]) -> Engine:
+    """Engine.load for the command line: on a terminal the tqdm bar (Engine.load's default); where stderr is not a
+    terminal one line per stage of the load (hub.LoadLines: resolving the path, reading weights, quantizing, ready)."""
     from .engine import Engine
-    return Engine.load(a.model, revision=a.revision, **load_options(a))
+    if _is_tty(sys.stderr):
+        return Engine.load(model, revision=revision, **options)
+    from .hub import DEFAULT_MODEL, LoadLines, _path_text, resolve_model_path
+    name = DEFAULT_MODEL if model is None else _path_text(model)
+    lines = LoadLines(name, sys.stderr, options.get("quantize"))
+    lines.resolving()
+    path = resolve_model_path(model, revision)
+    lines.resolved(path)
+    eng = Engine.load(path, progress=lines, **options)
+    i = eng.info
+    lines.ready(f"{i.weight_format} on {i.device}, {i.weight_bytes / 1e6:.1f} MB held")
+    return eng
 
 
 def _print_stats(u: Usage) -> None:
@@ -186,6 +211,17 @@ def _newlines(text: str) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
+def _show(stream: Any, vis: Visual | None, quiet: bool, note: PrefillNote) -> None:
+    """`generate`'s output as it streams: each forward drawn (--visual), or the text (unless --json)."""
+    for ch in stream:
+        note.clear()
+        if vis and ch.step:
+            vis.step(ch.step)
+        elif not quiet and not vis:
+            sys.stdout.write(ch.text)
+            sys.stdout.flush()
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
     eng = _load(a)
     if a.file:
@@ -208,12 +244,15 @@ def cmd_generate(a: argparse.Namespace) -> int:
     vis = Visual(eng, sys.stdout) if a.visual else None
     if vis:
         print(VISUAL_LEGEND, file=sys.stderr)
-    for ch in stream:
-        if vis and ch.step:
-            vis.step(ch.step)
-        elif not a.json and not vis:
-            sys.stdout.write(ch.text)
-            sys.stdout.flush()
+    chat = a.chat or eng.chats(prompt, raw=a.raw)
+
+    def count() -> int:
+        return len(eng.chat_ids([{"role": "user", "content": prompt}]) if chat else eng.tokenize(prompt))
+    note = PrefillNote(count, sys.stderr)  # on a terminal: "prefilling N tokens…" while no text has come
+    try:
+        _show(stream, vis, a.json, note)
+    finally:
+        note.clear()
     comp = stream.result()
     if a.json:
         out: dict[str, Any] = {"text": comp.text, "token_ids": comp.token_ids, "finish_reason": comp.finish_reason,
@@ -230,55 +269,217 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-CHAT_HELP = "commands: /reset forgets the conversation, /help shows this; an empty line or Ctrl-D quits"
+CHAT_HELP = ("commands: /system TEXT sets the system prompt (and starts a new conversation), /reset forgets the "
+             "conversation, /save FILE writes it as JSON messages, /help shows this; a line ending in \\ continues "
+             "on the next; //text sends /text. Ctrl-C stops an answer or clears the line, Ctrl-D quits")
+
+#: The seconds without text after which a terminal shows "prefilling N tokens…".
+PREFILL_NOTE_SECONDS = 2.0
+
+
+class PrefillNote:
+    """On a terminal (`out`), "prefilling N tokens…" when no text has come `after` seconds after the start (a long
+    prompt's prefill), erased with a carriage return at the first chunk (`clear`) or at the end. `count` gives N; it
+    is called only when the note is shown. Elsewhere it does nothing."""
+
+    def __init__(self, count: Callable[[], int], out: TextIO, after: float = PREFILL_NOTE_SECONDS) -> None:
+        self.count, self.out = count, out
+        self.lock = threading.Lock()
+        self.shown = self.done = False
+        self.timer: threading.Timer | None = None
+        if _is_tty(out):
+            self.timer = threading.Timer(after, self._show)
+            self.timer.daemon = True
+            self.timer.start()
+
+    def _show(self) -> None:
+        try:
+            n = self.count()
+        except Exception:  # the note is a courtesy: a failure to count leaves it out
+            return
+        with self.lock:
+            if not self.done:
+                self.out.write(f"prefilling {n} tokens…")
+                self.out.flush()
+                self.shown = True
+
+    def clear(self) -> None:
+        """The first text came (or the answer ended): erase the note if it is shown, and show none later."""
+        if self.done:
+            return
+        if self.timer is not None:
+            self.timer.cancel()
+        with self.lock:
+            self.done = True
+            if self.shown:
+                self.out.write("\r\x1b[K")
+                self.out.flush()
+
+
+def _history_file() -> str:
+    """The chat's readline history: $XDG_STATE_HOME/mbd-rs/chat_history (default ~/.local/state/...)."""
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(state, "mbd-rs", "chat_history")
+
+
+def _start_readline() -> Callable[[], None]:
+    """Line editing and history for the chat prompt when stdin is a terminal (readline: arrows, up-arrow recalls,
+    Ctrl-R), the history kept in _history_file() across sessions. Returns what saves the history at the end."""
+    if not _is_tty(sys.stdin):
+        return lambda: None
+    try:
+        import readline
+    except ImportError:  # Windows without pyreadline: input() as it is
+        return lambda: None
+    path = _history_file()
+    try:
+        readline.read_history_file(path)
+    except (OSError, ValueError):  # none yet, or unreadable: start empty
+        pass
+    readline.set_history_length(1000)
+
+    def save() -> None:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            readline.write_history_file(path)
+        except OSError:
+            pass
+    return save
+
+
+def _read_message() -> str:
+    """One message from the chat prompt: a line, or lines joined while each ends in a backslash (the backslash
+    dropped, prompt ". " for the next). EOFError at Ctrl-D (or the end of stdin), KeyboardInterrupt at Ctrl-C."""
+    lines, prompt = [], "> "
+    while True:
+        line = input(prompt)
+        if not line.endswith("\\"):
+            lines.append(line)
+            return "\n".join(lines)
+        lines.append(line[:-1])
+        prompt = ". "
+
+
+def _save_messages(messages: list[dict[str, str]], path: str) -> str:
+    """Write `messages` as a JSON array to `path`; what to say of it."""
+    try:
+        with open(os.path.expanduser(path), "w", encoding="utf-8") as f:
+            json.dump(messages, f, ensure_ascii=False, indent=1)
+            f.write("\n")
+    except OSError as e:
+        return f"mbd-rs: cannot save to {path}: {e.strerror or e}"
+    return f"(saved {len(messages)} messages to {path})"
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
     eng = _load(a)
-    history: list[dict[str, str]] = []
     params = _gen_params(a)
     # The embedded model was trained on single questions only: each line is its own conversation.
     single_turn = a.single_turn or os.path.samefile(eng.info.path, _default_model())
     mode = "single-turn: each line is a new conversation" if single_turn else "keeps history"
     print(f"mbd-rs chat ({mode}) — {CHAT_HELP}", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            break
-        if not line.strip():
-            break
-        try:
-            line = utf8_text(line, "that line")
-        except ValueError as e:
-            print(f"mbd-rs: {e}", file=sys.stderr)
-            continue
-        if line.strip() == "/reset":
-            history.clear()
-            print("(history cleared)", file=sys.stderr)
-            continue
-        if line.strip() == "/help":
-            print(CHAT_HELP, file=sys.stderr)
-            continue
-        if single_turn:
-            history.clear()
-        history.append({"role": "user", "content": line})
-        stream = eng.stream_chat(history, **params)
-        try:
-            for ch in stream:
-                sys.stdout.write(ch.text)
-                sys.stdout.flush()
-        except KeyboardInterrupt:  # Ctrl-C ends this answer (the stream is cancelled), not the session
-            stream.close()
-            history.pop()
-            print("\n(interrupted)", file=sys.stderr)
-            continue
-        comp = stream.result()
-        print()
-        if a.stats:
-            _print_stats(comp.usage)
-        history.append({"role": "assistant", "content": comp.text})
+    system: str | None = a.system
+    # The conversation since the start, /reset or /system: what /save writes. The model sees the system prompt and
+    # all of it, or (single-turn) the system prompt and the new question only.
+    conversation: list[dict[str, str]] = []
+
+    def with_system(msgs: list[dict[str, str]]) -> list[dict[str, str]]:
+        return ([{"role": "system", "content": system}] if system else []) + msgs
+
+    save_history = _start_readline()
+    try:
+        while True:
+            try:
+                line = _read_message()
+            except EOFError:  # Ctrl-D, or the end of piped input
+                if _is_tty(sys.stdin):
+                    print()
+                break
+            except KeyboardInterrupt:  # Ctrl-C at the prompt: drop the line, a fresh prompt
+                print()
+                continue
+            if not line.strip():
+                continue
+            try:
+                line = utf8_text(line, "that line")
+            except ValueError as e:
+                print(f"mbd-rs: {e}", file=sys.stderr)
+                continue
+            if line.startswith("/") and not line.startswith("//"):
+                cmd, _, arg = line.strip().partition(" ")
+                arg = arg.strip()
+                if cmd == "/reset":
+                    conversation.clear()
+                    print("(history cleared)", file=sys.stderr)
+                elif cmd == "/help":
+                    print(CHAT_HELP, file=sys.stderr)
+                elif cmd == "/system":
+                    system = arg or None
+                    conversation.clear()
+                    print(f"(system prompt set: {arg}; new conversation)" if arg
+                          else "(system prompt cleared; new conversation)", file=sys.stderr)
+                elif cmd == "/save":
+                    if not arg:
+                        print("mbd-rs: /save needs a file name: /save FILE", file=sys.stderr)
+                    else:
+                        print(_save_messages(with_system(conversation), arg), file=sys.stderr)
+                else:
+                    print(f"mbd-rs: unknown command {cmd}; /help lists them (//text sends a line that starts "
+                          f"with /)", file=sys.stderr)
+                continue
+            if line.startswith("//"):
+                line = line[1:]
+            conversation.append({"role": "user", "content": line})
+            messages = with_system(conversation[-1:] if single_turn else conversation)
+            _answer(eng, messages, params, a.stats, conversation)
+    finally:
+        save_history()
     return EXIT_OK
+
+
+def _answer(eng: Engine, messages: list[dict[str, str]], params: dict[str, Any], stats: bool,
+            conversation: list[dict[str, str]]) -> None:
+    """Stream the answer to `messages` to stdout and add it to `conversation` (the question is its last message).
+    Ctrl-C stops it: the generation is cancelled, the question dropped from the conversation, and the stats line
+    (with --stats) still comes; a request the engine refuses (e.g. past the context) is said, and dropped too."""
+    from .errors import ContextLengthError, InvalidRequestError
+    stream = None
+    note = PrefillNote(lambda: len(eng.chat_ids(messages)), sys.stderr)
+    try:
+        stream = eng.stream_chat(messages, **params)
+        for ch in stream:
+            note.clear()
+            sys.stdout.write(ch.text)
+            sys.stdout.flush()
+        comp = stream.result()
+    except KeyboardInterrupt:  # Ctrl-C ends this answer (the stream is cancelled), not the session
+        note.clear()
+        usage = None
+        if stream is not None:
+            stream.cancel()
+            try:
+                for _ in stream:  # the cancelled stream's last chunk, with its usage
+                    pass
+            except Exception:
+                pass
+            stream.close()
+            usage = stream.usage
+        conversation.pop()
+        print("\n(interrupted)", file=sys.stderr)
+        if stats and usage is not None:
+            _print_stats(usage)
+        return
+    except (InvalidRequestError, ContextLengthError) as e:
+        note.clear()
+        conversation.pop()
+        print(f"mbd-rs: error: {e}", file=sys.stderr)
+        return
+    finally:
+        note.clear()
+    print()
+    if stats:
+        _print_stats(comp.usage)
+    conversation.append({"role": "assistant", "content": comp.text})
 
 
 def _default_model() -> str:
@@ -405,11 +606,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if ray_only:
         print(f"mbd-rs: {', '.join(ray_only)} need --ray", file=sys.stderr)
         return EXIT_USAGE
-    from .hub import is_hub_id, resolve_model_path
+    from .hub import is_hub_id
     if a.model is not None and is_hub_id(a.model):  # serve it under its id, not its snapshot's commit hash
         a.model_name = a.model_name or a.model
-    a.model = resolve_model_path(a.model, a.revision)  # the server loads the resolved local directory
-    return serve(a, load_options(a))
+    eng = load_engine(a.model, a.revision, load_options(a))
+    a.model = eng.info.path
+    return serve(a, load_options(a), engine=eng)
 
 
 def _int_in(lo: int, hi: int) -> Any:
@@ -467,8 +669,8 @@ _host_list.__name__ = "comma-separated host names"
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
-    from .server.limits import (BODY_TIMEOUT, CONNECTIONS, HEADER_TIMEOUT, MAX_BODY_BYTES, MAX_PROMPT_TOKENS,
-                                REQUEST_TIMEOUT)
+    from .server.limits import (BODY_TIMEOUT, CONNECTIONS, HEADER_TIMEOUT, KEEPALIVE, MAX_BODY_BYTES,
+                                MAX_PROMPT_TOKENS, REQUEST_TIMEOUT)
     ap = argparse.ArgumentParser(prog="mbd-rs", description=(
         "Fast, exact inference for block-diffusion language models (SDAR, TraDo, Fast-dLLM v2, Dream/d3LLM, I-DLM) "
         "on Qwen2, Qwen3 and Qwen3.5, in Rust on candle, driven from Python."))
@@ -489,7 +691,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draw every forward: blocks and the tokens each one decodes (legend below)")
     _add_model_flags(g, generates=True)
     _add_gen_flags(g)
-    c = sub.add_parser("chat", help="interactive chat (/reset, /help)")
+    c = sub.add_parser("chat", help="interactive chat (/system, /reset, /save, /help)")
+    c.add_argument("--system", default=None, metavar="TEXT", help="the system prompt (/system TEXT changes it)")
     c.add_argument("--single-turn", action="store_true",
                    help="every line is a new conversation (always so for the embedded model, trained on single questions)")
     _add_model_flags(c, generates=True)
@@ -532,6 +735,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--body-timeout", type=_seconds, default=BODY_TIMEOUT,
                    help="seconds a request has to send its whole body once its headers are in, then it gets 408 "
                         "and the connection is closed (default: %(default)g)")
+    s.add_argument("--sse-keepalive", type=_seconds, default=KEEPALIVE,
+                   help="seconds a streaming response may go without an event (a long prefill, a wait in the "
+                        "queue) before it sends a ': keep-alive' comment line (default: %(default)g)")
     s.add_argument("--limit-concurrency", type=_int_in(1, 1 << 20), default=None,
                    help="open connections at most; a new one over it replaces the one that has waited longest "
                         "for its headers, else for its body, and is closed at once when every connection is serving "

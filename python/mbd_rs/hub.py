@@ -1,12 +1,14 @@
 """Where a model comes from and how its load is shown: `resolve_model_path` (the embedded model, a local path, or a
-Hugging Face Hub id through the local Hub cache) and `_LoadBar` (Engine.load's progress)."""
+Hugging Face Hub id through the local Hub cache), `_LoadBar` (Engine.load's progress) and `LoadLines` (the command
+line's record of a load's stages, where stderr is not a terminal)."""
 from __future__ import annotations
 
 import errno
 import os
 import re
 import sys
-from typing import Any, Callable, Optional, Union
+import time
+from typing import Any, Callable, Optional, TextIO, Union
 
 from .errors import InvalidRequestError, ModelFileNotFoundError
 
@@ -110,3 +112,54 @@ class _LoadBar:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+#: LoadLines writes a "reading weights" line at most this often between its quarter marks (seconds).
+LOAD_LINE_SECONDS = 5.0
+
+
+def _mb(done: int, total: int) -> str:
+    """`done`/`total` bytes as megabytes (10**6 bytes), with a decimal under 100 MB."""
+    if total >= 100_000_000:
+        return f"{done // 1_000_000}/{total // 1_000_000} MB"
+    return f"{done / 1e6:.1f}/{total / 1e6:.1f} MB"
+
+
+class LoadLines:
+    """A load's stages as lines on `out`, each "mbd-rs: loading NAME: STAGE": the command line's record of a load
+    where stderr is not a terminal (a log file, a pipe, a service's journal; a terminal gets the tqdm bar instead).
+    The stages: `resolving()` the path (a Hub id may download), `resolved(path)` when that named another directory,
+    the weights read (as Engine.load's progress callable: the first report and the last, and between them a quarter
+    mark passed a second or more after the line before, or LOAD_LINE_SECONDS since it), quantizing (with a quantize format: once, at the first report, since
+    each matrix is quantized as it is read), and `ready(detail)` with the seconds since this object was made."""
+
+    def __init__(self, name: str, out: TextIO, quantize: Optional[str] = None):
+        self.name, self.out, self.quantize = name, out, quantize
+        self.t0 = time.monotonic()
+        self.last: Optional[float] = None
+        self.quarter = -1
+
+    def say(self, stage: str) -> None:
+        try:
+            print(f"mbd-rs: loading {self.name}: {stage}", file=self.out, flush=True)
+        except (OSError, ValueError):  # a closed or broken stderr does not stop the load
+            pass
+
+    def resolving(self) -> None:
+        self.say("resolving the path")
+
+    def resolved(self, path: str) -> None:
+        if path != self.name:
+            self.say(f"resolved to {path}")
+
+    def __call__(self, done: int, total: int) -> None:
+        now, quarter = time.monotonic(), (4 * done // total if total > 0 else 4)
+        first, since = self.last is None, now - (self.last or now)
+        if first or done >= total or (quarter > self.quarter and since >= 1.0) or since >= LOAD_LINE_SECONDS:
+            self.say(f"reading weights {_mb(done, total)}")
+            self.last, self.quarter = now, quarter
+        if first and self.quantize:
+            self.say(f"quantizing to {self.quantize} (each matrix as it is read)")
+
+    def ready(self, detail: str = "") -> None:
+        self.say(f"ready in {time.monotonic() - self.t0:.2f} s" + (f" ({detail})" if detail else ""))
