@@ -17,6 +17,16 @@ class GenerationParams(TypedDict, total=False):
     """sample among the k most likely tokens (0 = off, the default)"""
     top_p: Optional[float]
     """sample within this probability mass (1 = off, the default)"""
+    min_p: Optional[float]
+    """sample among the tokens at least this fraction as likely as the most likely one (0 = off, the default)"""
+    presence_penalty: Optional[float]
+    """subtracted from the logit of every token the completion holds already (OpenAI's; 0 = off)"""
+    frequency_penalty: Optional[float]
+    """times a token's count in the completion so far, subtracted from its logit (OpenAI's; 0 = off)"""
+    repetition_penalty: Optional[float]
+    """a token of the prompt or the completion so far: its positive logit divided by this, a negative one multiplied (transformers'; 1 = off)"""
+    logit_bias: Optional[Union[str, Mapping[str, Any], type]]
+    """added to the logits of the tokens named: {"token id": bias in [-100, 100], ...} (OpenAI's)"""
     seed: Optional[int]
     """random seed for sampling (default: from the OS)"""
     stop: Optional[Union[str, Sequence[str]]]

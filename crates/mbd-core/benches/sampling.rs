@@ -22,7 +22,7 @@ fn tensor_ops(logits: &Tensor) -> Vec<(u32, f64)> {
 
 fn main() {
     mbd_core::cpu_pool::pin_thread_count();
-    let mut s = Sampler::new(SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, seed: Some(0) });
+    let mut s = Sampler::new(SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: Some(0) });
     println!("{:>6} {:>7} {:>12} {:>14} {:>7}", "rows", "vocab", "host ms", "tensor-op ms", "ratio");
     for (r, v) in [(2usize, 100usize), (8, 100), (2, 151936), (8, 151936), (32, 151936)] {
         let logits = Tensor::randn(0f32, 3.0, (r, v), &Device::Cpu).unwrap();

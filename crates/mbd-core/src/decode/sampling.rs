@@ -17,6 +17,8 @@ pub struct SamplingParams {
     /// 0 = off
     pub top_k: usize,
     pub top_p: f64,
+    /// 0 = off
+    pub min_p: f64,
     pub seed: Option<u64>,
 }
 
@@ -78,8 +80,9 @@ pub fn token_logprobs(logits: &Tensor, rows: Option<&[usize]>, tokens: &[u32], k
 }
 
 impl SamplingParams {
-    /// The distribution tokens are drawn from: softmax(row / T) restricted by top-k / top-p and renormalised
-    /// (temperature 0: softmax(row)), as (id, probability) pairs, most likely first (ties -> lowest id).
+    /// The distribution tokens are drawn from: softmax(row / T) restricted by top-k, then top-p, then min-p (the
+    /// tokens at least min_p times as likely as the most likely one) and renormalised (temperature 0: softmax(row)),
+    /// as (id, probability) pairs, most likely first (ties -> lowest id).
     pub fn dist(&self, row: &[f32]) -> Vec<(u32, f64)> {
         let t = if self.temperature == 0.0 { 1.0 } else { self.temperature };
         let mut idx: Vec<usize> = (0..row.len()).collect();
@@ -102,6 +105,14 @@ impl SamplingParams {
                     break;
                 }
             }
+            probs.truncate(keep);
+            idx.truncate(keep);
+            let z: f64 = probs.iter().sum();
+            probs.iter_mut().for_each(|p| *p /= z);
+        }
+        if sampling && self.min_p > 0.0 {
+            let floor = probs[0] * self.min_p;
+            let keep = probs.iter().take_while(|&&p| p >= floor).count().max(1);
             probs.truncate(keep);
             idx.truncate(keep);
             let z: f64 = probs.iter().sum();
@@ -242,7 +253,7 @@ mod tests {
 
     #[test]
     fn nan_logits_are_an_error() {
-        let mut s = Sampler::new(SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, seed: Some(0) });
+        let mut s = Sampler::new(SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: Some(0) });
         let l = Tensor::new(&[[0.5f32, f32::NAN, 1.0], [0.0, 1.0, 2.0]], &candle_core::Device::Cpu).unwrap();
         let e = s.predict(&l).unwrap_err().to_string();
         assert!(e.contains("non-finite logits"), "{e}");
@@ -252,7 +263,7 @@ mod tests {
     fn greedy_predictions_are_the_rows_stats() {
         // through the sampler: greedy rows of a (2, 3) tensor
         let t = Tensor::new(&[[1f32, 3.0, 2.0], [0.0, 0.0, 0.0]], &candle_core::Device::Cpu).unwrap();
-        let mut s = Sampler::new(SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, seed: Some(0) });
+        let mut s = Sampler::new(SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: Some(0) });
         let p = s.predict(&t).unwrap();
         assert_eq!((p[0].token, p[1].token), (1, 0));
         assert!((p[1].entropy - 3f64.ln()).abs() < 1e-6 && (p[1].max_prob - 1.0 / 3.0).abs() < 1e-6);

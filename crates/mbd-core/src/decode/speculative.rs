@@ -264,7 +264,7 @@ mod tests {
         // The committed token must be distributed as q (the speculative sampling theorem).
         let p = vec![(0u32, 0.6), (1, 0.3), (2, 0.1)];
         let q = vec![(0u32, 0.2), (1, 0.3), (2, 0.5)];
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, seed: Some(3) });
+        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: Some(3) });
         let mut stats = SpecStats::default();
         let n = 40_000;
         let mut counts = [0usize; 3];

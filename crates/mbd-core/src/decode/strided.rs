@@ -235,7 +235,7 @@ mod tests {
     }
 
     fn greedy() -> Sampler {
-        Sampler::new(SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, seed: Some(0) })
+        Sampler::new(SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: Some(0) })
     }
 
     #[test]

@@ -7,6 +7,7 @@
 use crate::decode::credit::Credit;
 use crate::decode::decoder::{Decoder, Prediction, StopCause};
 use crate::decode::grammar::constraint::{Constraint, CHAIN};
+use crate::decode::penalties::Penalties;
 use crate::decode::sampling::Sampler;
 use crate::decode::speculative::{accept_greedy, accept_sampled, Router};
 use crate::decode::strided::Strided;
@@ -43,6 +44,8 @@ pub struct Generation {
     tccf: Option<Tccf>,
     /// The grammar the output keeps to (`response_format`, `grammar`, `regex`).
     constraint: Option<Constraint>,
+    /// The logits controls (penalties, logit_bias), applied to a step's rows before its predictions.
+    penalties: Option<Penalties>,
 }
 
 /// A step's span, held while it is verified.
@@ -95,6 +98,7 @@ impl Generation {
             credit,
             tccf,
             constraint: plan.constraint,
+            penalties: plan.penalties,
         };
         // what the grammar forces before anything is predicted (a JSON object's `{`)
         g.write_forced()?;
@@ -186,12 +190,14 @@ impl Generation {
         if let Some(d) = self.pending.take() {
             self.verified(d, &logits)?;
         } else {
-            // predict (CreditDecoding: from the logits fused with the credit)
+            // predict (after the logits controls; CreditDecoding: from the logits fused with the credit)
+            let controlled = self.controlled(&logits)?;
+            let base = controlled.as_ref().unwrap_or(&logits);
             let fused = match &mut self.credit {
-                Some(c) => Some(c.fuse(&self.dec, &positions, &logits)?),
+                Some(c) => Some(c.fuse(&self.dec, &positions, base)?),
                 None => None,
             };
-            let rows = fused.as_ref().unwrap_or(&logits);
+            let rows = fused.as_ref().unwrap_or(base);
             let mut preds = self.sampler.predict(rows)?;
             // under a grammar the chain from the frontier is predicted again, from the grammar's distribution
             let chain = self.predict_chain(&positions, &mut preds, rows)?;
@@ -211,6 +217,18 @@ impl Generation {
         let is_final = self.dec.stopped == Some(StopCause::ForwardCap) || self.dec.masks_left() == 0;
         let usage = self.counters();
         self.out.emit(&self.model, &self.dec, is_final, true, usage).map(Some)
+    }
+
+    /// The step's logits rows after the logits controls ([`decode::penalties`](crate::decode::penalties)), None
+    /// without any: "already generated" is the completion committed before this step, up to its first end of text.
+    fn controlled(&self, logits: &Tensor) -> Result<Option<Tensor>> {
+        let Some(p) = &self.penalties else { return Ok(None) };
+        let (r, v) = logits.dims2()?;
+        let end = self.dec.first_eos().unwrap_or(self.dec.n);
+        let generated: Vec<u32> = (0..end).filter(|&i| self.dec.decoded[i]).map(|i| self.dec.tokens[i]).collect();
+        let mut flat = logits.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        p.apply(&mut flat, v, &generated);
+        Ok(Some(Tensor::from_vec(flat, (r, v), logits.device())?))
     }
 
     /// Under the grammar ([`decode::grammar::constraint`](crate::decode::grammar::constraint)): the chain (the
@@ -422,7 +440,9 @@ impl Drop for Generation {
     }
 }
 
-/// What a generation needs next ([`Generation::prepare`]).
+/// What a generation needs next ([`Generation::prepare`]). One is made per step and matched at once, so the
+/// output is not boxed.
+#[allow(clippy::large_enum_variant)]
 pub enum Next<'a> {
     /// Run this segment and pass its logits to `consume`.
     Forward(Segment<'a>),

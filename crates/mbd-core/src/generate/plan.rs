@@ -8,6 +8,7 @@ use crate::decode::credit::CreditParams;
 use crate::decode::decoder::{block_layout, Acceptance, DecodeParams, DEFAULT_BACD_BOUNDS};
 use crate::decode::grammar::compile::GrammarSpec;
 use crate::decode::grammar::constraint::Constraint;
+use crate::decode::penalties::{parse_bias, Penalties};
 use crate::decode::sampling::SamplingParams;
 use crate::decode::speculative::{PenaltyKind, SpecParams, Speculative};
 use crate::decode::strided::DEFAULT_STRIDE;
@@ -47,6 +48,8 @@ pub struct Plan {
     pub grid: BlockGrid,
     pub cache: CachePolicy,
     pub sampling: SamplingParams,
+    /// The logits controls (penalties, logit_bias), where any is set.
+    pub penalties: Option<Penalties>,
     /// S2D2's routing parameters (None: no S2D2).
     pub spec: Option<SpecParams>,
     /// ISD's stride (None: no ISD).
@@ -146,8 +149,10 @@ pub fn plan(model: &Model, prompt: &[u32], req: &GenRequest) -> Result<Plan> {
         temperature: req.temperature.unwrap_or(0.0),
         top_k: req.top_k.unwrap_or(0),
         top_p: req.top_p.unwrap_or(1.0),
+        min_p: req.min_p.unwrap_or(0.0),
         seed: req.seed,
     };
+    let penalties = penalties(model, prompt, req)?;
     let b = req.block_size.unwrap_or(if p.attention == AttentionKind::Causal { 1 } else { p.block_size });
     let (grid, absolute) = match p.attention {
         AttentionKind::BlockCausal => {
@@ -166,6 +171,7 @@ pub fn plan(model: &Model, prompt: &[u32], req: &GenRequest) -> Result<Plan> {
         grid,
         cache: cache_policy(grid.kind, req, model.is_hybrid())?,
         sampling,
+        penalties,
         spec,
         isd,
         credit,
@@ -286,6 +292,38 @@ fn cache_policy(attention: AttentionKind, req: &GenRequest, hybrid: bool) -> Res
 
 /// S2D2's routing parameters of a request (None: no speculation). The verify_* parameters need
 /// speculative="s2d2", and verification needs block-causal or causal attention.
+/// The logits controls of `req` (None where none changes a logit). S2D2 and ISD verify drafts against the raw
+/// distribution, so they take none in this version.
+fn penalties(model: &Model, prompt: &[u32], req: &GenRequest) -> Result<Option<Penalties>> {
+    let bias = match req.logit_bias.as_deref() {
+        Some(j) => parse_bias(j, model.config.vocab_size)?,
+        None => vec![],
+    };
+    let mut prompt: Vec<u32> = prompt.to_vec();
+    prompt.sort_unstable();
+    prompt.dedup();
+    let p = Penalties {
+        presence: req.presence_penalty.unwrap_or(0.0),
+        frequency: req.frequency_penalty.unwrap_or(0.0),
+        repetition: req.repetition_penalty.unwrap_or(1.0),
+        bias,
+        prompt,
+    };
+    if !p.is_active() {
+        return Ok(None);
+    }
+    if let Some(s) = req.speculative.filter(|s| *s != Speculative::Off) {
+        let set = req.given(&["presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"]);
+        return Err(Error::invalid(format!(
+            "{} does not combine with speculative='{}' in this version (its drafts are verified against the raw \
+             distribution)",
+            set.join(", "),
+            s.name()
+        )));
+    }
+    Ok(Some(p))
+}
+
 fn speculative(req: &GenRequest, attention: AttentionKind) -> Result<Option<SpecParams>> {
     let on = req.speculative == Some(Speculative::S2d2);
     let verify = [
