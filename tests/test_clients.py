@@ -219,9 +219,15 @@ def test_litellm_async_stream(litellm, ll_args, engine):
     assert "".join(asyncio.run(asyncio.wait_for(run(), TIMEOUT))) == want.text
 
 
-def test_litellm_unsupported_feature_is_a_clear_400(litellm, ll_args):
-    with pytest.raises(litellm.BadRequestError, match="presence_penalty is not supported"):
-        litellm.completion(messages=MSG, presence_penalty=0.5, **GREEDY, **ll_args)
+def test_litellm_penalties_and_logit_bias(litellm, ll_args, engine):
+    """presence_penalty and logit_bias reach the server through LiteLLM, and the answer is the engine's under the
+    same controls (the bias bans the answer's first token: the answer changes)."""
+    plain = engine.chat(MSG, **GREEDY)
+    bias = {str(plain.token_ids[0]): -100}
+    want = engine.chat(MSG, presence_penalty=0.5, logit_bias=bias, **GREEDY)
+    assert want.token_ids[0] != plain.token_ids[0]
+    r = litellm.completion(messages=MSG, presence_penalty=0.5, logit_bias=bias, **GREEDY, **ll_args)
+    assert r.choices[0].message.content == want.text
 
 
 def test_litellm_logprobs(litellm, ll_args, engine):
@@ -336,8 +342,13 @@ def test_langchain_completions_llm_matches_engine(lc, lc_args, engine):
 
 def test_langchain_unsupported_feature_is_a_clear_400(lc, lc_args):
     openai = pytest.importorskip("openai")
-    with pytest.raises(openai.BadRequestError, match="presence_penalty is not supported"):
-        lc.ChatOpenAI(presence_penalty=0.5, **lc_args).invoke(MSG)
+    with pytest.raises(openai.BadRequestError, match="service_tier is not supported by this server"):
+        lc.ChatOpenAI(service_tier="flex", **lc_args).invoke(MSG)
+
+
+def test_langchain_penalties(lc, lc_args, engine):
+    want = engine.chat(MSG, frequency_penalty=1.0, **GREEDY)
+    assert lc.ChatOpenAI(frequency_penalty=1.0, **lc_args).invoke(MSG).text == want.text
 
 
 def test_langchain_logprobs(lc, lc_args, engine):
@@ -413,3 +424,11 @@ def test_readme_client_examples(request, marker):
     assert r.returncode == 0, r.stderr[-3000:]
     want = [m.strip() for m in re.findall(r"# -> ([^(\n]*)", code)]
     assert want and r.stdout.splitlines() == want, (r.stdout, want)
+
+
+def test_langchain_content_blocks(lc, lc_args, engine):
+    """A message of LangChain content blocks (text parts) is the text parts joined with newlines."""
+    from langchain_core.messages import HumanMessage
+    blocks = [{"type": "text", "text": "sort 7 2 9"}, {"type": "text", "text": "4 1"}]
+    want = engine.chat([{"role": "user", "content": "sort 7 2 9\n4 1"}], **GREEDY)
+    assert lc.ChatOpenAI(**lc_args).invoke([HumanMessage(content=blocks)]).text == want.text

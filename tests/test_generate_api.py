@@ -189,3 +189,15 @@ def test_no_template_no_chat():
     eng = mbd_rs.Engine.load(parity_dir("qwen3_headdim_gqa"), device="cpu", mask_token_id=3)
     assert eng.info.chat_template is None and not eng.chats("abc")
     assert eng.generate("abc", max_tokens=5).token_ids == eng.generate(eng.tokenize("abc"), max_tokens=5).token_ids
+
+
+def test_trace_and_usage_agree_on_tokens_per_forward():
+    """One number, one meaning: the last step's tokens_per_forward is usage's (completion tokens per forward); the
+    decoder's positions per forward, which count the end of text and the fill after it, have their own name."""
+    eng = mbd_rs.Engine.load()
+    s = eng.stream_chat([{"role": "user", "content": "sort 5 3 8 1 9 2"}], max_tokens=32, trace=True)
+    steps = [ch.step for ch in s if ch.step is not None]
+    u = s.usage
+    assert steps and steps[-1].tokens_per_forward == pytest.approx(u.tokens_per_forward)
+    assert steps[-1].positions_per_forward > u.tokens_per_forward  # the end of text is a position, not a token
+    assert all(a.tokens_per_forward * a.index <= b.tokens_per_forward * b.index for a, b in zip(steps, steps[1:]))

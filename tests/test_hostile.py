@@ -389,9 +389,14 @@ SERVER_CASES = [
     (dict(body={"prompt": "hi", "echo": True, "max_tokens": 0, "logprobs": 30}, route="/v1/completions"), 400,
      "logprobs must be between 0 and 20"),
     (dict(body={"prompt": "hi", "max_tokens": 0}, route="/v1/completions"), 400, "max_tokens must be >= 1"),
-    (dict(body={"messages": MSG, "presence_penalty": 0.5}), 400, "presence_penalty is not supported"),
-    (dict(body={"messages": MSG, "frequency_penalty": -1}), 400, "frequency_penalty is not supported"),
-    (dict(body={"messages": MSG, "logit_bias": {"5": 10}}), 400, "logit_bias is not supported"),
+    (dict(body={"messages": MSG, "presence_penalty": 2.5}), 400, "presence_penalty must be between -2 and 2, got 2.5"),
+    (dict(body={"messages": MSG, "frequency_penalty": "high"}), 400, "frequency_penalty must be a number"),
+    (dict(body={"messages": MSG, "logit_bias": {"x": 10}}), 400, "logit_bias: key \"x\" is not a token id"),
+    (dict(body={"messages": MSG, "logit_bias": {"5": 101}}), 400, "logit_bias[\"5\"] must be a number in [-100, 100]"),
+    (dict(body={"messages": MSG, "logit_bias": {"99999999": 1}}), 400, "logit_bias: token id 99999999 is out of range"),
+    (dict(body={"messages": MSG, "logit_bias": [1]}), 400, "logit_bias must be an object"),
+    (dict(body={"messages": MSG, "repetition_penalty": 0}), 400, "repetition_penalty must be between 0.01 and 100"),
+    (dict(body={"messages": MSG, "min_p": 2}), 400, "min_p must be in [0, 1]"),
     (dict(body={"messages": MSG, "response_format": {"type": "xml"}}), 400,
      "response_format: type must be 'text', 'json_object' or 'json_schema', got 'xml'"),
     (dict(body={"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}), 400,
@@ -399,6 +404,13 @@ SERVER_CASES = [
     (dict(body={"messages": MSG, "response_format": {"type": "json_object"}, "tccf": True, "tccf_trigger": "a"}),
      400, "response_format does not combine with tccf"),
     (dict(body={"prompt": "hi", "best_of": 3}, route="/v1/completions"), 400, "best_of is not supported"),
+    (dict(body={"messages": MSG, "store": True}), 400, "store is not supported by this server (got true)"),
+    (dict(body={"messages": MSG, "functions": [{"name": "f"}]}), 400,
+     "functions is not supported by this server (got [{\"name\": \"f\"}]); use tools"),
+    (dict(body={"messages": MSG, "reasoning_effort": "low"}), 400, "reasoning_effort is not supported by this server"),
+    (dict(body={"messages": MSG, "colour": "red"}), 400,
+     "unknown request field(s) ['colour']: neither OpenAI's nor one of this server's extensions"),
+    (dict(body={"messages": MSG, "stream_options": {"include_usage": True}}), 400, "stream_options needs stream: true"),
     (dict(body={"messages": MSG, "tools": [{"type": "function"}]}), 400, "tools[0] must be {\"type\": \"function\""),
     (dict(body={"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}), 400,
      "this model's chat template renders no tools"),
@@ -478,7 +490,8 @@ def test_failed_requests_never_hold_slots(srv):
 
 def test_off_values_of_unsupported_fields_are_accepted(srv):
     body = {"messages": MSG, "max_tokens": 4, "logprobs": False, "presence_penalty": 0.0, "frequency_penalty": 0,
-            "logit_bias": {}, "response_format": {"type": "text"}, "n": 1, "user": "u1", "stream": False}
+            "logit_bias": {}, "response_format": {"type": "text"}, "n": 1, "user": "u1", "stream": False,
+            "store": False, "metadata": {}, "service_tier": "auto", "modalities": ["text"], "audio": None}
     assert _post(srv, body).status_code == 200
     nulls = {"messages": MSG, "max_tokens": 4, "n": None, "stream": None, "stream_options": None, "user": None,
              "temperature": None, "stop": None, "logprobs": None, "seed": None}

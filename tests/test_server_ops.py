@@ -15,25 +15,10 @@ httpx = pytest.importorskip("httpx")
 parser = pytest.importorskip("prometheus_client.parser")
 from conftest import Server  # noqa: E402
 
-KEY = "sk-ops"
+# the live server of tests/test_server.py, one per module (its fixtures, imported)
+from test_server import KEY, client, engine, server  # noqa: E402,F401
+
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return mbd_rs.Engine.load()
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    s = Server(engine, api_key=KEY, max_concurrency=2, max_queue=1)
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
 def scrape(server):
@@ -180,3 +165,36 @@ def test_a_waiting_stream_gets_keep_alives(long_context_model):
         assert text == eng.generate("sort 3 1 2", max_tokens=8, raw=True).text
     finally:
         s.stop()
+
+
+def test_unsupported_fields_are_refused_by_name(server, client):
+    with pytest.raises(openai.BadRequestError, match="store is not supported by this server") as e:
+        client.chat.completions.create(model="mbd-tiny", messages=[{"role": "user", "content": "hi"}], store=True)
+    assert e.value.param == "store"
+
+
+def test_content_parts_are_joined_text(server, client, engine):
+    """OpenAI's content parts (the openai SDK's typed messages, LangChain's content blocks): text parts joined with
+    newlines, as one string content; other parts and a speaker's name are refused, naming them."""
+    parts = [{"type": "text", "text": "sort 3 1"}, {"type": "text", "text": "2"}]
+    want = engine.chat([{"role": "user", "content": "sort 3 1\n2"}], max_tokens=12)
+    assert engine.chat([{"role": "user", "content": parts}], max_tokens=12).token_ids == want.token_ids
+    r = client.chat.completions.create(model="mbd-tiny", messages=[{"role": "user", "content": parts}],
+                                       max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == want.text
+    sys_parts = [{"role": "system", "content": [{"type": "text", "text": "be brief"}]},
+                 {"role": "user", "content": "sort 3 1 2"}]
+    assert client.chat.completions.create(model="mbd-tiny", messages=sys_parts, max_tokens=12).choices[0] \
+        .message.content == engine.chat([{"role": "system", "content": "be brief"},
+                                         {"role": "user", "content": "sort 3 1 2"}], max_tokens=12).text
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(openai.BadRequestError, match="messages\\[0\\].content\\[1\\] is a \"image_url\" part; this "
+                                                     "model reads text parts only"):
+        client.chat.completions.create(model="mbd-tiny", messages=[{"role": "user", "content": [parts[0], image]}])
+    with pytest.raises(openai.BadRequestError, match="messages\\[0\\].name is not supported"):
+        client.chat.completions.create(model="mbd-tiny", messages=[{"role": "user", "content": "hi", "name": "ann"}])
+    with pytest.raises(mbd_rs.InvalidRequestError, match="content\\[0\\] must be a part like"):
+        engine.chat([{"role": "user", "content": ["just a string"]}])
+    # the tokenizer route gives the same ids as the generation runs on
+    ids = httpx.post(server.base + "/tokenize", headers=AUTH, json={"messages": [{"role": "user", "content": parts}]})
+    assert ids.json()["tokens"] == engine.chat_ids([{"role": "user", "content": "sort 3 1\n2"}])

@@ -590,7 +590,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     try:
         from .server import serve
     except ImportError as e:
-        print(f"mbd-rs: the server needs starlette and uvicorn: pip install starlette uvicorn "
+        print(f"mbd-rs: the server needs starlette, uvicorn and prometheus_client: pip install 'mbd-rs[server]' "
               f"(from a checkout: pip install '.[server]') ({e})", file=sys.stderr)
         return EXIT_USAGE
     if a.ray:

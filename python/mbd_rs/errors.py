@@ -25,6 +25,9 @@ class UnsupportedArchitectureError(MbdError, ValueError):
 class InvalidRequestError(MbdError, ValueError):
     """A request parameter or input is invalid (out-of-range value, bad token id, empty prompt...)."""
 
+    #: the request field at fault, where one is (the server's error.param)
+    param: "str | None" = None
+
 
 class ContextLengthError(InvalidRequestError):
     """The prompt plus the requested completion does not fit the model's context."""

@@ -58,9 +58,12 @@ class StepEvent:
     decoded: List[int]  # offsets from the prompt's end decoded by this step
     tokens: List[int]  # the tokens written at those offsets
     blocks: List[Tuple[int, int, str]]  # (start, end, state) per block; state: inactive|activated|fully_activated|completed
-    tokens_per_forward: float  # tokens decoded by acceptance / forced progress per forward so far
+    tokens_per_forward: float  # completion tokens so far per forward so far (usage's number, at the last step)
     canvas: Optional[List[int]]  # the generated region, -1 for masks (trace="canvas")
     end: Optional[int]  # offset of the first decoded end-of-text token (EOS or stop_token_ids), None while none
+    # canvas positions decoded so far per forward so far (the decoder's parallelism: the end of text and the fill
+    # after it count; completion tokens do not include them)
+    positions_per_forward: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,7 @@ fn output_dict<'py>(py: Python<'py>, o: StepOutput) -> PyResult<Bound<'py, PyDic
         let blocks: Vec<(usize, usize, &str)> = e.blocks.iter().map(|(a, b, s)| (*a, *b, s.name())).collect();
         ed.set_item("blocks", blocks)?;
         ed.set_item("tokens_per_forward", e.tokens_per_forward)?;
+        ed.set_item("positions_per_forward", e.positions_per_forward)?;
         ed.set_item("canvas", e.canvas)?;
         ed.set_item("end", e.end)?;
         d.set_item("step", ed)?;

@@ -18,12 +18,21 @@ from ..types import StepEvent, TokenLogprob, ToolCall, Usage
 from .limits import MAX_N
 
 # OpenAI body fields passed to the engine as generation parameters, and the server's own fields.
-_OPENAI_PARAMS = {"max_tokens", "temperature", "top_p", "stop", "seed", "response_format"}
+_OPENAI_PARAMS = {"max_tokens", "temperature", "top_p", "stop", "seed", "response_format", "presence_penalty",
+                  "frequency_penalty", "logit_bias"}
 _OWN = {"model", "prompt", "messages", "stream", "stream_options", "max_completion_tokens", "n", "user", "logprobs",
         "top_logprobs", "echo", "tools", "tool_choice", "parallel_tool_calls"}
-# OpenAI fields we do not support yet, with the values that mean "off" (sent by many clients by default).
-_UNSUPPORTED_UNLESS = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
-                       "suffix": (None, ""), "best_of": (None, 1)}
+# OpenAI fields this server does not support, with the values that mean "off" (sent by many clients by default);
+# any other value is refused by name, "not supported by this server", never as an unknown field.
+_UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
+    "suffix": (None, ""), "best_of": (None, 1), "store": (None, False), "metadata": (None, {}), "service_tier": (None, "auto", "default"),
+    "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
+    "web_search_options": (None,), "functions": (None,), "function_call": (None,), "verbosity": (None,),
+    "prompt_cache_key": (None,), "safety_identifier": (None,)}
+# Why, where a word helps.
+_INSTEAD = {"functions": "use tools", "function_call": "use tool_choice", "audio": "this server writes text only",
+            "modalities": "this server writes text only", "reasoning_effort": "the models served here do not reason "
+            "in a separate channel", "prompt_cache_key": "the prefix cache matches prompts by their tokens"}
 # Diffusion knobs and the rest of the engine's parameters, accepted as extra body fields ("logprobs" is OpenAI's
 # field, shaped per route by _body_params).
 _EXTENSIONS = set(GENERATION_PARAMS) - _OPENAI_PARAMS - {"logprobs"}
@@ -82,7 +91,7 @@ def refusal(e: Exception) -> JSONResponse:
     if isinstance(e, ContextLengthError):
         return error(400, str(e), code="context_length_exceeded")
     if isinstance(e, (InvalidRequestError, TypeError)):
-        return error(400, str(e))
+        return error(400, str(e), param=getattr(e, "param", None))
     return error(500, str(e), "server_error")
 
 
@@ -108,10 +117,14 @@ def body_params(body: dict[str, Any], chat: bool, engine: Engine) -> Body:
     engine; this checks the shape of the OpenAI fields."""
     unknown = sorted(set(body) - _OWN - _OPENAI_PARAMS - _EXTENSIONS - set(_UNSUPPORTED_UNLESS))
     if unknown:
-        raise InvalidRequestError(f"unknown request field(s) {unknown}")
+        raise InvalidRequestError(f"unknown request field(s) {unknown}: neither OpenAI's nor one of this server's "
+                                  "extensions (docs/parameters.md)")
     for k, off in _UNSUPPORTED_UNLESS.items():
         if k in body and not any(body[k] == v and isinstance(body[k], bool) == isinstance(v, bool) for v in off):
-            raise InvalidRequestError(f"{k} is not supported by this server (got {json.dumps(body[k])[:80]})")
+            why = f"; {_INSTEAD[k]}" if k in _INSTEAD else ""
+            e = InvalidRequestError(f"{k} is not supported by this server (got {json.dumps(body[k])[:80]}){why}")
+            e.param = k
+            raise e
     body = {k: v for k, v in body.items() if v is not None}  # null = the field's default, as OpenAI treats it
     n = body.get("n", 1)
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
@@ -122,6 +135,8 @@ def body_params(body: dict[str, Any], chat: bool, engine: Engine) -> Body:
     if so is not None and not (isinstance(so, dict) and set(so) <= {"include_usage"}
                                and isinstance(so.get("include_usage", False), bool)):
         raise InvalidRequestError("stream_options must be an object like {\"include_usage\": true}")
+    if so is not None and not body.get("stream"):
+        raise InvalidRequestError("stream_options needs stream: true")
     if not isinstance(body.get("user", ""), str):
         raise InvalidRequestError("user must be a string")
     if body.get("trace") not in (None, False) and not body.get("stream"):
@@ -395,7 +410,8 @@ class Shapes:
         token: EOS or the request's stop_token_ids; None while there is none), and what the decoder wrote after it
         is fill the view collapses."""
         return {"index": ev.index, "decoded": ev.decoded, "blocks": ev.blocks,
-                "tokens_per_forward": ev.tokens_per_forward, "end": ev.end,
+                "tokens_per_forward": ev.tokens_per_forward, "positions_per_forward": ev.positions_per_forward,
+                "end": ev.end,
                 "canvas": None if ev.canvas is None else [None if t < 0 else self.piece(t) for t in ev.canvas]}
 
 

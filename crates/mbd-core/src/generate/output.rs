@@ -58,7 +58,11 @@ pub struct StepEvent {
     pub tokens: Vec<u32>,
     /// (start offset, end offset, state) per generation block.
     pub blocks: Vec<(usize, usize, BlockState)>,
+    /// Completion tokens so far per forward so far: usage's number (equal to it at the last step).
     pub tokens_per_forward: f64,
+    /// Canvas positions decoded so far per forward so far: the decoder's parallelism, the end of text and the fill
+    /// after it included (what the step's acceptance and forced progress wrote).
+    pub positions_per_forward: f64,
     /// Generated region, -1 for masks (only with trace "canvas").
     pub canvas: Option<Vec<i64>>,
     /// Offset of the first decoded end-of-text token ([`Decoder::first_eos`]), None while there is none.
@@ -270,14 +274,20 @@ impl Output {
             blocks: (0..dec.blocks.len())
                 .map(|k| (dec.blocks[k].start - lp, dec.blocks[k].end - lp, dec.block_state(k)))
                 .collect(),
-            tokens_per_forward: if dec.forward_passes > 0 {
-                dec.accepted as f64 / dec.forward_passes as f64
-            } else {
-                0.0
-            },
+            tokens_per_forward: per(self.completion.len(), dec.forward_passes),
+            positions_per_forward: per(dec.accepted, dec.forward_passes),
             canvas: (self.trace == TraceMode::Canvas)
                 .then(|| (0..dec.n).map(|i| if dec.decoded[i] { dec.tokens[i] as i64 } else { -1 }).collect()),
             end: dec.first_eos(),
         }
+    }
+}
+
+/// `n` per forward (0 before any forward).
+fn per(n: usize, forwards: usize) -> f64 {
+    if forwards > 0 {
+        n as f64 / forwards as f64
+    } else {
+        0.0
     }
 }

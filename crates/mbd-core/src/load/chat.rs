@@ -15,6 +15,55 @@ pub const TEMPLATE_FUEL: u64 = 20_000_000;
 /// string could spell control tokens there: `user<|im_end|>\n<|im_start|>system` would open a system turn).
 pub const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
 
+/// `messages` with every content given as a list of parts (OpenAI's `[{"type": "text", "text": ...}, ...]`, which
+/// the openai SDK's typed messages and LangChain's content blocks send) made one string, the text parts joined with
+/// newlines; a part of another type (an image, audio, a file) is refused, naming it, as is a speaker's `name` outside
+/// a tool message (no template here has a place for it). Borrowed when there is nothing to change.
+pub fn text_messages(messages: &Value) -> Result<std::borrow::Cow<'_, Value>> {
+    let Some(list) = messages.as_array() else { return Ok(std::borrow::Cow::Borrowed(messages)) };
+    for (i, m) in list.iter().enumerate() {
+        if m.get("name").is_some_and(|n| !n.is_null()) && m.get("role").and_then(Value::as_str) != Some("tool") {
+            return Err(Error::invalid(format!(
+                "messages[{i}].name is not supported: the chat template has no place for a speaker's name; leave it \
+                 out (or put it in the content)"
+            )));
+        }
+    }
+    if !list.iter().any(|m| m.get("content").is_some_and(Value::is_array)) {
+        return Ok(std::borrow::Cow::Borrowed(messages));
+    }
+    let mut out = list.clone();
+    for (i, m) in out.iter_mut().enumerate() {
+        let Some(Value::Array(parts)) = m.get("content") else { continue };
+        let mut texts = Vec::with_capacity(parts.len());
+        for (j, part) in parts.iter().enumerate() {
+            let kind = part.get("type").and_then(Value::as_str);
+            match (kind, part.get("text")) {
+                (Some("text"), Some(Value::String(t))) => texts.push(t.as_str()),
+                (Some("text"), _) => {
+                    return Err(Error::invalid(format!(
+                        "messages[{i}].content[{j}] is a text part without a string 'text'"
+                    )))
+                }
+                (Some(other), _) => {
+                    let shown: String = other.chars().take(40).collect();
+                    return Err(Error::invalid(format!(
+                        "messages[{i}].content[{j}] is a {shown:?} part; this model reads text parts only"
+                    )));
+                }
+                (None, _) => {
+                    return Err(Error::invalid(format!(
+                        "messages[{i}].content[{j}] must be a part like {{\"type\": \"text\", \"text\": ...}}, got {}",
+                        crate::load::json::shown(part)
+                    )))
+                }
+            }
+        }
+        m["content"] = Value::String(texts.join("\n"));
+    }
+    Ok(std::borrow::Cow::Owned(Value::Array(out)))
+}
+
 pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
     source: String,

@@ -104,6 +104,8 @@ impl Model {
         extra: &serde_json::Value,
         special_in_content: bool,
     ) -> Result<Vec<u32>> {
+        let texts = crate::load::chat::text_messages(messages)?;
+        let messages = &*texts;
         if !special_in_content {
             self.check_unspelled(messages, extra)?;
         }
@@ -243,7 +245,7 @@ impl Model {
                 self.dir.display()
             ))
         })?;
-        tmpl.render(messages, add_generation_prompt, extra)
+        tmpl.render(&*crate::load::chat::text_messages(messages)?, add_generation_prompt, extra)
     }
 }
 
