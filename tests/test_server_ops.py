@@ -16,7 +16,7 @@ parser = pytest.importorskip("prometheus_client.parser")
 from conftest import Server  # noqa: E402
 
 # the live server of tests/test_server.py, one per module (its fixtures, imported)
-from test_server import KEY, client, engine, server  # noqa: E402,F401
+from test_server import KEY, client, engine, server  # noqa: E402,F401  (fixtures)
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
