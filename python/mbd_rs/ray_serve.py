@@ -22,12 +22,13 @@ from typing import Any
 from . import _core
 from .engine import BATCH_CAPS
 from .server import BODY_TIMEOUT, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, REQUEST_TIMEOUT, create_app
+from .server.limits import KEEPALIVE
 
 #: The keyword arguments of `deployment` that a --ray-config file may set: its own and Engine.load's load options
 #: (the core's LOAD_PARAMS, without the batching caps, which max_concurrency sets).
 CONFIG_KEYS = ("num_replicas", "autoscaling", "num_cpus", "num_gpus", "max_concurrency", "max_queue",
                "model_name", "revision", "max_body_bytes", "max_prompt_tokens", "request_timeout",
-               "body_timeout", "allowed_hosts") + tuple(
+               "body_timeout", "allowed_hosts", "keepalive") + tuple(
                    k for k in _core.LOAD_PARAMS if k not in BATCH_CAPS)
 
 
@@ -67,15 +68,15 @@ def deployment(model: str | None = None, *, revision: str | None = None, model_n
                api_key: str | None = None, max_concurrency: int = 4, max_queue: int | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
                request_timeout: float = REQUEST_TIMEOUT, body_timeout: float = BODY_TIMEOUT,
-               allowed_hosts: list[str] | None = None, num_replicas: int = 1,
+               allowed_hosts: list[str] | None = None, keepalive: float = KEEPALIVE, num_replicas: int = 1,
                autoscaling: dict[str, Any] | None = None, num_cpus: float = 1.0, num_gpus: float = 0.0,
                **load: Any) -> Any:
     """A Ray Serve application of `num_replicas` engine replicas (or `autoscaling`: Ray Serve's
     autoscaling_config, e.g. {"min_replicas": 1, "max_replicas": 4}), each with `num_cpus` / `num_gpus` Ray
     resources, serving the OpenAI routes of `mbd-rs serve` for `model` (a directory every node can read, or a Hub
     id). `load`: Engine.load's options (device, dtype, quantize, ...: the core's LOAD_PARAMS), checked when a
-    replica loads. `max_prompt_tokens`, `request_timeout`, `body_timeout` and `allowed_hosts` (None: any Host) are
-    create_app's. Run it with `ray.serve.run(app, route_prefix="/")`."""
+    replica loads. `max_prompt_tokens`, `request_timeout`, `body_timeout`, `allowed_hosts` (None: any Host) and
+    `keepalive` are create_app's. Run it with `ray.serve.run(app, route_prefix="/")`."""
     _, serve = _ray()
     queue = max_concurrency if max_queue is None else max_queue
     opts: dict[str, Any] = dict(name="mbd-rs", max_ongoing_requests=max_concurrency + queue,
@@ -87,7 +88,8 @@ def deployment(model: str | None = None, *, revision: str | None = None, model_n
     cls = serve.deployment(**opts)(serve.ingress()(_Replica))
     app = dict(model_name=model_name_for(model, model_name), api_key=api_key, max_concurrency=max_concurrency,
                max_queue=queue, max_body_bytes=max_body_bytes, max_prompt_tokens=max_prompt_tokens,
-               request_timeout=request_timeout, body_timeout=body_timeout, allowed_hosts=allowed_hosts)
+               request_timeout=request_timeout, body_timeout=body_timeout, allowed_hosts=allowed_hosts,
+               keepalive=keepalive)
     return cls.bind(model, revision, load, app)
 
 
@@ -114,7 +116,7 @@ def serve_ray(args: Any, load: dict[str, Any]) -> int:
                               max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                               max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                               request_timeout=args.request_timeout, body_timeout=args.body_timeout,
-                              allowed_hosts=allowed_hosts(args.host, args.allowed_hosts or []),
+                              keepalive=args.sse_keepalive, allowed_hosts=allowed_hosts(args.host, args.allowed_hosts or []),
                               num_replicas=args.replicas,
                               num_cpus=args.replica_cpus, num_gpus=args.replica_gpus)
     if args.autoscale:
