@@ -5,13 +5,10 @@ use crate::{to_py, wait_interruptibly, SIGNAL_POLL};
 use mbd_core::error::catch_panic;
 use mbd_core::generate::generation::StepOutput;
 use mbd_core::generate::scheduler::{Canceller, StreamHandle, Waiting};
+use mbd_core::generate::wake::WakeLine;
 use mbd_core::{Error, TokenLogprob};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use std::io::{Read, Write};
-use std::os::fd::AsRawFd;
-use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::sync::Mutex;
 
@@ -80,14 +77,6 @@ impl CoreStream {
     }
 }
 
-/// The two ends of a socket pair and whether a wake is pending: the scheduler writes one byte when a stream it
-/// was set on has an output (`CoreStream.set_waker`), unless a byte is already unread.
-struct WakeLine {
-    tx: UnixStream,
-    rx: UnixStream,
-    pending: AtomicBool,
-}
-
 /// A file descriptor that becomes readable when one of the streams it was set on has an output or has ended:
 /// what an asyncio event loop watches (`loop.add_reader(waker.fileno(), ...)`) in place of a thread per stream.
 /// Both ends live as long as this object and every stream it was set on.
@@ -100,25 +89,19 @@ pub(crate) struct CoreWaker {
 impl CoreWaker {
     #[new]
     fn new() -> PyResult<Self> {
-        let (tx, rx) =
-            UnixStream::pair().map_err(|e| to_py(Error::Internal(format!("cannot open a socket pair: {e}"))))?;
-        for end in [&tx, &rx] {
-            end.set_nonblocking(true).map_err(|e| to_py(Error::Internal(format!("socket pair: {e}"))))?;
-        }
-        Ok(CoreWaker { line: Arc::new(WakeLine { tx, rx, pending: AtomicBool::new(false) }) })
+        let line = WakeLine::new().map_err(|e| to_py(Error::Internal(format!("cannot open a socket pair: {e}"))))?;
+        Ok(CoreWaker { line: Arc::new(line) })
     }
 
     /// The descriptor to watch for reading.
     fn fileno(&self) -> i32 {
-        self.line.rx.as_raw_fd()
+        self.line.fd()
     }
 
     /// Read what is pending (call it when the descriptor is readable, before polling the streams): later outputs
     /// wake again.
     fn drain(&self) {
-        self.line.pending.store(false, Ordering::SeqCst);
-        let mut buf = [0u8; 64];
-        while matches!((&self.line.rx).read(&mut buf), Ok(n) if n > 0) {}
+        self.line.drain();
     }
 }
 
@@ -126,14 +109,9 @@ impl CoreWaker {
 impl CoreStream {
     /// Make `waker`'s descriptor readable after every output of this stream from now on and when it ends.
     fn set_waker(&self, waker: &CoreWaker) -> PyResult<()> {
-        let line = waker.line.clone();
         let guard = self.handle.lock().map_err(|_| to_py(Error::Internal("stream lock poisoned".into())))?;
         if let Some(h) = guard.as_ref() {
-            h.set_waker(Arc::new(move || {
-                if !line.pending.swap(true, Ordering::SeqCst) {
-                    let _ = (&line.tx).write(&[1]); // a full buffer already holds a wake
-                }
-            }));
+            h.set_waker(waker.line.waker());
         }
         Ok(())
     }

@@ -1,7 +1,8 @@
 //! The generate wing: one generation and the batch loop over many. `plan` resolves a request over the model,
 //! `window` says what each step forwards and keeps, `prefix` keeps the K/V of prompts and answers across requests,
 //! `output` turns decoded tokens into text and usage (`text`: incremental detokenization and stop strings),
-//! `generation` runs the steps, `scheduler` batches the forwards of every active generation.
+//! `generation` runs the steps, `scheduler` batches the forwards of every active generation, `wake` is the
+//! descriptor an event loop watches for their outputs.
 
 pub mod generation;
 pub mod output;
@@ -9,4 +10,6 @@ pub mod plan;
 pub mod prefix;
 pub mod scheduler;
 pub mod text;
+#[cfg(unix)]
+pub mod wake;
 pub mod window;
