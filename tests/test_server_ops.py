@@ -198,3 +198,38 @@ def test_content_parts_are_joined_text(server, client, engine):
     # the tokenizer route gives the same ids as the generation runs on
     ids = httpx.post(server.base + "/tokenize", headers=AUTH, json={"messages": [{"role": "user", "content": parts}]})
     assert ids.json()["tokens"] == engine.chat_ids([{"role": "user", "content": "sort 3 1\n2"}])
+
+
+def test_openapi_schema_agrees_with_the_server(server, client, engine):
+    """/openapi.json is open, names every route, carries every engine parameter of the registry as a body field, and
+    what the jsonschema package finds valid or not under its chat body schema is what the server accepts or refuses."""
+    jsonschema = pytest.importorskip("jsonschema")
+    r = httpx.get(server.base + "/openapi.json")
+    assert r.status_code == 200
+    doc = r.json()
+    assert doc["openapi"].startswith("3.1") and doc["info"]["version"] == mbd_rs.__version__
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/health", "/metrics",
+            "/tokenize", "/detokenize", "/tokenizer_info"} <= set(doc["paths"])
+    schemas = doc["components"]["schemas"]
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        missing = set(mbd_rs.GENERATION_PARAMS) - {"logprobs"} - set(schemas[name]["properties"])
+        assert not missing, f"{name} lacks the engine parameters {sorted(missing)}"
+
+    def valid(body):
+        v = jsonschema.Draft202012Validator({"$ref": "#/components/schemas/ChatCompletionRequest",
+                                             "components": doc["components"]})
+        return v.is_valid(body)
+
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "sort 3 1 2"}]}]
+    good = {"model": "mbd-tiny", "messages": msgs, "max_completion_tokens": 4, "temperature": 0,
+            "presence_penalty": 0.5, "block_size": 4, "stream_options": None}
+    bad = [{"messages": msgs, "colour": "red"}, {"messages": msgs, "n": 17}, {"messages": []},
+           {"messages": msgs, "stream": "yes"}, {"messages": msgs, "logprobs": 3}, {"messages": msgs, "user": 5},
+           {"messages": msgs, "stream": True, "stream_options": {"include_usage": True, "x": 1}}]
+    assert valid(good)
+    got = httpx.post(server.base + "/v1/chat/completions", json=good, headers=AUTH, timeout=60)
+    assert got.status_code == 200, got.text
+    for body in bad:
+        assert not valid(body), body
+        got = httpx.post(server.base + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
+        assert got.status_code == 400 and got.json()["error"]["message"], (body, got.text)

@@ -32,11 +32,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .. import tools
+from .. import __version__, tools
 from ..engine import Engine
 from ..errors import ContextLengthError, InvalidRequestError, RequestCancelledError
 from ..types import StreamChunk, Usage
-from . import net, openai
+from . import net, openai, protocol
 from .limits import BODY_TIMEOUT, KEEPALIVE, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, REQUEST_TIMEOUT
 from .metrics import Metrics, fingerprint
 from .openai import (REFUSALS, Body, BodyTimeout, BodyTooLarge, ClientGone, Echo, Shapes, TextOffsets, UnknownModel,
@@ -183,6 +183,10 @@ class _Routes:
                              "queue": self.queue, "max_prompt_tokens": positions - 1, "max_positions": positions,
                              "request_timeout": self.request_timeout, "body_timeout": self.body_timeout,
                              "pid": os.getpid()})
+
+    async def openapi(self, request: Request) -> JSONResponse:
+        """GET /openapi.json: the routes and their request bodies (open, like /health: the schema is public)."""
+        return JSONResponse(protocol.openapi(__version__))
 
     async def models(self, request: Request) -> JSONResponse:
         if (r := self.check_auth(request)) is not None:
@@ -582,6 +586,7 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
         Route("/", r.index, methods=["GET"]),
         Route("/health", r.health, methods=["GET"]),
         Route("/metrics", r.metrics_page, methods=["GET"]),
+        Route("/openapi.json", r.openapi, methods=["GET"]),
         Route("/v1/models", r.models, methods=["GET"]),
         Route("/v1/models/{model:path}", r.model, methods=["GET"]),
         Route("/v1/completions", r.completions, methods=["POST"]),

@@ -1,4 +1,4 @@
-"""The OpenAI protocol (and vLLM's tokenizer routes): request bodies checked and turned into engine parameters
+"""The OpenAI protocol (and vLLM's tokenizer routes): request bodies (typed in `protocol`) turned into engine parameters
 (`body_params`), the engine's results shaped as OpenAI's JSON (log-probabilities in the legacy and the chat
 shapes, usage), and the refusals as OpenAI error objects. No HTTP here: the routes are `app`'s."""
 from __future__ import annotations
@@ -11,17 +11,12 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from .. import _core
-from ..engine import GENERATION_PARAMS, CancelToken, Engine
+from ..engine import CancelToken, Engine
 from ..errors import ContextLengthError, InvalidRequestError, MbdError
 from ..tools import ToolPlan
 from ..types import StepEvent, TokenLogprob, ToolCall, Usage
-from .limits import MAX_N
+from . import protocol
 
-# OpenAI body fields passed to the engine as generation parameters, and the server's own fields.
-_OPENAI_PARAMS = {"max_tokens", "temperature", "top_p", "stop", "seed", "response_format", "presence_penalty",
-                  "frequency_penalty", "logit_bias"}
-_OWN = {"model", "prompt", "messages", "stream", "stream_options", "max_completion_tokens", "n", "user", "logprobs",
-        "top_logprobs", "echo", "tools", "tool_choice", "parallel_tool_calls"}
 # OpenAI fields this server does not support, with the values that mean "off" (sent by many clients by default);
 # any other value is refused by name, "not supported by this server", never as an unknown field.
 _UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
@@ -29,13 +24,16 @@ _UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
     "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,), "functions": (None,), "function_call": (None,), "verbosity": (None,),
     "prompt_cache_key": (None,), "safety_identifier": (None,)}
+# Fields of the other route: what a request that sends one on this route is told (indexed by "is it chat").
+_ELSEWHERE = {True: {"echo": "echo applies to /v1/completions only"},
+              False: {k: "tools, tool_choice and parallel_tool_calls apply to /v1/chat/completions"
+                      for k in ("tools", "tool_choice", "parallel_tool_calls")}
+              | {"top_logprobs": "top_logprobs applies to /v1/chat/completions; on /v1/completions logprobs is the "
+                 "number of alternatives"}}
 # Why, where a word helps.
 _INSTEAD = {"functions": "use tools", "function_call": "use tool_choice", "audio": "this server writes text only",
             "modalities": "this server writes text only", "reasoning_effort": "the models served here do not reason "
             "in a separate channel", "prompt_cache_key": "the prefix cache matches prompts by their tokens"}
-# Diffusion knobs and the rest of the engine's parameters, accepted as extra body fields ("logprobs" is OpenAI's
-# field, shaped per route by _body_params).
-_EXTENSIONS = set(GENERATION_PARAMS) - _OPENAI_PARAMS - {"logprobs"}
 # With "trace" (streaming only), every forward pass is also an SSE event carrying "mbd_step": the blocks, the
 # positions it decoded and the canvas as token pieces (what the live web view at / draws).
 
@@ -112,70 +110,47 @@ class Body:
 
 
 def body_params(body: dict[str, Any], chat: bool, engine: Engine) -> Body:
-    """Validate the whole body (before any slot is taken): the engine's parameters, the prompts (chat: the one
-    message list), n, echo, logprobs and (chat) the tools, as `engine` takes them. Parameter values are checked by the
-    engine; this checks the shape of the OpenAI fields."""
-    unknown = sorted(set(body) - _OWN - _OPENAI_PARAMS - _EXTENSIONS - set(_UNSUPPORTED_UNLESS))
-    if unknown:
-        raise InvalidRequestError(f"unknown request field(s) {unknown}: neither OpenAI's nor one of this server's "
-                                  "extensions (docs/parameters.md)")
+    """Validate the whole body (before any slot is taken) against its route's model (`protocol`), then the rules
+    between fields: the engine's parameters, the prompts (chat: the one message list), n, echo, logprobs and (chat)
+    the tools, as `engine` takes them. Parameter values are checked by the engine."""
     for k, off in _UNSUPPORTED_UNLESS.items():
         if k in body and not any(body[k] == v and isinstance(body[k], bool) == isinstance(v, bool) for v in off):
             why = f"; {_INSTEAD[k]}" if k in _INSTEAD else ""
             e = InvalidRequestError(f"{k} is not supported by this server (got {json.dumps(body[k])[:80]}){why}")
             e.param = k
             raise e
-    body = {k: v for k, v in body.items() if v is not None}  # null = the field's default, as OpenAI treats it
-    n = body.get("n", 1)
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
-        raise InvalidRequestError(f"n must be an integer from 1 to {MAX_N} (got {json.dumps(n)[:40]})")
-    if not isinstance(body.get("stream", False), bool):
-        raise InvalidRequestError("stream must be true or false")
-    so = body.get("stream_options")
-    if so is not None and not (isinstance(so, dict) and set(so) <= {"include_usage"}
-                               and isinstance(so.get("include_usage", False), bool)):
-        raise InvalidRequestError("stream_options must be an object like {\"include_usage\": true}")
-    if so is not None and not body.get("stream"):
+    body = {k: v for k, v in body.items() if k not in _UNSUPPORTED_UNLESS}
+    for k in _ELSEWHERE[chat]:
+        if body.get(k) is not None:
+            raise InvalidRequestError(_ELSEWHERE[chat][k])
+    req: Any = protocol.validate(body, chat)
+    if req.stream_options is not None and not req.stream:
         raise InvalidRequestError("stream_options needs stream: true")
-    if not isinstance(body.get("user", ""), str):
-        raise InvalidRequestError("user must be a string")
-    if body.get("trace") not in (None, False) and not body.get("stream"):
+    if req.trace not in (None, False) and not req.stream:
         raise InvalidRequestError("trace needs stream: true (its events are server-sent)")
-    p = {k: body[k] for k in _EXTENSIONS | _OPENAI_PARAMS if body.get(k) is not None}
-    if body.get("max_completion_tokens") is not None:
-        p["max_tokens"] = body["max_completion_tokens"]
+    p = protocol.set_fields(req)
+    if req.max_completion_tokens is not None:
+        p["max_tokens"] = req.max_completion_tokens
+    n = req.n
     if chat:
-        if "echo" in body:
-            raise InvalidRequestError("echo applies to /v1/completions only")
-        if not isinstance(body.get("logprobs", False), bool):
-            raise InvalidRequestError("logprobs must be true or false on /v1/chat/completions (top_logprobs: how "
-                                      "many alternatives)")
-        top = body.get("top_logprobs")
-        if top is not None and not body.get("logprobs"):
+        if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true")
-        logprobs = (0 if top is None else top) if body.get("logprobs") else None
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise InvalidRequestError("messages must be a non-empty list")
-        prompts, echo = [messages], False
-        if body.get("tools") is not None:
-            if logprobs is not None and body.get("tool_choice") != "none":
+        logprobs = (0 if req.top_logprobs is None else req.top_logprobs) if req.logprobs else None
+        prompts = [req.messages]
+        if req.tools is not None:
+            if logprobs is not None and req.tool_choice != "none":
                 raise InvalidRequestError("tools (with tool_choice other than 'none') do not combine with logprobs in "
                                           "this version")
-            plan = engine.tool_plan(body["tools"], body.get("tool_choice"), body.get("parallel_tool_calls"),
+            plan = engine.tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls,
                                     p if logprobs is None else {**p, "logprobs": logprobs})
             return Body(plan.params, prompts, n, False, logprobs, plan)
-        if body.get("tool_choice") not in (None, "none", "auto") or body.get("parallel_tool_calls") is not None:
+        if req.tool_choice not in (None, "none", "auto") or req.parallel_tool_calls is not None:
             raise InvalidRequestError("tool_choice and parallel_tool_calls need tools")
+        echo = False
     else:
-        if any(body.get(k) is not None for k in ("tools", "tool_choice", "parallel_tool_calls")):
-            raise InvalidRequestError("tools, tool_choice and parallel_tool_calls apply to /v1/chat/completions")
-        if "top_logprobs" in body:
-            raise InvalidRequestError("top_logprobs applies to /v1/chat/completions; on /v1/completions logprobs "
-                                      "is the number of alternatives")
-        echo = flag(body, "echo", False)
-        logprobs = body.get("logprobs")
-        prompts = _prompts(body.get("prompt"))
+        echo = flag({"echo": req.echo}, "echo", False)
+        logprobs = req.logprobs
+        prompts = _prompts(req.prompt)
     if logprobs is not None:
         p["logprobs"] = logprobs  # its range is the engine's rule
     return Body(p, prompts, n, echo, logprobs)
