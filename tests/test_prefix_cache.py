@@ -202,6 +202,13 @@ def test_clear_and_the_counters():
     on.clear_prefix_cache()
     assert on.prefix_cache_stats().pages == 0
     assert on.generate(base, max_tokens=4).usage.cached_tokens == 0
+    # a generation's pages are in the cache once its result is back (not inserted later, behind a clear)
+    for _ in range(30):
+        on.generate(base, max_tokens=4)
+        assert on.prefix_cache_stats().pages >= 2
+        on.clear_prefix_cache()
+        assert on.generate(base, max_tokens=4).usage.cached_tokens == 0
+        on.clear_prefix_cache()
 
 
 def test_a_tiny_cap_evicts_and_every_output_stays_exact():

@@ -46,6 +46,9 @@ pub struct Generation {
     constraint: Option<Constraint>,
     /// The logits controls (penalties, logit_bias), applied to a step's rows before its predictions.
     penalties: Option<Penalties>,
+    /// The committed K/V went to the prefix cache: done with the final output, before it is sent, so a caller that
+    /// has the output finds the cache holding it (and a `clear` after it is not undone).
+    offered: bool,
 }
 
 /// A step's span, held while it is verified.
@@ -99,6 +102,7 @@ impl Generation {
             tccf,
             constraint: plan.constraint,
             penalties: plan.penalties,
+            offered: false,
         };
         // what the grammar forces before anything is predicted (a JSON object's `{`)
         g.write_forced()?;
@@ -107,7 +111,33 @@ impl Generation {
 
     /// Cancel: the next output is the final one, with finish_reason "cancelled".
     pub fn cancel(&mut self) -> StepOutput {
-        self.out.cancel(&self.dec, self.counters())
+        let o = self.out.cancel(&self.dec, self.counters());
+        self.offer_prefix();
+        o
+    }
+
+    /// The step's output (`is_final`: decoding has stopped; `stepped`: a forward ran), and with the final one the
+    /// offer to the prefix cache.
+    fn emit(&mut self, is_final: bool, stepped: bool) -> Result<StepOutput> {
+        let usage = self.counters();
+        let o = self.out.emit(&self.model, &self.dec, is_final, stepped, usage)?;
+        if self.out.finished() {
+            self.offer_prefix();
+        }
+        Ok(o)
+    }
+
+    /// Offer the committed K/V to the prefix cache, once: the prompt, then the answer's tokens as decoded (a later
+    /// turn that repeats them starts from them).
+    fn offer_prefix(&mut self) {
+        if std::mem::replace(&mut self.offered, true) {
+            return;
+        }
+        let lp = self.dec.prompt_len;
+        let answer = (0..self.dec.n).take_while(|&i| self.dec.decoded[i]).map(|i| self.dec.tokens[i]);
+        let tokens: Vec<u32> = self.canvas[..lp].iter().copied().chain(answer).collect();
+        // the cache is an optimisation: a failed copy leaves it as it was
+        let _ = self.window.offer_prefix(&tokens);
     }
 
     fn counters(&self) -> Counters {
@@ -153,8 +183,7 @@ impl Generation {
         if !self.window.in_step() {
             // plan
             let Some(positions) = self.dec.plan() else {
-                let usage = self.counters();
-                return self.out.emit(&self.model, &self.dec, true, false, usage).map(Next::Output);
+                return self.emit(true, false).map(Next::Output);
             };
             // the model reads the decoder's current canvas
             let lp = self.dec.prompt_len;
@@ -215,8 +244,7 @@ impl Generation {
         self.out.record_logprobs(&self.dec, &positions, &logits)?;
         // emit
         let is_final = self.dec.stopped == Some(StopCause::ForwardCap) || self.dec.masks_left() == 0;
-        let usage = self.counters();
-        self.out.emit(&self.model, &self.dec, is_final, true, usage).map(Some)
+        self.emit(is_final, true).map(Some)
     }
 
     /// The step's logits rows after the logits controls ([`decode::penalties`](crate::decode::penalties)), None
@@ -338,8 +366,7 @@ impl Generation {
         // the grammar took the step's tokens (ISD's verification commits them): what it forces next is written
         self.write_forced()?;
         let is_final = self.dec.stopped == Some(StopCause::ForwardCap) || self.dec.masks_left() == 0;
-        let usage = self.counters();
-        self.out.emit(&self.model, &self.dec, is_final, true, usage)
+        self.emit(is_final, true)
     }
 
     /// S2D2: whether to verify this draft's span (the routing policy, within the forward cap); if so, queue
@@ -429,14 +456,9 @@ impl Generation {
 }
 
 impl Drop for Generation {
-    /// A generation that ends (finished, cancelled or dropped) offers its committed K/V to the prefix cache: the
-    /// prompt, then the answer's tokens as decoded (a later turn that repeats them starts from them).
+    /// A generation dropped before its final output (a closed stream, an error) still offers its committed K/V.
     fn drop(&mut self) {
-        let lp = self.dec.prompt_len;
-        let answer = (0..self.dec.n).take_while(|&i| self.dec.decoded[i]).map(|i| self.dec.tokens[i]);
-        let tokens: Vec<u32> = self.canvas[..lp].iter().copied().chain(answer).collect();
-        // the cache is an optimisation: a failed copy leaves it as it was
-        let _ = self.window.offer_prefix(&tokens);
+        self.offer_prefix();
     }
 }
 
