@@ -1,5 +1,6 @@
 """The generation API: streaming semantics, parameters, cancellation, threads, chat templates."""
 import threading
+import time
 
 import pytest
 
@@ -201,3 +202,33 @@ def test_trace_and_usage_agree_on_tokens_per_forward():
     assert steps and steps[-1].tokens_per_forward == pytest.approx(u.tokens_per_forward)
     assert steps[-1].positions_per_forward > u.tokens_per_forward  # the end of text is a position, not a token
     assert all(a.tokens_per_forward * a.index <= b.tokens_per_forward * b.index for a, b in zip(steps, steps[1:]))
+
+
+def _progress_seen(stream):
+    """Every distinct prompt_progress read (polled, without reading the stream) until the prompt is done."""
+    seen = [stream.prompt_progress]
+    while seen[-1][0] < seen[-1][1]:
+        p = stream.prompt_progress
+        if p != seen[-1]:
+            seen.append(p)
+        time.sleep(0.0005)
+    return seen
+
+
+def test_prompt_progress_follows_the_prefill(long_context_model):
+    eng = mbd_rs.Engine.load(long_context_model)
+    prompt = [5 + (7 * i) % 90 for i in range(1200)]  # 1200 tokens: prefill chunks of 512
+    with eng.stream(prompt, max_tokens=4) as s:
+        seen = _progress_seen(s)
+        comp = s.result()
+    assert all(t == 1200 for _, t in seen), seen
+    done = [d for d, _ in seen]
+    assert done == sorted(done) and done[-1] == 1200, seen
+    assert any(0 < d < 1200 for d in done), seen  # a chunk boundary seen between the start and the end
+    assert s.prompt_progress == (1200, 1200)
+    # again: the prefix cache's positions count as computed from the first forward on
+    with eng.stream(prompt, max_tokens=4) as s:
+        seen = _progress_seen(s)
+        again = s.result()
+    assert again.token_ids == comp.token_ids and again.usage.cached_tokens > 0
+    assert all(d == 0 or d >= again.usage.cached_tokens for d, _ in seen), (seen, again.usage.cached_tokens)

@@ -415,7 +415,7 @@ SERVER_CASES = [
     (dict(body={"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}), 400,
      "this model's chat template renders no tools"),
     (dict(body={"prompt": "hi", "tools": []}, route="/v1/completions"), 400, "apply to /v1/chat/completions"),
-    (dict(body={"messages": MSG, "n": 17}), 400, "n must be an integer from 1 to 16"),
+    (dict(body={"messages": MSG, "n": 17}), 400, "n must be an integer from 1 to 16 (got 17)"),
     (dict(body={"messages": MSG, "n": 1e9}), 400, "n must be an integer from 1 to 16"),
     (dict(body={"messages": MSG, "trace": "canvas"}), 400, "trace needs stream: true"),
     (dict(body={"messages": MSG, "user": 5}), 400, "user must be a string"),

@@ -205,18 +205,32 @@ class _Tty(io.StringIO):
 
 def test_prefill_note_on_a_terminal_only():
     out = _Tty()
-    note = cli.PrefillNote(lambda: 1536, out, after=0.05)
-    time.sleep(0.5)
+    seen = iter([(0, 1536), (384, 1536), (1024, 1536)])
+    last = [(1024, 1536)]
+
+    def progress():
+        last[0] = next(seen, last[0])
+        return last[0]
+    note = cli.PrefillNote(out, after=0.05, every=0.05).follow(progress)
+    time.sleep(0.6)
+    last[0] = (1536, 1536)
+    time.sleep(0.3)
     note.clear()
     note.clear()
-    assert out.getvalue() == "prefilling 1536 tokens…\r\x1b[K"
+    assert out.getvalue() == ("prefilling 0% of 1536 tokens…\r\x1b[Kprefilling 25% of 1536 tokens…\r\x1b[K"
+                              "prefilling 66% of 1536 tokens…\r\x1b[Kprefilled 1536 tokens, decoding…\r\x1b[K")
     out = _Tty()
-    note = cli.PrefillNote(lambda: 1536, out, after=0.5)
+    note = cli.PrefillNote(out, after=0.5).follow(lambda: (0, 1536))
     note.clear()  # the first text came in time
     time.sleep(0.8)
     assert out.getvalue() == ""
     out = io.StringIO()  # not a terminal
-    note = cli.PrefillNote(lambda: 1536, out, after=0.01)
+    note = cli.PrefillNote(out, after=0.01).follow(lambda: (0, 1536))
+    time.sleep(0.2)
+    note.clear()
+    assert out.getvalue() == ""
+    out = _Tty()  # a progress that fails to read shows nothing
+    note = cli.PrefillNote(out, after=0.01, every=0.01).follow(lambda: 1 // 0)
     time.sleep(0.2)
     note.clear()
     assert out.getvalue() == ""

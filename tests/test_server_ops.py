@@ -233,3 +233,86 @@ def test_openapi_schema_agrees_with_the_server(server, client, engine):
         assert not valid(body), body
         got = httpx.post(server.base + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
         assert got.status_code == 400 and got.json()["error"]["message"], (body, got.text)
+
+
+def test_answers_match_the_served_response_schemas(server, engine):
+    """What the server answers (plain and streamed, both routes, log-probabilities, echo, trace, usage, refusals)
+    is valid under the response schemas /openapi.json serves, checked by the jsonschema package."""
+    import json
+    jsonschema = pytest.importorskip("jsonschema")
+    doc = httpx.get(server.base + "/openapi.json").json()
+
+    def check(name, obj):
+        v = jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": doc["components"]})
+        errors = [f"{'/'.join(map(str, e.path))}: {e.message}" for e in v.iter_errors(obj)]
+        assert not errors, (name, errors, obj)
+
+    def post(route, body):
+        return httpx.post(server.base + route, json=body, headers=AUTH, timeout=60)
+
+    def events(route, body):
+        out = []
+        with httpx.stream("POST", server.base + route, json=body, headers=AUTH, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    out.append(json.loads(line[6:]))
+        assert out
+        return out
+
+    msgs = [{"role": "user", "content": "sort 3 1 2"}]
+    chat, comp = "/v1/chat/completions", "/v1/completions"
+    check("ChatCompletion", post(chat, {"messages": msgs, "max_tokens": 8, "logprobs": True, "top_logprobs": 2,
+                                        "n": 2}).json())
+    check("Completion", post(comp, {"prompt": "sort 3 1 2", "max_tokens": 8, "logprobs": 2, "echo": True}).json())
+    check("Completion", post(comp, {"prompt": ["sort 3 1", "sort 2 1"], "max_tokens": 0, "echo": True}).json())
+    for e in events(chat, {"messages": msgs, "max_tokens": 8, "stream": True, "logprobs": True, "trace": "canvas",
+                           "stream_options": {"include_usage": True}}):
+        check("ChatCompletionChunk", e)
+    for e in events(comp, {"prompt": "sort 3 1 2", "max_tokens": 8, "stream": True, "logprobs": 1, "echo": True,
+                           "stream_options": {"include_usage": True, "include_progress": True}}):
+        check("CompletionChunk", e)
+    for r in (post(chat, {"messages": []}), post(comp, {"prompt": "x", "n": 99}), post("/v1/nothing", {}),
+              httpx.get(server.base + chat)):
+        assert r.status_code >= 400
+        check("ErrorResponse", r.json())
+
+
+def test_progress_events_follow_a_long_prefill(long_context_model, monkeypatch):
+    """stream_options.include_progress: while the prompt's prefill runs, events with "mbd_progress" (no choices),
+    one each time it moved; the answer is the engine's. Without it, no such event."""
+    import json
+
+    from mbd_rs.server import app
+    monkeypatch.setattr(app, "PROGRESS_EVERY", 0.02)
+    eng = mbd_rs.Engine.load(long_context_model)
+    s = Server(eng, keepalive=0.2)
+    prompt = [5 + (7 * i) % 90 for i in range(6000)]
+    try:
+        def run(opts):
+            body = {"prompt": prompt, "stream": True, "max_tokens": 4, "stream_options": opts}
+            progress, text = [], ""
+            with httpx.stream("POST", s.base + "/v1/completions", json=body, timeout=120) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        d = json.loads(line[6:])
+                        if "mbd_progress" in d:
+                            assert d["choices"] == []
+                            progress.append(d["mbd_progress"])
+                        else:
+                            text += d["choices"][0]["text"]
+            return progress, text
+
+        eng.clear_prefix_cache()
+        progress, text = run({"include_progress": True})
+        assert text == eng.generate(prompt, max_tokens=4).text
+        assert len(progress) >= 2, progress
+        assert all(len(p) == 1 and p[0]["index"] == 0 and p[0]["prompt_tokens"] == 6000 for p in progress), progress
+        done = [p[0]["computed_tokens"] for p in progress]
+        assert done == sorted(done) and len(set(done)) == len(done), done  # sent only when it moved
+        assert any(0 < d < 6000 for d in done), done
+        eng.clear_prefix_cache()
+        assert run({"include_usage": False})[0] == []
+    finally:
+        s.stop()

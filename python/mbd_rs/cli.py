@@ -244,11 +244,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
     vis = Visual(eng, sys.stdout) if a.visual else None
     if vis:
         print(VISUAL_LEGEND, file=sys.stderr)
-    chat = a.chat or eng.chats(prompt, raw=a.raw)
 
-    def count() -> int:
-        return len(eng.chat_ids([{"role": "user", "content": prompt}]) if chat else eng.tokenize(prompt))
-    note = PrefillNote(count, sys.stderr)  # on a terminal: "prefilling N tokens…" while no text has come
+    # on a terminal: the prefill's progress while no text has come
+    note = PrefillNote(sys.stderr).follow(lambda: stream.prompt_progress)
     try:
         _show(stream, vis, a.json, note)
     finally:
@@ -273,44 +271,69 @@ CHAT_HELP = ("commands: /system TEXT sets the system prompt (and starts a new co
              "conversation, /save FILE writes it as JSON messages, /help shows this; a line ending in \\ continues "
              "on the next; //text sends /text. Ctrl-C stops an answer or clears the line, Ctrl-D quits")
 
-#: The seconds without text after which a terminal shows "prefilling N tokens…".
+#: The seconds without text after which a terminal shows the prefill's progress, and how often it is redrawn.
 PREFILL_NOTE_SECONDS = 2.0
+PREFILL_NOTE_EVERY = 0.5
 
 
 class PrefillNote:
-    """On a terminal (`out`), "prefilling N tokens…" when no text has come `after` seconds after the start (a long
-    prompt's prefill), erased with a carriage return at the first chunk (`clear`) or at the end. `count` gives N; it
-    is called only when the note is shown. Elsewhere it does nothing."""
+    """On a terminal (`out`), the prefill's progress when no text has come `after` seconds after the start (a long
+    prompt): "prefilling 37% of 1536 tokens…", redrawn every `every` seconds from the stream's `prompt_progress`
+    (given by `follow`), "prefilled 1536 tokens, decoding…" once the prompt is done; erased with a carriage return
+    at the first chunk (`clear`) or at the end. Elsewhere it does nothing."""
 
-    def __init__(self, count: Callable[[], int], out: TextIO, after: float = PREFILL_NOTE_SECONDS) -> None:
-        self.count, self.out = count, out
+    def __init__(self, out: TextIO, after: float = PREFILL_NOTE_SECONDS, every: float = PREFILL_NOTE_EVERY) -> None:
+        self.out, self.after, self.every = out, after, every
+        self.progress: Callable[[], tuple[int, int]] | None = None
         self.lock = threading.Lock()
-        self.shown = self.done = False
-        self.timer: threading.Timer | None = None
+        self.shown = False
+        self.done = threading.Event()
         if _is_tty(out):
-            self.timer = threading.Timer(after, self._show)
-            self.timer.daemon = True
-            self.timer.start()
+            threading.Thread(target=self._run, daemon=True, name="mbd-prefill-note").start()
+        else:
+            self.done.set()
 
-    def _show(self) -> None:
+    def follow(self, progress: Callable[[], tuple[int, int]]) -> "PrefillNote":
+        """Show the progress `progress` reads ((positions computed, prompt length), e.g. `Stream.prompt_progress`)."""
+        self.progress = progress
+        return self
+
+    def line(self) -> str | None:
+        """The note as it reads now (None: nothing to say yet)."""
+        if self.progress is None:
+            return None
         try:
-            n = self.count()
-        except Exception:  # the note is a courtesy: a failure to count leaves it out
+            done, total = self.progress()
+        except Exception:  # the note is a courtesy: a failure to read it leaves it out
+            return None
+        if total <= 0:
+            return None
+        if done >= total:
+            return f"prefilled {total} tokens, decoding…"
+        return f"prefilling {100 * done // total}% of {total} tokens…"
+
+    def _run(self) -> None:
+        if self.done.wait(self.after):
             return
-        with self.lock:
-            if not self.done:
-                self.out.write(f"prefilling {n} tokens…")
-                self.out.flush()
-                self.shown = True
+        last = None
+        while True:
+            text = self.line()
+            with self.lock:
+                if self.done.is_set():
+                    return
+                if text is not None and text != last:
+                    self.out.write(("\r\x1b[K" if self.shown else "") + text)
+                    self.out.flush()
+                    self.shown, last = True, text
+            if self.done.wait(self.every):
+                return
 
     def clear(self) -> None:
         """The first text came (or the answer ended): erase the note if it is shown, and show none later."""
-        if self.done:
-            return
-        if self.timer is not None:
-            self.timer.cancel()
         with self.lock:
-            self.done = True
+            if self.done.is_set():
+                return
+            self.done.set()
             if self.shown:
                 self.out.write("\r\x1b[K")
                 self.out.flush()
@@ -444,9 +467,10 @@ def _answer(eng: Engine, messages: list[dict[str, str]], params: dict[str, Any],
     (with --stats) still comes; a request the engine refuses (e.g. past the context) is said, and dropped too."""
     from .errors import ContextLengthError, InvalidRequestError
     stream = None
-    note = PrefillNote(lambda: len(eng.chat_ids(messages)), sys.stderr)
+    note = PrefillNote(sys.stderr)
     try:
-        stream = eng.stream_chat(messages, **params)
+        stream = started = eng.stream_chat(messages, **params)
+        note.follow(lambda: started.prompt_progress)
         for ch in stream:
             note.clear()
             sys.stdout.write(ch.text)

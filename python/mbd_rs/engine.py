@@ -7,7 +7,7 @@ import json
 import textwrap
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -458,6 +458,15 @@ class Stream:
             self.logprobs.extend(lps)
             return StreamChunk(d["text"], d["token_ids"], fin, _usage(d["usage"]), _step(d["step"]), lps)
         return None
+
+    @property
+    def prompt_progress(self) -> Tuple[int, int]:
+        """(prompt positions computed, prompt length): how far the prompt's prefill has come, updated after each
+        forward and readable from any thread while another reads the stream (a long prompt's progress line);
+        positions read from the prefix cache count as computed. It equals the prompt's length once the first
+        decoding step has run."""
+        done, total = self._s.prompt_progress()
+        return done, total
 
     def cancel(self) -> None:
         self._s.cancel()

@@ -4,7 +4,7 @@
 use crate::{to_py, wait_interruptibly, SIGNAL_POLL};
 use mbd_core::error::catch_panic;
 use mbd_core::generate::generation::StepOutput;
-use mbd_core::generate::scheduler::{Canceller, StreamHandle, Waiting};
+use mbd_core::generate::scheduler::{Canceller, Progress, StreamHandle, Waiting};
 use mbd_core::generate::wake::WakeLine;
 use mbd_core::{Error, TokenLogprob};
 use pyo3::prelude::*;
@@ -25,6 +25,7 @@ pub(crate) fn logprob_tuple(t: TokenLogprob) -> LogprobTuple {
 pub(crate) struct CoreStream {
     handle: Mutex<Option<StreamHandle>>,
     canceller: Canceller,
+    progress: Progress,
 }
 
 fn output_dict<'py>(py: Python<'py>, o: StepOutput) -> PyResult<Bound<'py, PyDict>> {
@@ -73,7 +74,7 @@ fn output_dict<'py>(py: Python<'py>, o: StepOutput) -> PyResult<Bound<'py, PyDic
 
 impl CoreStream {
     pub(crate) fn new(h: StreamHandle) -> Self {
-        CoreStream { canceller: h.canceller(), handle: Mutex::new(Some(h)) }
+        CoreStream { canceller: h.canceller(), progress: h.progress(), handle: Mutex::new(Some(h)) }
     }
 }
 
@@ -157,6 +158,12 @@ impl CoreStream {
                 Err(interrupt)
             }
         }
+    }
+
+    /// How far the prompt's forwards have come: (positions computed, the prompt's length); thread-safe, never
+    /// waits.
+    fn prompt_progress(&self) -> (usize, usize) {
+        self.progress.prompt()
     }
 
     /// Ask the generation to stop; thread-safe. Its next output is the final one, finish_reason "cancelled".

@@ -37,7 +37,7 @@ from ..engine import Engine
 from ..errors import ContextLengthError, InvalidRequestError, RequestCancelledError
 from ..types import StreamChunk, Usage
 from . import net, openai, protocol
-from .limits import BODY_TIMEOUT, KEEPALIVE, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, REQUEST_TIMEOUT
+from .limits import BODY_TIMEOUT, KEEPALIVE, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, PROGRESS_EVERY, REQUEST_TIMEOUT
 from .metrics import Metrics, fingerprint
 from .openai import (REFUSALS, Body, BodyTimeout, BodyTooLarge, ClientGone, Echo, Shapes, TextOffsets, UnknownModel,
                      body_params, entries_of, error, is_id, refusal, scored_only, tool_calls_json, usage_json)
@@ -297,10 +297,9 @@ class _Routes:
             rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
             fp = await self.system_fingerprint()
             choice_echo = [echoes[i // req.n] for i in range(k)]
-            if body.get("stream"):
-                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            if req.stream is not None:
                 # the lease is released by the stream's end, or after the response if the client left first
-                events = self.sse(lease, req, choice_echo, rid, chat, include_usage, request, watch, fp)
+                events = self.sse(lease, req, req.stream, choice_echo, rid, chat, request, watch, fp)
                 response: Response = StreamingResponse(events, media_type="text/event-stream",
                                                        headers={"Cache-Control": "no-cache"},
                                                        background=BackgroundTask(lease.release))
@@ -326,31 +325,32 @@ class _Routes:
         return self.completion(request, req, finals, streams, choice_echo, rid, chat, fp)
 
     def completion(self, request: Request, req: Body, finals: "list[StreamChunk | None]", streams: list[Any],
-                   choice_echo: "list[Echo | None]", rid: str, chat: bool, fp: str) -> JSONResponse:
+                   choice_echo: "list[Echo | None]", rid: str, chat: bool, fp: str) -> Response:
         """The non-streaming response: every choice's text, finish reason and log-probabilities, and the usage."""
         usages = [f.usage for f in finals if f is not None and f.usage is not None]
         request.state.tokens = sum(u.completion_tokens for u in usages)
-        choices: list[dict[str, Any]] = []
+        choices: list[Any] = []
         for i, f in enumerate(finals):
             st = streams[i] if req.generates else None
             fin = f.finish_reason if f is not None else "cancelled"
             echo = choice_echo[i]
             text = (echo.text if echo is not None else "") + (st.text if st is not None else "")
-            lp = None if req.logprobs is None else self.shapes.logprobs_json(
+            lp: Any = None if req.logprobs is None else self.shapes.logprobs_json(
                 entries_of(st.logprobs if st else None, len(st.token_ids) if st else 0, chat), echo, chat)
             if chat:
-                message: dict[str, Any] = {"role": "assistant", "content": text}
+                message = protocol.ChatMessage(content=text)
                 if req.tools is not None and req.tools.format is not None:
                     content, calls = tools.parse(req.tools.format, text)
                     if calls:
-                        message = {"role": "assistant", "content": content, "tool_calls": tool_calls_json(calls)}
+                        message = protocol.ChatMessage(content=content, tool_calls=tool_calls_json(calls))
                         fin = "tool_calls" if fin == "stop" else fin
-                choices.append({"index": i, "message": message, "finish_reason": fin, "logprobs": lp})
+                choices.append(protocol.ChatChoice(index=i, message=message, finish_reason=fin, logprobs=lp))
             else:
-                choices.append({"index": i, "text": text, "finish_reason": fin, "logprobs": lp})
-        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                             "created": int(time.time()), "model": self.name, "system_fingerprint": fp,
-                             "choices": choices, "usage": usage_json(usages, req.n)})
+                choices.append(protocol.CompletionChoice(index=i, text=text, finish_reason=fin, logprobs=lp))
+        kind = protocol.ChatCompletion if chat else protocol.Completion
+        answer = kind(id=rid, created=int(time.time()), model=self.name, system_fingerprint=fp, choices=choices,
+                      usage=usage_json(usages, req.n))
+        return Response(answer.model_dump_json(), media_type="application/json")
 
     async def chunks(self, q: "asyncio.Queue[Item]", k: int, watch: _Watch, client: bool,
                      idle: float | None = None) -> AsyncIterator[tuple[int, StreamChunk | None]]:
@@ -385,38 +385,49 @@ class _Routes:
             if getter is not None:
                 getter.cancel()
 
-    async def sse(self, lease: Lease, req: Body, choice_echo: "list[Echo | None]", rid: str, chat: bool,
-                  include_usage: bool, request: Request, watch: _Watch, fp: str) -> AsyncIterator[str]:
+    async def sse(self, lease: Lease, req: Body, opts: protocol.StreamOptions, choice_echo: "list[Echo | None]",
+                  rid: str, chat: bool, request: Request, watch: _Watch, fp: str) -> AsyncIterator[str]:
         """A streaming response's server-sent events: the echoed prompts, every stream's chunks as they come (with
         "trace", one event per forward), the usage with include_usage, then [DONE]; a comment line (": keep-alive")
         whenever `keepalive` seconds pass without an event (a long prefill, a wait in the queue), so proxies with an
-        idle timeout keep the connection. Past the deadline the streams end with finish_reason "cancelled"."""
-        obj = "chat.completion.chunk" if chat else "text_completion"
+        idle timeout keep the connection. With include_progress, an "mbd_progress" event (no choices) whenever the
+        prompts' prefill has moved, looked at every `PROGRESS_EVERY` s while no chunk comes. Past the deadline the
+        streams end with finish_reason "cancelled"."""
+        kind = protocol.ChatCompletionChunk if chat else protocol.CompletionChunk
         now, k, shapes = int(time.time()), len(choice_echo), self.shapes
 
-        def event(choices: list[dict[str, Any]], usage: dict[str, int | float] | None = None,
-                  step: dict[str, Any] | None = None) -> str:
-            d: dict[str, Any] = {"id": rid, "object": obj, "created": now, "model": self.name,
-                                 "system_fingerprint": fp, "choices": choices}
-            if usage is not None:
-                d["usage"] = usage
-            if step is not None:
-                d["mbd_step"] = step
-            return f"data: {json.dumps(d)}\n\n"
+        def event(choices: list[Any], usage: protocol.Usage | None = None, step: protocol.Step | None = None,
+                  progress: list[protocol.Progress] | None = None) -> str:
+            d = kind(id=rid, created=now, model=self.name, system_fingerprint=fp, choices=choices, usage=usage,
+                     mbd_step=step, mbd_progress=progress)
+            return f"data: {d.model_dump_json()}\n\n"
+
+        last_progress: list[protocol.Progress] | None = None
+
+        def progress() -> list[protocol.Progress] | None:
+            """The prompts' prefill per choice, if it moved since it was last sent (None: it did not)."""
+            nonlocal last_progress
+            now_p = [protocol.Progress(index=i, prompt_tokens=t, computed_tokens=d)
+                     for i, (d, t) in enumerate(s.prompt_progress for s in lease.streams)]
+            if now_p == last_progress:
+                return None
+            last_progress = now_p
+            return now_p
 
         # per choice: the text offsets of its next tokens (/v1/completions' text_offset)
         offsets = [TextOffsets() for _ in range(k)]
 
         def choice(i: int, text: str, finish: str | None = None, role: bool = False,
-                   lps: Any = None, n_tokens: int = 0) -> dict[str, Any]:
-            lp = None
+                   lps: Any = None, n_tokens: int = 0) -> "protocol.ChatChunkChoice | protocol.CompletionChoice":
+            lp: Any = None
             entries = entries_of(lps, n_tokens, chat) if req.logprobs is not None else []
             if entries:
                 lp = shapes.chat_logprobs(entries) if chat else shapes.legacy_logprobs(entries, offsets[i])
             if chat:
-                delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
-                return {"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}
-            return {"index": i, "text": text, "finish_reason": finish, "logprobs": lp}
+                delta = protocol.ChatDelta(role="assistant", content=text) if role else protocol.ChatDelta(
+                    content=text or None)
+                return protocol.ChatChunkChoice(index=i, delta=delta, finish_reason=finish, logprobs=lp)
+            return protocol.CompletionChoice(index=i, text=text, finish_reason=finish, logprobs=lp)
 
         usages: list[Usage | None] = [None] * k
         try:
@@ -428,7 +439,7 @@ class _Routes:
                     lp = None if req.logprobs is None else shapes.legacy_logprobs(e.entries or [], TextOffsets())
                     offsets[i] = TextOffsets(len(e.text))
                     fin = None if req.generates else "length"
-                    yield event([{"index": i, "text": e.text, "finish_reason": fin, "logprobs": lp}])
+                    yield event([protocol.CompletionChoice(index=i, text=e.text, finish_reason=fin, logprobs=lp)])
                     if not req.generates:
                         usages[i] = scored_only(e)
             if req.generates:
@@ -437,10 +448,18 @@ class _Routes:
                 # Starlette watches the client of a streaming response (and cancels this generator when it leaves)
                 fmt = req.tools.format if req.tools is not None else None
                 parsers = [tools.StreamParser(fmt) if fmt is not None else None for _ in range(k)]
-                async for i, ch in self.chunks(q, k, watch, client=False, idle=self.keepalive):
-                    if ch is None:
-                        yield ": keep-alive\n\n"
+                tick = min(self.keepalive, PROGRESS_EVERY) if opts.include_progress else self.keepalive
+                sent = time.monotonic()
+                async for i, ch in self.chunks(q, k, watch, client=False, idle=tick):
+                    if ch is None:  # nothing came for `tick` s
+                        if opts.include_progress and (p := progress()) is not None:
+                            yield event([], progress=p)
+                            sent = time.monotonic()
+                        elif not opts.include_progress or time.monotonic() - sent >= self.keepalive:
+                            yield ": keep-alive\n\n"
+                            sent = time.monotonic()
                         continue
+                    sent = time.monotonic()
                     if (parser := parsers[i]) is not None:  # a reply that may call tools: its deltas as OpenAI's
                         for d in self.tool_deltas(parser, ch, i):
                             yield event([d], step=shapes.step_json(ch.step) if ch.step is not None else None)
@@ -451,12 +470,12 @@ class _Routes:
                     c = choice(i, ch.text, ch.finish_reason, lps=lps, n_tokens=len(ch.token_ids))
                     if ch.step is not None:
                         yield event([c], step=shapes.step_json(ch.step))
-                    elif ch.text or ch.finish_reason or c["logprobs"]:
+                    elif ch.text or ch.finish_reason or c.logprobs is not None:
                         yield event([c])
                     if ch.finish_reason:
                         usages[i] = ch.usage
             request.state.tokens = sum(len(s.token_ids) for s in lease.streams)
-            if include_usage:
+            if opts.include_usage:
                 done = [u for u in usages if u is not None]
                 assert len(done) == k  # the last chunk of each stream carries its usage
                 yield event([], usage_json(done, req.n))
@@ -465,7 +484,7 @@ class _Routes:
             lease.release()  # cancels the generations first if the client went away mid-stream
 
     @staticmethod
-    def tool_deltas(parser: "tools.StreamParser", ch: StreamChunk, i: int) -> list[dict[str, Any]]:
+    def tool_deltas(parser: "tools.StreamParser", ch: StreamChunk, i: int) -> list[protocol.ChatChunkChoice]:
         """A chunk of a reply that may call tools, as OpenAI streams it: content deltas, a call's index, id and name
         once its name is out, then its arguments in fragments; the last chunk's finish_reason ("tool_calls" after
         calls) on a delta of its own. A trace step without text is one empty delta (its event carries the step)."""
@@ -475,20 +494,20 @@ class _Routes:
             if tail := parser.finish():
                 events.append(("content", tail))
             fin = "tool_calls" if parser.calls and fin == "stop" else fin
-        deltas: list[dict[str, Any]] = []
+        deltas: list[protocol.ChatChunkChoice] = []
         for kind, v in events:
             if kind == "content":
-                delta: dict[str, Any] = {"content": v}
+                delta = protocol.ChatDelta(content=v)
             elif kind == "call":
                 j, cid, name = v
-                delta = {"tool_calls": [{"index": j, "id": cid, "type": "function",
-                                         "function": {"name": name, "arguments": ""}}]}
+                delta = protocol.ChatDelta(tool_calls=[protocol.ToolCallDelta(
+                    index=j, id=cid, type="function", function={"name": name, "arguments": ""})])
             else:
                 j, frag = v
-                delta = {"tool_calls": [{"index": j, "function": {"arguments": frag}}]}
-            deltas.append({"index": i, "delta": delta, "finish_reason": None, "logprobs": None})
+                delta = protocol.ChatDelta(tool_calls=[protocol.ToolCallDelta(index=j, function={"arguments": frag})])
+            deltas.append(protocol.ChatChunkChoice(index=i, delta=delta))
         if fin or (ch.step is not None and not deltas):
-            deltas.append({"index": i, "delta": {}, "finish_reason": fin, "logprobs": None})
+            deltas.append(protocol.ChatChunkChoice(index=i, delta=protocol.ChatDelta(), finish_reason=fin))
         return deltas
 
     def page(self) -> str:

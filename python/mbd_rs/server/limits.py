@@ -23,3 +23,6 @@ CONNECTIONS = 1000
 #: Seconds a streaming response may go without an event before it sends an SSE comment (": keep-alive",
 #: `--sse-keepalive`): a long prefill or a wait in the queue stays under the 15-60 s idle timeouts of proxies.
 KEEPALIVE = 3.0
+#: With stream_options.include_progress, how often a streaming response looks at its prompts' prefill and sends an
+#: "mbd_progress" event when it has moved.
+PROGRESS_EVERY = 0.5

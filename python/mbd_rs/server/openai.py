@@ -67,7 +67,8 @@ class ClientGone(Exception):
 
 def error(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
            param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
+    body = protocol.ErrorResponse(error=protocol.ErrorBody(message=message, type=type_, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status)
 
 
 #: What a POST route answers for a refused request (each route catches these and passes them to `refusal`).
@@ -96,12 +97,15 @@ def refusal(e: Exception) -> JSONResponse:
 class Body:
     """A validated request: the engine's parameters, the prompts (chat: the one message list), n, echo, and
     `logprobs` (alternatives per token, None = off); for a chat, `tools` (mbd_rs.tools.ToolPlan: the tools for the
-    template, the call format the output is read in; the grammar is in `params`)."""
+    template, the call format the output is read in; the grammar is in `params`); `stream`, the stream options of
+    a streaming request (None: not streaming)."""
 
     def __init__(self, params: dict[str, Any], prompts: list[Any], n: int, echo: bool, logprobs: int | None,
-                 tools: "ToolPlan | None" = None):
+                 tools: "ToolPlan | None" = None, stream: "protocol.StreamOptions | None" = None):
         self.params, self.prompts, self.n, self.echo, self.logprobs = params, prompts, n, echo, logprobs
         self.tools = tools
+        #: server-sent events (None: one JSON response), with their options
+        self.stream = stream
 
     @property
     def generates(self) -> bool:
@@ -128,6 +132,7 @@ def body_params(body: dict[str, Any], chat: bool, engine: Engine) -> Body:
         raise InvalidRequestError("stream_options needs stream: true")
     if req.trace not in (None, False) and not req.stream:
         raise InvalidRequestError("trace needs stream: true (its events are server-sent)")
+    stream = (req.stream_options or protocol.StreamOptions()) if req.stream else None
     p = protocol.set_fields(req)
     if req.max_completion_tokens is not None:
         p["max_tokens"] = req.max_completion_tokens
@@ -143,17 +148,17 @@ def body_params(body: dict[str, Any], chat: bool, engine: Engine) -> Body:
                                           "this version")
             plan = engine.tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls,
                                     p if logprobs is None else {**p, "logprobs": logprobs})
-            return Body(plan.params, prompts, n, False, logprobs, plan)
+            return Body(plan.params, prompts, n, False, logprobs, plan, stream)
         if req.tool_choice not in (None, "none", "auto") or req.parallel_tool_calls is not None:
             raise InvalidRequestError("tool_choice and parallel_tool_calls need tools")
         echo = False
     else:
-        echo = flag({"echo": req.echo}, "echo", False)
+        echo = req.echo
         logprobs = req.logprobs
         prompts = _prompts(req.prompt)
     if logprobs is not None:
         p["logprobs"] = logprobs  # its range is the engine's rule
-    return Body(p, prompts, n, echo, logprobs)
+    return Body(p, prompts, n, echo, logprobs, stream=stream)
 
 
 def is_id(x: Any) -> bool:
@@ -348,29 +353,31 @@ class Shapes:
             entries += [(t.token_id, t.logprob, t.top_logprobs) for t in scores[1:] if t]
         return Echo(text, ids, entries)
 
-    def legacy_logprobs(self, entries: list[Entry], offsets: TextOffsets) -> dict[str, list[Any]]:
+    def legacy_logprobs(self, entries: list[Entry], offsets: TextOffsets) -> protocol.CompletionLogprobs:
         """/v1/completions' logprobs object for these tokens, their text offsets from `offsets` (which advances)."""
-        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        out = protocol.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         for t, lp, top in entries:
-            out["tokens"].append(self.token_str(t, legacy=True))
-            out["token_logprobs"].append(lp)
+            out.tokens.append(self.token_str(t, legacy=True))
+            out.token_logprobs.append(lp)
             alts: dict[str, float] | None = None
             if top is not None:
                 alts = {}
                 for a, b in top:  # most likely first; two ids with one text keep the likelier
                     alts.setdefault(self.token_str(a, legacy=True), b)
-            out["top_logprobs"].append(alts)
-            out["text_offset"].append(offsets.next(self.token_bytes(t)))
+            out.top_logprobs.append(alts)
+            out.text_offset.append(offsets.next(self.token_bytes(t)))
         return out
 
-    def chat_logprobs(self, entries: list[Entry]) -> dict[str, Any]:
+    def chat_logprobs(self, entries: list[Entry]) -> protocol.ChatLogprobs:
         """/v1/chat/completions' logprobs object for these tokens: each token's text and its real bytes."""
         def item(t: int, lp: float | None) -> dict[str, Any]:
             return {"token": self.token_str(t, legacy=False), "logprob": lp, "bytes": list(self.token_bytes(t))}
-        return {"content": [dict(item(t, lp), top_logprobs=[item(a, b) for a, b in top or []])
-                            for t, lp, top in entries], "refusal": None}
+        return protocol.ChatLogprobs(content=[protocol.ChatTokenLogprob(
+            **item(t, lp), top_logprobs=[protocol.TopLogprob(**item(a, b)) for a, b in top or []])
+            for t, lp, top in entries])
 
-    def logprobs_json(self, entries: list[Entry], echo: "Echo | None", chat: bool) -> dict[str, Any]:
+    def logprobs_json(self, entries: list[Entry], echo: "Echo | None",
+                      chat: bool) -> "protocol.ChatLogprobs | protocol.CompletionLogprobs":
         if chat:
             return self.chat_logprobs(entries)
         offsets = TextOffsets()
@@ -378,16 +385,19 @@ class Shapes:
             return self.legacy_logprobs(entries, offsets)
         head = self.legacy_logprobs(echo.entries or [], offsets)
         tail = self.legacy_logprobs(entries, TextOffsets(len(echo.text)))
-        return {key: head[key] + tail[key] for key in head}
+        return protocol.CompletionLogprobs(tokens=head.tokens + tail.tokens,
+                                           token_logprobs=head.token_logprobs + tail.token_logprobs,
+                                           top_logprobs=head.top_logprobs + tail.top_logprobs,
+                                           text_offset=head.text_offset + tail.text_offset)
 
-    def step_json(self, ev: StepEvent) -> dict[str, Any]:
+    def step_json(self, ev: StepEvent) -> protocol.Step:
         """A forward pass as the web view's "mbd_step" event; `end` is where the text ends (the first end-of-text
         token: EOS or the request's stop_token_ids; None while there is none), and what the decoder wrote after it
         is fill the view collapses."""
-        return {"index": ev.index, "decoded": ev.decoded, "blocks": ev.blocks,
-                "tokens_per_forward": ev.tokens_per_forward, "positions_per_forward": ev.positions_per_forward,
-                "end": ev.end,
-                "canvas": None if ev.canvas is None else [None if t < 0 else self.piece(t) for t in ev.canvas]}
+        return protocol.Step(index=ev.index, decoded=ev.decoded, blocks=ev.blocks,
+                             tokens_per_forward=ev.tokens_per_forward, positions_per_forward=ev.positions_per_forward,
+                             end=ev.end, canvas=None if ev.canvas is None else [
+                                 None if t < 0 else self.piece(t) for t in ev.canvas])
 
 
 def fit_positions(n_prompt: int, params: dict[str, Any], cap: int, context: int) -> dict[str, Any]:
@@ -423,22 +433,22 @@ def scored_only(e: Echo) -> Usage:
                  ttft_ms=0.0, prefill_ms=0.0, decode_ms=0.0, tokens_per_second=0.0, positions_forwarded=0)
 
 
-def tool_calls_json(calls: "list[ToolCall]") -> list[dict[str, Any]]:
+def tool_calls_json(calls: "list[ToolCall]") -> list[protocol.ToolCall]:
     """A message's `tool_calls`, OpenAI's shape."""
-    return [{"id": c.id, "type": c.type, "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+    return [protocol.ToolCall(id=c.id, function=protocol.FunctionCall(name=c.name, arguments=c.arguments))
+            for c in calls]
 
 
-def usage_json(usages: list[Usage], n: int) -> dict[str, Any]:
+def usage_json(usages: list[Usage], n: int) -> protocol.Usage:
     """Usage of all choices: completion tokens and counters summed, each prompt counted once (its n choices
     share it)."""
     prompt = sum(u.prompt_tokens for u in usages[::n])
     comp = sum(u.completion_tokens for u in usages)
     fwd = sum(u.forward_passes for u in usages)
-    return {"prompt_tokens": prompt, "completion_tokens": comp, "total_tokens": prompt + comp,
-            "forward_passes": fwd, "tokens_per_forward": comp / fwd if fwd else 0.0,
-            "verifications": sum(u.verifications for u in usages),
-            "drafts_proposed": sum(u.drafts_proposed for u in usages),
-            "drafts_accepted": sum(u.drafts_accepted for u in usages),
-            "forced_tokens": sum(u.forced_tokens for u in usages),
-            # OpenAI's field: prompt tokens read from the prefix cache (each prompt once, as prompt_tokens)
-            "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in usages[::n])}}
+    return protocol.Usage(
+        prompt_tokens=prompt, completion_tokens=comp, total_tokens=prompt + comp, forward_passes=fwd,
+        tokens_per_forward=comp / fwd if fwd else 0.0, verifications=sum(u.verifications for u in usages),
+        drafts_proposed=sum(u.drafts_proposed for u in usages), drafts_accepted=sum(u.drafts_accepted for u in usages),
+        forced_tokens=sum(u.forced_tokens for u in usages),
+        # OpenAI's field: prompt tokens read from the prefix cache (each prompt once, as prompt_tokens)
+        prompt_tokens_details=protocol.PromptTokensDetails(cached_tokens=sum(u.cached_tokens for u in usages[::n])))

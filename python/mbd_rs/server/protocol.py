@@ -5,14 +5,16 @@ stream_options, user, messages, logprobs on chat); a parameter's value is the en
 its message. `openapi()` is the schema of the routes, served at /openapi.json."""
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, create_model
+from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, StrictBool, StrictInt, StrictStr,
+                      ValidationError, create_model, model_serializer)
 
 from .. import _core
 from ..engine import GENERATION_PARAMS
 from ..errors import InvalidRequestError
-from .limits import MAX_N
+from .limits import MAX_N, PROGRESS_EVERY
 
 # OpenAI's own names among the engine's parameters ("logprobs" is OpenAI's field, typed per route below).
 OPENAI_PARAMS = ("max_tokens", "temperature", "top_p", "stop", "seed", "response_format", "presence_penalty",
@@ -23,7 +25,10 @@ EXTENSIONS = tuple(k for k in GENERATION_PARAMS if k not in OPENAI_PARAMS and k 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    include_usage: StrictBool = False
+    include_usage: StrictBool = Field(default=False, description="a last event with the usage of all choices")
+    include_progress: StrictBool = Field(default=False, description="while a prompt's prefill runs, an event with "
+                                         "\"mbd_progress\" (per choice: prompt tokens computed and in all) each "
+                                         f"time it moves, looked at every {PROGRESS_EVERY:g} s (an mbd-rs extension)")
 
 
 def _param_fields() -> dict[str, Any]:
@@ -48,7 +53,7 @@ class _Request(BaseModel):
 CompletionRequest = create_model(
     "CompletionRequest", __base__=_Request, __doc__="POST /v1/completions.",
     prompt=(Any, Field(None, description="a string, a list of token ids, a list of strings or a list of token-id lists")),
-    echo=(Any, Field(None, description="prepend the prompt to each completion (true or false)")),
+    echo=(StrictBool, Field(False, description="prepend the prompt to each completion")),
     logprobs=(Any, Field(None, description="alternatives per token, 0 to 20 (null: no log-probabilities)")),
     **_param_fields())
 
@@ -68,10 +73,14 @@ ChatCompletionRequest = create_model(
 # field's path).
 _RULES = {"n": f"n must be an integer from 1 to {MAX_N}", "stream": "stream must be true or false",
           "stream_options": "stream_options must be an object like {\"include_usage\": true}",
+          "echo": "echo must be true or false",
           "user": "user must be a string", "model": "model must be a string",
           "messages": "messages must be a non-empty list",
           "logprobs": "logprobs must be true or false on /v1/chat/completions (top_logprobs: how many alternatives)",
           "parallel_tool_calls": "parallel_tool_calls must be true or false", "tools": "tools must be a list"}
+
+# Rules whose message also shows the value sent.
+_SHOW_VALUE = ("n",)
 
 
 def validate(body: dict[str, Any], chat: bool) -> BaseModel:
@@ -89,7 +98,10 @@ def validate(body: dict[str, Any], chat: bool) -> BaseModel:
     first = errors[0]
     field = str(first["loc"][0]) if first["loc"] else ""
     path = ".".join(str(p) for p in first["loc"])
-    err = InvalidRequestError(_RULES.get(field) or f"{path}: {first['msg']}")
+    rule = _RULES.get(field)
+    if rule is not None and field in _SHOW_VALUE and "input" in first:
+        rule += f" (got {json.dumps(first['input'], default=str)[:40]})"
+    err = InvalidRequestError(rule or f"{path}: {first['msg']}")
     err.param = field or None
     raise err
 
@@ -99,24 +111,210 @@ def set_fields(req: BaseModel) -> dict[str, Any]:
     return {k: getattr(req, k) for k in OPENAI_PARAMS + EXTENSIONS if getattr(req, k) is not None}
 
 
-def openapi(version: str) -> dict[str, Any]:
-    """OpenAPI 3.1 for the routes: the request bodies from the models; responses are OpenAI's objects (an error
-    object on every refusal)."""
-    schemas: dict[str, Any] = {}
-    for m in (CompletionRequest, ChatCompletionRequest):
-        s = m.model_json_schema(ref_template="#/components/schemas/{model}")
-        schemas.update(s.pop("$defs", {}))
-        schemas[m.__name__] = s
-    schemas["Error"] = {"type": "object", "properties": {"error": {"type": "object", "properties": {
-        "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
-        "code": {"type": ["string", "null"]}}}}}
-    err = {"description": "refused: an OpenAI error object",
-           "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+class _Out(BaseModel):
+    """A response object: the fields in OpenAI's order; those named in `_omit` are left out when None (OpenAI
+    sends them only when they say something), the others sent as null."""
+    model_config = ConfigDict(extra="forbid")
+    _omit: ClassVar[frozenset[str]] = frozenset()
 
-    def post(name: str, summary: str) -> dict[str, Any]:
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        d: dict[str, Any] = handler(self)
+        return {k: v for k, v in d.items() if not (v is None and k in self._omit)}
+
+
+class ErrorBody(_Out):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Out):
+    """Every refusal, on every route."""
+    error: ErrorBody
+
+
+class PromptTokensDetails(_Out):
+    cached_tokens: int = Field(description="prompt tokens read from the prefix cache (each prompt once)")
+
+
+class Usage(_Out):
+    """The usage of all choices: completion tokens and counters summed, each prompt counted once."""
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    forward_passes: int = Field(description="forwards run (an mbd-rs extension, as the fields after it)")
+    tokens_per_forward: float
+    verifications: int
+    drafts_proposed: int
+    drafts_accepted: int
+    forced_tokens: int = Field(description="tokens a grammar forced, written without a forward")
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(_Out):
+    """/v1/completions' log-probabilities, token by token."""
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class TopLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Out):
+    """/v1/chat/completions' log-probabilities: each content token's text, real bytes and alternatives."""
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+
+class FunctionCall(_Out):
+    name: str
+    arguments: str = Field(description="the arguments, a JSON object as a string")
+
+
+class ToolCall(_Out):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Out):
+    _omit = frozenset({"tool_calls"})
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+
+class CompletionChoice(_Out):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: CompletionLogprobs | None = None
+
+
+class ChatChoice(_Out):
+    index: int
+    message: ChatMessage
+    finish_reason: str | None
+    logprobs: ChatLogprobs | None = None
+
+
+class _Response(_Out):
+    id: str
+    object: str
+    created: int
+    model: str
+    system_fingerprint: str
+
+
+class Completion(_Response):
+    """POST /v1/completions' answer."""
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatCompletion(_Response):
+    """POST /v1/chat/completions' answer."""
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ToolCallDelta(_Out):
+    _omit = frozenset({"id", "type", "function"})
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: dict[str, str] | None = Field(None, description="the name (once, first), then arguments in fragments")
+
+
+class ChatDelta(_Out):
+    _omit = frozenset({"role", "content", "tool_calls"})
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+class ChatChunkChoice(_Out):
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: ChatLogprobs | None = None
+
+
+class Step(_Out):
+    """One forward pass, with "trace" (an mbd-rs extension; what the web view draws)."""
+    index: int
+    decoded: list[int] = Field(description="offsets from the prompt's end this forward decoded")
+    blocks: list[Any] = Field(description="(start, end, state) per generation block")
+    tokens_per_forward: float
+    positions_per_forward: float
+    end: int | None = Field(description="where the text ends (the first end-of-text token), null while none")
+    canvas: list[str | None] | None = Field(description="the generated region's token texts, null for masks "
+                                            "(trace \"canvas\")")
+
+
+class Progress(_Out):
+    """A choice's prompt prefill, with stream_options.include_progress (an mbd-rs extension)."""
+    index: int
+    prompt_tokens: int
+    computed_tokens: int
+
+
+class _Chunk(_Response):
+    _omit = frozenset({"usage", "mbd_step", "mbd_progress"})
+    usage: Usage | None = Field(None, description="the last event's, with stream_options.include_usage")
+    mbd_step: Step | None = None
+    mbd_progress: list[Progress] | None = None
+
+
+class CompletionChunk(_Chunk):
+    """An event of a streaming /v1/completions answer."""
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class ChatCompletionChunk(_Chunk):
+    """An event of a streaming /v1/chat/completions answer."""
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+
+
+#: The response objects, each a schema of /openapi.json.
+RESPONSES = (ErrorResponse, Completion, ChatCompletion, CompletionChunk, ChatCompletionChunk)
+
+
+def openapi(version: str) -> dict[str, Any]:
+    """OpenAPI 3.1 for the routes: the request bodies and the response objects from the models (an error object on
+    every refusal; a streaming answer's events are its route's chunk objects)."""
+    schemas: dict[str, Any] = {}
+    for m in (CompletionRequest, ChatCompletionRequest) + RESPONSES:
+        sch = m.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(sch.pop("$defs", {}))
+        schemas[m.__name__] = sch
+
+    def ref(name: str) -> dict[str, Any]:
+        return {"$ref": f"#/components/schemas/{name}"}
+    err = {"description": "refused: an OpenAI error object", "content": {"application/json": {
+        "schema": ref("ErrorResponse")}}}
+
+    def post(name: str, answer: str, chunk: str, summary: str) -> dict[str, Any]:
         return {"post": {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {
-            "schema": {"$ref": f"#/components/schemas/{name}"}}}}, "responses": {
-                "200": {"description": "the completion, or server-sent events with stream: true"},
+            "schema": ref(name)}}}, "responses": {
+                "200": {"description": f"the answer; with stream: true, server-sent events, each data line a {chunk} "
+                        "and the last \"[DONE]\"", "content": {"application/json": {"schema": ref(answer)},
+                                                                "text/event-stream": {"schema": ref(chunk)}}},
                 "400": err, "401": err, "404": err, "413": err, "429": err, "503": err}}}
 
     def get(summary: str) -> dict[str, Any]:
@@ -128,8 +326,10 @@ def openapi(version: str) -> dict[str, Any]:
 
     return {"openapi": "3.1.0", "info": {"title": "mbd-rs", "version": version,
                                          "description": "OpenAI-compatible routes of `mbd-rs serve` (docs/server.md)"},
-            "paths": {"/v1/completions": post("CompletionRequest", "a completion of each prompt"),
-                      "/v1/chat/completions": post("ChatCompletionRequest", "the next turn of a conversation"),
+            "paths": {"/v1/completions": post("CompletionRequest", "Completion", "CompletionChunk",
+                                              "a completion of each prompt"),
+                      "/v1/chat/completions": post("ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk",
+                                                   "the next turn of a conversation"),
                       "/v1/models": get("the served model"), "/v1/models/{model}": get("one model by name"),
                       "/tokenize": vllm("text or messages to token ids (vLLM's route)"),
                       "/detokenize": vllm("token ids to text (vLLM's route)"),

@@ -449,6 +449,11 @@ impl Generation {
         self.commit_written()
     }
 
+    /// How far the prompt's forwards have come: (positions done, the prompt's length).
+    pub fn prompt_progress(&self) -> (usize, usize) {
+        self.window.prompt_progress()
+    }
+
     /// Whether the generation has emitted its final output.
     pub fn finished(&self) -> bool {
         self.out.finished()

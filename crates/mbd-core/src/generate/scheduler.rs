@@ -45,11 +45,19 @@ struct Control {
     /// The stream's handle is gone: drop the generation.
     gone: AtomicBool,
     unread: AtomicUsize,
+    /// The prompt's positions computed so far and its length ([`Generation::prompt_progress`] after each forward).
+    prompt_done: AtomicUsize,
+    prompt_len: AtomicUsize,
     /// Called after each output is sent and when the generation leaves ([`StreamHandle::set_waker`]).
     waker: Mutex<Option<Waker>>,
 }
 
 impl Control {
+    fn note_progress(&self, (done, len): (usize, usize)) {
+        self.prompt_len.store(len, Ordering::Relaxed);
+        self.prompt_done.store(done, Ordering::Relaxed);
+    }
+
     fn wake(&self) {
         let w = self.waker.lock().ok().and_then(|w| w.clone());
         if let Some(w) = w {
@@ -154,6 +162,12 @@ impl StreamHandle {
         Ok(Some(self.deliver(r)))
     }
 
+    /// A view of how far the stream's generation has come, readable from any thread while another waits on the
+    /// stream.
+    pub fn progress(&self) -> Progress {
+        Progress { ctl: self.c.ctl.clone() }
+    }
+
     /// Call `waker` after every output sent to this stream from now on, and when its generation leaves (so that a
     /// reader polling with [`try_next`](Self::try_next) needs no thread of its own). Set it before polling: an
     /// output sent in between then wakes too.
@@ -245,6 +259,20 @@ impl StreamHandle {
     }
 }
 
+/// How far one stream's generation has come ([`StreamHandle::progress`]).
+#[derive(Clone)]
+pub struct Progress {
+    ctl: Arc<Control>,
+}
+
+impl Progress {
+    /// The prompt's forwards: (positions computed, the prompt's length), updated after each forward (what a
+    /// progress line shows during a long prefill); positions read from the prefix cache count as computed.
+    pub fn prompt(&self) -> (usize, usize) {
+        (self.ctl.prompt_done.load(Ordering::Relaxed), self.ctl.prompt_len.load(Ordering::Relaxed))
+    }
+}
+
 /// Cancels one stream ([`StreamHandle::canceller`]).
 #[derive(Clone)]
 pub struct Canceller {
@@ -311,6 +339,7 @@ impl Scheduler {
     pub fn submit(&self, gen: Generation) -> Result<StreamHandle> {
         let (tx, rx) = channel();
         let ctl = Arc::new(Control::default());
+        ctl.note_progress(gen.prompt_progress());
         let mut st = self.lock()?;
         st.incoming.push(Entry { gen, tx, ctl: ctl.clone() });
         if !st.worker_running {
@@ -555,7 +584,9 @@ fn run_tick(
     drop(segs);
     // hand each generation its logits
     for (i, r) in who.into_iter().zip(results) {
-        match r.and_then(|l| active[i].gen.consume(l)) {
+        let r = r.and_then(|l| active[i].gen.consume(l));
+        active[i].ctl.note_progress(active[i].gen.prompt_progress());
+        match r {
             Ok(Some(o)) => outputs.push((i, Ok(o))),
             Ok(None) => {}
             // its forward stopped for the cancel: the next tick ends it with its "cancelled" output

@@ -83,6 +83,9 @@ pub struct Window {
     carry: Option<Tensor>,
     prompt_len: usize,
     prefilled: bool,
+    /// Prompt positions whose K/V the forwards have computed so far (prefill or recompute chunks; all of them once
+    /// a step's window has run).
+    prompt_done: usize,
     /// The current step's remaining forwards, its positions, and its scratch cache (recompute policy).
     pieces: VecDeque<Piece>,
     positions: Vec<usize>,
@@ -146,6 +149,7 @@ impl Window {
             carry: None,
             prompt_len,
             prefilled: false,
+            prompt_done: 0,
             pieces: VecDeque::new(),
             positions: vec![],
             scratch: None,
@@ -312,6 +316,12 @@ impl Window {
             self.pieces.push_back(Piece { start: s, end: e, keys: s, rows: vec![], kind: PieceKind::Scratch });
         }
         b
+    }
+
+    /// How far the prompt's forwards have come: (positions done, the prompt's length); positions read from the
+    /// prefix cache count as done.
+    pub fn prompt_progress(&self) -> (usize, usize) {
+        (self.prompt_done.max(self.cached_tokens).min(self.prompt_len), self.prompt_len)
     }
 
     /// Whether a step is under way (planned, some of its forwards still to run).
@@ -629,8 +639,12 @@ impl Window {
     pub fn consume(&mut self, logits: Tensor) -> Result<Option<(Vec<usize>, Tensor)>> {
         let piece = self.pieces.pop_front().ok_or_else(|| Error::Internal("no step under way".into()))?;
         let len = piece.end - piece.start;
+        if !matches!(piece.kind, PieceKind::Prefill { .. } | PieceKind::Scratch) {
+            self.prompt_done = self.prompt_len; // a step's own forward runs over (or past) the whole prompt
+        }
         match piece.kind {
             PieceKind::Prefill { last } => {
+                self.prompt_done = self.prompt_done.max(piece.end);
                 self.cache.commit(len)?;
                 self.note_snapshot();
                 if last {
@@ -642,6 +656,7 @@ impl Window {
                 Ok(None)
             }
             PieceKind::Scratch => {
+                self.prompt_done = self.prompt_done.max(piece.end);
                 self.scratch.as_mut().ok_or_else(|| Error::Internal("no scratch cache".into()))?.commit(len)?;
                 self.positions_forwarded += len;
                 Ok(None)
