@@ -3,12 +3,14 @@ from their K/V and prefills only the rest. Checked against the same engine with 
 the same tokens, the same forward passes and log-probabilities within 1e-5, in every decoding mode and family
 where the cache is on; off (no lookup at all) where it would not be exact."""
 import functools
+import json
+import os
 import random
 
 import pytest
 
 import mbd_rs
-from conftest import copy_model, parity_dir
+from conftest import copy_model, parity_dir, run_child
 
 PAGE = 32  # tokens a page holds at least (a page is whole blocks of the grid)
 
@@ -249,3 +251,36 @@ def test_concurrent_streams_share_a_prefix_and_equal_their_lone_cold_runs():
 def test_load_option_is_checked():
     with pytest.raises(mbd_rs.InvalidRequestError, match="prefix_cache"):
         mbd_rs.Engine.load(mbd_rs.DEFAULT_MODEL, prefix_cache=-1)
+
+
+FLOOD = """
+import json, random, sys
+import mbd_rs
+eng = mbd_rs.Engine.load(sys.argv[1], prefix_cache=int(sys.argv[2]))
+def rss_mb():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+rng = random.Random(0)
+def one():  # a distinct 256-token prompt: 8 pages of its own, none shared
+    eng.generate([rng.randrange(5, 95) for _ in range(256)], max_tokens=1)
+for _ in range(40):
+    one()
+before = rss_mb()
+for _ in range(int(sys.argv[3])):
+    one()
+s = eng.prefix_cache_stats()
+print(json.dumps({"growth_mb": rss_mb() - before, "bytes": s.bytes, "evicted": s.evicted_pages}))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmRSS from /proc")
+def test_a_flood_of_distinct_prefixes_keeps_memory_flat(long_context_model):
+    """200 requests with distinct 256-token prompts, in a fresh process: under an 8 MB cap the cache evicts and the
+    process's RSS grows by less than the cap (measured: ~1.5 MB; the same flood with no cap to speak of grows it by
+    ~186 MB, 210 MB of pages held)."""
+    cap = 8 << 20
+    r = run_child(FLOOD, long_context_model, cap, 200, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["bytes"] <= cap and out["evicted"] > 1000, out
+    assert out["growth_mb"] < 8, out
