@@ -248,6 +248,25 @@ def test_concurrent_streams_share_a_prefix_and_equal_their_lone_cold_runs():
         assert o.token_ids == cold.token_ids and o.usage.forward_passes == cold.usage.forward_passes
 
 
+def test_a_running_request_shares_its_prompt_at_once():
+    """The prompt's pages go into the cache after its first step: a request that begins the same way, sent while
+    the first still decodes (it cannot have finished: its reader has not read past its first chunk, so the
+    scheduler holds it a few outputs on), starts from them; both equal their cold runs."""
+    on, off = _engines("qwen3_headdim_gqa", SDAR)
+    on.clear_prefix_cache()
+    base, _ = prompts(9, on.info.vocab_size)
+    kw = dict(max_tokens=64, threshold=1.0, early_stop=False)  # one token per forward: 64 steps
+    with on.stream(base + [11], **kw) as first:
+        head = next(first)
+        other = on.generate(base + [12, 13], max_tokens=8)
+        assert first.finish_reason is None and other.usage.cached_tokens == 2 * PAGE, other.usage
+        rest = [head] + list(first)
+    cold = off.generate(base + [11], **kw)
+    assert [t for c in rest for t in c.token_ids] == cold.token_ids
+    cold_other = off.generate(base + [12, 13], max_tokens=8)
+    assert other.token_ids == cold_other.token_ids and other.usage.forward_passes == cold_other.usage.forward_passes
+
+
 def test_load_option_is_checked():
     with pytest.raises(mbd_rs.InvalidRequestError, match="prefix_cache"):
         mbd_rs.Engine.load(mbd_rs.DEFAULT_MODEL, prefix_cache=-1)

@@ -52,12 +52,16 @@ def ttft(eng, prompt):
 
 rows = []
 for P in [int(x) for x in args.lengths.split(",")]:
-    per = {"cold": [], "hit": [], "alone": [], "miss": [], "off_wall": [], "miss_wall": []}
+    per = {"cold": [], "hit": [], "alone": [], "miss": [], "off_wall": [], "miss_wall": [], "cache_bytes": [],
+           "cache_pages": []}
     for rnd in range(args.rounds):
         shared = ids(P)
         on.clear_prefix_cache()
         ttft(on, shared + ids(args.new))  # fill (untimed): a request with the same prefix
         new = shared + ids(args.new)
+        st = on.prefix_cache_stats()  # what the fill left: its pages (K/V, and a hybrid's state snapshots)
+        per["cache_bytes"].append(st.bytes)
+        per["cache_pages"].append(st.pages)
         h, _, cached = ttft(on, new)
         c, cw, _ = ttft(off, new)
         alone = sorted(on._core.bench_forward(P, args.new, 3, last_row=True))[1]
@@ -73,9 +77,13 @@ for P in [int(x) for x in args.lengths.split(",")]:
         "hit_over_alone": statistics.median(h / a for h, a in zip(per["hit"], per["alone"])),
         "miss_over_off": statistics.median(m / c for m, c in zip(per["miss"], per["cold"])),
     }
-    rows.append({"prefix": P, "new": args.new, "median_s": med, "ratios": ratio, "rounds": per})
+    # the bytes the fill left in the cache per token of its prompt (K/V of every softmax layer, in whole pages; a
+    # hybrid's recurrent-state snapshots on top)
+    per_token = statistics.median(b / (P + args.new) for b in per["cache_bytes"])
+    rows.append({"prefix": P, "new": args.new, "median_s": med, "ratios": ratio, "rounds": per,
+                 "cache_bytes_per_prompt_token": per_token})
     print(f"P={P}: hit/cold {ratio['hit_over_cold']:.3f}, hit/alone {ratio['hit_over_alone']:.2f}, "
-          f"miss/off {ratio['miss_over_off']:.3f}", flush=True)
+          f"miss/off {ratio['miss_over_off']:.3f}, cache {per_token / 1024:.1f} KiB per prompt token", flush=True)
 
 flags = open("/proc/cpuinfo").read()
 out = {

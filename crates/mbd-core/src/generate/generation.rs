@@ -49,6 +49,9 @@ pub struct Generation {
     /// The committed K/V went to the prefix cache: done with the final output, before it is sent, so a caller that
     /// has the output finds the cache holding it (and a `clear` after it is not undone).
     offered: bool,
+    /// The prompt's K/V went to the prefix cache after the first step (so that a request arriving while this one
+    /// decodes finds it).
+    prompt_offered: bool,
 }
 
 /// A step's span, held while it is verified.
@@ -103,6 +106,7 @@ impl Generation {
             constraint: plan.constraint,
             penalties: plan.penalties,
             offered: false,
+            prompt_offered: false,
         };
         // what the grammar forces before anything is predicted (a JSON object's `{`)
         g.write_forced()?;
@@ -138,6 +142,19 @@ impl Generation {
         let tokens: Vec<u32> = self.canvas[..lp].iter().copied().chain(answer).collect();
         // the cache is an optimisation: a failed copy leaves it as it was
         let _ = self.window.offer_prefix(&tokens);
+    }
+
+    /// After the first step's forward, offer the prompt's committed K/V to the prefix cache, once: concurrent
+    /// requests that begin as this one does (a shared system prompt) start from it while this one still decodes.
+    /// The pages are the ones the final offer would insert first (a committed block's K/V never change), so that
+    /// offer then adds only the answer's.
+    fn offer_prompt(&mut self) {
+        if std::mem::replace(&mut self.prompt_offered, true) || self.offered {
+            return;
+        }
+        let lp = self.dec.prompt_len;
+        // the cache is an optimisation: a failed copy leaves it as it was
+        let _ = self.window.offer_prefix(&self.canvas[..lp]);
     }
 
     fn counters(&self) -> Counters {
@@ -213,6 +230,7 @@ impl Generation {
     /// (predict → apply → emit), None while forwards remain.
     pub fn consume(&mut self, logits: Tensor) -> Result<Option<StepOutput>> {
         let Some((positions, logits)) = self.window.consume(logits)? else { return Ok(None) };
+        self.offer_prompt();
         if self.isd.is_some() {
             return self.strided(&positions, &logits).map(Some);
         }
