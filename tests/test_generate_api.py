@@ -46,6 +46,8 @@ def test_usage_numbers(eng):
     assert u.prompt_tokens == len(PROMPT) and u.completion_tokens == 24
     assert u.tokens_per_forward == pytest.approx(24 / u.forward_passes)
     assert 0 < u.ttft_ms <= u.decode_ms and u.tokens_per_second > 0
+    # the head (vocabulary product and row statistics) is timed inside the steps
+    assert 0 < u.head_ms < u.decode_ms
 
 
 def test_trace_events(eng):

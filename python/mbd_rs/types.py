@@ -21,6 +21,7 @@ class Usage:
     drafts_accepted: int = 0  # draft tokens the verifier accepted
     forced_tokens: int = 0  # completion tokens a grammar forced (its only choice), written without a forward
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (not prefilled)
+    head_ms: float = 0.0  # the head over the logits rows (vocabulary product + per-row statistics), part of decode_ms
 
     @property
     def total_tokens(self) -> int:

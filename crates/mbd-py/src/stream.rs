@@ -49,6 +49,7 @@ fn output_dict<'py>(py: Python<'py>, o: StepOutput) -> PyResult<Bound<'py, PyDic
         ud.set_item("drafts_accepted", u.drafts_accepted)?;
         ud.set_item("forced_tokens", u.forced_tokens)?;
         ud.set_item("cached_tokens", u.cached_tokens)?;
+        ud.set_item("head_ms", u.head_ms)?;
         d.set_item("usage", ud)?;
     } else {
         d.set_item("usage", py.None())?;

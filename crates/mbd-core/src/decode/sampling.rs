@@ -10,6 +10,7 @@ use crate::util::by_score_then_index;
 use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
+use std::time::Instant;
 
 #[derive(Debug, Clone)]
 pub struct SamplingParams {
@@ -134,6 +135,8 @@ impl SamplingParams {
 pub struct Sampler {
     params: SamplingParams,
     rng: rand::rngs::StdRng,
+    /// Time spent in `predict_any`, for the usage's `head_ms`.
+    stats_ms: f64,
 }
 
 impl Sampler {
@@ -147,7 +150,7 @@ impl Sampler {
             Some(s) => rand::rngs::StdRng::seed_from_u64(s),
             None => rand::rngs::StdRng::from_os_rng(),
         };
-        Sampler { params, rng }
+        Sampler { params, rng, stats_ms: 0.0 }
     }
 
     /// `logits`: (R, V) f32 on any device. On a GPU only R * 3 scalars come back to the host when greedy.
@@ -177,28 +180,45 @@ impl Sampler {
         }
     }
 
-    /// On the CPU the rows are read in place (two passes per row for the statistics; a sampled token from the same
-    /// host rows). On a GPU the statistics are one kernel launch over the rows ([`stats::rows`]), and only a sampled
-    /// token (temperature > 0) copies its rows to the host.
+    /// On the CPU the rows are read in place, without a copy (two passes per row for the statistics, rows split
+    /// across the pool; a sampled token from the same rows). On a GPU the statistics are one kernel launch over the
+    /// rows ([`stats::rows`]), and only a sampled token (temperature > 0) copies its rows to the host.
     fn predict_any(&mut self, logits: &Tensor) -> Result<Vec<Prediction>> {
+        let t0 = Instant::now();
         let greedy = self.params.temperature == 0.0;
         let v = logits.dims2()?.1;
-        let host_rows = || -> Result<Vec<f32>> { Ok(logits.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?) };
-        let (stats, host) = if logits.device().is_cpu() {
-            let flat = host_rows()?;
-            (stats::host_rows(&flat, v), Some(flat))
+        let out = if logits.device().is_cpu() {
+            stats::with_host_f32(logits, |flat| {
+                let stats = stats::host_rows(flat, v);
+                self.predictions(stats, (!greedy).then_some(flat), v)
+            })?
         } else {
-            (stats::rows(logits)?, if greedy { None } else { Some(host_rows()?) })
+            let stats = stats::rows(logits)?;
+            match greedy {
+                true => self.predictions(stats, None, v),
+                false => stats::with_host_f32(logits, |flat| self.predictions(stats, Some(flat), v))?,
+            }
         };
+        self.stats_ms += t0.elapsed().as_secs_f64() * 1e3;
+        Ok(out)
+    }
+
+    /// Each row's prediction from its statistics: greedy the argmax, else a draw from the row in `host`.
+    fn predictions(&mut self, stats: Vec<stats::RowStats>, host: Option<&[f32]>, v: usize) -> Vec<Prediction> {
         let mut out = Vec::with_capacity(stats.len());
         for (i, (argmax, entropy, max_prob)) in stats.into_iter().enumerate() {
-            let (token, prob) = match &host {
-                Some(flat) if !greedy => self.sample_row(&flat[i * v..(i + 1) * v]),
-                _ => (argmax, max_prob),
+            let (token, prob) = match host {
+                Some(flat) => self.sample_row(&flat[i * v..(i + 1) * v]),
+                None => (argmax, max_prob),
             };
             out.push(Prediction { token, entropy, max_prob, prob });
         }
-        Ok(out)
+        out
+    }
+
+    /// Milliseconds this sampler spent on its rows' statistics and tokens (`predict`, `predict_among`), summed.
+    pub fn stats_ms(&self) -> f64 {
+        self.stats_ms
     }
 
     /// The distribution tokens are drawn from ([`SamplingParams::dist`]).

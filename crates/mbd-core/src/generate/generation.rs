@@ -162,6 +162,7 @@ impl Generation {
             positions_forwarded: self.window.positions_forwarded,
             prefill_ms: self.window.prefill_ms,
             cached_tokens: self.window.cached_tokens,
+            head_ms: self.window.head_ms + self.sampler.stats_ms(),
             speculative: self.spec.as_ref().map(|r| r.stats).or(self.isd.as_ref().map(|s| s.stats)),
         }
     }

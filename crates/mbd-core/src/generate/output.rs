@@ -23,6 +23,8 @@ pub struct Counters {
     pub prefill_ms: f64,
     /// Prompt positions whose K/V came from the prefix cache.
     pub cached_tokens: usize,
+    /// The head's time: the vocabulary product (the forwards' share) and the rows' statistics, summed over steps.
+    pub head_ms: f64,
     /// The speculative counters (speculative="s2d2" or "isd")
     pub speculative: Option<SpecStats>,
 }
@@ -48,6 +50,10 @@ pub struct Usage {
     pub forced_tokens: usize,
     /// Prompt tokens whose K/V came from the prefix cache (not prefilled).
     pub cached_tokens: usize,
+    /// Milliseconds of the head over the generation's logits rows, summed over its forwards and steps: the final norm
+    /// and vocabulary product (its share by rows of a batched forward) and the per-row statistics and tokens
+    /// (argmax, entropy, max probability, a sampled token). Part of `decode_ms`, prefill's head included.
+    pub head_ms: f64,
 }
 
 #[derive(Debug, Clone)]
@@ -207,6 +213,7 @@ impl Output {
             drafts_accepted: spec.drafts_accepted,
             forced_tokens: dec.forced,
             cached_tokens: c.cached_tokens,
+            head_ms: c.head_ms,
         }
     }
 

@@ -112,6 +112,8 @@ pub struct Window {
     pub prefill_ms: f64,
     /// Prompt positions whose K/V came from the prefix cache.
     pub cached_tokens: usize,
+    /// The head's time (final norm and vocabulary product) of the forwards consumed so far, summed.
+    pub head_ms: f64,
     /// A hybrid's recurrent states at page boundaries it committed (position, states): every `SNAPSHOT_STRIDE`-th,
     /// then the latest other one.
     snapshots: Vec<(usize, Snapshot)>,
@@ -165,6 +167,7 @@ impl Window {
             positions_forwarded: 0,
             prefill_ms: 0.0,
             cached_tokens: 0,
+            head_ms: 0.0,
             snapshots: vec![],
         })
     }
@@ -637,6 +640,8 @@ impl Window {
     /// Take the logits of the forward `segment` described. Returns the step's positions and their (C, V) logits,
     /// in order, once its window has run (None while forwards remain); commits what the policy keeps.
     pub fn consume(&mut self, logits: Tensor) -> Result<Option<(Vec<usize>, Tensor)>> {
+        // the head's time of the forward that made these logits, from whichever cache it ran over
+        self.head_ms += self.cache.take_head_ms() + self.scratch.as_mut().map_or(0.0, KvCache::take_head_ms);
         let piece = self.pieces.pop_front().ok_or_else(|| Error::Internal("no step under way".into()))?;
         let len = piece.end - piece.start;
         if !matches!(piece.kind, PieceKind::Prefill { .. } | PieceKind::Scratch) {
@@ -728,7 +733,13 @@ impl Window {
                 return Err(Error::Internal(format!("no logits for position {p} (window starts at {ws})")));
             }
         }
-        let out = table.index_select(&Tensor::new(pick.as_slice(), table.device())?, 0)?;
+        // rows in order (a step predicting every row it forwards, the full-canvas steps): a view, not a copy
+        let run =
+            pick.first().map(|&a| a as usize).filter(|&a| pick.iter().enumerate().all(|(i, &r)| r as usize == a + i));
+        let out = match run {
+            Some(a) if a + pick.len() <= table.dim(0)? => table.narrow(0, a, pick.len())?,
+            _ => table.index_select(&Tensor::new(pick.as_slice(), table.device())?, 0)?,
+        };
         if let Some(b) = suffix {
             self.cache.commit_split(commit_end - ws, b - ws, piece.end - b)?;
         }

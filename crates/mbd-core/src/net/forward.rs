@@ -191,21 +191,34 @@ impl Runner {
         // the head: the rows asked for, then the network's final norm and vocabulary product; each segment's rows
         let vocab = cfg.vocab_size;
         let no_rows = || Ok(Tensor::zeros((0, vocab), DType::F32, dev)?);
+        // the head's wall time (on a GPU: its launches queued), shared among the segments by their logits rows
+        let head_ms = std::cell::Cell::new(0.0f64);
         let head = |x: &Tensor, step: &Step<'_>| -> Result<Vec<Tensor>> {
             if pick.is_empty() {
                 return lm_spans.iter().map(|_| no_rows()).collect();
             }
+            let t0 = std::time::Instant::now();
             let x = if identity { x.clone() } else { x.index_select(&step.view(pick_at)?, 0)? };
             let logits = net.head(&x, &lm_groups)?.to_dtype(DType::F32)?;
-            lm_spans.iter().map(|&(o, n)| if n == 0 { no_rows() } else { Ok(logits.narrow(0, o, n)?) }).collect()
+            let out =
+                lm_spans.iter().map(|&(o, n)| if n == 0 { no_rows() } else { Ok(logits.narrow(0, o, n)?) }).collect();
+            head_ms.set(t0.elapsed().as_secs_f64() * 1e3);
+            out
         };
-        match shape {
+        let out = match shape {
             Some(shape) => self.graphs.run(shape, words, &self.step_buffers, dev, layers, head),
             None => {
                 let step = self.step_buffers.upload(words, dev)?;
                 let x = layers(&step)?;
                 head(&x, &step)
             }
+        }?;
+        if !pick.is_empty() {
+            let per_row = head_ms.get() / pick.len() as f64;
+            for s in segs.iter_mut() {
+                s.cache.add_head_ms(per_row * s.rows.len() as f64);
+            }
         }
+        Ok(out)
     }
 }
