@@ -32,7 +32,8 @@ mkdir -p "$CACHE" "$WORK/src"
 SDIST=$CACHE/llama_cpp_python-$VERSION.tar.gz
 if [ ! -f "$SDIST" ]; then
     if command -v pip >/dev/null; then PIP=(pip); else PIP=("$PYTHON" -m pip); fi
-    "${PIP[@]}" download --no-binary :all: --no-deps "llama-cpp-python==$VERSION" -d "$CACHE"
+    # the sdist only from source: its build requirements (scikit-build-core, cmake) as wheels, or pip compiles cmake
+    "${PIP[@]}" download --no-binary llama-cpp-python --no-deps "llama-cpp-python==$VERSION" -d "$CACHE"
 fi
 SRC=$WORK/src/llama_cpp_python-$VERSION/vendor/llama.cpp
 if [ ! -f "$SRC/include/llama.h" ]; then

@@ -3,7 +3,9 @@
 // cache again after each forward. Written for benches/llamacpp/quant_compare.py against the public llama.h API only.
 //
 //   mbd-llama-driver MODEL.gguf [--threads 2] [--cases 0:1,512:1,512:32] [--reps 5] [--warmup 1] [--fa 0|1]
-//                               [--ctx 4096] [--batch 512] [--seed 0] [--verbose]
+//                               [--ctx 4096] [--batch 512] [--seed 0] [--last-logits] [--verbose]
+//   --last-logits: the window asks for its last row's logits only (what a server computes for a prompt's new
+//   tokens over a reused prefix before its first token), not every row's
 //   mbd-llama-driver --bandwidth [--threads 2] [--gib 1] [--tries 5]
 //
 // Prints JSON lines on stdout: one {"kind":"model",...} after loading, then one {"kind":"case",...} per case
@@ -198,7 +200,7 @@ int main(int argc, char ** argv) {
     int threads = 2, reps = 5, warmup = 1, fa = 0, n_ctx = 4096, n_batch = 512, tries = 5;
     unsigned seed = 0;
     double gib = 1.0;
-    bool bandwidth = false;
+    bool bandwidth = false, last_logits = false;
     for (int i = 1; i < argc; i++) {
         std::string a = argv[i];
         auto val = [&]() -> std::string {
@@ -214,12 +216,13 @@ int main(int argc, char ** argv) {
         else if (a == "--batch") n_batch = std::stoi(val());
         else if (a == "--seed") seed = static_cast<unsigned>(std::stoul(val()));
         else if (a == "--bandwidth") bandwidth = true;
+        else if (a == "--last-logits") last_logits = true;
         else if (a == "--gib") gib = std::stod(val());
         else if (a == "--tries") tries = std::stoi(val());
         else if (a == "--verbose" || a == "-v") g_verbose = true;
         else if (a == "-h" || a == "--help") {
             std::puts("mbd-llama-driver MODEL.gguf [--threads N] [--cases P:W,...] [--reps N] [--warmup N] [--fa 0|1]"
-                      " [--ctx N] [--batch N] [--seed N] [--verbose]\nmbd-llama-driver --bandwidth [--threads N]"
+                      " [--ctx N] [--batch N] [--seed N] [--last-logits] [--verbose]\nmbd-llama-driver --bandwidth [--threads N]"
                       " [--gib G] [--tries N]");
             return 0;
         } else if (!a.empty() && a[0] == '-') die("unknown option " + a);
@@ -289,10 +292,10 @@ int main(int argc, char ** argv) {
         double fill_ms = ms_since(t_fill);
         std::vector<double> times;
         for (int r = 0; r < warmup + reps; r++) {
-            fill_batch(batch, ids, c.prefix, c.window, true);
+            fill_batch(batch, ids, c.prefix, c.window, !last_logits);
             auto t0 = clock_type::now();
             decode_or_die(ctx, batch, "window");
-            const float * logits = llama_get_logits_ith(ctx, c.window - 1);  // every row was asked for
+            const float * logits = llama_get_logits_ith(ctx, c.window - 1);  // asked for with every row or alone
             double dt = ms_since(t0);
             if (!logits) die("no logits for the last window row");
             if (r >= warmup) times.push_back(dt);
@@ -307,8 +310,8 @@ int main(int argc, char ** argv) {
             }
         }
         std::printf("{\"kind\":\"case\",\"prefix\":%d,\"window\":%d,\"flash_attn\":%d,\"threads\":%d,\"reps\":%d,"
-                    "\"warmup\":%d,\"fill_ms\":%.3f,\"median_ms\":%.4f,\"min_ms\":%.4f,\"times_ms\":%s}\n",
-                    c.prefix, c.window, fa, threads, reps, warmup, fill_ms, median(times),
+                    "\"warmup\":%d,\"last_logits\":%d,\"fill_ms\":%.3f,\"median_ms\":%.4f,\"min_ms\":%.4f,\"times_ms\":%s}\n",
+                    c.prefix, c.window, fa, threads, reps, warmup, int(last_logits), fill_ms, median(times),
                     times.empty() ? 0.0 : *std::min_element(times.begin(), times.end()), json_list(times).c_str());
         std::fflush(stdout);
     }
