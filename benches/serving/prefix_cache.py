@@ -12,13 +12,12 @@ One thread count for everything (the machine's).
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
-import subprocess
 import time
 
 import mbd_rs
+from serving import run_meta
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", default="/tmp/mbd-bench/qwen2.5-0.5b-shape")
@@ -85,13 +84,8 @@ for P in [int(x) for x in args.lengths.split(",")]:
     print(f"P={P}: hit/cold {ratio['hit_over_cold']:.3f}, hit/alone {ratio['hit_over_alone']:.2f}, "
           f"miss/off {ratio['miss_over_off']:.3f}, cache {per_token / 1024:.1f} KiB per prompt token", flush=True)
 
-flags = open("/proc/cpuinfo").read()
 out = {
-    "date": time.strftime("%Y-%m-%d"),
-    "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-    "cpu": platform.processor() or platform.machine(),
-    "avx512": "avx512f" in flags,
-    "cores": os.cpu_count(),
+    **run_meta(),
     "model": args.model,
     "quantize": args.quantize,
     "rows": rows,

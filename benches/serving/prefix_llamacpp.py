@@ -21,13 +21,12 @@ Writes prefix_llamacpp-{gguf name}.json in benches/results/batching-serving/ (--
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
-import time
 
 import mbd_rs
+from serving import run_meta
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--gguf", default="/tmp/llamacpp/ours/model-q8_0.gguf")
@@ -89,13 +88,8 @@ for P in lengths:
     print(f"P={P}: mbd-rs hit / llama.cpp reuse {ratio['hit_over_llama_reuse']:.2f}, mbd-rs cold / llama.cpp "
           f"fill {ratio['cold_over_llama_fill']:.2f}, hit / cold {ratio['hit_over_cold']:.4f}", flush=True)
 
-flags = open("/proc/cpuinfo").read()
 out = {
-    "date": time.strftime("%Y-%m-%d"),
-    "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-    "cpu": platform.processor() or platform.machine(),
-    "avx512": "avx512f" in flags,
-    "cores": threads,
+    **run_meta(),
     "gguf": args.gguf,
     "rows": rows,
 }

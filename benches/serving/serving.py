@@ -1,5 +1,5 @@
-"""A real `python -m mbd_rs serve` process on 127.0.0.1 for the serving benchmarks (soak.py, hostile_serve.py,
-serve_batching.py's port): started on a free port (retried on a fresh one if another process takes it first), its
+"""What the serving benchmarks share: a results file's run description (`run_meta`), and a real
+`python -m mbd_rs serve` process on 127.0.0.1 (soak.py, hostile_serve.py, serve_batching.py's port): started on a free port (retried on a fresh one if another process takes it first), its
 output in a log file, /health polled, stopped with a signal and killed if it does not exit."""
 from __future__ import annotations
 
@@ -15,6 +15,16 @@ from typing import Any
 import httpx
 
 HOST = "127.0.0.1"
+
+
+def run_meta() -> dict[str, Any]:
+    """What a results file says of its run: the date, the commit, the CPU (AVX-512 or not) and its cores."""
+    import platform
+    with open("/proc/cpuinfo") as f:
+        flags = f.read()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {"date": time.strftime("%Y-%m-%d"), "commit": commit, "cpu": platform.processor() or platform.machine(),
+            "avx512": "avx512f" in flags, "cores": os.cpu_count()}
 
 
 def free_port() -> int:
