@@ -465,8 +465,7 @@ class Stream:
         forward and readable from any thread while another reads the stream (a long prompt's progress line);
         positions read from the prefix cache count as computed. It equals the prompt's length once the first
         decoding step has run."""
-        done, total = self._s.prompt_progress()
-        return done, total
+        return self._s.prompt_progress()
 
     def cancel(self) -> None:
         self._s.cancel()

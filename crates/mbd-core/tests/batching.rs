@@ -85,7 +85,7 @@ fn forward_cases(model: &Model, cases: &[Case], together: bool) -> Vec<Vec<f32>>
     } else {
         segs.into_iter().map(|s| model.forward_segments(&mut [s]).unwrap().pop().unwrap()).collect()
     };
-    out.into_iter().map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect()
+    out.into_iter().map(|t| t.rows.flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect()
 }
 
 #[test]

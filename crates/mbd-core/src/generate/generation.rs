@@ -18,7 +18,7 @@ use crate::generate::plan::{plan, Tccf};
 use crate::generate::prefix::PrefixCache;
 use crate::generate::window::Window;
 use crate::model::Model;
-use crate::net::segment::Segment;
+use crate::net::segment::{Logits, Segment};
 use crate::params::request::GenRequest;
 use candle_core::{DType, Tensor};
 use std::sync::Arc;
@@ -229,7 +229,7 @@ impl Generation {
 
     /// The logits of the segment `prepare` gave. Returns the step's output once its last forward has run
     /// (predict → apply → emit), None while forwards remain.
-    pub fn consume(&mut self, logits: Tensor) -> Result<Option<StepOutput>> {
+    pub fn consume(&mut self, logits: Logits) -> Result<Option<StepOutput>> {
         let Some((positions, logits)) = self.window.consume(logits)? else { return Ok(None) };
         self.offer_prompt();
         if self.isd.is_some() {

@@ -18,7 +18,7 @@
 use crate::error::{catch_panic, Error, Result};
 use crate::generate::generation::{Generation, Next, StepOutput};
 use crate::model::Model;
-use crate::net::segment::Segment;
+use crate::net::segment::{Logits, Segment};
 use crate::params::load::BatchLimits;
 use crate::util::Cancel;
 use std::collections::VecDeque;
@@ -45,7 +45,8 @@ struct Control {
     /// The stream's handle is gone: drop the generation.
     gone: AtomicBool,
     unread: AtomicUsize,
-    /// The prompt's positions computed so far and its length ([`Generation::prompt_progress`] after each forward).
+    /// The prompt's positions computed so far ([`Generation::prompt_progress`] after each forward) and its length
+    /// (set once, at submit).
     prompt_done: AtomicUsize,
     prompt_len: AtomicUsize,
     /// Called after each output is sent and when the generation leaves ([`StreamHandle::set_waker`]).
@@ -53,8 +54,7 @@ struct Control {
 }
 
 impl Control {
-    fn note_progress(&self, (done, len): (usize, usize)) {
-        self.prompt_len.store(len, Ordering::Relaxed);
+    fn note_progress(&self, done: usize) {
         self.prompt_done.store(done, Ordering::Relaxed);
     }
 
@@ -338,8 +338,8 @@ impl Scheduler {
     /// Add a generation; its outputs arrive on the returned handle.
     pub fn submit(&self, gen: Generation) -> Result<StreamHandle> {
         let (tx, rx) = channel();
-        let ctl = Arc::new(Control::default());
-        ctl.note_progress(gen.prompt_progress());
+        let (done, len) = gen.prompt_progress();
+        let ctl = Arc::new(Control { prompt_done: done.into(), prompt_len: len.into(), ..Control::default() });
         let mut st = self.lock()?;
         st.incoming.push(Entry { gen, tx, ctl: ctl.clone() });
         if !st.worker_running {
@@ -566,7 +566,7 @@ fn run_tick(
     shared.forwards.fetch_add(1, Ordering::Relaxed);
     shared.segments.fetch_add(segs.len(), Ordering::Relaxed);
     shared.rows.fetch_add(rows, Ordering::Relaxed);
-    let results: Vec<Result<candle_core::Tensor>> = match model.forward_segments(&mut segs) {
+    let results: Vec<Result<Logits>> = match model.forward_segments(&mut segs) {
         Ok(ls) => ls.into_iter().map(Ok).collect(),
         // every segment was cancelled: each ends so, with no forward of its own
         Err(Error::Cancelled(m)) => segs.iter().map(|_| Err(Error::Cancelled(m.clone()))).collect(),
@@ -585,7 +585,7 @@ fn run_tick(
     // hand each generation its logits
     for (i, r) in who.into_iter().zip(results) {
         let r = r.and_then(|l| active[i].gen.consume(l));
-        active[i].ctl.note_progress(active[i].gen.prompt_progress());
+        active[i].ctl.note_progress(active[i].gen.prompt_progress().0);
         match r {
             Ok(Some(o)) => outputs.push((i, Ok(o))),
             Ok(None) => {}

@@ -39,7 +39,7 @@ use crate::model::Model;
 use crate::net::kv_cache::{KvCache, Snapshot};
 use crate::net::mask::{chunks, PREFILL_CHUNK};
 use crate::net::mask::{Alignment, AttentionKind, BlockGrid, MaskSpec};
-use crate::net::segment::Segment;
+use crate::net::segment::{Logits, Segment};
 use candle_core::Tensor;
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -639,9 +639,9 @@ impl Window {
 
     /// Take the logits of the forward `segment` described. Returns the step's positions and their (C, V) logits,
     /// in order, once its window has run (None while forwards remain); commits what the policy keeps.
-    pub fn consume(&mut self, logits: Tensor) -> Result<Option<(Vec<usize>, Tensor)>> {
-        // the head's time of the forward that made these logits, from whichever cache it ran over
-        self.head_ms += self.cache.take_head_ms() + self.scratch.as_mut().map_or(0.0, KvCache::take_head_ms);
+    pub fn consume(&mut self, logits: Logits) -> Result<Option<(Vec<usize>, Tensor)>> {
+        self.head_ms += logits.head_ms;
+        let logits = logits.rows;
         let piece = self.pieces.pop_front().ok_or_else(|| Error::Internal("no step under way".into()))?;
         let len = piece.end - piece.start;
         if !matches!(piece.kind, PieceKind::Prefill { .. } | PieceKind::Scratch) {

@@ -17,7 +17,7 @@ use crate::net::kv_cache::KvCache;
 use crate::net::mask::MaskSpec;
 use crate::net::mask::{chunks, BlockGrid};
 use crate::net::qwen::QwenNet;
-use crate::net::segment::Segment;
+use crate::net::segment::{Logits, Segment};
 use crate::params::profile::Profile;
 use crate::util::Cancel;
 use candle_core::{DType, Device, Tensor};
@@ -65,8 +65,9 @@ impl Model {
 
     /// One forward over several sequences' windows
     /// ([`net::forward::Runner::forward_segments`](crate::net::forward::Runner::forward_segments)): per segment, in
-    /// order, its rows' logits ((rows, vocab) f32). Each window's K/V are left in its cache's scratch area.
-    pub fn forward_segments(&self, segs: &mut [Segment<'_>]) -> Result<Vec<Tensor>> {
+    /// order, its rows' logits ((rows, vocab) f32) and its share of the head's time. Each window's K/V are left in its
+    /// cache's scratch area.
+    pub fn forward_segments(&self, segs: &mut [Segment<'_>]) -> Result<Vec<Logits>> {
         self.runner.forward_segments(&self.net, segs)
     }
 
@@ -91,7 +92,7 @@ impl Model {
             cancel: cancel.cloned(),
         };
         let mut out = self.forward_segments(&mut [seg])?;
-        Ok(out.pop().expect("one segment"))
+        Ok(out.pop().expect("one segment").rows)
     }
 
     pub fn device(&self) -> &Device {

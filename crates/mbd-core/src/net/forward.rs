@@ -18,7 +18,7 @@ use crate::load::config::ModelConfig;
 use crate::net::attention::{AttnPath, ForwardAttention};
 use crate::net::graph::{GraphStats, Graphs, Shape};
 use crate::net::linear::Groups;
-use crate::net::segment::Segment;
+use crate::net::segment::{Logits, Segment};
 use crate::net::step::{Section, Step, StepBuffers, StepWords};
 use crate::util::Cancel;
 use candle_core::{DType, Device, Tensor};
@@ -112,10 +112,10 @@ impl Runner {
     }
 
     /// One forward of `net` over several sequences' windows. Returns, per segment (in order), its rows' logits ((rows,
-    /// vocab) f32, in the order of `rows`). Each window's K/V are left in its cache's scratch area. Run it on the
+    /// vocab) f32, in the order of `rows`) and its share of the head's time. Each window's K/V are left in its cache's scratch area. Run it on the
     /// engine's CPU pool on the CPU ([`cpu_pool::on_device_pool`](crate::cpu_pool::on_device_pool)); ids are in the
     /// vocabulary (the caller checked them: [`request::token_ids`](crate::params::request::token_ids)).
-    pub(crate) fn forward_segments(&self, net: &impl Network, segs: &mut [Segment<'_>]) -> Result<Vec<Tensor>> {
+    pub(crate) fn forward_segments(&self, net: &impl Network, segs: &mut [Segment<'_>]) -> Result<Vec<Logits>> {
         if segs.is_empty() {
             return Ok(vec![]);
         }
@@ -213,12 +213,7 @@ impl Runner {
                 head(&x, &step)
             }
         }?;
-        if !pick.is_empty() {
-            let per_row = head_ms.get() / pick.len() as f64;
-            for s in segs.iter_mut() {
-                s.cache.add_head_ms(per_row * s.rows.len() as f64);
-            }
-        }
-        Ok(out)
+        let per_row = if pick.is_empty() { 0.0 } else { head_ms.get() / pick.len() as f64 };
+        Ok(out.into_iter().zip(segs.iter()).map(|(rows, s)| Logits { rows, head_ms: per_row * s.rows.len() as f64 }).collect())
     }
 }

@@ -95,9 +95,6 @@ pub struct KvCache {
     /// Per Gated DeltaNet layer (hybrid models), its state at the committed frontier.
     recurrent: Vec<Recurrent>,
     recurrent_shape: Option<RecurrentShape>,
-    /// Milliseconds the forwards over this cache spent in the head (the final norm and the vocabulary product), its
-    /// share by logits rows of a forward that stacked other sequences' rows with its own: the usage's `head_ms`.
-    head_ms: f64,
 }
 
 impl KvCache {
@@ -114,19 +111,9 @@ impl KvCache {
             window: 0,
             recurrent: vec![],
             recurrent_shape: None,
-            head_ms: 0.0,
         }
     }
 
-    /// The head's time of the forwards over this cache since the last call, summed (and set back to zero).
-    pub fn take_head_ms(&mut self) -> f64 {
-        std::mem::take(&mut self.head_ms)
-    }
-
-    /// Add a forward's head time to this cache's sum.
-    pub(crate) fn add_head_ms(&mut self, ms: f64) {
-        self.head_ms += ms;
-    }
 
     /// This cache with `layers` Gated DeltaNet layers' states too (zero: the start of a sequence). Their size is
     /// checked before it is allocated.

@@ -1,9 +1,10 @@
 //! The forward's contract: one sequence's part of a forward (`Segment`: its cache, window ids, positions, mask
-//! and the rows whose logits it wants).
+//! and the rows whose logits it wants) and what it gets back (`Logits`: those rows' logits and the head's time).
 
 use crate::net::kv_cache::KvCache;
 use crate::net::mask::MaskSpec;
 use crate::util::Cancel;
+use candle_core::Tensor;
 
 /// One sequence's part of a forward ([`Model::forward_segments`](crate::model::Model::forward_segments)).
 pub struct Segment<'a> {
@@ -35,4 +36,14 @@ impl Segment<'_> {
             cancel: s.cancel.clone(),
         }
     }
+}
+
+/// What a forward gives one segment back: its rows' logits and the time the head spent on them.
+pub struct Logits {
+    /// (rows, vocab) f32, in the order of the segment's `rows`.
+    pub rows: Tensor,
+    /// Milliseconds of the head (the final norm and the vocabulary product; on a GPU, its launches queued), this
+    /// segment's share by logits rows of a forward that stacked other segments' rows with its own: the usage's
+    /// `head_ms`.
+    pub head_ms: f64,
 }
