@@ -357,6 +357,9 @@ impl Window {
                 lp
             };
             self.frontier = pe;
+            // the cache's room for the whole canvas at once: no copy of the K/V as it grows under a long prompt's
+            // prefill (or a cached prefix's pages) and the answer, no fresh pages beyond what the canvas needs
+            self.cache.reserve(canvas.len())?;
             if exact {
                 // a shifted model's carry row (pe - 1) comes from the prefill: a cached prefix stops a block short
                 let h = self.seed(canvas, if self.shift { pe.saturating_sub(1) } else { pe })?;
