@@ -4,10 +4,12 @@
 #
 #   benches/llamacpp/build.sh            # work dir /tmp/llamacpp (LLAMACPP_WORK=... to move it)
 #   LLAMACPP_ISA=avx2 benches/llamacpp/build.sh   # AVX2 + FMA + F16C only (a Zen 3 / pre-AVX-512 CPU), in build-avx2/
+#   LLAMACPP_SERVER=1 benches/llamacpp/build.sh   # also llama-server (cache_prompt; the multi-turn comparison)
 #
 # Outputs, under $LLAMACPP_WORK:
 #   src/      the unpacked sdist (vendor/llama.cpp holds convert_hf_to_gguf.py and gguf-py)
-#   build/bin llama-quantize, llama-bench, mbd-llama-driver (+ libllama / libggml*.so, found through the rpath)
+#   build/bin llama-quantize, llama-bench, mbd-llama-driver (+ libllama / libggml*.so, found through the rpath),
+#             llama-server with LLAMACPP_SERVER=1
 # Re-running is cheap: the download, the unpacking and the configured build are kept.
 set -euo pipefail
 
@@ -48,14 +50,17 @@ case "$ISA" in
                      -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF) ;;
     *) echo "LLAMACPP_ISA must be native or avx2, got '$ISA'" >&2; exit 2 ;;
 esac
+TARGETS=(llama-quantize llama-bench)
+SERVER=OFF
+if [ "${LLAMACPP_SERVER:-0}" = 1 ]; then TARGETS+=(llama-server); SERVER=ON; fi
 t0=$(date +%s)
 cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
     "${ISA_FLAGS[@]}" -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=$SERVER -DLLAMA_BUILD_APP=OFF \
     -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_COMMON=ON >"$BUILD.configure.log" 2>&1 \
     || { tail -40 "$BUILD.configure.log"; exit 1; }
 grep -iE "x86 detected|GGML_(AVX|FMA|F16C)|OpenMP found|Adding CPU backend" "$BUILD.configure.log" || true
-cmake --build "$BUILD" --config Release -j "$JOBS" --target llama-quantize llama-bench
+cmake --build "$BUILD" --config Release -j "$JOBS" --target "${TARGETS[@]}"
 
 # our driver: the public llama.h API only, linked against the shared libraries just built
 LIBDIR=$(dirname "$(find "$BUILD" -name 'libllama.so*' | head -1)")

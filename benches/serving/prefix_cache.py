@@ -25,10 +25,12 @@ ap.add_argument("--quantize", default=None)
 ap.add_argument("--lengths", default="512,2048")
 ap.add_argument("--new", type=int, default=32, help="new tokens after the shared prefix")
 ap.add_argument("--rounds", type=int, default=3)
-ap.add_argument("--out", default=None, help="default: prefix_cache-{format}.json in the results folder")
+ap.add_argument("--out", default=None, help="default: prefix_cache-[{model dir}-]{format}.json in the results folder")
 args = ap.parse_args()
+# the default model's file keeps its name; another model's carries the model directory's name
+_model = "" if args.model == ap.get_default("model") else os.path.basename(os.path.normpath(args.model)) + "-"
 args.out = args.out or os.path.join(os.path.dirname(__file__), "..", "results", "batching-serving",
-                                    f"prefix_cache-{args.quantize or 'f32'}.json")
+                                    f"prefix_cache-{_model}{args.quantize or 'f32'}.json")
 
 load = {"quantize": args.quantize} if args.quantize else {}
 on = mbd_rs.Engine.load(args.model, mask_token_id=0, **load)

@@ -42,6 +42,7 @@ args.out = args.out or os.path.join(os.path.dirname(__file__), "..", "results", 
                                     f"prefix_llamacpp-{name}.json")
 lengths = [int(x) for x in args.lengths.split(",")]
 threads = os.cpu_count() or 1
+meta = run_meta()  # now: a development build is said before the run, not after it
 
 eng = mbd_rs.Engine.load(args.gguf, mask_token_id=0)
 V = eng.info.vocab_size
@@ -89,7 +90,7 @@ for P in lengths:
           f"fill {ratio['cold_over_llama_fill']:.2f}, hit / cold {ratio['hit_over_cold']:.4f}", flush=True)
 
 out = {
-    **run_meta(),
+    **meta,
     "gguf": args.gguf,
     "rows": rows,
 }

@@ -18,13 +18,21 @@ HOST = "127.0.0.1"
 
 
 def run_meta() -> dict[str, Any]:
-    """What a results file says of its run: the date, the commit, the CPU (AVX-512 or not) and its cores."""
+    """What a results file says of its run: the date, the commit, the CPU (AVX-512 or not), its cores, and the
+    build of mbd_rs this interpreter imports (a development build is said on stderr: its numbers are not a
+    release's)."""
     import platform
+
+    import mbd_rs
     with open("/proc/cpuinfo") as f:
         flags = f.read()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    debug = bool(getattr(mbd_rs._core, "debug_build", False))
+    if debug:
+        print("warning: mbd_rs is a development build (debug assertions, opt-level 1): build with --release "
+              "(or --profile profiling) before measuring", file=sys.stderr)
     return {"date": time.strftime("%Y-%m-%d"), "commit": commit, "cpu": platform.processor() or platform.machine(),
-            "avx512": "avx512f" in flags, "cores": os.cpu_count()}
+            "avx512": "avx512f" in flags, "cores": os.cpu_count(), "build": "development" if debug else "release"}
 
 
 def free_port() -> int:

@@ -7,6 +7,7 @@ import numpy as np
 
 __version__: str
 cuda_available: bool
+debug_build: bool
 cpu_threads: int
 #: name -> {"kind": "int"|"float"|"bool"|"str"|"strings"|"ids"|"bool_or_str", "help": str}
 PARAMS: Dict[str, Dict[str, Any]]

@@ -110,6 +110,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::CancelToken>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("cuda_available", cfg!(feature = "cuda"))?;
+    // a development build (`maturin develop` without --release: the project's crates at opt-level 1, debug
+    // assertions on) runs its kernels several times slower: benchmarks say so
+    m.add("debug_build", cfg!(debug_assertions))?;
     m.add("PARAMS", convert::params_dict(py)?)?;
     m.add("GENERATION_PARAMS", PyTuple::new(py, GENERATION_PARAMS)?)?;
     m.add("PROFILE_OVERRIDES", PyTuple::new(py, PROFILE_OVERRIDES)?)?;

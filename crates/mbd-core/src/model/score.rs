@@ -172,8 +172,11 @@ impl Model {
                         rows: rows.clone(),
                         cancel: Some(cancel.clone()),
                     };
-                    let l =
-                        self.forward_segments(&mut [seg])?.pop().ok_or_else(|| Error::Internal("no logits".into()))?.rows;
+                    let l = self
+                        .forward_segments(&mut [seg])?
+                        .pop()
+                        .ok_or_else(|| Error::Internal("no logits".into()))?
+                        .rows;
                     (l, rows.iter().map(|r| s + r - w).collect())
                 };
                 cache.commit(w)?;

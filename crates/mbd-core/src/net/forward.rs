@@ -214,6 +214,10 @@ impl Runner {
             }
         }?;
         let per_row = if pick.is_empty() { 0.0 } else { head_ms.get() / pick.len() as f64 };
-        Ok(out.into_iter().zip(segs.iter()).map(|(rows, s)| Logits { rows, head_ms: per_row * s.rows.len() as f64 }).collect())
+        Ok(out
+            .into_iter()
+            .zip(segs.iter())
+            .map(|(rows, s)| Logits { rows, head_ms: per_row * s.rows.len() as f64 })
+            .collect())
     }
 }

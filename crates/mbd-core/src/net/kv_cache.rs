@@ -114,7 +114,6 @@ impl KvCache {
         }
     }
 
-
     /// This cache with `layers` Gated DeltaNet layers' states too (zero: the start of a sequence). Their size is
     /// checked before it is allocated.
     pub fn with_recurrent(mut self, layers: usize, shape: RecurrentShape) -> Result<KvCache> {
