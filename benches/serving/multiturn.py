@@ -23,14 +23,13 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
 import openai
-from serving import run_meta
+from serving import free_port, run_meta
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", default="/tmp/mbd-bench/qwen2.5-0.5b-shape")
@@ -49,13 +48,7 @@ if args.llama_server and not args.gguf:
 _name = "multiturn.json" if not args.llama_server else \
     f"multiturn-llamacpp-{os.path.splitext(os.path.basename(args.gguf))[0]}.json"
 args.out = args.out or os.path.join(os.path.dirname(__file__), "..", "results", "batching-serving", _name)
-meta = run_meta()  # now: a development build is said before the run, not after it
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+meta = run_meta()  # before the run, so that a development build is warned of at once
 
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -42,7 +42,7 @@ args.out = args.out or os.path.join(os.path.dirname(__file__), "..", "results", 
                                     f"prefix_llamacpp-{name}.json")
 lengths = [int(x) for x in args.lengths.split(",")]
 threads = os.cpu_count() or 1
-meta = run_meta()  # now: a development build is said before the run, not after it
+meta = run_meta()  # before the run, so that a development build is warned of at once
 
 eng = mbd_rs.Engine.load(args.gguf, mask_token_id=0)
 V = eng.info.vocab_size

@@ -112,9 +112,10 @@ impl Runner {
     }
 
     /// One forward of `net` over several sequences' windows. Returns, per segment (in order), its rows' logits ((rows,
-    /// vocab) f32, in the order of `rows`) and its share of the head's time. Each window's K/V are left in its cache's scratch area. Run it on the
-    /// engine's CPU pool on the CPU ([`cpu_pool::on_device_pool`](crate::cpu_pool::on_device_pool)); ids are in the
-    /// vocabulary (the caller checked them: [`request::token_ids`](crate::params::request::token_ids)).
+    /// vocab) f32, in the order of `rows`) and its share of the head's time. Each window's K/V are left in its
+    /// cache's scratch area. Run it on the engine's CPU pool on the CPU
+    /// ([`cpu_pool::on_device_pool`](crate::cpu_pool::on_device_pool)); ids are in the vocabulary (the caller checked
+    /// them: [`request::token_ids`](crate::params::request::token_ids)).
     pub(crate) fn forward_segments(&self, net: &impl Network, segs: &mut [Segment<'_>]) -> Result<Vec<Logits>> {
         if segs.is_empty() {
             return Ok(vec![]);
