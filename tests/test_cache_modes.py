@@ -92,6 +92,24 @@ def test_exact_stays_the_default_where_kv_are_final():
     assert c.token_ids == a.token_ids and c.usage.positions_forwarded > a.usage.positions_forwarded
 
 
+def test_exact_causal_steps_forward_only_the_rows_they_use():
+    """A causal shifted model decoding one token per step: the first step's token is predicted by the prefill's last
+    row (no forward of its own), each later step forwards the one position whose row predicts the next (the masks
+    after it change nothing a causal row sees); the tokens and forward counts are those of decoding without a
+    cache."""
+    eng = mbd_rs.Engine.load(parity_dir("qwen3_headdim_gqa"), mask_token_id=3, attention="causal", logits_shift=True)
+    ar = dict(block_size=1, block_add_threshold=1.0, acceptance="confidence", threshold=1.0, early_stop=False)
+    a, b = eng.generate(PROMPT, max_tokens=12, **ar), eng.generate(PROMPT, max_tokens=12, cache="none", **ar)
+    assert a.token_ids == b.token_ids and a.usage.forward_passes == b.usage.forward_passes == 12
+    assert a.usage.positions_forwarded == 11
+    one = eng.generate(PROMPT, max_tokens=1, **ar)
+    assert one.token_ids == a.token_ids[:1] and one.usage.positions_forwarded == 0
+    # a step predicting several positions forwards up to the last row it reads
+    blocks = eng.generate(PROMPT, max_tokens=12, block_size=4, early_stop=False)
+    none = eng.generate(PROMPT, max_tokens=12, block_size=4, early_stop=False, cache="none")
+    assert blocks.token_ids == none.token_ids
+
+
 @pytest.mark.parametrize("full,kw,msg", [
     (True, dict(cache="exact"), "no K/V is ever final"),
     (False, dict(cache="prefix"), "cached exactly"),

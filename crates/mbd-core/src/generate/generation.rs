@@ -221,6 +221,12 @@ impl Generation {
                 None => self.window.begin_step(&self.dec, &self.canvas, positions)?,
             }
         }
+        // a window with no use for a forward (its one position predicted by the carry row) ends the step here
+        if let Some((positions, logits)) = self.window.take_free()? {
+            if let Some(o) = self.stepped(&positions, &logits)? {
+                return Ok(Next::Output(o));
+            }
+        }
         if let Some((budget, key_equivalent)) = limit {
             self.window.limit_next(budget, key_equivalent);
         }
@@ -231,36 +237,42 @@ impl Generation {
     /// (predict → apply → emit), None while forwards remain.
     pub fn consume(&mut self, logits: Logits) -> Result<Option<StepOutput>> {
         let Some((positions, logits)) = self.window.consume(logits)? else { return Ok(None) };
+        self.stepped(&positions, &logits)
+    }
+
+    /// The step's logits for its positions, its forwards done: predict → apply → emit (None when S2D2 queued a
+    /// verification).
+    fn stepped(&mut self, positions: &[usize], logits: &Tensor) -> Result<Option<StepOutput>> {
         self.offer_prompt();
         if self.isd.is_some() {
-            return self.strided(&positions, &logits).map(Some);
+            return self.strided(positions, logits).map(Some);
         }
         if let Some(d) = self.pending.take() {
-            self.verified(d, &logits)?;
+            self.verified(d, logits)?;
         } else {
             // predict (after the logits controls; CreditDecoding: from the logits fused with the credit)
-            let controlled = self.controlled(&logits)?;
-            let base = controlled.as_ref().unwrap_or(&logits);
+            let controlled = self.controlled(logits)?;
+            let base = controlled.as_ref().unwrap_or(logits);
             let fused = match &mut self.credit {
-                Some(c) => Some(c.fuse(&self.dec, &positions, base)?),
+                Some(c) => Some(c.fuse(&self.dec, positions, base)?),
                 None => None,
             };
             let rows = fused.as_ref().unwrap_or(base);
             let mut preds = self.sampler.predict(rows)?;
             // under a grammar the chain from the frontier is predicted again, from the grammar's distribution
-            let chain = self.predict_chain(&positions, &mut preds, rows)?;
-            if self.verify_span(&positions, &preds, rows, chain)? {
+            let chain = self.predict_chain(positions, &mut preds, rows)?;
+            if self.verify_span(positions, &preds, rows, chain)? {
                 return Ok(None);
             }
             // apply
             match self.constraint.is_some() {
-                false => self.dec.apply(&positions, &preds)?,
-                true => self.apply_constrained(&positions, &preds)?,
+                false => self.dec.apply(positions, &preds)?,
+                true => self.apply_constrained(positions, &preds)?,
             }
             self.switch_phase()?;
         }
         // the written tokens' log-probabilities under this step's logits (the verifier's, for a verified step)
-        self.out.record_logprobs(&self.dec, &positions, &logits)?;
+        self.out.record_logprobs(&self.dec, positions, logits)?;
         // emit
         let is_final = self.dec.stopped == Some(StopCause::ForwardCap) || self.dec.masks_left() == 0;
         self.emit(is_final, true).map(Some)

@@ -7,7 +7,8 @@
 //! A step is a short queue of forwards (`begin_step`): the prompt's prefill chunks on the first step, a long canvas's
 //! recompute chunks, then the window, and with S2D2 a verification (`begin_verify`). Each is handed out as a `Segment`
 //! (`segment`) and its logits are taken back (`consume`), so that a scheduler can run the forwards of many generations
-//! together.
+//! together. A window ends after the last position it has a use for; one with no use at all runs no forward
+//! (`take_free`: a shifted model's step predicting only the position after the last committed one, from the carry).
 //!
 //! S2D2 verification: a forward over [frontier, span end) with the span's drafts filled in, causal among itself (the
 //! first half), plus — for unshifted models — one mask row per span position at the same position, which sees the first
@@ -420,10 +421,57 @@ impl Window {
         }
         rows.sort_unstable();
         rows.dedup();
+        let we = if self.policy == CachePolicy::Exact && self.grid.kind != AttentionKind::Full {
+            self.trimmed_end(ws, we, &rows, commit_end)
+        } else {
+            we
+        };
         let kind = PieceKind::Window { commit_end, suffix };
         self.pieces.push_back(Piece { start: ws, end: we, keys: keys.unwrap_or(ws), rows, kind });
         self.positions = positions;
         Ok(())
+    }
+
+    /// The exact policy's window [ws, we) cut after the last position it has a use for: its last wanted logits row
+    /// and the end of what it commits, rounded up to a grid boundary (a position sees nothing past its block's end,
+    /// so the rows cut off change none that are kept). A window with no use at all ends at `ws`: a shifted model's
+    /// step that predicts only the position after the last committed one (from the carry row; the first step of AR
+    /// decoding, a one-token answer) runs no forward.
+    fn trimmed_end(&self, ws: usize, we: usize, rows: &[usize], commit_end: usize) -> usize {
+        let need = rows.last().map_or(0, |&r| r + 1).max(commit_end.saturating_sub(ws));
+        if need == 0 {
+            let carried = self.carry.is_some() || self.pieces.back().is_some_and(|p| !p.rows.is_empty());
+            return if self.shift && carried { ws } else { we };
+        }
+        let mut end = (ws + need).min(we);
+        while end < we && !self.grid.is_boundary(end) {
+            end += 1;
+        }
+        end
+    }
+
+    /// The step's window when it needs no forward (`trimmed_end`: no logits row wanted, nothing to commit): the
+    /// step's positions, each predicted by the carry row. None when the next forward is not such a window.
+    pub fn take_free(&mut self) -> Result<Option<(Vec<usize>, Tensor)>> {
+        if !self.pieces.front().is_some_and(|p| matches!(p.kind, PieceKind::Window { .. }) && p.start == p.end) {
+            return Ok(None);
+        }
+        let Some(piece) = self.pieces.pop_front() else { return Ok(None) };
+        self.prompt_done = self.prompt_len;
+        self.scratch = None;
+        let carry = self
+            .carry
+            .clone()
+            .ok_or_else(|| Error::Internal("a window without a forward needs the carry row".into()))?;
+        if let Some(&p) = self.positions.iter().find(|&&p| self.src(p) + 1 != piece.start) {
+            return Err(Error::Internal(format!("no logits for position {p} (window starts at {})", piece.start)));
+        }
+        let out = match self.positions.len() {
+            1 => carry,
+            n => carry.index_select(&Tensor::new(vec![0u32; n], carry.device())?, 0)?,
+        };
+        self.note_snapshot();
+        Ok(Some((std::mem::take(&mut self.positions), out)))
     }
 
     /// The prefix policy's plan for the step about to run (d3LLM's `_sample_multi_block_kv_cache` schedule):
