@@ -303,3 +303,96 @@ def test_a_flood_of_distinct_prefixes_keeps_memory_flat(long_context_model):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["bytes"] <= cap and out["evicted"] > 1000, out
     assert out["growth_mb"] < 8, out
+
+
+@pytest.mark.parametrize("model,load", [("qwen3_headdim_gqa", SDAR), ("qwen35_hybrid", SDAR)], ids=["dense", "hybrid"])
+def test_a_saved_cache_loads_into_another_engine_and_its_hits_are_exact(tmp_path, model, load):
+    """save_prefix_cache, then load_prefix_cache into a fresh engine of the same model: its requests hit the loaded
+    pages and decode as cold requests (the cache off)."""
+    path, kw = parity_dir(model), dict(dict(load), mask_token_id=3)
+    a = mbd_rs.Engine.load(path, **kw)
+    base, (longer, _, _) = prompts(31, a.info.vocab_size)
+    a.generate(base, max_tokens=8)
+    f = tmp_path / "prompts.safetensors"
+    n = a.save_prefix_cache(f)
+    assert n == a.prefix_cache_stats().pages > 0 and f.stat().st_size > 0
+    b = mbd_rs.Engine.load(path, **kw)
+    assert b.load_prefix_cache(str(f)) == n and b.prefix_cache_stats().pages == n
+    assert b.load_prefix_cache(f) == 0  # held already
+    off = _engines(model, load)[1]
+    x, y = b.generate(longer, max_tokens=12, logprobs=2), off.generate(longer, max_tokens=12, logprobs=2)
+    same(x, y, "loaded")
+    assert x.usage.cached_tokens >= PAGE
+
+
+def test_a_loaded_cache_stays_within_the_cap(tmp_path):
+    on = mbd_rs.Engine.load(parity_dir("qwen3_headdim_gqa"), mask_token_id=3, **dict(SDAR))
+    r = random.Random(4)
+    for _ in range(3):
+        on.generate([r.randrange(4, 300) for _ in range(96)], max_tokens=4)
+    f = tmp_path / "c.safetensors"
+    n = on.save_prefix_cache(f)
+    per_page = on.prefix_cache_stats().bytes // n
+    small = mbd_rs.Engine.load(parity_dir("qwen3_headdim_gqa"), mask_token_id=3, prefix_cache=4 * per_page,
+                               **dict(SDAR))
+    got = small.load_prefix_cache(f)
+    s = small.prefix_cache_stats()
+    assert 0 < got < n and s.pages == got and s.bytes <= 4 * per_page
+
+
+def test_a_prefix_cache_file_of_another_engine_or_no_such_file_is_refused(tmp_path):
+    a = mbd_rs.Engine.load(parity_dir("qwen3_headdim_gqa"), mask_token_id=3, **dict(SDAR))
+    a.generate(list(range(4, 80)), max_tokens=4)
+    f = tmp_path / "a.safetensors"
+    a.save_prefix_cache(f)
+    # another model: other K/V
+    other = mbd_rs.Engine.load(parity_dir("qwen3_bias_tied"), mask_token_id=3, **dict(SDAR))
+    with pytest.raises(mbd_rs.InvalidRequestError, match="another model, engine build or load options"):
+        other.load_prefix_cache(f)
+    # the same weights quantized: other arithmetic, other K/V
+    q = mbd_rs.Engine.load(parity_dir("qwen3_headdim_gqa"), mask_token_id=3, quantize="q8_0", **dict(SDAR))
+    with pytest.raises(mbd_rs.InvalidRequestError, match="another model"):
+        q.load_prefix_cache(f)
+    with pytest.raises(FileNotFoundError):
+        a.load_prefix_cache(tmp_path / "missing.safetensors")
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(os.urandom(4096))
+    with pytest.raises(mbd_rs.InvalidRequestError, match="junk.safetensors"):
+        a.load_prefix_cache(junk)
+    # a safetensors file that is not a prefix cache: its weights
+    with pytest.raises(mbd_rs.InvalidRequestError, match="mbd_rs.prefix_cache"):
+        a.load_prefix_cache(os.path.join(parity_dir("qwen3_headdim_gqa"), "model.safetensors"))
+
+
+def test_a_tampered_prefix_cache_file_is_refused_with_the_reason(tmp_path):
+    """The tree in the metadata and every tensor are checked against this model's cache: a wrong shape, a token
+    outside the vocabulary, a parent that is not an earlier page get specific errors (the fingerprint matches)."""
+    from safetensors.numpy import load_file, save_file
+    a = mbd_rs.Engine.load(parity_dir("qwen3_headdim_gqa"), mask_token_id=3, **dict(SDAR))
+    a.generate(list(range(4, 80)), max_tokens=4)
+    f = tmp_path / "a.safetensors"
+    a.save_prefix_cache(f)
+    from safetensors import safe_open
+    with safe_open(str(f), "np") as h:
+        meta = json.loads(h.metadata()["mbd_rs.prefix_cache"])
+    tensors = load_file(str(f))
+
+    def write(m, t=tensors):
+        g = tmp_path / "t.safetensors"
+        save_file(t, str(g), metadata={"mbd_rs.prefix_cache": json.dumps(m)})
+        return g
+
+    bad_token = json.loads(json.dumps(meta))
+    bad_token["pages"][0]["tokens"][0] = 10 ** 6
+    with pytest.raises(mbd_rs.InvalidRequestError, match="outside the vocabulary"):
+        a.load_prefix_cache(write(bad_token))
+    bad_parent = json.loads(json.dumps(meta))
+    bad_parent["pages"][0]["parent"] = 0
+    with pytest.raises(mbd_rs.InvalidRequestError, match="not an earlier page"):
+        a.load_prefix_cache(write(bad_parent))
+    cut = dict(tensors)
+    cut["0.k.0"] = cut["0.k.0"][:, :3]
+    with pytest.raises(mbd_rs.InvalidRequestError, match="0.k.0"):
+        a.load_prefix_cache(write(meta, cut))
+    with pytest.raises(mbd_rs.InvalidRequestError, match="format"):
+        a.load_prefix_cache(write(dict(meta, format="something else")))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import textwrap
 import warnings
 import weakref
@@ -139,6 +140,19 @@ class Engine:
     def clear_prefix_cache(self) -> None:
         """Drop every cached prefix (requests running keep what they took)."""
         self._core.clear_prefix_cache()
+
+    def save_prefix_cache(self, path: "str | os.PathLike[str]") -> int:
+        """Write the prefix cache's pages (their tokens, K/V and a hybrid's recurrent snapshots) to `path`, a
+        safetensors file, through a temporary file beside it; returns the pages written. `load_prefix_cache` in
+        another process of the same model reads it back (docs/prefix-cache.md)."""
+        return self._core.save_prefix_cache(os.fspath(path))
+
+    def load_prefix_cache(self, path: "str | os.PathLike[str]") -> int:
+        """Add the pages of a file `save_prefix_cache` wrote to this engine's prefix cache, within its cap (pages
+        that do not fit are left out); returns the pages added. `InvalidRequestError` when the file was written by
+        an engine that computes other K/V (another model, engine build or load options that change the
+        arithmetic), or is not such a file; `FileNotFoundError` when it is missing."""
+        return self._core.load_prefix_cache(os.fspath(path))
 
     def set_batching(self, *, max_batch: Optional[int] = None, max_batch_rows: Optional[int] = None) -> None:
         """Concurrent streams of this engine (from any threads) are batched: each forward runs the next step of

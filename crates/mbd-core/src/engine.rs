@@ -40,6 +40,18 @@ impl Engine {
         &self.prefix
     }
 
+    /// Write the prefix cache's pages to `path` ([`generate::prefix_file`](crate::generate::prefix_file)); returns
+    /// the pages written.
+    pub fn save_prefix_cache(&self, path: &Path) -> Result<usize> {
+        crate::generate::prefix_file::save(&self.prefix, &self.model, path)
+    }
+
+    /// Add the pages of a file `save_prefix_cache` wrote (by an engine computing the same K/V) to the prefix
+    /// cache, within its cap; returns the pages added.
+    pub fn load_prefix_cache(&self, path: &Path) -> Result<usize> {
+        crate::generate::prefix_file::load(&self.prefix, &self.model, path)
+    }
+
     /// The model (shared: calls on it may run beside the scheduler's forwards).
     pub fn model(&self) -> &Arc<Model> {
         &self.model

@@ -137,6 +137,19 @@ impl CoreEngine {
         self.inner.prefix_cache().clear()
     }
 
+    /// Write the prefix cache's pages to `path` (a safetensors file); returns the pages written.
+    fn save_prefix_cache(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<usize> {
+        let e = &self.inner;
+        run(py, || e.save_prefix_cache(&path))
+    }
+
+    /// Add the pages of a file `save_prefix_cache` wrote to the prefix cache, within its cap; returns the pages
+    /// added.
+    fn load_prefix_cache(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<usize> {
+        let e = &self.inner;
+        run(py, || e.load_prefix_cache(&path))
+    }
+
     /// Change the batching caps (None: unchanged).
     #[pyo3(signature = (max_batch=None, max_batch_rows=None))]
     fn set_batch_limits(

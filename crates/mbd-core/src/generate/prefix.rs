@@ -50,6 +50,16 @@ pub struct Found {
     pub snapshot: Option<Snapshot>,
 }
 
+/// A page as a file keeps it ([`generate::prefix_file`](crate::generate::prefix_file)): its tree, its parent (an
+/// earlier record's index; None under the root), its tokens, K/V and snapshot.
+pub struct PageRecord {
+    pub root: String,
+    pub parent: Option<usize>,
+    pub tokens: Vec<u32>,
+    pub rows: Rows,
+    pub snapshot: Option<Snapshot>,
+}
+
 /// The page size for `grid`: whole blocks (block-causal), or `PAGE_TOKENS` positions (causal).
 pub fn page_size(grid: &BlockGrid) -> usize {
     match grid.kind {
@@ -133,6 +143,85 @@ impl PrefixCache {
         *g = Inner { stats, ..Default::default() };
     }
 
+    /// Every page, parents before children (roots in name order, then breadth first): what a file keeps.
+    pub fn records(&self) -> Vec<PageRecord> {
+        let g = self.lock();
+        let mut roots: Vec<(&String, &usize)> = g.roots.iter().collect();
+        roots.sort();
+        let mut out = vec![];
+        for (name, &r) in roots {
+            let mut queue = std::collections::VecDeque::from([(r, None)]);
+            while let Some((id, parent)) = queue.pop_front() {
+                let node = g.node(id);
+                let me = if id == r {
+                    None
+                } else {
+                    out.push(PageRecord {
+                        root: name.clone(),
+                        parent,
+                        tokens: node.key.clone(),
+                        rows: node.rows.clone(),
+                        snapshot: node.snapshot.clone(),
+                    });
+                    Some(out.len() - 1)
+                };
+                let mut kids: Vec<usize> = node.children.values().copied().collect();
+                kids.sort_unstable();
+                queue.extend(kids.into_iter().map(|k| (k, me)));
+            }
+        }
+        out
+    }
+
+    /// Add the pages of `records` (parents before children, as `records` gives them) that the tree does not hold,
+    /// each taking `bytes(record)` of the cap: least recently used leaves are evicted for them, never a page of this
+    /// call; a page that does not fit is left out with the pages under it. Returns the pages added.
+    pub fn restore(&self, records: Vec<PageRecord>, bytes: impl Fn(&PageRecord) -> usize) -> usize {
+        let mut g = self.lock();
+        let cap = g.stats.capacity_bytes;
+        g.tick += 1;
+        let tick = g.tick;
+        let mut placed: Vec<Option<usize>> = Vec::with_capacity(records.len());
+        let mut added = 0;
+        for rec in records {
+            let parent = match rec.parent {
+                Some(p) => placed.get(p).copied().flatten(),
+                None => Some(g.root_node(&rec.root, tick)),
+            };
+            let Some(at) = parent else {
+                placed.push(None);
+                continue;
+            };
+            if let Some(&next) = g.node(at).children.get(&rec.tokens) {
+                g.node_mut(next).last_used = tick;
+                placed.push(Some(next));
+                continue;
+            }
+            let b = bytes(&rec);
+            if !g.make_room(b, cap, tick) {
+                placed.push(None);
+                continue;
+            }
+            let id = g.add(Node {
+                parent: Some(at),
+                key: rec.tokens.clone(),
+                root: None,
+                children: HashMap::new(),
+                rows: rec.rows,
+                snapshot: rec.snapshot,
+                bytes: b,
+                last_used: tick,
+            });
+            g.node_mut(at).children.insert(rec.tokens, id);
+            g.stats.bytes += b;
+            g.stats.pages += 1;
+            g.stats.inserted_pages += 1;
+            placed.push(Some(id));
+            added += 1;
+        }
+        added
+    }
+
     /// The cached pages that begin `tokens[..limit]` under `root`, longest first match: their rows, at most
     /// `limit / page` pages (the caller cuts the last one to where its hit ends). Counts a lookup.
     pub fn lookup(&self, root: &str, tokens: &[u32], page: usize, limit: usize) -> Vec<Found> {
@@ -185,24 +274,7 @@ impl PrefixCache {
         }
         g.tick += 1;
         let tick = g.tick;
-        let mut at = match g.roots.get(root) {
-            Some(&r) => r,
-            None => {
-                let r = g.add(Node {
-                    parent: None,
-                    key: vec![],
-                    root: Some(root.to_string()),
-                    children: HashMap::new(),
-                    rows: vec![],
-                    snapshot: None,
-                    bytes: 0,
-                    last_used: tick,
-                });
-                g.roots.insert(root.to_string(), r);
-                r
-            }
-        };
-        g.node_mut(at).last_used = tick;
+        let mut at = g.root_node(root, tick);
         let n = n.min(tokens.len()).min(cache.len());
         for (i, chunk) in tokens[..n].chunks_exact(page).enumerate() {
             let end = (i + 1) * page;
@@ -251,6 +323,29 @@ impl Inner {
 
     fn node_mut(&mut self, i: usize) -> &mut Node {
         self.nodes[i].as_mut().expect("a live node")
+    }
+
+    /// The root node of the tree `root` (made when missing), marked used at `tick`.
+    fn root_node(&mut self, root: &str, tick: u64) -> usize {
+        let r = match self.roots.get(root) {
+            Some(&r) => r,
+            None => {
+                let r = self.add(Node {
+                    parent: None,
+                    key: vec![],
+                    root: Some(root.to_string()),
+                    children: HashMap::new(),
+                    rows: vec![],
+                    snapshot: None,
+                    bytes: 0,
+                    last_used: tick,
+                });
+                self.roots.insert(root.to_string(), r);
+                r
+            }
+        };
+        self.node_mut(r).last_used = tick;
+        r
     }
 
     fn add(&mut self, n: Node) -> usize {
@@ -374,5 +469,30 @@ mod tests {
         let none = PrefixCache::new(16);
         none.insert("r", &a, 4, &cache_of(&a), 8, &[]).unwrap();
         assert_eq!(none.stats().pages, 0);
+    }
+
+    #[test]
+    fn records_restore_the_tree_within_the_cap() {
+        let pc = PrefixCache::new(1 << 20);
+        let a: Vec<u32> = (0..12).collect();
+        let mut b = a.clone();
+        b[9] = 99; // shares a's first two pages
+        pc.insert("r", &a, 4, &cache_of(&a), 12, &[]).unwrap();
+        pc.insert("r", &b, 4, &cache_of(&b), 12, &[]).unwrap();
+        pc.insert("salted", &a, 4, &cache_of(&a), 8, &[]).unwrap();
+        let recs = pc.records();
+        assert_eq!(recs.len(), 6); // r: 3 + 1 pages, salted: 2
+        assert!(recs.iter().enumerate().all(|(i, r)| r.parent.is_none_or(|p| p < i)));
+        let bytes = |r: &PageRecord| 8 * r.tokens.len();
+        let copy = PrefixCache::new(1 << 20);
+        assert_eq!(copy.restore(pc.records(), bytes), 6);
+        assert_eq!(copy.restore(pc.records(), bytes), 0); // held already
+        assert_eq!(values(&copy.lookup("r", &b, 4, 12)), b.iter().map(|&x| x as f32).collect::<Vec<_>>());
+        assert_eq!(copy.lookup("salted", &a, 4, 12).len(), 2);
+        assert_eq!(copy.stats().bytes, pc.stats().bytes);
+        // a cap of three pages: what fits, a page's children never without it
+        let small = PrefixCache::new(96);
+        let n = small.restore(pc.records(), bytes);
+        assert!(n <= 3 && small.stats().bytes <= 96 && small.stats().pages == n);
     }
 }

@@ -32,6 +32,8 @@ struct Shard {
     /// Offset of the data section (safetensors: 8 + header length; GGUF: after the aligned header).
     data_start: u64,
     tensors: HashMap<String, Entry>,
+    /// The header's `__metadata__` (string to string; safetensors only).
+    metadata: HashMap<String, String>,
 }
 
 /// How a stored tensor's elements are encoded.
@@ -218,8 +220,11 @@ fn open_shard(path: &Path) -> Result<Shard> {
     let data_len = file_len - data_start;
     let mut tensors = HashMap::new();
     let mut ranges: Vec<(usize, usize, String)> = Vec::new();
+    let mut metadata = HashMap::new();
     for (name, v) in json {
         if name == "__metadata__" {
+            // strings to strings by the format; a checkpoint's other metadata is not ours to refuse
+            metadata = serde_json::from_value(v).unwrap_or_default();
             continue;
         }
         let info: TensorInfo = serde_json::from_value(v).map_err(|e| {
@@ -257,7 +262,7 @@ fn open_shard(path: &Path) -> Result<Shard> {
             )));
         }
     }
-    Ok(Shard { path: path.to_path_buf(), file, data_start, tensors })
+    Ok(Shard { path: path.to_path_buf(), file, data_start, tensors, metadata })
 }
 
 /// Bit patterns of a float type: `Some(i)` when element i is NaN or infinite (all exponent bits set).
@@ -376,7 +381,7 @@ impl Weights {
             }
         }
         let index = tensors.keys().map(|k| (k.clone(), 0)).collect();
-        let shard = Shard { path: g.path.clone(), file, data_start: g.data_start, tensors };
+        let shard = Shard { path: g.path.clone(), file, data_start: g.data_start, tensors, metadata: HashMap::new() };
         Ok(Self::from_shards(vec![shard], index, device, dtype, keep_bf16))
     }
 
@@ -421,6 +426,11 @@ impl Weights {
     pub fn with_progress(mut self, p: Option<Progress>) -> Self {
         self.progress = p;
         self
+    }
+
+    /// The first file's `__metadata__` entry `key` (safetensors).
+    pub fn metadata(&self, key: &str) -> Option<&str> {
+        self.shards.first().and_then(|s| s.metadata.get(key)).map(String::as_str)
     }
 
     pub fn contains(&self, name: &str) -> bool {

@@ -393,6 +393,16 @@ impl KvCache {
         Ok(())
     }
 
+    /// (layers, KV heads, head dim) of this cache's rows, each layer's K and V (n_kv, positions, head_dim).
+    pub fn row_shape(&self) -> (usize, usize, usize) {
+        (self.n_layers, self.n_kv, self.head_dim)
+    }
+
+    /// The dtype of the K/V it holds.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
     /// Bytes of K/V one position takes in this cache (every layer's K and V).
     pub fn bytes_per_position(&self) -> usize {
         2 * self.n_layers * self.n_kv * self.head_dim * self.dtype.size_in_bytes()
