@@ -617,6 +617,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
         print(f"mbd-rs: the server needs starlette, uvicorn and prometheus_client: pip install 'mbd-rs[server]' "
               f"(from a checkout: pip install '.[server]') ({e})", file=sys.stderr)
         return EXIT_USAGE
+    if a.ray and a.load_prefix_cache:
+        print("mbd-rs: --load-prefix-cache serves one engine, not Ray Serve's replicas", file=sys.stderr)
+        return EXIT_USAGE
     if a.ray:
         try:
             from .ray_serve import serve_ray
@@ -627,6 +630,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     ray_only = [f for f, v in [("--replicas", a.replicas != 1), ("--autoscale", a.autoscale),
                                 ("--replica-cpus", a.replica_cpus != 1.0), ("--replica-gpus", a.replica_gpus != 0.0),
                                 ("--ray-address", a.ray_address), ("--ray-config", a.ray_config)] if v]
+
     if ray_only:
         print(f"mbd-rs: {', '.join(ray_only)} need --ray", file=sys.stderr)
         return EXIT_USAGE
@@ -635,6 +639,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
         a.model_name = a.model_name or a.model
     eng = load_engine(a.model, a.revision, load_options(a))
     a.model = eng.info.path
+    if a.load_prefix_cache:
+        n = eng.load_prefix_cache(a.load_prefix_cache)
+        print(f"mbd-rs: {n} prefix cache pages from {a.load_prefix_cache}", file=sys.stderr)
     return serve(a, load_options(a), engine=eng)
 
 
@@ -767,6 +774,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "for its headers, else for its body, and is closed at once when every connection is serving "
                         f"a request (default: {CONNECTIONS}, or what the open-files limit leaves; the soft limit is "
                         "raised to the hard one at start-up)")
+    s.add_argument("--load-prefix-cache", default=None, metavar="FILE",
+                   help="start the prefix cache from a file Engine.save_prefix_cache wrote (a long system prompt "
+                        "computed once); refused when this engine would compute other K/V")
     s.add_argument("--allowed-hosts", default=None, type=_host_list, metavar="NAMES",
                    help="comma-separated Host names served besides the bound address and localhost ('*': any; "
                         "'.example.com': a domain and its subdomains); other Hosts get 421 (DNS rebinding). "
