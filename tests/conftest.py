@@ -76,6 +76,39 @@ class Server:
         self.thread.join(timeout=10)
 
 
+def serve_subprocess(args=(), env=None):
+    """`mbd-rs serve` in a subprocess of this interpreter on a free port, with `args` (e.g. --model, --api-key);
+    yields (base URL, served model name, the process) once /health answers, and stops it after."""
+    import httpx
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mbd_rs", "serve", "--port", str(port), *args],
+                            cwd=os.path.dirname(HERE), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 90
+        while True:
+            try:
+                r = httpx.get(base + "/health", timeout=5)
+                if r.status_code == 200:
+                    name = r.json()["model"]
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}: {proc.stderr.read()[-3000:]}")
+            assert time.time() < deadline, "server did not become healthy in 90 s"
+            time.sleep(0.1)
+        yield base, name, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
 def copy_model(src, dst, edit_config=None):
     """The model directory `src` copied to `dst` (made, or an empty directory), its config.json edited in place by
     `edit_config(cfg)`; returns dst."""

@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 import mbd_rs
-from conftest import parity_dir
+from conftest import parity_dir, serve_subprocess
 
 
 def cli(*args, stdin=None):
@@ -232,9 +232,6 @@ def test_structured_outputs_from_the_command_line(tmp_path):
 def test_serve_starts_from_a_saved_prefix_cache(tmp_path):
     """`serve --load-prefix-cache FILE`: a request that begins as the saved prompt reads it from the cache; a file
     of another engine is refused before the server starts; not with --ray."""
-    import socket
-    import time
-
     import httpx
     eng = mbd_rs.Engine.load()
     msgs = [{"role": "system", "content": "You sort numbers. " * 6}, {"role": "user", "content": "sort 3 1 2"}]
@@ -247,28 +244,10 @@ def test_serve_starts_from_a_saved_prefix_cache(tmp_path):
     assert r.returncode == 2 and "another model, engine build or load options" in r.stderr
     r = cli("serve", "--ray", "--load-prefix-cache", str(f))
     assert r.returncode == 2 and "--load-prefix-cache" in r.stderr
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "mbd_rs", "serve", "--port", str(port), "--load-prefix-cache",
-                             str(f)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 90
-        while True:
-            try:
-                h = httpx.get(base + "/health", timeout=5)
-                if h.status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.time() < deadline
-            time.sleep(0.1)
-        body = {"model": h.json()["model"], "messages": msgs[:1] + [{"role": "user", "content": "sort 9 8"}], "max_tokens": 4}
+    procs = []
+    for base, name, proc in serve_subprocess(["--load-prefix-cache", str(f)]):
+        procs.append(proc)
+        body = {"model": name, "messages": msgs[:1] + [{"role": "user", "content": "sort 9 8"}], "max_tokens": 4}
         u = httpx.post(base + "/v1/chat/completions", json=body, timeout=60).json()["usage"]
         assert u["prompt_tokens_details"]["cached_tokens"] >= 32
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
-    assert "prefix cache pages from" in proc.stderr.read()
+    assert "prefix cache pages from" in procs[0].stderr.read()
