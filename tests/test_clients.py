@@ -10,11 +10,11 @@ langchain-openai==1.7.3 (langchain-core==1.7.2), openai==2.54.0."""
 import asyncio
 import json
 import os
+import random
 import re
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -25,6 +25,7 @@ os.environ.setdefault("LANGSMITH_TRACING", "false")
 os.environ.setdefault("LANGCHAIN_TRACING_V2", "false")
 
 import mbd_rs  # noqa: E402
+from conftest import serve_subprocess  # noqa: E402
 
 httpx = pytest.importorskip("httpx", reason="httpx not installed")
 pytest.importorskip("uvicorn", reason="server extra not installed (pip install 'mbd-rs[server]')")
@@ -38,42 +39,12 @@ KNOBS = {"block_size": 4, "threshold": 0.5}  # diffusion extensions, sent as ext
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(model=None):
     """`mbd-rs serve` in a subprocess (on `model`, or the embedded one); yields (base URL, served model name)."""
-    port = _free_port()
     env = dict(os.environ, RAYON_NUM_THREADS=os.environ.get("RAYON_NUM_THREADS", "2"))
-    args = ["--model", model] if model else []
-    proc = subprocess.Popen([sys.executable, "-m", "mbd_rs", "serve", "--port", str(port), "--api-key", KEY, *args],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 90
-        while True:
-            try:
-                r = httpx.get(base + "/health", timeout=5)
-                if r.status_code == 200:
-                    name = r.json()["model"]
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}: {proc.stderr.read()[-3000:]}")
-            assert time.time() < deadline, "server did not become healthy in 90 s"
-            time.sleep(0.1)
+    args = ["--api-key", KEY] + (["--model", model] if model else [])
+    for base, name, _ in serve_subprocess(args, env=env):
         yield base + "/v1", name
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +69,10 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Za-z]{1,10}$"}},
                    "required": ["city"], "additionalProperties": False}}}
 WEATHER_MSG = [{"role": "user", "content": "weather in Paris"}]
+# the tools twin through LangChain: held-out requests whose call is right, round trips whose reply states the
+# tool's answer and the city (bars below training/eval_tools.py's measurements, the twin's card, with margin)
+TWIN_CALLS_RIGHT = 0.6
+TWIN_STATED = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -387,6 +362,40 @@ def test_langchain_bind_tools_and_a_tool_result_round_trip(lc, tool_server, tool
     answer = chat.bind_tools([WEATHER]).invoke([HumanMessage("weather in Paris"), m,
                                                 ToolMessage("sunny, 21 C", tool_call_id=m.tool_calls[0]["id"])])
     assert answer.response_metadata["finish_reason"] in ("stop", "length", "tool_calls")
+
+
+@pytest.fixture(scope="module")
+def twin_server():
+    """The server on the tools twin (models/mbd-tools-tiny: taught to call get_weather / get_time)."""
+    yield from _serve(os.path.join(ROOT, "models", "mbd-tools-tiny"))
+
+
+def test_langchain_tool_round_trip_on_the_tools_twin(lc, twin_server):
+    """bind_tools on the tools twin: held-out requests answered by the call of the right function with the city
+    (the AIMessage's tool_calls), the tool's answer sent back as a ToolMessage, and the reply stating it in
+    words. Bars below the twin's measured rates (its card), with margin."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    sys.path.insert(0, os.path.join(ROOT, "training"))
+    from tool_tasks import held_out_calls, said, tool_result
+    base, name = twin_server
+    chat = lc.ChatOpenAI(model=name, base_url=base, api_key=KEY, temperature=0, max_tokens=96, timeout=TIMEOUT,
+                         max_retries=0)
+    r = random.Random(7)
+    cases = held_out_calls(10, seed=23)
+    right = stated = 0
+    for msgs, tools, fn, city in cases:
+        bound = chat.bind_tools(tools)
+        ask = HumanMessage(msgs[0]["content"])
+        m = bound.invoke([ask])
+        right += [(t["name"], t["args"]) for t in m.tool_calls] == [(fn, {"city": city})]
+        if len(m.tool_calls) != 1:
+            continue
+        content, words = tool_result(r, m.tool_calls[0]["name"])
+        answer = bound.invoke([ask, m, ToolMessage(content, tool_call_id=m.tool_calls[0]["id"])])
+        assert not answer.tool_calls
+        stated += said(words.format(c=city), content, answer.content)
+    assert right >= TWIN_CALLS_RIGHT * len(cases), right
+    assert stated >= TWIN_STATED * len(cases), stated
 
 
 def test_langchain_structured_output_by_function_calling(lc, tool_server):

@@ -104,8 +104,12 @@ def render_chat(messages, tools=None, add_generation_prompt=True):
     return "".join(out)
 
 
-def city(r):
-    return r.choice(CITIES) if r.random() < 0.6 else made_up_name(r)
+MADE_UP = 0.4   # the fraction of made-up city names (training may ask for more: train.py --made-up)
+
+
+def city(r, made_up=None):
+    real = 1 - MADE_UP if made_up is None else 1 - made_up
+    return r.choice(CITIES) if r.random() < real else made_up_name(r)
 
 
 def tools_for(r, need=None):
@@ -116,11 +120,11 @@ def tools_for(r, need=None):
     return [TOOLS[n] for n in names]
 
 
-def ask(r, held_out):
-    """(function, city, user message) of the requested split."""
+def ask(r, held_out, made_up=None):
+    """(function, city, user message) of the requested split (made_up: the fraction of made-up names)."""
     while True:
         fn = r.choice(list(TOOLS))
-        c = city(r)
+        c = city(r, made_up)
         msg = r.choice(WEATHER_ASKS if fn == "get_weather" else TIME_ASKS).format(c=c)
         if is_held_out(msg) == held_out:
             return fn, c, msg
@@ -140,34 +144,38 @@ def call_message(fn, c):
         {"id": "call_0", "type": "function", "function": {"name": fn, "arguments": json.dumps({"city": c})}}]}
 
 
-def call_case(r, held_out):
+def call_case(r, held_out, made_up=None):
     """(messages, tools, function, city): a request for a call."""
-    fn, c, msg = ask(r, held_out)
+    fn, c, msg = ask(r, held_out, made_up)
     return [{"role": "user", "content": msg}], tools_for(r, fn), fn, c
 
 
-def result_case(r, held_out):
+def result_case(r, held_out, made_up=None):
     """(messages, tools, the tool's JSON answer, the words wanted): a conversation ending in the tool's answer."""
-    fn, c, msg = ask(r, held_out)
+    fn, c, msg = ask(r, held_out, made_up)
     content, words = tool_result(r, fn)
     msgs = [{"role": "user", "content": msg}, call_message(fn, c),
             {"role": "tool", "tool_call_id": "call_0", "content": content}]
     return msgs, tools_for(r, fn), content, words.format(c=c)
 
 
-def draw(r, kind, held_out=False, task_weights=None):
+def draw(r, kind, held_out=False, task_weights=None, made_up=None, with_city=False):
     """One (prompt text, answer text) of a kind: call, result, plain (an old task with tools listed) or bare (an
-    old task without tools, as tasks.render)."""
+    old task without tools, as tasks.render). made_up: the fraction of made-up city names (None: MADE_UP).
+    with_city: (prompt, answer, the city's span in the answer as (start, end) characters, or None)."""
     if kind == "call":
-        msgs, tools, fn, c = call_case(r, held_out)
-        return render_chat(msgs, tools), call_text(fn, {"city": c})
+        msgs, tools, fn, c = call_case(r, held_out, made_up)
+        a = call_text(fn, {"city": c})
+        return (render_chat(msgs, tools), a) + (((a.rfind(c), a.rfind(c) + len(c)),) if with_city else ())
     if kind == "result":
-        msgs, tools, _, words = result_case(r, held_out)
-        return render_chat(msgs, tools), words
+        msgs, tools, _, words = result_case(r, held_out, made_up)
+        c = words.rsplit(" in ", 1)[1].rstrip(".")
+        return (render_chat(msgs, tools), words) + (((words.rfind(c), words.rfind(c) + len(c)),) if with_city else ())
     keys = list(task_weights or TASKS)
     task = r.choices(keys, weights=[(task_weights or {}).get(k, 1.0) for k in keys])[0]
     _, p, a = sample(r, held_out, task)
-    return render_chat([{"role": "user", "content": p}], tools_for(r) if kind == "plain" else None), a
+    return (render_chat([{"role": "user", "content": p}], tools_for(r) if kind == "plain" else None), a) + (
+        (None,) if with_city else ())
 
 
 def held_out_calls(n, seed=11):
