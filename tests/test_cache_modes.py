@@ -110,6 +110,22 @@ def test_exact_causal_steps_forward_only_the_rows_they_use():
     assert blocks.token_ids == none.token_ids
 
 
+@pytest.mark.parametrize("shift", [False, True], ids=["unshifted", "shifted"])
+def test_a_short_prompt_and_the_first_window_are_one_forward(shift):
+    """The prompt's last prefill chunk, when short, is forwarded with the first window: a one-token answer to a
+    40-token prompt takes one forward in all (the scheduler's count), the tokens and forward passes of decoding
+    without a cache; positions_forwarded counts the window's positions only (the mask row; none when shifted)."""
+    eng = mbd_rs.Engine.load(parity_dir("qwen3_headdim_gqa"), mask_token_id=3, attention="block_causal",
+                             logits_shift=shift, block_size=4, prefix_cache=0)
+    before = eng.batch_stats[0]
+    one = eng.generate(PROMPT, max_tokens=1)
+    assert eng.batch_stats[0] - before == 1
+    assert one.usage.positions_forwarded == (0 if shift else 1) and one.usage.prefill_ms > 0
+    for kw in ({}, {"block_size": 1}, {"speculative": "s2d2"}):
+        a, b = eng.generate(PROMPT, **KW, **kw), eng.generate(PROMPT, cache="none", **KW, **kw)
+        assert a.token_ids == b.token_ids and a.usage.forward_passes == b.usage.forward_passes, kw
+
+
 @pytest.mark.parametrize("full,kw,msg", [
     (True, dict(cache="exact"), "no K/V is ever final"),
     (False, dict(cache="prefix"), "cached exactly"),

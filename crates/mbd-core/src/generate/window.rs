@@ -9,6 +9,7 @@
 //! (`segment`) and its logits are taken back (`consume`), so that a scheduler can run the forwards of many generations
 //! together. A window ends after the last position it has a use for; one with no use at all runs no forward
 //! (`take_free`: a shifted model's step predicting only the position after the last committed one, from the carry).
+//! The first window takes the prompt's last prefill chunk with it when that is short (`FUSE_ROWS`): one forward.
 //!
 //! S2D2 verification: a forward over [frontier, span end) with the span's drafts filled in, causal among itself (the
 //! first half), plus — for unshifted models — one mask row per span position at the same position, which sees the first
@@ -47,6 +48,10 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
+/// Prompt positions at most that the first window takes with it (its last prefill chunk): a short chunk saves a
+/// forward (a pass over the weights) at the price of a longer first window, which fair scheduling does not cut.
+const FUSE_ROWS: usize = 256;
+
 /// One forward of a step: canvas[start..end) into the generation's cache (or the step's scratch cache).
 #[derive(Debug)]
 struct Piece {
@@ -66,8 +71,9 @@ enum PieceKind {
     /// A chunk of a long canvas into the step's scratch cache (recompute policy; committed whole).
     Scratch,
     /// The step's window; the frontier then moves to `commit_end` (the exact policy commits up to it); with
-    /// `suffix`, the window rows from that position on are kept after them (the dual cache).
-    Window { commit_end: usize, suffix: Option<usize> },
+    /// `suffix`, the window rows from that position on are kept after them (the dual cache). `fused`: the
+    /// prompt's last positions forwarded with it (its last prefill chunk, `FUSE_ROWS` at most).
+    Window { commit_end: usize, suffix: Option<usize>, fused: usize },
     /// S2D2's verification of the span (its ids are the window's `step_ids`).
     Verify { span: (usize, usize) },
     /// An ISD step from the frontier (its ids are the window's `step_ids`; rows: the pending token's on).
@@ -369,7 +375,7 @@ impl Window {
         }
         let mut commit_end = None;
         let (mut keys, mut suffix) = (None, None);
-        let (ws, we) = match (self.grid.kind, self.policy) {
+        let (mut ws, we) = match (self.grid.kind, self.policy) {
             (_, CachePolicy::Dual) => {
                 let (a, b) = (dec.active_start(), dec.created_end());
                 if self.dual == Some((a, b)) {
@@ -413,6 +419,20 @@ impl Window {
             }
         };
         let commit_end = commit_end.unwrap_or_else(|| dec.complete_run_end(self.frontier).max(self.frontier));
+        // the prompt's last prefill chunk, when short, goes with the first window: one forward for both (its K/V
+        // do not depend on the window's rows, which lie in later blocks), committed from it
+        let mut fused = 0;
+        if self.policy == CachePolicy::Exact
+            && suffix.is_none()
+            && keys.is_none()
+            && self.pieces.back().is_some_and(|p| {
+                matches!(p.kind, PieceKind::Prefill { last: true }) && p.end == ws && p.end - p.start <= FUSE_ROWS
+            })
+        {
+            let p = self.pieces.pop_back().ok_or_else(|| Error::Internal("no prefill chunk".into()))?;
+            fused = ws - p.start;
+            ws = p.start;
+        }
         // rows of the window whose logits are needed (and the new carry row)
         let mut rows: Vec<usize> =
             positions.iter().map(|&p| self.src(p)).filter(|&r| r >= ws).map(|r| r - ws).collect();
@@ -426,7 +446,7 @@ impl Window {
         } else {
             we
         };
-        let kind = PieceKind::Window { commit_end, suffix };
+        let kind = PieceKind::Window { commit_end, suffix, fused };
         self.pieces.push_back(Piece { start: ws, end: we, keys: keys.unwrap_or(ws), rows, kind });
         self.positions = positions;
         Ok(())
@@ -525,7 +545,8 @@ impl Window {
     /// The next forward of the step under way, as a segment over `canvas`.
     pub fn segment<'a>(&'a mut self, canvas: &'a [u32]) -> Result<Segment<'a>> {
         let piece = self.pieces.front().ok_or_else(|| Error::Internal("no step under way".into()))?;
-        if matches!(piece.kind, PieceKind::Prefill { .. }) && self.prefill_started.is_none() {
+        let prompt = matches!(piece.kind, PieceKind::Prefill { .. } | PieceKind::Window { fused: 1.., .. });
+        if prompt && self.prefill_started.is_none() {
             self.prefill_started = Some(Instant::now());
         }
         let (start, end, keys, kind, rows) = (piece.start, piece.end, piece.keys, piece.kind, piece.rows.clone());
@@ -717,8 +738,11 @@ impl Window {
                 self.positions_forwarded += len;
                 Ok(None)
             }
-            PieceKind::Window { commit_end, suffix } => {
-                self.positions_forwarded += len;
+            PieceKind::Window { commit_end, suffix, fused } => {
+                self.positions_forwarded += len - fused;
+                if fused > 0 {
+                    self.prefill_ms = self.prefill_started.map_or(0.0, |t| t.elapsed().as_secs_f64() * 1e3);
+                }
                 self.scratch = None;
                 let out = self.finish_window(piece, commit_end, suffix, logits)?;
                 self.frontier = commit_end;
