@@ -10,6 +10,10 @@
     time less the second's), and ms per forward free and constrained, interleaved at the same number of forwards.
 (c) The speculative decoders under the schema: S2D2 on mbd-tiny, ISD (greedy, sampled) and AR on the I-DLM twin
     loaded as I-DLM (causal, shifted logits): tokens per forward and drafts accepted, free and constrained.
+(d) The tools twin (models/mbd-tools-tiny) on held-out weather/time requests (training/tool_tasks.py), per decoding
+    mode: its call written free (tool_choice "none": the tools listed, no grammar, the text read as a call
+    afterwards), under the lazy grammar ("auto": free until `<tool_call>`) and constrained throughout ("required"):
+    tokens per forward, forced tokens, calls that parse, calls that are right.
 
     python benches/decoding/structured.py [--model /tmp/mbd-bench/qwen2.5-0.5b-shape-bf16]
         [--sdist ~/.cache/mbd-rs/llama_cpp_python-0.3.36.tar.gz] [--rounds 3] [--skip-big]
@@ -122,6 +126,47 @@ def speculative():
     return rows
 
 
+TOOL_MODES = {"ar": dict(block_size=1, block_add_threshold=1.0, acceptance="confidence", threshold=1.0),
+              "multi-block": dict(), "confidence": dict(block_size=4, acceptance="confidence", threshold=0.9)}
+
+
+def tools(n):
+    """The tools twin's calls free, under the lazy grammar and constrained throughout: per decoding mode, over `n`
+    held-out requests."""
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "training"))
+    from tool_tasks import held_out_calls
+    from mbd_rs.tools import parse
+    eng = mbd_rs.Engine.load(os.path.join(ROOT, "models", "mbd-tools-tiny"))
+    cases = held_out_calls(n)
+    rows = []
+    for name, kw in TOOL_MODES.items():
+        row = {"mode": name}
+        for choice in ("none", "auto", "required"):
+            t = dict(tokens=0, forwards=0, forced=0, parsed=0, right=0)
+            for msgs, tl, fn, city in cases:
+                c = eng.chat(msgs, tools=tl, tool_choice=choice, max_tokens=96, **kw)
+                t["tokens"] += len(c.token_ids)
+                t["forwards"] += c.usage.forward_passes
+                t["forced"] += c.usage.forced_tokens
+                calls = c.tool_calls if choice != "none" else parse(eng.tool_plan(tl).format, c.text)[1]
+                ok = len(calls) == 1
+                try:
+                    args = json.loads(calls[0].arguments) if ok else None
+                except ValueError:
+                    ok, args = False, None
+                t["parsed"] += ok
+                t["right"] += ok and calls[0].name == fn and args == {"city": city}
+            t["tokens_per_forward"] = t["tokens"] / t["forwards"]
+            row[choice] = t
+        rows.append(row)
+        print("tools " + f"{name:12s} " + " | ".join(
+            f"{ch} {row[ch]['tokens_per_forward']:.2f} tok/fwd ({row[ch]['forced']}/{row[ch]['tokens']} forced, "
+            f"{row[ch]['parsed']}/{n} parse, {row[ch]['right']}/{n} right)" for ch in ("none", "auto", "required")),
+            flush=True)
+    return rows
+
+
 FIT_PROMPTS = ["sort 5 3 8 1 9 2", "sort 9 7 1 4 2 6 3", "sort 4 4 1 0 2", "sort 8 1 6 2 7 3 5", "sort 6 2 9"]
 FIT_REGEX = r"[0-9]( [0-9])*"
 
@@ -199,6 +244,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8, help="forward passes per 0.5B run")
     ap.add_argument("--skip-big", action="store_true")
+    ap.add_argument("--tool-requests", type=int, default=50, help="held-out requests of the tools twin per mode")
     args = ap.parse_args()
     out = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_flags(), "cores": os.cpu_count(),
            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -206,6 +252,7 @@ def main():
     out["tiny"] = tiny(args.rounds)
     out["tiny_fit"] = tiny_fit()
     out["speculative"] = speculative()
+    out["tools"] = tools(args.tool_requests)
     dst = os.path.join(ROOT, "benches", "results", "decoding", "structured.json")
     if args.skip_big and os.path.exists(dst):
         with open(dst) as f:

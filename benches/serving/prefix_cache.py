@@ -32,6 +32,8 @@ _model = "" if args.model == ap.get_default("model") else os.path.basename(os.pa
 args.out = args.out or os.path.join(os.path.dirname(__file__), "..", "results", "batching-serving",
                                     f"prefix_cache-{_model}{args.quantize or 'f32'}.json")
 
+meta = run_meta()  # before the run, so that a development build is warned of at once
+
 load = {"quantize": args.quantize} if args.quantize else {}
 on = mbd_rs.Engine.load(args.model, mask_token_id=0, **load)
 off = mbd_rs.Engine.load(args.model, mask_token_id=0, prefix_cache=0, **load)
@@ -87,7 +89,7 @@ for P in [int(x) for x in args.lengths.split(",")]:
           f"miss/off {ratio['miss_over_off']:.3f}, cache {per_token / 1024:.1f} KiB per prompt token", flush=True)
 
 out = {
-    **run_meta(),
+    **meta,
     "model": args.model,
     "quantize": args.quantize,
     "rows": rows,
