@@ -202,20 +202,7 @@ impl PrefixCache {
                 placed.push(None);
                 continue;
             }
-            let id = g.add(Node {
-                parent: Some(at),
-                key: rec.tokens.clone(),
-                root: None,
-                children: HashMap::new(),
-                rows: rec.rows,
-                snapshot: rec.snapshot,
-                bytes: b,
-                last_used: tick,
-            });
-            g.node_mut(at).children.insert(rec.tokens, id);
-            g.stats.bytes += b;
-            g.stats.pages += 1;
-            g.stats.inserted_pages += 1;
+            let id = g.add_page(at, rec.tokens, rec.rows, rec.snapshot, b, tick);
             placed.push(Some(id));
             added += 1;
         }
@@ -296,21 +283,7 @@ impl PrefixCache {
                 return Ok(());
             }
             let rows = cache.copy_rows(i * page, page)?;
-            let id = g.add(Node {
-                parent: Some(at),
-                key: chunk.to_vec(),
-                root: None,
-                children: HashMap::new(),
-                rows,
-                snapshot,
-                bytes: page_bytes + snap_bytes,
-                last_used: tick,
-            });
-            g.node_mut(at).children.insert(chunk.to_vec(), id);
-            g.stats.bytes += page_bytes + snap_bytes;
-            g.stats.pages += 1;
-            g.stats.inserted_pages += 1;
-            at = id;
+            at = g.add_page(at, chunk.to_vec(), rows, snapshot, page_bytes + snap_bytes, tick);
         }
         Ok(())
     }
@@ -323,6 +296,33 @@ impl Inner {
 
     fn node_mut(&mut self, i: usize) -> &mut Node {
         self.nodes[i].as_mut().expect("a live node")
+    }
+
+    /// A new page under `parent` (room made for its `bytes` already), counted; returns its node.
+    fn add_page(
+        &mut self,
+        parent: usize,
+        key: Vec<u32>,
+        rows: Rows,
+        snapshot: Option<Snapshot>,
+        bytes: usize,
+        tick: u64,
+    ) -> usize {
+        let id = self.add(Node {
+            parent: Some(parent),
+            key: key.clone(),
+            root: None,
+            children: HashMap::new(),
+            rows,
+            snapshot,
+            bytes,
+            last_used: tick,
+        });
+        self.node_mut(parent).children.insert(key, id);
+        self.stats.bytes += bytes;
+        self.stats.pages += 1;
+        self.stats.inserted_pages += 1;
+        id
     }
 
     /// The root node of the tree `root` (made when missing), marked used at `tick`.
